@@ -93,6 +93,10 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     world_size: int = 1
+    distributed_backend: str = "gloo"
+    """torch.distributed backend: gloo (CPU) or nccl (CUDA); arguments.py defaults it by device."""
+    local_rank: Optional[int] = None
+    """--local_rank from a launcher; None means read LOCAL_RANK from the environment."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size"):
@@ -226,6 +230,8 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    keep_last_n_checkpoints: Optional[int] = None
+    """After each committed save, delete all but the newest N iter_ directories; None keeps all."""
 
 
 @dataclass

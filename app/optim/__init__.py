@@ -1,1 +1,7 @@
-"""optim package."""
+"""Optimizer pieces: param groups, the AdamW builder and Megatron's LR schedule (pure)."""
+from app.optim.lr_schedule import OptimizerParamScheduler, learning_rate_at
+from app.optim.optimizer import build_optimizer
+from app.optim.param_groups import get_param_groups, no_weight_decay
+
+__all__ = ["OptimizerParamScheduler", "learning_rate_at", "build_optimizer", "get_param_groups",
+           "no_weight_decay"]

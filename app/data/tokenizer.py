@@ -1,0 +1,113 @@
+"""GPT-2 byte-level BPE tokenizer (Hugging Face `tokenizers`), vocab padding, and BPE training.
+
+The tokenizer is built from the two files of the GPT-2 format, `vocab.json` (token -> id) and
+`merges.txt` (one merge per line after a `#version` header). Tokenization is exactly GPT-2's:
+the GPT-2 pre-tokenization regex over the byte-level alphabet, then BPE merges by rank. The
+end-of-document token is `<|endoftext|>`; its id is `eod`. The literal text "<|endoftext|>"
+inside a document is *not* turned into the eod id (it is tokenized as ordinary text), so a
+document can never inject a document boundary.
+
+No network access anywhere: everything is built from local files.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Iterable, List, Sequence, Tuple
+
+logger = logging.getLogger(__name__)
+
+EOD_TOKEN = "<|endoftext|>"
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer",)
+
+
+class GPT2BPETokenizer:
+    """GPT-2 byte-level BPE from vocab.json + merges.txt; tokenize(text) equals GPT-2's encoder.
+
+    Attributes: `vocab_size` (entries in vocab.json, unpadded), `eod` (id of `<|endoftext|>`).
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path:
+                raise ValueError(f"GPT2BPETokenizer needs {flag}; train one with "
+                                 f"tools/train_tokenizer.py if you have none")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path!r} does not exist; train one with "
+                                        f"tools/train_tokenizer.py or fix the path")
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+        if EOD_TOKEN not in vocab:
+            raise ValueError(f"vocab file {vocab_file!r} has no {EOD_TOKEN!r} entry; "
+                             f"a GPT-2 vocabulary needs it as the end-of-document token")
+        model = models.BPE.from_file(vocab_file, merge_file)
+        tok = Tokenizer(model)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        self._tokenizer = tok
+        self.vocab_file = vocab_file
+        self.merge_file = merge_file
+        self.vocab_size: int = len(vocab)
+        self.eod: int = int(vocab[EOD_TOKEN])
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of `text` (no special tokens added)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """`[tokenize(t) for t in texts]`, computed in one call (faster for many short texts)."""
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Text of the token ids (inverse of tokenize for valid UTF-8 text)."""
+        return self._tokenizer.decode(list(int(i) for i in ids), skip_special_tokens=False)
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: str, merge_file: str) -> GPT2BPETokenizer:
+    """Tokenizer named by --tokenizer-type (only GPT2BPETokenizer) from its vocab/merge files."""
+    if tokenizer_type not in SUPPORTED_TOKENIZERS:
+        raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
+                         f"use one of {', '.join(SUPPORTED_TOKENIZERS)}")
+    tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    logger.info("tokenizer %s: vocab %d, eod %d", tokenizer_type, tokenizer.vocab_size, tokenizer.eod)
+    return tokenizer
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,
+                   tensor_model_parallel_size: int) -> int:
+    """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's rule)."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if make_vocab_size_divisible_by <= 0 or tensor_model_parallel_size <= 0:
+        raise ValueError(f"make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) and "
+                         f"tensor_model_parallel_size ({tensor_model_parallel_size}) must be positive")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    padded = -(-vocab_size // multiple) * multiple
+    logger.info("padded vocab (size: %d) with %d dummy tokens (new size: %d)",
+                vocab_size, padded - vocab_size, padded)
+    return padded
+
+
+def train_gpt2_bpe(texts: Iterable[str], vocab_size: int, output_dir: str,
+                   min_frequency: int = 2) -> Tuple[str, str]:
+    """Train a GPT-2-format byte-level BPE on `texts`; write vocab.json + merges.txt; return paths.
+
+    The vocabulary holds the 256 byte symbols, `<|endoftext|>` and the learned merges, so its size
+    is at most `vocab_size` (smaller when the text runs out of pairs seen `min_frequency` times).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size ({vocab_size}) must be at least 257 (256 bytes + {EOD_TOKEN})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=[EOD_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    os.makedirs(output_dir, exist_ok=True)
+    tok.model.save(output_dir)  # writes vocab.json and merges.txt (with a #version header)
+    return os.path.join(output_dir, "vocab.json"), os.path.join(output_dir, "merges.txt")

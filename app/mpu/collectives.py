@@ -1,0 +1,151 @@
+"""Every torch.distributed collective of the project, the same on gloo (CPU) and NCCL (GPU).
+
+Rules: a group of None (the one-process layout) or of one rank short-circuits without touching
+torch.distributed; new tensors are allocated on the input's device with its dtype; nothing here
+calls torch.cuda. Ranks passed to broadcast / send / recv are global ranks (torch's convention).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[object]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+
+
+def group_size(group: ProcessGroup) -> int:
+    """Ranks in `group`; 1 for None (the one-process layout)."""
+    if group is None:
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This process's rank inside `group`; 0 for None."""
+    if group is None:
+        return 0
+    return dist.get_rank(group)
+
+
+def _trivial(group: ProcessGroup) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of `tensor` over `group` with op sum | avg | max | min | product.
+
+    Returns `tensor`. "avg" is a sum divided by the group size (gloo has no AVG).
+    """
+    if op not in _OPS and op != "avg":
+        raise ValueError(f"op must be one of sum, avg, max, min, product; got {op!r}")
+    if _trivial(group):
+        return tensor
+    dist.all_reduce(tensor, op=_OPS["sum" if op == "avg" else op], group=group)
+    if op == "avg":
+        tensor.div_(dist.get_world_size(group))
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: ProcessGroup) -> List[torch.Tensor]:
+    """Each rank's `tensor` (same shape everywhere), in group-rank order."""
+    if _trivial(group):
+        return [tensor]
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
+def all_gather_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[*, n] on each rank -> [*, n * group_size], concatenated in group-rank order."""
+    if _trivial(group):
+        return tensor
+    return torch.cat(all_gather(tensor, group), dim=-1)
+
+
+def split_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[*, n] -> this rank's contiguous chunk [*, n / group_size] (no communication)."""
+    if _trivial(group):
+        return tensor
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tensor.shape[-1] % size:
+        raise ValueError(f"last dimension ({tensor.shape[-1]}) is not divisible by the "
+                         f"group size ({size})")
+    return tensor.chunk(size, dim=-1)[rank].contiguous()
+
+
+def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
+    """Sum `tensor` over `group` and return this rank's contiguous chunk along `dim`.
+
+    [*, n] -> [*, n / group_size] for dim = -1. Uses NCCL's reduce-scatter along dim 0 when
+    available; otherwise (gloo) an all-reduce followed by a split.
+    """
+    if _trivial(group):
+        return tensor
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tensor.shape[dim] % size:
+        raise ValueError(f"dimension {dim} ({tensor.shape[dim]}) is not divisible by the "
+                         f"group size ({size})")
+    if dist.get_backend(group) == "nccl":
+        moved = tensor.movedim(dim, 0).contiguous()
+        out = torch.empty((moved.shape[0] // size,) + tuple(moved.shape[1:]),
+                          dtype=tensor.dtype, device=tensor.device)
+        dist.reduce_scatter_tensor(out, moved, group=group)
+        return out.movedim(0, dim).contiguous()
+    summed = tensor.clone()
+    dist.all_reduce(summed, group=group)
+    return summed.chunk(size, dim=dim)[rank].contiguous()
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+    """In-place broadcast of `tensor` from global rank `src` to `group`; returns `tensor`."""
+    if _trivial(group):
+        return tensor
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def broadcast_object(obj: object, src: int, group: ProcessGroup) -> object:
+    """Any picklable object from global rank `src` to every rank of `group`."""
+    if _trivial(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group: ProcessGroup) -> None:
+    """Wait until every rank of `group` arrives."""
+    if _trivial(group):
+        return
+    dist.barrier(group=group)
+
+
+def send(tensor: torch.Tensor, dst: int) -> None:
+    """Blocking send of `tensor` to global rank `dst`."""
+    dist.send(tensor.contiguous(), dst=dst)
+
+
+def recv(tensor: torch.Tensor, src: int) -> torch.Tensor:
+    """Blocking receive into `tensor` from global rank `src`; returns `tensor`."""
+    dist.recv(tensor, src=src)
+    return tensor
+
+
+def send_recv(sends: Sequence[Tuple[torch.Tensor, int]],
+              recvs: Sequence[Tuple[torch.Tensor, int]]) -> None:
+    """Post every send (tensor, dst) and receive (buffer, src) at once, then wait for all.
+
+    Posting both directions before waiting is what keeps two neighbouring pipeline stages
+    that send to each other at the same time from deadlocking.
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

@@ -1,0 +1,75 @@
+"""Cross-entropy over logits split by vocabulary across the tensor-parallel group.
+
+loss_i = log(sum_v exp(z_iv)) - z_i,target over the full vocabulary, computed from each rank's
+[*, V/tp] slice with three all-reduces of [*]-shaped tensors (max, target logit, sum of exps);
+the full [*, V] logits are never gathered. Arithmetic in fp32, per-token loss, no reduction.
+The arithmetic lives in plain functions; the communication in `_VocabParallelCrossEntropy`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from app.mpu import collectives
+from app.mpu.parallel_state import ParallelState, get_parallel_state
+from app.mpu.utils import vocab_range
+
+
+def local_targets(target: torch.Tensor, start: int, end: int
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids relative to this rank's [start, end), mask of ids outside it); outside ids -> 0."""
+    outside = (target < start) | (target >= end)
+    return (target - start).masked_fill(outside, 0), outside
+
+
+def target_logits(logits: torch.Tensor, local_ids: torch.Tensor,
+                  outside: torch.Tensor) -> torch.Tensor:
+    """logits[..., local_ids] with zeros where the target is on another rank. [*, v] -> [*]."""
+    picked = logits.gather(-1, local_ids.unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(outside, 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: object,
+                start: int, end: int) -> torch.Tensor:
+        z = logits.float()  # [*, v]
+        z_max = z.max(dim=-1).values  # [*]
+        collectives.all_reduce(z_max, group, op="max")
+        z = z - z_max.unsqueeze(-1)  # new tensor; the input logits are untouched
+        local_ids, outside = local_targets(target, start, end)
+        predicted = target_logits(z, local_ids, outside)  # [*]
+        collectives.all_reduce(predicted, group)
+        exp = z.exp_()  # [*, v]
+        sum_exp = exp.sum(dim=-1)  # [*]
+        collectives.all_reduce(sum_exp, group)
+        loss = torch.log(sum_exp) - predicted  # [*]
+        softmax = exp.div_(sum_exp.unsqueeze(-1))  # [*, v], this rank's slice
+        ctx.save_for_backward(softmax, local_ids, outside)
+        ctx.input_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_ids, outside = ctx.saved_tensors
+        # d loss / d z = softmax - onehot(target); in place on the saved softmax to save a
+        # [*, V/tp] fp32 buffer, so this backward can run only once (no retain_graph reuse).
+        grad = softmax
+        onehot = (~outside).to(grad.dtype).unsqueeze(-1)  # [*, 1]
+        grad.scatter_add_(-1, local_ids.unsqueeze(-1), -onehot)
+        grad.mul_(grad_loss.float().unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 parallel_state: Optional[ParallelState] = None) -> torch.Tensor:
+    """Per-token fp32 cross-entropy from vocab-split logits [*, V/tp] and targets [*] -> [*].
+
+    Targets are global vocabulary ids. `parallel_state=None` uses the current default state.
+    """
+    state = get_parallel_state() if parallel_state is None else parallel_state
+    tp, rank = state.tensor_model_parallel_size, state.tensor_model_parallel_rank
+    start, end = vocab_range(logits.shape[-1] * tp, rank, tp)
+    return _VocabParallelCrossEntropy.apply(logits, target, state.tensor_model_parallel_group,
+                                            start, end)

@@ -1,0 +1,240 @@
+"""Process groups of a tensor x pipeline x data parallel layout (Megatron's rank order).
+
+Global rank r of a world of size W = TP * DP * PP is laid out as
+
+    r = pp_rank * (DP * TP) + dp_rank * TP + tp_rank
+
+so tensor-parallel ranks are adjacent (they share a node), then data-parallel, then pipeline.
+`rank_layout` is the pure arithmetic (unit-tested without processes); `initialize_model_parallel`
+creates the torch.distributed groups and returns a `ParallelState`, which is also the object
+passed to DeepSpeed as `mpu=` (it has the `get_model_parallel_*` / `get_data_parallel_*` methods).
+
+`ParallelState.single()` is the one-process state: every size 1, every group None; all of
+`app.mpu` then runs without torch.distributed being initialised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for "just this process"
+
+
+def rank_layout(world_size: int, tensor_model_parallel_size: int,
+                pipeline_model_parallel_size: int) -> Dict[str, List[List[int]]]:
+    """Global ranks of every group of each kind, in Megatron's order (pure arithmetic).
+
+    Returns {"tensor", "data", "pipeline", "model", "embedding"} -> list of rank lists. "model" is
+    TP x PP (everything sharing one data-parallel index); "embedding" holds the first and last
+    stage of each pipeline (just the one stage when PP = 1).
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    for name, value in (("world size", world_size), ("tensor_model_parallel_size", tp),
+                        ("pipeline_model_parallel_size", pp)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp})")
+    dp = world_size // (tp * pp)
+
+    def rank(t: int, d: int, p: int) -> int:
+        return p * dp * tp + d * tp + t
+
+    tensor = [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    data = [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pipeline = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    model = [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
+    embedding = [sorted({ranks[0], ranks[-1]}) for ranks in pipeline]
+    return {"tensor": tensor, "data": data, "pipeline": pipeline, "model": model,
+            "embedding": embedding}
+
+
+@dataclass
+class ParallelState:
+    """Sizes, ranks and process groups of this rank in a TP x PP x DP layout.
+
+    Groups are None when the layout has a single process; `app.mpu.collectives` treats a None
+    group (or a group of one rank) as "nothing to communicate".
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    tensor_model_parallel_rank: int = 0
+    pipeline_model_parallel_rank: int = 0
+    data_parallel_rank: int = 0
+    rank: int = 0
+    """Global rank."""
+    tensor_model_parallel_group: ProcessGroup = None
+    pipeline_model_parallel_group: ProcessGroup = None
+    data_parallel_group: ProcessGroup = None
+    model_parallel_group: ProcessGroup = None
+    """TP x PP group: all ranks holding one replica of the model."""
+    embedding_group: ProcessGroup = None
+    """First and last pipeline stage of this pipeline (tied word embeddings)."""
+    pipeline_ranks: List[int] = field(default_factory=lambda: [0])
+    """Global ranks of this rank's pipeline, stage 0 first (for point-to-point)."""
+    tensor_model_parallel_ranks: List[int] = field(default_factory=lambda: [0])
+    """Global ranks of this rank's tensor-parallel group (src for broadcasts is ranks[0])."""
+    data_parallel_ranks: List[int] = field(default_factory=lambda: [0])
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        """The one-process state: every size 1, every rank 0, every group None."""
+        return cls()
+
+    def __deepcopy__(self, memo: dict) -> "ParallelState":
+        # Process groups cannot be copied; a deep-copied model shares its layout.
+        return self
+
+    # ---- derived sizes and stage predicates -------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.data_parallel_size)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP: ranks holding one replica of the model."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def model_parallel_rank(self) -> int:
+        """Rank inside the TP x PP group (Megatron's order: pp_rank * TP + tp_rank)."""
+        return (self.pipeline_model_parallel_rank * self.tensor_model_parallel_size
+                + self.tensor_model_parallel_rank)
+
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pipeline_model_parallel_rank == 0
+
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pipeline_model_parallel_rank == self.pipeline_model_parallel_size - 1
+
+    def pipeline_next_rank(self) -> Optional[int]:
+        """Global rank of the next stage, or None on the last stage."""
+        if self.is_pipeline_last_stage():
+            return None
+        return self.pipeline_ranks[self.pipeline_model_parallel_rank + 1]
+
+    def pipeline_prev_rank(self) -> Optional[int]:
+        """Global rank of the previous stage, or None on the first stage."""
+        if self.is_pipeline_first_stage():
+            return None
+        return self.pipeline_ranks[self.pipeline_model_parallel_rank - 1]
+
+    @property
+    def tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of TP rank 0 of this group (source of data broadcasts)."""
+        return self.tensor_model_parallel_ranks[0]
+
+    # ---- DeepSpeed's `mpu=` interface (and Megatron's names) ----------------------------------
+    # "Model parallel" for DeepSpeed means TP x PP; it equals TP when PP = 1 (the DeepSpeed path).
+    def get_model_parallel_rank(self) -> int:
+        return self.model_parallel_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.model_parallel_size
+
+    def get_model_parallel_group(self) -> ProcessGroup:
+        return self.model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self) -> ProcessGroup:
+        return self.data_parallel_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tensor_model_parallel_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tensor_model_parallel_size
+
+    def get_tensor_model_parallel_group(self) -> ProcessGroup:
+        return self.tensor_model_parallel_group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pipeline_model_parallel_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    def get_pipeline_model_parallel_group(self) -> ProcessGroup:
+        return self.pipeline_model_parallel_group
+
+
+_CURRENT: ParallelState = ParallelState.single()
+
+
+def get_parallel_state() -> ParallelState:
+    """The state set by the last `initialize_model_parallel` (ParallelState.single() before)."""
+    return _CURRENT
+
+
+def set_parallel_state(state: ParallelState) -> None:
+    """Make `state` the default used where a function's `parallel_state` argument is None."""
+    global _CURRENT
+    _CURRENT = state
+
+
+def destroy_model_parallel() -> None:
+    """Forget the current layout (the default goes back to ParallelState.single())."""
+    set_parallel_state(ParallelState.single())
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1) -> ParallelState:
+    """Create the TP / DP / PP / model / embedding groups of this world; return this rank's state.
+
+    Must run on every rank after `torch.distributed.init_process_group` (group creation is
+    collective). The returned state also becomes the default (`get_parallel_state()`).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if tensor_model_parallel_size == 1 and pipeline_model_parallel_size == 1:
+            state = ParallelState.single()
+            set_parallel_state(state)
+            return state
+        raise RuntimeError(
+            f"tensor_model_parallel_size ({tensor_model_parallel_size}) x "
+            f"pipeline_model_parallel_size ({pipeline_model_parallel_size}) > 1 needs "
+            "torch.distributed.init_process_group() first (launch with torchrun)")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    layout = rank_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    kwargs: Dict[str, Any] = {}
+    for kind in ("tensor", "data", "pipeline", "model", "embedding"):
+        mine = None
+        for ranks in layout[kind]:
+            group = dist.new_group(ranks)  # collective: every rank creates every group
+            if rank in ranks:
+                mine = (group, ranks)
+        kwargs[kind] = mine
+    tp_ranks = kwargs["tensor"][1]
+    dp_ranks = kwargs["data"][1]
+    pp_ranks = kwargs["pipeline"][1]
+    state = ParallelState(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=world_size // (tp * pp),
+        tensor_model_parallel_rank=tp_ranks.index(rank),
+        pipeline_model_parallel_rank=pp_ranks.index(rank),
+        data_parallel_rank=dp_ranks.index(rank),
+        rank=rank,
+        tensor_model_parallel_group=kwargs["tensor"][0],
+        pipeline_model_parallel_group=kwargs["pipeline"][0],
+        data_parallel_group=kwargs["data"][0],
+        model_parallel_group=kwargs["model"][0],
+        embedding_group=kwargs["embedding"][0] if kwargs["embedding"] else None,
+        pipeline_ranks=list(pp_ranks),
+        tensor_model_parallel_ranks=list(tp_ranks),
+        data_parallel_ranks=list(dp_ranks),
+    )
+    set_parallel_state(state)
+    return state

@@ -1,0 +1,134 @@
+"""Megatron-LM's learning-rate schedule: linear warmup, then a decay to `min_lr`.
+
+The arithmetic lives in the pure function `learning_rate_at`; `OptimizerParamScheduler` only
+counts iterations, writes the value into the optimizer's param groups and (de)serialises its
+state with Megatron's key names (`max_lr`, `min_lr`, `lr_warmup_steps`, `lr_decay_steps`,
+`lr_decay_style`, `num_steps`), so checkpoints stay readable by Megatron tools.
+
+Schedule, for iteration `t`, warmup `W`, decay iterations `D`, peak `lr`, floor `min_lr`:
+
+- `t <= W` (and `W > 0`): `lr * t / W` (starts at 0, reaches `lr` at `t = W`);
+- constant: `lr` after warmup;
+- `t > D`: `min_lr` (linear and cosine are continuous there);
+- otherwise with `r = (t - W) / (D - W)`:
+  linear `min_lr + (lr - min_lr) (1 - r)`,
+  cosine `min_lr + (lr - min_lr) (1 + cos(pi r)) / 2`,
+  exponential `max(min_lr, lr * 2**(-r))`: the form of DeepSpeedExamples' Megatron
+  (`lr * exp(-0.693 r)`, halving over the decay window, floored at `min_lr`); past `D` it holds
+  its end value `max(min_lr, lr / 2)` so the curve has no jump.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+import torch
+
+from app.config import OptimizerConfig
+
+DECAY_STYLES = ("constant", "linear", "cosine", "exponential")
+
+
+def learning_rate_at(iteration: int, *, lr: float, min_lr: float, warmup_iters: int,
+                     decay_iters: int, decay_style: str) -> float:
+    """LR at `iteration` under Megatron's warmup + decay rules (pure; see the module docstring)."""
+    if decay_style not in DECAY_STYLES:
+        raise ValueError(f"lr decay style must be one of {DECAY_STYLES}, got {decay_style!r}")
+    if warmup_iters > 0 and iteration <= warmup_iters:
+        return lr * float(iteration) / float(warmup_iters)
+    if decay_style == "constant":
+        return lr
+    if decay_style == "exponential":
+        span = decay_iters - warmup_iters
+        ratio = 1.0 if span <= 0 else min(1.0, max(0.0, (iteration - warmup_iters) / span))
+        return max(min_lr, lr * 2.0 ** (-ratio))
+    if iteration > decay_iters:
+        return min_lr
+    # Here warmup_iters < iteration <= decay_iters, so the span is positive.
+    ratio = float(iteration - warmup_iters) / float(decay_iters - warmup_iters)
+    if decay_style == "linear":
+        coeff = 1.0 - ratio
+    else:  # cosine
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (lr - min_lr)
+
+
+class OptimizerParamScheduler:
+    """Megatron's LR scheduler: `step(n)` advances n iterations and writes the LR into param groups.
+
+    The constructor writes `get_lr(0)` (0 when warming up), matching Megatron, whose first
+    optimizer step therefore runs at the iteration-0 LR. Groups carrying an `lr_mult` key get
+    `lr * lr_mult`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
+        decay_iters = config.lr_decay_iters
+        if decay_iters is None:
+            if config.lr_decay_style != "constant":
+                raise ValueError(
+                    f"lr_decay_iters is None with lr_decay_style {config.lr_decay_style!r}; "
+                    "pass --lr-decay-iters (arguments.py defaults it to --train-iters)")
+            decay_iters = max(1, config.lr_warmup_iters)
+        if decay_iters <= 0:
+            raise ValueError(f"lr_decay_iters must be positive, got {decay_iters}")
+        self.optimizer = optimizer
+        self.max_lr = float(config.lr)
+        self.min_lr = float(config.min_lr)
+        self.lr_warmup_steps = int(config.lr_warmup_iters)
+        self.lr_decay_steps = int(decay_iters)
+        self.lr_decay_style = config.lr_decay_style
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self, iteration: int) -> float:
+        """LR at `iteration` with this scheduler's settings (pure: does not change any state)."""
+        return learning_rate_at(iteration, lr=self.max_lr, min_lr=self.min_lr,
+                                warmup_iters=self.lr_warmup_steps,
+                                decay_iters=self.lr_decay_steps, decay_style=self.lr_decay_style)
+
+    def get_last_lr(self) -> float:
+        """LR for the current iteration count (the one last written into the optimizer)."""
+        return self.get_lr(self.num_steps)
+
+    def step(self, increment: int = 1) -> float:
+        """Advance the iteration count by `increment` and write the new LR into every param group."""
+        self.num_steps += int(increment)
+        new_lr = self.get_lr(self.num_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = new_lr * group.get("lr_mult", 1.0)
+        return new_lr
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Megatron-named settings plus the iteration count."""
+        return {"max_lr": self.max_lr, "min_lr": self.min_lr,
+                "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
+                "lr_decay_style": self.lr_decay_style, "num_steps": self.num_steps}
+
+    def load_state_dict(self, state_dict: Dict[str, Any], *, override: bool = False) -> None:
+        """Restore the iteration count; settings must match the config unless `override`.
+
+        With `override=False` a setting that differs between the checkpoint and the config raises
+        a ValueError naming both values (Megatron asserts the same); with `override=True` the
+        config's values are kept silently (Megatron's --override-opt_param-scheduler). Older
+        Megatron key names (`start_lr`, `warmup_iter`, `end_iter`, `decay_style`, `num_iters`)
+        are accepted.
+        """
+        aliases = {"max_lr": "start_lr", "lr_warmup_steps": "warmup_iter",
+                   "lr_decay_steps": "end_iter", "lr_decay_style": "decay_style",
+                   "num_steps": "num_iters"}
+        def read(key: str) -> Any:
+            if key in state_dict:
+                return state_dict[key]
+            return state_dict.get(aliases.get(key, key))
+        if not override:
+            for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+                saved, ours = read(key), getattr(self, key)
+                if saved is not None and saved != ours:
+                    raise ValueError(
+                        f"LR scheduler {key}: checkpoint has {saved!r}, config has {ours!r}; "
+                        "use the checkpoint's value or load with override=True")
+        num_steps = read("num_steps")
+        if num_steps is None:
+            raise ValueError(f"LR scheduler state has no 'num_steps'; keys: {sorted(state_dict)}")
+        self.num_steps = 0
+        self.step(int(num_steps))

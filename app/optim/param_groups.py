@@ -1,0 +1,38 @@
+"""Split a model's parameters into a weight-decay group and a no-weight-decay group."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMSNorm)
+
+
+def no_weight_decay(module: nn.Module, param_name: str) -> bool:
+    """True for a bias or any parameter of a normalisation layer (Megatron's rule)."""
+    return param_name == "bias" or isinstance(module, _NORM_TYPES)
+
+
+def get_param_groups(model: nn.Module, weight_decay: Optional[float] = None) -> List[Dict[str, Any]]:
+    """Trainable parameters as `[decay group, no-decay group]`, empty groups dropped.
+
+    The no-decay group holds every bias and every LayerNorm parameter and has `weight_decay`
+    0.0; the decay group holds everything else (linear weights, embeddings) and carries
+    `weight_decay` only when given (otherwise the optimizer's default applies). A parameter
+    shared by two modules (a tied embedding) appears once. Each group has a `name` key.
+    """
+    decay: List[nn.Parameter] = []
+    no_decay: List[nn.Parameter] = []
+    seen = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (no_decay if no_weight_decay(module, name) else decay).append(param)
+    decay_group: Dict[str, Any] = {"name": "decay", "params": decay}
+    if weight_decay is not None:
+        decay_group["weight_decay"] = float(weight_decay)
+    no_decay_group: Dict[str, Any] = {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}
+    return [g for g in (decay_group, no_decay_group) if g["params"]]

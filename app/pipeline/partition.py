@@ -1,0 +1,30 @@
+"""Stage partitioning: which global transformer layers each pipeline stage holds (pure)."""
+from __future__ import annotations
+
+from typing import List
+
+
+def partition_layers(num_layers: int, pipeline_model_parallel_size: int) -> List[range]:
+    """Split layers 0..num_layers-1 evenly into contiguous ranges, stage 0 first.
+
+    Global indices are kept (stage 1 of 2 with 4 layers holds range(2, 4)), so parameter names
+    do not depend on the pipeline size.
+    """
+    if pipeline_model_parallel_size <= 0:
+        raise ValueError(f"pipeline_model_parallel_size must be positive, got "
+                         f"{pipeline_model_parallel_size}")
+    if num_layers <= 0 or num_layers % pipeline_model_parallel_size:
+        raise ValueError(f"num_layers ({num_layers}) is not divisible by "
+                         f"pipeline_model_parallel_size ({pipeline_model_parallel_size})")
+    per_stage = num_layers // pipeline_model_parallel_size
+    return [range(s * per_stage, (s + 1) * per_stage)
+            for s in range(pipeline_model_parallel_size)]
+
+
+def stage_layer_range(num_layers: int, pipeline_model_parallel_size: int,
+                      pipeline_model_parallel_rank: int) -> range:
+    """Global indices of the layers held by stage `pipeline_model_parallel_rank`."""
+    if not 0 <= pipeline_model_parallel_rank < pipeline_model_parallel_size:
+        raise ValueError(f"pipeline_model_parallel_rank ({pipeline_model_parallel_rank}) is not "
+                         f"in [0, {pipeline_model_parallel_size})")
+    return partition_layers(num_layers, pipeline_model_parallel_size)[pipeline_model_parallel_rank]

@@ -1,0 +1,129 @@
+"""run_distributed(): run a function on N gloo ranks in child processes and collect the results.
+
+    results = run_distributed(check_layers, 2, hidden_size, timeout=60)
+
+- `fn` must be a picklable top-level function (defined at module level of an importable
+  module, e.g. a test file). Each rank calls `fn(*args)` after
+  `torch.distributed.init_process_group("gloo")`; it reads its rank with
+  `torch.distributed.get_rank()`. Return values must be picklable; they come back as a list
+  indexed by rank.
+- Rendezvous is a FileStore in a fresh temporary directory; each rank runs torch with one
+  thread (the machine has few cores and several ranks share them).
+- A rank that raises makes the parent raise `DistributedTestError` with that rank's traceback
+  text; the other ranks (possibly blocked in a collective) are killed. Ranks still running at
+  `timeout` seconds are killed and `TimeoutError` names them. A failure never hangs.
+- Children are forked from a forkserver that has torch pre-imported, so only the first call
+  of a session pays for importing torch.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_module
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+_CTX: Optional[Any] = None
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised; the message holds its rank and traceback text."""
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+    return _CTX
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
+               results: Any, args: tuple, backend: str) -> None:
+    """Child entry: init the process group, run fn, report ("ok", value) or ("error", text)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size)
+        value = fn(*args)
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the result is already reported
+        pass
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
+                    timeout: float = 120.0, backend: str = "gloo") -> List[Any]:
+    """fn(*args) on `world_size` gloo ranks; returns [rank 0's value, rank 1's value, ...].
+
+    Raises DistributedTestError with the first failing rank's traceback, or TimeoutError when
+    ranks are still running after `timeout` seconds; surviving ranks are killed either way.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = _context()
+    tmp = tempfile.mkdtemp(prefix="run_distributed_")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, name=f"rank{rank}",
+                         args=(fn, rank, world_size, os.path.join(tmp, "rendezvous"), results,
+                               args, backend), daemon=True)
+             for rank in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _collect(procs: List[Any], results: Any, world_size: int, timeout: float) -> List[Any]:
+    """Wait for every rank's report; raise on the first error, a silent death or the timeout."""
+    deadline = time.monotonic() + timeout
+    values: Dict[int, Any] = {}
+    while len(values) < world_size:
+        try:
+            rank, status, value = results.get(timeout=0.2)
+        except queue_module.Empty:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise TimeoutError(f"run_distributed: ranks {missing} of {world_size} did not "
+                                   f"finish within {timeout:.0f} s (killed)") from None
+            for rank, p in enumerate(procs):
+                if rank not in values and not p.is_alive() and p.exitcode not in (0, None):
+                    _drain_errors(results)
+                    raise DistributedTestError(
+                        f"rank {rank} died with exit code {p.exitcode} without reporting")
+            continue
+        if status == "error":
+            raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{value}")
+        values[rank] = value
+    return [values[rank] for rank in range(world_size)]
+
+
+def _drain_errors(results: Any) -> None:
+    """Raise a rank's reported error if one is already queued (better than "died")."""
+    try:
+        while True:
+            rank, status, value = results.get(timeout=0.5)
+            if status == "error":
+                raise DistributedTestError(f"rank {rank} failed:\n{value}")
+    except queue_module.Empty:
+        return

@@ -1,0 +1,521 @@
+"""Megatron-LM-layout checkpoints: crash-safe writer, safe reader, args check, RNG state.
+
+On disk (exactly Megatron-LM's legacy layout, so its tools read our files)::
+
+    {save}/latest_checkpointed_iteration.txt        "<iteration>" or "release"
+    {save}/iter_{iteration:07d}/mp_rank_{tp:02d}/model_optim_rng.pt             (PP == 1)
+    {save}/iter_{iteration:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt    (PP > 1)
+
+Beside each `model_optim_rng.pt` we write `model_optim_rng.pt.sha256` (sha256sum format); the
+reader verifies it when present, so a flipped byte is caught before unpickling. Megatron's
+readers ignore it.
+
+Each file holds Megatron's dict: `iteration`, `checkpoint_version` (3.0), `args` (an
+argparse.Namespace with the model shape, the parallel layout and the data position), `model`
+(nested: language_model -> embedding / transformer), `optimizer`, `lr_scheduler` and
+`rng_state` (a list with one dict per saved rank state). See docs/checkpoints.md.
+
+Crash safety: every file is written under a temporary name, fsynced and renamed; all ranks pass
+a barrier before one rank replaces the tracker atomically, so the tracker never names an
+iteration with a missing or partial file. Old iterations are rotated away only after that.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pickle
+import random
+import re
+import shutil
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from app.config import RunConfig
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+CHECKSUM_SUFFIX = ".sha256"
+CHECKPOINT_VERSION = 3.0
+"""3.0: fused QKV rows ordered [heads, (q, k v), head_dim]."""
+
+Iteration = Union[int, str]  # an iteration number or "release"
+
+SAVE_HOOK: Optional[Callable[[str], None]] = None
+"""Test seam: called with the name of each stage of `save_checkpoint` (see SAVE_STAGES)."""
+SAVE_STAGES = ("start", "rank_tmp_written", "rank_checksum_committed", "rank_file_committed",
+               "before_tracker", "tracker_tmp_written", "tracker_committed", "rotated")
+
+_ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the fix."""
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """The file pickles a class outside the allow-list; refused under weights_only=True."""
+
+
+def _noop() -> None:
+    return None
+
+
+def _hook(stage: str) -> None:
+    if SAVE_HOOK is not None:
+        SAVE_HOOK(stage)
+
+
+# ---------------------------------------------------------------------------- paths
+
+def checkpoint_dir(save_dir: str, iteration: Iteration) -> str:
+    """`{save_dir}/iter_{iteration:07d}`, or `{save_dir}/release` for "release"."""
+    if iteration == "release":
+        return os.path.join(save_dir, "release")
+    return os.path.join(save_dir, f"iter_{int(iteration):07d}")
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """`mp_rank_{tp:02d}` when PP == 1, else `mp_rank_{tp:02d}_{pp:03d}` (Megatron's names)."""
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def checkpoint_path(save_dir: str, iteration: Iteration, *, tp_rank: int = 0, pp_rank: int = 0,
+                    pp_size: int = 1) -> str:
+    """Path of one rank's `model_optim_rng.pt` for `iteration`."""
+    return os.path.join(checkpoint_dir(save_dir, iteration),
+                        rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
+
+
+def tracker_path(save_dir: str) -> str:
+    """`{save_dir}/latest_checkpointed_iteration.txt`."""
+    return os.path.join(save_dir, TRACKER_FILENAME)
+
+
+def list_checkpoint_iterations(save_dir: str) -> List[int]:
+    """Iterations that have an `iter_XXXXXXX` directory under `save_dir`, ascending."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = (_ITER_DIR_RE.match(name) for name in os.listdir(save_dir))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+# ---------------------------------------------------------------------------- model layout
+
+_EMBEDDING_PREFIX = "language_model.embedding."
+_TRANSFORMER_PREFIX = "language_model.transformer."
+_LM_PREFIX = "language_model."
+_HEAD_PREFIX = "word_embeddings."
+_HEAD_KEY = "word_embeddings_for_head"
+
+
+def to_megatron_model(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """Our flat state dict -> Megatron's nested `model` dict (exact inverse: from_megatron_model).
+
+    `language_model.embedding.{word,position}_embeddings.weight` ->
+    model['language_model']['embedding'][sub]['weight']; `language_model.transformer.<rest>` ->
+    model['language_model']['transformer'][<rest>] (rest keeps its dots, e.g.
+    'layers.3.mlp.dense_h_to_4h.weight'); `word_embeddings.weight` (tied copy on a last pipeline
+    stage without the embedding) -> model['word_embeddings_for_head']['weight']. Any other
+    `language_model.<module>.<rest>` goes to model['language_model'][module][rest].
+    """
+    out: Dict[str, Any] = {}
+    for name, value in flat.items():
+        if name.startswith(_EMBEDDING_PREFIX):
+            sub, _, rest = name[len(_EMBEDDING_PREFIX):].partition(".")
+            path = ("language_model", "embedding", sub, rest)
+        elif name.startswith(_TRANSFORMER_PREFIX):
+            path = ("language_model", "transformer", name[len(_TRANSFORMER_PREFIX):])
+        elif name.startswith(_HEAD_PREFIX):
+            path = (_HEAD_KEY, name[len(_HEAD_PREFIX):])
+        elif name.startswith(_LM_PREFIX) and "." in name[len(_LM_PREFIX):]:
+            module, _, rest = name[len(_LM_PREFIX):].partition(".")
+            path = ("language_model", module, rest)
+        else:
+            raise ValueError(f"parameter {name!r} does not follow the Megatron naming "
+                             "(language_model.embedding.*, language_model.transformer.*, "
+                             "word_embeddings.*)")
+        if not all(path):
+            raise ValueError(f"parameter {name!r} has an empty name component")
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def from_megatron_model(nested: Dict[str, Any]) -> Dict[str, Any]:
+    """Megatron's nested `model` dict -> our flat state dict (exact inverse of to_megatron_model)."""
+    flat: Dict[str, Any] = {}
+    for top, sub in nested.items():
+        if top == _HEAD_KEY:
+            for rest, value in sub.items():
+                flat[_HEAD_PREFIX + rest] = value
+        elif top == "language_model":
+            for module, entries in sub.items():
+                if module == "embedding":
+                    for emb, params in entries.items():
+                        for rest, value in params.items():
+                            flat[f"{_EMBEDDING_PREFIX}{emb}.{rest}"] = value
+                else:
+                    for rest, value in entries.items():
+                        flat[f"{_LM_PREFIX}{module}.{rest}"] = value
+        else:
+            raise CheckpointError(f"unexpected top-level model key {top!r} in checkpoint "
+                                  f"(expected 'language_model' or '{_HEAD_KEY}')")
+    return flat
+
+
+# ---------------------------------------------------------------------------- args
+
+MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                      "max_position_embeddings", "padded_vocab_size", "tokenizer_type")
+"""Fields that must agree between a checkpoint and the run loading it."""
+
+
+def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
+                              consumed_valid_samples: int, iteration: int) -> argparse.Namespace:
+    """The `args` Namespace stored in a checkpoint: Megatron's names, from `cfg` and the position.
+
+    Carries the model shape, the parallel layout, the data position and a few fields Megatron
+    tools read (params_dtype, position_embedding_type, ...). Plain Python values and one
+    torch.dtype only, so it loads under weights_only with Namespace allow-listed.
+    """
+    m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=m.head_dim, max_position_embeddings=m.max_position_embeddings,
+        seq_length=m.seq_length, padded_vocab_size=m.padded_vocab_size,
+        vocab_size=cfg.raw_vocab_size,
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        tokenizer_type=cfg.data.tokenizer_type, layernorm_epsilon=m.layernorm_epsilon,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std, openai_gelu=m.openai_gelu,
+        bias_gelu_fusion=m.bias_gelu_fusion, masked_softmax_fusion=m.masked_softmax_fusion,
+        params_dtype=getattr(torch, m.params_dtype), fp16=cfg.precision.fp16,
+        bf16=cfg.precision.bf16,
+        position_embedding_type="learned_absolute", add_position_embedding=True,
+        normalization="LayerNorm", add_bias_linear=True, swiglu=False,
+        untie_embeddings_and_output_weights=False,
+        apply_residual_connection_post_layernorm=False,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        data_parallel_size=p.data_parallel_size, world_size=p.world_size,
+        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+        train_iters=t.train_iters, seed=t.seed, lr=o.lr, min_lr=o.min_lr,
+        lr_decay_style=o.lr_decay_style, lr_decay_iters=o.lr_decay_iters,
+        lr_warmup_iters=o.lr_warmup_iters,
+        consumed_train_samples=int(consumed_train_samples),
+        consumed_valid_samples=int(consumed_valid_samples), iteration=int(iteration))
+
+
+def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
+                          current: argparse.Namespace) -> None:
+    """Raise CheckpointError if the checkpoint's model shape or TP/PP layout differs from ours.
+
+    Fields missing from an older checkpoint are skipped. The message names the field and both
+    values; a tensor/pipeline size mismatch also says that resharding is not supported.
+    """
+    if ckpt_args is None:
+        return
+    for name in MODEL_SHAPE_FIELDS:
+        if not hasattr(ckpt_args, name) or not hasattr(current, name):
+            continue
+        saved, now = getattr(ckpt_args, name), getattr(current, name)
+        if saved != now:
+            raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
+                                  f"{now}; pass the same model flags as the run that saved it")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
+        if saved != now:
+            raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
+                                  f"{now}; resharding is not supported yet")
+
+
+# ---------------------------------------------------------------------------- RNG state
+
+def collect_rng_state(tracker_states: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """This process's RNG states under Megatron's keys (CUDA only when available).
+
+    `tracker_states` is the model-parallel RNG tracker's `get_states()` (passed in so this
+    module does not depend on app.mpu); it is stored as `rng_tracker_states`.
+    """
+    state: Dict[str, Any] = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": dict(tracker_states or {}),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(rng_state: Union[Dict[str, Any], List[Dict[str, Any]]],
+                      index: int = 0) -> Dict[str, Any]:
+    """Restore python/numpy/torch (and CUDA if saved and available) RNGs; return tracker states.
+
+    Accepts Megatron's list (takes entry `index`) or one dict. The caller loads the returned
+    `rng_tracker_states` into its model-parallel tracker.
+    """
+    state = rng_state[index] if isinstance(rng_state, (list, tuple)) else rng_state
+    try:
+        random.setstate(state["random_rng_state"])
+        np.random.set_state(state["np_rng_state"])
+        torch.set_rng_state(state["torch_rng_state"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint RNG state is incomplete or malformed ({exc!r}); "
+                              "pass --no-load-rng to resume without it") from exc
+    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    return dict(state.get("rng_tracker_states") or {})
+
+
+# ---------------------------------------------------------------------------- the dict
+
+def build_checkpoint_dict(iteration: Iteration, model_flat_state: Dict[str, Any],
+                          optimizer_state: Optional[Dict[str, Any]],
+                          scheduler_state: Optional[Dict[str, Any]],
+                          rng_state: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]],
+                          args_ns: argparse.Namespace) -> Dict[str, Any]:
+    """Megatron's checkpoint dict; optimizer/lr_scheduler/rng_state keys only when given."""
+    state: Dict[str, Any] = {
+        "args": args_ns,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "model": to_megatron_model(model_flat_state),
+    }
+    if optimizer_state is not None:
+        state["optimizer"] = optimizer_state
+    if scheduler_state is not None:
+        state["lr_scheduler"] = scheduler_state
+    if rng_state is not None:
+        state["rng_state"] = [rng_state] if isinstance(rng_state, dict) else list(rng_state)
+    return state
+
+
+# ---------------------------------------------------------------------------- writing
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, write: Callable[[Any], None]) -> None:
+    """Call write(f) on a fresh file at `path`, flush and fsync it."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_checksums(sidecar: str) -> List[str]:
+    try:
+        with open(sidecar, "r", encoding="ascii", errors="replace") as f:
+            return [line.split()[0] for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def _write_checksums(sidecar: str, digests: List[str]) -> None:
+    tmp = f"{sidecar}.tmp.{os.getpid()}"
+    text = "".join(f"{d}  {MODEL_FILENAME}\n" for d in digests).encode("ascii")
+    _write_durably(tmp, lambda f: f.write(text))
+    os.replace(tmp, sidecar)
+
+
+def _write_rank_file(ckpt_dict: Dict[str, Any], path: str) -> None:
+    """tmp file + fsync, checksum sidecar, then atomic rename; safe to crash at any point.
+
+    While the data file is being replaced the sidecar lists both the old and the new digest,
+    so whichever file is on disk after a crash still verifies.
+    """
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    _write_durably(tmp, lambda f: torch.save(ckpt_dict, f))
+    _hook("rank_tmp_written")
+    digest, sidecar = _sha256_file(tmp), path + CHECKSUM_SUFFIX
+    old = _read_checksums(sidecar) if os.path.exists(path) else []
+    _write_checksums(sidecar, [digest] + [d for d in old if d != digest])
+    _hook("rank_checksum_committed")
+    os.replace(tmp, path)
+    if old:
+        _write_checksums(sidecar, [digest])
+    _fsync_dir(directory)
+    _hook("rank_file_committed")
+
+
+def write_tracker(save_dir: str, iteration: Iteration) -> None:
+    """Atomically replace the tracker with `iteration` (tmp file + fsync + os.replace)."""
+    path = tracker_path(save_dir)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    _write_durably(tmp, lambda f: f.write(str(iteration).encode("ascii")))
+    _hook("tracker_tmp_written")
+    os.replace(tmp, path)
+    _fsync_dir(save_dir)
+
+
+def rotate_checkpoints(save_dir: str, keep_last_n: int, current: int) -> List[int]:
+    """Delete iter_ directories older than `current`, keeping the newest `keep_last_n` in all.
+
+    Call only after the tracker names `current`. Directories newer than `current` (left by an
+    abandoned run) and `release/` are never touched. Returns the iterations deleted.
+    """
+    if keep_last_n < 1:
+        raise ValueError(f"keep_last_n_checkpoints must be >= 1, got {keep_last_n}")
+    older = [i for i in list_checkpoint_iterations(save_dir) if i < current]
+    doomed = older[:max(0, len(older) - (keep_last_n - 1))]
+    for iteration in doomed:
+        shutil.rmtree(checkpoint_dir(save_dir, iteration), ignore_errors=True)
+    return doomed
+
+
+def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, Any], *,
+                    tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
+                    barrier: Callable[[], None] = _noop, is_tracker_writer: bool = True,
+                    keep_last_n: Optional[int] = None) -> str:
+    """Write this rank's file of `iteration`, then (one rank) commit the tracker. Crash-safe.
+
+    Every writing rank calls this; `barrier` must synchronise all ranks and is called exactly
+    twice (after this rank's file is committed, and after the tracker is committed), so ranks
+    that write no file call barrier() twice themselves. Only `is_tracker_writer` replaces the
+    tracker and, if `keep_last_n` is set, rotates old iterations after the commit. Returns the
+    iteration directory.
+    """
+    _hook("start")
+    _write_rank_file(ckpt_dict, checkpoint_path(save_dir, iteration, tp_rank=tp_rank,
+                                                pp_rank=pp_rank, pp_size=pp_size))
+    barrier()  # every rank's file of this iteration is complete
+    if is_tracker_writer:
+        _hook("before_tracker")
+        write_tracker(save_dir, iteration)
+        _hook("tracker_committed")
+        if keep_last_n and iteration != "release":
+            rotate_checkpoints(save_dir, keep_last_n, int(iteration))
+            _hook("rotated")
+    barrier()  # the tracker names this iteration on every rank's return
+    return checkpoint_dir(save_dir, iteration)
+
+
+# ---------------------------------------------------------------------------- reading
+
+def read_tracker(load_dir: str) -> Optional[Iteration]:
+    """The iteration the tracker names (an int or "release"); None when there is no tracker.
+
+    Raises CheckpointError, naming the file and the fix, when the tracker is empty or not a
+    number, or names a directory that does not exist.
+    """
+    path = tracker_path(load_dir)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        text = f.read().strip()
+    available = list_checkpoint_iterations(load_dir)
+    hint = (f"complete iterations may be among {available}; write one of them into it"
+            if available else "delete it to start from scratch")
+    if text == "release":
+        iteration: Iteration = "release"
+    elif re.fullmatch(r"\d+", text):
+        iteration = int(text)
+    else:
+        raise CheckpointError(f"tracker file {path} holds {text!r}, not an iteration number or "
+                              f"'release'; {hint}")
+    directory = checkpoint_dir(load_dir, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"tracker file {path} names iteration {iteration}, but "
+                              f"{directory} does not exist; {hint}")
+    return iteration
+
+
+def _safe_globals() -> List[Any]:
+    """Classes our checkpoints pickle besides tensors: Namespace and numpy's RNG-state array."""
+    core = getattr(np, "_core", None) or np.core
+    reconstruct = core.multiarray._reconstruct
+    extra: List[Any] = [argparse.Namespace, reconstruct, np.ndarray, np.dtype,
+                        type(np.dtype(np.uint32))]
+    return extra
+
+
+def _verify_checksum(path: str) -> None:
+    expected = _read_checksums(path + CHECKSUM_SUFFIX)
+    if not expected:
+        return  # written by a tool that stores no checksum (e.g. Megatron-LM itself)
+    actual = _sha256_file(path)
+    if actual not in expected:
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupt: its SHA-256 {actual[:16]}... does not match "
+            f"{path + CHECKSUM_SUFFIX}; restore the file or point the tracker at an earlier "
+            "complete iteration")
+
+
+def _torch_load(path: str) -> Dict[str, Any]:
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Weights only load failed" in str(exc):
+            raise UnsafeCheckpointError(
+                f"checkpoint file {path} pickles a class outside the allow-list and was refused "
+                f"(weights_only=True); only load checkpoints you trust. Detail: "
+                f"{str(exc).splitlines()[0][:300]}") from exc
+        raise CheckpointError(f"checkpoint file {path} is garbled and cannot be unpickled "
+                              f"({exc}); restore it or use an earlier iteration") from exc
+    except Exception as exc:  # torch raises RuntimeError/EOFError/... for damaged archives
+        raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): "
+                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"checkpoint file {path} is not a Megatron checkpoint dict "
+                              "(no 'model' entry)")
+    return state
+
+
+def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
+                         iteration: Optional[Iteration] = None
+                         ) -> Tuple[Optional[Dict[str, Any]], Optional[Iteration]]:
+    """Load this rank's checkpoint dict; (None, None) when `load_dir` has no tracker.
+
+    Uses the tracker unless `iteration` is given. Verifies the SHA-256 sidecar when present and
+    unpickles with weights_only=True and a small allow-list. A missing, truncated, garbled or
+    unsafe file raises CheckpointError naming the file.
+    """
+    if iteration is None:
+        iteration = read_tracker(load_dir)
+        if iteration is None:
+            return None, None
+    path = checkpoint_path(load_dir, iteration, tp_rank=tp_rank, pp_rank=pp_rank,
+                           pp_size=pp_size)
+    if not os.path.isfile(path):
+        directory = checkpoint_dir(load_dir, iteration)
+        present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        raise CheckpointError(
+            f"checkpoint file {path} does not exist (found {present} in {directory}); was it "
+            "saved with a different tensor/pipeline parallel size, or did the save not finish?")
+    _verify_checksum(path)
+    state = _torch_load(path)
+    saved = state.get("iteration")
+    if iteration != "release" and saved is not None and saved != iteration:
+        raise CheckpointError(f"checkpoint file {path} says iteration {saved} but lies in the "
+                              f"directory of iteration {iteration}")
+    return state, iteration

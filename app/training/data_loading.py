@@ -1,0 +1,71 @@
+"""Data loaders for training and evaluation, and the per-micro-batch batch builder.
+
+Only tensor-parallel rank 0 of each group reads data; it broadcasts the `[b, s+1]` token block
+to the other TP ranks, and every rank then builds labels, masks and position ids locally
+(deterministic, so they agree). Each data-parallel rank reads its own slice of every global
+batch through `MegatronPretrainingSampler`, which starts at `consumed_samples` so a resumed run
+continues with exactly the samples an uninterrupted run would have seen next.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, Optional
+
+import numpy as np
+import torch
+
+from app.config import DataConfig
+from app.data import MegatronPretrainingSampler, get_batch
+from app.mpu import collectives
+
+
+def _collate(items: Any) -> Dict[str, torch.Tensor]:
+    text = np.stack([np.asarray(item["text"], dtype=np.int64) for item in items])
+    return {"text": torch.from_numpy(text)}
+
+
+def build_data_iterator(dataset: Any, consumed_samples: int, micro_batch_size: int,
+                        parallel_state: Any, num_workers: int) -> Optional[Iterator]:
+    """An endless-enough iterator of `{"text": [b, s+1]}` micro-batches for this DP rank.
+
+    Returns None on TP ranks other than 0 (they receive batches by broadcast) and when there
+    is no dataset. The sampler stops at the end of the dataset, which was sized for the run.
+    """
+    if dataset is None or parallel_state.tensor_model_parallel_rank != 0:
+        return None
+    sampler = MegatronPretrainingSampler(
+        total_samples=len(dataset), consumed_samples=consumed_samples,
+        micro_batch_size=micro_batch_size,
+        data_parallel_rank=parallel_state.data_parallel_rank,
+        data_parallel_size=parallel_state.data_parallel_size)
+    # Its own generator: making an iterator draws a worker seed, which must not move the default
+    # stream that dropout uses (a resumed run creates its iterators after restoring that stream).
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=_collate,
+        persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(0))
+    return iter(loader)
+
+
+class BatchBuilder:
+    """Turns the next micro-batch of an iterator into model inputs on every TP rank."""
+
+    def __init__(self, data_cfg: DataConfig, eod: int, micro_batch_size: int, seq_length: int,
+                 parallel_state: Any, device: torch.device) -> None:
+        self.cfg = data_cfg
+        self.eod = eod
+        self.shape = (micro_batch_size, seq_length + 1)
+        self.ps = parallel_state
+        self.device = device
+
+    def next(self, iterator: Optional[Iterator]) -> Dict[str, Any]:
+        """Read (TP rank 0) or receive (other TP ranks) one micro-batch; build its inputs."""
+        if self.ps.tensor_model_parallel_rank == 0:
+            if iterator is None:
+                raise RuntimeError("no data iterator on tensor-parallel rank 0")
+            text = next(iterator)["text"].to(self.device)
+        else:
+            text = torch.empty(self.shape, dtype=torch.int64, device=self.device)
+        if self.ps.tensor_model_parallel_size > 1:
+            collectives.broadcast(text, self.ps.tensor_model_parallel_src_rank,
+                                  self.ps.tensor_model_parallel_group)
+        return get_batch(text, self.eod, self.cfg.reset_position_ids,
+                         self.cfg.reset_attention_mask, self.cfg.eod_mask_loss)

@@ -1,0 +1,172 @@
+"""The DeepSpeed engine behind our Engine interface: the only module that imports deepspeed.
+
+`deepspeed.initialize` receives our model, our parallel state as `mpu=` (so ZeRO partitions over
+the data-parallel group and clips over the model-parallel group), and the very optimizer object
+our LR schedule drives, unless the JSON defines its own `optimizer` (then DeepSpeed builds it and
+our schedule is attached to it) or both `optimizer` and `scheduler` (then DeepSpeed's are used).
+
+Per micro-batch, `backward` runs `engine.backward(loss, scale_wrt_gas=False)` (our schedule has
+already divided by the number of micro-batches) followed by `engine.step()`, which DeepSpeed
+turns into a real update only at the gradient-accumulation boundary; `step` then reports it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Dict, Optional
+
+import torch
+
+from app.config import RunConfig
+from app.training import ds_config
+from app.training.engine import Engine, LoadResult, StepResult
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_distributed(backend: str) -> None:
+    """DeepSpeed needs a process group even for one rank; start one if the launcher did not."""
+    import deepspeed
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+class DeepSpeedEngineAdapter(Engine):
+    """Engine implemented by a `deepspeed.DeepSpeedEngine` (ZeRO-1/2, offload, fp16/bf16)."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any, parallel_state: Any, log: Any = print,
+                 explicit_flags: Any = ()) -> None:
+        import deepspeed
+        self.cfg, self.ps, self.log = cfg, parallel_state, log
+        path = cfg.deepspeed.config_path
+        ds = ds_config.reconcile_ds_config(ds_config.load_ds_json(path), cfg, path, explicit_flags)
+        self.ds_json = ds
+        _ensure_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
+        if "optimizer" in ds:
+            from app.optim import OptimizerParamScheduler, get_param_groups
+            kwargs["model_parameters"] = get_param_groups(model)
+            if "scheduler" not in ds:
+                kwargs["lr_scheduler"] = lambda opt: OptimizerParamScheduler(opt, cfg.optimizer)
+        else:
+            if ds_config.offloads_optimizer(ds):
+                raise ValueError(f"{path}: ZeRO optimizer offload needs DeepSpeedCPUAdam; add an "
+                                 "\"optimizer\" block (type AdamW) to the JSON")
+            kwargs.update(optimizer=optimizer, lr_scheduler=lr_scheduler)
+        engine, ds_optimizer, _, scheduler = deepspeed.initialize(**kwargs)
+        self.ds = engine
+        self.module = engine
+        self.optimizer = ds_optimizer
+        self.lr_scheduler = scheduler
+        self._micro = 0
+        log(f"DeepSpeed engine: ZeRO stage {engine.zero_optimization_stage()}, "
+            f"gradient accumulation {engine.gradient_accumulation_steps()}, "
+            f"micro-batch {engine.train_micro_batch_size_per_gpu()}, "
+            f"dtype {next(model.parameters()).dtype}")
+
+    def zero_grad(self) -> None:
+        self._micro = 0  # DeepSpeed clears gradients itself after each boundary step
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss, scale_wrt_gas=False)
+        self.ds.step()
+        self._micro += 1
+
+    def step(self) -> StepResult:
+        gas = self.ds.gradient_accumulation_steps()
+        if self._micro != gas:
+            raise RuntimeError(f"DeepSpeed engine saw {self._micro} micro-batches in an "
+                               f"iteration; gradient_accumulation_steps is {gas}")
+        norm = self.ds.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        skipped = not getattr(self.ds, "_step_applied", True)
+        lr = self.ds.get_lr()[0] if self.ds.get_lr() else float("nan")
+        return StepResult(grad_norm=norm, skipped=skipped, lr=lr, loss_scale=self.loss_scale)
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        if not self.ds.fp16_enabled():
+            return None
+        return float(getattr(self.ds.optimizer, "cur_scale", self.ds.optimizer.loss_scale))
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.ds.skipped_steps)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
+        from app.mpu.random import get_rng_tracker
+        from app.training import checkpoint as ckpt
+        tag = f"iter_{iteration:07d}"
+        state = dict(client_state)
+        if not self.cfg.checkpoint.no_save_rng:
+            state["rng_state"] = ckpt.collect_rng_state(get_rng_tracker().get_states())
+        self.ds.save_checkpoint(save_dir, tag=tag, client_state=state)
+        import torch.distributed as dist
+        dist.barrier()
+        if self.ps.rank == 0:  # Megatron's tracker too, so both worlds agree on the latest iteration
+            ckpt.write_tracker(save_dir, iteration)
+        dist.barrier()
+        return os.path.join(save_dir, tag)
+
+    def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
+        from app.mpu.random import get_rng_tracker
+        from app.training import checkpoint as ckpt
+        c = self.cfg.checkpoint
+        iteration = ckpt.read_tracker(load_dir)
+        if iteration is None:
+            return None
+        tag = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+        module_only = c.finetune or iteration == "release"
+        path, client = self.ds.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=not (c.no_load_optim or module_only),
+            load_lr_scheduler_states=not (c.no_load_optim or module_only),
+            load_module_only=module_only)
+        if path is None:
+            raise ckpt.CheckpointError(f"DeepSpeed could not load {os.path.join(load_dir, tag)}; "
+                                       "is it a DeepSpeed checkpoint of this model?")
+        if module_only:
+            return LoadResult(0, 0, 0, path)
+        if not c.no_load_rng:
+            if client.get("rng_state") is None:
+                raise ckpt.CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); "
+                                           "pass --no-load-rng to resume without it")
+            tracker = ckpt.restore_rng_state(client["rng_state"])
+            if tracker:
+                get_rng_tracker().set_states(tracker)
+        return LoadResult(int(client["iteration"]), int(client["consumed_train_samples"]),
+                          int(client["consumed_valid_samples"]), path)
+
+
+def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:
+    """Route the model's activation checkpointing and RNG tracker through deepspeed.checkpointing.
+
+    Must run before the model's first forward: DeepSpeed is configured with our mpu and the
+    JSON's `activation_checkpointing` block (partition_activations, contiguous_memory_optimization,
+    cpu_checkpointing, number_checkpoints, synchronize_checkpoint_boundary, profile), its
+    tracker is seeded like ours (seed + 2718 + tp_rank for the model-parallel stream), and
+    app.mpu.random then hands the model DeepSpeed's checkpoint function and tracker.
+    """
+    import deepspeed
+    from app.mpu import random as mpu_random
+    _ensure_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    path = cfg.deepspeed.config_path
+    ds = ds_config.reconcile_ds_config(ds_config.load_ds_json(path), cfg, path)
+    given = ds.get("activation_checkpointing", {}).get("number_checkpoints")
+    chunks = cfg.model.num_layers // cfg.model.checkpoint_num_layers
+    deepspeed.checkpointing.configure(parallel_state, deepspeed_config=ds,
+                                      num_checkpoints=None if given else chunks)
+    deepspeed.checkpointing.model_parallel_cuda_manual_seed(cfg.training.seed)
+    mpu_random.set_checkpoint_implementation(deepspeed.checkpointing.checkpoint,
+                                             deepspeed.checkpointing.get_cuda_rng_tracker)

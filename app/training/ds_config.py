@@ -1,0 +1,115 @@
+"""Reconcile a DeepSpeed JSON config with the command line (pure functions, no deepspeed import).
+
+Rules (each violation raises ValueError naming the JSON file, the key, the flag and both values):
+- Batch sizes: `train_micro_batch_size_per_gpu` = --micro-batch-size, `gradient_accumulation_steps`
+  = --global-batch-size / (--micro-batch-size x data-parallel size), `train_batch_size` =
+  --global-batch-size. Keys the JSON leaves out are filled from the command line.
+- `gradient_clipping` = --clip-grad (filled when absent).
+- Precision: `fp16.enabled` / `bf16.enabled` must agree with --fp16 / --bf16 (filled when absent).
+- If the JSON defines `optimizer`, its `params.lr` (and weight decay, betas, eps when given) must
+  agree with the command line; if it also defines `scheduler`, our LR schedule is not used and
+  explicit command-line schedule flags are rejected.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, Dict, Iterable
+
+from app.config import RunConfig
+
+SCHEDULE_FLAGS = ("--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters",
+                  "--lr-warmup-fraction", "--warmup", "--min-lr")
+
+
+def load_ds_json(path: str) -> Dict[str, Any]:
+    """Read the DeepSpeed JSON, with a message naming the file when it is missing or malformed."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--deepspeed_config {path}: no such file (see ds_configs/ for examples)")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--deepspeed_config {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"--deepspeed_config {path} must hold a JSON object")
+    return data
+
+
+def _agree(ds: Dict[str, Any], key: str, value: Any, flag: str, path: str) -> None:
+    if key not in ds:
+        ds[key] = value
+    elif ds[key] != value:
+        raise ValueError(f"{path}: \"{key}\" is {ds[key]} but the command line gives {value} "
+                         f"({flag}); make them agree or drop \"{key}\" from the JSON")
+
+
+def _reconcile_precision(ds: Dict[str, Any], cfg: RunConfig, path: str) -> None:
+    for key, flag, wanted in (("fp16", "--fp16", cfg.precision.fp16),
+                              ("bf16", "--bf16", cfg.precision.bf16)):
+        block = ds.setdefault(key, {})
+        if "enabled" not in block:
+            block["enabled"] = wanted
+        elif block["enabled"] is True and block["enabled"] != wanted:
+            raise ValueError(f"{path}: \"{key}.enabled\" is true but {flag} is not given; "
+                             f"add {flag} or set \"{key}.enabled\": false")
+        elif block["enabled"] is False and wanted:
+            raise ValueError(f"{path}: \"{key}.enabled\" is false but {flag} is given")
+
+
+def _reconcile_optimizer(ds: Dict[str, Any], cfg: RunConfig, path: str,
+                         explicit_flags: Iterable[str]) -> None:
+    opt = ds.get("optimizer")
+    if opt is None:
+        if "scheduler" in ds:
+            raise ValueError(f"{path}: a \"scheduler\" without an \"optimizer\" would drive our "
+                             "optimizer; drop the JSON scheduler (our --lr-* flags schedule the "
+                             "LR) or define both")
+        return
+    params = opt.setdefault("params", {})
+    o = cfg.optimizer
+    for key, flag, value in (("lr", "--lr", o.lr), ("weight_decay", "--weight-decay", o.weight_decay),
+                             ("eps", "--adam-eps", o.adam_eps)):
+        if key in params and abs(float(params[key]) - value) > 1e-12 * max(1.0, abs(value)):
+            raise ValueError(f"{path}: optimizer.params.{key} is {params[key]} but {flag} is "
+                             f"{value}; make them agree")
+        params.setdefault(key, value)
+    betas = [o.adam_beta1, o.adam_beta2]
+    if "betas" in params and [float(b) for b in params["betas"]] != betas:
+        raise ValueError(f"{path}: optimizer.params.betas is {params['betas']} but "
+                         f"--adam-beta1/--adam-beta2 give {betas}")
+    params.setdefault("betas", betas)
+    if "scheduler" in ds:
+        clash = sorted(set(explicit_flags) & set(SCHEDULE_FLAGS))
+        if clash:
+            raise ValueError(f"{path} defines a \"scheduler\", which replaces our LR schedule, "
+                             f"but the command line also sets {', '.join(clash)}; remove one")
+
+
+def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig, path: str = "<deepspeed config>",
+                        explicit_flags: Iterable[str] = ()) -> Dict[str, Any]:
+    """Return a copy of `ds_json` filled from, and checked against, the run configuration."""
+    ds = copy.deepcopy(ds_json)
+    t, dp = cfg.training, cfg.parallel.data_parallel_size
+    gas = t.num_micro_batches(dp)
+    _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", path)
+    _agree(ds, "gradient_accumulation_steps", gas,
+           f"--global-batch-size {t.global_batch_size} / (--micro-batch-size "
+           f"{t.micro_batch_size} x data-parallel size {dp})", path)
+    _agree(ds, "train_batch_size", t.global_batch_size, "--global-batch-size", path)
+    _agree(ds, "gradient_clipping", float(cfg.optimizer.clip_grad), "--clip-grad", path)
+    _reconcile_precision(ds, cfg, path)
+    _reconcile_optimizer(ds, cfg, path, explicit_flags)
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError(f"{path}: zero_optimization.stage {stage} is not supported here "
+                         "(use 0, 1 or 2)")
+    return ds
+
+
+def offloads_optimizer(ds: Dict[str, Any]) -> bool:
+    """True when ZeRO offloads the optimizer to the CPU (DeepSpeedCPUAdam is then required)."""
+    zero = ds.get("zero_optimization", {})
+    device = zero.get("offload_optimizer", {}).get("device", "none")
+    return device == "cpu" or bool(zero.get("cpu_offload"))

@@ -1,0 +1,354 @@
+"""Training metrics: timers, the Megatron-style log line, TensorBoard + JSONL, memory, MFU.
+
+The trainer computes the numbers; this module formats and writes them. `MetricsWriter` sends
+the same values to TensorBoard (`--tensorboard-dir`, tags `{kind}/{name}`) and to
+`--metrics-file` (one JSON object per line with "kind", "iteration" and the values).
+MFU = achieved model FLOP/s per rank / peak FLOP/s per rank, with the model FLOPs from
+`app.config.model_flops_per_token` and the peak from `peak_flops` (a table for known GPUs, a
+short measured matmul peak otherwise).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, TextIO, Tuple
+
+import torch
+
+
+# ---------------------------------------------------------------------------- timers
+
+class Timer:
+    """One named wall-clock timer accumulating seconds between start() and stop()."""
+
+    def __init__(self, name: str, barrier: Optional[Callable[[], None]] = None,
+                 synchronize: Optional[Callable[[], None]] = None) -> None:
+        self.name = name
+        self._barrier, self._synchronize = barrier, synchronize
+        self._elapsed = 0.0
+        self._started_at: Optional[float] = None
+
+    def _sync(self, barrier: bool) -> None:
+        if barrier and self._barrier is not None:
+            self._barrier()
+        if self._synchronize is not None:
+            self._synchronize()
+
+    def start(self, barrier: bool = False) -> None:
+        """Start timing (after the barrier hook when `barrier`); error if already started."""
+        if self._started_at is not None:
+            raise RuntimeError(f"timer {self.name!r} is already started")
+        self._sync(barrier)
+        self._started_at = time.perf_counter()
+
+    def stop(self, barrier: bool = False) -> None:
+        """Stop timing and add the interval to the total; error if not started."""
+        if self._started_at is None:
+            raise RuntimeError(f"timer {self.name!r} is not started")
+        self._sync(barrier)
+        self._elapsed += time.perf_counter() - self._started_at
+        self._started_at = None
+
+    def reset(self) -> None:
+        """Zero the total (a running timer keeps running from now)."""
+        self._elapsed = 0.0
+        if self._started_at is not None:
+            self._started_at = time.perf_counter()
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Total seconds so far, including a running interval; optionally reset afterwards."""
+        total = self._elapsed
+        if self._started_at is not None:
+            total += time.perf_counter() - self._started_at
+        if reset:
+            self.reset()
+        return total
+
+
+class Timers:
+    """A registry of named timers: `timers("forward").start()`, `timers.log_line([...])`.
+
+    `barrier` is called by start/stop(barrier=True) (e.g. a process-group barrier);
+    `synchronize` is called at every start/stop (e.g. torch.cuda.synchronize on GPU).
+    """
+
+    def __init__(self, barrier: Optional[Callable[[], None]] = None,
+                 synchronize: Optional[Callable[[], None]] = None) -> None:
+        self._barrier, self._synchronize = barrier, synchronize
+        self._timers: Dict[str, Timer] = {}
+
+    def __call__(self, name: str) -> Timer:
+        if name not in self._timers:
+            self._timers[name] = Timer(name, self._barrier, self._synchronize)
+        return self._timers[name]
+
+    def names(self) -> Iterable[str]:
+        return list(self._timers)
+
+    def elapsed(self, name: str, reset: bool = True) -> float:
+        """Seconds accumulated by `name` (0.0 for a timer never created)."""
+        return self._timers[name].elapsed(reset) if name in self._timers else 0.0
+
+    def log_line(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True) -> str:
+        """'time (ms) | forward: 12.34 | backward: ...': milliseconds divided by `normalizer`."""
+        if normalizer <= 0:
+            raise ValueError(f"normalizer must be positive, got {normalizer}")
+        parts = [f"{n}: {self.elapsed(n, reset) * 1000.0 / normalizer:.2f}"
+                 for n in names if n in self._timers]
+        return "time (ms) | " + " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------- throughput
+
+def tokens_per_second(global_batch_size: int, seq_length: int,
+                      seconds_per_iteration: float) -> float:
+    """Training tokens processed per second by the whole job."""
+    if seconds_per_iteration <= 0:
+        return float("nan")
+    return global_batch_size * seq_length / seconds_per_iteration
+
+
+def achieved_flops_per_rank(tokens_per_s: float, flops_per_token: float,
+                            world_size: int) -> float:
+    """Model FLOP/s per rank: tokens/s x model FLOPs per token / number of ranks."""
+    return tokens_per_s * flops_per_token / max(world_size, 1)
+
+
+def model_flops_utilization(achieved_per_rank: float, peak_per_rank: float) -> float:
+    """MFU as a fraction: achieved model FLOP/s per rank / peak FLOP/s per rank."""
+    if not peak_per_rank or peak_per_rank <= 0:
+        return float("nan")
+    return achieved_per_rank / peak_per_rank
+
+
+# Dense peak FLOP/s per GPU by (name fragment, precision). First fragment match wins, so the
+# more specific names come first. fp32 means plain FP32; tf32 is used when torch allows TF32.
+_GPU_PEAKS: Tuple[Tuple[str, Dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378.0e12, "fp32": 51.2e12}),
+    ("H100 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60.0e12}),
+    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("A100", {"bf16": 312.0e12, "fp16": 312.0e12, "tf32": 156.0e12, "fp32": 19.5e12}),
+    ("A10G", {"bf16": 70.0e12, "fp16": 70.0e12, "tf32": 35.0e12, "fp32": 31.2e12}),
+    ("A10", {"bf16": 125.0e12, "fp16": 125.0e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    ("L4", {"bf16": 121.0e12, "fp16": 121.0e12, "tf32": 60.0e12, "fp32": 30.3e12}),
+    ("V100", {"fp16": 125.0e12, "fp32": 15.7e12}),
+)
+
+
+def _precision_key(dtype: torch.dtype, device_type: str) -> str:
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    if device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "fp32"
+
+
+def gpu_peak_from_table(device_name: str, dtype: torch.dtype) -> Optional[Tuple[float, str]]:
+    """(peak FLOP/s, description) for a known GPU name and dtype, else None."""
+    key = _precision_key(dtype, "cuda")
+    for fragment, peaks in _GPU_PEAKS:
+        if fragment.lower() in device_name.lower() and key in peaks:
+            return peaks[key], f"{device_name} {key} dense peak (spec sheet)"
+    return None
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype,
+                        sizes: Tuple[int, ...] = (256, 512, 1024), repeats: int = 3) -> float:
+    """Best FLOP/s of n x n matmuls over `sizes` on `device` (a brief measurement)."""
+    best = 0.0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        torch.matmul(a, b)  # warm-up
+        sync()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            sync()
+            seconds = time.perf_counter() - t0
+            if seconds > 0:
+                best = max(best, 2.0 * n ** 3 / seconds)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def _peak_flops_cached(device_type: str, device_index: Optional[int],
+                       dtype: torch.dtype) -> Tuple[float, str]:
+    device = torch.device(device_type, device_index) if device_index is not None \
+        else torch.device(device_type)
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = gpu_peak_from_table(name, dtype)
+        if known is not None:
+            return known
+        label = name
+    else:
+        label = f"CPU ({torch.get_num_threads()} threads)"
+    value = measure_matmul_peak(device, dtype)
+    return value, f"measured {str(dtype).replace('torch.', '')} matmul peak on {label}"
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> Tuple[float, str]:
+    """(peak FLOP/s per rank, description) used for MFU; cached per device and dtype.
+
+    Known GPUs come from the spec-sheet table (H100/H200 SXM bf16 989.4e12, A100 312e12, ...);
+    other devices, the CPU included, get a brief measured n x n matmul peak.
+    """
+    device = torch.device(device)
+    return _peak_flops_cached(device.type, device.index, dtype)
+
+
+# ---------------------------------------------------------------------------- memory
+
+def _current_rss_bytes() -> Optional[int]:
+    try:
+        import psutil
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 (psutil optional)
+        pass
+    try:
+        with open("/proc/self/statm", "r", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def memory_stats(device: Optional[torch.device] = None) -> Dict[str, float]:
+    """Memory in MB: process RSS and peak RSS; CUDA allocated / max allocated / max reserved.
+
+    Keys: mem_rss_mb, mem_peak_rss_mb, and on a CUDA device mem_cuda_allocated_mb,
+    mem_cuda_max_allocated_mb, mem_cuda_max_reserved_mb.
+    """
+    mb = 1024.0 * 1024.0
+    stats: Dict[str, float] = {}
+    rss = _current_rss_bytes()
+    if rss is not None:
+        stats["mem_rss_mb"] = rss / mb
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
+    stats["mem_peak_rss_mb"] = peak_kb / (mb if sys.platform == "darwin" else 1024.0)
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        stats["mem_cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / mb
+        stats["mem_cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / mb
+        stats["mem_cuda_max_reserved_mb"] = torch.cuda.max_memory_reserved(device) / mb
+    return stats
+
+
+# ---------------------------------------------------------------------------- the log line
+
+_LOG_FIELDS: Tuple[Tuple[str, str, str], ...] = (
+    # (key in values, label, format)
+    ("consumed_samples", "consumed samples", "{:12d}"),
+    ("ms_per_iteration", "elapsed time per iteration (ms)", "{:.1f}"),
+    ("lr", "learning rate", "{:.6E}"),
+    ("global_batch_size", "global batch size", "{:5d}"),
+    ("lm_loss", "lm loss", "{:.6E}"),
+    ("loss_scale", "loss scale", "{:.1f}"),
+    ("grad_norm", "grad norm", "{:.3f}"),
+    ("skipped_iterations", "number of skipped iterations", "{:3d}"),
+    ("nan_iterations", "number of nan iterations", "{:3d}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"),
+    ("tflops_per_rank", "TFLOP/s per rank", "{:.3f}"),
+)
+
+
+def _fmt(fmt: str, value: Any) -> str:
+    if "d}" in fmt:
+        return fmt.format(int(value))
+    return fmt.format(float(value))
+
+
+def format_train_log(iteration: int, train_iters: int, values: Mapping[str, Any]) -> str:
+    """Megatron's one-line training log, extended with throughput, MFU and memory.
+
+    ' iteration       10/     200 | consumed samples:           80 | elapsed time per iteration
+    (ms): 123.4 | learning rate: 1.000000E-04 | lm loss: 5.123456E+00 | loss scale: 1.0 |
+    grad norm: 1.234 | number of skipped iterations:   0 | tokens/s: 1234 | TFLOP/s per rank:
+    0.123 | MFU: 12.34% | mem RSS/peak (MB): 812/900 |'. Keys absent or None are left out;
+    `mfu` is a fraction; memory keys are those of memory_stats().
+    """
+    parts = [f" iteration {iteration:8d}/{train_iters:8d}"]
+    for key, label, fmt in _LOG_FIELDS:
+        if values.get(key) is not None:
+            parts.append(f" {label}: {_fmt(fmt, values[key])}")
+    if values.get("mfu") is not None:
+        parts.append(f" MFU: {100.0 * float(values['mfu']):.2f}%")
+    if values.get("mem_rss_mb") is not None:
+        parts.append(f" mem RSS/peak (MB): {values['mem_rss_mb']:.0f}/"
+                     f"{values.get('mem_peak_rss_mb', float('nan')):.0f}")
+    if values.get("mem_cuda_allocated_mb") is not None:
+        parts.append(f" CUDA allocated/max reserved (MB): {values['mem_cuda_allocated_mb']:.0f}/"
+                     f"{values.get('mem_cuda_max_reserved_mb', float('nan')):.0f}")
+    return " |".join(parts) + " |"
+
+
+# ---------------------------------------------------------------------------- writers
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/Infinity
+    return value
+
+
+class MetricsWriter:
+    """Writes each set of values to TensorBoard and as one JSON line to the metrics file.
+
+    Disabled (a no-op) when `enabled` is False, so every rank can hold one and only the logging
+    rank writes. TensorBoard is imported lazily and only when `tensorboard_dir` is set.
+    """
+
+    def __init__(self, tensorboard_dir: Optional[str], metrics_file: Optional[str],
+                 enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._tb: Any = None
+        self._file: Optional[TextIO] = None
+        if not enabled:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: slow import
+            self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+        if metrics_file:
+            parent = os.path.dirname(os.path.abspath(metrics_file))
+            os.makedirs(parent, exist_ok=True)
+            self._file = open(metrics_file, "a", encoding="utf-8")
+
+    def write(self, kind: str, iteration: int, values: Mapping[str, Any]) -> None:
+        """Record `values` at `iteration` under `kind` ("train", "valid" or "test")."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            for name, value in values.items():
+                value = _json_value(value) if isinstance(value, torch.Tensor) else value
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{name}", value, iteration)
+            self._tb.flush()
+        if self._file is not None:
+            record = {"kind": kind, "iteration": int(iteration), "time": time.time()}
+            record.update({k: _json_value(v) for k, v in values.items()})
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close both outputs (idempotent)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,130 @@
+"""The native engine: our own gradient sync, clipping, AdamW step and Megatron-layout checkpoints.
+
+Per iteration: gradients accumulate over micro-batches (`backward`), then `step` averages them
+over the data-parallel group (bucketed all-reduce), sums the tied word-embedding gradient of the
+first and last pipeline stages, computes the global norm over the model-parallel group (each
+replicated parameter counted once), clips, skips the update if the norm is not finite, steps
+the optimizer and advances the LR schedule.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from app.config import RunConfig
+from app.mpu import collectives
+from app.mpu.grads import allreduce_embedding_grads, allreduce_gradients, clip_grad_norm
+from app.mpu.random import get_rng_tracker
+from app.training import checkpoint as ckpt
+from app.training.distributed import world_group
+from app.training.engine import Engine, LoadResult, StepResult, grad_norm_is_finite
+
+
+class NativeEngine(Engine):
+    """Engine for the native path: TP/PP/DP through app.mpu, fp32 weights and AdamW."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any, parallel_state: Any, log: Any = print) -> None:
+        self.cfg = cfg
+        self.module = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.ps = parallel_state
+        self.log = log
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _sync_gradients(self) -> None:
+        for p in self._params:  # a parameter unused on this stage still takes part in the sums
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.ps.data_parallel_size > 1:
+            allreduce_gradients(self._params, self.ps.data_parallel_group)
+        if self.ps.pipeline_model_parallel_size > 1:
+            stage_has_embedding = (self.ps.is_pipeline_first_stage()
+                                   or self.ps.is_pipeline_last_stage())
+            tied = self.module.word_embeddings_weight() if stage_has_embedding else None
+            allreduce_embedding_grads(tied, self.ps)
+
+    def step(self) -> StepResult:
+        self._sync_gradients()
+        max_norm = self.cfg.optimizer.clip_grad
+        norm = clip_grad_norm(self._params, max_norm, self.ps)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not grad_norm_is_finite(norm):
+            self.zero_grad()
+            return StepResult(grad_norm=norm, skipped=True, lr=lr)
+        self.optimizer.step()
+        self.lr_scheduler.step(1)
+        return StepResult(grad_norm=norm, skipped=False, lr=lr)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _rank_kwargs(self) -> Dict[str, int]:
+        return dict(tp_rank=self.ps.tensor_model_parallel_rank,
+                    pp_rank=self.ps.pipeline_model_parallel_rank,
+                    pp_size=self.ps.pipeline_model_parallel_size)
+
+    def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
+        c = self.cfg.checkpoint
+        args_ns = ckpt.checkpoint_args_namespace(
+            self.cfg, client_state["consumed_train_samples"],
+            client_state["consumed_valid_samples"], iteration)
+        rng = None if c.no_save_rng else ckpt.collect_rng_state(get_rng_tracker().get_states())
+        state = ckpt.build_checkpoint_dict(
+            iteration, self.module.state_dict(),
+            None if c.no_save_optim else self.optimizer.state_dict(),
+            None if c.no_save_optim else self.lr_scheduler.state_dict(),
+            rng, args_ns)
+        is_writer = self.ps.data_parallel_rank == 0
+        barrier = lambda: collectives.barrier(world_group())  # noqa: E731
+        if not is_writer:  # only one replica writes; the others wait for the tracker
+            barrier()
+            barrier()
+            return ckpt.checkpoint_dir(save_dir, iteration)
+        return ckpt.save_checkpoint(save_dir, iteration, state, barrier=barrier,
+                                    is_tracker_writer=self.ps.rank == 0, **self._rank_kwargs())
+
+    def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
+        c = self.cfg.checkpoint
+        state, iteration = ckpt.load_checkpoint_dict(load_dir, **self._rank_kwargs())
+        if state is None:
+            return None
+        current = ckpt.checkpoint_args_namespace(self.cfg, 0, 0, 0)
+        ckpt.check_checkpoint_args(state.get("args"), current)
+        self.module.load_state_dict(ckpt.from_megatron_model(state["model"]), strict=True)
+        release = iteration == "release"
+        if c.finetune or release:
+            self.log(f"loaded weights from {load_dir} ({'release' if release else iteration}); "
+                     "--finetune: starting at iteration 0 with a fresh optimizer")
+            return LoadResult(0, 0, 0, load_dir)
+        if not c.no_load_optim:
+            self._load_optimizer(state, load_dir)
+        if not c.no_load_rng:
+            if state.get("rng_state") is None:
+                raise ckpt.CheckpointError(
+                    f"checkpoint in {load_dir} has no RNG state (saved with --no-save-rng); "
+                    "pass --no-load-rng to resume without it")
+            tracker_states = ckpt.restore_rng_state(state["rng_state"])
+            if tracker_states:
+                get_rng_tracker().set_states(tracker_states)
+        args = state["args"]
+        return LoadResult(int(iteration), int(getattr(args, "consumed_train_samples", 0)),
+                          int(getattr(args, "consumed_valid_samples", 0)),
+                          os.path.join(load_dir, f"iter_{int(iteration):07d}"))
+
+    def _load_optimizer(self, state: Dict[str, Any], load_dir: str) -> None:
+        if state.get("optimizer") is None or state.get("lr_scheduler") is None:
+            raise ckpt.CheckpointError(
+                f"checkpoint in {load_dir} has no optimizer state (saved with --no-save-optim); "
+                "pass --no-load-optim (or --finetune) to start the optimizer fresh")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -1,0 +1,114 @@
+"""Build a whole run from parsed arguments and train it: the body of pretrain_gpt2.py.
+
+Order: distributed start-up -> tokenizer (vocab size) -> RunConfig -> parallel groups and seeds
+-> model stage -> engine -> checkpoint load -> datasets sized from the run -> Trainer.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, List, Optional
+
+import torch
+
+
+def _print_rank0(rank: int) -> Callable[[str], None]:
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+    return log
+
+
+def _set_seeds(seed: int, parallel_state: Any) -> None:
+    """Python, numpy and torch seeds (seed + 100 x pipeline stage, as Megatron) and the
+    model-parallel RNG stream (seed + 2718 + tensor-parallel rank)."""
+    from app.mpu.random import model_parallel_seed
+    model_parallel_seed(seed, parallel_state)
+
+
+def _build_parallel_state(cfg: Any, world_size: int) -> Any:
+    from app.mpu.parallel_state import ParallelState, initialize_model_parallel
+    p = cfg.parallel
+    if world_size == 1:
+        return ParallelState.single()
+    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+
+
+def build_model(cfg: Any, parallel_state: Any) -> torch.nn.Module:
+    """The GPT-2 stage this rank holds (all layers when there is one pipeline stage)."""
+    from app.model import GPT2Model
+    pp, stage = parallel_state.pipeline_model_parallel_size, parallel_state.pipeline_model_parallel_rank
+    per_stage = cfg.model.num_layers // pp
+    return GPT2Model(cfg.model, parallel_state, pre_process=stage == 0,
+                     post_process=stage == pp - 1,
+                     layer_range=(stage * per_stage, (stage + 1) * per_stage))
+
+
+def _datasets(cfg: Any, parallel_state: Any, log: Callable[[str], None]) -> tuple:
+    from app.data import build_train_valid_test_datasets
+    from app.mpu import collectives
+    from app.training.distributed import world_group
+    t = cfg.training
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
+    num_samples = (t.train_iters * t.global_batch_size, evals * t.global_batch_size,
+                   t.eval_iters * t.global_batch_size)
+    log(f"building train/valid/test datasets for {num_samples} samples from {cfg.data.data_path}")
+    return build_train_valid_test_datasets(
+        cfg.data.data_path, cfg.data.split, num_samples, cfg.model.seq_length, t.seed,
+        cache_path=cfg.data.data_cache_path, vocab_size=cfg.raw_vocab_size,
+        is_builder=parallel_state.rank == 0,
+        barrier=lambda: collectives.barrier(world_group()))
+
+
+def pretrain(argv: Optional[List[str]] = None) -> Any:
+    """Parse `argv`, build everything and train; returns the Trainer (for tests and tools)."""
+    import arguments
+    from app.data import build_tokenizer, pad_vocab_size
+    from app.training.distributed import init_distributed
+    from app.training.engine import build_engine
+    from app.training.trainer import RunState, Trainer
+
+    args = arguments.parse_args(argv)
+    info = init_distributed(args.distributed_backend, getattr(args, "deepspeed_mpi", False))
+    log = _print_rank0(info.rank)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+    padded = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                            args.tensor_model_parallel_size)
+    log(f"> padded vocab (size: {tokenizer.vocab_size}) with {padded - tokenizer.vocab_size} "
+        f"dummy tokens (new size: {padded})")
+    cfg = arguments.build_run_config(args, info.world_size, tokenizer.vocab_size, padded)
+    ps = _build_parallel_state(cfg, info.world_size)
+    _set_seeds(cfg.training.seed, ps)
+    if cfg.deepspeed.enabled and cfg.deepspeed.activation_checkpointing:
+        from app.training.deepspeed_engine import configure_activation_checkpointing
+        configure_activation_checkpointing(cfg, ps)
+    model = build_model(cfg, ps).to(info.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"> parameters on (tensor, pipeline) model-parallel rank "
+        f"({ps.tensor_model_parallel_rank}, {ps.pipeline_model_parallel_rank}): {n_params}")
+    engine = build_engine(cfg, model, ps, log=log)
+    state = RunState()
+    if cfg.checkpoint.load:
+        loaded = engine.load_checkpoint(cfg.checkpoint.load)
+        if loaded is None:
+            log(f"WARNING: --load {cfg.checkpoint.load} holds no checkpoint "
+                "(no latest_checkpointed_iteration.txt); starting from iteration 0")
+        else:
+            state = RunState(loaded.iteration, loaded.consumed_train_samples,
+                             loaded.consumed_valid_samples)
+            log(f"loaded checkpoint {loaded.path}: resuming at iteration {loaded.iteration}, "
+                f"consumed samples {loaded.consumed_train_samples}")
+    datasets = _datasets(cfg, ps, log)
+    trainer = Trainer(cfg, engine, ps, datasets, tokenizer.eod, info.device, log=print, state=state)
+    trainer.train()
+    return trainer
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Command-line entry: configuration and checkpoint errors exit 2 with one clear line."""
+    from app.training.checkpoint import CheckpointError
+    try:
+        pretrain(argv)
+    except (ValueError, CheckpointError, FileNotFoundError) as exc:  # data format errors are ValueErrors
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0

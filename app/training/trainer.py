@@ -1,0 +1,245 @@
+"""The training loop: iterations of accumulated micro-batches, evaluation, logging, saving, exits.
+
+The loop talks only to an `Engine` (native or DeepSpeed) and to a forward/backward schedule
+(no pipelining, or 1F1B when the pipeline has several stages). It keeps the run's position as
+`iteration` and `consumed_train_samples` / `consumed_valid_samples`, which checkpoints carry,
+so a resumed run continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from app.config import RunConfig, model_flops_per_token
+from app.mpu import collectives
+from app.training import metrics as metrics_lib
+from app.training.distributed import world_group
+from app.training.data_loading import BatchBuilder, build_data_iterator
+from app.training.engine import Engine
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the per-token loss `[b, s]` over the tokens whose `loss_mask` is 1."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@dataclass
+class RunState:
+    """Where the run stands; what a checkpoint's client state carries."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+
+    def client_state(self) -> Dict[str, int]:
+        return {"iteration": self.iteration,
+                "consumed_train_samples": self.consumed_train_samples,
+                "consumed_valid_samples": self.consumed_valid_samples}
+
+
+@dataclass
+class _Interval:
+    """Sums over one logging interval."""
+
+    losses: List[float] = field(default_factory=list)
+    grad_norms: List[float] = field(default_factory=list)
+    skipped: int = 0
+    iterations: int = 0
+    seconds: float = 0.0
+
+
+class Trainer:
+    """Runs training for `cfg.training.train_iters` iterations on the given engine and datasets."""
+
+    def __init__(self, cfg: RunConfig, engine: Engine, parallel_state: Any, datasets: tuple,
+                 eod: int, device: torch.device, log: Callable[[str], None] = print,
+                 state: Optional[RunState] = None) -> None:
+        self.cfg, self.engine, self.ps = cfg, engine, parallel_state
+        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.device = device
+        self.is_logging_rank = parallel_state.rank == parallel_state.world_size - 1
+        self.log = log if self.is_logging_rank else (lambda *_: None)  # Megatron's print_rank_last
+        self.state = state or RunState()
+        t = cfg.training
+        self.num_micro = t.num_micro_batches(parallel_state.data_parallel_size)
+        self.batches = BatchBuilder(cfg.data, eod, t.micro_batch_size, cfg.model.seq_length,
+                                    parallel_state, device)
+        self.writer = metrics_lib.MetricsWriter(t.tensorboard_dir, t.metrics_file,
+                                                enabled=self.is_logging_rank)
+        self.flops_per_token = model_flops_per_token(cfg.model)
+        self.peak_flops, peak_desc = self._peak_flops()
+        self.log(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s per rank ({peak_desc}); "
+                 f"model FLOPs per token {self.flops_per_token / 1e6:.2f} MFLOP")
+        self.start_time = time.time()
+        self.history: List[Dict[str, float]] = []
+
+    def _peak_flops(self):
+        if self.cfg.training.peak_flops:
+            return self.cfg.training.peak_flops, "--peak-flops"
+        dtype = {"float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16}[self.cfg.model.params_dtype]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # measuring must not move the seeded streams
+            return metrics_lib.peak_flops(self.device, dtype)
+
+    # ------------------------------------------------------------------ one iteration
+
+    def _forward_backward(self, iterator, forward_only: bool) -> List[torch.Tensor]:
+        """Run all micro-batches of one iteration through the schedule; losses (last stage)."""
+        from app.training.schedule import get_forward_backward_func
+        schedule = get_forward_backward_func(self.ps.pipeline_model_parallel_size)
+        model = self.engine.module
+
+        def forward_step(batch):
+            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                        labels=batch["labels"])
+            return out, batch["loss_mask"]
+
+        return schedule(forward_step_func=forward_step,
+                        batch_func=lambda: self.batches.next(iterator),
+                        model=model, num_microbatches=self.num_micro,
+                        loss_func=masked_mean_loss, backward_func=self.engine.backward,
+                        parallel_state=self.ps, forward_only=forward_only,
+                        tensor_shape=(self.cfg.training.micro_batch_size,
+                                      self.cfg.model.seq_length, self.cfg.model.hidden_size))
+
+    def _mean_loss_across_dp(self, losses: List[torch.Tensor]) -> Optional[float]:
+        if not losses:
+            return None
+        loss = torch.stack([x.detach().float() for x in losses]).mean()
+        if self.ps.data_parallel_size > 1:
+            collectives.all_reduce(loss, self.ps.data_parallel_group)
+            loss = loss / self.ps.data_parallel_size
+        return float(loss)
+
+    def train_step(self, iterator) -> Dict[str, Any]:
+        """One iteration: zero grads, accumulate all micro-batches, step. Returns its numbers."""
+        self.engine.train()
+        self.engine.zero_grad()
+        losses = self._forward_backward(iterator, forward_only=False)
+        result = self.engine.step()
+        return {"loss": self._mean_loss_across_dp(losses), "grad_norm": result.grad_norm,
+                "skipped": result.skipped, "lr": result.lr, "loss_scale": result.loss_scale}
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, iterator, num_iters: int) -> Optional[float]:
+        """Mean LM loss over `num_iters` iterations of the global batch (forward only)."""
+        self.engine.eval()
+        losses: List[torch.Tensor] = []
+        for _ in range(num_iters):
+            losses.extend(self._forward_backward(iterator, forward_only=True))
+        self.engine.train()
+        return self._mean_loss_across_dp(losses)
+
+    def _report_eval(self, kind: str, loss: Optional[float]) -> None:
+        if loss is None or not self.is_logging_rank:
+            return
+        ppl = math.exp(min(20.0, loss))
+        self.log(f" {kind} loss at iteration {self.state.iteration} | lm loss: {loss:.6E} | "
+                 f"lm loss PPL: {ppl:.6E}")
+        self.writer.write(kind, self.state.iteration,
+                          {"lm_loss": loss, "ppl": ppl,
+                           "consumed_train_samples": self.state.consumed_train_samples})
+        self.history.append({"kind": kind, "iteration": self.state.iteration, "lm_loss": loss})
+
+    # ------------------------------------------------------------------ logging
+
+    def _log_interval(self, acc: _Interval, step: Dict[str, Any]) -> None:
+        t, s = self.cfg.training, self.state
+        per_iter = acc.seconds / max(acc.iterations, 1)
+        tokens_per_s = t.global_batch_size * self.cfg.model.seq_length / per_iter
+        tflops = tokens_per_s * self.flops_per_token / self.ps.world_size / 1e12
+        values = {
+            "consumed_samples": s.consumed_train_samples, "lr": step["lr"],
+            "lm_loss": sum(acc.losses) / len(acc.losses) if acc.losses else float("nan"),
+            "grad_norm": (sum(acc.grad_norms) / len(acc.grad_norms)
+                          if acc.grad_norms else float("nan")),
+            "loss_scale": step["loss_scale"], "skipped_iterations": acc.skipped,
+            "total_skipped_iterations": s.skipped_iterations,
+            "ms_per_iteration": per_iter * 1e3, "tokens_per_s": tokens_per_s,
+            "tflops_per_rank": tflops, "mfu": tflops * 1e12 / self.peak_flops,
+        }
+        values.update(metrics_lib.memory_stats(self.device))
+        if self.is_logging_rank:
+            self.log(metrics_lib.format_train_log(s.iteration, t.train_iters, values))
+            self.writer.write("train", s.iteration, values)
+        self.history.append({"kind": "train", "iteration": s.iteration, **values})
+
+    # ------------------------------------------------------------------ the loop
+
+    def _save(self) -> None:
+        save = self.cfg.checkpoint.save
+        if not save:
+            return
+        t0 = time.time()
+        path = self.engine.save_checkpoint(save, self.state.iteration, self.state.client_state())
+        self.log(f"saved checkpoint at iteration {self.state.iteration} to {path} "
+                 f"({time.time() - t0:.2f} s)")
+
+    def _should_exit_on_time(self) -> bool:
+        limit = self.cfg.training.exit_duration_in_mins
+        if not limit:
+            return False
+        over = torch.tensor([1.0 if (time.time() - self.start_time) / 60.0 > limit else 0.0])
+        collectives.all_reduce(over, world_group(), op="max")  # every rank stops at the same iteration
+        return bool(over.item() > 0)
+
+    def train(self) -> RunState:
+        """Train to `train_iters` (or an exit condition); evaluate and save as configured."""
+        t, s, c = self.cfg.training, self.state, self.cfg.checkpoint
+        train_iter = build_data_iterator(self.train_ds, s.consumed_train_samples,
+                                         t.micro_batch_size, self.ps, self.cfg.data.num_workers)
+        valid_iter = build_data_iterator(self.valid_ds, s.consumed_valid_samples,
+                                         t.micro_batch_size, self.ps, 0)
+        acc, last_saved, exiting = _Interval(), None, False
+        while s.iteration < t.train_iters and not exiting:
+            t0 = time.time()
+            step = self.train_step(train_iter)
+            acc.seconds += time.time() - t0
+            s.iteration += 1
+            s.consumed_train_samples += t.global_batch_size
+            acc.iterations += 1
+            if step["skipped"]:
+                acc.skipped += 1
+                s.skipped_iterations += 1
+            else:
+                if step["loss"] is not None:
+                    acc.losses.append(step["loss"])
+                if step["grad_norm"] is not None:
+                    acc.grad_norms.append(step["grad_norm"])
+            if s.iteration % t.log_interval == 0:
+                self._log_interval(acc, step)
+                acc = _Interval()
+            if t.eval_iters and self.valid_ds is not None and s.iteration % t.eval_interval == 0:
+                self._report_eval("valid", self.evaluate(valid_iter, t.eval_iters))
+                s.consumed_valid_samples += t.eval_iters * t.global_batch_size
+            exiting = bool(t.exit_interval and s.iteration % t.exit_interval == 0)
+            exiting = exiting or self._should_exit_on_time()
+            if c.save and ((c.save_interval and s.iteration % c.save_interval == 0) or exiting):
+                self._save()
+                last_saved = s.iteration
+        if exiting:
+            self.log(f"exiting at iteration {s.iteration} (exit condition reached)")
+        else:
+            self._finish(valid_iter, last_saved)
+        self.writer.close()
+        return s
+
+    def _finish(self, valid_iter, last_saved: Optional[int]) -> None:
+        t, s = self.cfg.training, self.state
+        if t.eval_iters and self.valid_ds is not None and s.iteration % t.eval_interval != 0:
+            self._report_eval("valid", self.evaluate(valid_iter, t.eval_iters))
+            s.consumed_valid_samples += t.eval_iters * t.global_batch_size
+        if self.cfg.checkpoint.save and last_saved != s.iteration:
+            self._save()
+        if t.eval_iters and self.test_ds is not None:
+            test_iter = build_data_iterator(self.test_ds, 0, t.micro_batch_size, self.ps, 0)
+            self._report_eval("test", self.evaluate(test_iter, t.eval_iters))

@@ -1,0 +1,434 @@
+"""Command-line arguments: Megatron-LM flag names (plus DeepSpeed's), converted once into configs.
+
+This is the only module that touches argparse. `parse_args` returns the raw namespace;
+`build_run_config` turns it into an `app.config.RunConfig`, filling derived defaults and checking
+every cross-flag rule with a message that names the flags and their values. Library code never
+sees the namespace.
+
+Both spellings are accepted where DeepSpeedExamples' Megatron-LM and current Megatron-LM differ;
+the pairs share one `dest`, so either spelling sets the same value:
+
+=============================  ==============================
+DeepSpeedExamples name          current Megatron-LM name
+=============================  ==============================
+--model-parallel-size           --tensor-model-parallel-size
+--batch-size                    --micro-batch-size
+--intermediate-size             --ffn-hidden-size
+--warmup (fraction)             --lr-warmup-fraction
+--min-scale                     --min-loss-scale
+--local_rank                    --local-rank
+=============================  ==============================
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Type, TypeVar
+
+from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
+                        OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
+                        TrainingConfig, split_weights, validate_configs)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# ---------------------------------------------------------------------------- flag groups
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model", "GPT-2 shape and regularisation")
+    g.add_argument("--num-layers", type=int, default=24, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=1024, help="model width h")
+    g.add_argument("--num-attention-heads", type=int, default=16)
+    g.add_argument("--ffn-hidden-size", "--intermediate-size", dest="ffn_hidden_size", type=int,
+                   default=None, help="MLP width (default 4 x hidden size)")
+    g.add_argument("--seq-length", type=int, default=1024, help="tokens per training sample")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="rows of the position table (default: --seq-length)")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocab to a multiple of this x the tensor-parallel size")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="tanh-approximated GeLU instead of the exact erf form")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
+                   action="store_false")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute transformer layers in backward")
+    g.add_argument("--checkpoint-num-layers", type=int, default=1,
+                   help="layers per recomputed chunk")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallel", "model parallelism and process launch")
+    g.add_argument("--tensor-model-parallel-size", "--model-parallel-size",
+                   dest="tensor_model_parallel_size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl when CUDA is available, else gloo")
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="set by launchers (torch.distributed.launch, deepspeed)")
+
+
+def _add_precision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("precision", "mixed precision and loss scaling")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale; unset means dynamic scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", "--min-scale", dest="min_loss_scale", type=float,
+                   default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("optimizer", "AdamW, clipping and the LR schedule")
+    g.add_argument("--lr", type=float, default=1.5e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "exponential"],
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-fraction", "--warmup", dest="lr_warmup_fraction", type=float,
+                   default=None, help="warmup as a fraction of --lr-decay-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training", "batches, iterations, logging, evaluation, exits")
+    g.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=int,
+                   default=4, help="samples per rank per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration (default: micro batch x data-parallel size)")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--metrics-file", type=str, default=None,
+                   help="append one JSON object per log line to this file")
+    g.add_argument("--peak-flops", type=float, default=None,
+                   help="peak FLOP/s per rank for MFU (default: looked up or measured)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save and exit when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data", "dataset and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=[],
+                   help="a dataset prefix, or weight prefix pairs: 0.7 a 0.3 b")
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--tokenizer-type", type=str, default="GPT2BPETokenizer")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--num-workers", type=int, default=2)
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing", "Megatron-layout checkpoints")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only and start at iteration 0")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
+                   help="after each save, delete all but the newest N iter_ directories")
+
+
+def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
+    """DeepSpeed's own flags (from deepspeed when it imports) plus ours for the DeepSpeed path."""
+    try:
+        import deepspeed  # lazy: importing it is slow and it is optional on the native path
+        deepspeed.add_config_arguments(parser)
+    except ImportError:
+        g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+        g.add_argument("--deepspeed", action="store_true", default=False)
+        g.add_argument("--deepspeed_config", type=str, default=None)
+        g.add_argument("--deepscale", action="store_true", default=False)
+        g.add_argument("--deepscale_config", type=str, default=None)
+    known = parser._option_string_actions  # noqa: SLF001 (only way to ask "is it defined?")
+    if "--deepspeed_mpi" not in known:
+        parser.add_argument("--deepspeed_mpi", action="store_true", default=False,
+                            help="discover ranks through mpi4py")
+    parser.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                        help="use deepspeed.checkpointing instead of our recomputation")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: every Megatron-LM flag this project understands plus DeepSpeed's."""
+    parser = argparse.ArgumentParser(
+        description="GPT-2 pretraining, Megatron-LM style (native or DeepSpeed)",
+        allow_abbrev=False)
+    for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_optimizer_args,
+                _add_training_args, _add_data_args, _add_checkpoint_args, _add_deepspeed_args):
+        add(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse `argv` (default sys.argv[1:]) into a namespace with Megatron's dest names.
+
+    Only parsing happens here; derived defaults and cross-flag checks are `build_run_config`'s.
+    """
+    args = build_parser().parse_args(argv)
+    args.deepspeed = bool(args.deepspeed or getattr(args, "deepscale", False))
+    if args.deepspeed_config is None and getattr(args, "deepscale_config", None):
+        args.deepspeed_config = args.deepscale_config
+    return args
+
+
+# ---------------------------------------------------------------------------- validation
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_positive(args: argparse.Namespace, flags: Sequence[str], allow_none: bool) -> None:
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is None and allow_none:
+            continue
+        _check(value is not None and value > 0, f"{flag} must be positive, got {value}")
+
+
+def _check_model_flags(args: argparse.Namespace, ffn: int, max_pos: int) -> None:
+    _check_positive(args, ["--num-layers", "--hidden-size", "--num-attention-heads",
+                           "--seq-length", "--checkpoint-num-layers",
+                           "--make-vocab-size-divisible-by"], allow_none=False)
+    _check(args.hidden_size % args.num_attention_heads == 0,
+           f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
+           f"({args.num_attention_heads})")
+    _check(args.seq_length <= max_pos,
+           f"--seq-length ({args.seq_length}) is larger than --max-position-embeddings "
+           f"({max_pos}); raise --max-position-embeddings or lower --seq-length")
+    _check(ffn > 0, f"--ffn-hidden-size must be positive, got {ffn}")
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        _check(0.0 <= value < 1.0, f"{flag} must be in [0, 1), got {value}")
+
+
+def _check_parallel_flags(args: argparse.Namespace, world_size: int, ffn: int,
+                          padded_vocab_size: int) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _check_positive(args, ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"],
+                    allow_none=False)
+    _check(world_size % (tp * pp) == 0,
+           f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
+           f"x --pipeline-model-parallel-size ({pp})")
+    _check(args.num_attention_heads % tp == 0,
+           f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
+           f"--tensor-model-parallel-size ({tp})")
+    _check(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) is not divisible by "
+                          f"--tensor-model-parallel-size ({tp})")
+    _check(padded_vocab_size % tp == 0,
+           f"padded vocab size ({padded_vocab_size}) is not divisible by "
+           f"--tensor-model-parallel-size ({tp})")
+    _check(args.num_layers % pp == 0,
+           f"--num-layers ({args.num_layers}) is not divisible by "
+           f"--pipeline-model-parallel-size ({pp})")
+    if args.deepspeed:
+        _check(pp == 1, f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
+                        "--deepspeed yet; use the native path or --pipeline-model-parallel-size 1")
+        _check(bool(args.deepspeed_config), "--deepspeed needs --deepspeed_config <path to JSON>")
+
+
+def _check_batch_flags(args: argparse.Namespace, data_parallel_size: int,
+                       global_batch: int) -> None:
+    _check_positive(args, ["--micro-batch-size", "--train-iters", "--log-interval",
+                           "--eval-interval"], allow_none=False)
+    _check(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    _check(global_batch > 0, f"--global-batch-size must be positive, got {global_batch}")
+    per_step = args.micro_batch_size * data_parallel_size
+    _check(global_batch % per_step == 0,
+           f"--global-batch-size ({global_batch}) is not divisible by --micro-batch-size "
+           f"({args.micro_batch_size}) x data-parallel size ({data_parallel_size})")
+    _check_positive(args, ["--exit-interval", "--exit-duration-in-mins", "--peak-flops",
+                           "--save-interval", "--keep-last-n-checkpoints"], allow_none=True)
+    _check(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
+    _check(not (args.finetune and not args.load), "--finetune needs --load <checkpoint dir>")
+    try:
+        split_weights(args.split)
+    except ValueError as exc:
+        raise ValueError(f"--split {args.split!r} is invalid ({exc}); give up to three "
+                         "non-negative weights, e.g. 969,30,1") from None
+
+
+def _resolve_schedule(args: argparse.Namespace) -> Tuple[int, int]:
+    """(lr_decay_iters, lr_warmup_iters) from the flags, with Megatron's defaults and checks."""
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    _check(decay_iters > 0, f"--lr-decay-iters must be positive, got {decay_iters}")
+    _check(0.0 <= args.min_lr <= args.lr,
+           f"--min-lr ({args.min_lr}) must be between 0 and --lr ({args.lr})")
+    _check(args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if args.lr_warmup_fraction is not None:
+        _check(args.lr_warmup_iters == 0,
+               f"--lr-warmup-fraction/--warmup ({args.lr_warmup_fraction}) and --lr-warmup-iters "
+               f"({args.lr_warmup_iters}) were both given; use only one")
+        _check(0.0 <= args.lr_warmup_fraction <= 1.0,
+               f"--lr-warmup-fraction/--warmup must be in [0, 1], got {args.lr_warmup_fraction}")
+        warmup = int(args.lr_warmup_fraction * decay_iters)
+    else:
+        warmup = args.lr_warmup_iters
+    _check(warmup >= 0, f"--lr-warmup-iters must be >= 0, got {warmup}")
+    _check(warmup <= decay_iters,
+           f"warmup iterations ({warmup}) exceed --lr-decay-iters ({decay_iters})")
+    return decay_iters, warmup
+
+
+def _resolve_backend(requested: Optional[str]) -> str:
+    import torch
+    cuda = torch.cuda.is_available()
+    backend = requested or ("nccl" if cuda else "gloo")
+    _check(backend != "nccl" or cuda,
+           "--distributed-backend nccl needs CUDA, which is not available; use gloo")
+    return backend
+
+
+# ---------------------------------------------------------------------------- conversion
+
+def _model_config(args: argparse.Namespace, ffn: int, max_pos: int,
+                  padded_vocab_size: int) -> ModelConfig:
+    dtype = "float16" if args.fp16 else "bfloat16" if args.bf16 else "float32"
+    return ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+        max_position_embeddings=max_pos, padded_vocab_size=padded_vocab_size,
+        ffn_hidden_size=ffn, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
+        init_method_std=args.init_method_std, openai_gelu=args.openai_gelu,
+        checkpoint_activations=args.checkpoint_activations,
+        checkpoint_num_layers=args.checkpoint_num_layers,
+        bias_gelu_fusion=args.bias_gelu_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
+        params_dtype=dtype, seed=args.seed)
+
+
+def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=global_batch,
+        train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        tensorboard_dir=args.tensorboard_dir, metrics_file=args.metrics_file,
+        peak_flops=args.peak_flops)
+
+
+def _other_configs(args: argparse.Namespace, decay_iters: int, warmup: int) -> dict:
+    return dict(
+        optimizer=OptimizerConfig(
+            lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+            lr_decay_iters=decay_iters, lr_warmup_iters=warmup, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad),
+        precision=PrecisionConfig(
+            fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis),
+        data=DataConfig(
+            data_path=list(args.data_path), split=args.split,
+            data_cache_path=args.data_cache_path, tokenizer_type=args.tokenizer_type,
+            vocab_file=args.vocab_file, merge_file=args.merge_file,
+            reset_position_ids=args.reset_position_ids,
+            reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+            num_workers=args.num_workers),
+        checkpoint=CheckpointConfig(
+            save=args.save, save_interval=args.save_interval, load=args.load,
+            no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
+            no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+            finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints),
+        deepspeed=DeepSpeedConfig(
+            enabled=args.deepspeed, config_path=args.deepspeed_config,
+            activation_checkpointing=args.deepspeed_activation_checkpointing,
+            mpi=args.deepspeed_mpi),
+    )
+
+
+def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: int,
+                     padded_vocab_size: int) -> RunConfig:
+    """Convert the parsed flags once into a validated RunConfig.
+
+    Fills the derived defaults (ffn = 4h, max positions = seq length, lr_decay_iters =
+    train_iters, warmup iterations = fraction x decay iterations, global batch = micro batch x
+    data-parallel size) and raises ValueError naming the flags and values of the first rule
+    broken. `raw_vocab_size` / `padded_vocab_size` come from the tokenizer, built before this.
+    """
+    _check(args.train_iters is not None, "--train-iters is required")
+    _check(world_size > 0, f"world size must be positive, got {world_size}")
+    _check(0 < raw_vocab_size <= padded_vocab_size,
+           f"need 0 < vocab size ({raw_vocab_size}) <= padded vocab size ({padded_vocab_size})")
+    _check(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive; pick one")
+    ffn = args.ffn_hidden_size if args.ffn_hidden_size is not None else 4 * args.hidden_size
+    max_pos = (args.max_position_embeddings if args.max_position_embeddings is not None
+               else args.seq_length)
+    _check_model_flags(args, ffn, max_pos)
+    _check_parallel_flags(args, world_size, ffn, padded_vocab_size)
+    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    global_batch = (args.global_batch_size if args.global_batch_size is not None
+                    else args.micro_batch_size * dp)
+    _check_batch_flags(args, dp, global_batch)
+    decay_iters, warmup = _resolve_schedule(args)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, world_size=world_size,
+        distributed_backend=_resolve_backend(args.distributed_backend),
+        local_rank=args.local_rank)
+    cfg = RunConfig(model=_model_config(args, ffn, max_pos, padded_vocab_size),
+                    parallel=parallel, training=_training_config(args, global_batch),
+                    raw_vocab_size=raw_vocab_size,
+                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                    **_other_configs(args, decay_iters, warmup))
+    validate_configs(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------- entry-point helper
+
+def exit_on_config_error(fn: Optional[F] = None, *,
+                         exceptions: Tuple[Type[BaseException], ...] = (ValueError,),
+                         exit_code: int = 2) -> Any:
+    """Decorate a start-up function so a config error prints "error: <message>" and exits.
+
+    Catches `exceptions` (ValueError by default; pass e.g. (ValueError, CheckpointError)),
+    writes "error: <message>" to stderr without a traceback and exits with `exit_code` (2, as
+    argparse does). Wrap only start-up code (parsing, config building, checkpoint loading), not
+    the training loop, so that real bugs keep their tracebacks. Usable bare or with arguments.
+    """
+    def decorate(inner: F) -> F:
+        @functools.wraps(inner)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            try:
+                return inner(*a, **kw)
+            except exceptions as exc:  # noqa: PERF203
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(exit_code) from None
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def format_args(args: argparse.Namespace) -> List[str]:
+    """Megatron-style listing of every argument, one "  name .... value" line each, sorted."""
+    lines = []
+    for key in sorted(vars(args)):
+        dots = "." * max(1, 48 - len(key))
+        lines.append(f"  {key} {dots} {getattr(args, key)}")
+    return lines

@@ -1,0 +1,223 @@
+"""Training-step throughput of our GPT-2 beside Hugging Face's and a nanoGPT-style reference.
+
+One process, fp32, dropout 0, the same shapes, data and optimizer (AdamW, decay off for biases
+and LayerNorm, torch's fused implementation where supported) for every implementation. A step is
+forward + loss + backward + optimizer step (+ LR schedule for ours). Steps are interleaved across
+implementations (and the order rotated every step) so that load from other processes on the
+machine affects all of them alike. MFU = model FLOP/s (app.config.model_flops_per_token) over
+this machine's measured fp32 matmul peak.
+
+    python bench/bench_train.py                 # 3 warm-up + 10 timed steps each
+    python bench/bench_train.py --steps 20 --impls ours,hf
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from app.config import ModelConfig, OptimizerConfig, model_flops_per_token  # noqa: E402
+from app.model import GPT2Model  # noqa: E402
+from app.optim import OptimizerParamScheduler, build_optimizer  # noqa: E402
+from bench.common import format_table, measure_matmul_peak, summarize  # noqa: E402
+
+OPT = OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_decay_style="cosine", lr_decay_iters=1000,
+                      lr_warmup_iters=0, weight_decay=0.01)
+
+
+# ---- the nanoGPT-style reference (written for this benchmark) ----------------------------------
+class _RefBlock(nn.Module):
+    """Pre-LN block with a [q|k|v] projection and SDPA; [b, s, h] -> [b, s, h]."""
+
+    def __init__(self, h: int, heads: int, approximate: str) -> None:
+        super().__init__()
+        self.heads, self.approximate = heads, approximate
+        self.ln_1, self.ln_2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.attn_out = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc, self.fc_out = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(h, dim=2)  # 3 x [b, s, h]
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hd]
+        x = x + self.attn_out(y.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate=self.approximate))
+
+
+class RefGPT(nn.Module):
+    """Token + position embeddings, pre-LN blocks, final LN, tied LM head; returns mean CE loss."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        approximate = "tanh" if cfg.openai_gelu else "none"
+        self.wte = nn.Embedding(cfg.padded_vocab_size, h)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, h)
+        self.blocks = nn.ModuleList(_RefBlock(h, cfg.num_attention_heads, approximate)
+                                    for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(h)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.wte(ids) + self.wpe(pos)  # [b, s, h]
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # [b, s, V]
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+# ---- one training step per implementation -------------------------------------------------------
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """The references' optimizer: AdamW, decay only on >= 2-d tensors, fused where supported."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": OPT.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = dict(lr=OPT.lr, betas=(OPT.adam_beta1, OPT.adam_beta2), eps=OPT.adam_eps)
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except RuntimeError:
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+class Impl:
+    """A model, its optimizer and a loss function; `step()` times forward, backward, optimizer."""
+
+    def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[], torch.Tensor], after_step: Callable[[], None] = lambda: None):
+        self.name, self.model, self.optimizer = name, model, optimizer
+        self.loss_fn, self.after_step = loss_fn, after_step
+        self.phases: Dict[str, List[float]] = {"fwd": [], "bwd": [], "opt": [], "step": []}
+        self.losses: List[float] = []
+
+    def step(self, record: bool) -> None:
+        t0 = time.perf_counter()
+        loss = self.loss_fn()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.after_step()
+        t3 = time.perf_counter()
+        self.losses.append(loss.item())
+        if record:
+            for key, value in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2), ("step", t3 - t0)):
+                self.phases[key].append(value)
+
+
+def build_impls(cfg: ModelConfig, names: List[str], ids: torch.Tensor,
+                labels: torch.Tensor) -> List[Impl]:
+    """The requested implementations, all fed the same ids [b, s] and labels [b, s]."""
+    impls = []
+    if "ours" in names:
+        ours = GPT2Model(cfg).train()
+        opt = build_optimizer(ours, OPT)
+        sched = OptimizerParamScheduler(opt, OPT)
+        pos = torch.arange(cfg.seq_length).unsqueeze(0).expand_as(ids)
+        impls.append(Impl("ours", ours, opt, lambda: ours(ids, pos, None, labels).mean(),
+                          lambda: sched.step()))
+    if "hf" in names:
+        import transformers
+        hf_cfg = transformers.GPT2Config(
+            n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
+            n_positions=cfg.max_position_embeddings, vocab_size=cfg.padded_vocab_size,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+            activation_function="gelu_pytorch_tanh" if cfg.openai_gelu else "gelu")
+        hf = transformers.GPT2LMHeadModel(hf_cfg).train()
+        vocab = cfg.padded_vocab_size
+        impls.append(Impl("hf", hf, _adamw(hf), lambda: F.cross_entropy(
+            hf(input_ids=ids).logits.view(-1, vocab), labels.reshape(-1))))
+    if "nano" in names:
+        ref = RefGPT(cfg).train()
+        impls.append(Impl("nano", ref, _adamw(ref), lambda: ref(ids, labels)))
+    return impls
+
+
+def run(impls: List[Impl], warmup: int, steps: int) -> None:
+    """warmup + steps rounds; each round runs every implementation once, order rotated."""
+    for i in range(warmup + steps):
+        shift = i % len(impls)
+        for impl in impls[shift:] + impls[:shift]:
+            impl.step(record=i >= warmup)
+
+
+def report(impls: List[Impl], cfg: ModelConfig, tokens_per_step: int, peak: float) -> str:
+    """Table of tokens/s, ms/step (median, p90), phase split, ratio to the best reference, MFU."""
+    flops_per_token = model_flops_per_token(cfg)
+    med = {impl.name: summarize(impl.phases["step"])["median"] for impl in impls}
+    refs = [n for n in med if n != "ours"]
+    best_ref = min(refs, key=med.get) if refs else None
+    rows = []
+    for impl in impls:
+        step = summarize(impl.phases["step"])
+        phase = {k: summarize(v)["median"] * 1e3 for k, v in impl.phases.items()}
+        tok_s = tokens_per_step / step["median"]
+        ratio = med[best_ref] / step["median"] if best_ref else float("nan")
+        rows.append([impl.name, f"{tok_s:,.0f}", f"{step['median'] * 1e3:.1f}",
+                     f"{step['p90'] * 1e3:.1f}", f"{phase['fwd']:.0f}/{phase['bwd']:.0f}/{phase['opt']:.0f}",
+                     f"{ratio:.3f}", f"{100 * tok_s * flops_per_token / peak:.1f}%",
+                     f"{impl.losses[0]:.3f}", f"{sum(p.numel() for p in impl.model.parameters()):,}"])
+    header = ["impl", "tokens/s", "ms/step", "p90 ms", "fwd/bwd/opt ms", f"speed vs {best_ref}",
+              "MFU", "loss@0", "params"]
+    return format_table(header, rows)
+
+
+def main(argv: List[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
+    parser.add_argument("--impls", default="ours,hf,nano", help="comma list of ours, hf, nano")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--num-layers", type=int, default=6)
+    parser.add_argument("--hidden-size", type=int, default=384)
+    parser.add_argument("--num-attention-heads", type=int, default=6)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=50304)
+    parser.add_argument("--openai-gelu", action="store_true", help="tanh GeLU in every model")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                      max_position_embeddings=args.seq_length, padded_vocab_size=args.vocab_size,
+                      hidden_dropout=0.0, attention_dropout=0.0, openai_gelu=args.openai_gelu)
+    peak = measure_matmul_peak()
+    print(f"threads={args.threads}  fp32 matmul peak {peak.flops / 1e9:.1f} GFLOP/s (n={peak.best_n}; "
+          + ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in peak.by_n.items()) + ")")
+    print(f"config L={cfg.num_layers} h={cfg.hidden_size} heads={cfg.num_attention_heads} "
+          f"s={cfg.seq_length} V={cfg.padded_vocab_size} b={args.micro_batch_size}; "
+          f"{model_flops_per_token(cfg) / 1e6:.1f} MFLOP/token; ln(V)={math.log(cfg.padded_vocab_size):.3f}")
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=gen)
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    impls = build_impls(cfg, args.impls.split(","), ids, labels)
+    run(impls, args.warmup, args.steps)
+    again = measure_matmul_peak()  # the machine is shared: keep the better of two measurements
+    if again.flops > peak.flops:
+        print(f"matmul peak re-measured after the run: {again.flops / 1e9:.1f} GFLOP/s (used)")
+        peak = again
+    print(f"{args.warmup} warm-up + {args.steps} timed steps each, interleaved; median over steps")
+    print(report(impls, cfg, ids.numel(), peak.flops))
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

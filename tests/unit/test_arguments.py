@@ -1,0 +1,217 @@
+"""arguments.py: flag aliases, derived defaults, cross-flag validation, the error exit."""
+import sys
+
+import pytest
+
+import arguments
+from app.config import RunConfig
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "64", "--train-iters", "100",
+        "--micro-batch-size", "2", "--distributed-backend", "gloo"]
+
+
+def build(extra, world_size=1, raw_vocab=100, padded_vocab=128) -> RunConfig:
+    args = arguments.parse_args(BASE + list(extra))
+    return arguments.build_run_config(args, world_size, raw_vocab, padded_vocab)
+
+
+def expect_error(extra, *fragments, world_size=1, padded_vocab=128):
+    with pytest.raises(ValueError) as info:
+        build(extra, world_size=world_size, padded_vocab=padded_vocab)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+@pytest.mark.parametrize("old, new, dest, value", [
+    ("--model-parallel-size", "--tensor-model-parallel-size", "tensor_model_parallel_size", "2"),
+    ("--batch-size", "--micro-batch-size", "micro_batch_size", "3"),
+    ("--intermediate-size", "--ffn-hidden-size", "ffn_hidden_size", "96"),
+    ("--warmup", "--lr-warmup-fraction", "lr_warmup_fraction", "0.25"),
+    ("--min-scale", "--min-loss-scale", "min_loss_scale", "4"),
+    ("--local_rank", "--local-rank", "local_rank", "1"),
+])
+def test_alias_pairs_set_the_same_value(old, new, dest, value):
+    a = arguments.parse_args([old, value])
+    b = arguments.parse_args([new, value])
+    assert getattr(a, dest) == getattr(b, dest) == type(getattr(a, dest))(value)
+    assert vars(a) == vars(b)
+
+
+def test_aliases_reach_the_config_identically():
+    old = build(["--model-parallel-size", "2", "--batch-size", "1", "--intermediate-size", "128",
+                 "--warmup", "0.1"], world_size=4)
+    new = build(["--tensor-model-parallel-size", "2", "--micro-batch-size", "1",
+                 "--ffn-hidden-size", "128", "--lr-warmup-fraction", "0.1"], world_size=4)
+    assert old == new
+    assert old.parallel.tensor_model_parallel_size == 2
+    assert old.training.micro_batch_size == 1
+    assert old.model.ffn_hidden_size == 128
+    assert old.optimizer.lr_warmup_iters == 10
+
+
+def test_derived_defaults():
+    cfg = build(["--micro-batch-size", "3", "--warmup", "0.1", "--lr-decay-iters", "50"],
+                world_size=2)
+    assert cfg.model.ffn_hidden_size == 4 * 64
+    assert cfg.optimizer.lr_decay_iters == 50
+    assert cfg.optimizer.lr_warmup_iters == 5            # 0.1 x 50 decay iterations
+    assert cfg.training.global_batch_size == 3 * 2       # micro x data-parallel size
+    cfg = build(["--lr-warmup-iters", "7"])
+    assert cfg.optimizer.lr_decay_iters == 100           # = --train-iters
+    assert cfg.optimizer.lr_warmup_iters == 7
+    args = arguments.parse_args(["--seq-length", "48", "--train-iters", "1",
+                                 "--num-layers", "2", "--hidden-size", "32",
+                                 "--num-attention-heads", "2"])
+    cfg = arguments.build_run_config(args, 1, 50, 64)
+    assert cfg.model.max_position_embeddings == 48       # defaults to --seq-length
+    assert cfg.raw_vocab_size == 50 and cfg.model.padded_vocab_size == 64
+    assert cfg.parallel.distributed_backend in ("gloo", "nccl")
+
+
+def test_every_issue_flag_is_accepted_and_converted():
+    argv = BASE + [
+        "--ffn-hidden-size", "128", "--hidden-dropout", "0.0", "--attention-dropout", "0.05",
+        "--layernorm-epsilon", "1e-6", "--init-method-std", "0.01",
+        "--make-vocab-size-divisible-by", "64", "--openai-gelu",
+        "--global-batch-size", "8", "--lr", "3e-4", "--min-lr", "1e-5",
+        "--lr-decay-style", "cosine", "--lr-decay-iters", "80", "--lr-warmup-iters", "4",
+        "--weight-decay", "0.1", "--adam-beta1", "0.8", "--adam-beta2", "0.95",
+        "--adam-eps", "1e-6", "--clip-grad", "0.5", "--seed", "7",
+        "--data-path", "0.3", "a", "0.7", "b", "--split", "90,5,5", "--data-cache-path", "c",
+        "--vocab-file", "v.json", "--merge-file", "m.txt", "--tokenizer-type", "GPT2BPETokenizer",
+        "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--num-workers", "0",
+        "--log-interval", "5", "--eval-interval", "20", "--eval-iters", "3",
+        "--tensorboard-dir", "tb", "--metrics-file", "m.jsonl",
+        "--save", "ck", "--save-interval", "10", "--load", "ck", "--no-save-optim",
+        "--no-save-rng", "--no-load-optim", "--no-load-rng", "--finetune",
+        "--exit-interval", "50", "--exit-duration-in-mins", "1.5",
+        "--pipeline-model-parallel-size", "2", "--checkpoint-activations",
+        "--checkpoint-num-layers", "2", "--no-bias-gelu-fusion", "--no-masked-softmax-fusion",
+        "--loss-scale", "128", "--initial-loss-scale", "1024", "--loss-scale-window", "10",
+        "--hysteresis", "3", "--fp16", "--peak-flops", "1e12", "--keep-last-n-checkpoints", "2",
+    ]
+    cfg = arguments.build_run_config(arguments.parse_args(argv), 2, 100, 128)
+    m, o, d, t, c, p = (cfg.model, cfg.optimizer, cfg.data, cfg.training, cfg.checkpoint,
+                        cfg.precision)
+    assert (m.ffn_hidden_size, m.hidden_dropout, m.attention_dropout) == (128, 0.0, 0.05)
+    assert (m.layernorm_epsilon, m.init_method_std, m.openai_gelu) == (1e-6, 0.01, True)
+    assert (m.checkpoint_activations, m.checkpoint_num_layers) == (True, 2)
+    assert (m.bias_gelu_fusion, m.masked_softmax_fusion, m.params_dtype) == (False, False,
+                                                                             "float16")
+    assert cfg.make_vocab_size_divisible_by == 64
+    assert (o.lr, o.min_lr, o.lr_decay_style, o.lr_decay_iters, o.lr_warmup_iters) == (
+        3e-4, 1e-5, "cosine", 80, 4)
+    assert (o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_eps, o.clip_grad) == (
+        0.1, 0.8, 0.95, 1e-6, 0.5)
+    assert d.data_path == ["0.3", "a", "0.7", "b"] and d.split == "90,5,5"
+    assert (d.data_cache_path, d.vocab_file, d.merge_file) == ("c", "v.json", "m.txt")
+    assert (d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss) == (True,) * 3
+    assert d.num_workers == 0
+    assert (t.global_batch_size, t.seed, t.log_interval, t.eval_interval, t.eval_iters) == (
+        8, 7, 5, 20, 3)
+    assert (t.tensorboard_dir, t.metrics_file, t.peak_flops) == ("tb", "m.jsonl", 1e12)
+    assert (t.exit_interval, t.exit_duration_in_mins) == (50, 1.5)
+    assert (c.save, c.save_interval, c.load, c.keep_last_n_checkpoints) == ("ck", 10, "ck", 2)
+    assert c.no_save_optim and c.no_save_rng and c.no_load_optim and c.no_load_rng
+    assert c.finetune
+    assert cfg.parallel.pipeline_model_parallel_size == 2
+    assert (p.fp16, p.loss_scale, p.initial_loss_scale, p.loss_scale_window, p.hysteresis) == (
+        True, 128.0, 1024.0, 10, 3)
+
+
+def test_deepspeed_flags():
+    cfg = build(["--deepspeed", "--deepspeed_config", "ds.json", "--deepspeed_mpi",
+                 "--deepspeed-activation-checkpointing"])
+    assert cfg.deepspeed.enabled and cfg.deepspeed.config_path == "ds.json"
+    assert cfg.deepspeed.mpi and cfg.deepspeed.activation_checkpointing
+    cfg = build(["--deepscale", "--deepscale_config", "old.json"])
+    assert cfg.deepspeed.enabled and cfg.deepspeed.config_path == "old.json"
+
+
+def test_deepspeed_flags_without_deepspeed_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` fail
+    args = arguments.parse_args(["--deepspeed", "--deepspeed_config", "x.json",
+                                 "--deepspeed_mpi", "--deepscale"])
+    assert args.deepspeed and args.deepspeed_config == "x.json" and args.deepspeed_mpi
+
+
+@pytest.mark.parametrize("extra, world, fragments", [
+    (["--hidden-size", "66"], 1, ["--hidden-size (66)", "--num-attention-heads (4)"]),
+    (["--global-batch-size", "12", "--micro-batch-size", "4"], 2,
+     ["--global-batch-size (12)", "--micro-batch-size (4)", "data-parallel size (2)"]),
+    (["--seq-length", "128"], 1, ["--seq-length (128)", "--max-position-embeddings (64)"]),
+    (["--tensor-model-parallel-size", "3"], 6,
+     ["--num-attention-heads (4)", "--tensor-model-parallel-size (3)"]),
+    (["--tensor-model-parallel-size", "2"], 3,
+     ["world size (3)", "--tensor-model-parallel-size (2)", "--pipeline-model-parallel-size (1)"]),
+    (["--pipeline-model-parallel-size", "3"], 3,
+     ["--num-layers (4)", "--pipeline-model-parallel-size (3)"]),
+    (["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "99"], 2,
+     ["--ffn-hidden-size (99)", "--tensor-model-parallel-size (2)"]),
+    (["--warmup", "0.1", "--lr-warmup-iters", "5"], 1,
+     ["--lr-warmup-fraction/--warmup (0.1)", "--lr-warmup-iters (5)"]),
+    (["--lr-warmup-iters", "200"], 1, ["warmup iterations (200)", "--lr-decay-iters (100)"]),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], 1, ["--min-lr (0.001)", "--lr (0.0001)"]),
+    (["--fp16", "--bf16"], 1, ["--fp16", "--bf16"]),
+    (["--deepspeed"], 1, ["--deepspeed", "--deepspeed_config"]),
+    (["--deepspeed", "--deepspeed_config", "x.json", "--pipeline-model-parallel-size", "2"], 2,
+     ["--pipeline-model-parallel-size (2)", "--deepspeed"]),
+    (["--finetune"], 1, ["--finetune", "--load"]),
+    (["--split", "a,b"], 1, ["--split", "a,b"]),
+    (["--hidden-dropout", "1.5"], 1, ["--hidden-dropout", "1.5"]),
+    (["--save-interval", "0"], 1, ["--save-interval", "0"]),
+    (["--keep-last-n-checkpoints", "0"], 1, ["--keep-last-n-checkpoints", "0"]),
+    (["--micro-batch-size", "0"], 1, ["--micro-batch-size", "0"]),
+])
+def test_cross_flag_rules_name_the_values(extra, world, fragments):
+    expect_error(extra, *fragments, world_size=world)
+
+
+def test_padded_vocab_and_train_iters_rules():
+    expect_error(["--tensor-model-parallel-size", "4"], "padded vocab size (130)",
+                 "--tensor-model-parallel-size (4)", world_size=4, padded_vocab=130)
+    args = arguments.parse_args(["--num-layers", "2"])
+    with pytest.raises(ValueError, match="--train-iters is required"):
+        arguments.build_run_config(args, 1, 100, 128)
+
+
+def test_nccl_without_cuda_is_refused(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert build([]).parallel.distributed_backend == "gloo"
+    expect_error(["--distributed-backend", "nccl"], "nccl", "gloo")
+
+
+def test_exit_on_config_error_prints_and_exits_2(capsys):
+    @arguments.exit_on_config_error
+    def main(argv):
+        arguments.build_run_config(arguments.parse_args(argv), 1, 100, 128)
+
+    with pytest.raises(SystemExit) as info:
+        main(BASE + ["--hidden-size", "66"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --hidden-size (66) is not divisible")
+    assert "Traceback" not in err
+
+    class OtherError(Exception):
+        pass
+
+    @arguments.exit_on_config_error(exceptions=(OtherError,), exit_code=3)
+    def fails():
+        raise OtherError("bad checkpoint")
+
+    with pytest.raises(SystemExit) as info:
+        fails()
+    assert info.value.code == 3 and "error: bad checkpoint" in capsys.readouterr().err
+
+
+def test_only_arguments_py_uses_argparse():
+    import pathlib
+    root = pathlib.Path(arguments.__file__).parent
+    users = [str(p.relative_to(root)) for p in (root / "app").rglob("*.py")
+             if "ArgumentParser" in p.read_text(encoding="utf-8")]
+    assert users == [], f"argparse parsers outside arguments.py: {users}"

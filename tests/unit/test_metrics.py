@@ -1,0 +1,119 @@
+"""Metrics: timers, the log line, TensorBoard + JSONL writer, memory, throughput and MFU."""
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from app.config import ModelConfig, model_flops_per_token
+from app.training import metrics
+
+
+def test_timers_accumulate_and_reset():
+    calls = []
+    timers = metrics.Timers(barrier=lambda: calls.append("barrier"),
+                            synchronize=lambda: calls.append("sync"))
+    timers("step").start(barrier=True)
+    time.sleep(0.02)
+    timers("step").stop()
+    timers("step").start()
+    time.sleep(0.01)
+    timers("step").stop()
+    assert calls == ["barrier", "sync", "sync", "sync", "sync"]
+    assert 0.025 <= timers.elapsed("step", reset=False) < 0.5
+    line = timers.log_line(["step", "never-created"], normalizer=2.0)
+    assert line.startswith("time (ms) | step: ") and "never-created" not in line
+    assert 12.0 <= float(line.split(": ")[-1]) < 250.0
+    assert timers.elapsed("step") == 0.0  # log_line reset it
+    with pytest.raises(RuntimeError, match="not started"):
+        timers("step").stop()
+    timers("step").start()
+    with pytest.raises(RuntimeError, match="already started"):
+        timers("step").start()
+
+
+def test_format_train_log_is_megatron_style():
+    values = {"consumed_samples": 80, "ms_per_iteration": 123.44, "lr": 1e-4, "lm_loss": 5.25,
+              "loss_scale": 1.0, "grad_norm": 1.2345, "skipped_iterations": 0,
+              "tokens_per_s": 1234.4, "tflops_per_rank": 0.1234, "mfu": 0.1234,
+              "mem_rss_mb": 812.2, "mem_peak_rss_mb": 900.0}
+    line = metrics.format_train_log(10, 200, values)
+    assert line.startswith(" iteration       10/     200 |")
+    for part in ["consumed samples:           80", "elapsed time per iteration (ms): 123.4",
+                 "learning rate: 1.000000E-04", "lm loss: 5.250000E+00", "loss scale: 1.0",
+                 "grad norm: 1.234", "number of skipped iterations:   0", "tokens/s: 1234",
+                 "TFLOP/s per rank: 0.123", "MFU: 12.34%", "mem RSS/peak (MB): 812/900"]:
+        assert f"| {part} |" in line, part
+    short = metrics.format_train_log(1, 2, {"lm_loss": 1.0, "grad_norm": None})
+    assert "grad norm" not in short and short.endswith("lm loss: 1.000000E+00 |")
+
+
+def test_metrics_writer_writes_the_same_values_to_jsonl_and_tensorboard(tmp_path):
+    tb_dir, path = tmp_path / "tb", tmp_path / "sub" / "metrics.jsonl"
+    with metrics.MetricsWriter(str(tb_dir), str(path)) as writer:
+        writer.write("train", 10, {"lm_loss": 2.5, "lr": 1e-4, "grad_norm": float("nan"),
+                                   "loss": torch.tensor(3.0)})
+        writer.write("valid", 10, {"lm_loss": 2.75, "ppl": math.exp(2.75)})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["train", "valid"]
+    assert rows[0]["iteration"] == 10 and rows[0]["lm_loss"] == 2.5 and rows[0]["loss"] == 3.0
+    assert rows[0]["grad_norm"] is None  # NaN is not JSON
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/lm_loss", "train/lr", "valid/lm_loss", "valid/ppl"} <= tags
+    event = acc.Scalars("valid/lm_loss")[0]
+    assert (event.step, event.value) == (10, pytest.approx(2.75))
+
+
+def test_disabled_writer_creates_nothing(tmp_path):
+    writer = metrics.MetricsWriter(str(tmp_path / "tb"), str(tmp_path / "m.jsonl"),
+                                   enabled=False)
+    writer.write("train", 1, {"lm_loss": 1.0})
+    writer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_memory_stats():
+    stats = metrics.memory_stats(torch.device("cpu"))
+    assert stats["mem_rss_mb"] > 10 and stats["mem_peak_rss_mb"] >= stats["mem_rss_mb"] * 0.5
+    assert not any(k.startswith("mem_cuda") for k in stats)
+
+
+def test_throughput_and_mfu_math():
+    m = ModelConfig(num_layers=6, hidden_size=384, num_attention_heads=6, seq_length=256,
+                    max_position_embeddings=256, padded_vocab_size=50304)
+    tps = metrics.tokens_per_second(8, 256, 0.5)
+    assert tps == 4096.0
+    per_rank = metrics.achieved_flops_per_rank(tps, model_flops_per_token(m), world_size=2)
+    L, h, s, V = 6, 384, 256, 50304
+    expected = 4096 * 72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)) / 2
+    assert per_rank == pytest.approx(expected)
+    assert metrics.model_flops_utilization(per_rank, 2 * per_rank) == pytest.approx(0.5)
+    assert math.isnan(metrics.model_flops_utilization(1.0, 0.0))
+    assert math.isnan(metrics.tokens_per_second(1, 1, 0.0))
+
+
+def test_peak_flops_table_and_cpu_measurement(monkeypatch):
+    assert metrics.gpu_peak_from_table("NVIDIA H100 80GB HBM3", torch.bfloat16)[0] == 989.4e12
+    assert metrics.gpu_peak_from_table("NVIDIA H200", torch.float16)[0] == 989.4e12
+    assert metrics.gpu_peak_from_table("NVIDIA H100 PCIe", torch.bfloat16)[0] == 756.5e12
+    assert metrics.gpu_peak_from_table("NVIDIA A100-SXM4-80GB", torch.bfloat16)[0] == 312e12
+    assert metrics.gpu_peak_from_table("NVIDIA V100", torch.bfloat16) is None
+    assert metrics.gpu_peak_from_table("Some New GPU", torch.bfloat16) is None
+    calls = []
+    real = metrics.measure_matmul_peak
+
+    def counting(*a, **k):
+        calls.append(a)
+        return real(*a, sizes=(64, 128), repeats=2)
+
+    metrics._peak_flops_cached.cache_clear()
+    monkeypatch.setattr(metrics, "measure_matmul_peak", counting)
+    value, desc = metrics.peak_flops(torch.device("cpu"), torch.float32)
+    again = metrics.peak_flops("cpu", torch.float32)
+    metrics._peak_flops_cached.cache_clear()
+    assert value > 1e8 and "measured float32 matmul peak on CPU" in desc
+    assert again == (value, desc) and len(calls) == 1  # cached

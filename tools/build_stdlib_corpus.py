@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Build the default loose-JSON corpus from the Python standard library installed here.
+
+    python tools/build_stdlib_corpus.py --output data/stdlib.jsonl [--max-bytes 50000000]
+
+One line per `.py` file: {"content": <source>, "path": <path relative to the stdlib dir>}, in
+sorted path order (deterministic), like CodeParrot. site-packages/dist-packages are left out.
+Files that are not valid UTF-8 are skipped and counted. --max-bytes stops before the UTF-8
+size of the collected sources would pass the limit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+from typing import Dict, Iterator, List, Optional, Tuple
+
+EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_python_files(root: str) -> Iterator[str]:
+    """Paths of the .py files under root, relative to it, in sorted order (dirs sorted too)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield os.path.relpath(os.path.join(dirpath, name), root)
+
+
+def build_corpus(root: str, output: str, max_bytes: Optional[int] = None) -> Dict[str, int]:
+    """Write the corpus of `root` to `output` (atomically); return counts (files, bytes, skipped)."""
+    counts = {"files": 0, "bytes": 0, "skipped_non_utf8": 0}
+    tmp = output + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        for rel in stdlib_python_files(root):
+            with open(os.path.join(root, rel), "rb") as f:
+                raw = f.read()
+            try:
+                content = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                counts["skipped_non_utf8"] += 1
+                continue
+            if max_bytes is not None and counts["bytes"] + len(raw) > max_bytes:
+                break
+            out.write(json.dumps({"content": content, "path": rel.replace(os.sep, "/")}) + "\n")
+            counts["files"] += 1
+            counts["bytes"] += len(raw)
+    os.replace(tmp, output)
+    return counts
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, int]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p.add_argument("--output", required=True, help="output .jsonl path")
+    p.add_argument("--max-bytes", type=int, default=None, help="stop before this many source bytes")
+    p.add_argument("--stdlib-dir", default=sysconfig.get_paths()["stdlib"],
+                   help="default: the running Python's standard library")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.stdlib_dir):
+        p.error(f"--stdlib-dir {args.stdlib_dir!r} is not a directory")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    counts = build_corpus(args.stdlib_dir, args.output, args.max_bytes)
+    print(f"wrote {args.output}: {counts['files']} files, {counts['bytes']} bytes from "
+          f"{args.stdlib_dir}; skipped {counts['skipped_non_utf8']} files that are not valid UTF-8",
+          file=sys.stderr)
+    return counts
+
+
+if __name__ == "__main__":
+    main()
