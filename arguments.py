@@ -159,7 +159,7 @@ def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
     try:
         import deepspeed  # lazy: importing it is slow and it is optional on the native path
         deepspeed.add_config_arguments(parser)
-    except ImportError:
+    except Exception:  # noqa: BLE001 (not installed, or broken on this machine: same flags)
         g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
         g.add_argument("--deepspeed", action="store_true", default=False)
         g.add_argument("--deepspeed_config", type=str, default=None)
@@ -187,9 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse `argv` (default sys.argv[1:]) into a namespace with Megatron's dest names.
 
-    Only parsing happens here; derived defaults and cross-flag checks are `build_run_config`'s.
+    Only parsing happens here (plus resolving --distributed-backend to nccl when CUDA is
+    available, else gloo, and --deepscale* to --deepspeed*); derived defaults and cross-flag
+    checks are `build_run_config`'s.
     """
     args = build_parser().parse_args(argv)
+    if args.distributed_backend is None:  # resolved here so init code can use it before configs
+        import torch
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     args.deepspeed = bool(args.deepspeed or getattr(args, "deepscale", False))
     if args.deepspeed_config is None and getattr(args, "deepscale_config", None):
         args.deepspeed_config = args.deepscale_config

@@ -15,6 +15,7 @@ Progress goes to stderr. No network access: Punkt sentence splitting is trained 
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import multiprocessing
@@ -22,7 +23,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # --workers N means N cores
 
@@ -32,6 +33,8 @@ import numpy as np  # noqa: E402
 
 from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype,  # noqa: E402
                                       data_file_path, index_file_path)
+from app.data.sentences import (SentenceSplitter, load_punkt_params,  # noqa: E402
+                                save_punkt_params, train_punkt)
 from app.data.tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer  # noqa: E402
 
 Line = Tuple[int, bytes]  # (1-based line number, raw line)
@@ -52,6 +55,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="directory of Punkt parameters (nltk punkt_tab format); default: train "
                         "Punkt on the first --punkt-train-bytes of the input")
     g.add_argument("--punkt-train-bytes", type=int, default=4 << 20)
+    g.add_argument("--save-punkt-model", default=None,
+                   help="directory to save the Punkt parameters trained on the input")
     g.add_argument("--skip-bad-lines", action="store_true",
                    help="count and skip malformed lines instead of stopping")
     g = p.add_argument_group("tokenizer")
@@ -122,18 +127,14 @@ def sample_text(path: str, key: str, max_bytes: int) -> str:
 
 def build_punkt_params(args: argparse.Namespace):
     """Punkt parameters: loaded from --punkt-model, or trained on a sample of the input."""
-    from nltk.tokenize import punkt
-
     if args.punkt_model:
-        if not os.path.isdir(args.punkt_model):
-            raise SystemExit(f"--punkt-model {args.punkt_model!r} is not a directory of Punkt "
-                             f"parameters (nltk punkt_tab format)")
-        return punkt.load_punkt_params(args.punkt_model)
+        return load_punkt_params(args.punkt_model)
     text = sample_text(args.input, args.json_keys[0], args.punkt_train_bytes)
-    trainer = punkt.PunktTrainer()
-    trainer.train(text, finalize=True)
+    params = train_punkt(text)
     print(f"trained Punkt on {len(text)} characters of the input", file=sys.stderr)
-    return trainer.get_params()
+    if args.save_punkt_model:
+        save_punkt_params(params, args.save_punkt_model)
+    return params
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -167,25 +168,14 @@ class Encoder:
     def __init__(self, args: argparse.Namespace, punkt_params=None) -> None:
         self.keys = args.json_keys
         self.append_eod = args.append_eod
-        self.keep_newlines = args.keep_newlines
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
         self.dtype = best_fitting_dtype(self.tokenizer.vocab_size)
-        self.splitter = None
-        if args.split_sentences:
-            from nltk.tokenize.punkt import PunktSentenceTokenizer
-            self.splitter = PunktSentenceTokenizer(punkt_params)
+        self.splitter = (SentenceSplitter(punkt_params, args.keep_newlines)
+                         if args.split_sentences else None)
 
     def split(self, text: str) -> List[str]:
         """The document's sequences: one, or its sentences with --split-sentences."""
-        if self.splitter is None:
-            return [text]
-        if not self.keep_newlines:
-            return self.splitter.tokenize(text)
-        starts = [start for start, _ in self.splitter.span_tokenize(text)]
-        if not starts:
-            return [text]
-        starts[0] = 0  # leading whitespace stays with the first sentence
-        return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
+        return [text] if self.splitter is None else self.splitter.split(text)
 
     def parse(self, lineno: int, line: bytes) -> Tuple[Optional[List[str]], Optional[str]]:
         """(text of each key, None) or (None, error message) for one line."""
@@ -297,15 +287,24 @@ def output_prefix_for(args: argparse.Namespace, key: str) -> str:
 
 
 def _results(args: argparse.Namespace, chunks: Iterator[List[Line]], punkt_params):
-    """ChunkResults in input order, from this process (--workers 1) or a pool."""
+    """ChunkResults in input order, from this process (--workers 1) or a pool.
+
+    At most 4 chunks per worker are in flight, so memory stays bounded on inputs of any size
+    (Pool.imap would read the whole input ahead)."""
     if args.workers == 1:
         encoder = Encoder(args, punkt_params)
         for chunk in chunks:
             yield encoder.encode_chunk(chunk)
         return
+    pending: Deque = collections.deque()
     with multiprocessing.Pool(args.workers, initializer=_init_worker,
                               initargs=(args, punkt_params)) as pool:
-        yield from pool.imap(_encode_in_worker, chunks)
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+            if len(pending) >= 4 * args.workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
 def run(args: argparse.Namespace) -> Dict[str, int]:

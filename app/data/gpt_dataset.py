@@ -120,13 +120,21 @@ class GPTDataset:
         stem = os.path.join(cache_dir, f"{desc['dataset']}_{name}_{key}")
         self.cache_files = {kind: f"{stem}_{kind}.npy" for kind in INDEX_KINDS}
         self.description_file = f"{stem}_description.json"
-        if is_builder and not os.path.isfile(self.description_file):
+        if is_builder and not self._cache_complete():
             self._build_and_save(desc)
         barrier()
         self.doc_idx, self.sample_idx, self.shuffle_idx = self._load()
 
     def _build_and_save(self, desc: Dict) -> None:
-        os.makedirs(os.path.dirname(self.description_file) or ".", exist_ok=True)
+        cache_dir = os.path.dirname(self.description_file) or "."
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as err:
+            raise OSError(f"cannot create the sample-index cache directory {cache_dir} ({err}); "
+                          f"pass a writable --data-cache-path") from None
+        if not os.access(cache_dir, os.W_OK):
+            raise PermissionError(f"cannot write sample-index caches to {cache_dir}; "
+                                  f"pass a writable --data-cache-path")
         t0 = time.perf_counter()
         arrays = build_indices(self._doc_length, desc["num_samples"], desc["seq_length"],
                                desc["seed"])
@@ -139,8 +147,11 @@ class GPTDataset:
         logger.info("built %s indices for %s: %d samples in %.2f s -> %s", self.name,
                     desc["dataset"], arrays[2].size, elapsed, self.description_file)
 
+    def _cache_complete(self) -> bool:
+        return all(os.path.isfile(p) for p in [self.description_file, *self.cache_files.values()])
+
     def _load(self) -> Tuple[np.ndarray, ...]:
-        if not os.path.isfile(self.description_file):
+        if not self._cache_complete():
             raise FileNotFoundError(
                 f"sample-index cache {self.description_file} is missing after the builder rank "
                 f"finished; all ranks must see the same --data-cache-path (a shared filesystem)")
@@ -152,17 +163,18 @@ class GPTDataset:
 
     def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
         i = int(self.shuffle_idx[idx])
-        (p0, o0), (p1, o1) = self.sample_idx[i], self.sample_idx[i + 1]
+        (p0, o0), (p1, o1) = self.sample_idx[i:i + 2].tolist()
+        docs = self.doc_idx[p0:p1 + 1]
+        starts, lengths = self._doc_start[docs].tolist(), self._doc_length[docs].tolist()
         tokens = self.indexed.tokens
-        pieces = []
-        for pos in range(int(p0), int(p1) + 1):
-            doc = int(self.doc_idx[pos])
-            lo = int(o0) if pos == p0 else 0
-            hi = int(o1) + 1 if pos == p1 else int(self._doc_length[doc])
-            base = int(self._doc_start[doc])
-            pieces.append(tokens[base + lo:base + hi])
-        text = np.concatenate(pieces).astype(np.int64)
-        assert text.size == self.seq_length + 1, (text.size, self.seq_length)
+        text = np.empty(self.seq_length + 1, dtype=np.int64)
+        filled = 0
+        for k, (base, length) in enumerate(zip(starts, lengths)):
+            lo = o0 if k == 0 else 0
+            hi = o1 + 1 if k == len(starts) - 1 else length
+            text[filled:filled + hi - lo] = tokens[base + lo:base + hi]
+            filled += hi - lo
+        assert filled == self.seq_length + 1, (filled, self.seq_length)
         return {"text": text}
 
 

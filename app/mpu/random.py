@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random as _py_random
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -89,11 +89,30 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+_CHECKPOINT_IMPL: Optional[Callable[..., Any]] = None
+_TRACKER_GETTER: Optional[Callable[[], Any]] = None
 
 
 def get_rng_tracker() -> RNGStatesTracker:
-    """The process-wide tracker (one per process, as the default generators are)."""
+    """The process-wide tracker (one per process, as the default generators are).
+
+    After `set_checkpoint_implementation(..., tracker_getter)` it is the one that returns.
+    """
+    if _TRACKER_GETTER is not None:
+        return _TRACKER_GETTER()
     return _TRACKER
+
+
+def set_checkpoint_implementation(checkpoint_fn: Optional[Callable[..., Any]],
+                                  tracker_getter: Optional[Callable[[], Any]] = None) -> None:
+    """Route `checkpoint` and `get_rng_tracker` to another implementation (DeepSpeed's).
+
+    `checkpoint_fn(fn, *args)` replaces ours; `tracker_getter()` returns the tracker that
+    `get_rng_tracker()` hands out (it must offer fork(), get_states(), set_states()).
+    Passing None restores ours.
+    """
+    global _CHECKPOINT_IMPL, _TRACKER_GETTER
+    _CHECKPOINT_IMPL, _TRACKER_GETTER = checkpoint_fn, tracker_getter
 
 
 def model_parallel_seed(seed: int, parallel_state: Optional[ParallelState] = None) -> None:
@@ -118,7 +137,7 @@ def rng_state_dict() -> Dict[str, Any]:
         "random_rng_state": _py_random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": _TRACKER.get_states(),
+        "rng_tracker_states": get_rng_tracker().get_states(),
     }
     if _cuda():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
@@ -132,7 +151,7 @@ def load_rng_state_dict(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch_rng_state"])
     if "cuda_rng_state" in state and _cuda():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
-    _TRACKER.set_states(state["rng_tracker_states"])
+    get_rng_tracker().set_states(state["rng_tracker_states"])
 
 
 def _detach_inputs(args: Tuple[Any, ...]) -> Tuple[Any, ...]:
@@ -194,5 +213,8 @@ def checkpoint(fn, *args: Any):
     `fn` returns a tensor or a tuple of tensors. Non-tensor arguments (None masks, flags) are
     passed through. Gradients reach the parameters used by `fn` even when no input requires grad.
     """
+    if _CHECKPOINT_IMPL is not None:
+        return _CHECKPOINT_IMPL(fn, *args)
     anchor = torch.empty(0, requires_grad=True)  # keeps the graph alive without grad inputs
     return _CheckpointFunction.apply(fn, anchor, *args)
+

@@ -29,7 +29,7 @@ def _exchange(ps: ParallelState, send_next: Optional[torch.Tensor],
     if send_next is not None and next_rank is not None:
         sends.append((send_next.detach(), next_rank))
     if send_prev is not None and prev_rank is not None:
-        sends.append((send_prev.detach() * 1.001, prev_rank))
+        sends.append((send_prev.detach(), prev_rank))
     if recv_prev and prev_rank is not None:
         from_prev = torch.empty(tuple(shape), dtype=dtype, device=device)
         recvs.append((from_prev, prev_rank))

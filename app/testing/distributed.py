@@ -14,6 +14,11 @@
   `timeout` seconds are killed and `TimeoutError` names them. A failure never hangs.
 - Children are forked from a forkserver that has torch pre-imported, so only the first call
   of a session pays for importing torch.
+
+To check many things in one spawn, a rank function can call `run_checks({name: check}, *args)`
+and return its {name: None or traceback text}; inside checks, `expect_close` records a
+mismatch without raising, so every rank keeps issuing the same collectives and a wrong number
+shows up as a failed check rather than as ranks out of step (which would hang until timeout).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 _CTX: Optional[Any] = None
 
@@ -127,3 +132,46 @@ def _drain_errors(results: Any) -> None:
                 raise DistributedTestError(f"rank {rank} failed:\n{value}")
     except queue_module.Empty:
         return
+
+
+_SOFT_FAILURES: List[str] = []
+
+
+def expect_close(actual: Any, expected: Any, what: str, atol: float = 1e-5,
+                 rtol: float = 1e-5) -> None:
+    """torch.testing.assert_close that records the mismatch (for run_checks) instead of raising."""
+    import torch
+
+    try:
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    except AssertionError as err:
+        _SOFT_FAILURES.append(f"{what}: {err}")
+
+
+def run_checks(checks: Mapping[str, Callable[..., None]], *args: Any) -> Dict[str, Optional[str]]:
+    """Rank side: run each check(*args) in order; {name: None, or the failure text}.
+
+    After each check the ranks agree (all-reduce over the world) on whether any failed; after a
+    failure the remaining checks are reported as not run, since the ranks may be out of step.
+    """
+    import torch
+    import torch.distributed as dist
+
+    outcome: Dict[str, Optional[str]] = {}
+    stopped: Optional[str] = None
+    for name, check in checks.items():
+        if stopped is not None:
+            outcome[name] = f"not run: an earlier check ({stopped}) failed on some rank"
+            continue
+        _SOFT_FAILURES.clear()
+        try:
+            check(*args)
+            outcome[name] = "\n".join(_SOFT_FAILURES) or None
+        except Exception:  # noqa: BLE001 - reported per check by the parent
+            outcome[name] = "\n".join(_SOFT_FAILURES + [traceback.format_exc()])
+        failed = torch.tensor([0.0 if outcome[name] is None else 1.0])
+        if dist.is_initialized():
+            dist.all_reduce(failed)
+        if failed.item() > 0:
+            stopped = name
+    return outcome

@@ -39,7 +39,7 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 CHECKSUM_SUFFIX = ".sha256"
 CHECKPOINT_VERSION = 3.0
-"""3.0: fused QKV rows ordered [heads, (q, k v), head_dim]."""
+"""3.0: fused QKV rows ordered [heads, (q, k, v), head_dim]."""
 
 Iteration = Union[int, str]  # an iteration number or "release"
 

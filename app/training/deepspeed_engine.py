@@ -28,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ensure_distributed(backend: str) -> None:
+def ensure_distributed(backend: str) -> None:
     """DeepSpeed needs a process group even for one rank; start one if the launcher did not."""
     import deepspeed
     import torch.distributed as dist
@@ -51,7 +51,7 @@ class DeepSpeedEngineAdapter(Engine):
         path = cfg.deepspeed.config_path
         ds = ds_config.reconcile_ds_config(ds_config.load_ds_json(path), cfg, path, explicit_flags)
         self.ds_json = ds
-        _ensure_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        ensure_distributed("nccl" if torch.cuda.is_available() else "gloo")
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
             from app.optim import OptimizerParamScheduler, get_param_groups
@@ -69,6 +69,7 @@ class DeepSpeedEngineAdapter(Engine):
         self.optimizer = ds_optimizer
         self.lr_scheduler = scheduler
         self._micro = 0
+        self._lr_used = self._current_lr()
         log(f"DeepSpeed engine: ZeRO stage {engine.zero_optimization_stage()}, "
             f"gradient accumulation {engine.gradient_accumulation_steps()}, "
             f"micro-batch {engine.train_micro_batch_size_per_gpu()}, "
@@ -77,8 +78,13 @@ class DeepSpeedEngineAdapter(Engine):
     def zero_grad(self) -> None:
         self._micro = 0  # DeepSpeed clears gradients itself after each boundary step
 
+    def _current_lr(self) -> float:
+        lrs = self.ds.get_lr()
+        return float(lrs[0]) if lrs else float("nan")
+
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss, scale_wrt_gas=False)
+        self._lr_used = self._current_lr()  # the boundary step below advances the schedule
         self.ds.step()
         self._micro += 1
 
@@ -89,9 +95,9 @@ class DeepSpeedEngineAdapter(Engine):
                                f"iteration; gradient_accumulation_steps is {gas}")
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
-        skipped = not getattr(self.ds, "_step_applied", True)
-        lr = self.ds.get_lr()[0] if self.ds.get_lr() else float("nan")
-        return StepResult(grad_norm=norm, skipped=skipped, lr=lr, loss_scale=self.loss_scale)
+        skipped = not self.ds.was_step_applied()
+        return StepResult(grad_norm=norm, skipped=skipped, lr=self._lr_used,
+                          loss_scale=self.loss_scale)
 
     @property
     def loss_scale(self) -> Optional[float]:
@@ -160,7 +166,7 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     """
     import deepspeed
     from app.mpu import random as mpu_random
-    _ensure_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    ensure_distributed("nccl" if torch.cuda.is_available() else "gloo")
     path = cfg.deepspeed.config_path
     ds = ds_config.reconcile_ds_config(ds_config.load_ds_json(path), cfg, path)
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")

@@ -94,10 +94,11 @@ def grad_norm_is_finite(norm: Optional[float]) -> bool:
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Any,
-                 log: Any = print) -> Engine:
+                 log: Any = print, explicit_flags: Any = ()) -> Engine:
     """The engine this run asks for: DeepSpeed's with --deepspeed, else the native one.
 
     DeepSpeed is imported only when asked for, inside app.training.deepspeed_engine.
+    `explicit_flags` are the flags given on the command line (checked against the JSON).
     """
     from app.optim import OptimizerParamScheduler, build_optimizer
 
@@ -105,6 +106,7 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Any,
     scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
     if cfg.deepspeed.enabled:
         from app.training.deepspeed_engine import DeepSpeedEngineAdapter
-        return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state, log=log)
+        return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state, log=log,
+                                      explicit_flags=explicit_flags)
     from app.training.native_engine import NativeEngine
     return NativeEngine(cfg, model, optimizer, scheduler, parallel_state, log=log)

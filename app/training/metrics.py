@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, TextIO, Tuple
 
+import numpy as np
 import torch
 
 
@@ -88,6 +89,7 @@ class Timers:
         return self._timers[name]
 
     def names(self) -> Iterable[str]:
+        """Names of the timers created so far, in creation order."""
         return list(self._timers)
 
     def elapsed(self, name: str, reset: bool = True) -> float:
@@ -293,7 +295,7 @@ def format_train_log(iteration: int, train_iters: int, values: Mapping[str, Any]
 # ---------------------------------------------------------------------------- writers
 
 def _json_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (torch.Tensor, np.generic)):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None  # JSON has no NaN/Infinity
@@ -328,7 +330,7 @@ class MetricsWriter:
             return
         if self._tb is not None:
             for name, value in values.items():
-                value = _json_value(value) if isinstance(value, torch.Tensor) else value
+                value = _json_value(value)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"{kind}/{name}", value, iteration)
             self._tb.flush()
@@ -348,6 +350,7 @@ class MetricsWriter:
             self._file = None
 
     def __enter__(self) -> "MetricsWriter":
+        """Use as a context manager; close() on exit."""
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -91,7 +91,8 @@ class NativeEngine(Engine):
             barrier()
             return ckpt.checkpoint_dir(save_dir, iteration)
         return ckpt.save_checkpoint(save_dir, iteration, state, barrier=barrier,
-                                    is_tracker_writer=self.ps.rank == 0, **self._rank_kwargs())
+                                    is_tracker_writer=self.ps.rank == 0,
+                                    keep_last_n=c.keep_last_n_checkpoints, **self._rank_kwargs())
 
     def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
         c = self.cfg.checkpoint

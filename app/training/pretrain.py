@@ -28,7 +28,10 @@ def _set_seeds(seed: int, parallel_state: Any) -> None:
 def _build_parallel_state(cfg: Any, world_size: int) -> Any:
     from app.mpu.parallel_state import ParallelState, initialize_model_parallel
     p = cfg.parallel
-    if world_size == 1:
+    if cfg.deepspeed.enabled:  # DeepSpeed needs real groups, even in a world of one
+        from app.training.deepspeed_engine import ensure_distributed
+        ensure_distributed(p.distributed_backend)
+    elif world_size == 1:
         return ParallelState.single()
     return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
 
@@ -85,7 +88,9 @@ def pretrain(argv: Optional[List[str]] = None) -> Any:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"> parameters on (tensor, pipeline) model-parallel rank "
         f"({ps.tensor_model_parallel_rank}, {ps.pipeline_model_parallel_rank}): {n_params}")
-    engine = build_engine(cfg, model, ps, log=log)
+    given = sys.argv[1:] if argv is None else argv
+    explicit = {tok.split("=", 1)[0] for tok in given if tok.startswith("--")}
+    engine = build_engine(cfg, model, ps, log=log, explicit_flags=explicit)
     state = RunState()
     if cfg.checkpoint.load:
         loaded = engine.load_checkpoint(cfg.checkpoint.load)
@@ -111,4 +116,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, CheckpointError, FileNotFoundError) as exc:  # data format errors are ValueErrors
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    shutdown_distributed()
     return 0
+
+
+def shutdown_distributed() -> None:
+    """Leave together and tear the process group down (gloo aborts at exit otherwise)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

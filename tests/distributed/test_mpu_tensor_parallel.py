@@ -1,11 +1,12 @@
 """app.mpu at TP = 2 (and DP = 2) on 2 gloo ranks, against dense computations in each process.
 
-One spawn runs every check (`_tp2_checks`); each check's outcome is reported back and asserted
-by its own pytest item, so a failure names the piece that broke without spawning again.
+One spawn runs every check (`run_checks` in `_tp2_checks`); each check's outcome is reported
+back and asserted by its own pytest item, so a failure names the piece that broke without
+spawning again. Comparisons use `expect_close`, which records instead of raising, so the ranks
+stay in step when a number is wrong.
 """
 from __future__ import annotations
 
-import traceback
 from typing import Callable, Dict, Optional
 
 import pytest
@@ -15,13 +16,13 @@ import torch.nn.functional as F
 
 from app import mpu
 from app.mpu import collectives
-from app.testing.distributed import run_distributed
+from app.testing.distributed import expect_close, run_checks, run_distributed
 
 ATOL, RTOL = 1e-5, 1e-5
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+    expect_close(actual, expected, what, atol=ATOL, rtol=RTOL)
 
 
 def _init(seed: int, std: float = 0.3) -> Callable[[torch.Tensor], None]:
@@ -238,7 +239,7 @@ def check_cross_entropy(ps: mpu.ParallelState) -> None:
     lp = _shard(logits, -1, ps).to(torch.bfloat16).requires_grad_()
     loss = mpu.vocab_parallel_cross_entropy(lp, target)  # default state
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, ref.detach(), atol=0.2, rtol=0.02)
+    expect_close(loss, ref.detach(), "bf16 cross-entropy loss", atol=0.2, rtol=0.02)
     loss.sum().backward()
     assert lp.grad.dtype == torch.bfloat16
 
@@ -375,20 +376,12 @@ CHECKS: Dict[str, Callable[[mpu.ParallelState], None]] = {
 def _tp2_checks() -> Dict[str, Optional[str]]:
     """Rank entry: build the TP = 2 layout, run every check, return {name: traceback or None}."""
     torch.manual_seed(0)
-    ps = mpu.initialize_model_parallel(2, 1)
-    outcome: Dict[str, Optional[str]] = {}
-    for name, check in CHECKS.items():
-        try:
-            check(ps)
-            outcome[name] = None
-        except Exception:  # noqa: BLE001 - reported per check by the parent
-            outcome[name] = traceback.format_exc()
-    return outcome
+    return run_checks(CHECKS, mpu.initialize_model_parallel(2, 1))
 
 
 @pytest.fixture(scope="module")
 def tp2_outcome():
-    return run_distributed(_tp2_checks, 2, timeout=120)
+    return run_distributed(_tp2_checks, 2, timeout=60)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

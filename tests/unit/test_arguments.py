@@ -182,6 +182,10 @@ def test_nccl_without_cuda_is_refused(monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert build([]).parallel.distributed_backend == "gloo"
+    assert arguments.parse_args([]).distributed_backend == "gloo"  # resolved at parse time
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert arguments.parse_args([]).distributed_backend == "nccl"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     expect_error(["--distributed-backend", "nccl"], "nccl", "gloo")
 
 

@@ -1,4 +1,5 @@
 """Checkpoint crash safety, tracker corruption, damaged files and the weights_only allow-list."""
+import argparse
 import os
 import pickle
 import signal
@@ -16,7 +17,6 @@ def small_dict(iteration, fill):
     flat = {"language_model.embedding.word_embeddings.weight": torch.full((8, H), float(fill)),
             "language_model.embedding.position_embeddings.weight": torch.zeros(4, H),
             "language_model.transformer.final_layernorm.weight": torch.ones(H)}
-    import argparse
     args = argparse.Namespace(num_layers=1, hidden_size=H, iteration=iteration)
     return ckpt.build_checkpoint_dict(iteration, flat, {"state": {}, "param_groups": []}, {},
                                       ckpt.collect_rng_state(), args)

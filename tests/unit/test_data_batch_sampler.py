@@ -78,3 +78,23 @@ def test_sampler_validates(kwargs, pattern):
                 data_parallel_size=2)
     with pytest.raises(ValueError, match=pattern):
         MegatronPretrainingSampler(**{**args, **kwargs})
+
+
+def test_data_package_does_not_use_torch_distributed():
+    import ast
+    import pathlib
+
+    import app.data
+    offenders = []
+    for path in pathlib.Path(app.data.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names = [f"{node.value.id}.{node.attr}"]
+            offenders += [(path.name, n) for n in names
+                          if n.startswith(("torch.distributed", "deepspeed"))]
+    assert offenders == []

@@ -3,6 +3,7 @@ import json
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,11 +54,13 @@ def test_metrics_writer_writes_the_same_values_to_jsonl_and_tensorboard(tmp_path
     tb_dir, path = tmp_path / "tb", tmp_path / "sub" / "metrics.jsonl"
     with metrics.MetricsWriter(str(tb_dir), str(path)) as writer:
         writer.write("train", 10, {"lm_loss": 2.5, "lr": 1e-4, "grad_norm": float("nan"),
-                                   "loss": torch.tensor(3.0)})
+                                   "loss": torch.tensor(3.0),
+                                   "n": np.float32(0.5), "skipped": np.int64(2)})
         writer.write("valid", 10, {"lm_loss": 2.75, "ppl": math.exp(2.75)})
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["train", "valid"]
     assert rows[0]["iteration"] == 10 and rows[0]["lm_loss"] == 2.5 and rows[0]["loss"] == 3.0
+    assert rows[0]["n"] == 0.5 and rows[0]["skipped"] == 2
     assert rows[0]["grad_norm"] is None  # NaN is not JSON
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb_dir))

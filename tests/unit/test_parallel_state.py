@@ -177,3 +177,59 @@ def test_grad_helpers_single_process():
     torch.testing.assert_close(p.grad, torch.full((4,), 0.5), atol=1e-5, rtol=1e-5)
     mpu.allreduce_gradients([p], None)
     mpu.allreduce_embedding_grads(p)
+
+
+def test_set_checkpoint_implementation_routes_and_restores():
+    from app.mpu import random as mpu_random
+    calls = []
+    other_tracker = mpu.RNGStatesTracker()
+    mpu_random.set_checkpoint_implementation(lambda fn, *a: calls.append(a) or fn(*a),
+                                             lambda: other_tracker)
+    try:
+        assert mpu.get_rng_tracker() is other_tracker
+        assert mpu.checkpoint(lambda x: x + 1, torch.ones(1)).item() == 2.0 and len(calls) == 1
+    finally:
+        mpu_random.set_checkpoint_implementation(None, None)
+    assert mpu.get_rng_tracker() is not other_tracker
+
+
+def test_partition_layers_keeps_global_indices():
+    from app.pipeline import partition_layers, stage_layer_range
+    assert partition_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_layer_range(12, 3, 2) == range(8, 12)
+    assert partition_layers(5, 1) == [range(0, 5)]
+    with pytest.raises(ValueError, match=r"num_layers \(6\) is not divisible by "
+                                         r"pipeline_model_parallel_size \(4\)"):
+        partition_layers(6, 4)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_rank \(2\)"):
+        stage_layer_range(4, 2, 2)
+
+
+def test_no_pipelining_schedule_accumulates_mean_gradient():
+    from app.pipeline import forward_backward_no_pipelining, get_forward_backward_func
+    ps = mpu.ParallelState.single()
+    assert get_forward_backward_func(ps) is forward_backward_no_pipelining
+    w = torch.nn.Parameter(torch.tensor(2.0))
+    batches = iter([torch.tensor(1.0), torch.tensor(3.0)])
+    seen = []
+
+    def backward(loss):
+        seen.append(loss.item())
+        loss.backward()
+    losses = forward_backward_no_pipelining(
+        forward_step_func=lambda x: (w * x, None), batch_func=lambda: next(batches), model=w,
+        num_microbatches=2, loss_func=lambda out, mask: out, backward_func=backward,
+        parallel_state=ps)
+    assert [x.item() for x in losses] == [2.0, 6.0] and seen == [1.0, 3.0]  # loss / M
+    assert w.grad.item() == pytest.approx(2.0)  # mean of d(w x)/dw over x = 1, 3
+    batches = iter([torch.tensor(1.0)])
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size 1, got 2"):
+        forward_backward_no_pipelining(
+            forward_step_func=None, batch_func=None, model=None, num_microbatches=1,
+            loss_func=None, backward_func=None,
+            parallel_state=mpu.ParallelState(pipeline_model_parallel_size=2))
+    losses = forward_backward_no_pipelining(
+        forward_step_func=lambda x: (w * x, None), batch_func=lambda: next(batches), model=w,
+        num_microbatches=1, loss_func=lambda out, mask: out, backward_func=backward,
+        parallel_state=ps, forward_only=True)
+    assert [x.item() for x in losses] == [2.0] and len(seen) == 2 and not losses[0].requires_grad

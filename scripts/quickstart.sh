@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# From a fresh clone: set up .venv, build the default corpus (this machine's Python standard
+# library sources), train a byte-level BPE tokenizer on it, preprocess to Megatron .bin/.idx,
+# and train a small GPT-2 with evaluation and checkpoints (about 10 minutes on 2 CPU cores).
+# Re-running reuses the corpus, tokenizer and data; training resumes from the checkpoint
+# (QUICKSTART_FRESH=1 starts over).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup_env.sh
+PY="$ROOT/.venv/bin/python"
+DATA_DIR="${DATA_DIR:-$ROOT/data}"
+RUN_DIR="${RUN_DIR:-$ROOT/runs/quickstart}"
+CKPT="${CKPT:-$ROOT/checkpoints/quickstart}"
+VOCAB_SIZE="${VOCAB_SIZE:-8192}"
+TRAIN_ITERS="${TRAIN_ITERS:-300}"
+mkdir -p "$DATA_DIR" "$RUN_DIR"
+if [ "${QUICKSTART_FRESH:-0}" = 1 ]; then rm -rf "$CKPT" "$RUN_DIR"; mkdir -p "$RUN_DIR"; fi
+
+if [ ! -s "$DATA_DIR/stdlib.jsonl" ]; then
+    echo "== 1/4 building the standard-library corpus"
+    "$PY" tools/build_stdlib_corpus.py --output "$DATA_DIR/stdlib.jsonl" --max-bytes $((24 * 1024 * 1024))
+fi
+if [ ! -s "$DATA_DIR/tokenizer/merges.txt" ]; then
+    echo "== 2/4 training a GPT-2 byte-level BPE tokenizer (vocab $VOCAB_SIZE)"
+    "$PY" tools/train_tokenizer.py --input "$DATA_DIR/stdlib.jsonl" --json-keys content \
+        --vocab-size "$VOCAB_SIZE" --output-dir "$DATA_DIR/tokenizer"
+fi
+if [ ! -s "$DATA_DIR/stdlib_content_document.idx" ]; then
+    echo "== 3/4 preprocessing to Megatron .bin/.idx"
+    "$PY" tools/preprocess_data.py --input "$DATA_DIR/stdlib.jsonl" --json-keys content \
+        --output-prefix "$DATA_DIR/stdlib" --tokenizer-type GPT2BPETokenizer \
+        --vocab-file "$DATA_DIR/tokenizer/vocab.json" --merge-file "$DATA_DIR/tokenizer/merges.txt" \
+        --append-eod --workers 2 --log-interval 2000
+fi
+
+echo "== 4/4 training GPT-2 (4 layers, hidden 256, seq 256) for $TRAIN_ITERS iterations"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+"$PY" pretrain_gpt2.py \
+    --num-layers 4 --hidden-size 256 --num-attention-heads 4 \
+    --seq-length 256 --max-position-embeddings 256 \
+    --micro-batch-size 4 --global-batch-size 8 --train-iters "$TRAIN_ITERS" \
+    --lr 2e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-fraction 0.03 \
+    --weight-decay 0.01 --clip-grad 1.0 --hidden-dropout 0.0 --attention-dropout 0.0 \
+    --data-path "$DATA_DIR/stdlib_content_document" \
+    --vocab-file "$DATA_DIR/tokenizer/vocab.json" --merge-file "$DATA_DIR/tokenizer/merges.txt" \
+    --split 969,30,1 --data-cache-path "$DATA_DIR/index-cache" --num-workers 1 \
+    --save "$CKPT" --load "$CKPT" --save-interval 100 \
+    --log-interval 10 --eval-interval 100 --eval-iters 10 \
+    --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl" \
+    2>&1 | tee "$RUN_DIR/train.log"
+
+"$PY" - "$RUN_DIR/metrics.jsonl" "$VOCAB_SIZE" <<'PYEOF'
+import json, math, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+valid = [r for r in rows if r["kind"] == "valid"]
+start = math.log(int(sys.argv[2]))
+if valid:
+    print(f"validation loss: {valid[0]['lm_loss']:.3f} at iteration {valid[0]['iteration']} -> "
+          f"{valid[-1]['lm_loss']:.3f} at iteration {valid[-1]['iteration']} (ln vocab = {start:.3f})")
+PYEOF
+echo
+echo "logs:        $RUN_DIR/train.log"
+echo "metrics:     $RUN_DIR/metrics.jsonl"
+echo "tensorboard: $RUN_DIR/tensorboard   (tensorboard --logdir $RUN_DIR/tensorboard)"
+echo "checkpoint:  $CKPT (latest: $(cat "$CKPT/latest_checkpointed_iteration.txt" 2>/dev/null || echo none))"

@@ -1,0 +1,49 @@
+"""Run pretrain_gpt2.py under torchrun / deepspeed / mpirun in tests and read its metrics."""
+import os
+import subprocess
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+from tests.integration.conftest import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.dirname(sys.executable)
+
+
+def env() -> Dict[str, str]:
+    e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
+    return e
+
+
+def run(cmd: Sequence[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a launcher command; on failure the assertion shows the end of its output."""
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env(), cwd=cwd,
+                          timeout=timeout)
+    assert proc.returncode == 0, (f"{' '.join(cmd[:6])} ... exited {proc.returncode}\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def torchrun(nproc: int, args: List[str], cwd, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={nproc}", os.path.join(ROOT, "pretrain_gpt2.py"), *args],
+               cwd, **kw)
+
+
+def train_curve(metrics_file) -> Dict[int, Tuple[float, float]]:
+    """{iteration: (lm_loss, grad_norm)} of the train rows."""
+    return {r["iteration"]: (r["lm_loss"], r["grad_norm"])
+            for r in read_metrics(metrics_file) if r["kind"] == "train"}
+
+
+def assert_close_curves(got, want, rel: float = 1e-5, what: str = "") -> float:
+    """Each iteration's loss and grad norm agree to `rel`; returns the largest relative gap."""
+    assert sorted(got) == sorted(want), f"{what}: iterations {sorted(got)} != {sorted(want)}"
+    worst = 0.0
+    for it in sorted(want):
+        for a, b, name in zip(got[it], want[it], ("loss", "grad norm")):
+            gap = abs(a - b) / max(abs(b), 1e-12)
+            worst = max(worst, gap)
+            assert gap < rel, f"{what} iteration {it} {name}: {a} vs {b} (relative {gap:.2e})"
+    return worst
