@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -32,13 +33,13 @@ from tools.build_stdlib_corpus import build_corpus  # noqa: E402
 
 
 def reference_loop(corpus: str, vocab: str, merges: str, out_path: str, batch: int = 64):
-    """(seconds, docs, input bytes, tokens): json.loads + encode_batch + EOD + uint16 tofile."""
+    """(seconds, CPU seconds, docs, input bytes, tokens): json.loads + encode_batch + EOD + uint16 tofile."""
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer(vocab, merges)
     eod = tok.token_to_id("<|endoftext|>")
     docs = nbytes = ntokens = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with open(corpus, "rb") as f, open(out_path, "wb") as out:
         lines = []
         for line in f:
@@ -47,7 +48,8 @@ def reference_loop(corpus: str, vocab: str, merges: str, out_path: str, batch: i
                 d, b, n = _reference_batch(tok, lines, eod, out)
                 docs, nbytes, ntokens, lines = docs + d, nbytes + b, ntokens + n, []
         d, b, n = _reference_batch(tok, lines, eod, out)
-    return time.perf_counter() - t0, docs + d, nbytes + b, ntokens + n
+    return (time.perf_counter() - t0, time.process_time() - cpu0, docs + d, nbytes + b,
+            ntokens + n)
 
 
 def _reference_batch(tok, lines, eod, out):
@@ -66,9 +68,12 @@ def run_tool(corpus, vocab, merges, prefix, workers):
            "--output-prefix", prefix, "--json-keys", "content", "--vocab-file", vocab,
            "--merge-file", merges, "--append-eod", "--workers", str(workers),
            "--log-interval", "100000000"]
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return seconds, (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
 
 
 def rates(seconds, docs, nbytes, ntokens):
@@ -92,20 +97,23 @@ def main() -> None:
         print(f"corpus: {counts['files']} files, {os.path.getsize(corpus) / 1e6:.1f} MB jsonl; "
               f"BPE vocab {args.vocab_size} trained in {time.perf_counter() - t0:.1f} s")
         ref_bin = os.path.join(tmp, "reference.bin")
-        t_ref, docs, nbytes, ntokens = reference_loop(corpus, vocab, merges, ref_bin)
+        t_ref, cpu_ref, docs, nbytes, ntokens = reference_loop(corpus, vocab, merges, ref_bin)
         ref = rates(t_ref, docs, nbytes, ntokens)
-        print(f"{'run':<14}{'s':>7}{'docs/s':>10}{'MB/s':>8}{'tokens/s':>12}{'vs ref':>8}"
-              f"{'per worker MB/s':>17}  identical")
-        print(f"{'reference':<14}{t_ref:7.2f}{ref[0]:10.1f}{ref[1]:8.2f}{ref[2]:12,.0f}{1:8.2f}"
-              f"{ref[1]:17.2f}  -")
+        print(f"{'run':<13}{'wall s':>7}{'docs/s':>8}{'MB/s':>7}{'tokens/s':>10}{'vs ref':>7}"
+              f"{'MB/s/worker':>12}{'CPU s':>7}{'Mtok/CPU-s':>11}  identical")
+        print(f"{'reference':<13}{t_ref:7.2f}{ref[0]:8.1f}{ref[1]:7.2f}{ref[2]:10,.0f}{1:7.2f}"
+              f"{ref[1]:12.2f}{cpu_ref:7.1f}{ntokens / cpu_ref / 1e6:11.3f}  -")
         reference_bytes = open(ref_bin, "rb").read()
         for workers in args.workers:
             prefix = os.path.join(tmp, f"w{workers}")
-            seconds = run_tool(corpus, vocab, merges, prefix, workers)
+            seconds, cpu = run_tool(corpus, vocab, merges, prefix, workers)
             ours = rates(seconds, docs, nbytes, ntokens)
             same = open(prefix + "_content_document.bin", "rb").read() == reference_bytes
-            print(f"{f'ours -w {workers}':<14}{seconds:7.2f}{ours[0]:10.1f}{ours[1]:8.2f}"
-                  f"{ours[2]:12,.0f}{t_ref / seconds:8.2f}{ours[1] / workers:17.2f}  {same}")
+            print(f"{f'ours -w {workers}':<13}{seconds:7.2f}{ours[0]:8.1f}{ours[1]:7.2f}"
+                  f"{ours[2]:10,.0f}{t_ref / seconds:7.2f}{ours[1] / workers:12.2f}{cpu:7.1f}"
+                  f"{ntokens / cpu / 1e6:11.3f}  {same}")
+        print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+              f"(CPU seconds are the load-independent figure; the tool's include start-up)")
         print("anchors: ~1 MB/s and ~460 docs/s per worker (Python BPE, BigScience PR #18); "
               "~0.85 M tokens/s per core (HF tokenizers, marin #2829)")
 

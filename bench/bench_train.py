@@ -100,13 +100,17 @@ class Impl:
     """A model, its optimizer and a loss function; `step()` times forward, backward, optimizer."""
 
     def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable[[], torch.Tensor], after_step: Callable[[], None] = lambda: None):
+                 loss_fn: Callable[[], torch.Tensor],
+                 after_step: Callable[[], None] = lambda: None) -> None:
         self.name, self.model, self.optimizer = name, model, optimizer
         self.loss_fn, self.after_step = loss_fn, after_step
-        self.phases: Dict[str, List[float]] = {"fwd": [], "bwd": [], "opt": [], "step": []}
+        self.phases: Dict[str, List[float]] = {"fwd": [], "bwd": [], "opt": [], "step": [],
+                                               "cpu": []}
         self.losses: List[float] = []
 
     def step(self, record: bool) -> None:
+        """One training step; wall time per phase and process CPU time go to `phases`."""
+        c0 = time.process_time()
         t0 = time.perf_counter()
         loss = self.loss_fn()
         t1 = time.perf_counter()
@@ -116,9 +120,11 @@ class Impl:
         self.optimizer.zero_grad(set_to_none=True)
         self.after_step()
         t3 = time.perf_counter()
+        c3 = time.process_time()
         self.losses.append(loss.item())
         if record:
-            for key, value in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2), ("step", t3 - t0)):
+            for key, value in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2),
+                               ("step", t3 - t0), ("cpu", c3 - c0)):
                 self.phases[key].append(value)
 
 
@@ -159,23 +165,28 @@ def run(impls: List[Impl], warmup: int, steps: int) -> None:
 
 
 def report(impls: List[Impl], cfg: ModelConfig, tokens_per_step: int, peak: float) -> str:
-    """Table of tokens/s, ms/step (median, p90), phase split, ratio to the best reference, MFU."""
+    """Per implementation: tokens/s, ms/step (median, p90), phase split, CPU ms/step, speed
+    relative to the best reference (wall and CPU time), MFU, first loss, parameter count."""
     flops_per_token = model_flops_per_token(cfg)
-    med = {impl.name: summarize(impl.phases["step"])["median"] for impl in impls}
+    med = {i.name: {k: summarize(v)["median"] for k, v in i.phases.items()} for i in impls}
     refs = [n for n in med if n != "ours"]
-    best_ref = min(refs, key=med.get) if refs else None
+    best = min(refs, key=lambda n: med[n]["step"]) if refs else None
+    best_cpu = min(refs, key=lambda n: med[n]["cpu"]) if refs else None
     rows = []
     for impl in impls:
-        step = summarize(impl.phases["step"])
-        phase = {k: summarize(v)["median"] * 1e3 for k, v in impl.phases.items()}
-        tok_s = tokens_per_step / step["median"]
-        ratio = med[best_ref] / step["median"] if best_ref else float("nan")
-        rows.append([impl.name, f"{tok_s:,.0f}", f"{step['median'] * 1e3:.1f}",
-                     f"{step['p90'] * 1e3:.1f}", f"{phase['fwd']:.0f}/{phase['bwd']:.0f}/{phase['opt']:.0f}",
-                     f"{ratio:.3f}", f"{100 * tok_s * flops_per_token / peak:.1f}%",
-                     f"{impl.losses[0]:.3f}", f"{sum(p.numel() for p in impl.model.parameters()):,}"])
-    header = ["impl", "tokens/s", "ms/step", "p90 ms", "fwd/bwd/opt ms", f"speed vs {best_ref}",
-              "MFU", "loss@0", "params"]
+        m = med[impl.name]
+        tok_s = tokens_per_step / m["step"]
+        speed = med[best]["step"] / m["step"] if best else float("nan")
+        speed_cpu = med[best_cpu]["cpu"] / m["cpu"] if best_cpu else float("nan")
+        params = sum(p.numel() for p in impl.model.parameters())
+        rows.append([impl.name, f"{tok_s:,.0f}", f"{m['step'] * 1e3:.0f}",
+                     f"{summarize(impl.phases['step'])['p90'] * 1e3:.0f}",
+                     f"{m['fwd'] * 1e3:.0f}/{m['bwd'] * 1e3:.0f}/{m['opt'] * 1e3:.0f}",
+                     f"{m['cpu'] * 1e3:.0f}", f"{speed:.3f}", f"{speed_cpu:.3f}",
+                     f"{100 * tok_s * flops_per_token / peak:.1f}%", f"{impl.losses[0]:.3f}",
+                     f"{params:,}"])
+    header = ["impl", "tokens/s", "ms/step", "p90 ms", "fwd/bwd/opt ms", "cpu ms",
+              f"speed vs {best}", f"cpu-speed vs {best_cpu}", "MFU", "loss@0", "params"]
     return format_table(header, rows)
 
 
@@ -200,13 +211,16 @@ def main(argv: List[str] | None = None) -> None:
                       max_position_embeddings=args.seq_length, padded_vocab_size=args.vocab_size,
                       hidden_dropout=0.0, attention_dropout=0.0, openai_gelu=args.openai_gelu)
     peak = measure_matmul_peak()
-    print(f"threads={args.threads}  fp32 matmul peak {peak.flops / 1e9:.1f} GFLOP/s (n={peak.best_n}; "
-          + ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in peak.by_n.items()) + ")")
+    sizes = ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in peak.by_n.items())
+    print(f"threads={args.threads}  fp32 matmul peak {peak.flops / 1e9:.1f} GFLOP/s "
+          f"(n={peak.best_n}; {sizes})")
     print(f"config L={cfg.num_layers} h={cfg.hidden_size} heads={cfg.num_attention_heads} "
           f"s={cfg.seq_length} V={cfg.padded_vocab_size} b={args.micro_batch_size}; "
-          f"{model_flops_per_token(cfg) / 1e6:.1f} MFLOP/token; ln(V)={math.log(cfg.padded_vocab_size):.3f}")
+          f"{model_flops_per_token(cfg) / 1e6:.1f} MFLOP/token; "
+          f"ln(V)={math.log(cfg.padded_vocab_size):.3f}")
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=gen)
+    shape = (args.micro_batch_size, args.seq_length + 1)
+    tokens = torch.randint(0, args.vocab_size, shape, generator=gen)
     ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     impls = build_impls(cfg, args.impls.split(","), ids, labels)
     run(impls, args.warmup, args.steps)
@@ -214,7 +228,8 @@ def main(argv: List[str] | None = None) -> None:
     if again.flops > peak.flops:
         print(f"matmul peak re-measured after the run: {again.flops / 1e9:.1f} GFLOP/s (used)")
         peak = again
-    print(f"{args.warmup} warm-up + {args.steps} timed steps each, interleaved; median over steps")
+    print(f"{args.warmup} warm-up + {args.steps} timed steps each, interleaved; medians over "
+          "steps; 'cpu ms' is process CPU time per step (less sensitive to other processes)")
     print(report(impls, cfg, ids.numel(), peak.flops))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB")
 

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import sysconfig
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 

@@ -177,7 +177,7 @@ class Encoder:
         """The document's sequences: one, or its sentences with --split-sentences."""
         return [text] if self.splitter is None else self.splitter.split(text)
 
-    def parse(self, lineno: int, line: bytes) -> Tuple[Optional[List[str]], Optional[str]]:
+    def parse(self, line: bytes) -> Tuple[Optional[List[str]], Optional[str]]:
         """(text of each key, None) or (None, error message) for one line."""
         try:
             obj = json.loads(line)
@@ -203,7 +203,7 @@ class Encoder:
             if not line.strip():
                 blank += 1
                 continue
-            texts, err = self.parse(lineno, line)
+            texts, err = self.parse(line)
             if err is not None:
                 errors.append((lineno, err))
             else:
@@ -326,6 +326,8 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
                 lineno, message = result.errors[0]
                 raise SystemExit(f"{args.input}: line {lineno}: {message}. Fix the line or pass "
                                  f"--skip-bad-lines to count and skip such lines")
+            for lineno, message in result.errors[:max(0, 10 - counts["bad_lines"])]:
+                print(f"skipped {args.input}: line {lineno}: {message}", file=sys.stderr)
             counts["bad_lines"] += len(result.errors)
             counts["documents"] += result.documents
             counts["blank_lines"] += result.blank_lines

@@ -1,21 +1,35 @@
 """Data pipeline: GPT-2 BPE tokenizer, Megatron mmap indexed dataset, GPT datasets with cached
 sample indices, blending, the pretraining sampler and batch construction (see docs/data.md).
 
+Public names are imported lazily (PEP 562), so that tools which only need the tokenizer or the
+indexed dataset (tools/preprocess_data.py and its workers) do not pay for importing torch.
 This package never imports torch.distributed; rank coordination comes in through the
 `is_builder` / `barrier` arguments of `build_train_valid_test_datasets`.
 """
-from app.data.batch import get_batch, get_ltor_masks_and_position_ids
-from app.data.blendable_dataset import BlendableDataset
-from app.data.gpt_dataset import GPTDataset, build_train_valid_test_datasets, parse_data_path
-from app.data.indexed_dataset import (DatasetFormatError, MMapIndexedDataset,
-                                      MMapIndexedDatasetBuilder, best_fitting_dtype)
-from app.data.samplers import MegatronPretrainingSampler
-from app.data.tokenizer import (GPT2BPETokenizer, build_tokenizer, pad_vocab_size,
-                                train_gpt2_bpe)
+import importlib
+from typing import Any
 
-__all__ = [
-    "BlendableDataset", "DatasetFormatError", "GPT2BPETokenizer", "GPTDataset",
-    "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "MegatronPretrainingSampler",
-    "best_fitting_dtype", "build_tokenizer", "build_train_valid_test_datasets", "get_batch",
-    "get_ltor_masks_and_position_ids", "pad_vocab_size", "parse_data_path", "train_gpt2_bpe",
-]
+_EXPORTS = {
+    "get_batch": "batch", "get_ltor_masks_and_position_ids": "batch",
+    "BlendableDataset": "blendable_dataset",
+    "GPTDataset": "gpt_dataset", "build_train_valid_test_datasets": "gpt_dataset",
+    "parse_data_path": "gpt_dataset",
+    "DatasetFormatError": "indexed_dataset", "MMapIndexedDataset": "indexed_dataset",
+    "MMapIndexedDatasetBuilder": "indexed_dataset", "best_fitting_dtype": "indexed_dataset",
+    "MegatronPretrainingSampler": "samplers",
+    "GPT2BPETokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+    "pad_vocab_size": "tokenizer", "train_gpt2_bpe": "tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'app.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"app.data.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

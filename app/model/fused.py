@@ -16,7 +16,7 @@ _KERNELS: Dict[str, Callable] = {}
 
 
 def register_kernel(name: str, fn: Callable) -> None:
-    """Install a device kernel for `name` ("bias_gelu" or "scale_mask_softmax"), used on CUDA only."""
+    """Install a kernel for `name` ("bias_gelu" or "scale_mask_softmax"); used for CUDA inputs."""
     if name not in ("bias_gelu", "scale_mask_softmax"):
         raise ValueError(f"unknown fused op {name!r}; expected bias_gelu or scale_mask_softmax")
     _KERNELS[name] = fn
@@ -27,9 +27,13 @@ def gelu(x: torch.Tensor, openai_gelu: bool = False) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if openai_gelu else "none")
 
 
-def bias_gelu(bias: Optional[torch.Tensor], x: torch.Tensor, openai_gelu: bool = False) -> torch.Tensor:
-    """gelu(x + bias), `bias` broadcast over the last dimension (None means no bias). Shape of x."""
-    kernel = _KERNELS.get("bias_gelu")
+def bias_gelu(bias: Optional[torch.Tensor], x: torch.Tensor, openai_gelu: bool = False,
+              use_kernel: bool = True) -> torch.Tensor:
+    """gelu(x + bias), `bias` broadcast over the last dimension (None means no bias). Shape of x.
+
+    `use_kernel` (--bias-gelu-fusion) allows a registered CUDA kernel for CUDA inputs.
+    """
+    kernel = _KERNELS.get("bias_gelu") if use_kernel else None
     if kernel is not None and x.is_cuda:
         return kernel(bias, x, openai_gelu)
     if bias is not None:
@@ -38,15 +42,16 @@ def bias_gelu(bias: Optional[torch.Tensor], x: torch.Tensor, openai_gelu: bool =
 
 
 def scale_mask_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                       softmax_in_fp32: bool = True) -> torch.Tensor:
+                       softmax_in_fp32: bool = True, use_kernel: bool = True) -> torch.Tensor:
     """softmax(scale * scores with masked positions removed) over the last dim; dtype of scores.
 
     scores: [b, heads, s_q, s_k]; mask: bool, broadcastable to scores, True = masked out (Megatron's
     convention), or None for no mask. Masked positions get the dtype's lowest value before the
     softmax, so they receive probability 0 exactly and a fully masked row gives a uniform row
     instead of NaN. With `softmax_in_fp32` half-precision scores are upcast for the softmax.
+    `use_kernel` (--masked-softmax-fusion) allows a registered CUDA kernel for CUDA inputs.
     """
-    kernel = _KERNELS.get("scale_mask_softmax")
+    kernel = _KERNELS.get("scale_mask_softmax") if use_kernel else None
     if kernel is not None and scores.is_cuda:
         return kernel(scores, mask, scale)
     out_dtype = scores.dtype

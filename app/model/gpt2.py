@@ -28,7 +28,7 @@ from app.mpu import random as mpu_random
 from app.mpu.cross_entropy import vocab_parallel_cross_entropy
 from app.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from app.mpu.mappings import copy_to_tensor_model_parallel_region
-from app.mpu.parallel_state import ParallelState
+from app.mpu.parallel_state import ParallelState, get_parallel_state
 from app.mpu.utils import divide
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -59,7 +59,7 @@ def normal_init(std: float, seed: int, global_name: str) -> InitMethod:
 
 
 class ParamInit:
-    """Init closures for one model: N(0, std) and, for the output projections, N(0, std/sqrt(2L))."""
+    """Init closures of one model: N(0, std), and N(0, std/sqrt(2L)) for output projections."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.seed = config.seed
@@ -135,13 +135,15 @@ class ParallelAttention(nn.Module):
         dtype = _DTYPES[config.params_dtype]
         h = config.hidden_size
         self.query_key_value = ColumnParallelLinear(
-            h, 3 * h, gather_output=False, init_method=init.normal(f"{prefix}.query_key_value.weight"),
+            h, 3 * h, gather_output=False,
+            init_method=init.normal(f"{prefix}.query_key_value.weight"),
             parallel_state=parallel_state, params_dtype=dtype)
         self.dense = RowParallelLinear(
             h, h, input_is_parallel=True, init_method=init.scaled_normal(f"{prefix}.dense.weight"),
             parallel_state=parallel_state, params_dtype=dtype)
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.query_key_value(x)  # [b, s, 3h/tp]
         qkv = qkv.view(b, s, self.heads_per_partition, 3, self.head_dim)
@@ -162,19 +164,21 @@ class ParallelAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s, s]
         scale = 1.0 / math.sqrt(self.head_dim)
-        probs = fused.scale_mask_softmax(scores, attention_mask, scale)  # [b, n, s, s]
+        probs = fused.scale_mask_softmax(scores, attention_mask, scale,
+                                         use_kernel=self.masked_softmax_fusion)  # [b, n, s, s]
         probs = _dropout(probs, dropout_p, True)
         return torch.matmul(probs, v)  # [b, n, s, hd]
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, reduced over TP). [b,s,h] -> [b,s,h]."""
+    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced); [b,s,h] kept."""
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  prefix: str) -> None:
         super().__init__()
         dtype = _DTYPES[config.params_dtype]
         self.openai_gelu = config.openai_gelu
+        self.bias_gelu_fusion = config.bias_gelu_fusion
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size, gather_output=False,
             init_method=init.normal(f"{prefix}.dense_h_to_4h.weight"),
@@ -186,7 +190,8 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp]
-        intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu)
+        intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu,
+                                       use_kernel=self.bias_gelu_fusion)
         return self.dense_4h_to_h(intermediate)  # [b, s, h]
 
 
@@ -205,7 +210,8 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = _layer_norm(config, dtype)
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         attn = self.attention(self.input_layernorm(x), attention_mask)  # [b, s, h]
         x = x + _dropout(attn, self.dropout_p, self.training)
         mlp = self.mlp(self.post_attention_layernorm(x))  # [b, s, h]
@@ -240,8 +246,8 @@ class ParallelTransformer(nn.Module):
         if self.checkpoint_activations and self.training and torch.is_grad_enabled():
             n = self.checkpoint_num_layers
             for first in range(0, len(layers), n):
-                hidden = mpu_random.checkpoint(_ChunkForward(layers[first:first + n], attention_mask),
-                                               hidden)
+                chunk = _ChunkForward(layers[first:first + n], attention_mask)
+                hidden = mpu_random.checkpoint(chunk, hidden)  # [b, s, h]
         else:
             for layer in layers:
                 hidden = layer(hidden, attention_mask)  # [b, s, h]
@@ -251,7 +257,7 @@ class ParallelTransformer(nn.Module):
 
 
 class _ChunkForward:
-    """Callable running a chunk of layers with a fixed mask (what activation checkpointing recomputes)."""
+    """Runs a chunk of layers with a fixed mask: what activation checkpointing recomputes."""
 
     def __init__(self, layers: Sequence[nn.Module], attention_mask: Optional[torch.Tensor]) -> None:
         self.layers, self.attention_mask = layers, attention_mask
@@ -263,7 +269,7 @@ class _ChunkForward:
 
 
 class TransformerLanguageModel(nn.Module):
-    """Embedding (first stage) + transformer layers of this stage (+ final LayerNorm, last stage)."""
+    """Embedding (first stage) + this stage's transformer layers (+ final LayerNorm, last stage)."""
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  pre_process: bool, post_process: bool, layer_range: Tuple[int, int]) -> None:
@@ -280,7 +286,9 @@ class GPT2Model(nn.Module):
     - with `post_process` and `labels`: per-token loss [b, s] fp32 (no reduction, no loss mask);
     - with `post_process`, no labels: logits [b, s, V/tp] (this rank's vocab shard);
     - without `post_process`: hidden states [b, s, h] for the next stage.
-    Stages without `pre_process` take their input from `set_input_tensor`. The last stage holds
+    `parallel_state=None` means `app.mpu.parallel_state.get_parallel_state()` (the one-process
+    state unless `initialize_model_parallel` ran). Stages without `pre_process` take their input
+    from `set_input_tensor`. The last stage holds
     the tied output embedding: the first stage's word embeddings, or, when it has no embedding,
     its own `word_embeddings.weight` initialised to the same values (flag `shared = True`; the
     pipeline keeps the two equal by all-reducing their gradients over the embedding group).
@@ -291,7 +299,7 @@ class GPT2Model(nn.Module):
                  layer_range: Optional[Tuple[int, int]] = None) -> None:
         super().__init__()
         self.config = config
-        self.parallel_state = parallel_state or ParallelState.single()
+        self.parallel_state = parallel_state if parallel_state is not None else get_parallel_state()
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_range = _check_layer_range(layer_range, config.num_layers)
         init = ParamInit(config)
@@ -306,7 +314,8 @@ class GPT2Model(nn.Module):
             self.word_embeddings.weight.shared = True
         self.input_tensor: Optional[torch.Tensor] = None
 
-    def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
+    def set_input_tensor(self,
+                         input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
         """Hidden states [b, s, h] from the previous stage (a one-element list is accepted)."""
         if isinstance(input_tensor, (list, tuple)):
             if len(input_tensor) != 1:
@@ -322,16 +331,19 @@ class GPT2Model(nn.Module):
             raise RuntimeError("word_embeddings_weight() called on a stage without embeddings")
         return self.word_embeddings.weight
 
-    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+    def forward(self, input_ids: Optional[torch.Tensor],
+                position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_process:
             if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+                seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+                position_ids = seq.unsqueeze(0)  # [1, s], broadcast over the batch
             hidden = self.language_model.embedding(input_ids, position_ids)  # [b, s, h]
         else:
             if self.input_tensor is None:
-                raise RuntimeError("this pipeline stage has no embedding: call set_input_tensor() first")
+                raise RuntimeError(
+                    "this pipeline stage has no embedding: call set_input_tensor() first")
             hidden = self.input_tensor
         hidden = self.language_model.transformer(hidden, attention_mask)  # [b, s, h]
         if not self.post_process:

@@ -16,7 +16,8 @@ from app.mpu.mappings import (copy_to_tensor_model_parallel_region,
 from app.mpu.parallel_state import (ParallelState, destroy_model_parallel, get_parallel_state,
                                     initialize_model_parallel, rank_layout, set_parallel_state)
 from app.mpu.random import (RNGStatesTracker, checkpoint, get_rng_tracker,
-                            load_rng_state_dict, model_parallel_seed, rng_state_dict)
+                            load_rng_state_dict, model_parallel_seed, rng_state_dict,
+                            set_checkpoint_implementation)
 from app.mpu.utils import divide, vocab_range
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "ParallelState", "destroy_model_parallel", "get_parallel_state", "initialize_model_parallel",
     "rank_layout", "set_parallel_state", "RNGStatesTracker", "checkpoint", "get_rng_tracker",
-    "load_rng_state_dict", "model_parallel_seed", "rng_state_dict", "divide", "vocab_range",
+    "load_rng_state_dict", "model_parallel_seed", "rng_state_dict",
+    "set_checkpoint_implementation", "divide", "vocab_range",
 ]

@@ -160,6 +160,9 @@ class ParallelState:
     def get_tensor_model_parallel_group(self) -> ProcessGroup:
         return self.tensor_model_parallel_group
 
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.tensor_model_parallel_src_rank
+
     def get_pipeline_model_parallel_rank(self) -> int:
         return self.pipeline_model_parallel_rank
 

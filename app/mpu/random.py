@@ -60,7 +60,9 @@ class RNGStatesTracker:
         if name in self.states:
             raise ValueError(f"RNG stream {name!r} already exists")
         saved = _get_device_states()
-        torch.manual_seed(seed)  # seeds CPU and every CUDA device
+        torch.random.default_generator.manual_seed(seed)  # the CPU generator only
+        if _cuda():
+            torch.cuda.manual_seed(seed)  # the current CUDA device only
         self.states[name] = _get_device_states()
         _set_device_states(saved)
         self.seeds[name] = seed

@@ -91,7 +91,7 @@ class OptimizerParamScheduler:
         return self.get_lr(self.num_steps)
 
     def step(self, increment: int = 1) -> float:
-        """Advance the iteration count by `increment` and write the new LR into every param group."""
+        """Advance the iteration count by `increment`; write the new LR into every param group."""
         self.num_steps += int(increment)
         new_lr = self.get_lr(self.num_steps)
         for group in self.optimizer.param_groups:

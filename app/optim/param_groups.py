@@ -14,7 +14,8 @@ def no_weight_decay(module: nn.Module, param_name: str) -> bool:
     return param_name == "bias" or isinstance(module, _NORM_TYPES)
 
 
-def get_param_groups(model: nn.Module, weight_decay: Optional[float] = None) -> List[Dict[str, Any]]:
+def get_param_groups(model: nn.Module,
+                     weight_decay: Optional[float] = None) -> List[Dict[str, Any]]:
     """Trainable parameters as `[decay group, no-decay group]`, empty groups dropped.
 
     The no-decay group holds every bias and every LayerNorm parameter and has `weight_decay`

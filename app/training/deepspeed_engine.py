@@ -29,12 +29,14 @@ def _free_port() -> int:
 
 
 def ensure_distributed(backend: str) -> None:
-    """DeepSpeed needs a process group even for one rank; start one if the launcher did not."""
+    """Register DeepSpeed's communication backend, starting a process group if none exists.
+
+    DeepSpeed needs a group even for one rank; under torchrun or our MPI discovery the group
+    already exists and DeepSpeed adopts it.
+    """
     import deepspeed
     import torch.distributed as dist
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
+    if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
@@ -116,6 +118,9 @@ class DeepSpeedEngineAdapter(Engine):
         from app.training import checkpoint as ckpt
         tag = f"iter_{iteration:07d}"
         state = dict(client_state)
+        state["args"] = ckpt.checkpoint_args_namespace(  # lets converters write Megatron's layout
+            self.cfg, client_state["consumed_train_samples"],
+            client_state["consumed_valid_samples"], iteration)
         if not self.cfg.checkpoint.no_save_rng:
             state["rng_state"] = ckpt.collect_rng_state(get_rng_tracker().get_states())
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=state)

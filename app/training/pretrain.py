@@ -84,6 +84,8 @@ def pretrain(argv: Optional[List[str]] = None) -> Any:
     if cfg.deepspeed.enabled and cfg.deepspeed.activation_checkpointing:
         from app.training.deepspeed_engine import configure_activation_checkpointing
         configure_activation_checkpointing(cfg, ps)
+        log("activation checkpointing through deepspeed.checkpointing (settings from the JSON's "
+            "activation_checkpointing block)")
     model = build_model(cfg, ps).to(info.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"> parameters on (tensor, pipeline) model-parallel rank "

@@ -122,7 +122,8 @@ def check_pipeline_matches_single_process(ps: mpu.ParallelState) -> None:
     for m in (1, 2, 5):
         model, losses, calls = _run_pipeline(ps, m)
         ref_losses, ref_grads = _reference(m)
-        expect_close(len(calls), m if ps.is_pipeline_last_stage() else 0, f"M={m}: engine backward calls")
+        expect_close(len(calls), m if ps.is_pipeline_last_stage() else 0,
+                     f"M={m}: engine backward calls")
         if ps.is_pipeline_last_stage():
             expect_close(torch.stack(losses), ref_losses, f"M={m}: losses", atol=1e-6)
         else:

@@ -4,7 +4,6 @@ import json
 import os
 import struct
 
-import numpy as np
 import pytest
 
 from app.data.tokenizer import train_gpt2_bpe
@@ -189,3 +188,14 @@ def test_several_json_keys_give_one_pair_each(corpus, tmp_path):
         ds = MMapIndexedDataset(str(tmp_path / f"o_{key}_document"))
         assert [tok.detokenize(ds[i]) for i in range(len(ds))] == [template.format(i)
                                                                    for i in range(5)]
+
+
+def test_preprocess_does_not_import_torch():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys; sys.path.insert(0, %r); import tools.preprocess_data; "
+            "print('torch' in sys.modules)" % root)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # workers start fast; torch is only for batches

@@ -1,4 +1,4 @@
-"""Megatron LR schedule: hand-computed values for every decay style, warmup edges, state round trip."""
+"""Megatron LR schedule: hand-computed values per decay style, warmup edges, state round trip."""
 import math
 
 import pytest

@@ -112,7 +112,10 @@ def test_activation_checkpointing_gives_identical_grads(dropout, monkeypatch):
     ids, pos, labels = _batch()
     calls = []
     real_checkpoint = mpu_random.checkpoint
-    monkeypatch.setattr(mpu_random, "checkpoint", lambda fn, *a: calls.append(fn) or real_checkpoint(fn, *a))
+    def counting_checkpoint(fn, *args):
+        calls.append(fn)
+        return real_checkpoint(fn, *args)
+    monkeypatch.setattr(mpu_random, "checkpoint", counting_checkpoint)
     results = []
     for checkpoint in (False, True):
         cfg = _config(hidden_dropout=dropout, attention_dropout=dropout,

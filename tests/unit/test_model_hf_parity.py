@@ -31,13 +31,15 @@ def _hf_tensors(ours: dict) -> dict:
            "transformer.ln_f.bias": ours["language_model.transformer.final_layernorm.bias"]}
     for i in range(L):
         p, h = f"language_model.transformer.layers.{i}.", f"transformer.h.{i}."
-        for ours_name, hf_name in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
+        norms = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"))
+        for ours_name, hf_name in norms:
             for kind in ("weight", "bias"):
                 out[f"{h}{hf_name}.{kind}"] = ours[f"{p}{ours_name}.{kind}"]
         out[f"{h}attn.c_attn.weight"] = _qkv_to_hf(ours[f"{p}attention.query_key_value.weight"]).t()
         out[f"{h}attn.c_attn.bias"] = _qkv_to_hf(ours[f"{p}attention.query_key_value.bias"])
-        for ours_name, hf_name in (("attention.dense", "attn.c_proj"), ("mlp.dense_h_to_4h", "mlp.c_fc"),
-                                   ("mlp.dense_4h_to_h", "mlp.c_proj")):
+        linears = (("attention.dense", "attn.c_proj"), ("mlp.dense_h_to_4h", "mlp.c_fc"),
+                   ("mlp.dense_4h_to_h", "mlp.c_proj"))
+        for ours_name, hf_name in linears:
             out[f"{h}{hf_name}.weight"] = ours[f"{p}{ours_name}.weight"].t()
             out[f"{h}{hf_name}.bias"] = ours[f"{p}{ours_name}.bias"]
     return out

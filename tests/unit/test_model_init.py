@@ -43,7 +43,8 @@ def test_init_statistics():
 
 def test_param_seed_depends_on_seed_and_name_only():
     assert param_seed(1, "a.weight") == param_seed(1, "a.weight")
-    assert len({param_seed(1, "a.weight"), param_seed(2, "a.weight"), param_seed(1, "b.weight")}) == 3
+    seeds = {param_seed(1, "a.weight"), param_seed(2, "a.weight"), param_seed(1, "b.weight")}
+    assert len(seeds) == 3
     assert 0 <= param_seed(123, "x") < 2 ** 63
 
 

