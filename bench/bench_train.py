@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import ModelConfig, OptimizerConfig, model_flops_per_token  # noqa: E402
 from app.model import GPT2Model  # noqa: E402
 from app.optim import OptimizerParamScheduler, build_optimizer  # noqa: E402
-from bench.common import format_table, measure_matmul_peak, summarize  # noqa: E402
+from bench.common import (format_table, keep_freed_memory, measure_matmul_peak,  # noqa: E402
+                          summarize)
 
 OPT = OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_decay_style="cosine", lr_decay_iters=1000,
                       lr_warmup_iters=0, weight_decay=0.01)
@@ -203,8 +204,13 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=50304)
     parser.add_argument("--openai-gelu", action="store_true", help="tanh GeLU in every model")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc malloc as is (default: keep freed memory for reuse, "
+                             "for every implementation alike; see bench.common.keep_freed_memory)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    kept = False if args.default_malloc else keep_freed_memory()
+    print(f"malloc keeps freed memory: {kept}")
     torch.manual_seed(0)
     cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,

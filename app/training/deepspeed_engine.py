@@ -19,7 +19,7 @@ import torch
 
 from app.config import RunConfig
 from app.training import ds_config
-from app.training.engine import Engine, LoadResult, StepResult
+from app.training.engine import Engine, LoadResult, StepResult, optimizer_state_bytes, tensor_bytes
 
 
 def _free_port() -> int:
@@ -79,6 +79,7 @@ class DeepSpeedEngineAdapter(Engine):
 
     def zero_grad(self) -> None:
         self._micro = 0  # DeepSpeed clears gradients itself after each boundary step
+        self._grad_bytes = 0
 
     def _current_lr(self) -> float:
         lrs = self.ds.get_lr()
@@ -87,6 +88,9 @@ class DeepSpeedEngineAdapter(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss, scale_wrt_gas=False)
         self._lr_used = self._current_lr()  # the boundary step below advances the schedule
+        # peak over the accumulation: ZeRO-1 holds full gradients between boundaries, ZeRO-2 only
+        # its partition; the boundary step frees them
+        self._grad_bytes = max(getattr(self, "_grad_bytes", 0), self._gradient_bytes())
         self.ds.step()
         self._micro += 1
 
@@ -100,6 +104,24 @@ class DeepSpeedEngineAdapter(Engine):
         skipped = not self.ds.was_step_applied()
         return StepResult(grad_norm=norm, skipped=skipped, lr=self._lr_used,
                           loss_scale=self.loss_scale)
+
+    def _gradient_bytes(self) -> int:
+        """Gradients held now: module .grad tensors plus ZeRO's partitioned gradient buffers."""
+        total = sum(tensor_bytes(p.grad) for p in self.ds.module.parameters() if p.grad is not None)
+        for value in getattr(self.ds.optimizer, "averaged_gradients", {}).values():
+            parts = value if isinstance(value, (list, tuple)) else [value]
+            total += sum(tensor_bytes(t) for t in parts)
+        return total
+
+    def state_bytes(self) -> Dict[str, int]:
+        """Parameters; peak gradients of the last iteration; optimizer states including ZeRO's fp32
+        master partition (the 12/DP bytes per parameter of the ZeRO paper's mixed-precision model)."""
+        opt = self.ds.optimizer
+        base = getattr(opt, "optimizer", opt)
+        masters = sum(tensor_bytes(t) for t in getattr(opt, "single_partition_of_fp32_groups", []))
+        return {"params": sum(tensor_bytes(p) for p in self.ds.module.parameters()),
+                "grads": getattr(self, "_grad_bytes", 0),
+                "optimizer": optimizer_state_bytes(base) + masters}
 
     @property
     def loss_scale(self) -> Optional[float]:

@@ -87,6 +87,30 @@ class Engine(abc.ABC):
     def name(self) -> str:
         return type(self).__name__
 
+    def state_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds of parameters, gradients and optimizer states, from the tensors.
+
+        Gradients are those present after the last backward; optimizer states exist after the
+        first step. Engines that partition state (ZeRO) override this.
+        """
+        params = sum(tensor_bytes(p) for p in self.module.parameters())
+        grads = sum(tensor_bytes(p.grad) for p in self.module.parameters() if p.grad is not None)
+        return {"params": params, "grads": grads,
+                "optimizer": optimizer_state_bytes(self.optimizer)}
+
+
+def tensor_bytes(t: Any) -> int:
+    """Storage of one tensor in bytes (0 for anything that is not a tensor)."""
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of every tensor in a torch optimizer's per-parameter state (exp_avg, ...)."""
+    total = 0
+    for state in getattr(optimizer, "state", {}).values():
+        total += sum(tensor_bytes(v) for v in state.values() if getattr(v, "dim", lambda: 0)() > 0)
+    return total
+
 
 def grad_norm_is_finite(norm: Optional[float]) -> bool:
     """True when there is no norm to check or it is a finite number."""

@@ -56,6 +56,7 @@ class NativeEngine(Engine):
 
     def step(self) -> StepResult:
         self._sync_gradients()
+        self.last_state_bytes = Engine.state_bytes(self)  # gradients exist only until the next zero_grad
         max_norm = self.cfg.optimizer.clip_grad
         norm = clip_grad_norm(self._params, max_norm, self.ps)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -65,6 +66,12 @@ class NativeEngine(Engine):
         self.optimizer.step()
         self.lr_scheduler.step(1)
         return StepResult(grad_norm=norm, skipped=False, lr=lr)
+
+    def state_bytes(self) -> Dict[str, int]:
+        """Parameters and optimizer states now; gradients as they were at the last step."""
+        now = Engine.state_bytes(self)
+        now["grads"] = getattr(self, "last_state_bytes", now)["grads"]
+        return now
 
     # ------------------------------------------------------------------ checkpoints
 

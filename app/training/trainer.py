@@ -173,6 +173,15 @@ class Trainer:
             self.writer.write("train", s.iteration, values)
         self.history.append({"kind": "train", "iteration": s.iteration, **values})
 
+    def _report_state_bytes(self) -> None:
+        """Per-rank bytes of parameters, gradients and optimizer states (after the first step)."""
+        self._reported_state_bytes = self.engine.state_bytes()
+        b = self._reported_state_bytes
+        mib = {k: v / 2 ** 20 for k, v in b.items()}
+        self.log(f"state held by this rank ({self.engine.name}): parameters {mib['params']:.2f} MiB, "
+                 f"gradients {mib['grads']:.2f} MiB, optimizer states {mib['optimizer']:.2f} MiB")
+        self.writer.write("state_bytes", self.state.iteration, dict(b))
+
     # ------------------------------------------------------------------ the loop
 
     def _save(self) -> None:
@@ -215,6 +224,8 @@ class Trainer:
                     acc.losses.append(step["loss"])
                 if step["grad_norm"] is not None:
                     acc.grad_norms.append(step["grad_norm"])
+            if acc.iterations == 1 and not hasattr(self, "_reported_state_bytes"):
+                self._report_state_bytes()
             if s.iteration % t.log_interval == 0:
                 self._log_interval(acc, step)
                 acc = _Interval()

@@ -1,0 +1,154 @@
+"""Throughput of the bench config across parallel layouts and ZeRO stages, side by side.
+
+    python bench/bench_parallel.py --suite layouts   # one process vs DP=2, TP=2, PP=2 (native)
+    python bench/bench_parallel.py --suite zero      # DP=2: native DDP, ZeRO-1, ZeRO-2 (DeepSpeed)
+
+Every configuration trains the same model (L=6, h=384, heads=6, seq=256, vocab 50304, fp32,
+dropout 0, AdamW) on the same global batch (16 sequences = 2 micro-batches of 8 per
+data-parallel replica... or per rank) through the real engine and Trainer.train_step, on
+synthetic tokens. On a 2-core machine the ranks share the cores, so read the ratios (what the
+communication and the bookkeeping cost), not a speed-up. The zero suite also prints each
+rank's parameter / gradient / optimizer-state bytes, measured from the tensors, beside the
+ZeRO paper's model.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+RAW_VOCAB = 50257
+MODEL = ["--num-layers", "6", "--hidden-size", "384", "--num-attention-heads", "6",
+         "--seq-length", "256", "--max-position-embeddings", "256",
+         "--make-vocab-size-divisible-by", "64", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "1e-4",
+         "--lr-decay-style", "constant", "--distributed-backend", "gloo"]
+
+
+class RandomTokens:
+    """`n` samples of `seq + 1` uniformly random token ids (fixed seed): the data is irrelevant
+    to step time, and every layout reads the same samples."""
+
+    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0) -> None:
+        self.data = np.random.default_rng(seed).integers(0, vocab, (n, seq + 1), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
+        return {"text": self.data[i]}
+
+
+def measure(argv: List[str], steps: int, warmup: int, threads: int) -> Dict[str, Any]:
+    """On every rank: build the run from `argv`, time `steps` train steps after `warmup`."""
+    import torch.distributed as dist
+
+    import arguments
+    from app.data import pad_vocab_size
+    from app.training import pretrain
+    from app.training.data_loading import build_data_iterator
+    from app.training.engine import build_engine
+    from app.training.trainer import Trainer
+    from common import keep_freed_memory
+
+    keep_freed_memory()
+    torch.set_num_threads(threads)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    args = arguments.parse_args(argv)
+    padded = pad_vocab_size(RAW_VOCAB, args.make_vocab_size_divisible_by,
+                            args.tensor_model_parallel_size)
+    cfg = arguments.build_run_config(args, world, RAW_VOCAB, padded)
+    ps = pretrain._build_parallel_state(cfg, world)
+    pretrain._set_seeds(cfg.training.seed, ps)
+    model = pretrain.build_model(cfg, ps)
+    engine = build_engine(cfg, model, ps, log=lambda *_: None)
+    t = cfg.training
+    data = RandomTokens(t.global_batch_size * (steps + warmup), cfg.model.seq_length, RAW_VOCAB)
+    trainer = Trainer(cfg, engine, ps, (data, None, None), eod=0, device=torch.device("cpu"),
+                      log=lambda *_: None)
+    iterator = build_data_iterator(data, 0, t.micro_batch_size, ps, 0)
+    times = []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        trainer.train_step(iterator)
+        times.append(time.perf_counter() - start)
+    step = float(np.median(times[warmup:]))
+    return {"rank": ps.rank, "step_s": step, "padded_vocab": padded,
+            "tokens_per_s": t.global_batch_size * cfg.model.seq_length / step,
+            "state_bytes": engine.state_bytes(),
+            "num_params": sum(p.numel() for p in model.parameters())}
+
+
+def run(ranks: int, extra: List[str], steps: int, warmup: int, threads: int) -> Dict[str, Any]:
+    argv = MODEL + extra
+    if ranks == 1:
+        return measure(argv, steps, warmup, threads)
+    from app.testing.distributed import run_distributed
+    results = run_distributed(measure, ranks, argv, steps, warmup, threads, timeout=3600)
+    slowest = max(results, key=lambda r: r["step_s"])
+    return {**slowest, "per_rank": results}
+
+
+def suite_layouts(steps: int, warmup: int) -> None:
+    rows = [("1 process, 1 thread", 1, [], 1), ("1 process, 2 threads", 1, [], 2),
+            ("DP=2 (2 ranks x 1 thread)", 2, [], 1),
+            ("TP=2", 2, ["--tensor-model-parallel-size", "2"], 1),
+            ("PP=2", 2, ["--pipeline-model-parallel-size", "2"], 1)]
+    base = None
+    print(f"{'layout':<28}{'ms/step':>10}{'tokens/s':>10}{'vs 1 proc x 2 threads':>24}")
+    results = []
+    for name, ranks, extra, threads in rows:
+        r = run(ranks, extra, steps, warmup, threads)
+        results.append((name, r))
+        if threads == 2:
+            base = r["tokens_per_s"]
+    for name, r in results:
+        print(f"{name:<28}{r['step_s'] * 1e3:>10.0f}{r['tokens_per_s']:>10.0f}"
+              f"{r['tokens_per_s'] / base:>23.2f}x")
+
+
+def suite_zero(steps: int, warmup: int) -> None:
+    ds = lambda stage: ["--deepspeed", "--deepspeed_config",  # noqa: E731
+                        os.path.join(ROOT, "ds_configs", f"zero{stage}_fp32.json")]
+    rows = [("native DDP", []), ("ZeRO-1", ds(1)), ("ZeRO-2", ds(2))]
+    print(f"{'DP=2, fp32':<12}{'tokens/s':>10}{'params MiB':>12}{'grads MiB':>11}"
+          f"{'optim MiB':>11}{'bytes/param (p+g+o)':>22}")
+    base = None
+    for name, extra in rows:
+        r = run(2, extra, steps, warmup, 1)
+        b, n = r["state_bytes"], r["num_params"]
+        base = base or r["tokens_per_s"]
+        per = (b["params"] + b["grads"] + b["optimizer"]) / n
+        print(f"{name:<12}{r['tokens_per_s']:>10.0f}{b['params'] / 2**20:>12.1f}"
+              f"{b['grads'] / 2**20:>11.1f}{b['optimizer'] / 2**20:>11.1f}{per:>22.2f}"
+              f"   ({r['tokens_per_s'] / base:.2f}x native)")
+    dp = 2
+    print(f"model, fp32 Adam: DDP 4+4+8 = 16; ZeRO-1 4+4+12/{dp} = {8 + 12 / dp:.0f}; "
+          f"ZeRO-2 4+4/{dp}+12/{dp} = {4 + 16 / dp:.0f} bytes/param (master copy counted in optimizer)")
+    print(f"ZeRO paper, mixed-precision Adam at stage 2: 2 + 2 + 12/{dp} = {4 + 12 / dp:.0f} bytes/param "
+          "(fp16 runs on GPU; this CPU run is fp32)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=["layouts", "zero", "all"], default="all")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    a = p.parse_args()
+    if a.suite in ("layouts", "all"):
+        suite_layouts(a.steps, a.warmup)
+    if a.suite in ("zero", "all"):
+        suite_zero(a.steps, a.warmup)
+
+
+if __name__ == "__main__":
+    main()
