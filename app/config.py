@@ -267,18 +267,13 @@ def validate_configs(cfg: RunConfig) -> None:
     """Check every rule that spans two configs; each message names the values involved."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if m.num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads ({m.num_attention_heads}) is not divisible by "
-                         f"tensor_model_parallel_size ({tp})")
-    if m.ffn_hidden_size % tp:
-        raise ValueError(f"ffn_hidden_size ({m.ffn_hidden_size}) is not divisible by "
-                         f"tensor_model_parallel_size ({tp})")
-    if m.padded_vocab_size % tp:
-        raise ValueError(f"padded vocab size ({m.padded_vocab_size}) is not divisible by "
-                         f"tensor_model_parallel_size ({tp})")
-    if m.num_layers % pp:
-        raise ValueError(f"num_layers ({m.num_layers}) is not divisible by "
-                         f"pipeline_model_parallel_size ({pp})")
+    divisibility = (("num_attention_heads", m.num_attention_heads, "tensor_model_parallel_size", tp),
+                    ("ffn_hidden_size", m.ffn_hidden_size, "tensor_model_parallel_size", tp),
+                    ("padded vocab size", m.padded_vocab_size, "tensor_model_parallel_size", tp),
+                    ("num_layers", m.num_layers, "pipeline_model_parallel_size", pp))
+    for name, value, divisor_name, divisor in divisibility:
+        if value % divisor:
+            raise ValueError(f"{name} ({value}) is not divisible by {divisor_name} ({divisor})")
     t.num_micro_batches(p.data_parallel_size)
     if cfg.deepspeed.enabled and pp > 1:
         raise ValueError(f"pipeline_model_parallel_size ({pp}) > 1 is not supported with "

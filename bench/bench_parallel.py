@@ -34,55 +34,24 @@ MODEL = ["--num-layers", "6", "--hidden-size", "384", "--num-attention-heads", "
          "--lr-decay-style", "constant", "--distributed-backend", "gloo"]
 
 
-class RandomTokens:
-    """`n` samples of `seq + 1` uniformly random token ids (fixed seed): the data is irrelevant
-    to step time, and every layout reads the same samples."""
-
-    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0) -> None:
-        self.data = np.random.default_rng(seed).integers(0, vocab, (n, seq + 1), dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
-        return {"text": self.data[i]}
-
-
 def measure(argv: List[str], steps: int, warmup: int, threads: int) -> Dict[str, Any]:
     """On every rank: build the run from `argv`, time `steps` train steps after `warmup`."""
-    import torch.distributed as dist
-
-    import arguments
-    from app.data import pad_vocab_size
-    from app.training import pretrain
-    from app.training.data_loading import build_data_iterator
-    from app.training.engine import build_engine
-    from app.training.trainer import Trainer
+    from app.testing.synthetic import build_run
     from common import keep_freed_memory
 
     keep_freed_memory()
     torch.set_num_threads(threads)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    args = arguments.parse_args(argv)
-    padded = pad_vocab_size(RAW_VOCAB, args.make_vocab_size_divisible_by,
-                            args.tensor_model_parallel_size)
-    cfg = arguments.build_run_config(args, world, RAW_VOCAB, padded)
-    ps = pretrain._build_parallel_state(cfg, world)
-    pretrain._set_seeds(cfg.training.seed, ps)
-    model = pretrain.build_model(cfg, ps)
-    engine = build_engine(cfg, model, ps, log=lambda *_: None)
-    t = cfg.training
-    data = RandomTokens(t.global_batch_size * (steps + warmup), cfg.model.seq_length, RAW_VOCAB)
-    trainer = Trainer(cfg, engine, ps, (data, None, None), eod=0, device=torch.device("cpu"),
-                      log=lambda *_: None)
-    iterator = build_data_iterator(data, 0, t.micro_batch_size, ps, 0)
+    global_batch = int(argv[argv.index("--global-batch-size") + 1])
+    run_ = build_run(argv, RAW_VOCAB, global_batch * (steps + warmup))
+    cfg, ps, model, engine = run_["cfg"], run_["ps"], run_["model"], run_["engine"]
+    trainer, iterator, t = run_["trainer"], run_["iterator"], run_["cfg"].training
     times = []
     for _ in range(warmup + steps):
         start = time.perf_counter()
         trainer.train_step(iterator)
         times.append(time.perf_counter() - start)
     step = float(np.median(times[warmup:]))
-    return {"rank": ps.rank, "step_s": step, "padded_vocab": padded,
+    return {"rank": ps.rank, "step_s": step, "padded_vocab": cfg.model.padded_vocab_size,
             "tokens_per_s": t.global_batch_size * cfg.model.seq_length / step,
             "state_bytes": engine.state_bytes(),
             "num_params": sum(p.numel() for p in model.parameters())}

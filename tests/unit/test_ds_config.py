@@ -1,0 +1,71 @@
+"""Reconciling a DeepSpeed JSON with the command line: fill what is missing, reject conflicts
+with a message naming the JSON key, the flag and both values."""
+import pytest
+
+import arguments
+from app.training.ds_config import offloads_optimizer, reconcile_ds_config
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "10",
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--clip-grad", "1.0",
+        "--lr", "3e-4", "--distributed-backend", "gloo"]
+
+
+def cfg(*extra, world=2):
+    args = arguments.parse_args(BASE + list(extra))
+    return arguments.build_run_config(args, world, 128, 128)
+
+
+def test_missing_values_are_filled_from_the_command_line():
+    ds = reconcile_ds_config({"zero_optimization": {"stage": 2}}, cfg())
+    assert ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4  # 16 / (2 x DP 2)
+    assert ds["train_batch_size"] == 16
+    assert ds["gradient_clipping"] == 1.0
+    assert ds["fp16"]["enabled"] is False and ds["bf16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("key,value,flag", [
+    ("train_batch_size", 32, "--global-batch-size"),
+    ("train_micro_batch_size_per_gpu", 4, "--micro-batch-size"),
+    ("gradient_accumulation_steps", 2, "--global-batch-size"),
+    ("gradient_clipping", 0.5, "--clip-grad"),
+])
+def test_disagreements_name_both_values(key, value, flag):
+    with pytest.raises(ValueError) as err:
+        reconcile_ds_config({key: value}, cfg(), "x.json")
+    msg = str(err.value)
+    assert "x.json" in msg and key in msg and flag in msg and str(value) in msg
+
+
+def test_precision_must_agree():
+    with pytest.raises(ValueError, match="--fp16"):
+        reconcile_ds_config({"fp16": {"enabled": True}}, cfg())
+    assert reconcile_ds_config({}, cfg("--bf16"))["bf16"]["enabled"] is True
+
+
+def test_json_optimizer_must_agree_and_scheduler_conflicts_with_explicit_flags():
+    with pytest.raises(ValueError, match="optimizer.params.lr"):
+        reconcile_ds_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, cfg())
+    filled = reconcile_ds_config({"optimizer": {"type": "AdamW"}}, cfg())
+    assert filled["optimizer"]["params"]["lr"] == 3e-4
+    both = {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}
+    reconcile_ds_config(both, cfg(), explicit_flags={"--lr"})  # --lr is the optimizer's, fine
+    with pytest.raises(ValueError, match="--lr-decay-style"):
+        reconcile_ds_config(both, cfg(), explicit_flags={"--lr-decay-style"})
+    with pytest.raises(ValueError, match="scheduler"):
+        reconcile_ds_config({"scheduler": {"type": "WarmupLR"}}, cfg())
+
+
+def test_zero3_is_rejected_and_offload_detected():
+    with pytest.raises(ValueError, match="stage 3"):
+        reconcile_ds_config({"zero_optimization": {"stage": 3}}, cfg())
+    assert offloads_optimizer({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert not offloads_optimizer({"zero_optimization": {"stage": 2}})
+
+
+def test_pipeline_with_deepspeed_is_rejected():
+    args = arguments.parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--deepspeed",
+                                        "--deepspeed_config", "x.json"])
+    with pytest.raises(ValueError, match="pipeline-model-parallel-size"):
+        arguments.build_run_config(args, 2, 128, 128)
