@@ -22,15 +22,12 @@ DeepSpeedExamples name          current Megatron-LM name
 from __future__ import annotations
 
 import argparse
-import functools
-import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Type, TypeVar
+import os
+from typing import List, Optional, Sequence, Tuple
 
-from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
-                        OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
+from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, LaunchConfig,
+                        ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig, split_weights, validate_configs)
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 # ---------------------------------------------------------------------------- flag groups
@@ -300,6 +297,30 @@ def _resolve_schedule(args: argparse.Namespace) -> Tuple[int, int]:
     return decay_iters, warmup
 
 
+def _global_batch_from_deepspeed_json(args: argparse.Namespace, data_parallel_size: int) -> int:
+    """Default --global-batch-size: the DeepSpeed JSON's train_batch_size (or micro-batch x
+    gradient_accumulation_steps x DP) when --deepspeed gives one, else micro-batch x DP."""
+    default = args.micro_batch_size * data_parallel_size
+    if not (args.deepspeed and args.deepspeed_config and os.path.isfile(args.deepspeed_config)):
+        return default  # a missing JSON is reported, with its path, when the engine reads it
+    from app.training.ds_config import load_ds_json
+    ds = load_ds_json(args.deepspeed_config)
+    if "train_batch_size" in ds:
+        return int(ds["train_batch_size"])
+    if "gradient_accumulation_steps" in ds:
+        return default * int(ds["gradient_accumulation_steps"])
+    return default
+
+
+def launch_config(args: argparse.Namespace) -> LaunchConfig:
+    """What start-up needs before the tokenizer and the world size are known."""
+    return LaunchConfig(
+        distributed_backend=args.distributed_backend, deepspeed_mpi=bool(args.deepspeed_mpi),
+        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+        merge_file=args.merge_file, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=args.tensor_model_parallel_size)
+
+
 def _resolve_backend(requested: Optional[str]) -> str:
     import torch
     cuda = torch.cuda.is_available()
@@ -381,6 +402,10 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     _check(0 < raw_vocab_size <= padded_vocab_size,
            f"need 0 < vocab size ({raw_vocab_size}) <= padded vocab size ({padded_vocab_size})")
     _check(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive; pick one")
+    _check(args.deepspeed or not (args.fp16 or args.bf16),
+           "--fp16/--bf16 need --deepspeed for now: the native path trains in fp32 (its "
+           "mixed-precision optimizer wrapper is not built yet); drop the flag, or add "
+           "--deepspeed --deepspeed_config ds_configs/zero2_fp16.json (or zero2_bf16.json)")
     ffn = args.ffn_hidden_size if args.ffn_hidden_size is not None else 4 * args.hidden_size
     max_pos = (args.max_position_embeddings if args.max_position_embeddings is not None
                else args.seq_length)
@@ -388,7 +413,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     _check_parallel_flags(args, world_size, ffn, padded_vocab_size)
     dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     global_batch = (args.global_batch_size if args.global_batch_size is not None
-                    else args.micro_batch_size * dp)
+                    else _global_batch_from_deepspeed_json(args, dp))
     _check_batch_flags(args, dp, global_batch)
     decay_iters, warmup = _resolve_schedule(args)
     parallel = ParallelConfig(
@@ -405,30 +430,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     return cfg
 
 
-# ---------------------------------------------------------------------------- entry-point helper
-
-def exit_on_config_error(fn: Optional[F] = None, *,
-                         exceptions: Tuple[Type[BaseException], ...] = (ValueError,),
-                         exit_code: int = 2) -> Any:
-    """Decorate a start-up function so a config error prints "error: <message>" and exits.
-
-    Catches `exceptions` (ValueError by default; pass e.g. (ValueError, CheckpointError)),
-    writes "error: <message>" to stderr without a traceback and exits with `exit_code` (2, as
-    argparse does). Wrap only start-up code (parsing, config building, checkpoint loading), not
-    the training loop, so that real bugs keep their tracebacks. Usable bare or with arguments.
-    """
-    def decorate(inner: F) -> F:
-        @functools.wraps(inner)
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            try:
-                return inner(*a, **kw)
-            except exceptions as exc:  # noqa: PERF203
-                print(f"error: {exc}", file=sys.stderr, flush=True)
-                raise SystemExit(exit_code) from None
-        return wrapper  # type: ignore[return-value]
-
-    return decorate(fn) if fn is not None else decorate
-
+# ---------------------------------------------------------------------------- helpers
 
 def format_args(args: argparse.Namespace) -> List[str]:
     """Megatron-style listing of every argument, one "  name .... value" line each, sorted."""

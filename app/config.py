@@ -147,7 +147,8 @@ class OptimizerConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Numeric precision of the native path (fp16 uses our loss-scaling optimizer wrapper)."""
+    """Numeric precision. fp16/bf16 run through DeepSpeed for now (the native path is fp32);
+    the loss-scale fields, when given on the command line, fill the DeepSpeed JSON's fp16 block."""
 
     fp16: bool = False
     bf16: bool = False
@@ -244,6 +245,20 @@ class DeepSpeedConfig:
     """--deepspeed-activation-checkpointing: use deepspeed.checkpointing instead of ours."""
     mpi: bool = False
     """--deepspeed_mpi: discover ranks through mpi4py."""
+
+
+@dataclass
+class LaunchConfig:
+    """What start-up needs before the world size and the tokenizer are known."""
+
+    distributed_backend: Optional[str]
+    """gloo | nccl; None picks nccl with CUDA, else gloo."""
+    deepspeed_mpi: bool
+    tokenizer_type: str
+    vocab_file: Optional[str]
+    merge_file: Optional[str]
+    make_vocab_size_divisible_by: int
+    tensor_model_parallel_size: int
 
 
 @dataclass

@@ -45,8 +45,8 @@ def build_run(argv: Sequence[str], raw_vocab_size: int, num_samples: int) -> Dic
     padded = pad_vocab_size(raw_vocab_size, args.make_vocab_size_divisible_by,
                             args.tensor_model_parallel_size)
     cfg = arguments.build_run_config(args, world, raw_vocab_size, padded)
-    ps = pretrain._build_parallel_state(cfg, world)
-    pretrain._set_seeds(cfg.training.seed, ps)
+    ps = pretrain.build_parallel_state(cfg, world)
+    pretrain.set_seeds(cfg.training.seed, ps)
     model = pretrain.build_model(cfg, ps)
     engine = build_engine(cfg, model, ps, log=lambda *_: None)
     data = RandomTokens(num_samples, cfg.model.seq_length, raw_vocab_size)

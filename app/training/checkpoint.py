@@ -223,6 +223,11 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
     """
     if ckpt_args is None:
         return
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
+        if saved != now:
+            raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
+                                  f"{now}; resharding is not supported yet")
     for name in MODEL_SHAPE_FIELDS:
         if not hasattr(ckpt_args, name) or not hasattr(current, name):
             continue
@@ -230,11 +235,20 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
         if saved != now:
             raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
                                   f"{now}; pass the same model flags as the run that saved it")
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
-        if saved != now:
-            raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
-                                  f"{now}; resharding is not supported yet")
+
+
+def check_checkpoint_version(state: Dict[str, Any], where: str) -> None:
+    """Refuse checkpoints whose fused QKV rows are not ordered [heads, (q, k, v), head_dim].
+
+    Megatron checkpoints before version 3.0 order them differently; loading one as is would
+    scramble attention without any shape error.
+    """
+    version = float(state.get("checkpoint_version", 0) or 0)
+    if version < CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{where} has checkpoint_version {version}: its fused QKV rows are ordered "
+            f"differently from version {CHECKPOINT_VERSION}; convert it first (Megatron-LM's "
+            "checkpoint conversion to version 3.0)")
 
 
 # ---------------------------------------------------------------------------- RNG state
@@ -491,8 +505,20 @@ def _torch_load(path: str) -> Dict[str, Any]:
     return state
 
 
+def saved_layout(directory: str) -> Optional[Tuple[int, int]]:
+    """(tensor, pipeline) parallel sizes of the checkpoint in `directory`, read from the names
+    of its mp_rank_XX / mp_rank_XX_YYY folders; None when it holds none."""
+    tp, pp = set(), set()
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        parts = name.split("_")
+        if name.startswith("mp_rank_") and all(p.isdigit() for p in parts[2:]) and len(parts) > 2:
+            tp.add(int(parts[2]))
+            pp.add(int(parts[3]) if len(parts) > 3 else 0)
+    return (len(tp), len(pp)) if tp else None
+
+
 def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
-                         iteration: Optional[Iteration] = None
+                         iteration: Optional[Iteration] = None, tp_size: Optional[int] = None
                          ) -> Tuple[Optional[Dict[str, Any]], Optional[Iteration]]:
     """Load this rank's checkpoint dict; (None, None) when `load_dir` has no tracker.
 
@@ -509,6 +535,12 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
     if not os.path.isfile(path):
         directory = checkpoint_dir(load_dir, iteration)
         present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        layout = saved_layout(directory)
+        if layout and tp_size is not None and layout != (tp_size, pp_size):
+            raise CheckpointError(
+                f"checkpoint in {directory} was saved with tensor_model_parallel_size "
+                f"{layout[0]} and pipeline_model_parallel_size {layout[1]}, but this run uses "
+                f"{tp_size} and {pp_size}; resharding is not supported yet: use the saved sizes")
         raise CheckpointError(
             f"checkpoint file {path} does not exist (found {present} in {directory}); was it "
             "saved with a different tensor/pipeline parallel size, or did the save not finish?")

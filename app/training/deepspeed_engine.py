@@ -18,7 +18,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from app.config import RunConfig
+from app.mpu import collectives
 from app.training import ds_config
+from app.training.distributed import world_group
 from app.training.engine import Engine, LoadResult, StepResult, optimizer_state_bytes, tensor_bytes
 
 
@@ -53,7 +55,11 @@ class DeepSpeedEngineAdapter(Engine):
         path = cfg.deepspeed.config_path
         ds = ds_config.reconcile_ds_config(ds_config.load_ds_json(path), cfg, path, explicit_flags)
         self.ds_json = ds
-        ensure_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        if cfg.checkpoint.no_save_optim:
+            raise ValueError("--no-save-optim is not available with --deepspeed: DeepSpeed always "
+                             "writes the (ZeRO-partitioned) optimizer states; drop the flag, or "
+                             "convert to weights only with tools/convert_deepspeed_to_megatron.py")
+        ensure_distributed(cfg.parallel.distributed_backend)
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
             from app.optim import OptimizerParamScheduler, get_param_groups
@@ -129,10 +135,6 @@ class DeepSpeedEngineAdapter(Engine):
             return None
         return float(getattr(self.ds.optimizer, "cur_scale", self.ds.optimizer.loss_scale))
 
-    @property
-    def skipped_steps(self) -> int:
-        return int(self.ds.skipped_steps)
-
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
@@ -146,11 +148,13 @@ class DeepSpeedEngineAdapter(Engine):
         if not self.cfg.checkpoint.no_save_rng:
             state["rng_state"] = ckpt.collect_rng_state(get_rng_tracker().get_states())
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=state)
-        import torch.distributed as dist
-        dist.barrier()
+        collectives.barrier(world_group())
         if self.ps.rank == 0:  # Megatron's tracker too, so both worlds agree on the latest iteration
             ckpt.write_tracker(save_dir, iteration)
-        dist.barrier()
+            keep = self.cfg.checkpoint.keep_last_n_checkpoints
+            if keep:
+                ckpt.rotate_checkpoints(save_dir, keep, iteration)
+        collectives.barrier(world_group())
         return os.path.join(save_dir, tag)
 
     def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
@@ -162,15 +166,24 @@ class DeepSpeedEngineAdapter(Engine):
             return None
         tag = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
         module_only = c.finetune or iteration == "release"
-        path, client = self.ds.load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=not (c.no_load_optim or module_only),
-            load_lr_scheduler_states=not (c.no_load_optim or module_only),
-            load_module_only=module_only)
+        where = os.path.join(load_dir, tag)
+        try:
+            path, client = self.ds.load_checkpoint(
+                load_dir, tag=tag, load_optimizer_states=not (c.no_load_optim or module_only),
+                load_lr_scheduler_states=not (c.no_load_optim or module_only),
+                load_module_only=module_only)
+        except RuntimeError as exc:  # state-dict names or shapes that do not fit this model
+            raise ckpt.CheckpointError(f"DeepSpeed checkpoint {where} does not fit this model: "
+                                       f"{str(exc).splitlines()[0][:400]}") from exc
         if path is None:
-            raise ckpt.CheckpointError(f"DeepSpeed could not load {os.path.join(load_dir, tag)}; "
-                                       "is it a DeepSpeed checkpoint of this model?")
+            raise ckpt.CheckpointError(f"DeepSpeed could not load {where}; is it a DeepSpeed "
+                                       "checkpoint (mp_rank_XX_model_states.pt) of this model?")
+        if client.get("args") is not None:
+            ckpt.check_checkpoint_args(client["args"], ckpt.checkpoint_args_namespace(self.cfg, 0, 0, 0))
         if module_only:
             return LoadResult(0, 0, 0, path)
+        if c.no_load_optim:  # fresh optimizer, but the LR continues where the run was
+            self.lr_scheduler.step(int(client["iteration"]))
         if not c.no_load_rng:
             if client.get("rng_state") is None:
                 raise ckpt.CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); "
@@ -193,7 +206,7 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     """
     import deepspeed
     from app.mpu import random as mpu_random
-    ensure_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    ensure_distributed(cfg.parallel.distributed_backend)
     path = cfg.deepspeed.config_path
     ds = ds_config.reconcile_ds_config(ds_config.load_ds_json(path), cfg, path)
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")

@@ -76,3 +76,15 @@ def world_group():
     if dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
+
+
+def shutdown_distributed(graceful: bool = True) -> None:
+    """Tear the process group down (gloo aborts at interpreter exit otherwise).
+
+    `graceful` waits for every rank first; after an error only this rank leaves, so it must
+    not wait for ranks that may never arrive.
+    """
+    if dist.is_initialized():
+        if graceful:
+            dist.barrier()
+        dist.destroy_process_group()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from typing import Any, Dict, Iterable
 
@@ -58,6 +59,32 @@ def _reconcile_precision(ds: Dict[str, Any], cfg: RunConfig, path: str) -> None:
             raise ValueError(f"{path}: \"{key}.enabled\" is false but {flag} is given")
 
 
+LOSS_SCALE_FLAGS = {"--loss-scale": "loss_scale", "--initial-loss-scale": "initial_scale_power",
+                    "--min-loss-scale": "min_loss_scale", "--min-scale": "min_loss_scale",
+                    "--loss-scale-window": "loss_scale_window", "--hysteresis": "hysteresis"}
+
+
+def _reconcile_loss_scale(ds: Dict[str, Any], cfg: RunConfig, path: str,
+                          explicit_flags: Iterable[str]) -> None:
+    """Loss-scale flags given on the command line go into the JSON's fp16 block (or must agree)."""
+    given = [f for f in explicit_flags if f in LOSS_SCALE_FLAGS]
+    if not given:
+        return
+    if not cfg.precision.fp16:
+        raise ValueError(f"{', '.join(sorted(given))} only apply with --fp16")
+    p = cfg.precision
+    values = {"loss_scale": p.loss_scale or 0, "min_loss_scale": p.min_loss_scale,
+              "initial_scale_power": int(round(math.log2(p.initial_loss_scale))),
+              "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis}
+    block = ds["fp16"]
+    for flag in given:
+        key = LOSS_SCALE_FLAGS[flag]
+        if key in block and block[key] != values[key]:
+            raise ValueError(f"{path}: \"fp16.{key}\" is {block[key]} but {flag} gives "
+                             f"{values[key]}; make them agree")
+        block[key] = values[key]
+
+
 def _reconcile_optimizer(ds: Dict[str, Any], cfg: RunConfig, path: str,
                          explicit_flags: Iterable[str]) -> None:
     opt = ds.get("optimizer")
@@ -100,6 +127,7 @@ def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig, path: str = "<d
     _agree(ds, "train_batch_size", t.global_batch_size, "--global-batch-size", path)
     _agree(ds, "gradient_clipping", float(cfg.optimizer.clip_grad), "--clip-grad", path)
     _reconcile_precision(ds, cfg, path)
+    _reconcile_loss_scale(ds, cfg, path, explicit_flags)
     _reconcile_optimizer(ds, cfg, path, explicit_flags)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2):

@@ -8,7 +8,6 @@ the optimizer and advances the LR schedule.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Optional
 
 import torch
@@ -103,18 +102,31 @@ class NativeEngine(Engine):
 
     def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
         c = self.cfg.checkpoint
-        state, iteration = ckpt.load_checkpoint_dict(load_dir, **self._rank_kwargs())
+        state, iteration = ckpt.load_checkpoint_dict(
+            load_dir, tp_size=self.ps.tensor_model_parallel_size, **self._rank_kwargs())
         if state is None:
             return None
+        where = ckpt.checkpoint_dir(load_dir, iteration)
+        ckpt.check_checkpoint_version(state, where)
+        release = iteration == "release"
+        if state.get("args") is None and not release:
+            raise ckpt.CheckpointError(f"{where} has no 'args', so its model shape cannot be "
+                                       "checked; pass --finetune to load its weights only")
         current = ckpt.checkpoint_args_namespace(self.cfg, 0, 0, 0)
         ckpt.check_checkpoint_args(state.get("args"), current)
-        self.module.load_state_dict(ckpt.from_megatron_model(state["model"]), strict=True)
-        release = iteration == "release"
+        try:
+            self.module.load_state_dict(ckpt.from_megatron_model(state["model"]), strict=True)
+        except RuntimeError as exc:  # names or shapes that do not match this model
+            raise ckpt.CheckpointError(f"weights in {where} do not fit this model: "
+                                       f"{str(exc).splitlines()[0][:400]}") from exc
         if c.finetune or release:
-            self.log(f"loaded weights from {load_dir} ({'release' if release else iteration}); "
-                     "--finetune: starting at iteration 0 with a fresh optimizer")
-            return LoadResult(0, 0, 0, load_dir)
-        if not c.no_load_optim:
+            why = "a release checkpoint" if release else "--finetune"
+            self.log(f"loaded weights from {where} ({why}): starting at iteration 0 with a "
+                     "fresh optimizer")
+            return LoadResult(0, 0, 0, where)
+        if c.no_load_optim:  # fresh Adam state, but the LR continues where the run was
+            self.lr_scheduler.step(int(iteration))
+        else:
             self._load_optimizer(state, load_dir)
         if not c.no_load_rng:
             if state.get("rng_state") is None:
@@ -126,8 +138,7 @@ class NativeEngine(Engine):
                 get_rng_tracker().set_states(tracker_states)
         args = state["args"]
         return LoadResult(int(iteration), int(getattr(args, "consumed_train_samples", 0)),
-                          int(getattr(args, "consumed_valid_samples", 0)),
-                          os.path.join(load_dir, f"iter_{int(iteration):07d}"))
+                          int(getattr(args, "consumed_valid_samples", 0)), where)
 
     def _load_optimizer(self, state: Dict[str, Any], load_dir: str) -> None:
         if state.get("optimizer") is None or state.get("lr_scheduler") is None:

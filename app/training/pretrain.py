@@ -18,14 +18,14 @@ def _print_rank0(rank: int) -> Callable[[str], None]:
     return log
 
 
-def _set_seeds(seed: int, parallel_state: Any) -> None:
+def set_seeds(seed: int, parallel_state: Any) -> None:
     """Python, numpy and torch seeds (seed + 100 x pipeline stage, as Megatron) and the
     model-parallel RNG stream (seed + 2718 + tensor-parallel rank)."""
     from app.mpu.random import model_parallel_seed
     model_parallel_seed(seed, parallel_state)
 
 
-def _build_parallel_state(cfg: Any, world_size: int) -> Any:
+def build_parallel_state(cfg: Any, world_size: int) -> Any:
     from app.mpu.parallel_state import ParallelState, initialize_model_parallel
     p = cfg.parallel
     if cfg.deepspeed.enabled:  # DeepSpeed needs real groups, even in a world of one
@@ -62,6 +62,32 @@ def _datasets(cfg: Any, parallel_state: Any, log: Callable[[str], None]) -> tupl
         barrier=lambda: collectives.barrier(world_group()))
 
 
+def _load_on_all_ranks(engine: Any, load_dir: str) -> Any:
+    """engine.load_checkpoint on every rank; if any rank fails, every rank raises (so none is
+    left waiting in a collective for one that exited)."""
+    from app.mpu import collectives
+    from app.training.checkpoint import CheckpointError
+    from app.training.distributed import world_group
+    error: Optional[Exception] = None
+    loaded = None
+    try:
+        loaded = engine.load_checkpoint(load_dir)
+    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+        error = exc
+    failed = collectives.all_reduce(torch.tensor([1.0 if error else 0.0]), world_group(), op="max")
+    if error is not None:
+        raise error
+    if failed.item() > 0:
+        raise CheckpointError(f"another rank could not load the checkpoint in {load_dir}; "
+                              "its message says why")
+    return loaded
+
+
+def _explicit_flags(argv: Optional[List[str]]) -> set:
+    given = sys.argv[1:] if argv is None else argv
+    return {tok.split("=", 1)[0] for tok in given if tok.startswith("--")}
+
+
 def pretrain(argv: Optional[List[str]] = None) -> Any:
     """Parse `argv`, build everything and train; returns the Trainer (for tests and tools)."""
     import arguments
@@ -71,16 +97,20 @@ def pretrain(argv: Optional[List[str]] = None) -> Any:
     from app.training.trainer import RunState, Trainer
 
     args = arguments.parse_args(argv)
-    info = init_distributed(args.distributed_backend, getattr(args, "deepspeed_mpi", False))
+    launch = arguments.launch_config(args)
+    info = init_distributed(launch.distributed_backend, launch.deepspeed_mpi)
     log = _print_rank0(info.rank)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
-    padded = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                            args.tensor_model_parallel_size)
+    log("------------------------ arguments ------------------------\n"
+        + "\n".join(arguments.format_args(args))
+        + "\n-------------------- end of arguments ---------------------")
+    tokenizer = build_tokenizer(launch.tokenizer_type, launch.vocab_file, launch.merge_file)
+    padded = pad_vocab_size(tokenizer.vocab_size, launch.make_vocab_size_divisible_by,
+                            launch.tensor_model_parallel_size)
     log(f"> padded vocab (size: {tokenizer.vocab_size}) with {padded - tokenizer.vocab_size} "
         f"dummy tokens (new size: {padded})")
     cfg = arguments.build_run_config(args, info.world_size, tokenizer.vocab_size, padded)
-    ps = _build_parallel_state(cfg, info.world_size)
-    _set_seeds(cfg.training.seed, ps)
+    ps = build_parallel_state(cfg, info.world_size)
+    set_seeds(cfg.training.seed, ps)
     if cfg.deepspeed.enabled and cfg.deepspeed.activation_checkpointing:
         from app.training.deepspeed_engine import configure_activation_checkpointing
         configure_activation_checkpointing(cfg, ps)
@@ -90,12 +120,10 @@ def pretrain(argv: Optional[List[str]] = None) -> Any:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"> parameters on (tensor, pipeline) model-parallel rank "
         f"({ps.tensor_model_parallel_rank}, {ps.pipeline_model_parallel_rank}): {n_params}")
-    given = sys.argv[1:] if argv is None else argv
-    explicit = {tok.split("=", 1)[0] for tok in given if tok.startswith("--")}
-    engine = build_engine(cfg, model, ps, log=log, explicit_flags=explicit)
+    engine = build_engine(cfg, model, ps, log=log, explicit_flags=_explicit_flags(argv))
     state = RunState()
     if cfg.checkpoint.load:
-        loaded = engine.load_checkpoint(cfg.checkpoint.load)
+        loaded = _load_on_all_ranks(engine, cfg.checkpoint.load)
         if loaded is None:
             log(f"WARNING: --load {cfg.checkpoint.load} holds no checkpoint "
                 "(no latest_checkpointed_iteration.txt); starting from iteration 0")
@@ -111,20 +139,15 @@ def pretrain(argv: Optional[List[str]] = None) -> Any:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Command-line entry: configuration and checkpoint errors exit 2 with one clear line."""
+    """Command-line entry: configuration, data and checkpoint errors exit 2 with one clear line
+    (data format errors are ValueErrors); the process group is torn down either way."""
     from app.training.checkpoint import CheckpointError
+    from app.training.distributed import shutdown_distributed
     try:
         pretrain(argv)
-    except (ValueError, CheckpointError, FileNotFoundError) as exc:  # data format errors are ValueErrors
+    except (ValueError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        shutdown_distributed(graceful=False)
         return 2
-    shutdown_distributed()
+    shutdown_distributed(graceful=True)
     return 0
-
-
-def shutdown_distributed() -> None:
-    """Leave together and tear the process group down (gloo aborts at exit otherwise)."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

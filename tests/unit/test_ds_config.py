@@ -41,7 +41,11 @@ def test_disagreements_name_both_values(key, value, flag):
 def test_precision_must_agree():
     with pytest.raises(ValueError, match="--fp16"):
         reconcile_ds_config({"fp16": {"enabled": True}}, cfg())
-    assert reconcile_ds_config({}, cfg("--bf16"))["bf16"]["enabled"] is True
+    import os
+    ds_json = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                           "ds_configs", "zero2_bf16.json")
+    bf16 = cfg("--bf16", "--deepspeed", "--deepspeed_config", ds_json)
+    assert reconcile_ds_config({}, bf16)["bf16"]["enabled"] is True
 
 
 def test_json_optimizer_must_agree_and_scheduler_conflicts_with_explicit_flags():
