@@ -98,6 +98,12 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, use this run's LR settings, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's LR settings")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -364,7 +370,9 @@ def _other_configs(args: argparse.Namespace, decay_iters: int, warmup: int) -> d
             lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
             lr_decay_iters=decay_iters, lr_warmup_iters=warmup, weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad),
+            clip_grad=args.clip_grad,
+            override_opt_param_scheduler=args.override_opt_param_scheduler,
+            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler),
         precision=PrecisionConfig(
             fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
             initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,

@@ -132,6 +132,10 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
+    override_opt_param_scheduler: bool = False
+    """On resume, use this run's LR settings instead of the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, adopt the checkpoint's LR settings, ignoring this run's."""
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in ("constant", "linear", "cosine", "exponential"):
@@ -143,6 +147,9 @@ class OptimizerConfig:
             raise ValueError(f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt_param-scheduler and "
+                             "--use-checkpoint-opt_param-scheduler are mutually exclusive")
 
 
 @dataclass

@@ -165,29 +165,40 @@ def run(impls: List[Impl], warmup: int, steps: int) -> None:
             impl.step(record=i >= warmup)
 
 
+def _paired_speed(impl: Impl, ref: Impl) -> float:
+    """Median over rounds of ref_step / impl_step: each round's runs are adjacent in time, so
+    slow drifts of the machine's load cancel in the ratio."""
+    ratios = [r / m for m, r in zip(impl.phases["step"], ref.phases["step"])]
+    return summarize(ratios)["median"]
+
+
 def report(impls: List[Impl], cfg: ModelConfig, tokens_per_step: int, peak: float) -> str:
-    """Per implementation: tokens/s, ms/step (median, p90), phase split, CPU ms/step, speed
-    relative to the best reference (wall and CPU time), MFU, first loss, parameter count."""
+    """Per implementation: tokens/s and MFU (median step), ms/step (median, best, p90), phase
+    split, CPU ms/step, speed relative to the best reference (paired per round, and CPU time),
+    first loss, parameter count."""
     flops_per_token = model_flops_per_token(cfg)
     med = {i.name: {k: summarize(v)["median"] for k, v in i.phases.items()} for i in impls}
+    by_name = {i.name: i for i in impls}
     refs = [n for n in med if n != "ours"]
     best = min(refs, key=lambda n: med[n]["step"]) if refs else None
     best_cpu = min(refs, key=lambda n: med[n]["cpu"]) if refs else None
     rows = []
     for impl in impls:
-        m = med[impl.name]
+        m, times = med[impl.name], summarize(impl.phases["step"])
         tok_s = tokens_per_step / m["step"]
-        speed = med[best]["step"] / m["step"] if best else float("nan")
+        speed = _paired_speed(impl, by_name[best]) if best else float("nan")
         speed_cpu = med[best_cpu]["cpu"] / m["cpu"] if best_cpu else float("nan")
         params = sum(p.numel() for p in impl.model.parameters())
         rows.append([impl.name, f"{tok_s:,.0f}", f"{m['step'] * 1e3:.0f}",
-                     f"{summarize(impl.phases['step'])['p90'] * 1e3:.0f}",
+                     f"{times['min'] * 1e3:.0f}", f"{times['p90'] * 1e3:.0f}",
                      f"{m['fwd'] * 1e3:.0f}/{m['bwd'] * 1e3:.0f}/{m['opt'] * 1e3:.0f}",
                      f"{m['cpu'] * 1e3:.0f}", f"{speed:.3f}", f"{speed_cpu:.3f}",
-                     f"{100 * tok_s * flops_per_token / peak:.1f}%", f"{impl.losses[0]:.3f}",
-                     f"{params:,}"])
-    header = ["impl", "tokens/s", "ms/step", "p90 ms", "fwd/bwd/opt ms", "cpu ms",
-              f"speed vs {best}", f"cpu-speed vs {best_cpu}", "MFU", "loss@0", "params"]
+                     f"{100 * tok_s * flops_per_token / peak:.1f}%",
+                     f"{100 * tokens_per_step / times['min'] * flops_per_token / peak:.1f}%",
+                     f"{impl.losses[0]:.3f}", f"{params:,}"])
+    header = ["impl", "tokens/s", "ms/step", "best ms", "p90 ms", "fwd/bwd/opt ms", "cpu ms",
+              f"speed vs {best}", f"cpu-speed vs {best_cpu}", "MFU", "MFU best", "loss@0",
+              "params"]
     return format_table(header, rows)
 
 
@@ -234,8 +245,9 @@ def main(argv: List[str] | None = None) -> None:
     if again.flops > peak.flops:
         print(f"matmul peak re-measured after the run: {again.flops / 1e9:.1f} GFLOP/s (used)")
         peak = again
-    print(f"{args.warmup} warm-up + {args.steps} timed steps each, interleaved; medians over "
-          "steps; 'cpu ms' is process CPU time per step (less sensitive to other processes)")
+    print(f"{args.warmup} warm-up + {args.steps} timed steps each, interleaved. tokens/s, ms/step "
+          "and MFU: median step; 'speed': median over rounds of (reference ms / this ms); "
+          "'cpu ms': process CPU time per step (less sensitive to other processes)")
     print(report(impls, cfg, ids.numel(), peak.flops))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB")
 

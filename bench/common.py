@@ -6,14 +6,14 @@ from `app.config.model_flops_per_token`.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence
 
 import torch
+
+from app.training.distributed import keep_freed_memory  # noqa: F401  (re-exported for the benches)
 
 
 @dataclass
@@ -23,29 +23,6 @@ class PeakResult:
     flops: float
     best_n: int
     by_n: Dict[int, float]
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc malloc keep freed memory in the process instead of returning it to the OS.
-
-    Big tensors (the [b*s, V] logits are 412 MB here) are otherwise mmap-ed and munmap-ed on
-    every step, and each first touch of their pages is a page fault: ~200k faults and up to a
-    second of system time per step on this machine. Disabling mmap for allocations
-    (M_MMAP_MAX = 0) and raising the trim threshold lets each step reuse the previous step's
-    pages. Process-wide, so it helps every implementation in a run alike. Returns False where
-    it could not be applied (not glibc).
-    """
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_max = -1, -4  # from <malloc.h>
-        no_mmap = libc.mallopt(m_mmap_max, 0)
-        no_trim = libc.mallopt(m_trim_threshold, 2 ** 31 - 1)
-        return bool(no_mmap and no_trim)
-    except (OSError, AttributeError):
-        return False
 
 
 def synchronize(device: torch.device) -> None:

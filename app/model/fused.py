@@ -22,6 +22,11 @@ def register_kernel(name: str, fn: Callable) -> None:
     _KERNELS[name] = fn
 
 
+def has_kernel(name: str) -> bool:
+    """True when a device kernel is registered for `name`."""
+    return name in _KERNELS
+
+
 def gelu(x: torch.Tensor, openai_gelu: bool = False) -> torch.Tensor:
     """GeLU: exact `x * Phi(x)` (erf), or GPT-2's tanh approximation when `openai_gelu`."""
     return F.gelu(x, approximate="tanh" if openai_gelu else "none")

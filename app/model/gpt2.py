@@ -147,7 +147,8 @@ class ParallelAttention(nn.Module):
         b, s, _ = x.shape
         qkv = self.query_key_value(x)  # [b, s, 3h/tp]
         qkv = qkv.view(b, s, self.heads_per_partition, 3, self.head_dim)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, nh/tp, s, hd]
+        # Views, no copy; in backward unbind's stack writes the [b, s, nh/tp, 3, hd] grad directly.
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # 3 x [b, nh/tp, s, hd]
         dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p > 0.0:
             with mpu_random.get_rng_tracker().fork():
@@ -178,20 +179,25 @@ class ParallelMLP(nn.Module):
         super().__init__()
         dtype = _DTYPES[config.params_dtype]
         self.openai_gelu = config.openai_gelu
-        self.bias_gelu_fusion = config.bias_gelu_fusion
+        # The bias goes to the fused bias+GeLU kernel when one is registered; otherwise it stays
+        # inside the GEMM (addmm), which is cheaper than a separate add.
+        self.bias_gelu_fusion = config.bias_gelu_fusion and fused.has_kernel("bias_gelu")
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size, gather_output=False,
             init_method=init.normal(f"{prefix}.dense_h_to_4h.weight"),
-            parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True)
+            parallel_state=parallel_state, params_dtype=dtype,
+            skip_bias_add=self.bias_gelu_fusion)
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
             init_method=init.scaled_normal(f"{prefix}.dense_4h_to_h.weight"),
             parallel_state=parallel_state, params_dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp]
-        intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu,
-                                       use_kernel=self.bias_gelu_fusion)
+        if self.bias_gelu_fusion:
+            intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp]
+            intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu)
+        else:
+            intermediate = fused.gelu(self.dense_h_to_4h(x), self.openai_gelu)  # [b, s, ffn/tp]
         return self.dense_4h_to_h(intermediate)  # [b, s, h]
 
 

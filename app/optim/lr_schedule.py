@@ -20,7 +20,7 @@ Schedule, for iteration `t`, warmup `W`, decay iterations `D`, peak `lr`, floor 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -77,6 +77,8 @@ class OptimizerParamScheduler:
         self.lr_warmup_steps = int(config.lr_warmup_iters)
         self.lr_decay_steps = int(decay_iters)
         self.lr_decay_style = config.lr_decay_style
+        self.override = bool(config.override_opt_param_scheduler)
+        self.use_checkpoint = bool(config.use_checkpoint_opt_param_scheduler)
         self.num_steps = 0
         self.step(0)
 
@@ -104,15 +106,18 @@ class OptimizerParamScheduler:
                 "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
                 "lr_decay_style": self.lr_decay_style, "num_steps": self.num_steps}
 
-    def load_state_dict(self, state_dict: Dict[str, Any], *, override: bool = False) -> None:
-        """Restore the iteration count; settings must match the config unless `override`.
+    def load_state_dict(self, state_dict: Dict[str, Any], *, override: Optional[bool] = None
+                        ) -> None:
+        """Restore the iteration count; the settings must match the config, unless overridden.
 
-        With `override=False` a setting that differs between the checkpoint and the config raises
-        a ValueError naming both values (Megatron asserts the same); with `override=True` the
-        config's values are kept silently (Megatron's --override-opt_param-scheduler). Older
-        Megatron key names (`start_lr`, `warmup_iter`, `end_iter`, `decay_style`, `num_iters`)
-        are accepted.
+        Megatron's two ways out (from OptimizerConfig, so they also apply when DeepSpeed calls
+        this): `override` (--override-opt_param-scheduler) keeps the config's settings;
+        `use_checkpoint` (--use-checkpoint-opt_param-scheduler) adopts the checkpoint's.
+        Otherwise a differing setting raises a ValueError naming both values and both flags.
+        Older Megatron key names (`start_lr`, `warmup_iter`, `end_iter`, `decay_style`,
+        `num_iters`) are accepted.
         """
+        override = self.override if override is None else override
         aliases = {"max_lr": "start_lr", "lr_warmup_steps": "warmup_iter",
                    "lr_decay_steps": "end_iter", "lr_decay_style": "decay_style",
                    "num_steps": "num_iters"}
@@ -120,13 +125,20 @@ class OptimizerParamScheduler:
             if key in state_dict:
                 return state_dict[key]
             return state_dict.get(aliases.get(key, key))
-        if not override:
-            for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+        settings = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+        if self.use_checkpoint and not override:
+            for key in settings:
+                if read(key) is not None:
+                    setattr(self, key, read(key))
+        elif not override:
+            for key in settings:
                 saved, ours = read(key), getattr(self, key)
                 if saved is not None and saved != ours:
                     raise ValueError(
-                        f"LR scheduler {key}: checkpoint has {saved!r}, config has {ours!r}; "
-                        "use the checkpoint's value or load with override=True")
+                        f"LR scheduler {key}: checkpoint has {saved!r}, this run has {ours!r} "
+                        "(e.g. a longer --train-iters sets a longer decay); pass "
+                        "--override-opt_param-scheduler to use this run's settings or "
+                        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
         num_steps = read("num_steps")
         if num_steps is None:
             raise ValueError(f"LR scheduler state has no 'num_steps'; keys: {sorted(state_dict)}")

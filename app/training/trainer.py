@@ -78,6 +78,8 @@ class Trainer:
             self.log(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s per rank ({peak_desc}); "
                      f"model FLOPs per token {self.flops_per_token / 1e6:.2f} MFLOP")
         self.start_time = time.time()
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.timers = metrics_lib.Timers(synchronize=sync)
 
     def _peak_flops(self):
         if self.cfg.training.peak_flops:
@@ -122,8 +124,12 @@ class Trainer:
         """One iteration: zero grads, accumulate all micro-batches, step. Returns its numbers."""
         self.engine.train()
         self.engine.zero_grad()
+        self.timers("forward-backward").start()
         losses = self._forward_backward(iterator, forward_only=False)
+        self.timers("forward-backward").stop()
+        self.timers("optimizer").start()
         result = self.engine.step()
+        self.timers("optimizer").stop()
         return {"loss": self._mean_loss_across_dp(losses), "grad_norm": result.grad_norm,
                 "skipped": result.skipped, "lr": result.lr, "loss_scale": result.loss_scale}
 
@@ -170,8 +176,13 @@ class Trainer:
             "mfu": metrics_lib.model_flops_utilization(flops, self.peak_flops),
         }
         values.update(metrics_lib.memory_stats(self.device))
+        timing = {f"ms_{name.replace('-', '_')}": self.timers.elapsed(name) * 1e3 / max(acc.iterations, 1)
+                  for name in ("forward-backward", "optimizer")}
+        values.update(timing)
         if self.is_logging_rank:
-            self.log(metrics_lib.format_train_log(s.iteration, t.train_iters, values))
+            self.log(metrics_lib.format_train_log(s.iteration, t.train_iters, values)
+                     + " time per iteration (ms) | forward-backward: "
+                     f"{timing['ms_forward_backward']:.1f} | optimizer: {timing['ms_optimizer']:.1f}")
             self.writer.write("train", s.iteration, values)
 
     def _report_state_bytes(self) -> None:

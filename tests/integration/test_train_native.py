@@ -165,3 +165,20 @@ def test_exit_duration_rotation_and_relaunching_a_finished_run(tiny_corpus, tmp_
     again = _cli(args, tmp_path)  # e.g. a job requeued after it finished
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-2000:]
     assert (ck / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").stat().st_mtime_ns == before
+
+
+def test_extending_a_run_needs_an_explicit_lr_schedule_choice(tiny_corpus, tmp_path):
+    """A longer --train-iters changes the decay horizon: resuming stops with a message naming
+    both flags; --override-opt_param-scheduler continues on the new horizon with Adam's state,
+    --use-checkpoint-opt_param-scheduler keeps the saved horizon."""
+    base = ["--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0"]
+    ck = tmp_path / "ck"
+    _run(tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "4", *base, "--save", str(ck)))
+    longer = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "8", *base, "--load", str(ck))
+    refused = _cli(longer, tmp_path)
+    assert refused.returncode == 2 and "--override-opt_param-scheduler" in refused.stderr
+    new = _run(longer + ["--override-opt_param-scheduler"])
+    assert new.engine.lr_scheduler.lr_decay_steps == 8 and new.state.iteration == 8
+    kept = _run(longer + ["--use-checkpoint-opt_param-scheduler"])
+    assert kept.engine.lr_scheduler.lr_decay_steps == 4
+    assert kept.engine.optimizer.param_groups[0]["lr"] == 1e-4  # min-lr: past the saved horizon
