@@ -14,7 +14,7 @@ DATA_DIR="${DATA_DIR:-$ROOT/data}"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/quickstart}"
 CKPT="${CKPT:-$ROOT/checkpoints/quickstart}"
 VOCAB_SIZE="${VOCAB_SIZE:-8192}"
-TRAIN_ITERS="${TRAIN_ITERS:-300}"
+TRAIN_ITERS="${TRAIN_ITERS:-600}"
 mkdir -p "$DATA_DIR" "$RUN_DIR"
 if [ "${QUICKSTART_FRESH:-0}" = 1 ]; then rm -rf "$CKPT" "$RUN_DIR"; mkdir -p "$RUN_DIR"; fi
 
@@ -50,10 +50,14 @@ TRAIN_ITERS="$TRAIN_ITERS" LR="${LR:-2e-3}" MICRO_BATCH=4 GLOBAL_BATCH=8 \
 import json, math, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 valid = [r for r in rows if r["kind"] == "valid"]
-start = math.log(int(sys.argv[2]))
-if valid:
-    print(f"validation loss: {valid[0]['lm_loss']:.3f} at iteration {valid[0]['iteration']} -> "
-          f"{valid[-1]['lm_loss']:.3f} at iteration {valid[-1]['iteration']} (ln vocab = {start:.3f})")
+start = math.log(int(sys.argv[2]))  # the loss of a model that knows nothing: ln(vocab)
+if not valid:
+    sys.exit("quickstart: no validation loss was logged")
+last = valid[-1]["lm_loss"]
+print(f"validation loss: {valid[0]['lm_loss']:.3f} at iteration {valid[0]['iteration']} -> "
+      f"{last:.3f} at iteration {valid[-1]['iteration']} (start: ln vocab = {start:.3f})")
+if last > start - 2.0:
+    sys.exit(f"quickstart: validation loss {last:.3f} did not fall well below ln(vocab) = {start:.3f}")
 PYEOF
 echo
 echo "logs:        $RUN_DIR/train.log"

@@ -133,7 +133,10 @@ class DeepSpeedEngineAdapter(Engine):
     def loss_scale(self) -> Optional[float]:
         if not self.ds.fp16_enabled():
             return None
-        return float(getattr(self.ds.optimizer, "cur_scale", self.ds.optimizer.loss_scale))
+        opt = self.ds.optimizer  # fp16 optimizer: loss_scale_config.cur_scale; ZeRO: cur_scale
+        config = getattr(opt, "loss_scale_config", None)
+        scale = config.cur_scale if config is not None else getattr(opt, "cur_scale", None)
+        return float(scale) if scale is not None else None
 
     # ------------------------------------------------------------------ checkpoints
 

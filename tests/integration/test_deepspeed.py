@@ -55,6 +55,18 @@ def test_zero2_dp2_matches_native(tiny_corpus, native_dp2, tmp_path):
     print(f"parity ZeRO-2 DP=2 vs native DP=2: {worst:.2e}")
 
 
+def test_zero2_bf16_dp2_tracks_fp32(tiny_corpus, native_dp2, tmp_path):
+    """bf16 weights through DeepSpeed on CPU: the loss curve stays within bf16 rounding of fp32."""
+    metrics = tmp_path / "m.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--bf16", "--deepspeed",
+                              "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2_bf16.json"),
+                              "--metrics-file", str(metrics)), tmp_path)
+    got = train_curve(metrics)
+    assert sorted(got) == sorted(native_dp2)
+    for it, (loss, _) in got.items():
+        assert abs(loss - native_dp2[it][0]) / native_dp2[it][0] < 1e-2, (it, loss, native_dp2[it])
+
+
 def test_tp2_zero2_matches_native_tp2(tiny_corpus, tmp_path):
     tp = ["--tensor-model-parallel-size", "2"]
     native, zero2 = tmp_path / "native.jsonl", tmp_path / "zero2.jsonl"
