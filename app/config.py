@@ -241,6 +241,11 @@ class CheckpointConfig:
     keep_last_n_checkpoints: Optional[int] = None
     """After each committed save, delete all but the newest N iter_ directories; None keeps all."""
 
+    def __post_init__(self) -> None:
+        if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
+            raise ValueError(f"--keep-last-n-checkpoints must be at least 1, got "
+                             f"{self.keep_last_n_checkpoints} (leave it out to keep every checkpoint)")
+
 
 @dataclass
 class DeepSpeedConfig:

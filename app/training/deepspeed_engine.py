@@ -145,6 +145,8 @@ class DeepSpeedEngineAdapter(Engine):
         from app.training import checkpoint as ckpt
         tag = f"iter_{iteration:07d}"
         state = dict(client_state)
+        if hasattr(self.lr_scheduler, "num_steps"):  # for --no-load-optim resumes
+            state["scheduler_steps"] = {"num_steps": int(self.lr_scheduler.num_steps)}
         state["args"] = ckpt.checkpoint_args_namespace(  # lets converters write Megatron's layout
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration)
@@ -186,7 +188,9 @@ class DeepSpeedEngineAdapter(Engine):
         if module_only:
             return LoadResult(0, 0, 0, path)
         if c.no_load_optim:  # fresh optimizer, but the LR continues where the run was
-            self.lr_scheduler.step(int(client["iteration"]))
+            from app.training.native_engine import _scheduler_steps
+            saved = client.get("scheduler_steps")
+            self.lr_scheduler.step(_scheduler_steps(saved, int(client["iteration"])))
         if not c.no_load_rng:
             if client.get("rng_state") is None:
                 raise ckpt.CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); "

@@ -73,6 +73,10 @@ def _reconcile_loss_scale(ds: Dict[str, Any], cfg: RunConfig, path: str,
     if not cfg.precision.fp16:
         raise ValueError(f"{', '.join(sorted(given))} only apply with --fp16")
     p = cfg.precision
+    power = math.log2(p.initial_loss_scale) if p.initial_loss_scale > 0 else float("nan")
+    if "--initial-loss-scale" in given and not float(power).is_integer():
+        raise ValueError(f"--initial-loss-scale ({p.initial_loss_scale}) must be a power of two "
+                         "(DeepSpeed takes it as fp16.initial_scale_power)")
     values = {"loss_scale": p.loss_scale or 0, "min_loss_scale": p.min_loss_scale,
               "initial_scale_power": int(round(math.log2(p.initial_loss_scale))),
               "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis}

@@ -109,7 +109,7 @@ class NativeEngine(Engine):
         where = ckpt.checkpoint_dir(load_dir, iteration)
         ckpt.check_checkpoint_version(state, where)
         release = iteration == "release"
-        if state.get("args") is None and not release:
+        if state.get("args") is None and not (release or c.finetune):
             raise ckpt.CheckpointError(f"{where} has no 'args', so its model shape cannot be "
                                        "checked; pass --finetune to load its weights only")
         current = ckpt.checkpoint_args_namespace(self.cfg, 0, 0, 0)
@@ -125,7 +125,7 @@ class NativeEngine(Engine):
                      "fresh optimizer")
             return LoadResult(0, 0, 0, where)
         if c.no_load_optim:  # fresh Adam state, but the LR continues where the run was
-            self.lr_scheduler.step(int(iteration))
+            self.lr_scheduler.step(_scheduler_steps(state.get("lr_scheduler"), int(iteration)))
         else:
             self._load_optimizer(state, load_dir)
         if not c.no_load_rng:
@@ -147,3 +147,13 @@ class NativeEngine(Engine):
                 "pass --no-load-optim (or --finetune) to start the optimizer fresh")
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def _scheduler_steps(saved_scheduler: Optional[Dict[str, Any]], iteration: int) -> int:
+    """LR-schedule steps taken by a saved run: its scheduler's count when saved (skipped
+    iterations do not advance it), else the iteration."""
+    if saved_scheduler:
+        for key in ("num_steps", "num_iters"):
+            if saved_scheduler.get(key) is not None:
+                return int(saved_scheduler[key])
+    return iteration

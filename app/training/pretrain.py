@@ -62,24 +62,31 @@ def _datasets(cfg: Any, parallel_state: Any, log: Callable[[str], None]) -> tupl
         barrier=lambda: collectives.barrier(world_group()))
 
 
-def _load_on_all_ranks(engine: Any, load_dir: str) -> Any:
-    """engine.load_checkpoint on every rank; if any rank fails, every rank raises (so none is
-    left waiting in a collective for one that exited)."""
+def _load_on_all_ranks(engine: Any, load_dir: str, device: torch.device) -> Any:
+    """engine.load_checkpoint on every rank, then agree: if any rank failed every rank raises,
+    and every rank must have loaded the same iteration (none left waiting in a collective for
+    a rank that exited, none starting at another iteration)."""
     from app.mpu import collectives
     from app.training.checkpoint import CheckpointError
     from app.training.distributed import world_group
-    error: Optional[Exception] = None
+    error: Optional[BaseException] = None
     loaded = None
     try:
         loaded = engine.load_checkpoint(load_dir)
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+    except Exception as exc:  # noqa: BLE001  re-raised below, after the other ranks know
         error = exc
-    failed = collectives.all_reduce(torch.tensor([1.0 if error else 0.0]), world_group(), op="max")
+    iteration = -1.0 if loaded is None else float(loaded.iteration)
+    flags = torch.tensor([1.0 if error else 0.0, iteration, -iteration], device=device)
+    collectives.all_reduce(flags, world_group(), op="max")  # NCCL needs a device tensor
     if error is not None:
         raise error
-    if failed.item() > 0:
+    if flags[0].item() > 0:
         raise CheckpointError(f"another rank could not load the checkpoint in {load_dir}; "
                               "its message says why")
+    if flags[1].item() != -flags[2].item():
+        raise CheckpointError(
+            f"ranks loaded different iterations from {load_dir} (from {-flags[2].item():.0f} "
+            f"to {flags[1].item():.0f}; -1 = none): is --load on a disk every node sees?")
     return loaded
 
 
@@ -123,7 +130,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Any:
     engine = build_engine(cfg, model, ps, log=log, explicit_flags=_explicit_flags(argv))
     state = RunState()
     if cfg.checkpoint.load:
-        loaded = _load_on_all_ranks(engine, cfg.checkpoint.load)
+        loaded = _load_on_all_ranks(engine, cfg.checkpoint.load, info.device)
         if loaded is None:
             log(f"WARNING: --load {cfg.checkpoint.load} holds no checkpoint "
                 "(no latest_checkpointed_iteration.txt); starting from iteration 0")

@@ -189,4 +189,34 @@ def test_no_save_optim_is_refused_with_deepspeed(tiny_corpus, tmp_path):
                            *tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2),
                                           "--no-save-optim")],
                           capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
-    assert proc.returncode == 2 and "--no-save-optim" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--no-save-optim is not available with --deepspeed" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_deepspeed_rotation_no_load_optim_and_finetune(tiny_corpus, tmp_path):
+    """DeepSpeed checkpoints honour --keep-last-n-checkpoints, --no-load-optim (fresh optimizer,
+    LR schedule continues) and --finetune (weights only, iteration 0)."""
+    from tests.integration.conftest import read_metrics
+    common = [*ITERS, "--train-iters", "6", *ds_args(2)]
+    straight = tmp_path / "straight.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(straight)), tmp_path)
+    ck = tmp_path / "ck"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck), "--save-interval", "1",
+                              "--keep-last-n-checkpoints", "1", "--exit-interval", "3"), tmp_path)
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
+    resumed = tmp_path / "resumed.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck), "--no-load-optim",
+                              "--metrics-file", str(resumed)), tmp_path)
+    want = {r["iteration"]: r for r in read_metrics(straight) if r["kind"] == "train"}
+    got = {r["iteration"]: r for r in read_metrics(resumed) if r["kind"] == "train"}
+    assert sorted(got) == [4, 5, 6]
+    assert all(got[it]["lr"] == want[it]["lr"] for it in got)
+    assert got[4]["lm_loss"] == want[4]["lm_loss"] and got[5]["lm_loss"] != want[5]["lm_loss"]
+    tuned = tmp_path / "tuned.jsonl"
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--train-iters", "1", "--load", str(ck),
+                              "--finetune", "--lr-warmup-iters", "0", "--metrics-file", str(tuned)),
+             tmp_path)
+    rows = [r for r in read_metrics(tuned) if r["kind"] == "train"]
+    assert [(r["iteration"], r["consumed_samples"]) for r in rows] == [(1, 8)]
+    # the data restarts at sample 0: batch 1 again, now seen by the trained weights of iteration 3
+    assert rows[0]["lm_loss"] < want[1]["lm_loss"] - 1e-3

@@ -40,7 +40,7 @@ def test_deepspeed_half_precision_on_gpu_tracks_fp32(tiny_corpus, fp32_curve, tm
         if precision == "--fp16":  # dynamic loss scaling: the scale is logged (and may drop)
             assert r["loss_scale"] is not None and r["loss_scale"] >= 1
     for r in rows:
-        if not r["skipped_iterations"]:
+        if not r["total_skipped_iterations"]:  # after an fp16 overflow skip the runs diverge
             want = fp32_curve[r["iteration"]][0]
             assert abs(r["lm_loss"] - want) / want < 2e-2, (r["iteration"], r["lm_loss"], want)
 

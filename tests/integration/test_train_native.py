@@ -169,16 +169,22 @@ def test_exit_duration_rotation_and_relaunching_a_finished_run(tiny_corpus, tmp_
 
 def test_extending_a_run_needs_an_explicit_lr_schedule_choice(tiny_corpus, tmp_path):
     """A longer --train-iters changes the decay horizon: resuming stops with a message naming
-    both flags; --override-opt_param-scheduler continues on the new horizon with Adam's state,
-    --use-checkpoint-opt_param-scheduler keeps the saved horizon."""
-    base = ["--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0"]
+    both flags; --override-opt_param-scheduler decays over the new horizon, while
+    --use-checkpoint-opt_param-scheduler keeps the saved one (already at min-lr)."""
+    import math
+    base = ["--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine"]
     ck = tmp_path / "ck"
     _run(tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "4", *base, "--save", str(ck)))
     longer = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "8", *base, "--load", str(ck))
     refused = _cli(longer, tmp_path)
     assert refused.returncode == 2 and "--override-opt_param-scheduler" in refused.stderr
-    new = _run(longer + ["--override-opt_param-scheduler"])
-    assert new.engine.lr_scheduler.lr_decay_steps == 8 and new.state.iteration == 8
-    kept = _run(longer + ["--use-checkpoint-opt_param-scheduler"])
-    assert kept.engine.lr_scheduler.lr_decay_steps == 4
-    assert kept.engine.optimizer.param_groups[0]["lr"] == 1e-4  # min-lr: past the saved horizon
+    curves = {}
+    for flag in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        metrics = tmp_path / f"{flag}.jsonl"
+        _run(longer + [flag, "--metrics-file", str(metrics)])
+        curves[flag] = {r["iteration"]: r["lr"] for r in read_metrics(metrics) if r["kind"] == "train"}
+    cosine = lambda it: 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * it / 8))  # noqa: E731
+    for it in (5, 6, 7):  # the LR the update of iteration `it` used: schedule step it - 1
+        assert abs(curves["--override-opt_param-scheduler"][it] - cosine(it - 1)) < 1e-12
+        assert curves["--use-checkpoint-opt_param-scheduler"][it] == 1e-4

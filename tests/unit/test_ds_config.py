@@ -73,3 +73,27 @@ def test_pipeline_with_deepspeed_is_rejected():
                                         "--deepspeed_config", "x.json"])
     with pytest.raises(ValueError, match="pipeline-model-parallel-size"):
         arguments.build_run_config(args, 2, 128, 128)
+
+
+def test_loss_scale_flags_fill_the_fp16_block_and_are_checked():
+    import os
+    ds_json = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                           "ds_configs", "zero2_fp16.json")
+    half = cfg("--fp16", "--deepspeed", "--deepspeed_config", ds_json, "--loss-scale-window", "500",
+               "--initial-loss-scale", "65536", "--hysteresis", "4")
+    flags = {"--loss-scale-window", "--initial-loss-scale", "--hysteresis"}
+    ds = reconcile_ds_config({"fp16": {"enabled": True}}, half, explicit_flags=flags)
+    assert ds["fp16"]["loss_scale_window"] == 500 and ds["fp16"]["initial_scale_power"] == 16
+    assert ds["fp16"]["hysteresis"] == 4
+    with pytest.raises(ValueError, match="fp16.hysteresis"):
+        reconcile_ds_config({"fp16": {"enabled": True, "hysteresis": 2}}, half, explicit_flags=flags)
+    odd = cfg("--fp16", "--deepspeed", "--deepspeed_config", ds_json, "--initial-loss-scale", "1000")
+    with pytest.raises(ValueError, match="power of two"):
+        reconcile_ds_config({}, odd, explicit_flags={"--initial-loss-scale"})
+    with pytest.raises(ValueError, match="only apply with --fp16"):
+        reconcile_ds_config({}, cfg(), explicit_flags={"--hysteresis"})
+
+
+def test_keep_last_n_checkpoints_must_be_positive():
+    with pytest.raises(ValueError, match="--keep-last-n-checkpoints"):
+        cfg("--keep-last-n-checkpoints", "0")
