@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import os
 import pickle
-import random
 import re
 import shutil
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -253,41 +252,21 @@ def check_checkpoint_version(state: Dict[str, Any], where: str) -> None:
 
 # ---------------------------------------------------------------------------- RNG state
 
-def collect_rng_state(tracker_states: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """This process's RNG states under Megatron's keys (CUDA only when available).
+def apply_rng_state(rng_state: Union[Dict[str, Any], List[Dict[str, Any]]],
+                    restore: Callable[[Dict[str, Any]], None], index: int = 0) -> None:
+    """Hand this rank's saved RNG states to `restore` (app.mpu.random.load_rng_state_dict).
 
-    `tracker_states` is the model-parallel RNG tracker's `get_states()` (passed in so this
-    module does not depend on app.mpu); it is stored as `rng_tracker_states`.
-    """
-    state: Dict[str, Any] = {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": dict(tracker_states or {}),
-    }
-    if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng_state(rng_state: Union[Dict[str, Any], List[Dict[str, Any]]],
-                      index: int = 0) -> Dict[str, Any]:
-    """Restore python/numpy/torch (and CUDA if saved and available) RNGs; return tracker states.
-
-    Accepts Megatron's list (takes entry `index`) or one dict. The caller loads the returned
-    `rng_tracker_states` into its model-parallel tracker.
+    Accepts Megatron's list (takes entry `index`) or one dict, with Megatron's keys
+    (random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state, rng_tracker_states); an
+    incomplete or malformed entry raises CheckpointError. Capturing the states is
+    app.mpu.random.rng_state_dict's job, so this module does not depend on the RNG streams.
     """
     state = rng_state[index] if isinstance(rng_state, (list, tuple)) else rng_state
     try:
-        random.setstate(state["random_rng_state"])
-        np.random.set_state(state["np_rng_state"])
-        torch.set_rng_state(state["torch_rng_state"])
-    except (KeyError, TypeError, ValueError) as exc:
+        restore(state)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint RNG state is incomplete or malformed ({exc!r}); "
                               "pass --no-load-rng to resume without it") from exc
-    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    return dict(state.get("rng_tracker_states") or {})
 
 
 # ---------------------------------------------------------------------------- the dict

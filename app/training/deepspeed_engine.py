@@ -141,7 +141,7 @@ class DeepSpeedEngineAdapter(Engine):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
-        from app.mpu.random import get_rng_tracker
+        from app.mpu.random import load_rng_state_dict, rng_state_dict
         from app.training import checkpoint as ckpt
         tag = f"iter_{iteration:07d}"
         state = dict(client_state)
@@ -151,7 +151,7 @@ class DeepSpeedEngineAdapter(Engine):
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration)
         if not self.cfg.checkpoint.no_save_rng:
-            state["rng_state"] = ckpt.collect_rng_state(get_rng_tracker().get_states())
+            state["rng_state"] = rng_state_dict()
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=state)
         collectives.barrier(world_group())
         if self.ps.rank == 0:  # Megatron's tracker too, so both worlds agree on the latest iteration
@@ -163,7 +163,7 @@ class DeepSpeedEngineAdapter(Engine):
         return os.path.join(save_dir, tag)
 
     def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
-        from app.mpu.random import get_rng_tracker
+        from app.mpu.random import load_rng_state_dict, rng_state_dict
         from app.training import checkpoint as ckpt
         c = self.cfg.checkpoint
         iteration = ckpt.read_tracker(load_dir)
@@ -195,9 +195,7 @@ class DeepSpeedEngineAdapter(Engine):
             if client.get("rng_state") is None:
                 raise ckpt.CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); "
                                            "pass --no-load-rng to resume without it")
-            tracker = ckpt.restore_rng_state(client["rng_state"])
-            if tracker:
-                get_rng_tracker().set_states(tracker)
+            ckpt.apply_rng_state(client["rng_state"], load_rng_state_dict)
         return LoadResult(int(client["iteration"]), int(client["consumed_train_samples"]),
                           int(client["consumed_valid_samples"]), path)
 

@@ -15,7 +15,7 @@ import torch
 from app.config import RunConfig
 from app.mpu import collectives
 from app.mpu.grads import allreduce_embedding_grads, allreduce_gradients, clip_grad_norm
-from app.mpu.random import get_rng_tracker
+from app.mpu.random import load_rng_state_dict, rng_state_dict
 from app.training import checkpoint as ckpt
 from app.training.distributed import world_group
 from app.training.engine import Engine, LoadResult, StepResult, grad_norm_is_finite
@@ -84,7 +84,7 @@ class NativeEngine(Engine):
         args_ns = ckpt.checkpoint_args_namespace(
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration)
-        rng = None if c.no_save_rng else ckpt.collect_rng_state(get_rng_tracker().get_states())
+        rng = None if c.no_save_rng else rng_state_dict()
         state = ckpt.build_checkpoint_dict(
             iteration, self.module.state_dict(),
             None if c.no_save_optim else self.optimizer.state_dict(),
@@ -133,9 +133,7 @@ class NativeEngine(Engine):
                 raise ckpt.CheckpointError(
                     f"checkpoint in {load_dir} has no RNG state (saved with --no-save-rng); "
                     "pass --no-load-rng to resume without it")
-            tracker_states = ckpt.restore_rng_state(state["rng_state"])
-            if tracker_states:
-                get_rng_tracker().set_states(tracker_states)
+            ckpt.apply_rng_state(state["rng_state"], load_rng_state_dict)
         args = state["args"]
         return LoadResult(int(iteration), int(getattr(args, "consumed_train_samples", 0)),
                           int(getattr(args, "consumed_valid_samples", 0)), where)

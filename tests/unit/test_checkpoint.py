@@ -8,6 +8,15 @@ import numpy as np
 import pytest
 import torch
 
+from app.mpu.random import load_rng_state_dict, rng_state_dict
+
+
+def rng_state(tracker=None):
+    """This process's RNG states as the engines save them, with `tracker` as tracker states."""
+    state = rng_state_dict()
+    state["rng_tracker_states"] = dict(tracker or {})
+    return state
+
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
@@ -62,7 +71,7 @@ def make_full_dict(iteration, seed=0, tracker=None):
     sched = {"num_steps": iteration, "max_lr": 1e-3}
     args = ckpt.checkpoint_args_namespace(make_cfg(), 8 * iteration, 2, iteration)
     return ckpt.build_checkpoint_dict(iteration, flat, opt.state_dict(), sched,
-                                      ckpt.collect_rng_state(tracker), args)
+                                      rng_state(tracker), args)
 
 
 def test_paths_follow_megatron_layout(tmp_path):
@@ -185,7 +194,7 @@ def test_megatron_reader_pipeline_names_and_release(tmp_path):
     for tp in range(2):
         for pp in range(2):
             state = ckpt.build_checkpoint_dict(5, make_flat_state(head_copy=pp == 1), None, None,
-                                               ckpt.collect_rng_state(), args)
+                                               rng_state(), args)
             ckpt.save_checkpoint(s, 5, state, tp_rank=tp, pp_rank=pp, pp_size=2,
                                  is_tracker_writer=(tp, pp) == (1, 1))
     assert sorted(os.listdir(os.path.join(s, "iter_0000005"))) == [
@@ -200,18 +209,25 @@ def test_megatron_reader_pipeline_names_and_release(tmp_path):
 
 
 def test_rng_state_round_trip_through_a_file(tmp_path):
-    tracker = {"model-parallel-rng": torch.Generator().manual_seed(5).get_state()}
+    from app.mpu.random import get_rng_tracker, model_parallel_seed
+    model_parallel_seed(5)  # the real tracker's states: {stream name: {device: state}}
+    tracker = get_rng_tracker().get_states()
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     state = make_full_dict(1, tracker=tracker)
     expected = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
     ckpt.save_checkpoint(str(tmp_path), 1, state)
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
     loaded, _ = ckpt.load_checkpoint_dict(str(tmp_path))
-    restored_tracker = ckpt.restore_rng_state(loaded["rng_state"])
+    restored = {}
+    ckpt.apply_rng_state(loaded["rng_state"], lambda entry: (load_rng_state_dict(entry),
+                                                             restored.update(entry)))
     assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == expected
-    assert torch.equal(restored_tracker["model-parallel-rng"], tracker["model-parallel-rng"])
+    model_parallel_seed(77)  # move the tracker; the restore below must bring it back
+    ckpt.apply_rng_state(loaded["rng_state"], load_rng_state_dict)
+    now = get_rng_tracker().get_states()["model-parallel-rng"]
+    assert all(torch.equal(now[k], v) for k, v in tracker["model-parallel-rng"].items())
     with pytest.raises(ckpt.CheckpointError, match="--no-load-rng"):
-        ckpt.restore_rng_state([{"np_rng_state": None}])
+        ckpt.apply_rng_state([{"np_rng_state": None}], load_rng_state_dict)
 
 
 def test_check_checkpoint_args_names_field_and_values():

@@ -8,6 +8,15 @@ import time
 import pytest
 import torch
 
+from app.mpu.random import load_rng_state_dict, rng_state_dict
+
+
+def rng_state(tracker=None):
+    """This process's RNG states as the engines save them, with `tracker` as tracker states."""
+    state = rng_state_dict()
+    state["rng_tracker_states"] = dict(tracker or {})
+    return state
+
 from app.training import checkpoint as ckpt
 
 H = 4
@@ -19,7 +28,7 @@ def small_dict(iteration, fill):
             "language_model.transformer.final_layernorm.weight": torch.ones(H)}
     args = argparse.Namespace(num_layers=1, hidden_size=H, iteration=iteration)
     return ckpt.build_checkpoint_dict(iteration, flat, {"state": {}, "param_groups": []}, {},
-                                      ckpt.collect_rng_state(), args)
+                                      rng_state(), args)
 
 
 def assert_tracker_names_complete_checkpoint(save_dir, tp_size=1, allowed=(10, 20)):
