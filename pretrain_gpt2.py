@@ -16,21 +16,26 @@ import arguments
 from app.data import build_tokenizer
 from app.training import pretrain as pretrain_lib
 from app.training.distributed import discover_world
+from app.training.loss import LossFunction
 
 
-def run(argv: Optional[List[str]] = None) -> Any:
-    """Parse `argv`, build the RunConfig and train; returns the Trainer."""
+def run(argv: Optional[List[str]] = None, loss_function: Optional[LossFunction] = None) -> Any:
+    """Parse `argv`, build the RunConfig and train; returns the Trainer.
+
+    `loss_function` (app.training.loss.LossFunction) replaces Megatron's LM loss; see
+    examples/custom_loss.py.
+    """
     args = arguments.parse_args(argv)
     world = discover_world(args.deepspeed_mpi)
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     cfg = arguments.build_run_config(args, world.world_size, tokenizer.vocab_size)
-    return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args))
+    return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args), loss_function)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, loss_function: Optional[LossFunction] = None) -> int:
     """Command-line entry: exit code 0, or 2 with one clear line for bad flags, data or
     checkpoints."""
-    return pretrain_lib.main(lambda: run(argv))
+    return pretrain_lib.main(lambda: run(argv, loss_function))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,17 @@
 """Megatron-LM's GPT-2, built from the tensor-parallel layers of `app.mpu`.
 
-    ids [b, s] -> word + position embeddings (+ dropout)          [b, s, h]     (first stage)
+    ids [b, s] -> word (+ learned position) embeddings (+ dropout)  [b, s, h]     (first stage)
       -> L pre-LN layers: x + drop(attn(LN(x))); x + drop(mlp(LN(x)))  [b, s, h]
-      -> final LayerNorm -> logits = x @ E^T (tied)                [b, s, V/tp]  (last stage)
+      -> final LayerNorm -> logits = x @ E^T (tied) or output layer  [b, s, V/tp]  (last stage)
       -> vocab-parallel cross-entropy with the labels             [b, s] fp32
+
+With sequence parallelism every [b, s, h] above outside the attention and MLP cores is this
+rank's [b, s/tp, h] slice of the sequence: LayerNorm, dropout and the residual run on 1/tp of
+the tokens; the column-parallel linears all-gather their input along s and the row-parallel
+ones reduce-scatter their output. Dropout there uses the model-parallel RNG stream (each rank
+holds other tokens), and the gradients of the replicated LayerNorm and bias parameters in that
+region are summed over TP. Attention (app.model.attention) takes RoPE tables or an ALiBi bias
+computed once per forward (app.model.positions).
 
 Parameter names are Megatron's with *global* layer indices, so a pipeline stage holding layers
 [start, end) names them exactly as the whole model does. Every parameter's initial value is a
@@ -24,16 +32,20 @@ from torch import nn
 
 from app.config import ModelConfig
 from app.model import fused
+from app.model.attention import ParallelAttention
+from app.model.positions import RotaryEmbedding, RotaryTables, alibi_bias, alibi_slopes
 from app.mpu import random as mpu_random
 from app.mpu.cross_entropy import vocab_parallel_cross_entropy
-from app.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from app.mpu.mappings import copy_to_tensor_model_parallel_region
+from app.mpu.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                            column_parallel_linear)
+from app.mpu.mappings import (scatter_to_sequence_parallel_region,
+                              sum_gradient_over_tensor_parallel)
 from app.mpu.parallel_state import ParallelState, get_parallel_state
-from app.mpu.utils import divide
 from app.utils.dtypes import torch_dtype
 
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
+OUTPUT_LAYER = "language_model.output_layer.weight"
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -73,106 +85,73 @@ class ParamInit:
         return normal_init(self.output_std, self.seed, global_name)
 
 
-def _layer_norm(config: ModelConfig, dtype: torch.dtype) -> nn.LayerNorm:
-    """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks."""
+def _layer_norm(config: ModelConfig, dtype: torch.dtype,
+                parallel_state: ParallelState) -> nn.LayerNorm:
+    """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks (with
+    sequence parallelism each rank normalises other tokens, so the gradients are summed)."""
     norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype)
     for param in norm.parameters():
         param.tensor_model_parallel = False
         param.partition_dim = -1
+        if config.sequence_parallel:
+            sum_gradient_over_tensor_parallel(param, parallel_state)
     return norm
 
 
-def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout that is a no-op (no kernel launched) when p == 0 or in eval mode."""
-    return F.dropout(x, p, True) if (training and p > 0.0) else x
+def _dropout(x: torch.Tensor, p: float, training: bool,
+             model_parallel_rng: bool = False) -> torch.Tensor:
+    """Dropout that is a no-op (no kernel launched) when p == 0 or in eval mode; drawn from the
+    model-parallel RNG stream when `model_parallel_rng` (activations that differ per TP rank)."""
+    if not (training and p > 0.0):
+        return x
+    if model_parallel_rng:
+        with mpu_random.get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
 
 
 # ---- modules -----------------------------------------------------------------------------------
 class Embedding(nn.Module):
-    """Token + learned position embeddings, then dropout: ids [b, s] -> [b, s, h].
+    """Token (+ learned position) embeddings, then dropout: ids [b, s] -> [b, s, h].
 
-    Word embeddings are vocab-parallel ([V/tp, h] per rank); position embeddings are replicated.
+    Word embeddings are vocab-parallel ([V/tp, h] per rank); the position table (only for
+    learned_absolute positions) is replicated. With sequence parallelism the output is this
+    rank's [b, s/tp, h] slice: word + position embeddings are split along s after the TP
+    all-reduce, or, without a position table, the word embeddings are reduce-scattered directly.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit) -> None:
         super().__init__()
         dtype = torch_dtype(config.params_dtype)
+        self.parallel_state = parallel_state
+        self.sequence_parallel = config.sequence_parallel
+        learned = config.position_embedding_type == "learned_absolute"
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, init_method=init.normal(WORD_EMBEDDINGS),
-            parallel_state=parallel_state, params_dtype=dtype)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                config.hidden_size, dtype=dtype)
-        init.normal(POSITION_EMBEDDINGS)(self.position_embeddings.weight)
-        self.position_embeddings.weight.tensor_model_parallel = False
-        self.position_embeddings.weight.partition_dim = -1
+            parallel_state=parallel_state, params_dtype=dtype,
+            reduce_scatter_embeddings=config.sequence_parallel and not learned)
+        self.position_embeddings: Optional[nn.Embedding] = None
+        if learned:
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                    config.hidden_size, dtype=dtype)
+            init.normal(POSITION_EMBEDDINGS)(self.position_embeddings.weight)
+            self.position_embeddings.weight.tensor_model_parallel = False
+            self.position_embeddings.weight.partition_dim = -1
         self.dropout_p = config.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        words = self.word_embeddings(input_ids)  # [b, s, h]
-        positions = self.position_embeddings(position_ids)  # [b, s, h]
-        return _dropout(words + positions, self.dropout_p, self.training)
-
-
-class ParallelAttention(nn.Module):
-    """Causal self-attention with a fused QKV projection split by heads over tensor parallelism.
-
-    [b, s, h] -> [b, s, h]. The QKV output rows are ordered [heads, (q, k, v), head_dim], so
-    each tensor-parallel rank holds whole heads. `attention_mask` None means plain causal
-    (SDPA with is_causal=True); otherwise a bool mask [b or 1, 1, s, s], True = masked out,
-    goes through the explicit scale+mask+softmax path. Attention dropout runs inside the
-    model-parallel RNG fork, since each rank's heads differ.
-    """
-
-    def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
-                 prefix: str) -> None:
-        super().__init__()
-        tp = parallel_state.tensor_model_parallel_size
-        self.heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads",
-                                          "tensor_model_parallel_size")
-        self.head_dim = config.head_dim
-        self.dropout_p = config.attention_dropout
-        self.masked_softmax_fusion = config.masked_softmax_fusion
-        dtype = torch_dtype(config.params_dtype)
-        h = config.hidden_size
-        self.query_key_value = ColumnParallelLinear(
-            h, 3 * h, gather_output=False,
-            init_method=init.normal(f"{prefix}.query_key_value.weight"),
-            parallel_state=parallel_state, params_dtype=dtype)
-        self.dense = RowParallelLinear(
-            h, h, input_is_parallel=True, init_method=init.scaled_normal(f"{prefix}.dense.weight"),
-            parallel_state=parallel_state, params_dtype=dtype)
-
-    def forward(self, x: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.query_key_value(x)  # [b, s, 3h/tp]
-        qkv = qkv.view(b, s, self.heads_per_partition, 3, self.head_dim)
-        # Views, no copy; in backward unbind's stack writes the [b, s, nh/tp, 3, hd] grad directly.
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # 3 x [b, nh/tp, s, hd]
-        dropout_p = self.dropout_p if self.training else 0.0
-        if dropout_p > 0.0:
-            with mpu_random.get_rng_tracker().fork():
-                context = self._attend(q, k, v, attention_mask, dropout_p)
-        else:
-            context = self._attend(q, k, v, attention_mask, 0.0)  # [b, nh/tp, s, hd]
-        context = context.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
-        return self.dense(context)  # [b, s, h]
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd), masked) v with dropout on the probabilities. [b, n, s, hd]."""
-        if attention_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s, s]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        probs = fused.scale_mask_softmax(scores, attention_mask, scale,
-                                         use_kernel=self.masked_softmax_fusion)  # [b, n, s, s]
-        probs = _dropout(probs, dropout_p, True)
-        return torch.matmul(probs, v)  # [b, n, s, hd]
+        hidden = self.word_embeddings(input_ids)  # [b, s, h] ([b, s/tp, h] if reduce-scattered)
+        if self.position_embeddings is not None:
+            hidden = hidden + self.position_embeddings(position_ids)  # [b, s, h]
+            if self.sequence_parallel:
+                hidden = scatter_to_sequence_parallel_region(hidden, self.parallel_state)
+        return _dropout(hidden, self.dropout_p, self.training,
+                        model_parallel_rng=self.sequence_parallel)
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced); [b,s,h] kept."""
+    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced); [b,s,h] kept
+    ([b, s/tp, h] in and out with sequence parallelism)."""
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  prefix: str) -> None:
@@ -186,11 +165,12 @@ class ParallelMLP(nn.Module):
             config.hidden_size, config.ffn_hidden_size, gather_output=False,
             init_method=init.normal(f"{prefix}.dense_h_to_4h.weight"),
             parallel_state=parallel_state, params_dtype=dtype,
-            skip_bias_add=self.bias_gelu_fusion)
+            skip_bias_add=self.bias_gelu_fusion, sequence_parallel=config.sequence_parallel)
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
             init_method=init.scaled_normal(f"{prefix}.dense_4h_to_h.weight"),
-            parallel_state=parallel_state, params_dtype=dtype)
+            parallel_state=parallel_state, params_dtype=dtype,
+            sequence_parallel=config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias_gelu_fusion:
@@ -202,7 +182,8 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelTransformerLayer(nn.Module):
-    """Pre-LN block: x + drop(attention(LN(x))), then x + drop(mlp(LN(x))). [b,s,h] -> [b,s,h]."""
+    """Pre-LN block: x + drop(attention(LN(x))), then x + drop(mlp(LN(x))). [b,s,h] -> [b,s,h]
+    ([b, s/tp, h] with sequence parallelism, the dropout then on the model-parallel stream)."""
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  layer_number: int) -> None:
@@ -211,25 +192,30 @@ class ParallelTransformerLayer(nn.Module):
         dtype = torch_dtype(config.params_dtype)
         self.layer_number = layer_number
         self.dropout_p = config.hidden_dropout
-        self.input_layernorm = _layer_norm(config, dtype)
-        self.attention = ParallelAttention(config, parallel_state, init, f"{prefix}.attention")
-        self.post_attention_layernorm = _layer_norm(config, dtype)
+        self.sequence_parallel = config.sequence_parallel
+        self.input_layernorm = _layer_norm(config, dtype, parallel_state)
+        self.attention = ParallelAttention(
+            config, parallel_state, init.normal(f"{prefix}.attention.query_key_value.weight"),
+            init.scaled_normal(f"{prefix}.attention.dense.weight"))
+        self.post_attention_layernorm = _layer_norm(config, dtype, parallel_state)
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
-    def forward(self, x: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x), attention_mask)  # [b, s, h]
-        x = x + _dropout(attn, self.dropout_p, self.training)
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary: Optional[RotaryTables] = None) -> torch.Tensor:
+        attn = self.attention(self.input_layernorm(x), attention_mask, rotary)  # [b, s, h]
+        x = x + _dropout(attn, self.dropout_p, self.training, self.sequence_parallel)
         mlp = self.mlp(self.post_attention_layernorm(x))  # [b, s, h]
-        return x + _dropout(mlp, self.dropout_p, self.training)
+        return x + _dropout(mlp, self.dropout_p, self.training, self.sequence_parallel)
 
 
 class ParallelTransformer(nn.Module):
     """Layers [start, end) keyed by their global index, plus the final LayerNorm on the last stage.
 
-    With `config.checkpoint_activations` (and grad enabled in training) chunks of
-    `checkpoint_num_layers` layers are recomputed in backward via `app.mpu.random.checkpoint`,
-    which restores the RNG states so dropout masks repeat exactly.
+    With full recompute (in training, grad enabled) layers run through
+    `app.mpu.random.checkpoint`, which recomputes them in backward with the RNG states restored
+    so dropout masks repeat exactly: `uniform` checkpoints chunks of recompute_num_layers layers,
+    `block` checkpoints the first recompute_num_layers layers of this stage one by one and keeps
+    the others' activations. (Selective recompute lives in the attention.)
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
@@ -239,43 +225,51 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): ParallelTransformerLayer(config, parallel_state, init, i)
             for i in range(start, end)})
-        self.checkpoint_activations = config.checkpoint_activations
-        self.checkpoint_num_layers = config.checkpoint_num_layers
+        self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method
+        self.recompute_num_layers = config.recompute_num_layers
         if post_process:
-            self.final_layernorm = _layer_norm(config, torch_dtype(config.params_dtype))
+            self.final_layernorm = _layer_norm(config, torch_dtype(config.params_dtype),
+                                               parallel_state)
         else:
             self.final_layernorm = None
 
-    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        layers: List[nn.Module] = list(self.layers.values())
-        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
-            n = self.checkpoint_num_layers
-            for first in range(0, len(layers), n):
-                chunk = _ChunkForward(layers[first:first + n], attention_mask)
-                hidden = mpu_random.checkpoint(chunk, hidden)  # [b, s, h]
-        else:
-            for layer in layers:
-                hidden = layer(hidden, attention_mask)  # [b, s, h]
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary: Optional[RotaryTables] = None) -> torch.Tensor:
+        for chunk, recompute in self._chunks():
+            run = _ChunkForward(chunk, attention_mask, rotary)
+            hidden = mpu_random.checkpoint(run, hidden) if recompute else run(hidden)  # [b, s, h]
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden
 
+    def _chunks(self) -> List[Tuple[List[nn.Module], bool]]:
+        """This forward's layers as (consecutive layers, recompute them?) pairs."""
+        layers: List[nn.Module] = list(self.layers.values())
+        if not (self.recompute_full and self.training and torch.is_grad_enabled()):
+            return [(layers, False)]
+        n = self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            return [(layers[i:i + n], True) for i in range(0, len(layers), n)]
+        return [([layer], True) for layer in layers[:n]] + [(layers[n:], False)]
+
 
 class _ChunkForward:
-    """Runs a chunk of layers with a fixed mask: what activation checkpointing recomputes."""
+    """Runs a chunk of layers with a fixed mask and RoPE tables: what full recompute reruns."""
 
-    def __init__(self, layers: Sequence[nn.Module], attention_mask: Optional[torch.Tensor]) -> None:
-        self.layers, self.attention_mask = layers, attention_mask
+    def __init__(self, layers: Sequence[nn.Module], attention_mask: Optional[torch.Tensor],
+                 rotary: Optional[RotaryTables]) -> None:
+        self.layers, self.attention_mask, self.rotary = layers, attention_mask, rotary
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            hidden = layer(hidden, self.attention_mask)
+            hidden = layer(hidden, self.attention_mask, self.rotary)
         return hidden
 
 
 class TransformerLanguageModel(nn.Module):
-    """Embedding (first stage) + this stage's transformer layers (+ final LayerNorm, last stage)."""
+    """Embedding (first stage) + this stage's transformer layers (+ final LayerNorm, and with
+    untied embeddings the column-parallel `output_layer`, on the last stage)."""
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  pre_process: bool, post_process: bool, layer_range: Tuple[int, int]) -> None:
@@ -283,6 +277,13 @@ class TransformerLanguageModel(nn.Module):
         self.embedding = Embedding(config, parallel_state, init) if pre_process else None
         self.transformer = ParallelTransformer(config, parallel_state, init, layer_range,
                                                post_process)
+        self.output_layer: Optional[ColumnParallelLinear] = None
+        if post_process and config.untie_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, bias=False,
+                init_method=init.normal(OUTPUT_LAYER), parallel_state=parallel_state,
+                params_dtype=torch_dtype(config.params_dtype),
+                sequence_parallel=config.sequence_parallel)
 
 
 class GPT2Model(nn.Module):
@@ -291,13 +292,16 @@ class GPT2Model(nn.Module):
     forward(input_ids [b, s], position_ids [b, s], attention_mask=None, labels=None):
     - with `post_process` and `labels`: per-token loss [b, s] fp32 (no reduction, no loss mask);
     - with `post_process`, no labels: logits [b, s, V/tp] (this rank's vocab shard);
-    - without `post_process`: hidden states [b, s, h] for the next stage.
+    - without `post_process`: hidden states [b, s, h] ([b, s/tp, h] with sequence parallelism)
+      for the next stage.
     `parallel_state=None` means `app.mpu.parallel_state.get_parallel_state()` (the one-process
     state unless `initialize_model_parallel` ran). Stages without `pre_process` take their input
-    from `set_input_tensor`. The last stage holds
-    the tied output embedding: the first stage's word embeddings, or, when it has no embedding,
-    its own `word_embeddings.weight` initialised to the same values (flag `shared = True`; the
-    pipeline keeps the two equal by all-reducing their gradients over the embedding group).
+    from `set_input_tensor`; every stage gets `input_ids` or `position_ids` (RoPE and ALiBi need
+    the positions on every stage). Unless `untie_embeddings_and_output_weights`, the last stage
+    holds the tied output embedding: the first stage's word embeddings, or, when it has no
+    embedding, its own `word_embeddings.weight` initialised to the same values (flag
+    `shared = True`; the pipeline keeps the two equal by all-reducing their gradients over the
+    embedding group, see `shared_embedding_weight`).
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *,
@@ -311,13 +315,25 @@ class GPT2Model(nn.Module):
         init = ParamInit(config)
         self.language_model = TransformerLanguageModel(
             config, self.parallel_state, init, pre_process, post_process, self.layer_range)
+        self.tied = not config.untie_embeddings_and_output_weights
         self.word_embeddings: Optional[VocabParallelEmbedding] = None
-        if post_process and not pre_process:
+        if post_process and not pre_process and self.tied:
             self.word_embeddings = VocabParallelEmbedding(
                 config.padded_vocab_size, config.hidden_size,
                 init_method=init.normal(WORD_EMBEDDINGS), parallel_state=self.parallel_state,
                 params_dtype=torch_dtype(config.params_dtype))
             self.word_embeddings.weight.shared = True
+        self.rotary: Optional[RotaryEmbedding] = None
+        if config.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+        slopes = None
+        if config.position_embedding_type == "alibi":  # this rank's heads' slopes
+            tp = self.parallel_state.tensor_model_parallel_size
+            rank = self.parallel_state.tensor_model_parallel_rank
+            per_rank = config.num_attention_heads // tp
+            slopes = torch.tensor(
+                alibi_slopes(config.num_attention_heads)[rank * per_rank:(rank + 1) * per_rank])
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
         self.input_tensor: Optional[torch.Tensor] = None
 
     def set_input_tensor(self,
@@ -330,35 +346,58 @@ class GPT2Model(nn.Module):
         self.input_tensor = input_tensor
 
     def word_embeddings_weight(self) -> torch.Tensor:
-        """The tied embedding [V/tp, h] used for the logits (and, on stage 0, the lookup)."""
+        """The word embedding [V/tp, h] of this stage: the lookup table on stage 0, the tied
+        output embedding on a last stage without it."""
         if self.pre_process:
             return self.language_model.embedding.word_embeddings.weight
         if self.word_embeddings is None:
             raise RuntimeError("word_embeddings_weight() called on a stage without embeddings")
         return self.word_embeddings.weight
 
+    def shared_embedding_weight(self) -> Optional[torch.Tensor]:
+        """The word-embedding weight whose gradient is summed over the embedding group (first and
+        last pipeline stage), or None where there is none: middle stages, a single stage, and
+        every stage with untied embeddings and output weights."""
+        ps = self.parallel_state
+        if not self.tied or ps.pipeline_model_parallel_size == 1:
+            return None
+        if ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage():
+            return self.word_embeddings_weight()
+        return None
+
     def forward(self, input_ids: Optional[torch.Tensor],
                 position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if position_ids is None and input_ids is not None:
+            seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = seq.unsqueeze(0)  # [1, s], broadcast over the batch
         if self.pre_process:
-            if position_ids is None:
-                seq = torch.arange(input_ids.shape[1], device=input_ids.device)
-                position_ids = seq.unsqueeze(0)  # [1, s], broadcast over the batch
             hidden = self.language_model.embedding(input_ids, position_ids)  # [b, s, h]
         else:
             if self.input_tensor is None:
                 raise RuntimeError(
                     "this pipeline stage has no embedding: call set_input_tensor() first")
             hidden = self.input_tensor
-        hidden = self.language_model.transformer(hidden, attention_mask)  # [b, s, h]
+        rotary = self.rotary(position_ids) if self.rotary is not None else None
+        if self.alibi_slopes is not None:  # the mask folded into one additive bias
+            attention_mask = alibi_bias(self.alibi_slopes, position_ids, attention_mask,
+                                        hidden.dtype)  # [b, nh/tp, s, s]
+        hidden = self.language_model.transformer(hidden, attention_mask, rotary)  # [b, s, h]
         if not self.post_process:
             return hidden
-        hidden = copy_to_tensor_model_parallel_region(hidden, self.parallel_state)
-        logits = F.linear(hidden, self.word_embeddings_weight())  # [b, s, V/tp]
+        logits = self._logits(hidden)  # [b, s, V/tp]
         if labels is None:
             return logits
         return lm_loss(logits, labels, self.parallel_state)  # [b, s] fp32
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, s, h] (or [b, s/tp, h], gathered along s) -> this rank's logits [b, s, V/tp]."""
+        output_layer = self.language_model.output_layer
+        if output_layer is not None:
+            return output_layer(hidden)
+        return column_parallel_linear(hidden, self.word_embeddings_weight(), None,
+                                      self.parallel_state, self.config.sequence_parallel)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor,

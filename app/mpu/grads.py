@@ -4,8 +4,11 @@ Counting rule for the norm: a parameter's gradient counts on a rank when the par
 tensor-parallel (each rank holds a different shard) or when the rank is tensor-parallel rank 0
 (replicated LayerNorm weights and row-parallel biases are counted once), and never for a
 parameter marked `param.shared = True` (the last pipeline stage's tied copy of the word
-embeddings, counted on the first stage). The squared sums are then added over the
-model-parallel (TP x PP) group. Data-parallel replicas hold identical (averaged) gradients.
+embeddings, counted on the first stage). A tensor-parallel parameter whose rows [first:] are
+replicated on `r` ranks (`param.replicated_rows = (first, r)`: key/value heads shared under
+grouped-query attention) counts those rows' squares divided by r. The squared sums are then
+added over the model-parallel (TP x PP) group. Data-parallel replicas hold identical (averaged)
+gradients.
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ def grad_norm(parameters: Iterable[torch.Tensor], parallel_state: Optional[Paral
               norm_type: float = 2.0) -> float:
     """Global gradient norm over the model-parallel group, each parameter counted once."""
     state = get_parallel_state() if parallel_state is None else parallel_state
-    grads = [p.grad for p in parameters
+    owned = [p for p in parameters
              if p.grad is not None and counts_toward_norm(p, state.tensor_model_parallel_rank)]
+    grads = [p.grad for p in owned]
     device = grads[0].device if grads else torch.device("cpu")
     if math.isinf(norm_type):
         local = torch.stack([g.detach().abs().max().float() for g in grads]).max() \
@@ -40,8 +44,14 @@ def grad_norm(parameters: Iterable[torch.Tensor], parallel_state: Optional[Paral
         collectives.all_reduce(local, state.model_parallel_group, op="max")
         return float(local.item())
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    for g in grads:
-        total += g.detach().float().norm(norm_type) ** norm_type
+    for p in owned:
+        g = p.grad.detach().float()
+        if not hasattr(p, "replicated_rows"):
+            total += g.norm(norm_type) ** norm_type
+            continue
+        first, replicas = p.replicated_rows
+        total += g[:first].norm(norm_type) ** norm_type
+        total += g[first:].norm(norm_type) ** norm_type / replicas
     collectives.all_reduce(total, state.model_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
 

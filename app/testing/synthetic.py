@@ -25,9 +25,11 @@ class RandomTokens:
         return {"text": self.data[i]}
 
 
-def build_synthetic_run(cfg: RunConfig, num_samples: int) -> Dict[str, Any]:
+def build_synthetic_run(cfg: RunConfig, num_samples: int, loss_function: Any = None,
+                        return_logits: bool = False) -> Dict[str, Any]:
     """The run of `cfg` built by app.training.run.build_run in this process (torch.distributed
-    already initialised when several ranks run), on the CPU, over RandomTokens.
+    already initialised when several ranks run), on the CPU, over RandomTokens; the Trainer
+    gets `loss_function` and `return_logits` (see app.training.trainer.Trainer).
 
     Returns dict(cfg, ps, model, engine, trainer, iterator) with the iterator at sample 0.
     """
@@ -41,7 +43,8 @@ def build_synthetic_run(cfg: RunConfig, num_samples: int) -> Dict[str, Any]:
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     run = build_run(cfg, world, torch.device("cpu"))
     data = RandomTokens(num_samples, cfg.model.seq_length, cfg.raw_vocab_size)
-    trainer = run.attach_trainer((data, None, None), eod=0)
+    trainer = run.attach_trainer((data, None, None), eod=0, loss_function=loss_function,
+                                 return_logits=return_logits)
     iterator = build_data_iterator(data, 0, cfg.training.micro_batch_size, run.ps, 0)
     return dict(cfg=cfg, ps=run.ps, model=run.model, engine=run.engine, trainer=trainer,
                 iterator=iterator)

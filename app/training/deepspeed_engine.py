@@ -193,6 +193,19 @@ class DeepSpeedEngineAdapter(Engine):
                                   scheduler_state=client.get("scheduler_steps"))
 
 
+def _checkpoints_per_forward(cfg: RunConfig) -> int:
+    """Checkpointed regions in one forward of a stage (what DeepSpeed sizes its buffers by):
+    one attention core per layer (selective), the first N layers (block), or the chunks of N
+    layers (uniform)."""
+    m = cfg.model
+    per_stage = m.num_layers // cfg.parallel.pipeline_model_parallel_size
+    if m.recompute_granularity == "selective":
+        return per_stage
+    if m.recompute_method == "block":
+        return min(m.recompute_num_layers, per_stage)
+    return -(-per_stage // m.recompute_num_layers)
+
+
 def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:
     """Route the model's activation checkpointing and RNG tracker through deepspeed.checkpointing.
 
@@ -206,7 +219,7 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     from app.mpu import random as mpu_random
     ds = cfg.deepspeed.config
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")
-    chunks = cfg.model.num_layers // cfg.model.checkpoint_num_layers
+    chunks = _checkpoints_per_forward(cfg)
     deepspeed.checkpointing.configure(parallel_state, deepspeed_config=ds,
                                       num_checkpoints=None if given else chunks)
     deepspeed.checkpointing.model_parallel_cuda_manual_seed(cfg.training.seed)

@@ -11,6 +11,9 @@ forward runs twice (the logits are not recomputed), so the transformer term grow
 
     96 L h^2 (1 + s/(6h)) + 6 h V   =   96 L h^2 (1 + s/(6h) + V/(16 L h))
 
+(with `--recompute-method block` only L_r of the L layers are recomputed: the model FLOPs plus
+24 L_r h^2 (1 + s/(6h)))
+
 and with selective recompute (the attention core only) the s/(6h) term doubles::
 
     72 L h^2 (1 + s/(3h) + V/(12 L h))
@@ -49,12 +52,19 @@ def model_flops_per_token(m: ModelConfig) -> float:
     return 72.0 * L * h * h * (1.0 + s / (6.0 * h) + V / (12.0 * L * h))
 
 
-def hardware_flops_per_token(m: ModelConfig, recompute: str = "none") -> float:
-    """FLOPs per token the hardware runs, recompute included (see the module docstring)."""
+def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
+                             recomputed_layers: Optional[int] = None) -> float:
+    """FLOPs per token the hardware runs, recompute included (see the module docstring).
+
+    `recomputed_layers` (full recompute only) is how many of the L layers run their forward
+    twice; None means all of them.
+    """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     L, h, s, V = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
     if recompute == "full":
+        if recomputed_layers is not None and recomputed_layers < L:
+            return model_flops_per_token(m) + 24.0 * recomputed_layers * h * h * (1.0 + s / (6.0 * h))
         return 96.0 * L * h * h * (1.0 + s / (6.0 * h)) + 6.0 * h * V
     if recompute == "selective":
         return 72.0 * L * h * h * (1.0 + s / (3.0 * h) + V / (12.0 * L * h))

@@ -48,10 +48,7 @@ class NativeEngine(Engine):
         if self.ps.data_parallel_size > 1:
             allreduce_gradients(self._params, self.ps.data_parallel_group)
         if self.ps.pipeline_model_parallel_size > 1:
-            stage_has_embedding = (self.ps.is_pipeline_first_stage()
-                                   or self.ps.is_pipeline_last_stage())
-            tied = self.module.word_embeddings_weight() if stage_has_embedding else None
-            allreduce_embedding_grads(tied, self.ps)
+            allreduce_embedding_grads(self.module.shared_embedding_weight(), self.ps)
 
     def step(self) -> StepResult:
         self._sync_gradients()

@@ -99,7 +99,8 @@ def test_every_issue_flag_is_accepted_and_converted():
                         cfg.precision)
     assert (m.ffn_hidden_size, m.hidden_dropout, m.attention_dropout) == (128, 0.0, 0.05)
     assert (m.layernorm_epsilon, m.init_method_std, m.openai_gelu) == (1e-6, 0.01, True)
-    assert (m.checkpoint_activations, m.checkpoint_num_layers) == (True, 2)
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == (
+        "full", "uniform", 2)
     assert (m.bias_gelu_fusion, m.masked_softmax_fusion, m.params_dtype) == (False, False,
                                                                              "float32")
     assert cfg.make_vocab_size_divisible_by == 64
@@ -146,7 +147,7 @@ def test_deepspeed_flags(tmp_path, monkeypatch):
     for name in ("ds.json", "old.json"):
         (tmp_path / name).write_text("{}")
     cfg = build(["--deepspeed", "--deepspeed_config", "ds.json", "--deepspeed_mpi",
-                 "--deepspeed-activation-checkpointing"])
+                 "--deepspeed-activation-checkpointing", "--recompute-granularity", "selective"])
     assert cfg.deepspeed.enabled and cfg.deepspeed.config_path == "ds.json"
     assert cfg.deepspeed.mpi and cfg.deepspeed.activation_checkpointing
     cfg = build(["--deepscale", "--deepscale_config", "old.json"])
