@@ -17,6 +17,7 @@ Megatron-layout weight from its seed either way, so the model is the same at any
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -126,7 +127,10 @@ class ParallelAttention(nn.Module):
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         dropout_p = self.dropout_p if self.training else 0.0
         if self.selective_recompute and self.training and torch.is_grad_enabled():
-            context = mpu_random.checkpoint(self._core, q, k, v, attention_mask, dropout_p)
+            # q, k, v hold this rank's heads: never partitioned over TP (DeepSpeed's option)
+            core = functools.partial(self._core, attention_mask=attention_mask,
+                                     dropout_p=dropout_p)
+            context = mpu_random.checkpoint(core, q, k, v, inputs_replicated_over_tp=False)
         else:
             context = self._core(q, k, v, attention_mask, dropout_p)  # [b, nh/tp, s, hd]
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)

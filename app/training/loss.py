@@ -103,7 +103,8 @@ class MicroBatchObjective:
                 self.logits.append(output.detach())
         elif self.return_logits:
             with torch.no_grad():
-                self.logits.append(gather_from_tensor_model_parallel_region(output, self.ps))
+                full = gather_from_tensor_model_parallel_region(output, self.ps)  # [b, s, V]
+            self.logits.append(full.detach())
             output = lm_loss(output, batch["labels"], self.ps)  # [b, s] fp32
         loss, metrics = self.loss_function.fn(output, batch)
         if metrics:

@@ -74,3 +74,44 @@ def test_lr_schedule_reaches_the_stepped_optimizer(tmp_path):
                     assert moved == 0.0, f"{name}: weights moved at lr 0 (step {step})"
                 else:
                     assert 0 < moved <= reported * 1.01, (name, step, moved, reported)
+
+
+def _recompute_curves(config_path):
+    """TP=2 (ZeRO-2 over DP 1), dropout on: 4 iterations without recompute, then with
+    DeepSpeed's checkpointing (partition_activations on in the JSON) for selective and block
+    recompute."""
+    import torch.distributed as dist
+
+    import arguments
+    from app.mpu import random as mpu_random
+    from app.testing.synthetic import build_synthetic_run
+    argv = ARGV + ["--deepspeed_config", config_path, "--tensor-model-parallel-size", "2",
+                   "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                   "--global-batch-size", "4"]
+    curves = {}
+    for name, extra in (("none", []),
+                        ("selective", ["--recompute-granularity", "selective"]),
+                        ("full block 1", ["--recompute-granularity", "full", "--recompute-method",
+                                          "block", "--recompute-num-layers", "1"])):
+        if extra:
+            extra = extra + ["--deepspeed-activation-checkpointing"]
+        cfg = arguments.config_from_argv(argv + extra, dist.get_world_size(), 64)
+        run = build_synthetic_run(cfg, 16)
+        curves[name] = [(o["loss"], o["grad_norm"]) for o in
+                        (run["trainer"].train_step(run["iterator"]) for _ in range(4))]
+    mpu_random.set_checkpoint_implementation(None)
+    return curves
+
+
+def test_deepspeed_activation_checkpointing_under_the_recompute_flags():
+    """Selective recompute keeps its TP-sharded inputs whole (DeepSpeed's partitioning would mix
+    the ranks' heads) and restores DeepSpeed's RNG streams: the dropout masks repeat and every
+    mode trains like no recompute."""
+    config = os.path.join(ROOT, "ds_configs", "zero2_fp32.json")
+    with open(config) as f:
+        assert json.load(f)["activation_checkpointing"]["partition_activations"]
+    curves = run_distributed(_recompute_curves, 2, config, timeout=300)[1]
+    for name in ("selective", "full block 1"):
+        for (loss, norm), (want_loss, want_norm) in zip(curves[name], curves["none"]):
+            assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (name, curves)
+            assert abs(norm - want_norm) <= 1e-5 * abs(want_norm), (name, curves)
