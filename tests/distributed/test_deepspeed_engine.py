@@ -78,8 +78,9 @@ def test_lr_schedule_reaches_the_stepped_optimizer(tmp_path):
 
 def _recompute_curves(config_path):
     """TP=2 (ZeRO-2 over DP 1), dropout on: 4 iterations without recompute, then with
-    DeepSpeed's checkpointing (partition_activations on in the JSON) for selective and block
-    recompute."""
+    DeepSpeed's checkpointing (partition_activations on in the JSON) for selective recompute
+    (full recompute: tests/integration/test_deepspeed.py); and, dropout off, without and with
+    sequence parallelism."""
     import torch.distributed as dist
 
     import arguments
@@ -89,11 +90,11 @@ def _recompute_curves(config_path):
                    "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
                    "--global-batch-size", "4"]
     curves = {}
-    for name, extra in (("none", []),
-                        ("selective", ["--recompute-granularity", "selective"]),
-                        ("full block 1", ["--recompute-granularity", "full", "--recompute-method",
-                                          "block", "--recompute-num-layers", "1"])):
-        if extra:
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    for name, extra in (("none", []), ("no dropout", no_dropout),
+                        ("sequence parallel", no_dropout + ["--sequence-parallel"]),
+                        ("selective", ["--recompute-granularity", "selective"])):
+        if "--recompute-granularity" in extra:
             extra = extra + ["--deepspeed-activation-checkpointing"]
         cfg = arguments.config_from_argv(argv + extra, dist.get_world_size(), 64)
         run = build_synthetic_run(cfg, 16)
@@ -103,15 +104,16 @@ def _recompute_curves(config_path):
     return curves
 
 
-def test_deepspeed_activation_checkpointing_under_the_recompute_flags():
+def test_deepspeed_recompute_flags_and_sequence_parallel():
     """Selective recompute keeps its TP-sharded inputs whole (DeepSpeed's partitioning would mix
-    the ranks' heads) and restores DeepSpeed's RNG streams: the dropout masks repeat and every
-    mode trains like no recompute."""
+    the ranks' heads) and restores DeepSpeed's RNG streams: the dropout masks repeat and it
+    trains like no recompute. Sequence parallelism under ZeRO-2 trains like plain TP (its
+    LayerNorm gradients are summed before DeepSpeed reduces them)."""
     config = os.path.join(ROOT, "ds_configs", "zero2_fp32.json")
     with open(config) as f:
         assert json.load(f)["activation_checkpointing"]["partition_activations"]
-    curves = run_distributed(_recompute_curves, 2, config, timeout=300)[1]
-    for name in ("selective", "full block 1"):
-        for (loss, norm), (want_loss, want_norm) in zip(curves[name], curves["none"]):
+    curves = run_distributed(_recompute_curves, 2, config, timeout=600)[1]
+    for name, reference in (("selective", "none"), ("sequence parallel", "no dropout")):
+        for (loss, norm), (want_loss, want_norm) in zip(curves[name], curves[reference]):
             assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (name, curves)
             assert abs(norm - want_norm) <= 1e-5 * abs(want_norm), (name, curves)
