@@ -86,7 +86,7 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, qkv_init: InitMethod,
-                 dense_init: InitMethod) -> None:
+                 dense_init: InitMethod, layer_number: int = 0) -> None:
         super().__init__()
         tp, rank = parallel_state.tensor_model_parallel_size, parallel_state.tensor_model_parallel_rank
         nh, ng, hd = config.num_attention_heads, config.num_kv_heads, config.head_dim
@@ -94,6 +94,11 @@ class ParallelAttention(nn.Module):
         self.head_dim = hd
         self.dropout_p = config.attention_dropout
         self.masked_softmax_fusion = config.masked_softmax_fusion
+        # --apply-query-key-layer-scaling: scores / (sqrt(hd) * n), multiplied back by n inside
+        # an fp32 softmax (Megatron's fp16 overflow guard; n = 1-based layer number)
+        self.qk_coeff = float(layer_number + 1) if config.apply_query_key_layer_scaling else 1.0
+        self.softmax_in_fp32 = (config.attention_softmax_in_fp32
+                                or config.apply_query_key_layer_scaling)
         self.selective_recompute = config.recompute_granularity == "selective"
         dtype = torch_dtype(config.params_dtype)
         h, sp = config.hidden_size, config.sequence_parallel
@@ -156,8 +161,13 @@ class ParallelAttention(nn.Module):
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s, s]
-        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.qk_coeff != 1.0:  # --apply-query-key-layer-scaling
+            scores = scores / (math.sqrt(self.head_dim) * self.qk_coeff)
+            scale = self.qk_coeff
+        else:
+            scale = 1.0 / math.sqrt(self.head_dim)
         probs = fused.scale_mask_softmax(scores, attention_mask, scale,
+                                         softmax_in_fp32=self.softmax_in_fp32,
                                          use_kernel=self.masked_softmax_fusion)  # [b, n, s, s]
         if dropout_p > 0.0:
             probs = F.dropout(probs, dropout_p, True)

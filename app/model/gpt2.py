@@ -85,11 +85,23 @@ class ParamInit:
         return normal_init(self.output_std, self.seed, global_name)
 
 
+class MixedPrecisionLayerNorm(nn.LayerNorm):
+    """LayerNorm whose statistics and affine transform run in fp32 for fp16/bf16 inputs and
+    weights (Megatron's MixedFusedLayerNorm numerics); the output has the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return super().forward(x)
+        out = F.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
+                           self.bias.float(), self.eps)
+        return out.to(x.dtype)
+
+
 def _layer_norm(config: ModelConfig, dtype: torch.dtype,
                 parallel_state: ParallelState) -> nn.LayerNorm:
     """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks (with
     sequence parallelism each rank normalises other tokens, so the gradients are summed)."""
-    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype)
+    norm = MixedPrecisionLayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype)
     for param in norm.parameters():
         param.tensor_model_parallel = False
         param.partition_dim = -1
@@ -196,7 +208,7 @@ class ParallelTransformerLayer(nn.Module):
         self.input_layernorm = _layer_norm(config, dtype, parallel_state)
         self.attention = ParallelAttention(
             config, parallel_state, init.normal(f"{prefix}.attention.query_key_value.weight"),
-            init.scaled_normal(f"{prefix}.attention.dense.weight"))
+            init.scaled_normal(f"{prefix}.attention.dense.weight"), layer_number)
         self.post_attention_layernorm = _layer_norm(config, dtype, parallel_state)
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
@@ -388,8 +400,9 @@ class GPT2Model(nn.Module):
             return hidden
         logits = self._logits(hidden)  # [b, s, V/tp]
         if labels is None:
-            return logits
-        return lm_loss(logits, labels, self.parallel_state)  # [b, s] fp32
+            return logits.float()  # callers get fp32 logits whatever the weights' dtype
+        return lm_loss(logits, labels, self.parallel_state,
+                       in_fp32=not self.config.fp16_lm_cross_entropy)  # [b, s]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s, h] (or [b, s/tp, h], gathered along s) -> this rank's logits [b, s, V/tp]."""
@@ -400,20 +413,23 @@ class GPT2Model(nn.Module):
                                       self.parallel_state, self.config.sequence_parallel)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor,
-            parallel_state: ParallelState) -> torch.Tensor:
-    """Per-token fp32 cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, parallel_state: ParallelState,
+            in_fp32: bool = True) -> torch.Tensor:
+    """Per-token cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
 
-    With one tensor-parallel rank the logits are the whole vocabulary and PyTorch's row-fused
-    `F.cross_entropy` gives the same values as `vocab_parallel_cross_entropy` with fewer passes
-    over the [b*s, V] tensor (~6% faster LM head on CPU); otherwise the vocab-parallel version.
+    In fp32 (the logits upcast) unless `in_fp32` is False (--fp16-lm-cross-entropy: the
+    logits' own dtype; the loss is returned in fp32 either way). With one tensor-parallel rank
+    the logits are the whole vocabulary and PyTorch's row-fused `F.cross_entropy` gives the
+    same values as `vocab_parallel_cross_entropy` with fewer passes over the [b*s, V] tensor
+    (~6% faster LM head on CPU); otherwise the vocab-parallel version.
     """
-    logits = logits.float()
+    if in_fp32:
+        logits = logits.float()
     if parallel_state.tensor_model_parallel_size == 1:
         b, s, vocab = logits.shape
         return F.cross_entropy(logits.view(b * s, vocab), labels.reshape(b * s),
-                               reduction="none").view(b, s)
-    return vocab_parallel_cross_entropy(logits, labels, parallel_state)
+                               reduction="none").view(b, s).float()
+    return vocab_parallel_cross_entropy(logits, labels, parallel_state).float()
 
 
 def _check_layer_range(layer_range: Optional[Tuple[int, int]], num_layers: int) -> Tuple[int, int]:

@@ -47,7 +47,7 @@ def _lr_trace(config_path):
 
 
 def _both_optimizers(tmpdir):
-    client = os.path.join(ROOT, "ds_configs", "zero2_fp32.json")
+    client = os.path.join(ROOT, "ds_configs", "zero2.json")
     with open(client) as f:
         cfg = json.load(f)
     cfg["optimizer"] = {"type": "AdamW", "params": {}}
@@ -109,7 +109,7 @@ def test_deepspeed_recompute_flags_and_sequence_parallel():
     the ranks' heads) and restores DeepSpeed's RNG streams: the dropout masks repeat and it
     trains like no recompute. Sequence parallelism under ZeRO-2 trains like plain TP (its
     LayerNorm gradients are summed before DeepSpeed reduces them)."""
-    config = os.path.join(ROOT, "ds_configs", "zero2_fp32.json")
+    config = os.path.join(ROOT, "ds_configs", "zero2.json")
     with open(config) as f:
         assert json.load(f)["activation_checkpointing"]["partition_activations"]
     curves = run_distributed(_recompute_curves, 2, config, timeout=600)[1]

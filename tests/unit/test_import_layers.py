@@ -17,7 +17,7 @@ LAYERS = [
     ["app.model", "app.pipeline"],
     ["app.training.distributed", "app.training.flops", "app.training.metrics",
      "app.training.ds_config", "app.training.checkpoint", "app.training.data_loading",
-     "app.training.loss"],
+     "app.training.nonfinite", "app.training.loss"],
     ["app.training.resume"],
     ["app.training.engine"],
     ["app.training.native_engine", "app.training.deepspeed_engine", "app.training.trainer"],
