@@ -21,7 +21,6 @@ the rest wait for READY.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -247,8 +246,8 @@ def _run_build(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s
         env["TORCH_CUDA_ARCH_LIST"] = spec.cuda_arch
     if cuda_home:
         env["CUDA_HOME"] = cuda_home
-    cmd = [sys.executable, "-m", "app.kernels.build", "--spec",
-           json.dumps(dataclasses.asdict(spec)), "--build-dir", str(build_dir)]
+    cmd = [sys.executable, "-m", "app.kernels.build", json.dumps(dataclasses.asdict(spec)),
+           str(build_dir)]
     started = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -344,20 +343,21 @@ def ensure_built(spec: BuildSpec, build_root: Path, *, local_rank: int, timeout_
 
 # ---- the child process -------------------------------------------------------------------------
 def _child_main(argv: Sequence[str]) -> int:
-    """Build (and load, as a check) one library; print its path after _LIBRARY_LINE."""
-    parser = argparse.ArgumentParser(description="internal: build one kernel library")
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--build-dir", required=True)
-    args = parser.parse_args(argv)
+    """`python -m app.kernels.build <spec JSON> <build dir>`: build (and load, as a check) one
+    library and print its path after _LIBRARY_LINE. Internal: `_run_build` is the caller."""
+    if len(argv) != 2:
+        print("usage: python -m app.kernels.build <spec JSON> <build dir> (internal; use "
+              "tools/build_kernels.py)", file=sys.stderr)
+        return 2
     spec = BuildSpec(**{k: tuple(v) if isinstance(v, list) else v
-                        for k, v in json.loads(args.spec).items()})
+                        for k, v in json.loads(argv[0]).items()})
     from torch.utils import cpp_extension
 
     include = sorted({str(Path(h).parent) for h in spec.headers + spec.sources})
     library = cpp_extension.load(
         name=spec.name, sources=list(spec.sources), extra_include_paths=include,
         extra_cflags=list(spec.extra_cflags), extra_cuda_cflags=list(spec.extra_cuda_cflags),
-        build_directory=args.build_dir, with_cuda=spec.cuda_arch is not None,
+        build_directory=argv[1], with_cuda=spec.cuda_arch is not None,
         is_python_module=False, verbose=True)
     print(_LIBRARY_LINE + str(library), flush=True)
     return 0

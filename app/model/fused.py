@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.config import ATTENTION_BACKENDS
 from app.kernels import library as kernel_library
 from app.kernels import ops as kernel_ops
+from app.mpu import cross_entropy as mpu_ce
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "flash", "local")
 _CHOICES: Dict[str, Tuple[str, str]] = {}
 
 
@@ -283,7 +284,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
     Dropout uses the current default generator (the caller forks the model-parallel stream).
     """
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, "
+                         f"got {backend!r}")
     if mask is None and backend != "local":
         return _sdpa_causal(q, k, v, dropout_p, flash_only=backend == "flash")
     if mask is None:
@@ -340,11 +342,11 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, parallel_state,
     Fallback: the logits in fp32, then PyTorch's row-fused F.cross_entropy at one
     tensor-parallel rank, else `vocab_parallel_cross_entropy`.
     """
-    from app.mpu import cross_entropy as mpu_ce
-
     if _use_kernel("cross_entropy", use_kernel, "--cross-entropy-loss-fusion", logits,
                    kernel_ops.cross_entropy_unsupported(logits)):
-        return mpu_ce.fused_vocab_parallel_cross_entropy(logits, labels, parallel_state)
+        return mpu_ce.fused_vocab_parallel_cross_entropy(logits, labels, parallel_state,
+                                                         kernel_ops.cross_entropy_stats,
+                                                         kernel_ops.cross_entropy_grad)
     logits = logits.float()
     if parallel_state.tensor_model_parallel_size == 1:
         b, s, vocab = logits.shape

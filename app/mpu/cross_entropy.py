@@ -124,21 +124,16 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def fused_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                       parallel_state: Optional[ParallelState] = None,
-                                       stats_fn: Optional[Callable] = None,
-                                       grad_fn: Optional[Callable] = None) -> torch.Tensor:
+                                       parallel_state: Optional[ParallelState],
+                                       stats_fn: Callable, grad_fn: Callable) -> torch.Tensor:
     """The loss of `vocab_parallel_cross_entropy` without an fp32 copy of the logits. [*] fp32.
 
     Per row, one pass gives this rank's (max, sum of exp, target logit); ranks agree on the max,
     rescale and sum their sums, and sum the target logits (three [*] all-reduces). Backward
     writes (softmax - onehot) * grad in the logits' dtype from the saved logsumexp. `stats_fn`
-    and `grad_fn` default to the CUDA kernels; the *_reference functions above run anywhere.
+    and `grad_fn` are the CUDA kernels (app.kernels.ops.cross_entropy_stats / _grad) or the
+    `row_stats_reference` / `grad_reference` above, which run anywhere.
     """
-    if stats_fn is None or grad_fn is None:
-        from app.kernels import ops as kernel_ops
-
-        stats_fn = stats_fn or kernel_ops.cross_entropy_stats
-        grad_fn = grad_fn or kernel_ops.cross_entropy_grad
     state = get_parallel_state() if parallel_state is None else parallel_state
     tp, rank = state.tensor_model_parallel_size, state.tensor_model_parallel_rank
     start, _ = vocab_range(logits.shape[-1] * tp, rank, tp)
