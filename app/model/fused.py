@@ -46,6 +46,13 @@ def selections() -> Dict[str, Tuple[str, str]]:
     return dict(_CHOICES)
 
 
+def reset_selections() -> None:
+    """Forget the choices made so far (each op announces again on its next call); for
+    benchmarks and tests that compare settings in one process."""
+    _CHOICES.clear()
+    _SDPA_SEEN.clear()
+
+
 def _use_kernel(op: str, enabled: bool, flag: str, x: torch.Tensor,
                 unsupported: Optional[str]) -> bool:
     """True when the csrc kernel should run for `op`; otherwise announces why PyTorch runs."""
@@ -130,7 +137,10 @@ def bias_gelu(bias: Optional[torch.Tensor], x: torch.Tensor, openai_gelu: bool =
     `fusion` (--bias-gelu-fusion) compiles it into one kernel for CUDA inputs; backward then
     recomputes x + bias instead of storing it.
     """
-    if bias is not None and _use_compiled("bias_gelu", fusion, "--bias-gelu-fusion", x):
+    if bias is None:
+        _announce("bias_gelu", "PyTorch eager", "--bias-gelu-fusion off" if not fusion
+                  else "no CUDA: the bias stays inside the GEMM")
+    elif _use_compiled("bias_gelu", fusion, "--bias-gelu-fusion", x):
         out = _compiled_call("bias_gelu", _bias_gelu_tanh if openai_gelu else _bias_gelu_exact,
                              bias, x)
         if out is not None:

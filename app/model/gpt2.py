@@ -180,6 +180,7 @@ class ParallelMLP(nn.Module):
         self.openai_gelu = config.openai_gelu
         # The bias goes to the fused bias+GeLU op where that op is fused (CUDA); otherwise it
         # stays inside the GEMM (addmm), which is cheaper than a separate add.
+        self.bias_gelu_flag = config.bias_gelu_fusion
         self.bias_gelu_fusion = fused.bias_gelu_fusion_applies(config.bias_gelu_fusion)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size, gather_output=False,
@@ -196,7 +197,8 @@ class ParallelMLP(nn.Module):
             intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp]
             intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu)
         else:
-            intermediate = fused.gelu(self.dense_h_to_4h(x), self.openai_gelu)  # [b, s, ffn/tp]
+            intermediate = fused.bias_gelu(None, self.dense_h_to_4h(x), self.openai_gelu,
+                                           self.bias_gelu_flag)  # [b, s, ffn/tp]
         return self.dense_4h_to_h(intermediate)  # [b, s, h], [h]
 
 

@@ -107,7 +107,7 @@ def test_each_op_announces_its_choice_once(caplog):
                          attention_dropout=0.0, layernorm_fusion=False)
     model = GPT2Model(config)
     ids = torch.randint(0, 32, (1, 6))
-    fused._CHOICES.clear()
+    fused.reset_selections()
     with caplog.at_level(logging.INFO, logger="app.model.fused"):
         for _ in range(2):
             model(ids, labels=ids).sum().backward()
