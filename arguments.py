@@ -209,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="GPT-2 pretraining, Megatron-LM style (native or DeepSpeed)",
         allow_abbrev=False)
-    for add in (_add_model_args, _add_kernel_args, _add_parallel_args, _add_precision_args, _add_optimizer_args,
-                _add_training_args, _add_data_args, _add_checkpoint_args, _add_deepspeed_args):
+    for add in (_add_model_args, _add_kernel_args, _add_parallel_args, _add_precision_args,
+                _add_optimizer_args, _add_training_args, _add_data_args, _add_checkpoint_args,
+                _add_deepspeed_args):
         add(parser)
     return parser
 

@@ -1,4 +1,4 @@
-// Torch-free C++ API of the fused kernels: plain pointers, sizes and a stream in, a CUDA status out.
+// Torch-free C++ API of the fused kernels: pointers, sizes and a stream in, a CUDA status out.
 //
 // The .cu files implement these launchers with <cuda_fp16.h>/<cuda_bf16.h> only, so each one
 // compiles with a bare `nvcc -c` in seconds; binding.cpp is the only file that sees torch. Every

@@ -319,7 +319,9 @@ cudaError_t dispatch_hidden(const Launch& l, bool backward_pass) {
 template <typename T, typename W>
 cudaError_t run_layer_norm(const LayerNormLaunch<T, W>& l, bool vec, bool backward_pass) {
   constexpr int kVec = 16 / (sizeof(T) > sizeof(W) ? sizeof(T) : sizeof(W));
-  if (vec && l.hidden % kVec == 0) return dispatch_hidden<LayerNormLaunch<T, W>, kVec>(l, backward_pass);
+  if (vec && l.hidden % kVec == 0) {
+    return dispatch_hidden<LayerNormLaunch<T, W>, kVec>(l, backward_pass);
+  }
   return dispatch_hidden<LayerNormLaunch<T, W>, 1>(l, backward_pass);
 }
 

@@ -39,7 +39,8 @@ def test_python_limits_and_op_names_match_the_binding():
     binding = (CSRC / "binding.cpp").read_text()
     defined = set(re.findall(r'm\.def\(\s*"(\w+)\(', binding))
     implemented = set(re.findall(r'm\.impl\("(\w+)"', binding))
-    used = set(re.findall(r"_ops\(\)\.(\w+)\(", (build.REPO_ROOT / "app/kernels/ops.py").read_text()))
+    python_side = (build.REPO_ROOT / "app" / "kernels" / "ops.py").read_text()
+    used = set(re.findall(r"_ops\(\)\.(\w+)\(", python_side))
     assert used and used <= defined == implemented
 
 
@@ -65,7 +66,9 @@ def test_every_cu_file_and_the_binding_compile(tmp_path):
                                          text=True)) for name, cmd in batch]
         for name, proc in procs:
             out, _ = proc.communicate(timeout=600)
-            own = [line for line in out.splitlines() if str(CSRC) in line or "error" in line]
-            if proc.returncode != 0 or own:  # errors, or warnings in our files
+            # diagnostics located in our files (not in torch's headers we include)
+            own = [line for line in out.splitlines()
+                   if line.startswith(str(CSRC)) and ("warning" in line or "error" in line)]
+            if proc.returncode != 0 or own:
                 failures[name] = "\n".join(own or out.splitlines()[-20:])
     assert not failures, "\n\n".join(f"{k}:\n{v}" for k, v in failures.items())
