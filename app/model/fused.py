@@ -207,8 +207,8 @@ def scale_mask_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor], scale
     convention), or None for no mask. Masked positions get the dtype's lowest value before the
     softmax, so they receive probability 0 exactly and a fully masked row gives a uniform row
     instead of NaN. With `softmax_in_fp32` half-precision scores are upcast for the softmax.
-    `use_kernel` (--masked-softmax-fusion) allows the CUDA kernel (fp32 arithmetic) when the
-    mask is [b|1, 1, s_q, s_k].
+    `use_kernel` (--masked-softmax-fusion) allows the CUDA kernel (always fp32 arithmetic) when
+    the mask is [b|1, 1, s_q, s_k].
     """
     if mask is not None and _use_kernel(
             "masked_softmax", use_kernel, "--masked-softmax-fusion", scores,
@@ -217,18 +217,19 @@ def scale_mask_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor], scale
     return _softmax_reference(scores, mask, scale, softmax_in_fp32)
 
 
-def scale_causal_softmax(scores: torch.Tensor, scale: float, use_kernel: bool = True
-                         ) -> torch.Tensor:
+def scale_causal_softmax(scores: torch.Tensor, scale: float, softmax_in_fp32: bool = True,
+                         use_kernel: bool = True) -> torch.Tensor:
     """softmax(scale * scores) over keys c <= r + s_k - s_q; [..., s_q, s_k], dtype of scores.
 
-    fp32 arithmetic for half inputs. `use_kernel` (--masked-softmax-fusion) allows the CUDA
-    kernel up to s_k = 16384; above that, and elsewhere, PyTorch.
+    `softmax_in_fp32`: half inputs are upcast for the PyTorch softmax (the kernel always works
+    in fp32). `use_kernel` (--masked-softmax-fusion) allows the CUDA kernel up to s_k = 16384;
+    above that, and elsewhere, PyTorch.
     """
     if _use_kernel("causal_softmax", use_kernel, "--masked-softmax-fusion", scores,
                    kernel_ops.causal_softmax_unsupported(scores)):
         return kernel_ops.causal_softmax(scores, scale)
     mask = causal_mask(scores.shape[-2], scores.shape[-1], scores.device)
-    return _softmax_reference(scores, mask, scale, True)
+    return _softmax_reference(scores, mask, scale, softmax_in_fp32)
 
 
 def _sdpa_backend_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -281,8 +282,8 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-              dropout_p: float, backend: str = "auto", softmax_fusion: bool = True
-              ) -> torch.Tensor:
+              dropout_p: float, backend: str = "auto", softmax_fusion: bool = True,
+              qk_coeff: float = 1.0, softmax_in_fp32: bool = True) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v with dropout on the probabilities. [b, n, s, d] each.
 
     mask None is causal attention; otherwise bool [b|1, 1, s_q, s_k], True = masked out.
@@ -291,6 +292,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
       flash - causal through SDPA restricted to its flash/efficient backends, masks "local";
       local - Megatron's core attention: scores = q k^T, the fused (causal or masked) softmax
               (kernel when `softmax_fusion`, --masked-softmax-fusion), dropout, probs @ v.
+    On the local path `qk_coeff` n != 1 (--apply-query-key-layer-scaling) divides the scores
+    by sqrt(d) * n and the softmax multiplies them back by n, in fp32; `softmax_in_fp32`
+    (--attention-softmax-in-fp32) upcasts half scores for the PyTorch softmax.
     Dropout uses the current default generator (the caller forks the model-parallel stream).
     """
     if backend not in ATTENTION_BACKENDS:
@@ -300,12 +304,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
         return _sdpa_causal(q, k, v, dropout_p, flash_only=backend == "flash")
     if mask is None:
         _announce("attention", "q k^T + causal softmax + @ v", "--attention-backend local")
-    scale = 1.0 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s_q, s_k]
-    if mask is None:
-        probs = scale_causal_softmax(scores, scale, use_kernel=softmax_fusion)  # [b, n, s_q, s_k]
+    if qk_coeff != 1.0:
+        scores = scores / (math.sqrt(q.shape[-1]) * qk_coeff)
+        scale, softmax_in_fp32 = qk_coeff, True
     else:
-        probs = scale_mask_softmax(scores, mask, scale, use_kernel=softmax_fusion)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if mask is None:
+        probs = scale_causal_softmax(scores, scale, softmax_in_fp32,
+                                     use_kernel=softmax_fusion)  # [b, n, s_q, s_k]
+    else:
+        probs = scale_mask_softmax(scores, mask, scale, softmax_in_fp32,
+                                   use_kernel=softmax_fusion)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p, True)
     return torch.matmul(probs, v)  # [b, n, s_q, d]
@@ -317,17 +327,20 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
     """LayerNorm over the last dim with fp32 statistics; output in x's dtype.
 
     weight/bias may be fp32 while x is fp16/bf16 (Megatron's mixed-precision LayerNorm).
-    `use_kernel` allows the CUDA kernel; the fallback is F.layer_norm (in fp32 when the dtypes
-    differ).
+    `use_kernel` (--layernorm-fusion) allows the CUDA kernel; the fallback is F.layer_norm, on
+    fp32 copies of x, weight and bias unless all are fp32 (Megatron's MixedFusedLayerNorm
+    numerics: statistics and affine transform in fp32, one rounding of the output).
     """
     if _use_kernel("layer_norm", use_kernel, "--layernorm-fusion", x,
                    kernel_ops.layer_norm_unsupported(x, weight, bias)):
         return kernel_ops.layer_norm(x, weight, bias, eps)
     shape = (x.shape[-1],)
-    if weight is not None and weight.dtype != x.dtype:
-        bias32 = bias.float() if bias is not None else None
-        return F.layer_norm(x.float(), shape, weight.float(), bias32, eps).to(x.dtype)
-    return F.layer_norm(x, shape, weight, bias, eps)
+    if x.dtype == torch.float32 and all(t is None or t.dtype == torch.float32
+                                        for t in (weight, bias)):
+        return F.layer_norm(x, shape, weight, bias, eps)
+    weight32 = weight.float() if weight is not None else None
+    bias32 = bias.float() if bias is not None else None
+    return F.layer_norm(x.float(), shape, weight32, bias32, eps).to(x.dtype)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -344,22 +357,24 @@ class LayerNorm(nn.LayerNorm):
 
 # ---- cross entropy -----------------------------------------------------------------------------
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, parallel_state,
-                  use_kernel: bool = True) -> torch.Tensor:
+                  use_kernel: bool = True, in_fp32: bool = True) -> torch.Tensor:
     """Per-token fp32 cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
 
     Kernel (--cross-entropy-loss-fusion, CUDA): one pass over the logits in their own dtype per
     direction, three [b, s] all-reduces across tensor-parallel ranks, no fp32 [b, s, V/tp] copy.
-    Fallback: the logits in fp32, then PyTorch's row-fused F.cross_entropy at one
-    tensor-parallel rank, else `vocab_parallel_cross_entropy`.
+    Fallback: the logits in fp32 (their own dtype when not `in_fp32`: --fp16-lm-cross-entropy),
+    then PyTorch's row-fused F.cross_entropy at one tensor-parallel rank, else
+    `vocab_parallel_cross_entropy`; the loss is fp32 either way.
     """
     if _use_kernel("cross_entropy", use_kernel, "--cross-entropy-loss-fusion", logits,
                    kernel_ops.cross_entropy_unsupported(logits)):
         return mpu_ce.fused_vocab_parallel_cross_entropy(logits, labels, parallel_state,
                                                          kernel_ops.cross_entropy_stats,
                                                          kernel_ops.cross_entropy_grad)
-    logits = logits.float()
+    if in_fp32:
+        logits = logits.float()
     if parallel_state.tensor_model_parallel_size == 1:
         b, s, vocab = logits.shape
         return F.cross_entropy(logits.view(b * s, vocab), labels.reshape(b * s),
-                               reduction="none").view(b, s)
-    return mpu_ce.vocab_parallel_cross_entropy(logits, labels, parallel_state)
+                               reduction="none").view(b, s).float()
+    return mpu_ce.vocab_parallel_cross_entropy(logits, labels, parallel_state).float()

@@ -125,7 +125,7 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
-                 prefix: str) -> None:
+                 prefix: str, layer_number: int = 0) -> None:
         super().__init__()
         tp = parallel_state.tensor_model_parallel_size
         self.heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads",
@@ -134,6 +134,11 @@ class ParallelAttention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.masked_softmax_fusion = config.masked_softmax_fusion
         self.attention_impl = config.attention_impl
+        # --apply-query-key-layer-scaling: scores / (sqrt(hd) * n), multiplied back by n inside
+        # an fp32 softmax (Megatron's fp16 overflow guard; n = 1-based layer number)
+        self.qk_coeff = float(layer_number + 1) if config.apply_query_key_layer_scaling else 1.0
+        self.softmax_in_fp32 = (config.attention_softmax_in_fp32
+                                or config.apply_query_key_layer_scaling)
         dtype = torch_dtype(config.params_dtype)
         h = config.hidden_size
         self.query_key_value = ColumnParallelLinear(
@@ -164,7 +169,8 @@ class ParallelAttention(nn.Module):
                 attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd), masked) v with dropout on the probabilities. [b, n, s, hd]."""
         return fused.attention(q, k, v, attention_mask, dropout_p, self.attention_impl,
-                               self.masked_softmax_fusion)
+                               self.masked_softmax_fusion, qk_coeff=self.qk_coeff,
+                               softmax_in_fp32=self.softmax_in_fp32)
 
 
 class ParallelMLP(nn.Module):
@@ -217,7 +223,8 @@ class ParallelTransformerLayer(nn.Module):
         self.dropout_p = config.hidden_dropout
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.input_layernorm = _layer_norm(config, dtype)
-        self.attention = ParallelAttention(config, parallel_state, init, f"{prefix}.attention")
+        self.attention = ParallelAttention(config, parallel_state, init, f"{prefix}.attention",
+                                           layer_number)
         self.post_attention_layernorm = _layer_norm(config, dtype)
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
@@ -364,21 +371,25 @@ class GPT2Model(nn.Module):
         hidden = copy_to_tensor_model_parallel_region(hidden, self.parallel_state)
         logits = F.linear(hidden, self.word_embeddings_weight())  # [b, s, V/tp]
         if labels is None:
-            return logits
+            return logits.float()  # callers get fp32 logits whatever the weights' dtype
         return lm_loss(logits, labels, self.parallel_state,
-                       self.config.cross_entropy_loss_fusion)  # [b, s] fp32
+                       in_fp32=not self.config.fp16_lm_cross_entropy,
+                       fusion=self.config.cross_entropy_loss_fusion)  # [b, s] fp32
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, parallel_state: ParallelState,
-            fusion: bool = True) -> torch.Tensor:
+            in_fp32: bool = True, fusion: bool = True) -> torch.Tensor:
     """Per-token fp32 cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
 
-    `fused.cross_entropy`: the CUDA kernels with `fusion` (--cross-entropy-loss-fusion); else
-    the logits in fp32 through PyTorch's row-fused `F.cross_entropy` at one tensor-parallel rank
-    (same values as `vocab_parallel_cross_entropy`, fewer passes over [b*s, V]: ~6% faster LM
-    head on CPU), or `vocab_parallel_cross_entropy` across ranks.
+    `fused.cross_entropy`: the CUDA kernels with `fusion` (--cross-entropy-loss-fusion; fp32
+    arithmetic on the logits' own dtype, no fp32 copy); else the logits upcast to fp32 (kept
+    in their dtype with `in_fp32` False: --fp16-lm-cross-entropy) through PyTorch's row-fused
+    `F.cross_entropy` at one tensor-parallel rank (same values as
+    `vocab_parallel_cross_entropy`, fewer passes over [b*s, V]: ~6% faster LM head on CPU), or
+    `vocab_parallel_cross_entropy` across ranks.
     """
-    return fused.cross_entropy(logits, labels, parallel_state, use_kernel=fusion)
+    return fused.cross_entropy(logits, labels, parallel_state, use_kernel=fusion,
+                               in_fp32=in_fp32)
 
 
 def _check_layer_range(layer_range: Optional[Tuple[int, int]], num_layers: int) -> Tuple[int, int]:
