@@ -18,11 +18,9 @@ Megatron-layout weight from its seed either way, so the model is the same at any
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from app.config import ModelConfig
@@ -74,12 +72,14 @@ def replicated_kv_init(full_init: InitMethod, num_heads: int, num_kv_heads: int,
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention [b, s, h] -> [b, s, h] (each [b, s/tp, h] with sequence parallel).
+    """Causal self-attention [b, s, h] -> ([b, s, h], dense bias [h]) (the activations
+    [b, s/tp, h] with sequence parallelism); the output projection's bias is returned, not
+    added, for the caller's bias+dropout+add.
 
-    forward(x, attention_mask, rotary): `attention_mask` is None (plain causal: SDPA with
-    is_causal=True), a bool mask [b or 1, 1, s, s] with True = masked out (explicit
-    scale+mask+softmax path), or a float additive bias [b or 1, heads/tp, s, s] with the masked
-    positions already at the dtype's minimum (ALiBi; SDPA with attn_mask). `rotary` (cos, sin)
+    forward(x, attention_mask, rotary): `attention_mask` is None (plain causal), a bool mask
+    [b or 1, 1, s, s] with True = masked out, or a float additive bias [b or 1, heads/tp, s, s]
+    with the masked positions already at the dtype's minimum (ALiBi); `fused.attention` picks
+    SDPA or q k^T + fused softmax (config.attention_impl). `rotary` (cos, sin)
     tables rotate queries and keys (RoPE). Attention dropout runs inside the model-parallel RNG
     fork, since each rank's heads differ. With selective recompute the attention core
     (QK^T, softmax, dropout, AV) is recomputed in backward instead of keeping its activations.
@@ -94,6 +94,7 @@ class ParallelAttention(nn.Module):
         self.head_dim = hd
         self.dropout_p = config.attention_dropout
         self.masked_softmax_fusion = config.masked_softmax_fusion
+        self.attention_impl = config.attention_impl
         # --apply-query-key-layer-scaling: scores / (sqrt(hd) * n), multiplied back by n inside
         # an fp32 softmax (Megatron's fp16 overflow guard; n = 1-based layer number)
         self.qk_coeff = float(layer_number + 1) if config.apply_query_key_layer_scaling else 1.0
@@ -115,10 +116,11 @@ class ParallelAttention(nn.Module):
                     replica_set=rank // (tp // ng), num_replica_sets=ng)
         self.dense = RowParallelLinear(
             h, h, input_is_parallel=True, init_method=dense_init,
-            parallel_state=parallel_state, params_dtype=dtype, sequence_parallel=sp)
+            parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True,
+            sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary: Optional[RotaryTables] = None) -> torch.Tensor:
+                rotary: Optional[RotaryTables] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         qkv = self.query_key_value(x)  # [b, s, (nh + 2 ng) hd / tp], full sequence
         b, s = qkv.shape[:2]
         per_group = self.heads // self.kv_heads
@@ -139,7 +141,7 @@ class ParallelAttention(nn.Module):
         else:
             context = self._core(q, k, v, attention_mask, dropout_p)  # [b, nh/tp, s, hd]
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        return self.dense(context)  # [b, s, h] (or [b, s/tp, h] with sequence parallel)
+        return self.dense(context)  # [b, s, h] (or [b, s/tp, h] with SP), dense bias [h]
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
@@ -152,23 +154,6 @@ class ParallelAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd) (+ bias), masked) v with dropout on the probabilities."""
-        grouped = q.shape[1] != k.shape[1]
-        if attention_mask is None or attention_mask.is_floating_point():
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, dropout_p=dropout_p,
-                is_causal=attention_mask is None, enable_gqa=grouped)
-        if grouped:  # each key/value head serves heads/groups consecutive query heads
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s, s]
-        if self.qk_coeff != 1.0:  # --apply-query-key-layer-scaling
-            scores = scores / (math.sqrt(self.head_dim) * self.qk_coeff)
-            scale = self.qk_coeff
-        else:
-            scale = 1.0 / math.sqrt(self.head_dim)
-        probs = fused.scale_mask_softmax(scores, attention_mask, scale,
-                                         softmax_in_fp32=self.softmax_in_fp32,
-                                         use_kernel=self.masked_softmax_fusion)  # [b, n, s, s]
-        if dropout_p > 0.0:
-            probs = F.dropout(probs, dropout_p, True)
-        return torch.matmul(probs, v)  # [b, n, s, hd]
+        return fused.attention(q, k, v, attention_mask, dropout_p, self.attention_impl,
+                               self.masked_softmax_fusion, qk_coeff=self.qk_coeff,
+                               softmax_in_fp32=self.softmax_in_fp32)  # [b, nh/tp, s, hd]

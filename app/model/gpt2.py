@@ -22,6 +22,7 @@ parallelism lives in the `app.mpu` layers and mappings.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -35,7 +36,6 @@ from app.model import fused
 from app.model.attention import ParallelAttention
 from app.model.positions import RotaryEmbedding, RotaryTables, alibi_bias, alibi_slopes
 from app.mpu import random as mpu_random
-from app.mpu.cross_entropy import vocab_parallel_cross_entropy
 from app.mpu.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                             column_parallel_linear)
 from app.mpu.mappings import (scatter_to_sequence_parallel_region,
@@ -85,23 +85,12 @@ class ParamInit:
         return normal_init(self.output_std, self.seed, global_name)
 
 
-class MixedPrecisionLayerNorm(nn.LayerNorm):
-    """LayerNorm whose statistics and affine transform run in fp32 for fp16/bf16 inputs and
-    weights (Megatron's MixedFusedLayerNorm numerics); the output has the input's dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return super().forward(x)
-        out = F.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
-                           self.bias.float(), self.eps)
-        return out.to(x.dtype)
-
-
 def _layer_norm(config: ModelConfig, dtype: torch.dtype,
                 parallel_state: ParallelState) -> nn.LayerNorm:
     """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks (with
     sequence parallelism each rank normalises other tokens, so the gradients are summed)."""
-    norm = MixedPrecisionLayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype)
+    norm = fused.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype,
+                           use_kernel=config.layernorm_fusion)
     for param in norm.parameters():
         param.tensor_model_parallel = False
         param.partition_dim = -1
@@ -162,17 +151,21 @@ class Embedding(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced); [b,s,h] kept
-    ([b, s/tp, h] in and out with sequence parallelism)."""
+    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced).
+
+    [b, s, h] -> ([b, s, h], output bias [h]): the last bias is returned for bias+dropout+add
+    ([b, s/tp, h] in and out with sequence parallelism).
+    """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  prefix: str) -> None:
         super().__init__()
         dtype = torch_dtype(config.params_dtype)
         self.openai_gelu = config.openai_gelu
-        # The bias goes to the fused bias+GeLU kernel when one is registered; otherwise it stays
-        # inside the GEMM (addmm), which is cheaper than a separate add.
-        self.bias_gelu_fusion = config.bias_gelu_fusion and fused.has_kernel("bias_gelu")
+        # The bias goes to the fused bias+GeLU op where that op is fused (CUDA); otherwise it
+        # stays inside the GEMM (addmm), which is cheaper than a separate add.
+        self.bias_gelu_flag = config.bias_gelu_fusion
+        self.bias_gelu_fusion = fused.bias_gelu_fusion_applies(config.bias_gelu_fusion)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size, gather_output=False,
             init_method=init.normal(f"{prefix}.dense_h_to_4h.weight"),
@@ -181,21 +174,25 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
             init_method=init.scaled_normal(f"{prefix}.dense_4h_to_h.weight"),
-            parallel_state=parallel_state, params_dtype=dtype,
+            parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True,
             sequence_parallel=config.sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.bias_gelu_fusion:
             intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp]
             intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu)
         else:
-            intermediate = fused.gelu(self.dense_h_to_4h(x), self.openai_gelu)  # [b, s, ffn/tp]
-        return self.dense_4h_to_h(intermediate)  # [b, s, h]
+            intermediate = fused.bias_gelu(None, self.dense_h_to_4h(x), self.openai_gelu,
+                                           self.bias_gelu_flag)  # [b, s, ffn/tp]
+        return self.dense_4h_to_h(intermediate)  # [b, s, h], [h]
 
 
 class ParallelTransformerLayer(nn.Module):
     """Pre-LN block: x + drop(attention(LN(x))), then x + drop(mlp(LN(x))). [b,s,h] -> [b,s,h]
-    ([b, s/tp, h] with sequence parallelism, the dropout then on the model-parallel stream)."""
+    ([b, s/tp, h] with sequence parallelism, the dropout then on the model-parallel stream).
+
+    Each "x + drop(out + bias)" is `fused.bias_dropout_add` (--bias-dropout-fusion).
+    """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  layer_number: int) -> None:
@@ -205,6 +202,7 @@ class ParallelTransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.dropout_p = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
+        self.bias_dropout_fusion = config.bias_dropout_fusion
         self.input_layernorm = _layer_norm(config, dtype, parallel_state)
         self.attention = ParallelAttention(
             config, parallel_state, init.normal(f"{prefix}.attention.query_key_value.weight"),
@@ -214,10 +212,22 @@ class ParallelTransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x), attention_mask, rotary)  # [b, s, h]
-        x = x + _dropout(attn, self.dropout_p, self.training, self.sequence_parallel)
-        mlp = self.mlp(self.post_attention_layernorm(x))  # [b, s, h]
-        return x + _dropout(mlp, self.dropout_p, self.training, self.sequence_parallel)
+        attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask,
+                                         rotary)  # [b, s, h], [h]
+        with self._dropout_stream():
+            x = fused.bias_dropout_add(attn, attn_bias, x, self.dropout_p, self.training,
+                                       self.bias_dropout_fusion)  # [b, s, h]
+        mlp, mlp_bias = self.mlp(self.post_attention_layernorm(x))  # [b, s, h], [h]
+        with self._dropout_stream():
+            return fused.bias_dropout_add(mlp, mlp_bias, x, self.dropout_p, self.training,
+                                          self.bias_dropout_fusion)
+
+    def _dropout_stream(self):
+        """The model-parallel RNG stream for dropout on sequence-parallel slices (each TP rank
+        holds other tokens); the default stream otherwise (identical on TP ranks)."""
+        if self.sequence_parallel and self.training and self.dropout_p > 0.0:
+            return mpu_random.get_rng_tracker().fork()
+        return contextlib.nullcontext()
 
 
 class ParallelTransformer(nn.Module):
@@ -402,7 +412,8 @@ class GPT2Model(nn.Module):
         if labels is None:
             return logits.float()  # callers get fp32 logits whatever the weights' dtype
         return lm_loss(logits, labels, self.parallel_state,
-                       in_fp32=not self.config.fp16_lm_cross_entropy)  # [b, s]
+                       in_fp32=not self.config.fp16_lm_cross_entropy,
+                       fusion=self.config.cross_entropy_loss_fusion)  # [b, s] fp32
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s, h] (or [b, s/tp, h], gathered along s) -> this rank's logits [b, s, V/tp]."""
@@ -414,22 +425,18 @@ class GPT2Model(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, parallel_state: ParallelState,
-            in_fp32: bool = True) -> torch.Tensor:
-    """Per-token cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
+            in_fp32: bool = True, fusion: bool = True) -> torch.Tensor:
+    """Per-token fp32 cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
 
-    In fp32 (the logits upcast) unless `in_fp32` is False (--fp16-lm-cross-entropy: the
-    logits' own dtype; the loss is returned in fp32 either way). With one tensor-parallel rank
-    the logits are the whole vocabulary and PyTorch's row-fused `F.cross_entropy` gives the
-    same values as `vocab_parallel_cross_entropy` with fewer passes over the [b*s, V] tensor
-    (~6% faster LM head on CPU); otherwise the vocab-parallel version.
+    `fused.cross_entropy`: the CUDA kernels with `fusion` (--cross-entropy-loss-fusion; fp32
+    arithmetic on the logits' own dtype, no fp32 copy); else the logits upcast to fp32 (kept
+    in their dtype with `in_fp32` False: --fp16-lm-cross-entropy) through PyTorch's row-fused
+    `F.cross_entropy` at one tensor-parallel rank (same values as
+    `vocab_parallel_cross_entropy`, fewer passes over [b*s, V]: ~6% faster LM head on CPU), or
+    `vocab_parallel_cross_entropy` across ranks.
     """
-    if in_fp32:
-        logits = logits.float()
-    if parallel_state.tensor_model_parallel_size == 1:
-        b, s, vocab = logits.shape
-        return F.cross_entropy(logits.view(b * s, vocab), labels.reshape(b * s),
-                               reduction="none").view(b, s).float()
-    return vocab_parallel_cross_entropy(logits, labels, parallel_state).float()
+    return fused.cross_entropy(logits, labels, parallel_state, use_kernel=fusion,
+                               in_fp32=in_fp32)
 
 
 def _check_layer_range(layer_range: Optional[Tuple[int, int]], num_layers: int) -> Tuple[int, int]:

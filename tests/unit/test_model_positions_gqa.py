@@ -99,11 +99,15 @@ def test_alibi_slopes_follow_the_paper():
     dict(group_query_attention=True, num_query_groups=3),
     dict(position_embedding_type="rope", group_query_attention=True, num_query_groups=1),
 ], ids=["rope", "rope-half-base500", "alibi-6-heads", "alibi-gqa", "gqa3", "rope-mqa"])
-def test_attention_matches_the_reference(flags):
-    """Output and input gradient of layer 0's attention, SDPA and explicit-mask paths, with
-    positions that restart inside the sequence (--reset-position-ids)."""
+@pytest.mark.parametrize("backend", ["auto", "local"])
+def test_attention_matches_the_reference(flags, backend):
+    """Output and input gradient of layer 0's attention, causal and explicit-mask paths, with
+    positions that restart inside the sequence (--reset-position-ids), through SDPA and through
+    Megatron's local core attention (ALiBi: SDPA with its bias only)."""
     flags = dict(flags)
-    cfg = _config(heads=flags.pop("heads", 6), **flags)
+    if backend == "local" and flags.get("position_embedding_type") == "alibi":
+        pytest.skip("ALiBi runs through SDPA only (refused with --attention-backend local)")
+    cfg = _config(heads=flags.pop("heads", 6), attention_backend=backend, **flags)
     model = GPT2Model(cfg)
     attention = model.language_model.transformer.layers["0"].attention
     gen = torch.Generator().manual_seed(1)
@@ -118,7 +122,8 @@ def test_attention_matches_the_reference(flags):
         if model.alibi_slopes is not None:
             from app.model.positions import alibi_bias
             bias_or_mask = alibi_bias(model.alibi_slopes, positions, mask, x.dtype)
-        got = attention(x, bias_or_mask, rotary)
+        out, dense_bias = attention(x, bias_or_mask, rotary)
+        got = out + dense_bias
         want = reference_attention(x, attention, cfg, positions, mask)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         grad_got, = torch.autograd.grad(got.square().sum(), x)
