@@ -99,16 +99,17 @@ def _layer_norm(config: ModelConfig, dtype: torch.dtype,
     return norm
 
 
-def _dropout(x: torch.Tensor, p: float, training: bool,
-             model_parallel_rng: bool = False) -> torch.Tensor:
-    """Dropout that is a no-op (no kernel launched) when p == 0 or in eval mode; drawn from the
-    model-parallel RNG stream when `model_parallel_rng` (activations that differ per TP rank)."""
-    if not (training and p > 0.0):
-        return x
-    if model_parallel_rng:
-        with mpu_random.get_rng_tracker().fork():
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout that is a no-op (no kernel launched) when p == 0 or in eval mode."""
+    return F.dropout(x, p, True) if (training and p > 0.0) else x
+
+
+def _hidden_dropout_rng(sequence_parallel: bool, p: float, training: bool):
+    """Context for dropout on hidden states: the model-parallel RNG stream for sequence-parallel
+    slices (each TP rank holds other tokens), else the default stream (identical on TP ranks)."""
+    if sequence_parallel and training and p > 0.0:
+        return mpu_random.get_rng_tracker().fork()
+    return contextlib.nullcontext()
 
 
 # ---- modules -----------------------------------------------------------------------------------
@@ -146,8 +147,8 @@ class Embedding(nn.Module):
             hidden = hidden + self.position_embeddings(position_ids)  # [b, s, h]
             if self.sequence_parallel:
                 hidden = scatter_to_sequence_parallel_region(hidden, self.parallel_state)
-        return _dropout(hidden, self.dropout_p, self.training,
-                        model_parallel_rng=self.sequence_parallel)
+        with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
+            return _dropout(hidden, self.dropout_p, self.training)
 
 
 class ParallelMLP(nn.Module):
@@ -214,20 +215,13 @@ class ParallelTransformerLayer(nn.Module):
                 rotary: Optional[RotaryTables] = None) -> torch.Tensor:
         attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask,
                                          rotary)  # [b, s, h], [h]
-        with self._dropout_stream():
+        with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
             x = fused.bias_dropout_add(attn, attn_bias, x, self.dropout_p, self.training,
                                        self.bias_dropout_fusion)  # [b, s, h]
         mlp, mlp_bias = self.mlp(self.post_attention_layernorm(x))  # [b, s, h], [h]
-        with self._dropout_stream():
+        with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
             return fused.bias_dropout_add(mlp, mlp_bias, x, self.dropout_p, self.training,
                                           self.bias_dropout_fusion)
-
-    def _dropout_stream(self):
-        """The model-parallel RNG stream for dropout on sequence-parallel slices (each TP rank
-        holds other tokens); the default stream otherwise (identical on TP ranks)."""
-        if self.sequence_parallel and self.training and self.dropout_p > 0.0:
-            return mpu_random.get_rng_tracker().fork()
-        return contextlib.nullcontext()
 
 
 class ParallelTransformer(nn.Module):

@@ -165,3 +165,22 @@ def test_attention_dropout_on_explicit_path_uses_model_parallel_stream():
     assert not torch.equal(a, b)
     mpu_random.model_parallel_seed(5)
     torch.testing.assert_close(model(ids, pos, causal, labels), a, rtol=0, atol=0)
+
+
+def test_hidden_dropout_stream_follows_sequence_parallelism():
+    """Embedding and residual dropout draw from the default stream (the same on TP ranks, which
+    hold the same tokens), but from the model-parallel stream with sequence parallelism (each
+    rank holds other tokens)."""
+    ids, pos, labels = _batch()
+    for sequence_parallel in (False, True):
+        model = GPT2Model(_config(hidden_dropout=0.5,
+                                  sequence_parallel=sequence_parallel)).train()
+        mpu_random.model_parallel_seed(5)
+        default_before = torch.get_rng_state()
+        tracker_before = mpu_random.get_rng_tracker().get_states()
+        model(ids, pos, None, labels)
+        tracker_moved = not torch.equal(
+            tracker_before["model-parallel-rng"]["cpu"],
+            mpu_random.get_rng_tracker().get_states()["model-parallel-rng"]["cpu"])
+        assert torch.equal(default_before, torch.get_rng_state()) == sequence_parallel
+        assert tracker_moved == sequence_parallel
