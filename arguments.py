@@ -161,6 +161,18 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="after each save, delete all but the newest N iter_ directories")
 
 
+def _add_preflight_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("preflight", "check a run without training (docs/reliability.md)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the flags, DeepSpeed JSON, data, checkpoint and memory; print one "
+                        "report and exit (non-zero on any error) without training")
+    g.add_argument("--dry-run-world-size", type=int, default=None,
+                   help="plan for this many ranks (default: the launcher's WORLD_SIZE, else 1)")
+    g.add_argument("--dry-run-device-memory", type=float, default=None, metavar="GiB",
+                   help="memory per device to check the estimate against (default: the first "
+                        "CUDA device's)")
+
+
 def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
     """DeepSpeed's own flags (from deepspeed when it imports) plus ours for the DeepSpeed path."""
     try:
@@ -186,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="GPT-2 pretraining, Megatron-LM style (native or DeepSpeed)",
         allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_optimizer_args,
-                _add_training_args, _add_data_args, _add_checkpoint_args, _add_deepspeed_args):
+                _add_training_args, _add_data_args, _add_checkpoint_args, _add_preflight_args,
+                _add_deepspeed_args):
         add(parser)
     return parser
 

@@ -246,6 +246,14 @@ class TrainingConfig:
         if self.eval_iters < 0:
             raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
 
+    def samples_per_split(self) -> Tuple[int, int, int]:
+        """Samples the run reads from (train, valid, test): every iteration's global batch,
+        eval_iters global batches per evaluation (every eval_interval, plus one at the end),
+        and eval_iters global batches of test."""
+        evals = (self.train_iters // self.eval_interval + 1) * self.eval_iters
+        return (self.train_iters * self.global_batch_size, evals * self.global_batch_size,
+                self.eval_iters * self.global_batch_size)
+
     def num_micro_batches(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per iteration: global / (micro x DP), validated exactly."""
         per_step = self.micro_batch_size * data_parallel_size

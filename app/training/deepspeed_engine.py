@@ -171,6 +171,12 @@ class DeepSpeedEngineAdapter(Engine):
         """engine.load_checkpoint of the plan's tag: the module always, optimizer and LR-scheduler
         states when the plan says so; our client state carries the position, args and RNG."""
         from app.training import checkpoint as ckpt
+        from app.training.checkpoint_inspect import check_loadable
+        check_loadable(load_dir, plan.iteration, deepspeed=True,
+                       tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
+                       pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
+                       data_parallel_size=self.ps.data_parallel_size,
+                       load_optimizer=plan.load_optimizer)
         tag = "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}"
         where = os.path.join(load_dir, tag)
         try:
