@@ -10,9 +10,11 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
     fp16/bf16 (mixed precision, K = 12):       weights 2Ψ + gradients 2Ψ + fp32 master 4Ψ
                                                + Adam 8Ψ                          = 16Ψ
     ZeRO-1: optimizer states (and the fp32 master partition DeepSpeed keeps, also in fp32
-            runs) divided by N_d;  ZeRO-2: gradients too (plus one reduce bucket of
-            min(reduce_bucket_size, Ψ) elements);  offload_optimizer: optimizer states and
-            master weights on the host (0 on the device).
+            runs) divided by N_d;  ZeRO-2: gradients too;  offload_optimizer: optimizer states
+            and master weights on the host (0 on the device).  With contiguous_gradients
+            (DeepSpeed's default) ZeRO-1/2 also allocate a reduce bucket of reduce_bucket_size
+            elements (x2 with overlap_comm) in fp32 (ZeRO-1) or the gradients' dtype (ZeRO-2)
+            during every backward, whatever the model's size.
 
 Activations, bytes per micro-batch per transformer layer (Korthikanti et al. 2022, eq. 2 with
 tensor parallelism t, generalised to an activation width of w bytes and dropout masks of
@@ -66,6 +68,8 @@ class MemoryEstimate:
     weights: float
     gradients: float
     optimizer: float
+    buffers: float
+    """DeepSpeed's gradient reduce buckets (0 on the native path)."""
     activations: float
     activations_per_sample: float
     """activations / micro_batch_size (the estimate is linear in the micro-batch)."""
@@ -75,7 +79,7 @@ class MemoryEstimate:
 
     @property
     def model_states(self) -> float:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + self.buffers
 
     @property
     def total(self) -> float:
@@ -90,7 +94,7 @@ class MemoryEstimate:
 
 
 def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
-    """weights, gradients, optimizer bytes and a note on how they were counted."""
+    """weights, gradients, optimizer and DeepSpeed bucket bytes, and how they were counted."""
     half = cfg.precision.fp16 or cfg.precision.bf16
     w = 2 if half else 4
     dp = cfg.parallel.data_parallel_size
@@ -99,23 +103,24 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     stage = int(zero.get("stage", 0)) if ds is not None else 0
     offload = ds is not None and (zero.get("offload_optimizer", {}) or {}).get("device") == "cpu"
     master = 4 if (half or stage >= 1) else 0  # ZeRO keeps an fp32 partition even in fp32 runs
-    optim = (master + 8) * psi
-    grads = w * psi
-    if stage >= 1:
-        optim /= dp
-    bucket = 0.0
-    if stage >= 2:
-        grads /= dp
-        bucket = w * min(int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)), psi)
-        grads += bucket
+    optim = (master + 8) * psi / (dp if stage >= 1 else 1)
+    grads = w * psi / (dp if stage >= 2 else 1)
+    buffers = 0.0
+    if stage >= 1 and zero.get("contiguous_gradients", True):
+        copies = 2 if zero.get("overlap_comm", False) else 1
+        width = 4 if stage == 1 else w  # ZeRO-1 stages an fp32 accumulator, ZeRO-2 the grads'
+        buffers = float(int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)) * copies * width)
     if offload:
         optim = 0.0
     engine = f"DeepSpeed ZeRO-{stage}" if ds is not None else "native"
-    note = (f"{engine}, {'16-bit' if half else 'fp32'} weights: weights {w}Ψ, gradients "
-            f"{w}Ψ{f'/N_d + bucket' if stage >= 2 else ''}, optimizer "
-            f"{'0 (offloaded to the host)' if offload else f'{master + 8}Ψ' + ('/N_d' if stage >= 1 else '')}"
-            f" with Ψ = {psi:,} parameters per rank, N_d = {dp}")
-    return dict(weights=float(w * psi), gradients=float(grads), optimizer=float(optim), note=note)
+    optim_text = ("0 (offloaded to the host)" if offload else
+                  f"{master + 8}Ψ" + ("/N_d" if stage >= 1 else ""))
+    note = (f"{engine}, {'16-bit' if half else 'fp32'} weights: weights {w}Ψ, gradients {w}Ψ"
+            f"{'/N_d' if stage >= 2 else ''}, optimizer {optim_text} with Ψ = {psi:,} parameters "
+            f"per rank, N_d = {dp}"
+            + (f"; reduce buckets reduce_bucket_size x {copies} x {width} bytes" if buffers else ""))
+    return dict(weights=float(w * psi), gradients=float(grads), optimizer=float(optim),
+                buffers=buffers, note=note)
 
 
 def scores_kept(cfg: RunConfig, device_type: str) -> bool:
@@ -179,6 +184,7 @@ def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,
     act = activation_bytes_per_sample(cfg, device_type)
     per_sample = act["forward"] + act["recompute"] + act["transient"]
     return MemoryEstimate(params=psi, weights=states["weights"], gradients=states["gradients"],
-                          optimizer=states["optimizer"], activations=per_sample * b,
+                          optimizer=states["optimizer"], buffers=states["buffers"],
+                          activations=per_sample * b,
                           activations_per_sample=per_sample, micro_batch_size=b,
                           notes=[states["note"], act["note"]])

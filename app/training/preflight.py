@@ -324,9 +324,10 @@ def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) 
     report.section("memory (per rank)")
     total_bytes, desc, device_type = device_memory(override_gib)
     est = estimate_memory(cfg, device_type=device_type)
+    buckets = f" + reduce buckets {_gib(est.buffers)}" if est.buffers else ""
     report.ok(f"weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + optimizer states "
-              f"{_gib(est.optimizer)} + activations {_gib(est.activations)} (micro-batch "
-              f"{est.micro_batch_size}) = {_gib(est.total)}")
+              f"{_gib(est.optimizer)}{buckets} + activations {_gib(est.activations)} "
+              f"(micro-batch {est.micro_batch_size}) = {_gib(est.total)}")
     for note in est.notes:
         report.note(note)
     if total_bytes is None:

@@ -141,6 +141,29 @@ def test_token_ids_not_below_vocab_size_fail_at_start(tmp_path, lengths):
     assert prefix + ".bin" in str(e.value)
 
 
+def test_token_id_error_names_the_first_offending_document(tmp_path, lengths):
+    """Token value = its position in the file, so with vocabulary v the first offending token is
+    the one at position v, in the document whose token range holds v (found here by a walk)."""
+    prefix = write_dataset(str(tmp_path / "d"), lengths)
+    vocab = int(lengths.sum()) // 3
+    document, end = 0, int(lengths[0])
+    while end <= vocab:
+        document += 1
+        end += int(lengths[document])
+    with pytest.raises(ValueError, match=rf"first is id {vocab} in document {document} "
+                                         rf"\(0-based, token {vocab} of the file\)"):
+        build_train_valid_test_datasets([prefix], "1,0,0", (5, 0, 0), 16, 1, vocab_size=vocab,
+                                        cache_path=str(tmp_path / "new" / "cache"))
+    assert gpt_dataset.first_token_outside(gpt_dataset.MMapIndexedDataset(prefix),
+                                           int(lengths.sum())) is None
+
+
+def test_a_dataset_without_documents_is_an_error_naming_it(tmp_path):
+    prefix = write_dataset(str(tmp_path / "empty"), [])
+    with pytest.raises(ValueError, match=r"empty\.bin holds no documents.*preprocess_data"):
+        build_train_valid_test_datasets([prefix], "1,0,0", (5, 0, 0), 16, 1)
+
+
 def test_separate_last_epoch_shuffle():
     lengths = np.full(10, 11)  # 110 tokens per epoch: (110 - 1) // 10 = 10 samples per epoch
     # 12 samples need 2 epochs; the second supplies 2 < 80% of 10: it is shuffled apart
