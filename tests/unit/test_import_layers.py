@@ -17,7 +17,7 @@ LAYERS = [
     ["app.model", "app.pipeline"],
     ["app.training.distributed", "app.training.flops", "app.training.metrics",
      "app.training.ds_config", "app.training.checkpoint", "app.training.checkpoint_inspect",
-     "app.training.data_loading", "app.training.memory"],
+     "app.training.data_loading", "app.training.memory", "app.training.nonfinite"],
     ["app.training.resume", "app.training.preflight"],
     ["app.training.engine"],
     ["app.training.native_engine", "app.training.deepspeed_engine", "app.training.trainer"],
