@@ -9,6 +9,8 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
     fp32 (native, or DeepSpeed without ZeRO):  weights 4Ψ + gradients 4Ψ + Adam 8Ψ   = 16Ψ
     fp16/bf16 (mixed precision, K = 12):       weights 2Ψ + gradients 2Ψ + fp32 master 4Ψ
                                                + Adam 8Ψ                          = 16Ψ
+    native fp16/bf16 steps fp32 main gradients: 4Ψ, plus the 2Ψ half gradients they are cast
+    from unless gradients accumulate in fp32 (bf16, --accumulate-allreduce-grads-in-fp32)
     ZeRO-1: optimizer states (and the fp32 master partition DeepSpeed keeps, also in fp32
             runs) divided by N_d;  ZeRO-2: gradients too;  offload_optimizer: optimizer states
             and master weights on the host (0 on the device).  With contiguous_gradients
@@ -105,6 +107,11 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     master = 4 if (half or stage >= 1) else 0  # ZeRO keeps an fp32 partition even in fp32 runs
     optim = (master + 8) * psi / (dp if stage >= 1 else 1)
     grads = w * psi / (dp if stage >= 2 else 1)
+    grads_text = f"{w}Ψ" + ("/N_d" if stage >= 2 else "")
+    if ds is None and half:  # fp32 main gradients, cast from half ones unless accumulated in fp32
+        fp32_accumulation = cfg.precision.grads_accumulate_in_fp32
+        grads = (4 if fp32_accumulation else 4 + w) * psi
+        grads_text = "4Ψ (fp32 main)" + ("" if fp32_accumulation else f" + {w}Ψ")
     buffers = 0.0
     if stage >= 1 and zero.get("contiguous_gradients", True):
         copies = 2 if zero.get("overlap_comm", False) else 1
@@ -115,8 +122,8 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     engine = f"DeepSpeed ZeRO-{stage}" if ds is not None else "native"
     optim_text = ("0 (offloaded to the host)" if offload else
                   f"{master + 8}Ψ" + ("/N_d" if stage >= 1 else ""))
-    note = (f"{engine}, {'16-bit' if half else 'fp32'} weights: weights {w}Ψ, gradients {w}Ψ"
-            f"{'/N_d' if stage >= 2 else ''}, optimizer {optim_text} with Ψ = {psi:,} parameters "
+    note = (f"{engine}, {'16-bit' if half else 'fp32'} weights: weights {w}Ψ, gradients "
+            f"{grads_text}, optimizer {optim_text} with Ψ = {psi:,} parameters "
             f"per rank, N_d = {dp}"
             + (f"; reduce buckets reduce_bucket_size x {copies} x {width} bytes" if buffers else ""))
     return dict(weights=float(w * psi), gradients=float(grads), optimizer=float(optim),

@@ -92,7 +92,7 @@ def test_checkpoints_of_another_layout_or_format(tiny_corpus, tmp_path, capsys, 
     assert "tools/convert_checkpoint.py --input-format megatron" in found
     shutil.rmtree(ck / "iter_0000001" / "mp_rank_01")
     code, report = dry_run(capsys, tiny_corpus, tmp_path, "--load", str(ck), "--deepspeed",
-                           "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2_fp32.json"))
+                           "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json"))
     assert code == 2 and "without --deepspeed" in " ".join(errors(report)), report
     data = ck / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
     blob = bytearray(data.read_bytes())
@@ -109,7 +109,7 @@ def test_batch_sizes_json_disagreement_and_memory(tiny_corpus, tmp_path, capsys)
                            "--micro-batch-size", "4")
     assert code == 2 and "--global-batch-size (6) is not divisible by --micro-batch-size (4)" \
         in " ".join(errors(report)), report
-    with open(os.path.join(ROOT, "ds_configs", "zero2_fp32.json")) as f:
+    with open(os.path.join(ROOT, "ds_configs", "zero2.json")) as f:
         ds = json.load(f)
     ds["train_micro_batch_size_per_gpu"] = 8
     path = tmp_path / "ds.json"

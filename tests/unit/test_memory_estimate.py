@@ -82,14 +82,14 @@ def test_activation_formula_matches_the_tensors_autograd_keeps(extra):
 
 
 def test_model_states_match_the_engines_tensors_after_a_step():
-    """Native fp32 and DeepSpeed ZeRO-2 (one rank): weights, gradients and optimizer states equal
+    """Native fp32 and bf16, and DeepSpeed ZeRO-2 (one rank): weights, gradients and optimizer states equal
     the engine's tensors exactly; ZeRO-2's reduce bucket equals the buffer DeepSpeed allocates."""
     from app.testing.synthetic import build_synthetic_run
-    for extra in ((), ("--deepspeed", "--deepspeed_config", "ds_configs/zero2_fp32.json")):
+    for extra in ((), ("--bf16",), ("--deepspeed", "--deepspeed_config", "ds_configs/zero2.json")):
         cfg = config("--global-batch-size", "8", *extra)
         run = build_synthetic_run(cfg, 32)
         buckets = []
-        if extra:
+        if "--deepspeed" in extra:
             zero = run["engine"].ds.optimizer
             setup = zero.setup_buckets
 
