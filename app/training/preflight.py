@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from app.config import RunConfig, split_weights
+from app.config import RunConfig, samples_per_split, split_weights
 from app.data.gpt_dataset import (SPLIT_NAMES, check_token_ids, samples_per_prefix,
                                   token_id_range)
 from app.data.index_builder import compute_num_epochs, split_document_ranges
@@ -107,6 +107,12 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
                   f"gradient_accumulation_steps {ds.get('gradient_accumulation_steps')}")
     else:
         report.ok("engine: native")
+    r = cfg.rollback
+    if r.enabled:
+        report.ok(f"--rollback-on-spike: spikes over {r.window} iterations (z-score {r.zscore:g}, "
+                  f"+{r.min_increase:.0%}), at most {r.max_rollbacks} rollback(s); the training "
+                  f"split holds {r.max_rollbacks} x --save-interval "
+                  f"{cfg.checkpoint.save_interval} extra iterations of data for the skipped windows")
 
 
 # ---------------------------------------------------------------------------- data
@@ -359,7 +365,7 @@ def run_checks(report: Report, cfg: Optional[RunConfig], *, data_path: Sequence[
         report.section("configuration")
         describe_config(report, cfg)
     check_data(report, data_path, split, cfg.model.seq_length if cfg else 1,
-               cfg.training.samples_per_split() if cfg else None, vocab_size, data_cache_path)
+               samples_per_split(cfg) if cfg else None, vocab_size, data_cache_path)
     if cfg is not None:
         check_checkpoint(report, cfg)
         check_memory(report, cfg, device_memory_gib)

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any, Callable, Sequence
 
-from app.config import RunConfig
+from app.config import RunConfig, samples_per_split
 from app.data import build_train_valid_test_datasets
 from app.mpu import collectives
 from app.training.checkpoint import CheckpointError
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def _datasets(cfg: RunConfig, rank: int) -> tuple:
     t = cfg.training
-    num_samples = t.samples_per_split()
+    num_samples = samples_per_split(cfg)
     logger.info("building train/valid/test datasets for %s samples from %s", num_samples,
                 cfg.data.data_path)
     datasets = build_train_valid_test_datasets(

@@ -19,7 +19,7 @@ LAYERS = [
      "app.training.ds_config", "app.training.checkpoint", "app.training.checkpoint_inspect",
      "app.training.data_loading", "app.training.memory", "app.training.nonfinite"],
     ["app.training.resume", "app.training.preflight"],
-    ["app.training.engine"],
+    ["app.training.engine", "app.training.rollback"],
     ["app.training.native_engine", "app.training.deepspeed_engine", "app.training.trainer"],
     ["app.training.run", "app.convert", "app.inference"],
     ["app.training.pretrain", "app.testing"],
