@@ -237,7 +237,8 @@ def _check_saved_state(report: Report, cfg: RunConfig, layout: inspect.SavedLayo
     if not load_optimizer:
         report.ok("weights only (--finetune, --no-load-optim or a release checkpoint)")
         return
-    _check_schedule(report, cfg, state.get("lr_scheduler"))
+    if "scheduler" not in (cfg.deepspeed.config or {}):  # else DeepSpeed's own schedule
+        _check_schedule(report, cfg, state.get("lr_scheduler"))
     iteration = getattr(saved, "iteration", None)
     if iteration is not None:
         left = cfg.training.train_iters - int(iteration)
