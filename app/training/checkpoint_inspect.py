@@ -144,14 +144,21 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
                 f"of a checkpoint: resume with --tensor-model-parallel-size {saved_tp}, or "
                 "convert it to the native path at the new size: "
                 + load_command_hint(load_dir, tp, pp, DEEPSPEED) + " (without --deepspeed)")
+    return partition_problem(layout, data_parallel_size) if load_optimizer else None
+
+
+def partition_problem(layout: SavedLayout, data_parallel_size: int) -> Optional[str]:
+    """Why ZeRO's optimizer partitions of `layout` cannot be loaded at this data-parallel size
+    (DeepSpeed cannot re-partition them), with the fix; None if they can (or there are none)."""
     saved_dp = layout.data_parallel_size
-    if layout.format == DEEPSPEED and load_optimizer and saved_dp and saved_dp != data_parallel_size:
-        return (f"checkpoint {where}: ZeRO split the optimizer states over {saved_dp} "
-                f"data-parallel ranks, and this run has {data_parallel_size}; DeepSpeed cannot "
-                f"re-partition them: launch {saved_dp * tp * pp} ranks (data-parallel size "
-                f"{saved_dp}), or pass --no-load-optim to load the weights and continue the LR "
-                "schedule with fresh optimizer states")
-    return None
+    if layout.format != DEEPSPEED or not saved_dp or saved_dp == data_parallel_size:
+        return None
+    ranks = saved_dp * layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+    return (f"checkpoint {layout.directory}: ZeRO split the optimizer states over {saved_dp} "
+            f"data-parallel ranks, and this run has {data_parallel_size}; DeepSpeed cannot "
+            f"re-partition them: launch {ranks} ranks (data-parallel size {saved_dp}), or pass "
+            "--no-load-optim to load the weights and continue the LR schedule with fresh "
+            "optimizer states")
 
 
 def check_loadable(load_dir: str, iteration: ckpt.Iteration, *, deepspeed: bool,

@@ -126,3 +126,20 @@ def test_batch_sizes_json_disagreement_and_memory(tiny_corpus, tmp_path, capsys)
     assert code == 2 and "the model states alone do not fit" in " ".join(errors(report)), report
     code, report = dry_run(capsys, tiny_corpus, tmp_path, "--dry-run-device-memory", "1")
     assert code == 0 and "fits 1 GiB (--dry-run-device-memory)" in report, report
+
+
+def test_deepspeed_checkpoint_is_read_and_matched(tiny_corpus, tmp_path, capsys):
+    ds = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json")]
+    ck = tmp_path / "ck"
+    pretrain_gpt2.run(tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "20", "--eval-iters",
+                                    "0", "--exit-interval", "2", "--save", str(ck), *ds))
+    code, report = dry_run(capsys, tiny_corpus, tmp_path, "--load", str(ck), *ds)
+    assert code == 0, report
+    assert "iteration 2, deepspeed layout, tensor-parallel size 1" in report
+    assert "ZeRO partitions over 1 data-parallel ranks" in report
+    assert "model shape matches" in report and "resumes at iteration 2" in report
+    code, report = dry_run(capsys, tiny_corpus, tmp_path, "--load", str(ck))
+    assert code == 2 and "written by DeepSpeed" in " ".join(errors(report)), report
+    code, report = dry_run(capsys, tiny_corpus, tmp_path, "--load", str(ck), "--hidden-size", "32",
+                           *ds)
+    assert code == 2 and "hidden_size" in " ".join(errors(report)), report

@@ -158,6 +158,18 @@ def test_token_id_error_names_the_first_offending_document(tmp_path, lengths):
                                            int(lengths.sum())) is None
 
 
+def test_a_new_cache_path_caches_the_token_range_without_a_warning(tmp_path, lengths, caplog):
+    """Issue 14: the first run with a new --data-cache-path warned 'could not cache token range
+    ... No such file or directory'; the directory is now created and the range cached."""
+    prefix = write_dataset(str(tmp_path / "d"), lengths)
+    cache = tmp_path / "new" / "nested" / "cache"
+    with caplog.at_level("WARNING"):
+        build_train_valid_test_datasets([prefix], "1,0,0", (5, 0, 0), 16, 1,
+                                        vocab_size=int(lengths.sum()), cache_path=str(cache))
+    assert "could not cache" not in caplog.text
+    assert len(list(cache.glob("d_*_token_range.json"))) == 1
+
+
 def test_a_dataset_without_documents_is_an_error_naming_it(tmp_path):
     prefix = write_dataset(str(tmp_path / "empty"), [])
     with pytest.raises(ValueError, match=r"empty\.bin holds no documents.*preprocess_data"):
