@@ -26,9 +26,9 @@ import dataclasses
 import sys
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
-                        OptimizerConfig, ParallelConfig, PrecisionConfig, RollbackConfig,
-                        RunConfig, TrainingConfig)
+from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig,
+                        ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                        RollbackConfig, RunConfig, TrainingConfig)
 from app.data.tokenizer import pad_vocab_size
 from app.training.distributed import check_backend, default_backend
 from app.training.ds_config import load_ds_json, reconcile_ds_config
@@ -54,13 +54,37 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="pad the vocab to a multiple of this x the tensor-parallel size")
     g.add_argument("--openai-gelu", action="store_true",
                    help="tanh-approximated GeLU instead of the exact erf form")
-    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
-    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
-                   action="store_false")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute transformer layers in backward")
     g.add_argument("--checkpoint-num-layers", type=int, default=1,
                    help="layers per recomputed chunk")
+
+
+def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fused kernels", "fusions and the csrc/ kernels "
+                                  "(docs/kernels.md); each has a --no- form")
+    on = dict(action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--masked-softmax-fusion", **on,
+                   help="csrc/ causal and masked softmax kernels (CUDA)")
+    g.add_argument("--bias-gelu-fusion", **on, help="torch.compile'd bias+GeLU (CUDA)")
+    g.add_argument("--bias-dropout-fusion", **on,
+                   help="torch.compile'd bias+dropout+residual add (CUDA)")
+    g.add_argument("--layernorm-fusion", **on, help="csrc/ LayerNorm kernel (CUDA)")
+    g.add_argument("--cross-entropy-loss-fusion", **on,
+                   help="csrc/ cross-entropy kernels, no fp32 copy of the logits (CUDA)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="causal attention through SDPA's flash/efficient backends only")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "local"], default="auto",
+                   help="auto: SDPA for causal (measured default); flash: = --use-flash-attn; "
+                        "local: q k^T + fused softmax + @ v (Megatron's core attention)")
+    g.add_argument("--require-fused-kernels", action="store_true",
+                   help="stop if the kernels cannot be built on a CUDA machine "
+                        "(default: warn and use PyTorch)")
+    g.add_argument("--kernel-build-dir", type=str, default=None,
+                   help="kernel build cache (default $APP_KERNELS_BUILD_DIR or "
+                        "~/.cache/app_kernels)")
+    g.add_argument("--kernel-build-timeout", type=float, default=900.0,
+                   help="seconds a kernel build may take before falling back to PyTorch")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -232,9 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="GPT-2 pretraining, Megatron-LM style (native or DeepSpeed)",
         allow_abbrev=False)
-    for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_optimizer_args,
-                _add_training_args, _add_data_args, _add_checkpoint_args, _add_rollback_args,
-                _add_preflight_args,
+    for add in (_add_model_args, _add_kernel_args, _add_parallel_args, _add_precision_args,
+                _add_optimizer_args, _add_training_args, _add_data_args, _add_checkpoint_args,
+                _add_rollback_args, _add_preflight_args,
                 _add_deepspeed_args):
         add(parser)
     return parser
@@ -329,7 +353,10 @@ def _model_config(args: argparse.Namespace, padded_vocab_size: int,
         layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
         openai_gelu=args.openai_gelu, checkpoint_activations=args.checkpoint_activations,
         checkpoint_num_layers=args.checkpoint_num_layers,
-        bias_gelu_fusion=args.bias_gelu_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
+        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        masked_softmax_fusion=args.masked_softmax_fusion, layernorm_fusion=args.layernorm_fusion,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        attention_backend=args.attention_backend, use_flash_attn=args.use_flash_attn,
         params_dtype=precision.params_dtype, seed=args.seed,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
@@ -378,6 +405,9 @@ def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
         rollback=RollbackConfig(
             enabled=args.rollback_on_spike, window=args.spike_window, zscore=args.spike_zscore,
             min_increase=args.spike_min_increase, max_rollbacks=args.max_rollbacks),
+        kernels=KernelConfig(
+            require_fused_kernels=args.require_fused_kernels, build_dir=args.kernel_build_dir,
+            build_timeout=args.kernel_build_timeout),
     )
 
 

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from app.utils.dtypes import DTYPE_NAMES
 
+ATTENTION_BACKENDS = ("auto", "flash", "local")
+
 
 @dataclass
 class ModelConfig:
@@ -51,9 +53,20 @@ class ModelConfig:
     checkpoint_num_layers: int = 1
     """Layers per recomputed chunk when checkpoint_activations is on."""
     bias_gelu_fusion: bool = True
-    """Use the fused bias+GeLU op (CUDA kernel or torch.jit fallback); numerics are identical."""
+    """--bias-gelu-fusion: gelu(x + b) as one torch.compile'd kernel on CUDA (docs/kernels.md)."""
+    bias_dropout_fusion: bool = True
+    """--bias-dropout-fusion: residual + dropout(x + b) as one torch.compile'd kernel on CUDA."""
     masked_softmax_fusion: bool = True
-    """Use the fused scale+mask+softmax op for the explicit-mask attention path."""
+    """--masked-softmax-fusion: the csrc/ causal and masked softmax kernels where they apply."""
+    layernorm_fusion: bool = True
+    """--layernorm-fusion: the csrc/ LayerNorm kernel (fp32 statistics) on CUDA."""
+    cross_entropy_loss_fusion: bool = True
+    """--cross-entropy-loss-fusion: the csrc/ cross-entropy kernels (no fp32 logits) on CUDA."""
+    attention_backend: str = "auto"
+    """--attention-backend: auto (SDPA for causal), flash (SDPA flash/efficient only) or local
+    (q k^T + fused softmax + @ v, Megatron's core attention); explicit masks always go local."""
+    use_flash_attn: bool = False
+    """--use-flash-attn: Megatron's spelling of attention_backend "flash"."""
     params_dtype: str = "float32"
     """dtype of the module parameters: float32, float16 or bfloat16."""
     attention_softmax_in_fp32: bool = False
@@ -90,10 +103,22 @@ class ModelConfig:
         if self.params_dtype not in DTYPE_NAMES:
             raise ValueError(f"params_dtype must be one of {', '.join(DTYPE_NAMES)}, got "
                              f"{self.params_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.use_flash_attn and self.attention_backend == "local":
+            raise ValueError("--use-flash-attn asks for SDPA flash attention but "
+                             "--attention-backend local asks for the fused-softmax path; "
+                             "drop one of the two")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_impl(self) -> str:
+        """The attention backend in effect: "flash" with --use-flash-attn, else the chosen one."""
+        return "flash" if self.use_flash_attn else self.attention_backend
 
     def num_parameters(self) -> int:
         """Total parameters of the (tied-embedding) model: 12Lh^2 + 13Lh + Vh + sh + 2h for 4h MLP."""
@@ -386,6 +411,24 @@ class RollbackConfig:
 
 
 @dataclass
+class KernelConfig:
+    """How the csrc/ fused kernels are obtained (built on first use; see docs/kernels.md)."""
+
+    require_fused_kernels: bool = False
+    """--require-fused-kernels: a failed kernel build on a CUDA machine stops the run instead of
+    falling back to PyTorch with a warning."""
+    build_dir: Optional[str] = None
+    """--kernel-build-dir: cache of built kernels; None means $APP_KERNELS_BUILD_DIR or
+    ~/.cache/app_kernels."""
+    build_timeout: float = 900.0
+    """--kernel-build-timeout: seconds a build (or the wait for local rank 0's build) may take
+    before the run falls back to PyTorch."""
+
+    def __post_init__(self) -> None:
+        _positive(self, (("build_timeout", "--kernel-build-timeout"),))
+
+
+@dataclass
 class RunConfig:
     """Everything one training run needs; built once by arguments.build_run_config."""
 
@@ -397,6 +440,7 @@ class RunConfig:
     training: TrainingConfig
     checkpoint: CheckpointConfig
     deepspeed: DeepSpeedConfig
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     raw_vocab_size: int = 0
     """Tokenizer vocabulary before padding (recorded in checkpoints)."""
     make_vocab_size_divisible_by: int = 128

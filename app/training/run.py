@@ -1,7 +1,7 @@
 """Composition: build the parts of one training run from a RunConfig, in the one right order.
 
-    parallel groups and seeds -> (DeepSpeed activation checkpointing) -> model stage -> engine
-    -> Trainer
+    parallel groups and seeds -> (DeepSpeed activation checkpointing) -> fused kernels
+    -> model stage -> engine -> Trainer
 
 `build_run` is used by `app.training.pretrain` (real data) and by the test and benchmark
 helpers (`app.testing.synthetic`), so every run is put together the same way. This is the only
@@ -15,6 +15,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from app import kernels
 from app.config import RunConfig
 from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
@@ -43,6 +44,18 @@ def set_seeds(seed: int, parallel_state: ParallelState) -> None:
     """Python, numpy and torch seeds (seed + 100 x pipeline stage, as Megatron) and the
     model-parallel RNG stream (seed + 2718 + tensor-parallel rank)."""
     model_parallel_seed(seed, parallel_state)
+
+
+def prepare_kernels(cfg: RunConfig, device: torch.device) -> None:
+    """Tell the kernel library how to build (--require-fused-kernels, --kernel-build-*); on a
+    CUDA device with a csrc/ fusion on, obtain it now, so the build (local rank 0; the others
+    wait) and any failure happen at start-up rather than inside the first forward."""
+    k, m = cfg.kernels, cfg.model
+    kernels.configure(required=k.require_fused_kernels, build_root=k.build_dir,
+                      timeout_s=k.build_timeout, local_rank=cfg.parallel.local_rank)
+    if device.type == "cuda" and (m.masked_softmax_fusion or m.layernorm_fusion
+                                  or m.cross_entropy_loss_fusion):
+        kernels.status()
 
 
 def build_model(cfg: RunConfig, parallel_state: ParallelState) -> torch.nn.Module:
@@ -102,6 +115,7 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
         configure_activation_checkpointing(cfg, ps)
         logger.info("activation checkpointing through deepspeed.checkpointing (settings from "
                     "the JSON's activation_checkpointing block)")
+    prepare_kernels(cfg, device)
     model = build_model(cfg, ps).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("> parameters on (tensor, pipeline) model-parallel rank (%d, %d): %d",
