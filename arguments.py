@@ -83,8 +83,9 @@ def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-build-dir", type=str, default=None,
                    help="kernel build cache (default $APP_KERNELS_BUILD_DIR or "
                         "~/.cache/app_kernels)")
-    g.add_argument("--kernel-build-timeout", type=float, default=900.0,
-                   help="seconds a kernel build may take before falling back to PyTorch")
+    g.add_argument("--kernel-build-timeout", type=float, default=300.0,
+                   help="seconds a kernel build may take before falling back to PyTorch "
+                        "(below the process-group timeout)")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
