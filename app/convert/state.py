@@ -58,7 +58,7 @@ class Progress:
     """Counts tensors and bytes and reports them on stderr at most once per `interval` seconds."""
 
     def __init__(self, what: str, total: Optional[int] = None, interval: float = 2.0,
-                 stream: TextIO = sys.stderr) -> None:
+                 stream: Optional[TextIO] = None) -> None:
         self.what, self.total, self.interval, self.stream = what, total, interval, stream
         self.tensors = 0
         self.bytes = 0
@@ -78,7 +78,7 @@ class Progress:
         print(f"[convert] {self.what}: {self.tensors}{of} tensors, {self.bytes / 2**20:.1f} MiB "
               f"in {elapsed:.1f} s ({self.tensors / elapsed:.0f} tensors/s, "
               f"{self.bytes / 2**20 / elapsed:.1f} MiB/s){' done' if final else ''}",
-              file=self.stream, flush=True)
+              file=self.stream or sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
