@@ -1,9 +1,9 @@
 """Command-line arguments: Megatron-LM flag names (plus DeepSpeed's), converted once into configs.
 
-This is the only module that touches argparse. `parse_args` returns the raw namespace;
-`build_run_config` turns it into an `app.config.RunConfig`, filling derived defaults and checking
-every cross-flag rule with a message that names the flags and their values. Library code never
-sees the namespace.
+This is the only module that touches argparse, and nothing under `app/` imports it.
+`parse_args` returns the raw namespace; `build_run_config` turns it into an
+`app.config.RunConfig` once, filling derived defaults. The rules themselves live in the config
+dataclasses (one home each), whose messages name the flags and their values.
 
 Both spellings are accepted where DeepSpeedExamples' Megatron-LM and current Megatron-LM differ;
 the pairs share one `dest`, so either spelling sets the same value:
@@ -22,12 +22,16 @@ DeepSpeedExamples name          current Megatron-LM name
 from __future__ import annotations
 
 import argparse
-import os
-from typing import List, Optional, Sequence, Tuple
+import dataclasses
+import sys
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence
 
-from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, LaunchConfig,
-                        ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
-                        TrainingConfig, split_weights, validate_configs)
+from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
+                        OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
+                        TrainingConfig)
+from app.data.tokenizer import pad_vocab_size
+from app.training.distributed import check_backend, default_backend
+from app.training.ds_config import load_ds_json, reconcile_ds_config
 
 
 # ---------------------------------------------------------------------------- flag groups
@@ -190,168 +194,78 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse `argv` (default sys.argv[1:]) into a namespace with Megatron's dest names.
 
-    Only parsing happens here (plus resolving --distributed-backend to nccl when CUDA is
-    available, else gloo, and --deepscale* to --deepspeed*); derived defaults and cross-flag
-    checks are `build_run_config`'s.
+    Only parsing happens here (plus defaulting --distributed-backend to nccl when CUDA is
+    available, else gloo, and --deepscale* to --deepspeed*); `build_run_config` converts. The
+    flags given explicitly are recorded as `_explicit_flags` (each under its first spelling),
+    for the DeepSpeed JSON checks that must know what the user asked for.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(given)
     if args.distributed_backend is None:  # resolved here so init code can use it before configs
-        import torch
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        args.distributed_backend = default_backend()
     args.deepspeed = bool(args.deepspeed or getattr(args, "deepscale", False))
     if args.deepspeed_config is None and getattr(args, "deepscale_config", None):
         args.deepspeed_config = args.deepscale_config
+    args._explicit_flags = _explicit_flags(parser, given)
     return args
 
 
-# ---------------------------------------------------------------------------- validation
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_positive(args: argparse.Namespace, flags: Sequence[str], allow_none: bool) -> None:
-    for flag in flags:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value is None and allow_none:
-            continue
-        _check(value is not None and value > 0, f"{flag} must be positive, got {value}")
-
-
-def _check_model_flags(args: argparse.Namespace, ffn: int, max_pos: int) -> None:
-    _check_positive(args, ["--num-layers", "--hidden-size", "--num-attention-heads",
-                           "--seq-length", "--checkpoint-num-layers",
-                           "--make-vocab-size-divisible-by"], allow_none=False)
-    _check(args.hidden_size % args.num_attention_heads == 0,
-           f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
-           f"({args.num_attention_heads})")
-    _check(args.seq_length <= max_pos,
-           f"--seq-length ({args.seq_length}) is larger than --max-position-embeddings "
-           f"({max_pos}); raise --max-position-embeddings or lower --seq-length")
-    _check(ffn > 0, f"--ffn-hidden-size must be positive, got {ffn}")
-    for flag in ("--hidden-dropout", "--attention-dropout"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        _check(0.0 <= value < 1.0, f"{flag} must be in [0, 1), got {value}")
-
-
-def _check_parallel_flags(args: argparse.Namespace, world_size: int, ffn: int,
-                          padded_vocab_size: int) -> None:
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _check_positive(args, ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"],
-                    allow_none=False)
-    _check(world_size % (tp * pp) == 0,
-           f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
-           f"x --pipeline-model-parallel-size ({pp})")
-    _check(args.num_attention_heads % tp == 0,
-           f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
-           f"--tensor-model-parallel-size ({tp})")
-    _check(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) is not divisible by "
-                          f"--tensor-model-parallel-size ({tp})")
-    _check(padded_vocab_size % tp == 0,
-           f"padded vocab size ({padded_vocab_size}) is not divisible by "
-           f"--tensor-model-parallel-size ({tp})")
-    _check(args.num_layers % pp == 0,
-           f"--num-layers ({args.num_layers}) is not divisible by "
-           f"--pipeline-model-parallel-size ({pp})")
-    if args.deepspeed:
-        _check(pp == 1, f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
-                        "--deepspeed yet; use the native path or --pipeline-model-parallel-size 1")
-        _check(bool(args.deepspeed_config), "--deepspeed needs --deepspeed_config <path to JSON>")
-
-
-def _check_batch_flags(args: argparse.Namespace, data_parallel_size: int,
-                       global_batch: int) -> None:
-    _check_positive(args, ["--micro-batch-size", "--train-iters", "--log-interval",
-                           "--eval-interval"], allow_none=False)
-    _check(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
-    _check(global_batch > 0, f"--global-batch-size must be positive, got {global_batch}")
-    per_step = args.micro_batch_size * data_parallel_size
-    _check(global_batch % per_step == 0,
-           f"--global-batch-size ({global_batch}) is not divisible by --micro-batch-size "
-           f"({args.micro_batch_size}) x data-parallel size ({data_parallel_size})")
-    _check_positive(args, ["--exit-interval", "--exit-duration-in-mins", "--peak-flops",
-                           "--save-interval", "--keep-last-n-checkpoints"], allow_none=True)
-    _check(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
-    _check(not (args.finetune and not args.load), "--finetune needs --load <checkpoint dir>")
-    try:
-        split_weights(args.split)
-    except ValueError as exc:
-        raise ValueError(f"--split {args.split!r} is invalid ({exc}); give up to three "
-                         "non-negative weights, e.g. 969,30,1") from None
-
-
-def _resolve_schedule(args: argparse.Namespace) -> Tuple[int, int]:
-    """(lr_decay_iters, lr_warmup_iters) from the flags, with Megatron's defaults and checks."""
-    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-    _check(decay_iters > 0, f"--lr-decay-iters must be positive, got {decay_iters}")
-    _check(0.0 <= args.min_lr <= args.lr,
-           f"--min-lr ({args.min_lr}) must be between 0 and --lr ({args.lr})")
-    _check(args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}")
-    if args.lr_warmup_fraction is not None:
-        _check(args.lr_warmup_iters == 0,
-               f"--lr-warmup-fraction/--warmup ({args.lr_warmup_fraction}) and --lr-warmup-iters "
-               f"({args.lr_warmup_iters}) were both given; use only one")
-        _check(0.0 <= args.lr_warmup_fraction <= 1.0,
-               f"--lr-warmup-fraction/--warmup must be in [0, 1], got {args.lr_warmup_fraction}")
-        warmup = int(args.lr_warmup_fraction * decay_iters)
-    else:
-        warmup = args.lr_warmup_iters
-    _check(warmup >= 0, f"--lr-warmup-iters must be >= 0, got {warmup}")
-    _check(warmup <= decay_iters,
-           f"warmup iterations ({warmup}) exceed --lr-decay-iters ({decay_iters})")
-    return decay_iters, warmup
-
-
-def _global_batch_from_deepspeed_json(args: argparse.Namespace, data_parallel_size: int) -> int:
-    """Default --global-batch-size: the DeepSpeed JSON's train_batch_size (or micro-batch x
-    gradient_accumulation_steps x DP) when --deepspeed gives one, else micro-batch x DP."""
-    default = args.micro_batch_size * data_parallel_size
-    if not (args.deepspeed and args.deepspeed_config and os.path.isfile(args.deepspeed_config)):
-        return default  # a missing JSON is reported, with its path, when the engine reads it
-    from app.training.ds_config import load_ds_json
-    ds = load_ds_json(args.deepspeed_config)
-    if "train_batch_size" in ds:
-        return int(ds["train_batch_size"])
-    if "gradient_accumulation_steps" in ds:
-        return default * int(ds["gradient_accumulation_steps"])
-    return default
-
-
-def launch_config(args: argparse.Namespace) -> LaunchConfig:
-    """What start-up needs before the tokenizer and the world size are known."""
-    return LaunchConfig(
-        distributed_backend=args.distributed_backend, deepspeed_mpi=bool(args.deepspeed_mpi),
-        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-        merge_file=args.merge_file, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        tensor_model_parallel_size=args.tensor_model_parallel_size)
-
-
-def _resolve_backend(requested: Optional[str]) -> str:
-    import torch
-    cuda = torch.cuda.is_available()
-    backend = requested or ("nccl" if cuda else "gloo")
-    _check(backend != "nccl" or cuda,
-           "--distributed-backend nccl needs CUDA, which is not available; use gloo")
-    return backend
+def _explicit_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> FrozenSet[str]:
+    """Flags present in `argv`, each named by the first spelling of its option."""
+    actions = parser._option_string_actions  # noqa: SLF001 (the only map of spellings)
+    found = set()
+    for token in argv:
+        if token.startswith("--"):
+            action = actions.get(token.split("=", 1)[0])
+            if action is not None:
+                found.add(action.option_strings[0])
+    return frozenset(found)
 
 
 # ---------------------------------------------------------------------------- conversion
 
-def _model_config(args: argparse.Namespace, ffn: int, max_pos: int,
-                  padded_vocab_size: int) -> ModelConfig:
-    dtype = "float16" if args.fp16 else "bfloat16" if args.bf16 else "float32"
+def _warmup_iters(args: argparse.Namespace, decay_iters: int) -> int:
+    """--lr-warmup-fraction (or --warmup) x decay iterations, or --lr-warmup-iters."""
+    if args.lr_warmup_fraction is None:
+        return args.lr_warmup_iters
+    if args.lr_warmup_iters != 0:
+        raise ValueError(f"--lr-warmup-fraction/--warmup ({args.lr_warmup_fraction}) and "
+                         f"--lr-warmup-iters ({args.lr_warmup_iters}) were both given; use only one")
+    if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        raise ValueError(f"--lr-warmup-fraction/--warmup must be in [0, 1], got "
+                         f"{args.lr_warmup_fraction}")
+    return int(args.lr_warmup_fraction * decay_iters)
+
+
+def _global_batch_size(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]],
+                       data_parallel_size: int) -> int:
+    """--global-batch-size; by default the DeepSpeed JSON's train_batch_size (or micro-batch x
+    gradient_accumulation_steps x DP) when --deepspeed gives one, else micro-batch x DP."""
+    if args.global_batch_size is not None:
+        return args.global_batch_size
+    default = args.micro_batch_size * data_parallel_size
+    if ds_json and "train_batch_size" in ds_json:
+        return int(ds_json["train_batch_size"])
+    if ds_json and "gradient_accumulation_steps" in ds_json:
+        return default * int(ds_json["gradient_accumulation_steps"])
+    return default
+
+
+def _model_config(args: argparse.Namespace, padded_vocab_size: int,
+                  precision: PrecisionConfig) -> ModelConfig:
     return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-        max_position_embeddings=max_pos, padded_vocab_size=padded_vocab_size,
-        ffn_hidden_size=ffn, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
-        init_method_std=args.init_method_std, openai_gelu=args.openai_gelu,
-        checkpoint_activations=args.checkpoint_activations,
+        max_position_embeddings=(args.max_position_embeddings
+                                 if args.max_position_embeddings is not None else args.seq_length),
+        padded_vocab_size=padded_vocab_size, ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
+        openai_gelu=args.openai_gelu, checkpoint_activations=args.checkpoint_activations,
         checkpoint_num_layers=args.checkpoint_num_layers,
         bias_gelu_fusion=args.bias_gelu_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
-        params_dtype=dtype, seed=args.seed)
+        params_dtype=precision.params_dtype, seed=args.seed)
 
 
 def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
@@ -364,19 +278,21 @@ def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingCon
         peak_flops=args.peak_flops)
 
 
-def _other_configs(args: argparse.Namespace, decay_iters: int, warmup: int) -> dict:
+def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    if decay_iters <= 0:
+        raise ValueError(f"--lr-decay-iters must be positive, got {decay_iters}")
+    return OptimizerConfig(
+        lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=decay_iters, lr_warmup_iters=_warmup_iters(args, decay_iters),
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+
+
+def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
     return dict(
-        optimizer=OptimizerConfig(
-            lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-            lr_decay_iters=decay_iters, lr_warmup_iters=warmup, weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad,
-            override_opt_param_scheduler=args.override_opt_param_scheduler,
-            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler),
-        precision=PrecisionConfig(
-            fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-            loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis),
         data=DataConfig(
             data_path=list(args.data_path), split=args.split,
             data_cache_path=args.data_cache_path, tokenizer_type=args.tokenizer_type,
@@ -389,52 +305,49 @@ def _other_configs(args: argparse.Namespace, decay_iters: int, warmup: int) -> d
             no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
             finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints),
-        deepspeed=DeepSpeedConfig(
-            enabled=args.deepspeed, config_path=args.deepspeed_config,
-            activation_checkpointing=args.deepspeed_activation_checkpointing,
-            mpi=args.deepspeed_mpi),
     )
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: int,
-                     padded_vocab_size: int) -> RunConfig:
+                     padded_vocab_size: Optional[int] = None) -> RunConfig:
     """Convert the parsed flags once into a validated RunConfig.
 
     Fills the derived defaults (ffn = 4h, max positions = seq length, lr_decay_iters =
     train_iters, warmup iterations = fraction x decay iterations, global batch = micro batch x
-    data-parallel size) and raises ValueError naming the flags and values of the first rule
-    broken. `raw_vocab_size` / `padded_vocab_size` come from the tokenizer, built before this.
+    data-parallel size or the DeepSpeed JSON's). With --deepspeed the JSON is read here, once,
+    and reconciled with the flags (`cfg.deepspeed.config`). `padded_vocab_size` None pads
+    `raw_vocab_size` by Megatron's rule. Every rule is checked by the config dataclasses
+    (app.config); a broken one raises ValueError naming the flags and values.
     """
-    _check(args.train_iters is not None, "--train-iters is required")
-    _check(world_size > 0, f"world size must be positive, got {world_size}")
-    _check(0 < raw_vocab_size <= padded_vocab_size,
-           f"need 0 < vocab size ({raw_vocab_size}) <= padded vocab size ({padded_vocab_size})")
-    _check(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive; pick one")
-    _check(args.deepspeed or not (args.fp16 or args.bf16),
-           "--fp16/--bf16 need --deepspeed for now: the native path trains in fp32 (its "
-           "mixed-precision optimizer wrapper is not built yet); drop the flag, or add "
-           "--deepspeed --deepspeed_config ds_configs/zero2_fp16.json (or zero2_bf16.json)")
-    ffn = args.ffn_hidden_size if args.ffn_hidden_size is not None else 4 * args.hidden_size
-    max_pos = (args.max_position_embeddings if args.max_position_embeddings is not None
-               else args.seq_length)
-    _check_model_flags(args, ffn, max_pos)
-    _check_parallel_flags(args, world_size, ffn, padded_vocab_size)
-    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
-    global_batch = (args.global_batch_size if args.global_batch_size is not None
-                    else _global_batch_from_deepspeed_json(args, dp))
-    _check_batch_flags(args, dp, global_batch)
-    decay_iters, warmup = _resolve_schedule(args)
+    if args.train_iters is None:
+        raise ValueError("--train-iters is required")
+    if padded_vocab_size is None:
+        padded_vocab_size = pad_vocab_size(raw_vocab_size, args.make_vocab_size_divisible_by,
+                                           args.tensor_model_parallel_size)
+    deepspeed = DeepSpeedConfig(
+        enabled=args.deepspeed, config_path=args.deepspeed_config,
+        activation_checkpointing=args.deepspeed_activation_checkpointing,
+        mpi=args.deepspeed_mpi)
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, world_size=world_size,
-        distributed_backend=_resolve_backend(args.distributed_backend),
-        local_rank=args.local_rank)
-    cfg = RunConfig(model=_model_config(args, ffn, max_pos, padded_vocab_size),
-                    parallel=parallel, training=_training_config(args, global_batch),
-                    raw_vocab_size=raw_vocab_size,
-                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                    **_other_configs(args, decay_iters, warmup))
-    validate_configs(cfg)
+        distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank)
+    ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
+    precision = PrecisionConfig(
+        fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+    cfg = RunConfig(
+        model=_model_config(args, padded_vocab_size, precision), parallel=parallel,
+        optimizer=_optimizer_config(args), precision=precision,
+        training=_training_config(args, _global_batch_size(args, ds_json,
+                                                           parallel.data_parallel_size)),
+        deepspeed=deepspeed, raw_vocab_size=raw_vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, **_other_configs(args))
+    if ds_json is not None:
+        reconciled = reconcile_ds_config(ds_json, cfg, deepspeed.config_path,
+                                         getattr(args, "_explicit_flags", ()))
+        cfg = dataclasses.replace(cfg, deepspeed=dataclasses.replace(deepspeed, config=reconciled))
     return cfg
 
 
@@ -444,6 +357,15 @@ def format_args(args: argparse.Namespace) -> List[str]:
     """Megatron-style listing of every argument, one "  name .... value" line each, sorted."""
     lines = []
     for key in sorted(vars(args)):
+        if key.startswith("_"):
+            continue
         dots = "." * max(1, 48 - len(key))
         lines.append(f"  {key} {dots} {getattr(args, key)}")
     return lines
+
+
+def config_from_argv(argv: Sequence[str], world_size: int, raw_vocab_size: int,
+                     padded_vocab_size: Optional[int] = None) -> RunConfig:
+    """`build_run_config(parse_args(argv), ...)`: a RunConfig from a command line, for tests,
+    benchmarks and tools that build runs in-process."""
+    return build_run_config(parse_args(list(argv)), world_size, raw_vocab_size, padded_vocab_size)

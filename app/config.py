@@ -2,15 +2,21 @@
 
 `arguments.py` parses the command line (Megatron-LM flag names plus DeepSpeed's) and converts
 the namespace once into these dataclasses. Nothing under `app/` reads argparse or a global
-args object. Each dataclass validates its own fields in `__post_init__`; cross-config rules
-(for example the global batch against the data-parallel size) are checked by
-`validate_configs`, which names every value involved in its messages.
+args object.
+
+Every rule is checked here, once, when a config is built: each dataclass checks its own fields
+in `__post_init__`, and `RunConfig.__post_init__` checks the rules that span several (the
+global batch against the data-parallel size, heads against the tensor-parallel size, ...).
+Messages name the command-line flag, the values and the fix. Nothing rewrites a config after
+it is built; derived values are properties or are computed where they are used.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
+
+from app.utils.dtypes import DTYPE_NAMES
 
 
 @dataclass
@@ -54,26 +60,29 @@ class ModelConfig:
     """Seed from which every parameter's initial value is derived (independent of TP/PP)."""
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:
+        if self.ffn_hidden_size is None:  # a construction default, not a rewrite
             self.ffn_hidden_size = 4 * self.hidden_size
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                     "max_position_embeddings", "padded_vocab_size", "ffn_hidden_size",
-                     "checkpoint_num_layers"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) is not divisible by "
-                f"num_attention_heads ({self.num_attention_heads})")
+        _positive(self, (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                         ("num_attention_heads", "--num-attention-heads"),
+                         ("seq_length", "--seq-length"),
+                         ("max_position_embeddings", "--max-position-embeddings"),
+                         ("padded_vocab_size", "padded vocab size"),
+                         ("ffn_hidden_size", "--ffn-hidden-size"),
+                         ("checkpoint_num_layers", "--checkpoint-num-layers")))
+        _divisible("--hidden-size", self.hidden_size, "--num-attention-heads",
+                   self.num_attention_heads)
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(
-                f"seq_length ({self.seq_length}) exceeds max_position_embeddings "
-                f"({self.max_position_embeddings}); raise --max-position-embeddings")
+                f"--seq-length ({self.seq_length}) is larger than --max-position-embeddings "
+                f"({self.max_position_embeddings}); raise --max-position-embeddings or lower "
+                "--seq-length")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.params_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"params_dtype must be float32, float16 or bfloat16, got {self.params_dtype}")
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got "
+                                 f"{getattr(self, name)}")
+        if self.params_dtype not in DTYPE_NAMES:
+            raise ValueError(f"params_dtype must be one of {', '.join(DTYPE_NAMES)}, got "
+                             f"{self.params_dtype!r}")
 
     @property
     def head_dim(self) -> int:
@@ -99,15 +108,18 @@ class ParallelConfig:
     """--local_rank from a launcher; None means read LOCAL_RANK from the environment."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        _positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                         ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+                         ("world_size", "world size")))
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ValueError(
-                f"world size ({self.world_size}) is not divisible by tensor_model_parallel_size "
-                f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
-                f"({self.pipeline_model_parallel_size})")
+                f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size "
+                f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+                f"({self.pipeline_model_parallel_size}); launch a multiple of their product")
+        if self.distributed_backend not in ("gloo", "nccl"):
+            raise ValueError(f"--distributed-backend must be gloo or nccl, got "
+                             f"{self.distributed_backend!r}")
 
     @property
     def data_parallel_size(self) -> int:
@@ -139,14 +151,20 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in ("constant", "linear", "cosine", "exponential"):
-            raise ValueError(f"lr_decay_style must be constant, linear, cosine or exponential, "
-                             f"got {self.lr_decay_style!r}")
-        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+            raise ValueError(f"lr_decay_style (--lr-decay-style) must be constant, linear, cosine "
+                             f"or exponential, got {self.lr_decay_style!r}")
+        if self.lr < 0 or not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr})")
         if self.lr_warmup_iters < 0:
-            raise ValueError(f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_decay_iters is not None:
+            if self.lr_decay_iters <= 0:
+                raise ValueError(f"--lr-decay-iters must be positive, got {self.lr_decay_iters}")
+            if self.lr_warmup_iters > self.lr_decay_iters:
+                raise ValueError(f"warmup iterations ({self.lr_warmup_iters}) exceed "
+                                 f"--lr-decay-iters ({self.lr_decay_iters}); shorten the warmup")
         if self.clip_grad < 0:
-            raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("--override-opt_param-scheduler and "
                              "--use-checkpoint-opt_param-scheduler are mutually exclusive")
@@ -170,6 +188,11 @@ class PrecisionConfig:
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
 
+    @property
+    def params_dtype(self) -> str:
+        """Model weight dtype this precision implies: float16, bfloat16 or float32."""
+        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
 
 @dataclass
 class DataConfig:
@@ -187,6 +210,11 @@ class DataConfig:
     eod_mask_loss: bool = False
     num_workers: int = 2
     """torch DataLoader worker processes."""
+
+    def __post_init__(self) -> None:
+        split_weights(self.split)
+        if self.num_workers < 0:
+            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
 
 
 @dataclass
@@ -208,20 +236,23 @@ class TrainingConfig:
     """Peak FLOP/s per rank used for MFU; None means measured/looked up at start."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
-                     "eval_interval"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        _positive(self, (("micro_batch_size", "--micro-batch-size"),
+                         ("global_batch_size", "--global-batch-size"),
+                         ("train_iters", "--train-iters"), ("log_interval", "--log-interval"),
+                         ("eval_interval", "--eval-interval")))
+        _positive(self, (("exit_interval", "--exit-interval"),
+                         ("exit_duration_in_mins", "--exit-duration-in-mins"),
+                         ("peak_flops", "--peak-flops")), allow_none=True)
         if self.eval_iters < 0:
-            raise ValueError(f"eval_iters must be >= 0, got {self.eval_iters}")
+            raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
 
     def num_micro_batches(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per iteration: global / (micro x DP), validated exactly."""
         per_step = self.micro_batch_size * data_parallel_size
         if self.global_batch_size % per_step:
             raise ValueError(
-                f"global_batch_size ({self.global_batch_size}) is not divisible by "
-                f"micro_batch_size ({self.micro_batch_size}) x data-parallel size "
+                f"--global-batch-size ({self.global_batch_size}) is not divisible by "
+                f"--micro-batch-size ({self.micro_batch_size}) x data-parallel size "
                 f"({data_parallel_size})")
         return self.global_batch_size // per_step
 
@@ -242,6 +273,9 @@ class CheckpointConfig:
     """After each committed save, delete all but the newest N iter_ directories; None keeps all."""
 
     def __post_init__(self) -> None:
+        _positive(self, (("save_interval", "--save-interval"),), allow_none=True)
+        if self.finetune and not self.load:
+            raise ValueError("--finetune needs --load <checkpoint dir>")
         if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
             raise ValueError(f"--keep-last-n-checkpoints must be at least 1, got "
                              f"{self.keep_last_n_checkpoints} (leave it out to keep every checkpoint)")
@@ -253,24 +287,17 @@ class DeepSpeedConfig:
 
     enabled: bool = False
     config_path: Optional[str] = None
+    config: Optional[Dict[str, Any]] = None
+    """The JSON at config_path, read once and reconciled with the command line
+    (app.training.ds_config.reconcile_ds_config); what deepspeed.initialize receives."""
     activation_checkpointing: bool = False
     """--deepspeed-activation-checkpointing: use deepspeed.checkpointing instead of ours."""
     mpi: bool = False
     """--deepspeed_mpi: discover ranks through mpi4py."""
 
-
-@dataclass
-class LaunchConfig:
-    """What start-up needs before the world size and the tokenizer are known."""
-
-    distributed_backend: Optional[str]
-    """gloo | nccl; None picks nccl with CUDA, else gloo."""
-    deepspeed_mpi: bool
-    tokenizer_type: str
-    vocab_file: Optional[str]
-    merge_file: Optional[str]
-    make_vocab_size_divisible_by: int
-    tensor_model_parallel_size: int
+    def __post_init__(self) -> None:
+        if self.enabled and not self.config_path:
+            raise ValueError("--deepspeed needs --deepspeed_config <path to JSON> (see ds_configs/)")
 
 
 @dataclass
@@ -289,51 +316,65 @@ class RunConfig:
     """Tokenizer vocabulary before padding (recorded in checkpoints)."""
     make_vocab_size_divisible_by: int = 128
 
+    def __post_init__(self) -> None:
+        m, p, t = self.model, self.parallel, self.training
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if self.make_vocab_size_divisible_by <= 0:
+            raise ValueError(f"--make-vocab-size-divisible-by must be positive, got "
+                             f"{self.make_vocab_size_divisible_by}")
+        if self.raw_vocab_size > m.padded_vocab_size:
+            raise ValueError(f"need vocab size ({self.raw_vocab_size}) <= padded vocab size "
+                             f"({m.padded_vocab_size})")
+        for what, value in (("--num-attention-heads", m.num_attention_heads),
+                            ("--ffn-hidden-size", m.ffn_hidden_size),
+                            ("padded vocab size", m.padded_vocab_size)):
+            _divisible(what, value, "--tensor-model-parallel-size", tp)
+        _divisible("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp)
+        t.num_micro_batches(p.data_parallel_size)
+        if self.deepspeed.enabled and pp > 1:
+            raise ValueError(f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
+                             "--deepspeed yet; use the native path or "
+                             "--pipeline-model-parallel-size 1")
+        if (self.precision.fp16 or self.precision.bf16) and not self.deepspeed.enabled:
+            raise ValueError(
+                "--fp16/--bf16 need --deepspeed for now: the native path trains in fp32 (its "
+                "mixed-precision optimizer wrapper is not built yet); drop the flag, or add "
+                "--deepspeed --deepspeed_config ds_configs/zero2_fp16.json (or zero2_bf16.json)")
+        if m.params_dtype != self.precision.params_dtype:
+            raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
+                             f"(which imply {self.precision.params_dtype})")
 
-def validate_configs(cfg: RunConfig) -> None:
-    """Check every rule that spans two configs; each message names the values involved."""
-    m, p, t = cfg.model, cfg.parallel, cfg.training
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    divisibility = (("num_attention_heads", m.num_attention_heads, "tensor_model_parallel_size", tp),
-                    ("ffn_hidden_size", m.ffn_hidden_size, "tensor_model_parallel_size", tp),
-                    ("padded vocab size", m.padded_vocab_size, "tensor_model_parallel_size", tp),
-                    ("num_layers", m.num_layers, "pipeline_model_parallel_size", pp))
-    for name, value, divisor_name, divisor in divisibility:
-        if value % divisor:
-            raise ValueError(f"{name} ({value}) is not divisible by {divisor_name} ({divisor})")
-    t.num_micro_batches(p.data_parallel_size)
-    if cfg.deepspeed.enabled and pp > 1:
-        raise ValueError(f"pipeline_model_parallel_size ({pp}) > 1 is not supported with "
-                         "--deepspeed yet; use the native path or --pipeline-model-parallel-size 1")
-    if cfg.deepspeed.enabled and not cfg.deepspeed.config_path:
-        raise ValueError("--deepspeed needs --deepspeed_config <path to JSON>")
-    if cfg.precision.fp16 and m.params_dtype != "float16":
-        m.params_dtype = "float16"
-    if cfg.precision.bf16 and m.params_dtype != "bfloat16":
-        m.params_dtype = "bfloat16"
-    ck = cfg.checkpoint
-    if ck.save_interval is not None and ck.save_interval <= 0:
-        raise ValueError(f"--save-interval must be positive, got {ck.save_interval}")
+
+def _positive(config: Any, fields: Tuple[Tuple[str, str], ...], allow_none: bool = False) -> None:
+    """Raise naming the flag when a field is not positive (None passes when allow_none)."""
+    for name, flag in fields:
+        value = getattr(config, name)
+        if value is None and allow_none:
+            continue
+        if value is None or value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
 
 
-def model_flops_per_token(m: ModelConfig) -> float:
-    """Megatron model FLOPs per token (fwd+bwd, no recompute): 72 L h^2 (1 + s/(6h) + V/(12 L h)).
+def _divisible(what: str, value: int, by: str, divisor: int) -> None:
+    if value % divisor:
+        raise ValueError(f"{what} ({value}) is not divisible by {by} ({divisor})")
 
-    This is the formula of Narayanan et al. 2021 divided by B*s; it assumes ffn = 4h.
-    """
-    L, h, s, V = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
-    return 72.0 * L * h * h * (1.0 + s / (6.0 * h) + V / (12.0 * L * h))
+
 
 
 def split_weights(splits: str) -> Tuple[float, float, float]:
     """'969,30,1' -> normalised (train, valid, test) fractions; '90/5/5' also accepted."""
     sep = "," if "," in splits else "/"
-    parts = [float(x) for x in splits.split(sep) if x.strip()]
+    try:
+        parts = [float(x) for x in splits.split(sep) if x.strip()]
+    except ValueError:
+        parts = []
     if not parts or len(parts) > 3 or any(x < 0 for x in parts) or not math.isfinite(sum(parts)):
-        raise ValueError(f"--split {splits!r} must be up to three non-negative numbers, e.g. 969,30,1")
+        raise ValueError(f"--split {splits!r} is invalid: give up to three non-negative "
+                         "weights, e.g. 969,30,1")
     while len(parts) < 3:
         parts.append(0.0)
     total = sum(parts)
     if total <= 0:
-        raise ValueError(f"--split {splits!r} sums to zero")
+        raise ValueError(f"--split {splits!r} sums to zero; give at least one positive weight")
     return tuple(x / total for x in parts)  # type: ignore[return-value]

@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import struct
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from app.data import MMapIndexedDataset, build_train_valid_test_datasets  # noqa: E402
-from app.data.index_builder import (build_doc_idx, build_sample_idx, build_shuffle_idx,  # noqa: E402
+from app.data import MMapIndexedDataset, build_train_valid_test_datasets
+from app.data.index_builder import (build_doc_idx, build_sample_idx, build_shuffle_idx,
                                     compute_num_epochs)
 
 

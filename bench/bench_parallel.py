@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any, Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 RAW_VOCAB = 50257
 MODEL = ["--num-layers", "6", "--hidden-size", "384", "--num-attention-heads", "6",
@@ -36,13 +33,18 @@ MODEL = ["--num-layers", "6", "--hidden-size", "384", "--num-attention-heads", "
 
 def measure(argv: List[str], steps: int, warmup: int, threads: int) -> Dict[str, Any]:
     """On every rank: build the run from `argv`, time `steps` train steps after `warmup`."""
-    from app.testing.synthetic import build_run
+    import torch.distributed as dist
+
+    import arguments
+    from app.testing.synthetic import build_synthetic_run
     from common import keep_freed_memory
 
     keep_freed_memory()
     torch.set_num_threads(threads)
     global_batch = int(argv[argv.index("--global-batch-size") + 1])
-    run_ = build_run(argv, RAW_VOCAB, global_batch * (steps + warmup))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = arguments.config_from_argv(argv, world, RAW_VOCAB)
+    run_ = build_synthetic_run(cfg, global_batch * (steps + warmup))
     cfg, ps, model, engine = run_["cfg"], run_["ps"], run_["model"], run_["engine"]
     trainer, iterator, t = run_["trainer"], run_["iterator"], run_["cfg"].training
     times = []

@@ -24,12 +24,11 @@ import time
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from app.data.tokenizer import train_gpt2_bpe  # noqa: E402
-from tools.build_stdlib_corpus import build_corpus  # noqa: E402
+from app.data.tokenizer import train_gpt2_bpe
+from tools.build_stdlib_corpus import build_corpus
 
 
 def reference_loop(corpus: str, vocab: str, merges: str, out_path: str, batch: int = 64):

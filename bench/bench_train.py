@@ -4,7 +4,7 @@ One process, fp32, dropout 0, the same shapes, data and optimizer (AdamW, decay 
 and LayerNorm, torch's fused implementation where supported) for every implementation. A step is
 forward + loss + backward + optimizer step (+ LR schedule for ours). Steps are interleaved across
 implementations (and the order rotated every step) so that load from other processes on the
-machine affects all of them alike. MFU = model FLOP/s (app.config.model_flops_per_token) over
+machine affects all of them alike. MFU = model FLOP/s (app.training.flops.model_flops_per_token) over
 this machine's measured fp32 matmul peak.
 
     python bench/bench_train.py                 # 3 warm-up + 10 timed steps each
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import resource
-import sys
 import time
 from typing import Callable, Dict, List
 
@@ -24,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.config import ModelConfig, OptimizerConfig, model_flops_per_token  # noqa: E402
-from app.model import GPT2Model  # noqa: E402
-from app.optim import OptimizerParamScheduler, build_optimizer  # noqa: E402
-from bench.common import (format_table, keep_freed_memory, measure_matmul_peak,  # noqa: E402
+from app.config import ModelConfig, OptimizerConfig
+from app.training.flops import model_flops_per_token
+from app.model import GPT2Model
+from app.optim import OptimizerParamScheduler, build_optimizer
+from common import (format_table, keep_freed_memory, measure_matmul_peak,
                           summarize)
 
 OPT = OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_decay_style="cosine", lr_decay_iters=1000,

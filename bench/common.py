@@ -2,7 +2,7 @@
 
 MFU in our benchmarks is always "model FLOPs per second / measured peak of the same dtype on
 this machine" (performance-anchors.md section 8.1: MFU_measured), with model FLOPs per token
-from `app.config.model_flops_per_token`.
+from `app.training.flops.model_flops_per_token`.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 
 from app.training.distributed import keep_freed_memory  # noqa: F401  (re-exported for the benches)
+from app.training.flops import matmul_flops_by_size
 
 
 @dataclass
@@ -34,25 +35,9 @@ def synchronize(device: torch.device) -> None:
 def measure_matmul_peak(sizes: Sequence[int] = (512, 1024, 1536, 2048), repeats: int = 10,
                         dtype: torch.dtype = torch.float32,
                         device: torch.device = torch.device("cpu")) -> PeakResult:
-    """max over n of 2 n^3 / t for an n x n @ n x n matmul, best of `repeats` timings per n.
-
-    Best-of timing makes the estimate robust to other processes on a shared machine: a peak can
-    only be underestimated, never overestimated.
-    """
-    by_n: Dict[int, float] = {}
-    for n in sizes:
-        a = torch.randn(n, n, dtype=dtype, device=device)
-        b = torch.randn(n, n, dtype=dtype, device=device)
-        out = torch.empty(n, n, dtype=dtype, device=device)
-        torch.matmul(a, b, out=out)  # warm-up (allocations, kernel selection)
-        synchronize(device)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.matmul(a, b, out=out)
-            synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        by_n[n] = 2.0 * n ** 3 / best
+    """max over n of 2 n^3 / t for an n x n @ n x n matmul, best of `repeats` timings per n
+    (app.training.flops.matmul_flops_by_size, the measurement training uses too)."""
+    by_n = matmul_flops_by_size(device, dtype, sizes, repeats)
     best_n = max(by_n, key=by_n.get)
     return PeakResult(flops=by_n[best_n], best_n=best_n, by_n=by_n)
 

@@ -17,6 +17,8 @@ import sys
 import sysconfig
 from typing import Dict, Iterator, List, Optional
 
+from app.utils.fileio import atomic_open
+
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -32,8 +34,7 @@ def stdlib_python_files(root: str) -> Iterator[str]:
 def build_corpus(root: str, output: str, max_bytes: Optional[int] = None) -> Dict[str, int]:
     """Write the corpus of `root` to `output` (atomically); return counts (files, bytes, skipped)."""
     counts = {"files": 0, "bytes": 0, "skipped_non_utf8": 0}
-    tmp = output + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as out:
+    with atomic_open(output, "w", encoding="utf-8") as out:
         for rel in stdlib_python_files(root):
             with open(os.path.join(root, rel), "rb") as f:
                 raw = f.read()
@@ -47,7 +48,6 @@ def build_corpus(root: str, output: str, max_bytes: Optional[int] = None) -> Dic
             out.write(json.dumps({"content": content, "path": rel.replace(os.sep, "/")}) + "\n")
             counts["files"] += 1
             counts["bytes"] += len(raw)
-    os.replace(tmp, output)
     return counts
 
 

@@ -16,11 +16,10 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from app.training import checkpoint as ckpt  # noqa: E402
+from app.training import checkpoint as ckpt
 
 
 def _tag(input_dir: str, tag: str = None) -> str:

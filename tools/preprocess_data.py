@@ -27,15 +27,14 @@ from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # --workers N means N cores
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype,  # noqa: E402
+from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype,
                                       data_file_path, index_file_path)
-from app.data.sentences import (SentenceSplitter, load_punkt_params,  # noqa: E402
+from app.data.sentences import (SentenceSplitter, load_punkt_params,
                                 save_punkt_params, train_punkt)
-from app.data.tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer  # noqa: E402
+from app.data.tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer
 
 Line = Tuple[int, bytes]  # (1-based line number, raw line)
 

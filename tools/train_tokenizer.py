@@ -16,9 +16,8 @@ import os
 import sys
 from typing import Iterator, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.data.tokenizer import build_tokenizer, train_gpt2_bpe  # noqa: E402
+from app.data.tokenizer import build_tokenizer, train_gpt2_bpe
 
 
 def iter_texts(paths: List[str], json_keys: List[str]) -> Iterator[str]:

@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from app.utils.fileio import atomic_write
+
 from app.config import split_weights
 from app.data.blendable_dataset import BlendableDataset
 from app.data.index_builder import INDEX_VERSION, build_indices, split_document_ranges
@@ -60,13 +62,6 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: str, write: Callable) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
-
-
 def check_token_ids(indexed: MMapIndexedDataset, vocab_size: int, cache_dir: str) -> None:
     """Raise ValueError if any token id of `indexed` is < 0 or >= vocab_size.
 
@@ -83,7 +78,8 @@ def check_token_ids(indexed: MMapIndexedDataset, vocab_size: int, cache_dir: str
     except (OSError, ValueError):
         lo, hi = indexed.token_id_range()
         try:
-            _atomic_write(cache_file, lambda f: f.write(json.dumps([lo, hi]).encode()))
+            os.makedirs(cache_dir, exist_ok=True)
+            atomic_write(cache_file, lambda f: f.write(json.dumps([lo, hi]).encode()))
         except OSError as err:
             logger.warning("could not cache token range in %s: %s", cache_file, err)
     if hi >= vocab_size or lo < 0:
@@ -140,9 +136,9 @@ class GPTDataset:
                                desc["seed"])
         elapsed = time.perf_counter() - t0
         for kind, arr in zip(INDEX_KINDS, arrays):
-            _atomic_write(self.cache_files[kind], lambda f, a=arr: np.save(f, a, allow_pickle=False))
+            atomic_write(self.cache_files[kind], lambda f, a=arr: np.save(f, a, allow_pickle=False))
         desc = dict(desc, build_seconds=round(elapsed, 3), samples=int(arrays[2].size))
-        _atomic_write(self.description_file,  # written last: marks the set complete
+        atomic_write(self.description_file,  # written last: marks the set complete
                       lambda f: f.write(json.dumps(desc, indent=1, sort_keys=True).encode()))
         logger.info("built %s indices for %s: %d samples in %.2f s -> %s", self.name,
                     desc["dataset"], arrays[2].size, elapsed, self.description_file)

@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from app.utils.fileio import atomic_open, tmp_path
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
@@ -65,7 +67,7 @@ class DatasetFormatError(ValueError):
 class MMapIndexedDatasetBuilder:
     """Writes `.bin` while sequences are added and the `.idx` at `finalize(idx_path)`.
 
-    Data goes to `bin_path + ".tmp"` first; `finalize` writes the index to a temporary name and
+    Data goes to a temporary `<bin_path>.tmp.<pid>` first; `finalize` writes the index to a temporary name and
     renames both into place, the `.idx` last, so an interrupted run never leaves a valid-looking pair.
     """
 
@@ -73,7 +75,7 @@ class MMapIndexedDatasetBuilder:
         self.bin_path = bin_path
         self.dtype = np.dtype(dtype)
         self._code = dtype_code(self.dtype)
-        self._tmp_bin = bin_path + ".tmp"
+        self._tmp_bin = tmp_path(bin_path)
         self._file = open(self._tmp_bin, "wb")
         self._lengths: List[np.ndarray] = []
         self._doc_starts: List[np.ndarray] = [np.zeros(1, dtype=np.int64)]
@@ -112,15 +114,13 @@ class MMapIndexedDatasetBuilder:
         pointers = np.zeros(lengths.size, dtype=np.int64)
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize
-        tmp_idx = idx_path + ".tmp"
-        with open(tmp_idx, "wb") as f:
+        with atomic_open(idx_path, "wb",  # the .bin is moved into place just before the .idx
+                         before_replace=lambda: os.replace(self._tmp_bin, self.bin_path)) as f:
             f.write(MAGIC)
             f.write(struct.pack("<QBQQ", VERSION, self._code, lengths.size, doc_idx.size))
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(doc_idx.astype("<i8").tobytes())
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, idx_path)
 
     def abort(self) -> None:
         """Close and delete the temporary output (nothing is left behind)."""

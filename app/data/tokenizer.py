@@ -85,10 +85,7 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,
         raise ValueError(f"make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) and "
                          f"tensor_model_parallel_size ({tensor_model_parallel_size}) must be positive")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    padded = -(-vocab_size // multiple) * multiple
-    logger.info("padded vocab (size: %d) with %d dummy tokens (new size: %d)",
-                vocab_size, padded - vocab_size, padded)
-    return padded
+    return -(-vocab_size // multiple) * multiple
 
 
 def train_gpt2_bpe(texts: Iterable[str], vocab_size: int, output_dir: str,

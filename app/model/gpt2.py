@@ -30,8 +30,8 @@ from app.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParalle
 from app.mpu.mappings import copy_to_tensor_model_parallel_region
 from app.mpu.parallel_state import ParallelState, get_parallel_state
 from app.mpu.utils import divide
+from app.utils.dtypes import torch_dtype
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -107,7 +107,7 @@ class Embedding(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit) -> None:
         super().__init__()
-        dtype = _DTYPES[config.params_dtype]
+        dtype = torch_dtype(config.params_dtype)
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, init_method=init.normal(WORD_EMBEDDINGS),
             parallel_state=parallel_state, params_dtype=dtype)
@@ -143,7 +143,7 @@ class ParallelAttention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout_p = config.attention_dropout
         self.masked_softmax_fusion = config.masked_softmax_fusion
-        dtype = _DTYPES[config.params_dtype]
+        dtype = torch_dtype(config.params_dtype)
         h = config.hidden_size
         self.query_key_value = ColumnParallelLinear(
             h, 3 * h, gather_output=False,
@@ -199,7 +199,7 @@ class ParallelMLP(nn.Module):
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  prefix: str) -> None:
         super().__init__()
-        dtype = _DTYPES[config.params_dtype]
+        dtype = torch_dtype(config.params_dtype)
         self.openai_gelu = config.openai_gelu
         # The bias goes to the fused bias+GeLU kernel when one is registered; otherwise it stays
         # inside the GEMM (addmm), which is cheaper than a separate add.
@@ -230,7 +230,7 @@ class ParallelTransformerLayer(nn.Module):
                  layer_number: int) -> None:
         super().__init__()
         prefix = f"language_model.transformer.layers.{layer_number}"
-        dtype = _DTYPES[config.params_dtype]
+        dtype = torch_dtype(config.params_dtype)
         self.layer_number = layer_number
         self.dropout_p = config.hidden_dropout
         self.input_layernorm = _layer_norm(config, dtype)
@@ -265,7 +265,7 @@ class ParallelTransformer(nn.Module):
         self.checkpoint_activations = config.checkpoint_activations
         self.checkpoint_num_layers = config.checkpoint_num_layers
         if post_process:
-            self.final_layernorm = _layer_norm(config, _DTYPES[config.params_dtype])
+            self.final_layernorm = _layer_norm(config, torch_dtype(config.params_dtype))
         else:
             self.final_layernorm = None
 
@@ -343,7 +343,7 @@ class GPT2Model(nn.Module):
             self.word_embeddings = VocabParallelEmbedding(
                 config.padded_vocab_size, config.hidden_size,
                 init_method=init.normal(WORD_EMBEDDINGS), parallel_state=self.parallel_state,
-                params_dtype=_DTYPES[config.params_dtype])
+                params_dtype=torch_dtype(config.params_dtype))
             self.word_embeddings.weight.shared = True
         self.input_tensor: Optional[torch.Tensor] = None
 

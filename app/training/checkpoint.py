@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 from app.config import RunConfig
+from app.utils.dtypes import torch_dtype
+from app.utils.fileio import atomic_write_bytes, fsync_dir, tmp_path, write_durably
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -196,7 +198,7 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, openai_gelu=m.openai_gelu,
         bias_gelu_fusion=m.bias_gelu_fusion, masked_softmax_fusion=m.masked_softmax_fusion,
-        params_dtype=getattr(torch, m.params_dtype), fp16=cfg.precision.fp16,
+        params_dtype=torch_dtype(m.params_dtype), fp16=cfg.precision.fp16,
         bf16=cfg.precision.bf16,
         position_embedding_type="learned_absolute", add_position_embedding=True,
         normalization="LayerNorm", add_bias_linear=True, swiglu=False,
@@ -294,27 +296,6 @@ def build_checkpoint_dict(iteration: Iteration, model_flat_state: Dict[str, Any]
 
 # ---------------------------------------------------------------------------- writing
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: str, write: Callable[[Any], None]) -> None:
-    """Call write(f) on a fresh file at `path`, flush and fsync it."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -332,10 +313,8 @@ def _read_checksums(sidecar: str) -> List[str]:
 
 
 def _write_checksums(sidecar: str, digests: List[str]) -> None:
-    tmp = f"{sidecar}.tmp.{os.getpid()}"
     text = "".join(f"{d}  {MODEL_FILENAME}\n" for d in digests).encode("ascii")
-    _write_durably(tmp, lambda f: f.write(text))
-    os.replace(tmp, sidecar)
+    atomic_write_bytes(sidecar, text, durable=True)
 
 
 def _write_rank_file(ckpt_dict: Dict[str, Any], path: str) -> None:
@@ -346,8 +325,8 @@ def _write_rank_file(ckpt_dict: Dict[str, Any], path: str) -> None:
     """
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    _write_durably(tmp, lambda f: torch.save(ckpt_dict, f))
+    tmp = tmp_path(path)
+    write_durably(tmp, lambda f: torch.save(ckpt_dict, f))
     _hook("rank_tmp_written")
     digest, sidecar = _sha256_file(tmp), path + CHECKSUM_SUFFIX
     old = _read_checksums(sidecar) if os.path.exists(path) else []
@@ -356,18 +335,14 @@ def _write_rank_file(ckpt_dict: Dict[str, Any], path: str) -> None:
     os.replace(tmp, path)
     if old:
         _write_checksums(sidecar, [digest])
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _hook("rank_file_committed")
 
 
 def write_tracker(save_dir: str, iteration: Iteration) -> None:
     """Atomically replace the tracker with `iteration` (tmp file + fsync + os.replace)."""
-    path = tracker_path(save_dir)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    _write_durably(tmp, lambda f: f.write(str(iteration).encode("ascii")))
-    _hook("tracker_tmp_written")
-    os.replace(tmp, path)
-    _fsync_dir(save_dir)
+    atomic_write_bytes(tracker_path(save_dir), str(iteration).encode("ascii"), durable=True,
+                       before_replace=lambda: _hook("tracker_tmp_written"))
 
 
 def rotate_checkpoints(save_dir: str, keep_last_n: int, current: int) -> List[int]:

@@ -11,6 +11,7 @@ turns into a real update only at the gradient-accumulation boundary; `step` then
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any, Dict, Optional
@@ -21,7 +22,10 @@ from app.config import RunConfig
 from app.mpu import collectives
 from app.training import ds_config
 from app.training.distributed import world_group
-from app.training.engine import Engine, LoadResult, StepResult, optimizer_state_bytes, tensor_bytes
+from app.training.engine import Engine, StepResult, optimizer_state_bytes, tensor_bytes
+from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
+
+logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -48,18 +52,19 @@ class DeepSpeedEngineAdapter(Engine):
     """Engine implemented by a `deepspeed.DeepSpeedEngine` (ZeRO-1/2, offload, fp16/bf16)."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any, parallel_state: Any, log: Any = print,
-                 explicit_flags: Any = ()) -> None:
+                 lr_scheduler: Any, parallel_state: Any) -> None:
+        """`cfg.deepspeed.config` is the reconciled JSON; the process group (ensure_distributed)
+        must exist already."""
         import deepspeed
-        self.cfg, self.ps, self.log = cfg, parallel_state, log
-        path = cfg.deepspeed.config_path
-        ds = ds_config.reconcile_ds_config(ds_config.load_ds_json(path), cfg, path, explicit_flags)
-        self.ds_json = ds
+        self.cfg, self.ps = cfg, parallel_state
+        ds, path = cfg.deepspeed.config, cfg.deepspeed.config_path
+        if ds is None:
+            raise ValueError("the DeepSpeed engine needs cfg.deepspeed.config (the reconciled "
+                             "JSON that arguments.build_run_config reads)")
         if cfg.checkpoint.no_save_optim:
             raise ValueError("--no-save-optim is not available with --deepspeed: DeepSpeed always "
                              "writes the (ZeRO-partitioned) optimizer states; drop the flag, or "
                              "convert to weights only with tools/convert_deepspeed_to_megatron.py")
-        ensure_distributed(cfg.parallel.distributed_backend)
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
             from app.optim import OptimizerParamScheduler, get_param_groups
@@ -78,10 +83,10 @@ class DeepSpeedEngineAdapter(Engine):
         self.lr_scheduler = scheduler
         self._micro = 0
         self._lr_used = self._current_lr()
-        log(f"DeepSpeed engine: ZeRO stage {engine.zero_optimization_stage()}, "
-            f"gradient accumulation {engine.gradient_accumulation_steps()}, "
-            f"micro-batch {engine.train_micro_batch_size_per_gpu()}, "
-            f"dtype {next(model.parameters()).dtype}")
+        logger.info("DeepSpeed engine: ZeRO stage %s, gradient accumulation %s, micro-batch %s, "
+                    "dtype %s", engine.zero_optimization_stage(),
+                    engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu(),
+                    next(model.parameters()).dtype)
 
     def zero_grad(self) -> None:
         self._micro = 0  # DeepSpeed clears gradients itself after each boundary step
@@ -141,7 +146,7 @@ class DeepSpeedEngineAdapter(Engine):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
-        from app.mpu.random import load_rng_state_dict, rng_state_dict
+        from app.mpu.random import rng_state_dict
         from app.training import checkpoint as ckpt
         tag = f"iter_{iteration:07d}"
         state = dict(client_state)
@@ -162,42 +167,30 @@ class DeepSpeedEngineAdapter(Engine):
         collectives.barrier(world_group())
         return os.path.join(save_dir, tag)
 
-    def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
-        from app.mpu.random import load_rng_state_dict, rng_state_dict
+    def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
+        """engine.load_checkpoint of the plan's tag: the module always, optimizer and LR-scheduler
+        states when the plan says so; our client state carries the position, args and RNG."""
         from app.training import checkpoint as ckpt
-        c = self.cfg.checkpoint
-        iteration = ckpt.read_tracker(load_dir)
-        if iteration is None:
-            return None
-        tag = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-        module_only = c.finetune or iteration == "release"
+        tag = "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}"
         where = os.path.join(load_dir, tag)
         try:
             path, client = self.ds.load_checkpoint(
-                load_dir, tag=tag, load_optimizer_states=not (c.no_load_optim or module_only),
-                load_lr_scheduler_states=not (c.no_load_optim or module_only),
-                load_module_only=module_only)
+                load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,
+                load_lr_scheduler_states=plan.load_optimizer,
+                load_module_only=plan.weights_only)
         except RuntimeError as exc:  # state-dict names or shapes that do not fit this model
             raise ckpt.CheckpointError(f"DeepSpeed checkpoint {where} does not fit this model: "
                                        f"{str(exc).splitlines()[0][:400]}") from exc
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed could not load {where}; is it a DeepSpeed "
                                        "checkpoint (mp_rank_XX_model_states.pt) of this model?")
-        if client.get("args") is not None:
-            ckpt.check_checkpoint_args(client["args"], ckpt.checkpoint_args_namespace(self.cfg, 0, 0, 0))
-        if module_only:
-            return LoadResult(0, 0, 0, path)
-        if c.no_load_optim:  # fresh optimizer, but the LR continues where the run was
-            from app.training.native_engine import _scheduler_steps
-            saved = client.get("scheduler_steps")
-            self.lr_scheduler.step(_scheduler_steps(saved, int(client["iteration"])))
-        if not c.no_load_rng:
-            if client.get("rng_state") is None:
-                raise ckpt.CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); "
-                                           "pass --no-load-rng to resume without it")
-            ckpt.apply_rng_state(client["rng_state"], load_rng_state_dict)
-        return LoadResult(int(client["iteration"]), int(client["consumed_train_samples"]),
-                          int(client["consumed_valid_samples"]), path)
+        client = client or {}
+        args = client.get("args")
+        if args is not None:
+            check_saved_args(plan, args, self.cfg, where)
+        return CheckpointContents(path=path, iteration=plan.iteration, args=args,
+                                  client_state=client, rng_state=client.get("rng_state"),
+                                  scheduler_state=client.get("scheduler_steps"))
 
 
 def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:
@@ -211,9 +204,7 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     """
     import deepspeed
     from app.mpu import random as mpu_random
-    ensure_distributed(cfg.parallel.distributed_backend)
-    path = cfg.deepspeed.config_path
-    ds = ds_config.reconcile_ds_config(ds_config.load_ds_json(path), cfg, path)
+    ds = cfg.deepspeed.config
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")
     chunks = cfg.model.num_layers // cfg.model.checkpoint_num_layers
     deepspeed.checkpointing.configure(parallel_state, deepspeed_config=ds,

@@ -63,31 +63,66 @@ def _discover_mpi() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
+def default_backend() -> str:
+    """nccl when CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_backend(backend: Optional[str]) -> str:
+    """The backend to use (None -> default_backend()); nccl without CUDA is refused."""
+    backend = backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--distributed-backend nccl needs CUDA GPUs, which are not available; "
+                         "use --distributed-backend gloo on CPU")
+    return backend
+
+
+_MPI_DISCOVERED = False
+
+
+@dataclass
+class WorldInfo:
+    """Where this process stands in the launched world (before any process group exists)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def discover_world(use_mpi: bool = False) -> WorldInfo:
+    """Rank, world size and local rank from the launcher's environment (env://), or from MPI
+    (with `use_mpi`, or when Open MPI's variables are set and RANK is not), which then exports
+    the same variables. A plain `python` run is rank 0 of a world of one."""
+    global _MPI_DISCOVERED
+    mpi = use_mpi or ("OMPI_COMM_WORLD_SIZE" in os.environ and "RANK" not in os.environ)
+    if mpi and not _MPI_DISCOVERED:
+        _discover_mpi()
+        _MPI_DISCOVERED = True
+    return WorldInfo(rank=int(os.environ.get("RANK", "0")),
+                     world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                     local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
                      timeout_minutes: float = 10.0) -> DistributedInfo:
     """Start the default process group if the launcher made a world of several ranks.
 
-    `backend` None picks nccl when CUDA is available, else gloo. Returns this rank's info; the
-    device is `cuda:LOCAL_RANK` on GPUs and the CPU otherwise.
+    `backend` None picks `default_backend()`. Returns this rank's info; the device is
+    `cuda:LOCAL_RANK` on GPUs and the CPU otherwise.
     """
-    if use_mpi or ("OMPI_COMM_WORLD_SIZE" in os.environ and "RANK" not in os.environ):
-        _discover_mpi()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = discover_world(use_mpi)
     use_cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if use_cuda else "gloo")
-    if backend == "nccl" and not use_cuda:
-        raise ValueError("--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on CPU")
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    backend = backend or default_backend()
+    device = torch.device(f"cuda:{world.local_rank}") if use_cuda else torch.device("cpu")
     if not use_cuda:
         keep_freed_memory()
     if use_cuda:
         torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+    if world.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
-    return DistributedInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return DistributedInfo(rank=world.rank, world_size=world.world_size,
+                           local_rank=world.local_rank, device=device)
 
 
 def world_group():

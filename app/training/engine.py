@@ -1,10 +1,12 @@
-"""The engine interface the training loop talks to, and the native (non-DeepSpeed) engine.
+"""The engine interface the training loop talks to, and helpers shared by the engines.
 
 The trainer drives one iteration as: `zero_grad()`, then for every micro-batch a forward pass
 and `backward(loss / num_micro_batches)`, then `step()` once. Everything that differs between
 the native path and DeepSpeed (gradient synchronisation, clipping, loss scaling, the optimizer
 and LR-schedule step, checkpoint files) lives behind this interface, so the loop never asks
-which engine it has. `app/training/deepspeed_engine.py` implements the same interface.
+which engine it has. `native_engine.NativeEngine` and `deepspeed_engine.DeepSpeedEngineAdapter`
+implement it; `app.training.run.build_engine` picks one. Loading follows one policy for both
+(`app.training.resume`); an engine only reads its own files.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from app.config import RunConfig
+from app.training.resume import (CheckpointContents, LoadResult, ResumePlan,
+                                 resume_from_checkpoint)
 
 
 @dataclass
@@ -29,16 +33,6 @@ class StepResult:
     loss_scale: Optional[float] = None
 
 
-@dataclass
-class LoadResult:
-    """State recovered from a checkpoint: where training resumes and the run's client state."""
-
-    iteration: int
-    consumed_train_samples: int
-    consumed_valid_samples: int
-    path: str
-
-
 class Engine(abc.ABC):
     """Backward, step and checkpoint I/O for one model replica, whatever implements them.
 
@@ -47,6 +41,7 @@ class Engine(abc.ABC):
     engine steps, so the LR it reports is the LR the update used.
     """
 
+    cfg: RunConfig
     module: torch.nn.Module
     optimizer: Any
     lr_scheduler: Any
@@ -68,9 +63,15 @@ class Engine(abc.ABC):
         """Write a checkpoint of `iteration` (all ranks call it); return the directory written."""
 
     @abc.abstractmethod
+    def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
+        """Read this engine's files of `plan.iteration` under `load_dir`: load the weights (after
+        checking the saved shape with `resume.check_saved_args`), and the optimizer and
+        LR-scheduler states when `plan.load_optimizer`; return what the policy needs."""
+
     def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
-        """Restore from the latest checkpoint under `load_dir`, honouring --no-load-optim,
-        --no-load-rng and --finetune; None (with a message) when the directory holds none."""
+        """Restore from the latest checkpoint under `load_dir` with the shared resume policy
+        (app.training.resume); None when the directory holds none."""
+        return resume_from_checkpoint(self, self.cfg.checkpoint, load_dir)
 
     def train(self) -> None:
         self.module.train()
@@ -115,22 +116,3 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 def grad_norm_is_finite(norm: Optional[float]) -> bool:
     """True when there is no norm to check or it is a finite number."""
     return norm is None or math.isfinite(norm)
-
-
-def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Any,
-                 log: Any = print, explicit_flags: Any = ()) -> Engine:
-    """The engine this run asks for: DeepSpeed's with --deepspeed, else the native one.
-
-    DeepSpeed is imported only when asked for, inside app.training.deepspeed_engine.
-    `explicit_flags` are the flags given on the command line (checked against the JSON).
-    """
-    from app.optim import OptimizerParamScheduler, build_optimizer
-
-    optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
-    if cfg.deepspeed.enabled:
-        from app.training.deepspeed_engine import DeepSpeedEngineAdapter
-        return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state, log=log,
-                                      explicit_flags=explicit_flags)
-    from app.training.native_engine import NativeEngine
-    return NativeEngine(cfg, model, optimizer, scheduler, parallel_state, log=log)

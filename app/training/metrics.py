@@ -3,13 +3,11 @@
 The trainer computes the numbers; this module formats and writes them. `MetricsWriter` sends
 the same values to TensorBoard (`--tensorboard-dir`, tags `{kind}/{name}`) and to
 `--metrics-file` (one JSON object per line with "kind", "iteration" and the values).
-MFU = achieved model FLOP/s per rank / peak FLOP/s per rank, with the model FLOPs from
-`app.config.model_flops_per_token` and the peak from `peak_flops` (a table for known GPUs, a
-short measured matmul peak otherwise).
+MFU = achieved model FLOP/s per rank / peak FLOP/s per rank, with the FLOP formulas and the
+peaks of `app.training.flops`.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -128,100 +126,11 @@ def model_flops_utilization(achieved_per_rank: float, peak_per_rank: float) -> f
     return achieved_per_rank / peak_per_rank
 
 
-# Dense peak FLOP/s per GPU by (name fragment, precision). First fragment match wins, so the
-# more specific names come first. fp32 means plain FP32; tf32 is used when torch allows TF32.
-_GPU_PEAKS: Tuple[Tuple[str, Dict[str, float]], ...] = (
-    ("H100 PCIe", {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378.0e12, "fp32": 51.2e12}),
-    ("H100 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60.0e12}),
-    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
-    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
-    ("A100", {"bf16": 312.0e12, "fp16": 312.0e12, "tf32": 156.0e12, "fp32": 19.5e12}),
-    ("A10G", {"bf16": 70.0e12, "fp16": 70.0e12, "tf32": 35.0e12, "fp32": 31.2e12}),
-    ("A10", {"bf16": 125.0e12, "fp16": 125.0e12, "tf32": 62.5e12, "fp32": 31.2e12}),
-    ("L4", {"bf16": 121.0e12, "fp16": 121.0e12, "tf32": 60.0e12, "fp32": 30.3e12}),
-    ("V100", {"fp16": 125.0e12, "fp32": 15.7e12}),
-)
-
-
-def _precision_key(dtype: torch.dtype, device_type: str) -> str:
-    if dtype == torch.bfloat16:
-        return "bf16"
-    if dtype == torch.float16:
-        return "fp16"
-    if device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "fp32"
-
-
-def gpu_peak_from_table(device_name: str, dtype: torch.dtype) -> Optional[Tuple[float, str]]:
-    """(peak FLOP/s, description) for a known GPU name and dtype, else None."""
-    key = _precision_key(dtype, "cuda")
-    for fragment, peaks in _GPU_PEAKS:
-        if fragment.lower() in device_name.lower() and key in peaks:
-            return peaks[key], f"{device_name} {key} dense peak (spec sheet)"
-    return None
-
-
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype,
-                        sizes: Tuple[int, ...] = (256, 512, 1024), repeats: int = 3) -> float:
-    """Best FLOP/s of n x n matmuls over `sizes` on `device` (a brief measurement)."""
-    best = 0.0
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        torch.matmul(a, b)  # warm-up
-        sync()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            sync()
-            seconds = time.perf_counter() - t0
-            if seconds > 0:
-                best = max(best, 2.0 * n ** 3 / seconds)
-    return best
-
-
-@functools.lru_cache(maxsize=None)
-def _peak_flops_cached(device_type: str, device_index: Optional[int],
-                       dtype: torch.dtype) -> Tuple[float, str]:
-    device = torch.device(device_type, device_index) if device_index is not None \
-        else torch.device(device_type)
-    if device_type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        known = gpu_peak_from_table(name, dtype)
-        if known is not None:
-            return known
-        label = name
-    else:
-        label = f"CPU ({torch.get_num_threads()} threads)"
-    value = measure_matmul_peak(device, dtype)
-    return value, f"measured {str(dtype).replace('torch.', '')} matmul peak on {label}"
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> Tuple[float, str]:
-    """(peak FLOP/s per rank, description) used for MFU; cached per device and dtype.
-
-    Known GPUs come from the spec-sheet table (H100/H200 SXM bf16 989.4e12, A100 312e12, ...);
-    other devices, the CPU included, get a brief measured n x n matmul peak.
-    """
-    device = torch.device(device)
-    return _peak_flops_cached(device.type, device.index, dtype)
-
-
 # ---------------------------------------------------------------------------- memory
 
-def _current_rss_bytes() -> Optional[int]:
-    try:
-        import psutil
-        return int(psutil.Process().memory_info().rss)
-    except Exception:  # noqa: BLE001 (psutil optional)
-        pass
-    try:
-        with open("/proc/self/statm", "r", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+def _current_rss_bytes() -> int:
+    import psutil  # a requirement; imported here because only the logging rank needs it
+    return int(psutil.Process().memory_info().rss)
 
 
 def memory_stats(device: Optional[torch.device] = None) -> Dict[str, float]:
@@ -232,9 +141,7 @@ def memory_stats(device: Optional[torch.device] = None) -> Dict[str, float]:
     """
     mb = 1024.0 * 1024.0
     stats: Dict[str, float] = {}
-    rss = _current_rss_bytes()
-    if rss is not None:
-        stats["mem_rss_mb"] = rss / mb
+    stats["mem_rss_mb"] = _current_rss_bytes() / mb
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
     stats["mem_peak_rss_mb"] = peak_kb / (mb if sys.platform == "darwin" else 1024.0)
     if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
@@ -281,8 +188,9 @@ def format_train_log(iteration: int, train_iters: int, values: Mapping[str, Any]
     for key, label, fmt in _LOG_FIELDS:
         if values.get(key) is not None:
             parts.append(f" {label}: {_fmt(fmt, values[key])}")
-    if values.get("mfu") is not None:
-        parts.append(f" MFU: {100.0 * float(values['mfu']):.2f}%")
+    for key, label in (("mfu", "MFU"), ("hfu", "HFU")):
+        if values.get(key) is not None:
+            parts.append(f" {label}: {100.0 * float(values[key]):.2f}%")
     if values.get("mem_rss_mb") is not None:
         parts.append(f" mem RSS/peak (MB): {values['mem_rss_mb']:.0f}/"
                      f"{values.get('mem_peak_rss_mb', float('nan')):.0f}")

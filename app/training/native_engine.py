@@ -8,30 +8,30 @@ the optimizer and advances the LR schedule.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
 from app.mpu.grads import allreduce_embedding_grads, allreduce_gradients, clip_grad_norm
-from app.mpu.random import load_rng_state_dict, rng_state_dict
+from app.mpu.random import rng_state_dict
 from app.training import checkpoint as ckpt
 from app.training.distributed import world_group
-from app.training.engine import Engine, LoadResult, StepResult, grad_norm_is_finite
+from app.training.engine import Engine, StepResult, grad_norm_is_finite
+from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
 
 
 class NativeEngine(Engine):
     """Engine for the native path: TP/PP/DP through app.mpu, fp32 weights and AdamW."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any, parallel_state: Any, log: Any = print) -> None:
+                 lr_scheduler: Any, parallel_state: Any) -> None:
         self.cfg = cfg
         self.module = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.ps = parallel_state
-        self.log = log
         self._params = [p for p in model.parameters() if p.requires_grad]
 
     def zero_grad(self) -> None:
@@ -100,58 +100,32 @@ class NativeEngine(Engine):
                                     is_tracker_writer=self.ps.rank == 0,
                                     keep_last_n=c.keep_last_n_checkpoints, **self._rank_kwargs())
 
-    def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
-        c = self.cfg.checkpoint
+    def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
+        """Read this rank's Megatron-layout file; load the weights and, when the plan says so,
+        the optimizer and LR-scheduler states."""
         state, iteration = ckpt.load_checkpoint_dict(
-            load_dir, tp_size=self.ps.tensor_model_parallel_size, **self._rank_kwargs())
-        if state is None:
-            return None
+            load_dir, iteration=plan.iteration, tp_size=self.ps.tensor_model_parallel_size,
+            **self._rank_kwargs())
         where = ckpt.checkpoint_dir(load_dir, iteration)
         ckpt.check_checkpoint_version(state, where)
-        release = iteration == "release"
-        if state.get("args") is None and not (release or c.finetune):
-            raise ckpt.CheckpointError(f"{where} has no 'args', so its model shape cannot be "
-                                       "checked; pass --finetune to load its weights only")
-        current = ckpt.checkpoint_args_namespace(self.cfg, 0, 0, 0)
-        ckpt.check_checkpoint_args(state.get("args"), current)
+        args = state.get("args")
+        check_saved_args(plan, args, self.cfg, where)
         try:
             self.module.load_state_dict(ckpt.from_megatron_model(state["model"]), strict=True)
         except RuntimeError as exc:  # names or shapes that do not match this model
             raise ckpt.CheckpointError(f"weights in {where} do not fit this model: "
                                        f"{str(exc).splitlines()[0][:400]}") from exc
-        if c.finetune or release:
-            why = "a release checkpoint" if release else "--finetune"
-            self.log(f"loaded weights from {where} ({why}): starting at iteration 0 with a "
-                     "fresh optimizer")
-            return LoadResult(0, 0, 0, where)
-        if c.no_load_optim:  # fresh Adam state, but the LR continues where the run was
-            self.lr_scheduler.step(_scheduler_steps(state.get("lr_scheduler"), int(iteration)))
-        else:
-            self._load_optimizer(state, load_dir)
-        if not c.no_load_rng:
-            if state.get("rng_state") is None:
+        if plan.load_optimizer:
+            if state.get("optimizer") is None or state.get("lr_scheduler") is None:
                 raise ckpt.CheckpointError(
-                    f"checkpoint in {load_dir} has no RNG state (saved with --no-save-rng); "
-                    "pass --no-load-rng to resume without it")
-            ckpt.apply_rng_state(state["rng_state"], load_rng_state_dict)
-        args = state["args"]
-        return LoadResult(int(iteration), int(getattr(args, "consumed_train_samples", 0)),
-                          int(getattr(args, "consumed_valid_samples", 0)), where)
-
-    def _load_optimizer(self, state: Dict[str, Any], load_dir: str) -> None:
-        if state.get("optimizer") is None or state.get("lr_scheduler") is None:
-            raise ckpt.CheckpointError(
-                f"checkpoint in {load_dir} has no optimizer state (saved with --no-save-optim); "
-                "pass --no-load-optim (or --finetune) to start the optimizer fresh")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-
-
-def _scheduler_steps(saved_scheduler: Optional[Dict[str, Any]], iteration: int) -> int:
-    """LR-schedule steps taken by a saved run: its scheduler's count when saved (skipped
-    iterations do not advance it), else the iteration."""
-    if saved_scheduler:
-        for key in ("num_steps", "num_iters"):
-            if saved_scheduler.get(key) is not None:
-                return int(saved_scheduler[key])
-    return iteration
+                    f"checkpoint in {load_dir} has no optimizer state (saved with "
+                    "--no-save-optim); pass --no-load-optim (or --finetune) to start the "
+                    "optimizer fresh")
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        position = {"iteration": iteration if iteration == "release" else int(iteration)}
+        for key in ("consumed_train_samples", "consumed_valid_samples"):
+            position[key] = int(getattr(args, key, 0) or 0)
+        return CheckpointContents(path=where, iteration=iteration, args=args,
+                                  client_state=position, rng_state=state.get("rng_state"),
+                                  scheduler_state=state.get("lr_scheduler"))

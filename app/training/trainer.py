@@ -7,19 +7,25 @@ so a resumed run continues exactly where it stopped.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from app.config import RunConfig, model_flops_per_token
+from app.config import RunConfig
 from app.mpu import collectives
+from app.training import flops
 from app.training import metrics as metrics_lib
 from app.training.distributed import world_group
 from app.training.data_loading import BatchBuilder, build_data_iterator
 from app.training.engine import Engine
+from app.utils.dtypes import torch_dtype
+from app.utils.rank_logging import LAST_RANK
+
+logger = logging.getLogger(__name__)
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -57,13 +63,12 @@ class Trainer:
     """Runs training for `cfg.training.train_iters` iterations on the given engine and datasets."""
 
     def __init__(self, cfg: RunConfig, engine: Engine, parallel_state: Any, datasets: tuple,
-                 eod: int, device: torch.device, log: Callable[[str], None] = print,
-                 state: Optional[RunState] = None) -> None:
+                 eod: int, device: torch.device, state: Optional[RunState] = None) -> None:
         self.cfg, self.engine, self.ps = cfg, engine, parallel_state
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.device = device
+        # Megatron's print_rank_last: the loss lives on the last pipeline stage
         self.is_logging_rank = parallel_state.rank == parallel_state.world_size - 1
-        self.log = log if self.is_logging_rank else (lambda *_: None)  # Megatron's print_rank_last
         self.state = state or RunState()
         t = cfg.training
         self.num_micro = t.num_micro_batches(parallel_state.data_parallel_size)
@@ -71,24 +76,47 @@ class Trainer:
                                     parallel_state, device)
         self.writer = metrics_lib.MetricsWriter(t.tensorboard_dir, t.metrics_file,
                                                 enabled=self.is_logging_rank)
-        self.flops_per_token = model_flops_per_token(cfg.model)
+        self.recompute = "full" if cfg.model.checkpoint_activations else "none"
+        self.flops_per_token = flops.model_flops_per_token(cfg.model)
+        self.hardware_flops_per_token = flops.hardware_flops_per_token(cfg.model, self.recompute)
         self.peak_flops = float("nan")
+        self._warned_over_peak = False
         if self.is_logging_rank:  # only the logging rank reports MFU; measuring takes a moment
             self.peak_flops, peak_desc = self._peak_flops()
             self.log(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s per rank ({peak_desc}); "
-                     f"model FLOPs per token {self.flops_per_token / 1e6:.2f} MFLOP")
+                     f"model FLOPs per token {self.flops_per_token / 1e6:.2f} MFLOP, hardware "
+                     f"{self.hardware_flops_per_token / 1e6:.2f} MFLOP (recompute: "
+                     f"{self.recompute})")
         self.start_time = time.time()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.timers = metrics_lib.Timers(synchronize=sync)
 
+    @staticmethod
+    def log(message: str) -> None:
+        """One line of the training log, printed by the last rank (see app.utils.rank_logging)."""
+        logger.info(message, extra=LAST_RANK)
+
     def _peak_flops(self):
-        if self.cfg.training.peak_flops:
-            return self.cfg.training.peak_flops, "--peak-flops"
-        dtype = {"float32": torch.float32, "float16": torch.float16,
-                 "bfloat16": torch.bfloat16}[self.cfg.model.params_dtype]
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # measuring must not move the seeded streams
-            return metrics_lib.peak_flops(self.device, dtype)
+        dtype = torch_dtype(self.cfg.model.params_dtype)
+        return flops.peak_flops(self.device, dtype, override=self.cfg.training.peak_flops)
+
+    def _utilization(self, tokens_per_s: float) -> Dict[str, float]:
+        """MFU (and HFU with recompute) of this interval; warns once if FLOP/s exceed the peak."""
+        world = self.ps.world_size
+        model = metrics_lib.achieved_flops_per_rank(tokens_per_s, self.flops_per_token, world)
+        hardware = metrics_lib.achieved_flops_per_rank(tokens_per_s,
+                                                       self.hardware_flops_per_token, world)
+        out = {"tflops_per_rank": model / 1e12,
+               "mfu": metrics_lib.model_flops_utilization(model, self.peak_flops)}
+        if self.recompute != "none":
+            out["hfu"] = metrics_lib.model_flops_utilization(hardware, self.peak_flops)
+        if hardware > self.peak_flops and not self._warned_over_peak:
+            self._warned_over_peak = True
+            logger.warning("achieved %.3f TFLOP/s per rank exceeds the peak used for MFU "
+                           "(%.3f TFLOP/s), so that peak is wrong: pass --peak-flops, or "
+                           "re-measure the CPU peak with tools/measure_peak_flops.py --force",
+                           hardware / 1e12, self.peak_flops / 1e12, extra=LAST_RANK)
+        return out
 
     # ------------------------------------------------------------------ one iteration
 
@@ -162,8 +190,6 @@ class Trainer:
         per_iter = acc.seconds / max(acc.iterations, 1)
         tokens_per_s = metrics_lib.tokens_per_second(t.global_batch_size,
                                                       self.cfg.model.seq_length, per_iter)
-        flops = metrics_lib.achieved_flops_per_rank(tokens_per_s, self.flops_per_token,
-                                                    self.ps.world_size)
         values = {
             "consumed_samples": s.consumed_train_samples, "lr": step["lr"],
             "lm_loss": sum(acc.losses) / len(acc.losses) if acc.losses else float("nan"),
@@ -172,8 +198,7 @@ class Trainer:
             "loss_scale": step["loss_scale"], "skipped_iterations": acc.skipped,
             "total_skipped_iterations": s.skipped_iterations,
             "ms_per_iteration": per_iter * 1e3, "tokens_per_s": tokens_per_s,
-            "tflops_per_rank": flops / 1e12,
-            "mfu": metrics_lib.model_flops_utilization(flops, self.peak_flops),
+            **self._utilization(tokens_per_s),
         }
         values.update(metrics_lib.memory_stats(self.device))
         timing = {f"ms_{name.replace('-', '_')}": self.timers.elapsed(name) * 1e3 / max(acc.iterations, 1)

@@ -25,8 +25,13 @@ def expected_lr(step: int) -> float:
 
 
 def _lr_trace(config_path):
-    from app.testing.synthetic import build_run
-    run = build_run(ARGV + ["--deepspeed_config", config_path], 64, 64)
+    import torch.distributed as dist
+
+    import arguments
+    from app.testing.synthetic import build_synthetic_run
+    cfg = arguments.config_from_argv(ARGV + ["--deepspeed_config", config_path],
+                                     dist.get_world_size(), 64)
+    run = build_synthetic_run(cfg, 64)
     engine, trainer = run["engine"], run["trainer"]
     stepped = engine.ds.optimizer  # the ZeRO optimizer DeepSpeed steps
     base = getattr(stepped, "optimizer", stepped)

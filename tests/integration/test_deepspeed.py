@@ -39,20 +39,19 @@ def native_dp2(tiny_corpus, tmp_path_factory):
     return train_curve(tmp / "m.jsonl")
 
 
-def test_zero1_dp2_through_deepspeed_launcher_matches_native(tiny_corpus, native_dp2, tmp_path):
+@pytest.mark.parametrize("stage, launcher", [(1, "deepspeed"), (2, "torchrun")])
+def test_zero_dp2_matches_native(tiny_corpus, native_dp2, tmp_path, stage, launcher):
+    """ZeRO-1 (through the deepspeed launcher) and ZeRO-2 (through torchrun) at DP=2 give the
+    native DP=2 curve."""
     metrics = tmp_path / "m.jsonl"
-    deepspeed_launch(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(1),
-                                      "--metrics-file", str(metrics)), tmp_path)
-    worst = assert_close_curves(train_curve(metrics), native_dp2, what="ZeRO-1 DP2")
-    print(f"parity ZeRO-1 DP=2 vs native DP=2: {worst:.2e}")
-
-
-def test_zero2_dp2_matches_native(tiny_corpus, native_dp2, tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2),
-                              "--metrics-file", str(metrics)), tmp_path)
-    worst = assert_close_curves(train_curve(metrics), native_dp2, what="ZeRO-2 DP2")
-    print(f"parity ZeRO-2 DP=2 vs native DP=2: {worst:.2e}")
+    args = tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(stage),
+                         "--metrics-file", str(metrics))
+    if launcher == "deepspeed":
+        deepspeed_launch(2, args, tmp_path)
+    else:
+        torchrun(2, args, tmp_path)
+    worst = assert_close_curves(train_curve(metrics), native_dp2, what=f"ZeRO-{stage} DP2")
+    print(f"parity ZeRO-{stage} DP=2 ({launcher}) vs native DP=2: {worst:.2e}")
 
 
 def test_zero2_bf16_dp2_tracks_fp32(tiny_corpus, native_dp2, tmp_path):

@@ -14,7 +14,7 @@ ITERS = ["--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
 @pytest.fixture(scope="module")
 def reference(tiny_corpus, tmp_path_factory):
     """The single-process run every layout is compared with."""
-    from app.training.pretrain import pretrain
+    from pretrain_gpt2 import run as pretrain
     tmp = tmp_path_factory.mktemp("reference")
     metrics = tmp / "metrics.jsonl"
     pretrain(tiny_gpt_args(tiny_corpus, tmp, *ITERS, "--metrics-file", str(metrics),

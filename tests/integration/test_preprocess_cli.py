@@ -195,7 +195,7 @@ def test_preprocess_does_not_import_torch():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys; sys.path.insert(0, %r); import tools.preprocess_data; "
-            "print('torch' in sys.modules)" % root)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = "import sys, tools.preprocess_data; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root)
     assert out.stdout.strip() == "False"  # workers start fast; torch is only for batches

@@ -11,8 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(argv):
-    from app.training.pretrain import pretrain
-    return pretrain(argv)
+    from pretrain_gpt2 import run
+    return run(argv)
 
 
 def _train_losses(metrics_file):

@@ -1,4 +1,5 @@
 """arguments.py: flag aliases, derived defaults, cross-flag validation, the error exit."""
+import pathlib
 import sys
 
 import pytest
@@ -6,6 +7,7 @@ import pytest
 import arguments
 from app.config import RunConfig
 
+DS_JSON = str(pathlib.Path(__file__).resolve().parents[2] / "ds_configs" / "zero1_fp32.json")
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "64", "--train-iters", "100",
         "--micro-batch-size", "2", "--distributed-backend", "gloo"]
@@ -139,7 +141,10 @@ def test_precision_flags_go_with_deepspeed_and_native_fp16_is_rejected(tmp_path)
         arguments.build_run_config(arguments.parse_args(base + ["--bf16"]), 2, 100, 128)
 
 
-def test_deepspeed_flags():
+def test_deepspeed_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the JSON files are read when the config is built
+    for name in ("ds.json", "old.json"):
+        (tmp_path / name).write_text("{}")
     cfg = build(["--deepspeed", "--deepspeed_config", "ds.json", "--deepspeed_mpi",
                  "--deepspeed-activation-checkpointing"])
     assert cfg.deepspeed.enabled and cfg.deepspeed.config_path == "ds.json"
@@ -174,7 +179,7 @@ def test_deepspeed_flags_without_deepspeed_installed(monkeypatch):
     (["--lr", "1e-4", "--min-lr", "1e-3"], 1, ["--min-lr (0.001)", "--lr (0.0001)"]),
     (["--fp16", "--bf16"], 1, ["--fp16", "--bf16"]),
     (["--deepspeed"], 1, ["--deepspeed", "--deepspeed_config"]),
-    (["--deepspeed", "--deepspeed_config", "x.json", "--pipeline-model-parallel-size", "2"], 2,
+    (["--deepspeed", "--deepspeed_config", DS_JSON, "--pipeline-model-parallel-size", "2"], 2,
      ["--pipeline-model-parallel-size (2)", "--deepspeed"]),
     (["--finetune"], 1, ["--finetune", "--load"]),
     (["--split", "a,b"], 1, ["--split", "a,b"]),

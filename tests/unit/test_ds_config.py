@@ -13,6 +13,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def cfg(*extra, world=2):
     args = arguments.parse_args(BASE + list(extra))
+    args._explicit_flags = frozenset()  # the checks of explicit flags are called directly below
     return arguments.build_run_config(args, world, 128, 128)
 
 
@@ -69,8 +70,11 @@ def test_zero3_is_rejected_and_offload_detected():
 
 
 def test_pipeline_with_deepspeed_is_rejected():
+    import os
+    ds_json = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                           "ds_configs", "zero2_fp32.json")
     args = arguments.parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--deepspeed",
-                                        "--deepspeed_config", "x.json"])
+                                        "--deepspeed_config", ds_json])
     with pytest.raises(ValueError, match="pipeline-model-parallel-size"):
         arguments.build_run_config(args, 2, 128, 128)
 

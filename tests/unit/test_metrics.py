@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from app.config import ModelConfig, model_flops_per_token
+from app.config import ModelConfig
 from app.training import metrics
+from app.training.flops import model_flops_per_token
 
 
 def test_timers_accumulate_and_reset():
@@ -97,26 +98,3 @@ def test_throughput_and_mfu_math():
     assert metrics.model_flops_utilization(per_rank, 2 * per_rank) == pytest.approx(0.5)
     assert math.isnan(metrics.model_flops_utilization(1.0, 0.0))
     assert math.isnan(metrics.tokens_per_second(1, 1, 0.0))
-
-
-def test_peak_flops_table_and_cpu_measurement(monkeypatch):
-    assert metrics.gpu_peak_from_table("NVIDIA H100 80GB HBM3", torch.bfloat16)[0] == 989.4e12
-    assert metrics.gpu_peak_from_table("NVIDIA H200", torch.float16)[0] == 989.4e12
-    assert metrics.gpu_peak_from_table("NVIDIA H100 PCIe", torch.bfloat16)[0] == 756.5e12
-    assert metrics.gpu_peak_from_table("NVIDIA A100-SXM4-80GB", torch.bfloat16)[0] == 312e12
-    assert metrics.gpu_peak_from_table("NVIDIA V100", torch.bfloat16) is None
-    assert metrics.gpu_peak_from_table("Some New GPU", torch.bfloat16) is None
-    calls = []
-    real = metrics.measure_matmul_peak
-
-    def counting(*a, **k):
-        calls.append(a)
-        return real(*a, sizes=(64, 128), repeats=2)
-
-    metrics._peak_flops_cached.cache_clear()
-    monkeypatch.setattr(metrics, "measure_matmul_peak", counting)
-    value, desc = metrics.peak_flops(torch.device("cpu"), torch.float32)
-    again = metrics.peak_flops("cpu", torch.float32)
-    metrics._peak_flops_cached.cache_clear()
-    assert value > 1e8 and "measured float32 matmul peak on CPU" in desc
-    assert again == (value, desc) and len(calls) == 1  # cached

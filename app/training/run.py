@@ -1,0 +1,107 @@
+"""Composition: build the parts of one training run from a RunConfig, in the one right order.
+
+    parallel groups and seeds -> (DeepSpeed activation checkpointing) -> model stage -> engine
+    -> Trainer
+
+`build_run` is used by `app.training.pretrain` (real data) and by the test and benchmark
+helpers (`app.testing.synthetic`), so every run is put together the same way. This is the only
+module that chooses between the engines.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+from app.config import RunConfig
+from app.model import GPT2Model
+from app.mpu.parallel_state import ParallelState, initialize_model_parallel
+from app.mpu.random import model_parallel_seed
+from app.optim import OptimizerParamScheduler, build_optimizer
+from app.training.engine import Engine
+from app.training.trainer import RunState, Trainer
+
+logger = logging.getLogger(__name__)
+
+
+def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
+    """Tensor/pipeline/data groups for the layout; the one-process state for a world of one
+    (DeepSpeed runs always get real groups: DeepSpeed needs a process group even for one rank)."""
+    p = cfg.parallel
+    if cfg.deepspeed.enabled:
+        from app.training.deepspeed_engine import ensure_distributed
+        ensure_distributed(p.distributed_backend)
+    elif world_size == 1:
+        return ParallelState.single()
+    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+
+
+def set_seeds(seed: int, parallel_state: ParallelState) -> None:
+    """Python, numpy and torch seeds (seed + 100 x pipeline stage, as Megatron) and the
+    model-parallel RNG stream (seed + 2718 + tensor-parallel rank)."""
+    model_parallel_seed(seed, parallel_state)
+
+
+def build_model(cfg: RunConfig, parallel_state: ParallelState) -> torch.nn.Module:
+    """The GPT-2 stage this rank holds (all layers when there is one pipeline stage)."""
+    pp = parallel_state.pipeline_model_parallel_size
+    stage = parallel_state.pipeline_model_parallel_rank
+    per_stage = cfg.model.num_layers // pp
+    return GPT2Model(cfg.model, parallel_state, pre_process=stage == 0,
+                     post_process=stage == pp - 1,
+                     layer_range=(stage * per_stage, (stage + 1) * per_stage))
+
+
+def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: ParallelState) -> Engine:
+    """The engine this run asks for: DeepSpeed's with --deepspeed, else the native one.
+
+    DeepSpeed is imported only when asked for, inside app.training.deepspeed_engine.
+    """
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
+    if cfg.deepspeed.enabled:
+        from app.training.deepspeed_engine import DeepSpeedEngineAdapter
+        return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state)
+    from app.training.native_engine import NativeEngine
+    return NativeEngine(cfg, model, optimizer, scheduler, parallel_state)
+
+
+@dataclass
+class Run:
+    """The built parts of one run; `trainer` is None until datasets are attached."""
+
+    cfg: RunConfig
+    ps: ParallelState
+    model: torch.nn.Module
+    engine: Engine
+    device: torch.device
+    trainer: Optional[Trainer] = None
+
+    def attach_trainer(self, datasets: Tuple[Any, Any, Any], eod: int,
+                       state: Optional[RunState] = None) -> Trainer:
+        """Create the Trainer over (train, valid, test) datasets starting at `state`."""
+        self.trainer = Trainer(self.cfg, self.engine, self.ps, datasets, eod, self.device,
+                               state=state)
+        return self.trainer
+
+
+def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
+    """Parallel state, seeds, the model stage on `device` and its engine for `cfg`.
+
+    torch.distributed must already be initialised when `world_size` > 1.
+    """
+    ps = build_parallel_state(cfg, world_size)
+    set_seeds(cfg.training.seed, ps)
+    if cfg.deepspeed.enabled and cfg.deepspeed.activation_checkpointing:
+        from app.training.deepspeed_engine import configure_activation_checkpointing
+        configure_activation_checkpointing(cfg, ps)
+        logger.info("activation checkpointing through deepspeed.checkpointing (settings from "
+                    "the JSON's activation_checkpointing block)")
+    model = build_model(cfg, ps).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("> parameters on (tensor, pipeline) model-parallel rank (%d, %d): %d",
+                ps.tensor_model_parallel_rank, ps.pipeline_model_parallel_rank, n_params)
+    engine = build_engine(cfg, model, ps)
+    return Run(cfg=cfg, ps=ps, model=model, engine=engine, device=device)

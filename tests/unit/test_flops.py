@@ -1,0 +1,127 @@
+"""MFU that users can trust: the FLOP formulas, the GPU peak table, the cached CPU peak, the
+over-100% warning and HFU with activation recompute."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.config import ModelConfig
+from app.training import flops
+
+L, H, S, V = 6, 384, 256, 50304
+
+
+def model_config():
+    return ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=6, seq_length=S,
+                       max_position_embeddings=S, padded_vocab_size=V)
+
+
+def test_flop_formulas_by_hand():
+    m = model_config()
+    model = 72 * L * H * H * (1 + S / (6 * H) + V / (12 * L * H))
+    assert flops.model_flops_per_token(m) == pytest.approx(model)
+    assert flops.hardware_flops_per_token(m, "none") == pytest.approx(model)
+    # full recompute: one more forward of every layer (x 4/3), the logits are not recomputed
+    full = 4 / 3 * 72 * L * H * H * (1 + S / (6 * H)) + 6 * H * V
+    assert flops.hardware_flops_per_token(m, "full") == pytest.approx(full)
+    assert flops.hardware_flops_per_token(m, "full") == pytest.approx(
+        96 * L * H * H * (1 + S / (6 * H) + V / (16 * L * H)))
+    selective = 72 * L * H * H * (1 + S / (3 * H) + V / (12 * L * H))
+    assert flops.hardware_flops_per_token(m, "selective") == pytest.approx(selective)
+    with pytest.raises(ValueError, match="recompute"):
+        flops.hardware_flops_per_token(m, "some")
+
+
+@pytest.mark.parametrize("name, dtype, tf32, value", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.4e12),
+    ("NVIDIA H100 80GB HBM3", torch.float32, True, 494.7e12),
+    ("NVIDIA H100 80GB HBM3", torch.float32, False, 66.9e12),
+    ("NVIDIA H100 PCIe", torch.bfloat16, False, 756.5e12),
+    ("NVIDIA H100 NVL", torch.float16, False, 835.5e12),
+    ("NVIDIA H200", torch.float16, False, 989.4e12),
+    ("NVIDIA H200 NVL", torch.bfloat16, False, 835.5e12),
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312e12),
+    ("NVIDIA A100-PCIE-40GB", torch.float32, True, 156e12),
+    ("NVIDIA L40S", torch.bfloat16, False, 362.05e12),
+    ("Tesla V100-SXM2-32GB", torch.float16, False, 125e12),
+    ("Tesla V100-PCIE-16GB", torch.float16, False, 112e12),
+])
+def test_gpu_peak_table(name, dtype, tf32, value):
+    peak, desc = flops.gpu_peak_from_table(name, dtype, allow_tf32=tf32)
+    assert peak == value and name in desc and "dense" in desc
+
+
+def test_unknown_gpu_or_dtype_is_not_guessed():
+    assert flops.gpu_peak_from_table("Tesla V100-SXM2-32GB", torch.bfloat16) is None  # no bf16
+    assert flops.gpu_peak_from_table("Some New GPU", torch.bfloat16) is None
+    assert flops.peak_flops(torch.device("cpu"), torch.float32, override=3e12) == (
+        3e12, "--peak-flops")
+
+
+def test_cpu_peak_is_cached_read_by_another_process_and_remeasured(tmp_path, monkeypatch):
+    cache = tmp_path / "peaks.json"
+    monkeypatch.setenv(flops.CACHE_ENV, str(cache))
+    calls = []
+
+    def fake_measure(device, dtype, *a, **k):
+        calls.append(dtype)
+        return 123.25e9  # a value no real measurement gives: proves who answered
+
+    monkeypatch.setattr(flops, "measure_matmul_peak", fake_measure)
+    value, desc = flops.peak_flops(torch.device("cpu"), torch.float32)
+    assert value == 123.25e9 and "measured" in desc and len(calls) == 1
+    key = flops.cpu_peak_key(torch.float32, torch.get_num_threads())
+    assert json.loads(cache.read_text()) == {key: 123.25e9}
+    assert flops.peak_flops("cpu", torch.float32)[0] == 123.25e9 and len(calls) == 1
+    code = ("import torch; from app.training import flops; "
+            f"torch.set_num_threads({torch.get_num_threads()}); "
+            "print(repr(flops.peak_flops('cpu', torch.float32)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, **{flops.CACHE_ENV: str(cache)}))
+    value2, desc2 = eval(out.stdout.strip())  # noqa: S307 - our own repr of a (float, str)
+    assert value2 == 123.25e9 and desc2.startswith("cached")
+    again, desc3 = flops.cached_cpu_peak(torch.float32, remeasure=True)
+    assert again == 123.25e9 and "measured" in desc3 and len(calls) == 2
+    # another dtype or thread count is another entry
+    flops.cached_cpu_peak(torch.bfloat16, threads=1)
+    assert len(json.loads(cache.read_text())) == 2
+
+
+def test_real_cpu_measurement_is_positive_and_best_of():
+    by_n = flops.matmul_flops_by_size(torch.device("cpu"), torch.float32, sizes=(64, 128),
+                                      repeats=3)
+    assert set(by_n) == {64, 128} and all(v > 1e7 for v in by_n.values())
+
+
+def _trainer(extra):
+    import arguments
+    from app.testing.synthetic import build_synthetic_run
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4",
+            "--distributed-backend", "gloo", *extra]
+    return build_synthetic_run(arguments.config_from_argv(argv, 1, 64), 16)["trainer"]
+
+
+def test_mfu_over_100_percent_warns_once_and_hfu_counts_recompute(caplog):
+    plain = _trainer(["--peak-flops", "1e15"])
+    tps = 1000.0
+    u = plain._utilization(tps)
+    assert "hfu" not in u and u["mfu"] == pytest.approx(tps * plain.flops_per_token / 1e15)
+    recompute = _trainer(["--peak-flops", "1e15", "--checkpoint-activations"])
+    u = recompute._utilization(tps)
+    m = recompute.cfg.model
+    Ln, h, s, v = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
+    factor = (96 * Ln * h * h * (1 + s / (6 * h)) + 6 * h * v) / (
+        72 * Ln * h * h * (1 + s / (6 * h) + v / (12 * Ln * h)))
+    assert u["hfu"] / u["mfu"] == pytest.approx(factor) and factor > 1
+    tiny_peak = _trainer(["--peak-flops", "1e3"])
+    with caplog.at_level(logging.WARNING, logger="app"):
+        first = tiny_peak._utilization(tps)
+        tiny_peak._utilization(tps)
+    warnings = [r for r in caplog.records if "exceeds the peak" in r.getMessage()]
+    assert first["mfu"] > 1.0 and len(warnings) == 1
+    assert "--peak-flops" in warnings[0].getMessage()

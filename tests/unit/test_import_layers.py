@@ -1,0 +1,121 @@
+"""The import graph of `app/`: no circle, no import that runs up the layers, and the library never
+imports the command line (arguments.py, pretrain_gpt2.py). Imports inside functions count too.
+
+The layers, lowest first (docs/architecture.md draws the same picture). A module may import its
+own layer or any layer below it; a new module must be placed in a layer here.
+"""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+LAYERS = [
+    ["app.utils"],
+    ["app.config"],
+    ["app.mpu"],
+    ["app.data", "app.optim", "app.kernels"],
+    ["app.model", "app.pipeline"],
+    ["app.training.distributed", "app.training.flops", "app.training.metrics",
+     "app.training.ds_config", "app.training.checkpoint", "app.training.data_loading"],
+    ["app.training.resume"],
+    ["app.training.engine"],
+    ["app.training.native_engine", "app.training.deepspeed_engine", "app.training.trainer"],
+    ["app.training.run", "app.convert", "app.inference"],
+    ["app.training.pretrain", "app.testing"],
+]
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    best, found = -1, None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    if found is None and module in ("app", "app.training"):
+        return len(LAYERS)  # package markers: allowed to import nothing
+    assert found is not None, f"{module} is in no layer of {__file__}; add it to LAYERS"
+    return found
+
+
+def imports_of(path: pathlib.Path, module: str) -> set:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from a.b import c` depends on a.b.c when that is a module, else on a.b
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def graph():
+    modules = {module_name(p): p for p in (ROOT / "app").rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imports_of(path, name):
+            if imported.split(".")[0] in ("arguments", "pretrain_gpt2"):
+                targets.add(imported)
+            # the longest known module that the import names (a.b.c may be a name in a.b)
+            candidates = [m for m in modules if imported == m or imported.startswith(m + ".")]
+            if candidates:
+                target = max(candidates, key=len)
+                if target != name:
+                    targets.add(target)
+        edges[name] = targets
+    return edges
+
+
+def test_library_never_imports_the_command_line():
+    bad = {m: sorted(t for t in ts if t.split(".")[0] in ("arguments", "pretrain_gpt2"))
+           for m, ts in graph().items()}
+    assert not {m: t for m, t in bad.items() if t}
+
+
+def test_no_import_runs_up_the_layers():
+    upward = []
+    for module, targets in graph().items():
+        for target in targets:
+            if target.split(".")[0] != "app":
+                continue
+            if target in ("app", "app.training"):
+                continue
+            if layer_of(target) > layer_of(module):
+                upward.append(f"{module} (layer {layer_of(module)}) imports {target} "
+                              f"(layer {layer_of(target)})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_no_import_circle():
+    full = graph()
+    edges = {m: {t for t in ts if t in full} for m, ts in full.items()}
+    state, stack, cycles = {}, [], []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
