@@ -61,7 +61,7 @@ def _documents(path: str, key: str, loose_json: bool) -> List[str]:
 
 
 def _wikitext(session, a) -> dict:
-    from app.eval.zeroshot import PerplexityResult, count_words, perplexity, wikitext_detokenize
+    from app.inference.zeroshot import PerplexityResult, count_words, perplexity, wikitext_detokenize
     loose = a.valid_data.endswith((".json", ".jsonl"))
     tokens: List[int] = []
     words = 0
@@ -77,7 +77,7 @@ def _wikitext(session, a) -> dict:
 
 
 def _lambada(session, a) -> dict:
-    from app.eval.zeroshot import lambada_accuracy, lambada_example
+    from app.inference.zeroshot import lambada_accuracy, lambada_example
     examples = []
     for number, text in enumerate(_documents(a.valid_data, a.json_key, True), start=1):
         context, target = lambada_example(session.tokenizer, text, a.strict_lambada)

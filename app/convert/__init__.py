@@ -11,15 +11,14 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-import torch
-
 from app.convert.state import ModelCheckpoint, OptimizerState, describe, staged_directory
+from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
 INPUT_FORMATS = ("megatron", "deepspeed", "hf")
 OUTPUT_FORMATS = ("megatron", "hf")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "fp16", "bf16")
 
 __all__ = ["ConvertOptions", "ModelCheckpoint", "OptimizerState", "convert", "read_checkpoint",
            "print_structure"]
@@ -113,7 +112,7 @@ def convert(opts: ConvertOptions) -> str:
     start = time.perf_counter()
     source = read_checkpoint(opts)
     tp, pp = opts.target_tensor_model_parallel_size, opts.target_pipeline_model_parallel_size
-    dtype = DTYPES.get(opts.target_params_dtype) if opts.target_params_dtype else None
+    dtype = torch_dtype(opts.target_params_dtype) if opts.target_params_dtype else None
     with staged_directory(opts.save) as tmp:
         if opts.output_format == "hf":
             if tp != 1 or pp != 1:

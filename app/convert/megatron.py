@@ -20,10 +20,10 @@ from app.convert import layout
 from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
                                cast_weights)
 from app.training import checkpoint as ckpt
+from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def resolve_iteration(load_dir: str, iteration: Optional[Iteration]) -> Iteration:
@@ -205,7 +205,7 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
     if heads % tp:
         raise layout.LayoutError(f"num_attention_heads ({heads}) is not divisible by the target "
                                  f"tensor-parallel size ({tp})")
-    dtype = _DTYPES[dtype_name] if dtype_name else source.weights[layout.WORD_EMBEDDINGS].dtype
+    dtype = torch_dtype(dtype_name) if dtype_name else source.weights[layout.WORD_EMBEDDINGS].dtype
     iteration = "release" if iteration is None else iteration
     rows = target_padded_vocab(source.args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
     vocab_size = getattr(source.args, "vocab_size", None)

@@ -21,10 +21,9 @@ from app.convert import layout
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 from app.pipeline import p2p
+from app.utils.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass
@@ -50,7 +49,7 @@ def model_config(args: argparse.Namespace, padded_vocab: int) -> ModelConfig:
         hidden_dropout=0.0, attention_dropout=0.0,
         layernorm_epsilon=float(getattr(args, "layernorm_epsilon", 1e-5)),
         openai_gelu=bool(getattr(args, "openai_gelu", False)),
-        params_dtype=_DTYPE_NAMES.get(dtype, "float32") if isinstance(dtype, torch.dtype) else "float32")
+        params_dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32")
 
 
 def saved_layout_of(load: str) -> Optional[tuple]:

@@ -30,7 +30,7 @@ def _convert(*args):
 
 
 def _train_in_process(argv):
-    from app.training.pretrain import pretrain
+    from pretrain_gpt2 import run as pretrain
     return pretrain(argv)
 
 

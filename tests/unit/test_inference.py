@@ -8,7 +8,7 @@ import torch
 
 from app.config import ModelConfig
 from app.convert.hf_gpt2 import hf_config, to_hf_state
-from app.eval.zeroshot import PerplexityResult, count_words, sliding_windows, wikitext_detokenize
+from app.inference.zeroshot import PerplexityResult, count_words, sliding_windows, wikitext_detokenize
 from app.inference.generation import beam_search, generate
 from app.inference.kv_cache import KVCache
 from app.inference.runner import PipelineRunner
