@@ -69,7 +69,8 @@ class DeepSpeedEngineAdapter(Engine):
                              "--input-format deepspeed")
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
         # saved with every checkpoint, so that ds_to_universal.py can merge the TP slices
-        setattr(model, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(model))
+        setattr(model, UNIVERSAL_CHECKPOINT_INFO,
+                universal_checkpoint_info(model, cfg.raw_vocab_size or cfg.model.padded_vocab_size))
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
             from app.optim import OptimizerParamScheduler, get_param_groups
@@ -238,11 +239,13 @@ class DeepSpeedEngineAdapter(Engine):
         return args, rng
 
 
-def universal_checkpoint_info(model: torch.nn.Module) -> Dict[str, Any]:
+def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[str, Any]:
     """What DeepSpeed's ds_to_universal.py needs to merge and re-slice our parameters: which
     are replicated across TP ranks, which are split by columns (row-parallel layers), and which
-    hold the padded vocabulary; everything else is split by rows. Read from the parameters'
-    own `tensor_model_parallel` / `partition_dim` marks, one exact-name pattern each."""
+    hold the padded vocabulary (trimmed to the tokenizer's `vocab_size` in the universal files,
+    padded with zeros for the loading run's TP size); everything else is split by rows. Read
+    from the parameters' own `tensor_model_parallel` / `partition_dim` marks, one exact-name
+    pattern each."""
     from deepspeed.checkpoint import constants as c
     replicated, by_columns, vocabulary = [], [], []
     for name, param in model.named_parameters():
@@ -258,7 +261,7 @@ def universal_checkpoint_info(model: torch.nn.Module) -> Dict[str, Any]:
             c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: by_columns,
             c.VOCABULARY_PARAMETER_PATTERNS: vocabulary,
             c.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [],
-            c.PARAMETER_TO_AVERAGE_PATTERNS: []}
+            c.PARAMETER_TO_AVERAGE_PATTERNS: [], "original_vocab_size": int(vocab_size)}
 
 
 def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:
