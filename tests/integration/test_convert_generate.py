@@ -35,8 +35,9 @@ def _train_in_process(argv):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_corpus, tmp_path_factory):
-    """Checkpoints (iteration 3 of 6) of the same tiny run at five layouts, and TP1's curve."""
+def runs(tiny_corpus, zero2_dp2_run, tmp_path_factory):
+    """Checkpoints (iteration 3 of 6) of the same tiny run at four layouts and TP1's curve; the
+    shared DeepSpeed ZeRO-2 DP2 run's checkpoint of iteration 3 as `ds`."""
     tmp = tmp_path_factory.mktemp("layouts")
     args = lambda *extra: tiny_gpt_args(tiny_corpus, tmp, *TRAIN, *extra)  # noqa: E731
     _train_in_process(args("--metrics-file", str(tmp / "straight.jsonl")))
@@ -47,18 +48,17 @@ def runs(tiny_corpus, tmp_path_factory):
                      "--exit-interval", "3"), tmp)
     torchrun(4, args("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                      "--save", str(tmp / "tp2pp2"), "--exit-interval", "3"), tmp)
-    torchrun(2, args("--deepspeed", "--deepspeed_config",
-                     os.path.join(ROOT, "ds_configs", "zero2_fp32.json"),
-                     "--save", str(tmp / "ds"), "--exit-interval", "3"), tmp)
+    os.symlink(zero2_dp2_run / "ck", tmp / "ds")
     return {"root": tmp, "corpus": tiny_corpus, "args": args}
 
 
-def _export(runs, name, fmt="megatron", *extra):
+def _export(runs, name, fmt="megatron"):
     out = runs["root"] / f"hf_{name}"
     if not out.exists():
         c = runs["corpus"]
         _convert("--input-format", fmt, "--output-format", "hf", "--load", runs["root"] / name,
-                 "--save", out, "--vocab-file", c["vocab"], "--merge-file", c["merges"], *extra)
+                 "--save", out, "--vocab-file", c["vocab"], "--merge-file", c["merges"],
+                 "--iteration", 3)
     return out
 
 
@@ -136,15 +136,40 @@ def test_exports_match_hugging_face_at_every_layout(runs):
                                length_penalty=0.7, do_sample=False, eos_token_id=tok.eod,
                                pad_token_id=tok.eod)[0, len(prompts_ids[0]):].tolist()
             assert ours[name]["beam"] == want[:len(ours[name]["beam"])], name
-    # the TP1 and DeepSpeed exports equal the TP2 export's logits (same training, any layout)
-    reference = _hf_model(_export(runs, "tp2"))(TOKENS).logits
-    for name in ("tp1", "ds"):
-        torch.testing.assert_close(_hf_model(_export(runs, name, "deepspeed" if name == "ds"
-                                                     else "megatron"))(TOKENS).logits,
-                                   reference, rtol=1e-4, atol=1e-5)
+    # the TP1 export equals the TP2 export's logits (same training, another layout)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_model(_export(runs, "tp1"))(TOKENS).logits,
+                                   _hf_model(_export(runs, "tp2"))(TOKENS).logits, rtol=1e-4, atol=1e-5)
+    # the DeepSpeed export holds the fp32 master weights of iteration 3 (zero_to_fp32's answer)
+    _check_ds_export(runs)
     pipe = transformers.pipeline("text-generation", model=str(_export(runs, "tp1")))
     text = pipe("import os", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert text.startswith("import os") and len(text) > len("import os")
+
+
+def _check_ds_export(runs):
+    """The ZeRO-2 export against DeepSpeed's own consolidation (its zero_to_fp32 script) and
+    against our model built from those weights (logits)."""
+    from safetensors.torch import load_file
+    from app.convert.hf_gpt2 import to_hf_state
+    ck = runs["root"] / "ds"
+    out = runs["root"] / "ds_fp32"
+    if not out.exists():
+        run([sys.executable, str(ck / "zero_to_fp32.py"), str(ck), str(out), "--tag", "iter_0000003"],
+            runs["root"])
+    fp32 = {}
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            fp32.update(load_file(str(out / name)))
+    hf_dir = _export(runs, "ds", "deepspeed")
+    exported = {}
+    for name in os.listdir(hf_dir):
+        if name.endswith(".safetensors"):
+            exported.update(load_file(str(hf_dir / name)))
+    want = to_hf_state(fp32, 2, 4, runs["corpus"]["vocab_size"])
+    assert set(want) == set(exported)
+    for key, value in want.items():
+        assert torch.equal(exported[key], value), key
 
 
 def test_tools_generate_jsonl_at_tp2_equals_hf_greedy(runs):

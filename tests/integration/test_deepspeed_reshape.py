@@ -6,15 +6,11 @@ that was not interrupted."""
 import os
 import sys
 
-import pytest
-
-from tests.integration.conftest import tiny_gpt_args
+from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
 from tests.integration.launch_utils import ROOT, assert_close_curves, run, torchrun, train_curve
 
 ZERO2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2_fp32.json")]
-COMMON = ["--train-iters", "6", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
-          "--attention-dropout", "0", "--global-batch-size", "8", "--micro-batch-size", "2",
-          "--save-interval", "3"]
+COMMON = ZERO2_DP2_ARGS
 
 
 def _to_universal(ck, iteration=3):
@@ -29,16 +25,8 @@ def _later(curve, after=3):
     return {k: v for k, v in curve.items() if k > after}
 
 
-@pytest.fixture(scope="module")
-def dp2_run(tiny_corpus, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ds_dp2")
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO2, "--save", str(tmp / "ck"),
-                              "--metrics-file", str(tmp / "straight.jsonl")), tmp)
-    return tmp
-
-
-def test_universal_checkpoint_dp2_to_dp1(tiny_corpus, dp2_run):
-    tmp = dp2_run
+def test_universal_checkpoint_dp2_to_dp1(tiny_corpus, zero2_dp2_run):
+    tmp = zero2_dp2_run
     _to_universal(tmp / "ck")
     resumed = tmp / "dp1.jsonl"
     torchrun(1, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO2, "--load", str(tmp / "ck"),
@@ -47,11 +35,11 @@ def test_universal_checkpoint_dp2_to_dp1(tiny_corpus, dp2_run):
                         rel=1e-5, what="universal DP2 -> DP1")
 
 
-def test_converter_dp2_zero2_to_native_with_adam_state(tiny_corpus, dp2_run):
+def test_converter_dp2_zero2_to_native_with_adam_state(tiny_corpus, zero2_dp2_run):
     """ZeRO-2 shards of two DP ranks -> a Megatron checkpoint with the merged Adam moments ->
     the native path resumes it in one process."""
     from pretrain_gpt2 import run as pretrain
-    tmp = dp2_run
+    tmp = zero2_dp2_run
     run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
          "deepspeed", "--output-format", "megatron", "--load", str(tmp / "ck"), "--save",
          str(tmp / "megatron"), "--iteration", "3", "--include-optimizer"], tmp)
