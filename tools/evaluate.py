@@ -13,7 +13,6 @@ docs/inference.md.
 """
 import argparse
 import json
-import logging
 import os
 import sys
 from typing import List, Optional
@@ -94,14 +93,12 @@ def _lambada(session, a) -> dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    logging.basicConfig(level=level, format="[evaluate] %(message)s", stream=sys.stderr)
+    from app.inference.session import configure_tool_logging, session_from_flags
+    configure_tool_logging("evaluate")
     a = get_args(argv)
-    from app.inference.session import InferenceSession
     from app.training.checkpoint import CheckpointError
     try:
-        session = InferenceSession(a.load, a.vocab_file, a.merge_file,
-                                   a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
+        session = session_from_flags(a)
         a.seq_length = a.seq_length or session.max_positions
         if not 0 < a.seq_length <= session.max_positions:
             raise ValueError(f"--seq-length {a.seq_length} must be in [1, {session.max_positions}]")

@@ -13,8 +13,6 @@ including prefill and decode tokens/s, goes to stderr. See docs/inference.md.
 """
 import argparse
 import json
-import logging
-import os
 import sys
 from typing import List, Optional
 
@@ -89,15 +87,13 @@ def _batches(a: argparse.Namespace):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    logging.basicConfig(level=level, format="[generate] %(message)s", stream=sys.stderr)
+    from app.inference.session import configure_tool_logging, session_from_flags
+    configure_tool_logging("generate")
     a = get_args(argv)
-    from app.inference.session import InferenceSession
     from app.training.checkpoint import CheckpointError
     try:
         params = _params(a)
-        session = InferenceSession(a.load, a.vocab_file, a.merge_file, a.tensor_model_parallel_size,
-                                   a.pipeline_model_parallel_size, use_cache=not a.no_kv_cache)
+        session = session_from_flags(a, use_cache=not a.no_kv_cache)
     except (ValueError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -11,8 +11,6 @@ Rank 0 serves HTTP and broadcasts each request to the other ranks. --port 0 pick
 the address served is printed on stderr ("serving on http://HOST:PORT/api"). See docs/inference.md.
 """
 import argparse
-import logging
-import os
 import signal
 import sys
 from typing import List, Optional
@@ -32,15 +30,13 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    logging.basicConfig(level=level, format="[server] %(message)s", stream=sys.stderr)
+    from app.inference.session import configure_tool_logging, session_from_flags
+    configure_tool_logging("server")
     a = get_args(argv)
     from app.inference.server import create_app
-    from app.inference.session import InferenceSession
     from app.training.checkpoint import CheckpointError
     try:
-        session = InferenceSession(a.load, a.vocab_file, a.merge_file,
-                                   a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
+        session = session_from_flags(a)
     except (ValueError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

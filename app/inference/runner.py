@@ -54,6 +54,9 @@ def model_config(args: argparse.Namespace, padded_vocab: int) -> ModelConfig:
 
 def saved_layout_of(load: str) -> Optional[tuple]:
     """(TP, PP) a Megatron checkpoint was saved with; None for a Hugging Face directory."""
+    if not os.path.isdir(load):
+        raise FileNotFoundError(f"--load {load} does not exist (a checkpoint directory or a "
+                                "Hugging Face model directory)")
     if os.path.isfile(os.path.join(load, "config.json")):
         return None
     from app.convert.megatron import resolve_iteration

@@ -148,6 +148,23 @@ class InferenceSession:
         shutdown_distributed(graceful=True)
 
 
+def configure_tool_logging(tag: str) -> None:
+    """stderr logging for an inference tool, prefixed `[tag]`: INFO on rank 0, warnings on the
+    other ranks (stdout stays free for the tool's results)."""
+    import os
+    import sys
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
+    logging.basicConfig(level=level, format=f"[{tag}] %(message)s", stream=sys.stderr)
+
+
+def session_from_flags(flags: Any, use_cache: bool = True) -> InferenceSession:
+    """InferenceSession from a tool's parsed flags (load, vocab_file, merge_file,
+    tensor_model_parallel_size, pipeline_model_parallel_size)."""
+    return InferenceSession(flags.load, flags.vocab_file, flags.merge_file,
+                            flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size,
+                            use_cache=use_cache)
+
+
 def prompt_too_long(session: InferenceSession, prompt: str, max_new_tokens: int) -> Optional[str]:
     """A message when the prompt plus the new tokens do not fit the model's positions, else None."""
     n = len(session.tokenizer.tokenize(prompt))

@@ -310,15 +310,6 @@ def test_converter_errors_are_clear(runs, tmp_path):
     assert "query_key_value.weight: tensor [96, 64] float32" in shown.stdout
 
 
-def _evaluate_tool():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("evaluate_tool",
-                                                  os.path.join(ROOT, "tools", "evaluate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _greedy_reproduces(hf, context_ids, target_ids):
     """HF: is every target token the argmax after the context and the targets before it?"""
     ids = torch.tensor([context_ids + target_ids])
@@ -351,7 +342,8 @@ def test_lambada_accuracy_on_a_hand_made_file(runs, tmp_path, capsys):
     assert correct >= 3, f"only {correct} usable passages"
     data = tmp_path / "lambada.jsonl"
     data.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
-    tool = _evaluate_tool()
+    from app.testing.tools import load_tool
+    tool = load_tool("evaluate")
     assert tool.main(["--load", str(hf_dir), "--task", "lambada", "--valid-data", str(data),
                       "--results-file", str(tmp_path / "r.json")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

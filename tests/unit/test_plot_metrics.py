@@ -1,19 +1,9 @@
 """tools/plot_metrics.py: runs overlaid in one PNG, absent metrics left out, bad input refused."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("plot_metrics",
-                                                  os.path.join(ROOT, "tools", "plot_metrics.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from app.testing.tools import load_tool
 
 
 def _write(path, rows):
@@ -23,7 +13,7 @@ def _write(path, rows):
 
 def test_two_runs_overlaid_and_errors(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    tool = _tool()
+    tool = load_tool("plot_metrics")
     train = [{"kind": "train", "iteration": i, "lm_loss": 9.0 - i, "lr": 1e-3, "grad_norm": 1.0,
               "tokens_per_s": 100.0, "mfu": 0.2} for i in (1, 2, 3)]
     a = _write(tmp_path / "a.jsonl", train + [{"kind": "valid", "iteration": 3, "lm_loss": 6.5}])
