@@ -86,8 +86,8 @@ def print_structure(opts: ConvertOptions) -> List[str]:
     if opts.input_format == "hf":
         source = read_checkpoint(opts)
         lines += [f"Hugging Face directory {opts.load}", *describe(vars(source.args))]
-        from app.convert.hf_gpt2 import _read_hf_tensors
-        lines += describe(dict(_read_hf_tensors(opts.load)))
+        from app.convert.hf_gpt2 import read_hf_tensors
+        lines += describe(dict(read_hf_tensors(opts.load)))
         return lines
     if opts.input_format == "megatron":
         from app.convert.megatron import read_rank_files, resolve_iteration
@@ -98,11 +98,11 @@ def print_structure(opts: ConvertOptions) -> List[str]:
             lines.append(f"rank file (tp {tp_rank}, pp {pp_rank}):")
             lines += describe(state, 1)
         return lines
-    from app.convert.deepspeed import _load, resolve_tag
+    from app.convert.deepspeed import load_file, resolve_tag
     tag = resolve_tag(opts.load, opts.iteration)
     for path in sorted(glob.glob(os.path.join(opts.load, tag, "*.pt"))):
         lines.append(f"{os.path.relpath(path, opts.load)}:")
-        lines += describe(_load(path), 1)
+        lines += describe(load_file(path), 1)
     return lines
 
 

@@ -53,7 +53,8 @@ def resolve_tag(load_dir: str, iteration: Optional[Any]) -> str:
     return tag
 
 
-def _load(path: str) -> Dict[str, Any]:
+def load_file(path: str) -> Dict[str, Any]:
+    """torch.load of a DeepSpeed file (weights_only=False: it pickles DeepSpeed objects)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # torch raises several types for damaged archives
@@ -79,7 +80,7 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
     hparams: Dict[str, Dict[str, Any]] = {}
     first: Dict[str, Any] = {}
     for tp_rank, name in model_files:
-        states = _load(os.path.join(directory, name))
+        states = load_file(os.path.join(directory, name))
         if tp_rank == 0:
             first = states
         optim = _optim_files(directory, tp_rank)
@@ -132,7 +133,7 @@ def _consolidate(model_states: Dict[str, Any], optim_paths: List[str], directory
                  include_optimizer: bool):
     """Full fp32 weights (and Adam moments) of one TP rank from its DP-partitioned ZeRO files."""
     progress = Progress(f"reading ZeRO partitions of {os.path.basename(optim_paths[0])}")
-    parts = [_load(p)["optimizer_state_dict"] for p in optim_paths]
+    parts = [load_file(p)["optimizer_state_dict"] for p in optim_paths]
     stage = int(parts[0].get("zero_stage", 0))
     if stage not in (1, 2):
         raise ckpt.CheckpointError(f"{directory}: ZeRO stage {stage} is not supported (ZeRO-1/2 only)")

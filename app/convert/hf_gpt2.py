@@ -200,7 +200,7 @@ def read_hf_dir(path: str, make_vocab_size_divisible_by: int = 128) -> ModelChec
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
     args = args_from_hf_config(config, config_path, make_vocab_size_divisible_by)
-    hf = _read_hf_tensors(path)
+    hf = read_hf_tensors(path)
     weights = from_hf_state(hf, args.num_layers, args.num_attention_heads)
     dtype = weights[layout.WORD_EMBEDDINGS].dtype
     args.params_dtype = dtype
@@ -209,7 +209,7 @@ def read_hf_dir(path: str, make_vocab_size_divisible_by: int = 128) -> ModelChec
     return ModelCheckpoint(args=args, weights=weights, tokenizer_files=tokenizer)
 
 
-def _read_hf_tensors(path: str) -> Dict[str, torch.Tensor]:
+def read_hf_tensors(path: str) -> Dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     progress = Progress("reading Hugging Face weights")
     if os.path.isfile(os.path.join(path, SAFE_INDEX)):

@@ -218,7 +218,8 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
     if include_optimizer and opt is None:
         raise ckpt.CheckpointError("--include-optimizer: the source checkpoint has no optimizer state")
     args = target_args(source, tp, pp, dtype, rows, iteration)
-    progress = Progress("writing", total=len(weights) * tp)
+    total = sum(len(layout.stage_parameter_names(num_layers, pp, st)) for st in range(pp)) * tp
+    progress = Progress("writing", total=total)
     for stage in range(pp):
         names = layout.stage_parameter_names(num_layers, pp, stage)
         for tp_rank in range(tp):
