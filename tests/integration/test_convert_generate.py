@@ -157,10 +157,13 @@ def _check_ds_export(runs):
     if not out.exists():
         run([sys.executable, str(ck / "zero_to_fp32.py"), str(ck), str(out), "--tag", "iter_0000003"],
             runs["root"])
-    fp32 = {}
+    fp32 = {}  # zero_to_fp32 writes pytorch_model.bin here (safetensors with --safe_serialization)
     for name in os.listdir(out):
         if name.endswith(".safetensors"):
             fp32.update(load_file(str(out / name)))
+        elif name.endswith(".bin"):
+            fp32.update(torch.load(str(out / name), weights_only=True))
+    assert fp32, f"zero_to_fp32 wrote nothing usable in {out}"
     hf_dir = _export(runs, "ds", "deepspeed")
     exported = {}
     for name in os.listdir(hf_dir):
