@@ -56,6 +56,13 @@ class ModelConfig:
     """Use the fused scale+mask+softmax op for the explicit-mask attention path."""
     params_dtype: str = "float32"
     """dtype of the module parameters: float32, float16 or bfloat16."""
+    attention_softmax_in_fp32: bool = False
+    """Compute the attention softmax in fp32 for half-precision scores (explicit-mask path)."""
+    apply_query_key_layer_scaling: bool = False
+    """Scale Q K^T by 1/layer_number before the softmax and back inside it, in fp32 (fp16
+    overflow guard); implies attention_softmax_in_fp32."""
+    fp16_lm_cross_entropy: bool = False
+    """Compute the LM cross entropy on half-precision logits (default: upcast to fp32)."""
     seed: int = 1234
     """Seed from which every parameter's initial value is derived (independent of TP/PP)."""
 
@@ -172,26 +179,63 @@ class OptimizerConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Numeric precision. fp16/bf16 run through DeepSpeed for now (the native path is fp32);
-    the loss-scale fields, when given on the command line, fill the DeepSpeed JSON's fp16 block."""
+    """Numeric precision: fp32, bf16 or fp16 weights (native path or DeepSpeed).
+
+    The loss-scale fields apply to fp16 only and default (None) to Megatron's values: initial
+    scale 2^32, minimum 1, window 1000, hysteresis 2; `loss_scale` set means a static scale.
+    On the DeepSpeed path, the ones given fill the JSON's fp16 block.
+    """
 
     fp16: bool = False
     bf16: bool = False
     loss_scale: Optional[float] = None
     """Static loss scale; None means dynamic scaling."""
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    initial_loss_scale: Optional[float] = None
+    min_loss_scale: Optional[float] = None
+    loss_scale_window: Optional[int] = None
+    hysteresis: Optional[int] = None
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Accumulate and all-reduce gradients in fp32 buffers (always on for bf16)."""
+    source: str = "command line"
+    """Where the precision came from: the flags, or the DeepSpeed JSON (logged at start)."""
 
     def __post_init__(self) -> None:
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
+        given = [flag for flag, value in (("--loss-scale", self.loss_scale),
+                                          ("--initial-loss-scale", self.initial_loss_scale),
+                                          ("--min-loss-scale", self.min_loss_scale),
+                                          ("--loss-scale-window", self.loss_scale_window),
+                                          ("--hysteresis", self.hysteresis)) if value is not None]
+        if given and not self.fp16:
+            raise ValueError(f"{', '.join(given)} only apply with --fp16 (bf16 and fp32 need no "
+                             "loss scaling); drop them or add --fp16")
+        _positive(self, (("loss_scale", "--loss-scale"),
+                         ("initial_loss_scale", "--initial-loss-scale"),
+                         ("min_loss_scale", "--min-loss-scale"),
+                         ("loss_scale_window", "--loss-scale-window"),
+                         ("hysteresis", "--hysteresis")), allow_none=True)
+        initial, minimum, _, _ = self.dynamic_scaler_settings()
+        if minimum > initial:
+            raise ValueError(f"--min-loss-scale ({minimum}) exceeds --initial-loss-scale "
+                             f"({initial})")
 
     @property
     def params_dtype(self) -> str:
         """Model weight dtype this precision implies: float16, bfloat16 or float32."""
         return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
+    @property
+    def grads_accumulate_in_fp32(self) -> bool:
+        """Whether half-precision gradients accumulate in fp32 buffers (bf16: always)."""
+        return self.bf16 or (self.fp16 and self.accumulate_allreduce_grads_in_fp32)
+
+    def dynamic_scaler_settings(self) -> Tuple[float, float, int, int]:
+        """(initial scale, minimum scale, growth window, hysteresis) with Megatron's defaults."""
+        return (2.0 ** 32 if self.initial_loss_scale is None else float(self.initial_loss_scale),
+                1.0 if self.min_loss_scale is None else float(self.min_loss_scale),
+                1000 if self.loss_scale_window is None else int(self.loss_scale_window),
+                2 if self.hysteresis is None else int(self.hysteresis))
 
 
 @dataclass
@@ -234,6 +278,11 @@ class TrainingConfig:
     metrics_file: Optional[str] = None
     peak_flops: Optional[float] = None
     """Peak FLOP/s per rank used for MFU; None means measured/looked up at start."""
+    max_consecutive_skipped_iterations: int = 10
+    """Stop (non-zero exit, no checkpoint) after this many consecutive non-finite iterations
+    (fp16: overflows at the minimum loss scale); 0 disables."""
+    check_for_nan_in_loss_and_grad: bool = False
+    """Stop at the first non-finite loss or gradient (Megatron's flag)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("micro_batch_size", "--micro-batch-size"),
@@ -245,6 +294,9 @@ class TrainingConfig:
                          ("peak_flops", "--peak-flops")), allow_none=True)
         if self.eval_iters < 0:
             raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.max_consecutive_skipped_iterations < 0:
+            raise ValueError(f"--max-consecutive-skipped-iterations must be >= 0 (0 disables), "
+                             f"got {self.max_consecutive_skipped_iterations}")
 
     def num_micro_batches(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per iteration: global / (micro x DP), validated exactly."""
@@ -340,11 +392,14 @@ class RunConfig:
             raise ValueError(f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
                              "--deepspeed yet; use the native path or "
                              "--pipeline-model-parallel-size 1")
-        if (self.precision.fp16 or self.precision.bf16) and not self.deepspeed.enabled:
-            raise ValueError(
-                "--fp16/--bf16 need --deepspeed for now: the native path trains in fp32 (its "
-                "mixed-precision optimizer wrapper is not built yet); drop the flag, or add "
-                "--deepspeed --deepspeed_config ds_configs/zero2_fp16.json (or zero2_bf16.json)")
+        half = self.precision.fp16 or self.precision.bf16
+        if m.fp16_lm_cross_entropy and not half:
+            raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
+                             "fp32 otherwise); drop it or pick a half precision")
+        if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
+            raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
+                             "--deepspeed set the gradient accumulation dtype in the JSON "
+                             "(data_types.grad_accum_dtype) and drop the flag")
         if m.params_dtype != self.precision.params_dtype:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")

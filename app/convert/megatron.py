@@ -19,6 +19,7 @@ import torch
 from app.convert import layout
 from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
                                cast_weights)
+from app.optim.mixed_precision import is_mixed_state
 from app.training import checkpoint as ckpt
 from app.utils.dtypes import torch_dtype
 
@@ -69,8 +70,15 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
     if args is None:
         raise ckpt.CheckpointError(f"{ckpt.checkpoint_dir(load_dir, iteration)} has no 'args': its "
                                    "model shape is unknown, so it cannot be converted")
-    flat = {key: ckpt.from_megatron_model(state["model"]) for key, state in files.items()}
-    weights = merge_ranks(args, {k: v for k, v in flat.items()}, tp, pp, "weights")
+    flat = {}
+    for key, state in files.items():
+        flat[key] = ckpt.from_megatron_model(state["model"])
+        main = ckpt.fp32_main_weights(state)  # mixed precision: the exact fp32 weights
+        if main:
+            flat[key].update({n: v for n, v in main.items() if n in flat[key]})
+    if any(ckpt.fp32_main_weights(state) for state in files.values()):
+        logger.info("mixed-precision checkpoint: reading the fp32 main weights of its optimizer")
+    weights = merge_ranks(args, flat, tp, pp, "weights")
     result = ModelCheckpoint(args=copy.copy(args), weights=weights, iteration=iteration,
                              source_layout=(tp, pp),
                              rng_states={k: s["rng_state"] for k, s in files.items()
@@ -78,6 +86,8 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
     if include_optimizer:
         result.optimizer = _read_optimizer(args, files, tp, pp, load_dir)
         result.lr_scheduler = files[(0, 0)].get("lr_scheduler")
+        saved = files[(0, 0)].get("optimizer") or {}
+        result.optimizer.grad_scaler = saved.get("grad_scaler") if is_mixed_state(saved) else None
     return result
 
 
@@ -120,6 +130,8 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
     hparams: Dict[str, Dict[str, Any]] = {}
     for (tp_rank, stage), state in files.items():
         opt = state.get("optimizer")
+        if is_mixed_state(opt):  # Megatron's Float16Optimizer layout: AdamW's state inside
+            opt = opt["optimizer"]
         if opt is None:
             raise ckpt.CheckpointError(f"--include-optimizer: {load_dir} (tp {tp_rank}, pp {stage}) "
                                        "has no optimizer state (saved with --no-save-optim?)")
@@ -205,13 +217,16 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
     if heads % tp:
         raise layout.LayoutError(f"num_attention_heads ({heads}) is not divisible by the target "
                                  f"tensor-parallel size ({tp})")
-    dtype = torch_dtype(dtype_name) if dtype_name else source.weights[layout.WORD_EMBEDDINGS].dtype
+    saved_dtype = getattr(source.args, "params_dtype", None)
+    dtype = (torch_dtype(dtype_name) if dtype_name else saved_dtype
+             if isinstance(saved_dtype, torch.dtype) else source.weights[layout.WORD_EMBEDDINGS].dtype)
     iteration = "release" if iteration is None else iteration
     rows = target_padded_vocab(source.args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
     vocab_size = getattr(source.args, "vocab_size", None)
     weights = dict(source.weights)
     weights[layout.WORD_EMBEDDINGS] = layout.resize_vocab(
         weights[layout.WORD_EMBEDDINGS], rows, vocab_size, layout.WORD_EMBEDDINGS)
+    full_precision = dict(weights, **{layout.TIED_HEAD: weights[layout.WORD_EMBEDDINGS]})
     weights = cast_weights(weights, dtype)
     weights[layout.TIED_HEAD] = weights[layout.WORD_EMBEDDINGS]
     opt = source.optimizer if include_optimizer else None
@@ -227,6 +242,8 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
             for tensor in flat.values():
                 progress.add(tensor)
             optimizer = _optimizer_shard(opt, names, tp, tp_rank, rows, vocab_size) if opt else None
+            if optimizer is not None and dtype != torch.float32:  # keep the fp32 main weights
+                optimizer = _mixed_state(optimizer, full_precision, names, tp, tp_rank, opt)
             state = ckpt.build_checkpoint_dict(
                 iteration, flat, optimizer, source.lr_scheduler if opt else None,
                 _rng_for(source, tp_rank, stage, pp) if opt else None, args)
@@ -268,6 +285,17 @@ def _optimizer_shard(opt: OptimizerState, names: List[str], tp: int, tp_rank: in
         hparams["name"] = group_name
         param_groups.append({**hparams, "params": indices})
     return {"state": state, "param_groups": param_groups}
+
+
+def _mixed_state(adam: Dict[str, Any], full: Dict[str, torch.Tensor], names: List[str], tp: int,
+                 tp_rank: int, opt: OptimizerState) -> Dict[str, Any]:
+    """Megatron's Float16Optimizer layout (what a native fp16/bf16 run saves): AdamW's state,
+    the loss scaler's, and the fp32 main weights with their names, per param group."""
+    groups = [g for g in (layout.optimizer_groups(names)[k] for k in ("decay", "no_decay")) if g]
+    mains = [[layout.split_tensor(full[n].float(), n, tp)[tp_rank] for n in group]
+             for group in groups]
+    return {"optimizer": adam, "grad_scaler": opt.grad_scaler, "fp32_from_fp16_params": mains,
+            "param_names": groups}
 
 
 def _rng_for(source: ModelCheckpoint, tp_rank: int, stage: int, pp: int) -> Optional[Any]:

@@ -23,10 +23,13 @@ Iteration = Union[int, str]
 class OptimizerState:
     """Adam state of the whole model, unsharded: per parameter name its `exp_avg`,
     `exp_avg_sq` (full shape, fp32) and `step`; the hyper-parameters of the two param groups
-    ('decay', 'no_decay') as the torch optimizer stores them, without their 'params'."""
+    ('decay', 'no_decay') as the torch optimizer stores them, without their 'params'; and the
+    loss scaler's state when the source trained in fp16/bf16."""
 
     per_param: Dict[str, Dict[str, torch.Tensor]]
     group_hparams: Dict[str, Dict[str, Any]]
+    grad_scaler: Optional[Dict[str, Any]] = None
+    """The loss scaler's state of a mixed-precision run (kept for a half-precision target)."""
 
 
 @dataclass

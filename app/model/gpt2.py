@@ -84,9 +84,21 @@ class ParamInit:
         return normal_init(self.output_std, self.seed, global_name)
 
 
+class MixedPrecisionLayerNorm(nn.LayerNorm):
+    """LayerNorm whose statistics and affine transform run in fp32 for fp16/bf16 inputs and
+    weights (Megatron's MixedFusedLayerNorm numerics); the output has the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return super().forward(x)
+        out = F.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
+                           self.bias.float(), self.eps)
+        return out.to(x.dtype)
+
+
 def _layer_norm(config: ModelConfig, dtype: torch.dtype) -> nn.LayerNorm:
     """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks."""
-    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype)
+    norm = MixedPrecisionLayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype)
     for param in norm.parameters():
         param.tensor_model_parallel = False
         param.partition_dim = -1
@@ -135,7 +147,7 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
-                 prefix: str) -> None:
+                 prefix: str, layer_number: int = 0) -> None:
         super().__init__()
         tp = parallel_state.tensor_model_parallel_size
         self.heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads",
@@ -143,6 +155,11 @@ class ParallelAttention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout_p = config.attention_dropout
         self.masked_softmax_fusion = config.masked_softmax_fusion
+        # --apply-query-key-layer-scaling: scores / (sqrt(hd) * n), multiplied back by n inside
+        # an fp32 softmax (Megatron's fp16 overflow guard; n = 1-based layer number)
+        self.qk_coeff = float(layer_number + 1) if config.apply_query_key_layer_scaling else 1.0
+        self.softmax_in_fp32 = (config.attention_softmax_in_fp32
+                                or config.apply_query_key_layer_scaling)
         dtype = torch_dtype(config.params_dtype)
         h = config.hidden_size
         self.query_key_value = ColumnParallelLinear(
@@ -186,8 +203,13 @@ class ParallelAttention(nn.Module):
                                  "keys need an explicit attention mask")
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
         scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s_q, s_k]
-        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.qk_coeff != 1.0:  # --apply-query-key-layer-scaling
+            scores = scores / (math.sqrt(self.head_dim) * self.qk_coeff)
+            scale = self.qk_coeff
+        else:
+            scale = 1.0 / math.sqrt(self.head_dim)
         probs = fused.scale_mask_softmax(scores, attention_mask, scale,
+                                         softmax_in_fp32=self.softmax_in_fp32,
                                          use_kernel=self.masked_softmax_fusion)  # [b, n, s_q, s_k]
         probs = _dropout(probs, dropout_p, True)
         return torch.matmul(probs, v)  # [b, n, s, hd]
@@ -234,7 +256,8 @@ class ParallelTransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.dropout_p = config.hidden_dropout
         self.input_layernorm = _layer_norm(config, dtype)
-        self.attention = ParallelAttention(config, parallel_state, init, f"{prefix}.attention")
+        self.attention = ParallelAttention(config, parallel_state, init, f"{prefix}.attention",
+                                           layer_number)
         self.post_attention_layernorm = _layer_norm(config, dtype)
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
@@ -386,24 +409,28 @@ class GPT2Model(nn.Module):
         hidden = copy_to_tensor_model_parallel_region(hidden, self.parallel_state)
         logits = F.linear(hidden, self.word_embeddings_weight())  # [b, s, V/tp]
         if labels is None:
-            return logits
-        return lm_loss(logits, labels, self.parallel_state)  # [b, s] fp32
+            return logits.float()  # callers get fp32 logits whatever the weights' dtype
+        return lm_loss(logits, labels, self.parallel_state,
+                       in_fp32=not self.config.fp16_lm_cross_entropy)  # [b, s]
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor,
-            parallel_state: ParallelState) -> torch.Tensor:
-    """Per-token fp32 cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, parallel_state: ParallelState,
+            in_fp32: bool = True) -> torch.Tensor:
+    """Per-token cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
 
-    With one tensor-parallel rank the logits are the whole vocabulary and PyTorch's row-fused
-    `F.cross_entropy` gives the same values as `vocab_parallel_cross_entropy` with fewer passes
-    over the [b*s, V] tensor (~6% faster LM head on CPU); otherwise the vocab-parallel version.
+    In fp32 (the logits upcast) unless `in_fp32` is False (--fp16-lm-cross-entropy: the
+    logits' own dtype; the loss is returned in fp32 either way). With one tensor-parallel rank
+    the logits are the whole vocabulary and PyTorch's row-fused `F.cross_entropy` gives the
+    same values as `vocab_parallel_cross_entropy` with fewer passes over the [b*s, V] tensor
+    (~6% faster LM head on CPU); otherwise the vocab-parallel version.
     """
-    logits = logits.float()
+    if in_fp32:
+        logits = logits.float()
     if parallel_state.tensor_model_parallel_size == 1:
         b, s, vocab = logits.shape
         return F.cross_entropy(logits.view(b * s, vocab), labels.reshape(b * s),
-                               reduction="none").view(b, s)
-    return vocab_parallel_cross_entropy(logits, labels, parallel_state)
+                               reduction="none").view(b, s).float()
+    return vocab_parallel_cross_entropy(logits, labels, parallel_state).float()
 
 
 def _check_layer_range(layer_range: Optional[Tuple[int, int]], num_layers: int) -> Tuple[int, int]:

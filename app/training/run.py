@@ -20,6 +20,7 @@ from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
 from app.mpu.random import model_parallel_seed
 from app.optim import OptimizerParamScheduler, build_optimizer
+from app.optim.mixed_precision import build_precision_optimizer
 from app.training.engine import Engine
 from app.training.trainer import RunState, Trainer
 
@@ -59,13 +60,15 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Paralle
 
     DeepSpeed is imported only when asked for, inside app.training.deepspeed_engine.
     """
-    optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
-    if cfg.deepspeed.enabled:
+    if cfg.deepspeed.enabled:  # DeepSpeed brings its own fp16/bf16 optimizer wrapping ours
         from app.training.deepspeed_engine import DeepSpeedEngineAdapter
+        optimizer = build_optimizer(model, cfg.optimizer)
+        scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
         return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state)
     from app.training.native_engine import NativeEngine
-    return NativeEngine(cfg, model, optimizer, scheduler, parallel_state)
+    wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision)
+    scheduler = OptimizerParamScheduler(wrapper, cfg.optimizer)
+    return NativeEngine(cfg, model, wrapper, scheduler, parallel_state)
 
 
 @dataclass
