@@ -49,6 +49,8 @@ def model_config(args: argparse.Namespace, padded_vocab: int) -> ModelConfig:
         hidden_dropout=0.0, attention_dropout=0.0,
         layernorm_epsilon=float(getattr(args, "layernorm_epsilon", 1e-5)),
         openai_gelu=bool(getattr(args, "openai_gelu", False)),
+        attention_softmax_in_fp32=bool(getattr(args, "attention_softmax_in_fp32", False)),
+        apply_query_key_layer_scaling=bool(getattr(args, "apply_query_key_layer_scaling", False)),
         params_dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32")
 
 
