@@ -36,9 +36,10 @@ class GenerationParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_beams < 1:
             raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
-        if self.num_beams > 1 and not self.sampling.greedy and (
-                self.sampling.top_k or self.sampling.top_p):
-            raise ValueError("beam search does not sample: drop top_k/top_p or use num_beams 1")
+        s = self.sampling
+        if self.num_beams > 1 and (s.top_k > 1 or s.top_p > 0.0 or s.temperature != 1.0):
+            raise ValueError("beam search does not sample: drop top_k/top_p/temperature or use "
+                             "num_beams 1")
 
 
 def resolve_layout(load: str, world_size: int, tp: Optional[int], pp: Optional[int]):

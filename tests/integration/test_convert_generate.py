@@ -401,14 +401,17 @@ def test_http_server_generates_and_rejects_bad_requests(runs):
         sampled = {"prompts": ["x = "], "tokens_to_generate": 8, "top_p": 0.9, "temperature": 0.9,
                    "random_seed": 7}
         assert call(sampled, "POST")[1]["generated_tokens"] == call(sampled)[1]["generated_tokens"]
-        bad = [(None, b"{not json"), ({"prompts": "x"}, None), ({"prompts": ["x"], "foo": 1}, None),
-               ({"prompts": ["x"], "top_p": 1.5}, None), ({"prompts": ["x"], "temperature": 0}, None),
-               ({"prompts": ["x"], "tokens_to_generate": "5"}, None),
-               ({"prompts": ["x " * 40], "tokens_to_generate": 4}, None),
-               ({"prompts": ["a"] * 5}, None), ({"prompts": ["x"], "beam_width": 2, "top_k": 5}, None)]
-        for body_, raw in bad:
+        short = {"prompts": ["x"], "tokens_to_generate": 2}
+        bad = [(None, b"{not json", "not valid JSON"), ({"prompts": "x"}, None, "prompts"),
+               ({**short, "foo": 1}, None, "unknown field 'foo'"),
+               ({**short, "top_p": 1.5}, None, "top_p"), ({**short, "temperature": 0}, None, "temperature"),
+               ({**short, "tokens_to_generate": "5"}, None, "tokens_to_generate"),
+               ({"prompts": ["x " * 40], "tokens_to_generate": 4}, None, "positions"),
+               ({**short, "prompts": ["a"] * 5}, None, "batch limit"),
+               ({**short, "beam_width": 2, "top_k": 5}, None, "beam search")]
+        for body_, raw, why in bad:
             status, reply = call(body_, raw=raw)
-            assert status == 400 and reply["error"], (body_, raw, reply)
+            assert status == 400 and why in reply["error"], (body_, raw, reply)
         status, body = call({"prompts": ["def"], "tokens_to_generate": 3, "beam_width": 2})
         assert status == 200 and body["text"][0].startswith("def")
     finally:
