@@ -76,7 +76,7 @@ def zero2_dp2_run(tiny_corpus, tmp_path_factory):
     from tests.integration.launch_utils import ROOT, torchrun
     tmp = tmp_path_factory.mktemp("zero2_dp2")
     torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *ZERO2_DP2_ARGS, "--deepspeed", "--deepspeed_config",
-                              os.path.join(ROOT, "ds_configs", "zero2_fp32.json"),
+                              os.path.join(ROOT, "ds_configs", "zero2.json"),
                               "--save", str(tmp / "ck"), "--metrics-file",
                               str(tmp / "straight.jsonl")), tmp)
     return tmp

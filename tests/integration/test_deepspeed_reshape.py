@@ -9,7 +9,7 @@ import sys
 from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
 from tests.integration.launch_utils import ROOT, assert_close_curves, run, torchrun, train_curve
 
-ZERO2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2_fp32.json")]
+ZERO2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json")]
 COMMON = ZERO2_DP2_ARGS
 
 
