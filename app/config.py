@@ -379,10 +379,15 @@ class DeepSpeedConfig:
     """--deepspeed-activation-checkpointing: use deepspeed.checkpointing instead of ours."""
     mpi: bool = False
     """--deepspeed_mpi: discover ranks through mpi4py."""
+    universal_checkpoint: bool = False
+    """--universal-checkpoint: --load names a DeepSpeed universal checkpoint (any DP/TP size)."""
 
     def __post_init__(self) -> None:
         if self.enabled and not self.config_path:
             raise ValueError("--deepspeed needs --deepspeed_config <path to JSON> (see ds_configs/)")
+        if self.universal_checkpoint and not self.enabled:
+            raise ValueError("--universal-checkpoint needs --deepspeed (a DeepSpeed universal "
+                             "checkpoint); for Megatron checkpoints use tools/convert_checkpoint.py")
 
 
 @dataclass
