@@ -83,8 +83,9 @@ def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-build-dir", type=str, default=None,
                    help="kernel build cache (default $APP_KERNELS_BUILD_DIR or "
                         "~/.cache/app_kernels)")
-    g.add_argument("--kernel-build-timeout", type=float, default=900.0,
-                   help="seconds a kernel build may take before falling back to PyTorch")
+    g.add_argument("--kernel-build-timeout", type=float, default=300.0,
+                   help="seconds a kernel build may take before falling back to PyTorch "
+                        "(below the process-group timeout)")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -235,7 +236,7 @@ def _add_preflight_args(parser: argparse.ArgumentParser) -> None:
 def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
     """DeepSpeed's own flags (from deepspeed when it imports) plus ours for the DeepSpeed path."""
     try:
-        import deepspeed  # lazy: importing it is slow and it is optional on the native path
+        import deepspeed  # by design (deepspeed.add_config_arguments): DeepSpeed's own flags
         deepspeed.add_config_arguments(parser)
     except Exception:  # noqa: BLE001 (not installed, or broken on this machine: same flags)
         g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
@@ -377,8 +378,6 @@ def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingCon
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-    if decay_iters <= 0:
-        raise ValueError(f"--lr-decay-iters must be positive, got {decay_iters}")
     return OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_decay_iters=decay_iters, lr_warmup_iters=_warmup_iters(args, decay_iters),

@@ -420,9 +420,10 @@ class KernelConfig:
     build_dir: Optional[str] = None
     """--kernel-build-dir: cache of built kernels; None means $APP_KERNELS_BUILD_DIR or
     ~/.cache/app_kernels."""
-    build_timeout: float = 900.0
-    """--kernel-build-timeout: seconds a build (or the wait for local rank 0's build) may take
-    before the run falls back to PyTorch."""
+    build_timeout: float = 300.0
+    """--kernel-build-timeout: seconds local rank 0 may spend on the build (waiting for another
+    node's build included) before the run falls back to PyTorch; must stay below the
+    process-group timeout, since the other ranks wait for it in the first collective."""
 
     def __post_init__(self) -> None:
         _positive(self, (("build_timeout", "--kernel-build-timeout"),))
@@ -480,6 +481,21 @@ class RunConfig:
         if m.params_dtype != self.precision.params_dtype:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
+        self._check_kernel_build_timeout()
+
+    def _check_kernel_build_timeout(self) -> None:
+        """Ranks that do not build wait for the builder in the first collective after the build
+        (app.kernels.agree_across_ranks), so the build must end within the process-group
+        timeout. Checked when several ranks run (one rank has no one waiting for it)."""
+        # --distributed-timeout-minutes (ParallelConfig.distributed_timeout_minutes) comes with
+        # issue 14a; until then init_distributed's process group has a fixed 10 minutes
+        minutes = getattr(self.parallel, "distributed_timeout_minutes", 10.0)
+        build_s = self.kernels.build_timeout
+        if self.parallel.world_size > 1 and build_s >= minutes * 60:
+            raise ValueError(f"--kernel-build-timeout ({build_s:g} s) must be below "
+                             f"--distributed-timeout-minutes ({minutes:g} min = "
+                             f"{minutes * 60:g} s): the other ranks wait for the kernel build in "
+                             "a collective; lower the first or raise the second")
 
 
 def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
