@@ -147,9 +147,9 @@ def test_nonfinite_run_over_a_save_point_fits_the_data_allowance(tmp_path, caplo
     assert trainer.state.iteration == 30 and trainer.state.consumed_train_samples == 30 * 4 + 24
 
 
-def test_short_validation_data_is_an_error_before_the_first_iteration():
+def test_short_validation_data_is_an_error_before_the_first_iteration(tmp_path):
     """Evaluations at 10, 20, 30 of one global batch each need 12 validation samples."""
-    cfg = arguments.config_from_argv([*SPIKE_ARGS, "--save", "x", "--eval-iters", "1",
+    cfg = arguments.config_from_argv([*SPIKE_ARGS, "--save", str(tmp_path), "--eval-iters", "1",
                                       "--eval-interval", "10"], 1, VOCAB)
     trainer = build_run(cfg, 1, torch.device("cpu")).attach_trainer(
         (RandomTokens(200, 16, VOCAB), RandomTokens(11, 16, VOCAB), None), eod=0)
