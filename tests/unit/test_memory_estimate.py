@@ -106,10 +106,23 @@ def test_pipeline_estimate_is_the_larger_of_the_first_and_the_last_stage(vocab):
     assert (est.activations == est.stages[1].bytes(b, 4)) == (vocab == 8000)
 
 
-def test_model_states_match_the_engines_tensors_after_a_step():
+def test_model_states_match_the_engines_tensors_after_a_step(monkeypatch):
     """Native fp32, bf16 and fp16 (half gradients cast to fp32 and freed one by one), and
     DeepSpeed ZeRO-2 (one rank): weights, gradients and optimizer states equal the engine's
     tensors exactly; ZeRO-2's reduce bucket equals the buffer DeepSpeed allocates."""
+    import torch.distributed as dist
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)  # DeepSpeed's one-rank start-up exports these
+    try:
+        _check_states_against_engines()
+    finally:
+        if dist.is_initialized():  # DeepSpeed's one-rank group must not leak into other tests
+            dist.destroy_process_group()
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(key, raising=False)
+
+
+def _check_states_against_engines():
     from app.testing.synthetic import build_synthetic_run
     for extra in ((), ("--bf16",), ("--fp16", "--initial-loss-scale", "4096"),  # step applied
                   ("--deepspeed", "--deepspeed_config", "ds_configs/zero2.json")):
