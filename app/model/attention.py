@@ -18,7 +18,7 @@ Megatron-layout weight from its seed either way, so the model is the same at any
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -32,6 +32,20 @@ from app.mpu.mappings import sum_gradient_over_tensor_parallel
 from app.mpu.parallel_state import ParallelState
 from app.mpu.utils import divide
 from app.utils.dtypes import torch_dtype
+
+
+class InferenceCache(Protocol):
+    """Key/value cache for incremental decoding (app.inference.kv_cache.KVCache implements it).
+
+    `offset` is the number of tokens already cached. `append(layer_number, k, v)` stores this
+    step's keys/values [b, kv heads/tp, s, hd] of a layer after those already cached and
+    returns all of them [b, kv heads/tp, cached + s, hd].
+    """
+
+    offset: int
+
+    def append(self, layer_number: int, key: torch.Tensor,
+               value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def heads_per_partition(num_heads: int, num_kv_heads: int, tp: int) -> Tuple[int, int]:
@@ -76,13 +90,15 @@ class ParallelAttention(nn.Module):
     [b, s/tp, h] with sequence parallelism); the output projection's bias is returned, not
     added, for the caller's bias+dropout+add.
 
-    forward(x, attention_mask, rotary): `attention_mask` is None (plain causal), a bool mask
-    [b or 1, 1, s, s] with True = masked out, or a float additive bias [b or 1, heads/tp, s, s]
-    with the masked positions already at the dtype's minimum (ALiBi); `fused.attention` picks
-    SDPA or q k^T + fused softmax (config.attention_impl). `rotary` (cos, sin)
-    tables rotate queries and keys (RoPE). Attention dropout runs inside the model-parallel RNG
-    fork, since each rank's heads differ. With selective recompute the attention core
-    (QK^T, softmax, dropout, AV) is recomputed in backward instead of keeping its activations.
+    forward(x, attention_mask, rotary, inference_cache): `attention_mask` is None (plain
+    causal), a bool mask [b or 1, 1, s_q, s_k] with True = masked out, or a float additive bias
+    [b or 1, heads/tp, s_q, s_k] with the masked positions already at the dtype's minimum
+    (ALiBi); `fused.attention` picks SDPA or q k^T + fused softmax (config.attention_impl).
+    `rotary` (cos, sin) tables rotate queries and keys (RoPE) before an `inference_cache`
+    (incremental decoding) stores the keys and values and returns the cached ones too.
+    Attention dropout runs inside the model-parallel RNG fork, since each rank's heads differ.
+    With selective recompute the attention core (QK^T, softmax, dropout, AV) is recomputed in
+    backward instead of keeping its activations.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, qkv_init: InitMethod,
@@ -90,6 +106,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         tp, rank = parallel_state.tensor_model_parallel_size, parallel_state.tensor_model_parallel_rank
         nh, ng, hd = config.num_attention_heads, config.num_kv_heads, config.head_dim
+        self.layer_number = layer_number
         self.heads, self.kv_heads = heads_per_partition(nh, ng, tp)
         self.head_dim = hd
         self.dropout_p = config.attention_dropout
@@ -120,7 +137,9 @@ class ParallelAttention(nn.Module):
             sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary: Optional[RotaryTables] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                rotary: Optional[RotaryTables] = None,
+                inference_cache: Optional[InferenceCache] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
         qkv = self.query_key_value(x)  # [b, s, (nh + 2 ng) hd / tp], full sequence
         b, s = qkv.shape[:2]
         per_group = self.heads // self.kv_heads
@@ -132,6 +151,8 @@ class ParallelAttention(nn.Module):
         v = v.squeeze(3).transpose(1, 2)  # [b, ng/tp, s, hd]
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        if inference_cache is not None:  # keys/values of earlier steps come first
+            k, v = inference_cache.append(self.layer_number, k, v)  # [b, ng/tp, past + s, hd]
         dropout_p = self.dropout_p if self.training else 0.0
         if self.selective_recompute and self.training and torch.is_grad_enabled():
             # q, k, v hold this rank's heads: never partitioned over TP (DeepSpeed's option)
@@ -153,7 +174,16 @@ class ParallelAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd) (+ bias), masked) v with dropout on the probabilities."""
+        """softmax(q k^T / sqrt(hd) (+ bias), masked) v with dropout on the probabilities.
+
+        Without a mask, s_q == s_k is plain causal; queries after cached keys (decoding with an
+        inference cache) get the bottom-right causal mask: query i sees keys 0..s_k - s_q + i.
+        """
+        s_q, s_k = q.shape[2], k.shape[2]
+        if attention_mask is None and s_q != s_k:
+            rows = torch.arange(s_q, device=q.device).unsqueeze(1) + (s_k - s_q)
+            attention_mask = torch.arange(s_k, device=q.device).unsqueeze(0) > rows  # [s_q, s_k]
+            attention_mask = attention_mask.view(1, 1, s_q, s_k)
         return fused.attention(q, k, v, attention_mask, dropout_p, self.attention_impl,
                                self.masked_softmax_fusion, qk_coeff=self.qk_coeff,
                                softmax_in_fp32=self.softmax_in_fp32)  # [b, nh/tp, s, hd]

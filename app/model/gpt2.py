@@ -33,7 +33,7 @@ from torch import nn
 
 from app.config import ModelConfig
 from app.model import fused
-from app.model.attention import ParallelAttention
+from app.model.attention import InferenceCache, ParallelAttention
 from app.model.positions import RotaryEmbedding, RotaryTables, alibi_bias, alibi_slopes
 from app.mpu import random as mpu_random
 from app.mpu.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -212,9 +212,10 @@ class ParallelTransformerLayer(nn.Module):
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-        attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask,
-                                         rotary)  # [b, s, h], [h]
+                rotary: Optional[RotaryTables] = None,
+                inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
+        attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask, rotary,
+                                         inference_cache)  # [b, s, h], [h]
         with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
             x = fused.bias_dropout_add(attn, attn_bias, x, self.dropout_p, self.training,
                                        self.bias_dropout_fusion)  # [b, s, h]
@@ -251,18 +252,20 @@ class ParallelTransformer(nn.Module):
             self.final_layernorm = None
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-        for chunk, recompute in self._chunks():
-            run = _ChunkForward(chunk, attention_mask, rotary)
+                rotary: Optional[RotaryTables] = None,
+                inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
+        for chunk, recompute in self._chunks(inference_cache is None):
+            run = _ChunkForward(chunk, attention_mask, rotary, inference_cache)
             hidden = mpu_random.checkpoint(run, hidden) if recompute else run(hidden)  # [b, s, h]
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden
 
-    def _chunks(self) -> List[Tuple[List[nn.Module], bool]]:
+    def _chunks(self, may_recompute: bool) -> List[Tuple[List[nn.Module], bool]]:
         """This forward's layers as (consecutive layers, recompute them?) pairs."""
         layers: List[nn.Module] = list(self.layers.values())
-        if not (self.recompute_full and self.training and torch.is_grad_enabled()):
+        if not (may_recompute and self.recompute_full and self.training
+                and torch.is_grad_enabled()):
             return [(layers, False)]
         n = self.recompute_num_layers
         if self.recompute_method == "uniform":
@@ -271,15 +274,18 @@ class ParallelTransformer(nn.Module):
 
 
 class _ChunkForward:
-    """Runs a chunk of layers with a fixed mask and RoPE tables: what full recompute reruns."""
+    """Runs a chunk of layers with a fixed mask, RoPE tables and inference cache: what full
+    recompute reruns (never with a cache)."""
 
     def __init__(self, layers: Sequence[nn.Module], attention_mask: Optional[torch.Tensor],
-                 rotary: Optional[RotaryTables]) -> None:
+                 rotary: Optional[RotaryTables],
+                 inference_cache: Optional[InferenceCache] = None) -> None:
         self.layers, self.attention_mask, self.rotary = layers, attention_mask, rotary
+        self.inference_cache = inference_cache
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            hidden = layer(hidden, self.attention_mask, self.rotary)
+            hidden = layer(hidden, self.attention_mask, self.rotary, self.inference_cache)
         return hidden
 
 
@@ -305,7 +311,8 @@ class TransformerLanguageModel(nn.Module):
 class GPT2Model(nn.Module):
     """GPT-2 (Megatron-LM), or one pipeline stage of it when pre_process/post_process are False.
 
-    forward(input_ids [b, s], position_ids [b, s], attention_mask=None, labels=None):
+    forward(input_ids [b, s], position_ids [b, s], attention_mask=None, labels=None,
+    inference_cache=None):
     - with `post_process` and `labels`: per-token loss [b, s] fp32 (no reduction, no loss mask);
     - with `post_process`, no labels: logits [b, s, V/tp] (this rank's vocab shard);
     - without `post_process`: hidden states [b, s, h] ([b, s/tp, h] with sequence parallelism)
@@ -318,6 +325,8 @@ class GPT2Model(nn.Module):
     embedding, its own `word_embeddings.weight` initialised to the same values (flag
     `shared = True`; the pipeline keeps the two equal by all-reducing their gradients over the
     embedding group, see `shared_embedding_weight`).
+    With an `inference_cache` (incremental decoding) the inputs are the new tokens only, their
+    `position_ids` follow the cached ones, and each layer attends to its cached keys too.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *,
@@ -384,7 +393,8 @@ class GPT2Model(nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor],
                 position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
         if position_ids is None and input_ids is not None:
             seq = torch.arange(input_ids.shape[1], device=input_ids.device)
             position_ids = seq.unsqueeze(0)  # [1, s], broadcast over the batch
@@ -397,9 +407,12 @@ class GPT2Model(nn.Module):
             hidden = self.input_tensor
         rotary = self.rotary(position_ids) if self.rotary is not None else None
         if self.alibi_slopes is not None:  # the mask folded into one additive bias
-            attention_mask = alibi_bias(self.alibi_slopes, position_ids, attention_mask,
-                                        hidden.dtype)  # [b, nh/tp, s, s]
-        hidden = self.language_model.transformer(hidden, attention_mask, rotary)  # [b, s, h]
+            s_q = position_ids.shape[-1]
+            cached = inference_cache.offset if inference_cache is not None else 0
+            attention_mask = alibi_bias(self.alibi_slopes, s_q, cached + s_q, attention_mask,
+                                        hidden.dtype)  # [b or 1, nh/tp, s_q, s_k]
+        hidden = self.language_model.transformer(hidden, attention_mask, rotary,
+                                                 inference_cache)  # [b, s, h]
         if not self.post_process:
             return hidden
         logits = self._logits(hidden)  # [b, s, V/tp]

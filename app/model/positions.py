@@ -13,7 +13,7 @@ theta_i = base^(-2i / rotary_dim):
 The other head_dim - rotary_dim channels pass through (`--rotary-percent` < 1).
 
 ALiBi (Press et al. 2022, "Train Short, Test Long"): head n adds -m_n * (i - j) to the
-attention score of query position i and key position j, with the slopes m_n a geometric
+attention score of query index i and key index j, with the slopes m_n a geometric
 sequence starting at 2^(-8/H) for H heads (for H not a power of two: the slopes of the closest
 power of two below H, then every other slope of twice that many).
 """
@@ -72,19 +72,23 @@ def alibi_slopes(num_heads: int) -> List[float]:
     return slopes
 
 
-def alibi_bias(slopes: torch.Tensor, position_ids: torch.Tensor,
+def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int,
                attention_mask: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Additive attention bias [b or 1, heads, s, s]: -m_n (p_i - p_j), with masked positions
-    (the causal future, and `attention_mask` True entries when given) at dtype's minimum.
+    """Additive attention bias [b or 1, heads, s_q, s_k]: -m_n (i - j) for query index i and
+    key index j, with masked entries (the causal future, and `attention_mask` True entries when
+    given) at dtype's minimum.
 
-    `slopes` [heads] are this rank's heads' slopes; `position_ids` [b or 1, s]; the bias is
-    computed in fp32 and cast to `dtype` (the attention scores' dtype).
+    The queries are the last `query_length` of `key_length` positions (s_q < s_k when decoding
+    after cached keys), so query i sits at index s_k - s_q + i. Distances are sequence offsets,
+    as in the paper (documents split by --reset-attention-mask are masked apart anyway).
+    `slopes` [heads] are this rank's heads' slopes; the bias is computed in fp32 and cast to
+    `dtype` (the attention scores' dtype).
     """
-    pos = position_ids.float()
-    distance = pos.unsqueeze(-1) - pos.unsqueeze(-2)  # [b, s(query), s(key)]
-    bias = -slopes.float().view(1, -1, 1, 1) * distance.unsqueeze(1)  # [b, n, s, s]
-    s = position_ids.shape[-1]
-    masked = torch.ones(s, s, dtype=torch.bool, device=bias.device).triu(1)  # [s, s] future
+    device = slopes.device
+    rows = torch.arange(query_length, device=device) + (key_length - query_length)
+    distance = (rows.unsqueeze(1) - torch.arange(key_length, device=device)).float()  # [s_q, s_k]
+    bias = -slopes.float().view(1, -1, 1, 1) * distance  # [1, n, s_q, s_k]
+    masked = distance < 0  # the future
     if attention_mask is not None:
-        masked = masked | attention_mask  # [b or 1, 1, s, s]
+        masked = masked | attention_mask  # [b or 1, 1, s_q, s_k]
     return bias.masked_fill(masked, torch.finfo(dtype).min).to(dtype)

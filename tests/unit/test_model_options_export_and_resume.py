@@ -73,3 +73,40 @@ def test_resume_with_other_model_options_is_refused(tmp_path, saved, loaded, fie
         other["engine"].load_checkpoint(str(tmp_path))
     same = build_synthetic_run(_cfg(*saved), 8)
     assert same["engine"].load_checkpoint(str(tmp_path)).iteration == 1
+
+
+OPTIONS = ["--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups",
+           "2", "--untie-embeddings-and-output-weights"]
+
+
+def test_saved_args_give_the_same_blockers_and_the_converter_refuses(tmp_path):
+    """The converter refuses to reshard or export a checkpoint with these options (naming each);
+    inference at the saved layout builds the same model from the saved args."""
+    import torch
+    from app.convert.hf_gpt2 import write_hf_dir
+    from app.convert.layout import LayoutError
+    from app.convert.megatron import read_megatron
+    from app.convert.state import ModelCheckpoint
+    from app.inference.runner import load_model
+    from app.model.hf_compat import checkpoint_args_blockers
+    from app.mpu.parallel_state import ParallelState
+    cfg = _cfg(*OPTIONS)
+    args = ckpt.checkpoint_args_namespace(cfg, 0, 0, 0)
+    assert checkpoint_args_blockers(args) == gpt2_export_blockers(cfg.model)
+    plain = ckpt.checkpoint_args_namespace(_cfg(), 0, 0, 0)
+    assert checkpoint_args_blockers(plain) == []
+    run = build_synthetic_run(cfg, 8)
+    run["engine"].save_checkpoint(str(tmp_path), 1, {"iteration": 1, "consumed_train_samples": 2,
+                                                     "consumed_valid_samples": 0})
+    with pytest.raises(ckpt.CheckpointError) as info:
+        read_megatron(str(tmp_path))
+    for flag in ("--position-embedding-type rope", "--num-query-groups 2",
+                 "--untie-embeddings-and-output-weights", "saved with"):
+        assert flag in str(info.value)
+    with pytest.raises(LayoutError, match="Hugging Face GPT-2.*--position-embedding-type rope"):
+        write_hf_dir(ModelCheckpoint(args=args, weights={}), str(tmp_path / "hf"))
+    loaded = load_model(str(tmp_path), ParallelState.single()).model
+    ids = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    run["model"].eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, None), run["model"](ids, None))

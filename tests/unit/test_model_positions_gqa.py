@@ -58,8 +58,8 @@ def reference_attention(x, attention, cfg: ModelConfig, positions, mask=None):
             q = rope_reference(q, positions, cfg.rotary_dim, cfg.rotary_base)
             k = rope_reference(k, positions, cfg.rotary_dim, cfg.rotary_base)
         scores = q @ k.transpose(1, 2) / math.sqrt(hd)  # [b, s, s]
-        if cfg.position_embedding_type == "alibi":
-            i, j = positions[:, :, None].float(), positions[:, None, :].float()
+        if cfg.position_embedding_type == "alibi":  # distance in sequence offsets
+            i, j = torch.arange(S)[:, None].float(), torch.arange(S)[None, :].float()
             scores = scores - PAPER_SLOPES[nh][head] * (i - j)
         masked = future if mask is None else future | mask[:, 0]
         heads.append(torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1) @ v)
@@ -121,7 +121,7 @@ def test_attention_matches_the_reference(flags, backend):
             rotary = model.rotary(positions)
         if model.alibi_slopes is not None:
             from app.model.positions import alibi_bias
-            bias_or_mask = alibi_bias(model.alibi_slopes, positions, mask, x.dtype)
+            bias_or_mask = alibi_bias(model.alibi_slopes, S, S, mask, x.dtype)
         out, dense_bias = attention(x, bias_or_mask, rotary)
         got = out + dense_bias
         want = reference_attention(x, attention, cfg, positions, mask)
@@ -169,3 +169,28 @@ def test_new_options_change_the_parameters_as_documented():
                                    untie_embeddings_and_output_weights=True,
                                    group_query_attention=True, num_query_groups=2)):
         assert sum(p.numel() for p in GPT2Model(cfg).parameters()) == cfg.num_parameters()
+
+
+@pytest.mark.parametrize("flags", [
+    dict(position_embedding_type="rope", rotary_percent=0.5),
+    dict(position_embedding_type="alibi"),
+    dict(group_query_attention=True, num_query_groups=2),
+    dict(position_embedding_type="alibi", heads=8, group_query_attention=True, num_query_groups=1),
+], ids=["rope", "alibi", "gqa", "alibi-mqa"])
+def test_incremental_decoding_with_the_kv_cache_equals_the_full_forward(flags):
+    """Prefill 4 tokens, then decode one at a time: each step's logits equal those of the whole
+    sequence at once (RoPE rotates before caching, ALiBi's query indices follow the cache)."""
+    from app.inference.kv_cache import KVCache
+    flags = dict(flags)
+    model = GPT2Model(_config(heads=flags.pop("heads", 6), **flags)).eval()
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(S).expand(B, S)
+    with torch.no_grad():
+        full = model(ids, positions)  # [b, s, V]
+        cache = KVCache(B, S)
+        steps = [model(ids[:, :4], positions[:, :4], inference_cache=cache)]
+        cache.advance(4)
+        for i in range(4, S):
+            steps.append(model(ids[:, i:i + 1], positions[:, i:i + 1], inference_cache=cache))
+            cache.advance(1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
