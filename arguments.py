@@ -68,6 +68,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", "--model-parallel-size",
                    dest="tensor_model_parallel_size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: each pipeline rank holds (num layers / PP) / N model "
+                        "chunks of N layers, assigned round-robin (stage r holds chunks r, r+PP, "
+                        "...); needs PP > 1, N dividing the layers per stage and the "
+                        "micro-batches per iteration a multiple of PP; native path only")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
@@ -331,7 +336,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, world_size=world_size,
-        distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank)
+        distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
     ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
     precision = PrecisionConfig(
         fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,

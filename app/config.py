@@ -106,11 +106,16 @@ class ParallelConfig:
     """torch.distributed backend: gloo (CPU) or nccl (CUDA); arguments.py defaults it by device."""
     local_rank: Optional[int] = None
     """--local_rank from a launcher; None means read LOCAL_RANK from the environment."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per model chunk for the interleaved 1F1B schedule; None means one chunk per stage
+    (RunConfig checks it against the layer count, the pipeline size and the micro-batches)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                          ("world_size", "world size")))
+        _positive(self, (("num_layers_per_virtual_pipeline_stage",
+                          "--num-layers-per-virtual-pipeline-stage"),), allow_none=True)
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ValueError(
@@ -331,10 +336,7 @@ class RunConfig:
             _divisible(what, value, "--tensor-model-parallel-size", tp)
         _divisible("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp)
         t.num_micro_batches(p.data_parallel_size)
-        if self.deepspeed.enabled and pp > 1:
-            raise ValueError(f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
-                             "--deepspeed yet; use the native path or "
-                             "--pipeline-model-parallel-size 1")
+        self._check_virtual_pipeline()
         if (self.precision.fp16 or self.precision.bf16) and not self.deepspeed.enabled:
             raise ValueError(
                 "--fp16/--bf16 need --deepspeed for now: the native path trains in fp32 (its "
@@ -343,6 +345,45 @@ class RunConfig:
         if m.params_dtype != self.precision.params_dtype:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> int:
+        """Model chunks per pipeline rank: (layers / PP) / --num-layers-per-virtual-pipeline-stage,
+        1 without interleaving."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return 1
+        return self.model.num_layers // self.parallel.pipeline_model_parallel_size // per_chunk
+
+    def _check_virtual_pipeline(self) -> None:
+        """Megatron's rules for the interleaved schedule (--num-layers-per-virtual-pipeline-stage)."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return
+        flag = "--num-layers-per-virtual-pipeline-stage"
+        pp = self.parallel.pipeline_model_parallel_size
+        if pp == 1:
+            raise ValueError(f"{flag} ({per_chunk}) needs --pipeline-model-parallel-size > 1 (got "
+                             "1): interleaving splits each pipeline stage into chunks; raise "
+                             f"--pipeline-model-parallel-size or drop {flag}")
+        per_stage = self.model.num_layers // pp
+        if per_stage % per_chunk:
+            raise ValueError(f"--num-layers ({self.model.num_layers}) / "
+                             f"--pipeline-model-parallel-size ({pp}) = {per_stage} layers per "
+                             f"stage is not divisible by {flag} ({per_chunk}); pick a {flag} that "
+                             f"divides {per_stage}")
+        if self.deepspeed.enabled:
+            raise ValueError(f"{flag} is not supported with --deepspeed (the DeepSpeed path runs "
+                             f"plain 1F1B); drop {flag} or use the native path")
+        micro = self.training.num_micro_batches(self.parallel.data_parallel_size)
+        if self.virtual_pipeline_model_parallel_size > 1 and micro % pp:
+            t = self.training
+            raise ValueError(
+                f"{flag} needs the micro-batches per iteration to be a multiple of "
+                f"--pipeline-model-parallel-size ({pp}), but --global-batch-size "
+                f"({t.global_batch_size}) / (--micro-batch-size ({t.micro_batch_size}) x "
+                f"data-parallel size ({self.parallel.data_parallel_size})) = {micro}; raise "
+                f"--global-batch-size to a multiple of {t.micro_batch_size * pp * self.parallel.data_parallel_size}")
 
 
 def _positive(config: Any, fields: Tuple[Tuple[str, str], ...], allow_none: bool = False) -> None:

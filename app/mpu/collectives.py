@@ -6,7 +6,7 @@ calls torch.cuda. Ranks passed to broadcast / send / recv are global ranks (torc
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -137,15 +137,29 @@ def recv(tensor: torch.Tensor, src: int) -> torch.Tensor:
 
 
 def send_recv(sends: Sequence[Tuple[torch.Tensor, int]],
-              recvs: Sequence[Tuple[torch.Tensor, int]]) -> None:
+              recvs: Sequence[Tuple[torch.Tensor, int]], group: ProcessGroup = None) -> None:
     """Post every send (tensor, dst) and receive (buffer, src) at once, then wait for all.
 
     Posting both directions before waiting is what keeps two neighbouring pipeline stages
-    that send to each other at the same time from deadlocking.
+    that send to each other at the same time from deadlocking. `group` None is the world.
     """
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    wait_all(post_send_recv(sends, recvs, group))
+
+
+def post_send_recv(sends: Sequence[Tuple[torch.Tensor, int]],
+                   recvs: Sequence[Tuple[torch.Tensor, int]],
+                   group: ProcessGroup = None) -> List[Any]:
+    """Post sends and receives over `group` (global peer ranks) without waiting; returns the
+    requests for `wait_all`. Messages between two ranks in one direction match in posting
+    order within a group, never across groups."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
     if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
+        return []
+    return list(dist.batch_isend_irecv(ops))
+
+
+def wait_all(requests: Sequence[Any]) -> None:
+    """Wait for every request returned by post_send_recv (or another async call)."""
+    for work in requests:
         work.wait()
