@@ -100,6 +100,24 @@ class NativeEngine(Engine):
                                     is_tracker_writer=self.ps.rank == 0,
                                     keep_last_n=c.keep_last_n_checkpoints, **self._rank_kwargs())
 
+    def _saved_weights(self, state: Dict[str, Any], load_dir: str, iteration: Any,
+                       plan: ResumePlan) -> Dict[str, Any]:
+        """This rank's weights from its file; from every stage's file by global name when the
+        checkpoint's model chunks differ from ours (interleaved vs not, or another V)."""
+        saved_vp = ckpt.saved_virtual_pipeline_size(state.get("args"))
+        ours = self.cfg.virtual_pipeline_model_parallel_size
+        if saved_vp == ours:
+            return ckpt.from_megatron_model(state["model"])
+        if plan.load_optimizer:
+            raise ckpt.CheckpointError(
+                f"checkpoint in {load_dir} was saved with {saved_vp} model chunks per pipeline "
+                f"stage (--num-layers-per-virtual-pipeline-stage) and this run uses {ours}: the "
+                "weights load by their global names, but optimizer states are per rank; pass "
+                "--no-load-optim (the LR schedule continues) or --finetune")
+        return ckpt.load_weights_by_name(load_dir, iteration, list(self.module.state_dict()),
+                                         tp_rank=self.ps.tensor_model_parallel_rank,
+                                         pp_size=self.ps.pipeline_model_parallel_size)
+
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """Read this rank's Megatron-layout file; load the weights and, when the plan says so,
         the optimizer and LR-scheduler states."""
@@ -110,8 +128,9 @@ class NativeEngine(Engine):
         ckpt.check_checkpoint_version(state, where)
         args = state.get("args")
         check_saved_args(plan, args, self.cfg, where)
+        weights = self._saved_weights(state, load_dir, iteration, plan)
         try:
-            self.module.load_state_dict(ckpt.from_megatron_model(state["model"]), strict=True)
+            self.module.load_state_dict(weights, strict=True)
         except RuntimeError as exc:  # names or shapes that do not match this model
             raise ckpt.CheckpointError(f"weights in {where} do not fit this model: "
                                        f"{str(exc).splitlines()[0][:400]}") from exc
