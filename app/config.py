@@ -337,6 +337,7 @@ class RunConfig:
         _divisible("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp)
         t.num_micro_batches(p.data_parallel_size)
         self._check_virtual_pipeline()
+        self._check_deepspeed_pipeline()
         if (self.precision.fp16 or self.precision.bf16) and not self.deepspeed.enabled:
             raise ValueError(
                 "--fp16/--bf16 need --deepspeed for now: the native path trains in fp32 (its "
@@ -354,6 +355,25 @@ class RunConfig:
         if per_chunk is None:
             return 1
         return self.model.num_layers // self.parallel.pipeline_model_parallel_size // per_chunk
+
+    def _check_deepspeed_pipeline(self) -> None:
+        """--deepspeed with PP > 1 needs ZeRO stage 1 (checked once the JSON is read)."""
+        pp = self.parallel.pipeline_model_parallel_size
+        if not self.deepspeed.enabled or pp == 1 or self.deepspeed.config is None:
+            return
+        stage = self.deepspeed.config.get("zero_optimization", {}).get("stage", 0)
+        if stage != 1:
+            why = ("ZeRO-2 reduce-scatters gradients during backward, before the tied "
+                   "word-embedding gradient is summed across the first and last stage"
+                   if stage >= 2 else
+                   "without ZeRO DeepSpeed's gradient norm counts the replicated weights "
+                   "(LayerNorms, biases) of the first stage only")
+            raise ValueError(
+                f"{self.deepspeed.config_path}: zero_optimization.stage {stage} cannot be "
+                f"combined with --pipeline-model-parallel-size ({pp}) under --deepspeed ({why}); "
+                "pipeline parallelism under DeepSpeed needs ZeRO stage 1, as DeepSpeed's own "
+                "pipeline engine: use ds_configs/zero1_fp32.json (or zero1_fp16.json), or "
+                "--pipeline-model-parallel-size 1")
 
     def _check_virtual_pipeline(self) -> None:
         """Megatron's rules for the interleaved schedule (--num-layers-per-virtual-pipeline-stage)."""

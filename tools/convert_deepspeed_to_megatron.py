@@ -2,8 +2,9 @@
 
     python tools/convert_deepspeed_to_megatron.py --input checkpoints/run --output checkpoints/run_megatron [--tag iter_0000100]
 
-Weights only: for each tensor-parallel rank, `{input}/{tag}/mp_rank_XX_model_states.pt` becomes
-`{output}/iter_{n:07d}/mp_rank_XX/model_optim_rng.pt` with Megatron's `model` / `args` /
+Weights only: for each model-parallel rank, `{input}/{tag}/mp_rank_XX_model_states.pt` becomes
+`{output}/iter_{n:07d}/mp_rank_TT/model_optim_rng.pt` (`mp_rank_TT_PPP` with pipeline stages;
+DeepSpeed numbers the model-parallel ranks pp_rank x TP + tp_rank) with Megatron's `model` / `args` /
 `iteration` / `checkpoint_version` fields, and the tracker file names the iteration. The
 module weights are those DeepSpeed saved (fp32 runs: the exact weights; fp16/bf16 runs: the
 half-precision copy; use DeepSpeed's zero_to_fp32.py for the fp32 master weights).
@@ -40,16 +41,18 @@ def convert(input_dir: str, output_dir: str, tag: str = None) -> int:
         raise SystemExit(f"error: no mp_rank_*_model_states.pt in {os.path.join(input_dir, tag)}")
     iteration = None
     for path in files:
-        tp_rank = int(re.search(r"mp_rank_(\d+)_model_states", path).group(1))
+        mp_rank = int(re.search(r"mp_rank_(\d+)_model_states", path).group(1))
         state = torch.load(path, map_location="cpu", weights_only=False)
         iteration = int(state.get("iteration", re.sub(r"\D", "", tag) or 0))
         args = state.get("args")
         if args is None:
             raise SystemExit(f"error: {path} has no 'args' (not written by pretrain_gpt2.py?)")
+        tp_size = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        pp_size = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         weights = {k: v.detach().float().clone() for k, v in state["module"].items()}
         out = ckpt.build_checkpoint_dict(iteration, weights, None, None, None, args)
-        ckpt.save_checkpoint(output_dir, iteration, out, tp_rank=tp_rank, pp_rank=0, pp_size=1,
-                             is_tracker_writer=False)
+        ckpt.save_checkpoint(output_dir, iteration, out, tp_rank=mp_rank % tp_size,
+                             pp_rank=mp_rank // tp_size, pp_size=pp_size, is_tracker_writer=False)
     ckpt.write_tracker(output_dir, iteration)
     return iteration
 
