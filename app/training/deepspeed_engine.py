@@ -257,5 +257,19 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     deepspeed.checkpointing.configure(parallel_state, deepspeed_config=ds,
                                       num_checkpoints=None if given else chunks)
     deepspeed.checkpointing.model_parallel_cuda_manual_seed(cfg.training.seed)
-    mpu_random.set_checkpoint_implementation(deepspeed.checkpointing.checkpoint,
+    mpu_random.set_checkpoint_implementation(_leaf_safe(deepspeed.checkpointing.checkpoint),
                                              deepspeed.checkpointing.get_cuda_rng_tracker)
+
+
+def _leaf_safe(checkpoint: Any) -> Any:
+    """DeepSpeed's checkpoint, handed a view of any leaf tensor that requires grad.
+
+    With partition_activations DeepSpeed swaps each input's storage for its flat partition; on a
+    pipeline stage after the first, the first chunk's input is the received activation, a leaf
+    whose gradient the schedule sends back, so its own storage must stay [b, s, h].
+    """
+    def run(function: Any, *args: Any) -> Any:
+        args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
+                     else a for a in args)
+        return checkpoint(function, *args)
+    return run

@@ -1,4 +1,5 @@
-"""Pipeline parallelism under DeepSpeed on 4 gloo ranks (one spawn), PP2 x DP2 with ZeRO-1: the
+"""Pipeline parallelism under DeepSpeed on 4 gloo ranks (one spawn), PP2 x DP2 with ZeRO-1 and
+DeepSpeed's activation checkpointing (partitioned activations), as the seed script runs it: the
 tiny GPT-2 trained 6 iterations gives the native PP2 x DP2 losses and grad norms; a run saved
 at iteration 3 through DeepSpeed's checkpoints and resumed gives iterations 4-6 of the straight
 run exactly (loss and grad norm) and converts to Megatron's per-stage files; the tied embeddings stay equal on the first and last stage; ZeRO-2 is refused."""
@@ -17,7 +18,8 @@ ARGV = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--distributed-backend", "gloo",
         "--make-vocab-size-divisible-by", "8", "--pipeline-model-parallel-size", "2"]
-DS = ["--deepspeed", "--deepspeed_config", ZERO1]
+DS = ["--deepspeed", "--deepspeed_config", ZERO1, "--checkpoint-activations",
+      "--deepspeed-activation-checkpointing"]  # as the seed script; partitioned activations
 ITERS = 6
 
 
