@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPT-2 with tensor (MP_SIZE) and pipeline (PP_SIZE) model parallelism + ZeRO + DeepSpeed
 # activation checkpointing (the DeepSpeed Megatron tutorial's script). ZeRO-2 without pipeline
-# stages; with PP_SIZE > 1 DeepSpeed allows ZeRO-1 only, so the default JSON becomes zero1_*.json.
+# stages; with PP_SIZE > 1 DeepSpeed allows ZeRO-1 only, so the default JSON becomes zero1.json.
 # Multi-node: NUM_WORKERS nodes listed in HOSTFILE ("hostname slots=N" lines); the deepspeed
 # launcher starts the ranks over ssh (docs/deepspeed.md).
 #   NUM_WORKERS=2 NUM_GPUS_PER_WORKER=8 MP_SIZE=4 PP_SIZE=2 HOSTFILE=hostfile bash scripts/ds_zero2_pretrain_gpt2_model_parallel.sh
-# On a CPU-only machine: two CPU ranks, MP_SIZE=2 (or MP_SIZE=1 PP_SIZE=2), fp32 JSONs.
+# On a CPU-only machine: two CPU ranks, MP_SIZE=2 (or MP_SIZE=1 PP_SIZE=2), in fp32.
+# PRECISION=--bf16 (or --fp16, or empty for fp32) picks the precision; the JSON holds none.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/gpt2_args.sh"
 NUM_WORKERS="${NUM_WORKERS:-1}"
@@ -14,10 +15,10 @@ PP_SIZE="${PP_SIZE:-1}"
 if [ "$PP_SIZE" -gt 1 ]; then ZERO=zero1; else ZERO=zero2; fi
 if has_cuda; then
     NUM_GPUS_PER_WORKER="${NUM_GPUS_PER_WORKER:-$(nvidia-smi -L | wc -l)}"
-    DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/${ZERO}_fp16.json}"; PRECISION="${PRECISION---fp16}"
+    DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/${ZERO}.json}"; PRECISION="${PRECISION---fp16}"
 else
     NUM_GPUS_PER_WORKER="${NUM_GPUS_PER_WORKER:-2}"
-    DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/${ZERO}_fp32.json}"; PRECISION="${PRECISION:-}"
+    DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/${ZERO}.json}"; PRECISION="${PRECISION:-}"
 fi
 DP_SIZE=$((NUM_WORKERS * NUM_GPUS_PER_WORKER / (MP_SIZE * PP_SIZE)))
 gpt2_args "${GLOBAL_BATCH:-$((MICRO_BATCH * DP_SIZE))}" "${CHECKPOINT_PATH:-$ROOT/checkpoints/gpt2_ds_mp}"

@@ -6,16 +6,16 @@ as one `nn.Module` so the engines, the optimizer and checkpoints see one model:
 
 - the schedule picks the chunk to run with `set_chunk(v)`; `forward` and `set_input_tensor`
   then go to that chunk;
-- `state_dict()` is the union of the chunks' state dicts under their own (global) names, with
+- `named_parameters()` and `state_dict()` are the union of the chunks' state dicts under their own (global) names, with
   no `chunks.<v>.` prefix, so a checkpoint names parameters exactly as a non-interleaved run
-  does; `load_state_dict` hands each chunk its names back;
+  does (the optimizer wrappers record these names too); `load_state_dict` hands each chunk its names back;
 - `word_embeddings_weight()` is the tied embedding of the chunk that holds it (chunk 0 on the
   first stage, the last chunk on the last stage).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -56,7 +56,14 @@ class ModelChunks(nn.Module):
         raise RuntimeError("word_embeddings_weight() called on a rank whose chunks hold no "
                            "embedding (a middle pipeline stage)")
 
-    # ---- state dicts under global names ----------------------------------------------------
+    # ---- parameters and state dicts under global names ----------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Every chunk's parameters under their own (global) names."""
+        for chunk in self.chunks:
+            yield from chunk.named_parameters(prefix=prefix, recurse=recurse,
+                                              remove_duplicate=remove_duplicate)
+
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:
         """Every chunk's entries under their own names (they do not overlap)."""

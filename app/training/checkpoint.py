@@ -198,8 +198,12 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, openai_gelu=m.openai_gelu,
         bias_gelu_fusion=m.bias_gelu_fusion, masked_softmax_fusion=m.masked_softmax_fusion,
+        bias_dropout_fusion=m.bias_dropout_fusion, use_flash_attn=m.attention_impl == "flash",
         params_dtype=torch_dtype(m.params_dtype), fp16=cfg.precision.fp16,
-        bf16=cfg.precision.bf16,
+        bf16=cfg.precision.bf16, attention_softmax_in_fp32=m.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+        fp16_lm_cross_entropy=m.fp16_lm_cross_entropy,
+        accumulate_allreduce_grads_in_fp32=cfg.precision.grads_accumulate_in_fp32,
         position_embedding_type="learned_absolute", add_position_embedding=True,
         normalization="LayerNorm", add_bias_linear=True, swiglu=False,
         untie_embeddings_and_output_weights=False,
@@ -253,6 +257,23 @@ def check_checkpoint_version(state: Dict[str, Any], where: str) -> None:
             f"{where} has checkpoint_version {version}: its fused QKV rows are ordered "
             f"differently from version {CHECKPOINT_VERSION}; convert it first (Megatron-LM's "
             "checkpoint conversion to version 3.0)")
+
+
+def fp32_main_weights(state: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
+    """{parameter name: fp32 main weight} of a mixed-precision checkpoint, else None.
+
+    Mixed-precision runs save Megatron's `fp32_from_fp16_params` (lists per param group) in
+    `optimizer`, plus `param_names` in the same order; the `model` entry holds the fp16/bf16
+    weights, as Megatron's tools expect.
+    """
+    opt = state.get("optimizer")
+    if not isinstance(opt, dict) or "fp32_from_fp16_params" not in opt or "param_names" not in opt:
+        return None
+    out: Dict[str, torch.Tensor] = {}
+    for names, values in zip(opt["param_names"], opt["fp32_from_fp16_params"]):
+        for name, value in zip(names, values):
+            out[name] = value
+    return out
 
 
 # ---------------------------------------------------------------------------- RNG state
@@ -516,8 +537,10 @@ def saved_virtual_pipeline_size(ckpt_args: Optional[argparse.Namespace]) -> int:
 
 
 def load_weights_by_name(load_dir: str, iteration: Iteration, names: List[str], *,
-                         tp_rank: int, pp_size: int) -> Dict[str, Any]:
-    """The weights called `names` from the files of every pipeline stage of `tp_rank`.
+                         tp_rank: int, pp_size: int
+                         ) -> Tuple[Dict[str, Any], Optional[Dict[str, torch.Tensor]]]:
+    """(weights, fp32 main weights or None) called `names`, from the files of every pipeline
+    stage of `tp_rank`.
 
     Parameter names carry global layer indices, so a stage can take its layers from a
     checkpoint whose stages held other layers (an interleaved run's chunks, or the reverse).
@@ -525,13 +548,16 @@ def load_weights_by_name(load_dir: str, iteration: Iteration, names: List[str], 
     same in every layout. Raises CheckpointError naming a weight no file holds.
     """
     found: Dict[str, Any] = {}
+    mains: Dict[str, torch.Tensor] = {}
     for pp_rank in range(pp_size):
         state, _ = load_checkpoint_dict(load_dir, iteration=iteration, tp_rank=tp_rank,
                                         pp_rank=pp_rank, pp_size=pp_size)
         flat = from_megatron_model(state["model"])
         found.update({name: flat[name] for name in names if name in flat})
+        main = fp32_main_weights(state) or {}
+        mains.update({name: main[name] for name in names if name in main})
     missing = [name for name in names if name not in found]
     if missing:
         raise CheckpointError(f"no pipeline stage of {checkpoint_dir(load_dir, iteration)} holds "
                               f"{missing[:4]}; was it saved with another --num-layers?")
-    return found
+    return found, (mains or None)

@@ -105,25 +105,27 @@ class DeepSpeedEngineAdapter(Engine):
     def zero_grad(self) -> None:
         self._micro = 0  # DeepSpeed clears gradients itself after each boundary step
         self._grad_bytes = 0
+        self._bad_loss = torch.zeros(())
 
     def _current_lr(self) -> float:
         lrs = self.ds.get_lr()
         return float(lrs[0]) if lrs else float("nan")
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.pipelined:
-            self.ds.set_gradient_accumulation_boundary(False)
-        self.ds.backward(loss, scale_wrt_gas=False)
-        self._after_backward()
+        self._bad_loss = self._bad_loss + (~torch.isfinite(loss.detach())).any().float().cpu()
+        self._backward(loss)
 
     def backward_output(self, output: torch.Tensor, output_grad: torch.Tensor) -> None:
         """engine.backward of sum(output x output_grad) / loss scale: gradients exactly those of
         autograd.backward(output, output_grad), with DeepSpeed's bookkeeping around them."""
         scale = self.loss_scale or 1.0
         surrogate = (output.float() * output_grad.float()).sum() / scale  # scalar
-        self.backward(surrogate)
+        self._backward(surrogate)
 
-    def _after_backward(self) -> None:
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.pipelined:
+            self.ds.set_gradient_accumulation_boundary(False)
+        self.ds.backward(loss, scale_wrt_gas=False)
         self._lr_used = self._current_lr()  # the boundary step advances the schedule
         # peak over the accumulation: ZeRO-1 holds full gradients between boundaries, ZeRO-2 only
         # its partition; the boundary step frees them
@@ -159,8 +161,14 @@ class DeepSpeedEngineAdapter(Engine):
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
         skipped = not self.ds.was_step_applied()
+        # DeepSpeed skips fp16 overflows itself; a non-finite loss in any precision is agreed
+        # over the world for the non-finite policy (app.training.nonfinite)
+        device = next(self.ds.module.parameters()).device
+        bad = getattr(self, "_bad_loss", torch.zeros(())).reshape(1).to(device)
+        collectives.all_reduce(bad, world_group(), op="max")
+        bad_loss = bool(bad.item() > 0)
         return StepResult(grad_norm=norm, skipped=skipped, lr=self._lr_used,
-                          loss_scale=self.loss_scale)
+                          loss_scale=self.loss_scale, nonfinite=bad_loss, nonfinite_loss=bad_loss)
 
     def _gradient_bytes(self) -> int:
         """Gradients held now: module .grad tensors plus ZeRO's partitioned gradient buffers."""

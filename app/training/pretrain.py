@@ -3,7 +3,8 @@
 `pretrain_gpt2.py` is the composition root: it parses the flags into a RunConfig once (with
 `arguments.py`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
 parts of the run (app.training.run) -> checkpoint load (all ranks agree) -> datasets sized for
-the run -> Trainer. `main` turns configuration, data and checkpoint errors into exit code 2.
+the run -> Trainer. `main` turns configuration, data and checkpoint errors into exit code 2 and a run stopped by
+the non-finite policy (app.training.nonfinite) into 3.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from app.data import build_train_valid_test_datasets
 from app.mpu import collectives
 from app.training.checkpoint import CheckpointError
 from app.training.distributed import init_distributed, shutdown_distributed, world_group
+from app.training.nonfinite import TrainingAborted
 from app.training.resume import load_on_all_ranks
 from app.training.run import build_run
 from app.training.trainer import RunState, Trainer
@@ -37,6 +39,20 @@ def _datasets(cfg: RunConfig, rank: int) -> tuple:
         is_builder=rank == 0, barrier=lambda: collectives.barrier(world_group()))
 
 
+def _log_precision(cfg: RunConfig) -> None:
+    p = cfg.precision
+    detail = ""
+    if p.fp16 and not cfg.deepspeed.enabled:
+        initial, minimum, window, hysteresis = p.dynamic_scaler_settings()
+        detail = (f"; static loss scale {p.loss_scale}" if p.loss_scale else
+                  f"; dynamic loss scale from {initial:g} (min {minimum:g}, window {window}, "
+                  f"hysteresis {hysteresis})")
+    if (p.fp16 or p.bf16) and not cfg.deepspeed.enabled:
+        detail += (", gradients accumulated in fp32" if p.grads_accumulate_in_fp32
+                   else ", gradients accumulated in fp16") + ", fp32 main weights"
+    logger.info("> precision: %s weights (from %s)%s", cfg.model.params_dtype, p.source, detail)
+
+
 def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = ()) -> Trainer:
     """Build everything for `cfg` and train; returns the Trainer (for tests and tools).
 
@@ -52,6 +68,7 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
     logger.info("> padded vocab (size: %d) with %d dummy tokens (new size: %d)",
                 cfg.raw_vocab_size, cfg.model.padded_vocab_size - cfg.raw_vocab_size,
                 cfg.model.padded_vocab_size)
+    _log_precision(cfg)
     run = build_run(cfg, info.world_size, info.device)
     state = RunState()
     if cfg.checkpoint.load:
@@ -79,6 +96,10 @@ def main(run: Callable[[], Any]) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         shutdown_distributed(graceful=False)
         return 2
+    except TrainingAborted as exc:
+        print(f"error: training stopped: {exc}", file=sys.stderr, flush=True)
+        shutdown_distributed(graceful=False)
+        return 3
     shutdown_distributed(graceful=True)
     return 0
 

@@ -13,7 +13,7 @@ import arguments
 from app.pipeline import ModelChunks, virtual_stage_layer_ranges
 from app.pipeline.schedules import InterleavedPlan, _InterleavedRun
 
-DS_JSON = str(pathlib.Path(__file__).resolve().parents[2] / "ds_configs" / "zero1_fp32.json")
+DS_JSON = str(pathlib.Path(__file__).resolve().parents[2] / "ds_configs" / "zero1.json")
 BASE = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "10",
         "--micro-batch-size", "1", "--distributed-backend", "gloo"]
