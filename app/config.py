@@ -185,6 +185,17 @@ class OptimizerConfig:
     """On resume, use this run's LR settings instead of the checkpoint's."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, adopt the checkpoint's LR settings, ignoring this run's."""
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 main weights and AdamW states over data parallel (native path; ZeRO-1 as
+    Megatron's distributed optimizer: reduce-scatter of gradients, all-gather of weights)."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's reduce-scatter during backward, once its last micro-batch
+    gradients are in (needs use_distributed_optimizer)."""
+    overlap_param_gather: bool = False
+    """All-gather the updated weights in the background; each module waits for its bucket at
+    its next forward (needs overlap_grad_reduce)."""
+    ddp_bucket_size: Optional[int] = None
+    """Elements per gradient bucket of the distributed optimizer; None: max(40M, 1M x DP)."""
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in ("constant", "linear", "cosine", "exponential"):
@@ -202,6 +213,15 @@ class OptimizerConfig:
                                  f"--lr-decay-iters ({self.lr_decay_iters}); shorten the warmup")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _positive(self, (("ddp_bucket_size", "--ddp-bucket-size"),), allow_none=True)
+        if self.overlap_grad_reduce and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-grad-reduce needs --use-distributed-optimizer (the "
+                             "distributed optimizer owns the gradient buckets it overlaps); add "
+                             "--use-distributed-optimizer or drop --overlap-grad-reduce")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (and "
+                             "--use-distributed-optimizer), as in Megatron-LM; add them or drop "
+                             "--overlap-param-gather")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("--override-opt_param-scheduler and "
                              "--use-checkpoint-opt_param-scheduler are mutually exclusive")
@@ -438,6 +458,10 @@ class RunConfig:
         if m.fp16_lm_cross_entropy and not half:
             raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
                              "fp32 otherwise); drop it or pick a half precision")
+        if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
+            raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
+                             "shard the optimizer with ZeRO (zero_optimization.stage 1 or 2 in "
+                             "the JSON, e.g. ds_configs/zero1.json) and drop the flag")
         if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
             raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
                              "--deepspeed set the gradient accumulation dtype in the JSON "

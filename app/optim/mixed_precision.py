@@ -98,6 +98,9 @@ class _PrecisionOptimizer:
     def loss_scale(self) -> Optional[float]:
         return None if self.scaler is None else self.scaler.scale
 
+    def set_main_weights(self, named_fp32: Dict[str, torch.Tensor]) -> None:
+        """Set separate fp32 main weights by parameter name (none here: the weights are them)."""
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss x the current loss scale (fp16); the loss itself otherwise."""
         return loss if self.scaler is None else loss * self.scaler.scale

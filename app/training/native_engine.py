@@ -19,7 +19,6 @@ from app.config import RunConfig
 from app.mpu import collectives
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu.random import rng_state_dict
-from app.optim.mixed_precision import MixedPrecisionOptimizer
 from app.training import checkpoint as ckpt
 from app.training.distributed import world_group
 from app.training.engine import Engine, StepResult
@@ -170,8 +169,7 @@ class NativeEngine(Engine):
         except RuntimeError as exc:  # names or shapes that do not match this model
             raise ckpt.CheckpointError(f"weights in {where} do not fit this model: "
                                        f"{str(exc).splitlines()[0][:400]}") from exc
-        if isinstance(self.optimizer, MixedPrecisionOptimizer):
-            self.optimizer.set_main_weights(fp32)
+        self.optimizer.set_main_weights(fp32)  # a no-op where the weights are the main ones
         if saved_dtype is not None and saved_dtype != run_dtype:
             source = "its fp32 main weights" if main else f"its {saved_dtype} weights"
             logger.info("converted checkpoint %s from %s to this run's %s (fp32 weights taken "

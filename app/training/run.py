@@ -21,6 +21,7 @@ from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
 from app.mpu.random import model_parallel_seed
 from app.optim import OptimizerParamScheduler, build_optimizer
+from app.optim.distributed_optimizer import DistributedOptimizer
 from app.optim.mixed_precision import build_precision_optimizer
 from app.pipeline import ModelChunks, virtual_stage_layer_ranges
 from app.training.engine import Engine
@@ -85,7 +86,12 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Paralle
         scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
         return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state)
     from app.training.native_engine import NativeEngine
-    wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision)
+    if cfg.optimizer.use_distributed_optimizer:  # a sibling wrapper with the same interface
+        wrapper = DistributedOptimizer(
+            model, cfg.optimizer, cfg.precision, parallel_state,
+            cfg.training.num_micro_batches(parallel_state.data_parallel_size))
+    else:
+        wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision)
     scheduler = OptimizerParamScheduler(wrapper, cfg.optimizer)
     return NativeEngine(cfg, model, wrapper, scheduler, parallel_state)
 
