@@ -1,10 +1,10 @@
 """Pipeline bubble: measured idle time per stage, 1F1B vs interleaved 1F1B, same PP and M.
 
-    python bench/bench_pipeline.py [--pp 2] [--micro-batches 8] [--steps 5] [--warmup 2]
+    python bench/bench_pipeline.py [--pp 2] [--micro-batches 4] [--hidden 512] [--seq 256]
 
-One spawn of PP gloo ranks (one thread each) builds three runs of the same model (L=8, h=256,
-heads=8, seq=128, vocab 512 so that the head does not unbalance the last stage, micro-batch 4,
-fp32, dropout 0) through app.training.run: plain 1F1B, and interleaved with V=2 and V=4 model
+One spawn of PP gloo ranks (one thread each) builds three runs of the same model (L=8, heads=8,
+h and seq from the flags, vocab 512 so that the head does not unbalance the last stage,
+micro-batch 4, fp32, dropout 0) through app.training.run: plain 1F1B, and interleaved with V=2 and V=4 model
 chunks per stage (--num-layers-per-virtual-pipeline-stage = L / PP / V, where it divides). The
 runs take turns, one iteration each, so machine noise hits them alike. Each iteration runs the real schedule with the engine's backward; the time a
 stage spends in its own work (drawing the micro-batch, forward, backward) is measured around
@@ -28,8 +28,7 @@ from typing import Any, Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NUM_LAYERS = 8
-MODEL = ["--num-layers", str(NUM_LAYERS), "--hidden-size", "256", "--num-attention-heads", "8",
-         "--seq-length", "128", "--max-position-embeddings", "128",
+MODEL = ["--num-layers", str(NUM_LAYERS), "--num-attention-heads", "8",
          "--make-vocab-size-divisible-by", "64", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--micro-batch-size", "4", "--lr", "1e-4",
          "--lr-decay-style", "constant", "--distributed-backend", "gloo", "--train-iters", "1000"]
@@ -79,6 +78,11 @@ def _iteration(run: Dict[str, Any]) -> Dict[str, float]:
     return {"wall": wall, "work": clock.seconds}
 
 
+def _shape(hidden: int, seq: int) -> List[str]:
+    return ["--hidden-size", str(hidden), "--seq-length", str(seq),
+            "--max-position-embeddings", str(seq)]
+
+
 def measure(configs: Dict[str, List[str]], steps: int, warmup: int) -> Dict[str, Any]:
     """On every rank: build every config's run, then let them take turns for the iterations."""
     import torch
@@ -111,7 +115,9 @@ def measure(configs: Dict[str, List[str]], steps: int, warmup: int) -> Dict[str,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (= ranks)")
-    p.add_argument("--micro-batches", type=int, default=8, help="M, a multiple of --pp")
+    p.add_argument("--micro-batches", type=int, default=4, help="M, a multiple of --pp")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args()
@@ -119,7 +125,7 @@ def main() -> None:
     from common import format_table
 
     per_stage = NUM_LAYERS // a.pp
-    shared = ["--pipeline-model-parallel-size", str(a.pp),
+    shared = _shape(a.hidden, a.seq) + ["--pipeline-model-parallel-size", str(a.pp),
               "--global-batch-size", str(4 * a.micro_batches)]
     configs = {"1F1B": shared}
     for chunks in (2, 4):
@@ -138,8 +144,8 @@ def main() -> None:
         rows.append([name, f"{first['wall'] * 1e3:.0f}",
                      " / ".join(f"{f:.3f}" for f in fractions),
                      f"{statistics.fmean(fractions):.3f}", f"{model:.3f}", f"{ratio:.2f}"])
-    print(f"PP={a.pp}, M={a.micro_batches} micro-batches of 4 x 128 tokens, L={NUM_LAYERS}, "
-          f"h=256; median of {a.steps} iterations after {a.warmup}")
+    print(f"PP={a.pp}, M={a.micro_batches} micro-batches of 4 x {a.seq} tokens, L={NUM_LAYERS}, "
+          f"h={a.hidden}; median of {a.steps} iterations after {a.warmup}")
     print(format_table(["schedule", "ms/iter (stage 0)", "bubble per stage", "mean",
                         "model (PP-1)/(VM+PP-1)", "vs 1F1B"], rows))
 

@@ -134,7 +134,8 @@ class ParallelState:
         return self.tensor_model_parallel_ranks[0]
 
     # ---- DeepSpeed's `mpu=` interface (and Megatron's names) ----------------------------------
-    # "Model parallel" for DeepSpeed means TP x PP; it equals TP when PP = 1 (the DeepSpeed path).
+    # "Model parallel" for DeepSpeed means TP x PP (its checkpoint file numbers and norm
+    # all-reduces); it counts replicated weights by get_tensor_model_parallel_rank().
     def get_model_parallel_rank(self) -> int:
         return self.model_parallel_rank
 
