@@ -119,7 +119,8 @@ class DistributedOptimizer(_PrecisionOptimizer):
                            else self.param_dtype)
         self.name_of = {id(p): n for n, p in self.named_params}
         bucket_size = config.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * self.dp)
-        self.layout = self._build_buffers(bucket_size, self._tied_parameter(model))
+        tied = self._tied_parameter(model)
+        self.layout = self._build_buffers(bucket_size, tied)
         self.pieces = self._build_shards()
         self.groups_of_params = [g["params"] for g in get_param_groups(model,
                                                                         config.weight_decay)]
@@ -131,7 +132,7 @@ class DistributedOptimizer(_PrecisionOptimizer):
         self.inner = build_adamw(groups, config)
         self.counts: Dict[int, int] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        self._install_gather_waits(model)
+        self._install_gather_waits(model, tied)
 
     # ------------------------------------------------------------------ layout
 
@@ -310,8 +311,13 @@ class DistributedOptimizer(_PrecisionOptimizer):
                 self.param_buffer[bucket.start:bucket.end], shard, self.group,
                 async_op=self.overlap_param_gather)
 
-    def _install_gather_waits(self, model: nn.Module) -> None:
-        """Forward and state_dict pre-hooks: a module waits for its weights' buckets."""
+    def _install_gather_waits(self, model: nn.Module, tied: Optional[nn.Parameter]) -> None:
+        """Forward and state_dict pre-hooks: a module waits for its weights' buckets. The last
+        stage's tied copy of the embeddings feeds the logits without its module running, so the
+        whole model's forward waits for that bucket."""
+        if tied is not None:
+            bucket = [self.layout.bucket_of[id(tied)]]
+            model.register_forward_pre_hook(lambda _m, _a, b=bucket: self._wait_gather(b))
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if id(p) in self.layout.bucket_of]
             if not own:

@@ -18,7 +18,7 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--attention-dropout", "0", "--distributed-backend", "gloo",
         "--make-vocab-size-divisible-by", "8"]
 DISTRIBUTED = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-               "--ddp-bucket-size", "4000"]  # several buckets in this tiny model
+               "--ddp-bucket-size", "1"]  # one bucket per parameter: every wait is exercised
 ITERS, SAVED_AT = 6, 3
 TIGHT = dict(rtol=1e-6, atol=0.0)
 
