@@ -266,16 +266,10 @@ class DistributedOptimizer(_PrecisionOptimizer):
         grads = self._reduced_grads()
         self.last_grad_bytes = _bytes([self.grad_buffer] + [g for b, g in zip(
             self.layout.buckets, grads) if g is not b.reduced])
-        scale = self.loss_scale
-        if scale is not None and scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        found_inf, bad_loss = self._agree_nonfinite(grads, nonfinite_loss, world_group)
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        if found_inf:
-            self.zero_grad()
-            return StepOutcome(True, None, self._counts_as_nonfinite(found_inf, scale), scale,
-                               nonfinite_loss=bad_loss)
+        scale = self.loss_scale  # the scale this step's gradients carry
+        skipped = self._unscale_or_skip(grads, nonfinite_loss, world_group)
+        if skipped is not None:
+            return skipped
         norm = self._clip(clip_grad, world_group)
         self.inner.step()
         self._gather_weights()
