@@ -94,8 +94,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved 1F1B: each pipeline rank holds (num layers / PP) / N model "
-                        "chunks of N layers, assigned round-robin (stage r holds chunks r, r+PP, "
-                        "...); needs PP > 1, N dividing the layers per stage and the "
+                        "chunks of N layers, assigned round-robin (stage r holds virtual stages r, "
+                        "r+PP, ...); needs PP > 1, N dividing the layers per stage and the "
                         "micro-batches per iteration a multiple of PP; native path only")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
