@@ -348,6 +348,14 @@ class TrainingConfig:
             raise ValueError(f"--max-consecutive-skipped-iterations must be >= 0 (0 disables), "
                              f"got {self.max_consecutive_skipped_iterations}")
 
+    def samples_per_split(self) -> Tuple[int, int, int]:
+        """Samples the run reads from (train, valid, test): every iteration's global batch,
+        eval_iters global batches per evaluation (every eval_interval, plus one at the end),
+        and eval_iters global batches of test."""
+        evals = (self.train_iters // self.eval_interval + 1) * self.eval_iters
+        return (self.train_iters * self.global_batch_size, evals * self.global_batch_size,
+                self.eval_iters * self.global_batch_size)
+
     def num_micro_batches(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per iteration: global / (micro x DP), validated exactly."""
         per_step = self.micro_batch_size * data_parallel_size
@@ -403,6 +411,31 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class RollbackConfig:
+    """Self-healing from loss spikes (docs/reliability.md): reload the last checkpoint, skip the
+    data that led to the spike, continue; at most max_rollbacks times."""
+
+    enabled: bool = False
+    """--rollback-on-spike."""
+    window: int = 50
+    """--spike-window: iterations of loss history the running mean and deviation cover; no
+    spike is called before the window is full."""
+    zscore: float = 5.0
+    """--spike-zscore: a spike is a loss above mean + zscore x standard deviation ..."""
+    min_increase: float = 0.2
+    """--spike-min-increase: ... and above mean x (1 + min_increase)."""
+    max_rollbacks: int = 3
+    """--max-rollbacks: rollbacks allowed in one run; the next trigger stops it (exit 3)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, (("window", "--spike-window"), ("zscore", "--spike-zscore")))
+        if self.min_increase < 0:
+            raise ValueError(f"--spike-min-increase must be >= 0, got {self.min_increase}")
+        if self.max_rollbacks < 0:
+            raise ValueError(f"--max-rollbacks must be >= 0, got {self.max_rollbacks}")
+
+
+@dataclass
 class KernelConfig:
     """How the csrc/ fused kernels are obtained (built on first use; see docs/kernels.md)."""
 
@@ -412,9 +445,10 @@ class KernelConfig:
     build_dir: Optional[str] = None
     """--kernel-build-dir: cache of built kernels; None means $APP_KERNELS_BUILD_DIR or
     ~/.cache/app_kernels."""
-    build_timeout: float = 900.0
-    """--kernel-build-timeout: seconds a build (or the wait for local rank 0's build) may take
-    before the run falls back to PyTorch."""
+    build_timeout: float = 300.0
+    """--kernel-build-timeout: seconds local rank 0 may spend on the build (waiting for another
+    node's build included) before the run falls back to PyTorch; must stay below the
+    process-group timeout, since the other ranks wait for it in the first collective."""
 
     def __post_init__(self) -> None:
         _positive(self, (("build_timeout", "--kernel-build-timeout"),))
@@ -436,6 +470,7 @@ class RunConfig:
     raw_vocab_size: int = 0
     """Tokenizer vocabulary before padding (recorded in checkpoints)."""
     make_vocab_size_divisible_by: int = 128
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
 
     def __post_init__(self) -> None:
         m, p, t = self.model, self.parallel, self.training
@@ -454,6 +489,9 @@ class RunConfig:
         t.num_micro_batches(p.data_parallel_size)
         self._check_virtual_pipeline()
         self._check_deepspeed_pipeline()
+        if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
+            raise ValueError("--rollback-on-spike reloads the latest checkpoint: give --save and "
+                             "--save-interval (the window of data skipped is at most that long)")
         half = self.precision.fp16 or self.precision.bf16
         if m.fp16_lm_cross_entropy and not half:
             raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
@@ -469,6 +507,21 @@ class RunConfig:
         if m.params_dtype != self.precision.params_dtype:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
+        self._check_kernel_build_timeout()
+
+    def _check_kernel_build_timeout(self) -> None:
+        """Ranks that do not build wait for the builder in the first collective after the build
+        (app.kernels.agree_across_ranks), so the build must end within the process-group
+        timeout. Checked when several ranks run (one rank has no one waiting for it)."""
+        # --distributed-timeout-minutes (ParallelConfig.distributed_timeout_minutes) comes with
+        # issue 14a; until then init_distributed's process group has a fixed 10 minutes
+        minutes = getattr(self.parallel, "distributed_timeout_minutes", 10.0)
+        build_s = self.kernels.build_timeout
+        if self.parallel.world_size > 1 and build_s >= minutes * 60:
+            raise ValueError(f"--kernel-build-timeout ({build_s:g} s) must be below "
+                             f"--distributed-timeout-minutes ({minutes:g} min = "
+                             f"{minutes * 60:g} s): the other ranks wait for the kernel build in "
+                             "a collective; lower the first or raise the second")
 
     @property
     def virtual_pipeline_model_parallel_size(self) -> int:
@@ -527,6 +580,17 @@ class RunConfig:
                 f"({t.global_batch_size}) / (--micro-batch-size ({t.micro_batch_size}) x "
                 f"data-parallel size ({self.parallel.data_parallel_size})) = {micro}; raise "
                 f"--global-batch-size to a multiple of {t.micro_batch_size * pp * self.parallel.data_parallel_size}")
+
+
+def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
+    """Samples the datasets must hold: TrainingConfig.samples_per_split, plus, with
+    --rollback-on-spike, the training samples each rollback may skip (at most one
+    --save-interval of iterations per rollback)."""
+    train, valid, test = cfg.training.samples_per_split()
+    r = cfg.rollback
+    if r.enabled:
+        train += r.max_rollbacks * cfg.checkpoint.save_interval * cfg.training.global_batch_size
+    return train, valid, test
 
 
 def _positive(config: Any, fields: Tuple[Tuple[str, str], ...], allow_none: bool = False) -> None:

@@ -24,6 +24,7 @@ from app.optim import OptimizerParamScheduler, build_optimizer
 from app.optim.distributed_optimizer import DistributedOptimizer
 from app.optim.mixed_precision import build_precision_optimizer
 from app.pipeline import ModelChunks, virtual_stage_layer_ranges
+from app.training.distributed import world_group
 from app.training.engine import Engine
 from app.training.trainer import RunState, Trainer
 
@@ -52,13 +53,16 @@ def set_seeds(seed: int, parallel_state: ParallelState) -> None:
 def prepare_kernels(cfg: RunConfig, device: torch.device) -> None:
     """Tell the kernel library how to build (--require-fused-kernels, --kernel-build-*); on a
     CUDA device with a csrc/ fusion on, obtain it now, so the build (local rank 0; the others
-    wait) and any failure happen at start-up rather than inside the first forward."""
+    wait) and any failure happen at start-up rather than inside the first forward. Then all
+    ranks agree: if any rank lacks the kernels, every rank uses PyTorch (one all-reduce over
+    the world; the build timeout keeps the builder within the process-group timeout)."""
     k, m = cfg.kernels, cfg.model
     kernels.configure(required=k.require_fused_kernels, build_root=k.build_dir,
                       timeout_s=k.build_timeout, local_rank=cfg.parallel.local_rank)
     if device.type == "cuda" and (m.masked_softmax_fusion or m.layernorm_fusion
                                   or m.cross_entropy_loss_fusion):
         kernels.status()
+        kernels.agree_across_ranks(world_group(), device)
 
 
 def build_model(cfg: RunConfig, parallel_state: ParallelState) -> torch.nn.Module:
