@@ -231,12 +231,13 @@ class DeepSpeedEngineAdapter(Engine):
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.ps.data_parallel_size, load_optimizer=False)
-        problem = (inspect.partition_problem(layout, self.ps.data_parallel_size)
-                   if layout is not None and plan.load_optimizer else None)
-        if problem:
+        if layout is not None:  # the file names give TP x PP ranks, the args their split
             saved = inspect.read_saved_state(layout).get("args")
             if saved is not None:
                 check_saved_args(plan, saved, self.cfg, where)
+        problem = (inspect.partition_problem(layout, self.ps.data_parallel_size)
+                   if layout is not None and plan.load_optimizer else None)
+        if problem:
             from app.training.checkpoint import CheckpointError
             raise CheckpointError(problem)
 

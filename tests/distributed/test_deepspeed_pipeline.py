@@ -2,7 +2,8 @@
 DeepSpeed's activation checkpointing (partitioned activations), as the seed script runs it: the
 tiny GPT-2 trained 6 iterations gives the native PP2 x DP2 losses and grad norms; a run saved
 at iteration 3 through DeepSpeed's checkpoints and resumed gives iterations 4-6 of the straight
-run exactly (loss and grad norm) and converts to Megatron's per-stage files; the tied embeddings stay equal on the first and last stage; ZeRO-2 is refused."""
+run exactly (loss and grad norm), converts to Megatron's per-stage files, and is refused by a
+TP2 run (as many files); the tied embeddings stay equal on the two stages; ZeRO-2 is refused."""
 from __future__ import annotations
 
 import os
@@ -94,6 +95,19 @@ def _rank_main(tmpdir):
             expect_close(got[1], want[1], f"resumed grad norm at iteration {i + 4}", rtol=0,
                          atol=0)
 
+    def another_split_is_refused():
+        """mp_rank_00/01 are TP x PP ranks: a TP2 run must not take stage files for TP shards."""
+        wrong = _build(DS + ["--load", tmpdir, "--tensor-model-parallel-size", "2",
+                             "--pipeline-model-parallel-size", "1"])
+        try:
+            wrong["engine"].load_checkpoint(tmpdir)
+        except ckpt.CheckpointError as exc:
+            message = str(exc)
+        else:
+            message = "loaded"
+        assert "pipeline_model_parallel_size 2 but this run uses 1" in message or (
+            "tensor_model_parallel_size 1 but this run uses 2" in message), message
+
     def zero2_is_refused():
         import arguments
         try:
@@ -109,6 +123,7 @@ def _rank_main(tmpdir):
 
     return run_checks({"DeepSpeed PP2xDP2 == native PP2xDP2": deepspeed_pp2_matches_native_pp2,
                        "DeepSpeed PP2xDP2 resume is exact": resume_is_exact,
+                       "TP2 cannot load the PP2 files": another_split_is_refused,
                        "ZeRO-2 with PP is refused": zero2_is_refused})
 
 
