@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from app.testing.distributed import expect_close, run_checks, run_distributed
+from app.testing.distributed import (assert_checks_passed, expect_close, run_checks,
+                                     run_distributed)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZERO1 = os.path.join(ROOT, "ds_configs", "zero1.json")
@@ -129,6 +130,4 @@ def _rank_main(tmpdir):
 
 def test_deepspeed_pipeline_matches_native_and_resumes_exactly(tmp_path):
     outcomes = run_distributed(_rank_main, 4, str(tmp_path / "ck"), timeout=400)
-    failures = {f"rank {r}: {name}": text for r, outcome in enumerate(outcomes)
-                for name, text in outcome.items() if text}
-    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
+    assert_checks_passed(outcomes)

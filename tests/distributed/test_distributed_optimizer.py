@@ -9,7 +9,8 @@
 """
 from __future__ import annotations
 
-from app.testing.distributed import expect_close, run_checks, run_distributed
+from app.testing.distributed import (assert_checks_passed, expect_close, run_checks,
+                                     run_distributed)
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -114,16 +115,10 @@ def _layouts_main():
                        "PP2xDP2": layout(["--pipeline-model-parallel-size", "2"])})
 
 
-def _failures(outcomes):
-    return {f"rank {r}: {name}": text for r, outcome in enumerate(outcomes)
-            for name, text in outcome.items() if text}
-
-
 def test_distributed_optimizer_dp2_matches_native_and_resumes_at_dp1(tmp_path):
     save_dir = str(tmp_path / "ck")
     results = run_distributed(_dp2_main, 2, save_dir, timeout=300)
-    failures = _failures([outcome for outcome, _ in results])
-    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
+    assert_checks_passed([outcome for outcome, _ in results])
     dp2 = results[-1][1]
     import torch
     torch.manual_seed(0)
@@ -135,5 +130,4 @@ def test_distributed_optimizer_dp2_matches_native_and_resumes_at_dp1(tmp_path):
 
 
 def test_distributed_optimizer_tp2_and_pp2_with_dp2_match_native():
-    failures = _failures(run_distributed(_layouts_main, 4, timeout=300))
-    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
+    assert_checks_passed(run_distributed(_layouts_main, 4, timeout=300))

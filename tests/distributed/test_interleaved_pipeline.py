@@ -9,7 +9,8 @@ import os
 
 import torch
 
-from app.testing.distributed import expect_close, run_checks, run_distributed
+from app.testing.distributed import (assert_checks_passed, expect_close, run_checks,
+                                     run_distributed)
 
 ARGV = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--train-iters", "5",
@@ -125,6 +126,4 @@ def _rank_main(refs, tmpdir):
 def test_interleaved_pipeline_matches_one_process_and_checkpoints_by_name(tmp_path):
     refs = reference()
     outcomes = run_distributed(_rank_main, 4, refs, str(tmp_path), timeout=300)
-    failures = {f"rank {r}: {name}": text for r, outcome in enumerate(outcomes)
-                for name, text in outcome.items() if text}
-    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
+    assert_checks_passed(outcomes)
