@@ -269,6 +269,9 @@ def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
                             help="discover ranks through mpi4py")
     parser.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                         help="use deepspeed.checkpointing instead of our recomputation")
+    parser.add_argument("--universal-checkpoint", action="store_true",
+                        help="load a DeepSpeed universal checkpoint (ds_to_universal.py output, "
+                             "named by --load's latest_universal) at any DP/TP size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -451,7 +454,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     deepspeed = DeepSpeedConfig(
         enabled=args.deepspeed, config_path=args.deepspeed_config,
         activation_checkpointing=args.deepspeed_activation_checkpointing,
-        mpi=args.deepspeed_mpi)
+        mpi=args.deepspeed_mpi, universal_checkpoint=args.universal_checkpoint)
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, world_size=world_size,

@@ -404,10 +404,15 @@ class DeepSpeedConfig:
     """--deepspeed-activation-checkpointing: use deepspeed.checkpointing instead of ours."""
     mpi: bool = False
     """--deepspeed_mpi: discover ranks through mpi4py."""
+    universal_checkpoint: bool = False
+    """--universal-checkpoint: --load names a DeepSpeed universal checkpoint (any DP/TP size)."""
 
     def __post_init__(self) -> None:
         if self.enabled and not self.config_path:
             raise ValueError("--deepspeed needs --deepspeed_config <path to JSON> (see ds_configs/)")
+        if self.universal_checkpoint and not self.enabled:
+            raise ValueError("--universal-checkpoint needs --deepspeed (a DeepSpeed universal "
+                             "checkpoint); for Megatron checkpoints use tools/convert_checkpoint.py")
 
 
 @dataclass
@@ -491,7 +496,8 @@ class RunConfig:
         self._check_deepspeed_pipeline()
         if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
             raise ValueError("--rollback-on-spike reloads the latest checkpoint: give --save and "
-                             "--save-interval (the window of data skipped is at most that long)")
+                             "--save-interval (a rollback skips the data read since that "
+                             "checkpoint)")
         half = self.precision.fp16 or self.precision.bf16
         if m.fp16_lm_cross_entropy and not half:
             raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
@@ -584,12 +590,17 @@ class RunConfig:
 
 def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
     """Samples the datasets must hold: TrainingConfig.samples_per_split, plus, with
-    --rollback-on-spike, the training samples each rollback may skip (at most one
-    --save-interval of iterations per rollback)."""
-    train, valid, test = cfg.training.samples_per_split()
+    --rollback-on-spike, the training samples the rollbacks may skip: --save-interval +
+    --max-consecutive-skipped-iterations iterations per rollback, since no checkpoint is saved
+    while a run of non-finite iterations lasts (one streak can hide a save point and then
+    reach the limit). Longer skips are possible (several streaks over several save points, or
+    the limit off); the rollback then checks the data left and stops if it is short."""
+    t = cfg.training
+    train, valid, test = t.samples_per_split()
     r = cfg.rollback
     if r.enabled:
-        train += r.max_rollbacks * cfg.checkpoint.save_interval * cfg.training.global_batch_size
+        window = cfg.checkpoint.save_interval + t.max_consecutive_skipped_iterations
+        train += r.max_rollbacks * window * t.global_batch_size
     return train, valid, test
 
 

@@ -227,7 +227,7 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
     """Raise CheckpointError if the checkpoint's model shape or TP/PP layout differs from ours.
 
     Fields missing from an older checkpoint are skipped. The message names the field and both
-    values; a tensor/pipeline size mismatch also says that resharding is not supported.
+    values; a tensor/pipeline size mismatch also says how to reshard (tools/convert_checkpoint.py).
     """
     if ckpt_args is None:
         return
@@ -235,7 +235,9 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
         saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
         if saved != now:
             raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
-                                  f"{now}; resharding is not supported yet")
+                                  f"{now}; reshard it first: tools/convert_checkpoint.py "
+                                  "--input-format megatron --target-tensor-model-parallel-size T "
+                                  "--target-pipeline-model-parallel-size P --include-optimizer")
     for name in MODEL_SHAPE_FIELDS:
         if not hasattr(ckpt_args, name) or not hasattr(current, name):
             continue
@@ -518,7 +520,9 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
             raise CheckpointError(
                 f"checkpoint in {directory} was saved with tensor_model_parallel_size "
                 f"{layout[0]} and pipeline_model_parallel_size {layout[1]}, but this run uses "
-                f"{tp_size} and {pp_size}; resharding is not supported yet: use the saved sizes")
+                f"{tp_size} and {pp_size}; use the saved sizes, or reshard it with "
+                "tools/convert_checkpoint.py (--target-tensor-model-parallel-size, "
+                "--target-pipeline-model-parallel-size, --include-optimizer)")
         raise CheckpointError(
             f"checkpoint file {path} does not exist (found {present} in {directory}); was it "
             "saved with a different tensor/pipeline parallel size, or did the save not finish?")

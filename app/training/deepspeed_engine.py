@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -74,7 +75,12 @@ class DeepSpeedEngineAdapter(Engine):
         if cfg.checkpoint.no_save_optim:
             raise ValueError("--no-save-optim is not available with --deepspeed: DeepSpeed always "
                              "writes the (ZeRO-partitioned) optimizer states; drop the flag, or "
-                             "convert to weights only with tools/convert_deepspeed_to_megatron.py")
+                             "convert to weights only with tools/convert_checkpoint.py "
+                             "--input-format deepspeed")
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+        # saved with every checkpoint, so that ds_to_universal.py can merge the TP slices
+        setattr(model, UNIVERSAL_CHECKPOINT_INFO,
+                universal_checkpoint_info(model, cfg.raw_vocab_size or cfg.model.padded_vocab_size))
         self.pipelined = parallel_state.pipeline_model_parallel_size > 1
         for param in model.parameters():  # DeepSpeed's mark for a pipeline-replicated weight
             if getattr(param, "shared", False):
@@ -243,9 +249,16 @@ class DeepSpeedEngineAdapter(Engine):
 
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """engine.load_checkpoint of the plan's tag: the module always, optimizer and LR-scheduler
-        states when the plan says so; our client state carries the position, args and RNG."""
+        states when the plan says so; our client state carries the position, args and RNG.
+
+        With --universal-checkpoint the tag is the one `latest_universal` names (written by
+        DeepSpeed's ds_to_universal.py); DeepSpeed then slices every parameter and Adam moment
+        for this run's DP and TP sizes, so the saved layout need not match this run's.
+        """
         from app.training import checkpoint as ckpt
-        tag = "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}"
+        universal = self.cfg.deepspeed.universal_checkpoint
+        tag = self._universal_tag(load_dir) if universal else (
+            "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
         where = os.path.join(load_dir, tag)
         self._check_loadable(load_dir, plan, where)
         try:
@@ -260,12 +273,70 @@ class DeepSpeedEngineAdapter(Engine):
             raise ckpt.CheckpointError(f"DeepSpeed could not load {where}; is it a DeepSpeed "
                                        "checkpoint (mp_rank_XX_model_states.pt) of this model?")
         client = client or {}
-        args = client.get("args")
+        args, rng = client.get("args"), client.get("rng_state")
+        if args is not None and universal:  # any layout: compare the model shape only
+            args, rng = self._universal_adjust(args, rng)
         if args is not None:
             check_saved_args(plan, args, self.cfg, where)
         return CheckpointContents(path=path, iteration=plan.iteration, args=args,
-                                  client_state=client, rng_state=client.get("rng_state"),
+                                  client_state=client, rng_state=rng,
                                   scheduler_state=client.get("scheduler_steps"))
+
+    @staticmethod
+    def _universal_tag(load_dir: str) -> str:
+        from app.training import checkpoint as ckpt
+        latest = os.path.join(load_dir, "latest_universal")
+        if not os.path.isfile(latest):
+            raise ckpt.CheckpointError(
+                f"--universal-checkpoint: {latest} does not exist; convert first with "
+                f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {load_dir}/iter_N "
+                f"--output_folder {load_dir}/iter_N_universal")
+        with open(latest, encoding="utf-8") as f:
+            return f.read().strip()
+
+    def _universal_adjust(self, args: Any, rng: Any) -> Tuple[Any, Any]:
+        """The saved args with this run's layout (DeepSpeed re-slices the tensors), and the
+        saved RNG states with this run's model-parallel dropout stream when the TP size changed
+        (each TP rank needs its own stream; the saved ones belong to the old ranks)."""
+        import copy
+        from app.mpu.random import get_rng_tracker
+        saved_tp = int(getattr(args, "tensor_model_parallel_size", 1))
+        args = copy.copy(args)
+        args.tensor_model_parallel_size = self.ps.tensor_model_parallel_size
+        args.pipeline_model_parallel_size = self.ps.pipeline_model_parallel_size
+        args.padded_vocab_size = self.cfg.model.padded_vocab_size
+        if rng is not None and saved_tp != self.ps.tensor_model_parallel_size:
+            rng = dict(rng[0] if isinstance(rng, (list, tuple)) else rng)
+            rng["rng_tracker_states"] = get_rng_tracker().get_states()
+            logger.info("universal checkpoint saved at TP %d, loaded at TP %d: the model-parallel "
+                        "dropout streams restart from this run's seed", saved_tp,
+                        self.ps.tensor_model_parallel_size)
+        return args, rng
+
+
+def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[str, Any]:
+    """What DeepSpeed's ds_to_universal.py needs to merge and re-slice our parameters: which
+    are replicated across TP ranks, which are split by columns (row-parallel layers), and which
+    hold the padded vocabulary (trimmed to the tokenizer's `vocab_size` in the universal files,
+    padded with zeros for the loading run's TP size); everything else is split by rows. Read
+    from the parameters' own `tensor_model_parallel` / `partition_dim` marks, one exact-name
+    pattern each."""
+    from deepspeed.checkpoint import constants as c
+    replicated, by_columns, vocabulary = [], [], []
+    for name, param in model.named_parameters():
+        pattern = re.escape(name) + "$"
+        if not getattr(param, "tensor_model_parallel", False):
+            replicated.append(pattern)
+        elif getattr(param, "partition_dim", 0) == 1:
+            by_columns.append(pattern)
+        if name.endswith("word_embeddings.weight"):
+            vocabulary.append(pattern)
+    return {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            c.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+            c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: by_columns,
+            c.VOCABULARY_PARAMETER_PATTERNS: vocabulary,
+            c.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [],
+            c.PARAMETER_TO_AVERAGE_PATTERNS: [], "original_vocab_size": int(vocab_size)}
 
 
 def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:

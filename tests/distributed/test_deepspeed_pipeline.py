@@ -75,12 +75,14 @@ def _rank_main(tmpdir):
         loaded = resumed["engine"].load_checkpoint(tmpdir)
         assert loaded.iteration == 3 and loaded.consumed_train_samples == 48, loaded
         ps = resumed["ps"]
-        megatron = tmpdir + "_megatron"  # tools/convert_deepspeed_to_megatron.py names stages
+        megatron = tmpdir + "_megatron"  # the converter maps DeepSpeed's TP x PP file numbers
         if dist.get_rank() == 0:
-            from tools.convert_deepspeed_to_megatron import convert
-            convert(tmpdir, megatron, "iter_0000003")
+            from tools.convert_checkpoint import main as convert
+            assert convert(["--input-format", "deepspeed", "--load", tmpdir, "--save", megatron,
+                            "--iteration", "3", "--target-pipeline-model-parallel-size", "2",
+                            "--include-optimizer"]) == 0
         dist.barrier()
-        state, _ = ckpt.load_checkpoint_dict(megatron, tp_rank=0, pp_size=2,
+        state, _ = ckpt.load_checkpoint_dict(megatron, tp_rank=0, pp_size=2, iteration=3,
                                              pp_rank=ps.pipeline_model_parallel_rank)
         converted = ckpt.from_megatron_model(state["model"])
         weights = resumed["engine"].ds.module.state_dict()
