@@ -133,6 +133,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                         "over the tensor-parallel ranks (all-gather / reduce-scatter instead of "
                         "all-reduce); needs --tensor-model-parallel-size > 1 and --seq-length "
                         "divisible by it")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: each pipeline rank holds (num layers / PP) / N model "
+                        "chunks of N layers, assigned round-robin (stage r holds virtual stages r, "
+                        "r+PP, ...); needs PP > 1, N dividing the layers per stage and the "
+                        "micro-batches per iteration a multiple of PP; native path only")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
@@ -191,6 +196,20 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on resume, keep the checkpoint's LR settings")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="native path: shard the fp32 main weights and AdamW states over the "
+                        "data-parallel ranks (gradients reduce-scattered in buckets, weights "
+                        "all-gathered after the step); checkpoints stay layout-independent, so "
+                        "a run resumes at another data-parallel size or without the flag")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="with --use-distributed-optimizer: reduce-scatter each gradient bucket "
+                        "while backward still runs, once its last micro-batch is in")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --overlap-grad-reduce: all-gather updated weights in the "
+                        "background; each module waits for its bucket at its next forward")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket of the distributed optimizer "
+                        "(default max(40M, 1M x data-parallel size))")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -438,7 +457,10 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, ddp_bucket_size=args.ddp_bucket_size)
 
 
 def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
@@ -487,7 +509,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, world_size=world_size,
-        distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank)
+        distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
     ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
     fp16, bf16, source = _precision_choice(args, ds_json, deepspeed.config_path)
     precision = PrecisionConfig(

@@ -266,11 +266,16 @@ class ParallelConfig:
     """torch.distributed backend: gloo (CPU) or nccl (CUDA); arguments.py defaults it by device."""
     local_rank: Optional[int] = None
     """--local_rank from a launcher; None means read LOCAL_RANK from the environment."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per model chunk for the interleaved 1F1B schedule; None means one chunk per stage
+    (RunConfig checks it against the layer count, the pipeline size and the micro-batches)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                          ("world_size", "world size")))
+        _positive(self, (("num_layers_per_virtual_pipeline_stage",
+                          "--num-layers-per-virtual-pipeline-stage"),), allow_none=True)
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ValueError(
@@ -308,6 +313,17 @@ class OptimizerConfig:
     """On resume, use this run's LR settings instead of the checkpoint's."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, adopt the checkpoint's LR settings, ignoring this run's."""
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 main weights and AdamW states over data parallel (native path; ZeRO-1 as
+    Megatron's distributed optimizer: reduce-scatter of gradients, all-gather of weights)."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's reduce-scatter during backward, once its last micro-batch
+    gradients are in (needs use_distributed_optimizer)."""
+    overlap_param_gather: bool = False
+    """All-gather the updated weights in the background; each module waits for its bucket at
+    its next forward (needs overlap_grad_reduce)."""
+    ddp_bucket_size: Optional[int] = None
+    """Elements per gradient bucket of the distributed optimizer; None: max(40M, 1M x DP)."""
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in ("constant", "linear", "cosine", "exponential"):
@@ -325,6 +341,15 @@ class OptimizerConfig:
                                  f"--lr-decay-iters ({self.lr_decay_iters}); shorten the warmup")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _positive(self, (("ddp_bucket_size", "--ddp-bucket-size"),), allow_none=True)
+        if self.overlap_grad_reduce and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-grad-reduce needs --use-distributed-optimizer (the "
+                             "distributed optimizer owns the gradient buckets it overlaps); add "
+                             "--use-distributed-optimizer or drop --overlap-grad-reduce")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (and "
+                             "--use-distributed-optimizer), as in Megatron-LM; add them or drop "
+                             "--overlap-param-gather")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("--override-opt_param-scheduler and "
                              "--use-checkpoint-opt_param-scheduler are mutually exclusive")
@@ -599,18 +624,20 @@ class RunConfig:
             _divisible(what, value, "--tensor-model-parallel-size", tp)
         _divisible("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp)
         t.num_micro_batches(p.data_parallel_size)
+        self._check_virtual_pipeline()
+        self._check_deepspeed_pipeline()
         if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
             raise ValueError("--rollback-on-spike reloads the latest checkpoint: give --save and "
                              "--save-interval (a rollback skips the data read since that "
                              "checkpoint)")
-        if self.deepspeed.enabled and pp > 1:
-            raise ValueError(f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
-                             "--deepspeed yet; use the native path or "
-                             "--pipeline-model-parallel-size 1")
         half = self.precision.fp16 or self.precision.bf16
         if m.fp16_lm_cross_entropy and not half:
             raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
                              "fp32 otherwise); drop it or pick a half precision")
+        if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
+            raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
+                             "shard the optimizer with ZeRO (zero_optimization.stage 1 or 2 in "
+                             "the JSON, e.g. ds_configs/zero1.json) and drop the flag")
         if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
             raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
                              "--deepspeed set the gradient accumulation dtype in the JSON "
@@ -667,6 +694,64 @@ class RunConfig:
                              f"--distributed-timeout-minutes ({minutes:g} min = "
                              f"{minutes * 60:g} s): the other ranks wait for the kernel build in "
                              "a collective; lower the first or raise the second")
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> int:
+        """Model chunks per pipeline rank: (layers / PP) / --num-layers-per-virtual-pipeline-stage,
+        1 without interleaving."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return 1
+        return self.model.num_layers // self.parallel.pipeline_model_parallel_size // per_chunk
+
+    def _check_deepspeed_pipeline(self) -> None:
+        """--deepspeed with PP > 1 needs ZeRO stage 1 (checked once the JSON is read)."""
+        pp = self.parallel.pipeline_model_parallel_size
+        if not self.deepspeed.enabled or pp == 1 or self.deepspeed.config is None:
+            return
+        stage = self.deepspeed.config.get("zero_optimization", {}).get("stage", 0)
+        if stage != 1:
+            why = ("ZeRO-2 reduce-scatters gradients during backward, before the tied "
+                   "word-embedding gradient is summed across the first and last stage"
+                   if stage >= 2 else
+                   "without ZeRO DeepSpeed's gradient norm counts the replicated weights "
+                   "(LayerNorms, biases) of the first stage only")
+            raise ValueError(
+                f"{self.deepspeed.config_path}: zero_optimization.stage {stage} cannot be "
+                f"combined with --pipeline-model-parallel-size ({pp}) under --deepspeed ({why}); "
+                "pipeline parallelism under DeepSpeed needs ZeRO stage 1, as DeepSpeed's own "
+                "pipeline engine: use ds_configs/zero1.json, or "
+                "--pipeline-model-parallel-size 1")
+
+    def _check_virtual_pipeline(self) -> None:
+        """Megatron's rules for the interleaved schedule (--num-layers-per-virtual-pipeline-stage)."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return
+        flag = "--num-layers-per-virtual-pipeline-stage"
+        pp = self.parallel.pipeline_model_parallel_size
+        if pp == 1:
+            raise ValueError(f"{flag} ({per_chunk}) needs --pipeline-model-parallel-size > 1 (got "
+                             "1): interleaving splits each pipeline stage into chunks; raise "
+                             f"--pipeline-model-parallel-size or drop {flag}")
+        per_stage = self.model.num_layers // pp
+        if per_stage % per_chunk:
+            raise ValueError(f"--num-layers ({self.model.num_layers}) / "
+                             f"--pipeline-model-parallel-size ({pp}) = {per_stage} layers per "
+                             f"stage is not divisible by {flag} ({per_chunk}); pick a {flag} that "
+                             f"divides {per_stage}")
+        if self.deepspeed.enabled:
+            raise ValueError(f"{flag} is not supported with --deepspeed (the DeepSpeed path runs "
+                             f"plain 1F1B); drop {flag} or use the native path")
+        micro = self.training.num_micro_batches(self.parallel.data_parallel_size)
+        if self.virtual_pipeline_model_parallel_size > 1 and micro % pp:
+            t = self.training
+            raise ValueError(
+                f"{flag} needs the micro-batches per iteration to be a multiple of "
+                f"--pipeline-model-parallel-size ({pp}), but --global-batch-size "
+                f"({t.global_batch_size}) / (--micro-batch-size ({t.micro_batch_size}) x "
+                f"data-parallel size ({self.parallel.data_parallel_size})) = {micro}; raise "
+                f"--global-batch-size to a multiple of {t.micro_batch_size * pp * self.parallel.data_parallel_size}")
 
 
 def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:

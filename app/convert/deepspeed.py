@@ -3,14 +3,15 @@ into a ModelCheckpoint: the consolidated fp32 master weights and, when asked, Ad
 
 DeepSpeed's layout under `{load}/{tag}/` (tag `iter_0000100`, named by the `latest` file):
 
-    mp_rank_{tp:02d}_model_states.pt                       module (working-precision weights),
+    mp_rank_{mp:02d}_model_states.pt                       module (working-precision weights),
                                                            param_shapes, our client state (args,
                                                            iteration, rng_state, ...), lr_scheduler
     [bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt   this DP rank's slice of the flat
                                                            fp32 master weights of each param group
                                                            and of Adam's state for that slice
 
-For each TP rank the DP slices of each group are concatenated and cut into parameters in the
+Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (the pipeline stages of a
+PP > 1 run; TP from the saved args). For each of them the DP slices of each group are concatenated and cut into parameters in the
 order of `param_shapes` (DeepSpeed's zero_to_fp32 does the same for a single TP rank); then
 the TP shards are merged by app.convert.layout. The files pickle DeepSpeed objects, so they are
 read with weights_only=False: convert only checkpoints you trust.
@@ -72,44 +73,45 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
     if not model_files:
         raise ckpt.CheckpointError(f"{directory} has no mp_rank_XX_model_states.pt: not a DeepSpeed "
                                    "checkpoint")
-    tp = len(model_files)
+    mp = len(model_files)  # DeepSpeed numbers files by model-parallel rank pp_rank x TP + tp_rank
+    first: Dict[str, Any] = load_file(os.path.join(directory, model_files[0][1]))
+    tp = int(getattr(first.get("args"), "tensor_model_parallel_size", mp) or mp)
+    pp = mp // tp
     weights_per_rank: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}
     moments_per_rank: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {
         "exp_avg": {}, "exp_avg_sq": {}}
     steps: Dict[str, torch.Tensor] = {}
     hparams: Dict[str, Dict[str, Any]] = {}
-    first: Dict[str, Any] = {}
-    for tp_rank, name in model_files:
-        states = load_file(os.path.join(directory, name))
-        if tp_rank == 0:
-            first = states
-        optim = _optim_files(directory, tp_rank)
+    for mp_rank, name in model_files:
+        states = first if mp_rank == 0 else load_file(os.path.join(directory, name))
+        tp_rank, pp_rank = mp_rank % tp, mp_rank // tp
+        optim = _optim_files(directory, mp_rank)
         if optim:
             weights, moments, step, groups = _consolidate(states, optim, directory, include_optimizer)
             hparams.update(groups)
             steps.update(step)
         elif include_optimizer:
             raise ckpt.CheckpointError(f"--include-optimizer: {directory} has no ZeRO optimizer files "
-                                       f"for TP rank {tp_rank}")
+                                       f"for model-parallel rank {mp_rank}")
         else:
             logger.warning("%s has no ZeRO optimizer files; using the module weights it saved", directory)
             weights, moments = {k: v.float() for k, v in states["module"].items()}, {}
-        weights_per_rank[(tp_rank, 0)] = weights
+        weights_per_rank[(tp_rank, pp_rank)] = weights
         for kind, values in moments.items():
-            moments_per_rank[kind][(tp_rank, 0)] = values
+            moments_per_rank[kind][(tp_rank, pp_rank)] = values
     args = first.get("args")
     if not isinstance(args, argparse.Namespace):
         raise ckpt.CheckpointError(f"{directory}/mp_rank_00_model_states.pt has no 'args' (not written "
                                    "by pretrain_gpt2.py --deepspeed?): its model shape is unknown")
     from app.convert.megatron import merge_ranks
     result = ModelCheckpoint(args=argparse.Namespace(**vars(args)),
-                             weights=merge_ranks(args, weights_per_rank, tp, 1, "weights"),
-                             iteration=int(first.get("iteration", 0)), source_layout=(tp, 1))
+                             weights=merge_ranks(args, weights_per_rank, tp, pp, "weights"),
+                             iteration=int(first.get("iteration", 0)), source_layout=(tp, pp))
     rng = first.get("rng_state")
     if rng is not None:
         result.rng_states = {(0, 0): [rng] if isinstance(rng, dict) else rng}
     if include_optimizer:
-        merged = {kind: merge_ranks(args, ranks, tp, 1, f"optimizer {kind}")
+        merged = {kind: merge_ranks(args, ranks, tp, pp, f"optimizer {kind}")
                   for kind, ranks in moments_per_rank.items()}
         result.optimizer = OptimizerState(
             per_param={n: {"exp_avg": merged["exp_avg"][n], "exp_avg_sq": merged["exp_avg_sq"][n],

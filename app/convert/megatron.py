@@ -91,6 +91,11 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
                              rng_states={k: s["rng_state"] for k, s in files.items()
                                          if s.get("rng_state") is not None})
     if include_optimizer:
+        if ckpt.saved_virtual_pipeline_size(args) > 1:
+            raise ckpt.CheckpointError(
+                f"{ckpt.checkpoint_dir(load_dir, iteration)} was saved with interleaved model "
+                "chunks (--num-layers-per-virtual-pipeline-stage): its weights convert, its "
+                "optimizer states do not; drop --include-optimizer")
         result.optimizer = _read_optimizer(args, files, tp, pp, load_dir)
         result.lr_scheduler = files[(0, 0)].get("lr_scheduler")
         saved = files[(0, 0)].get("optimizer") or {}
@@ -104,8 +109,11 @@ def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[s
     num_layers = int(args.num_layers)
     progress = Progress(f"reading {what}")
     merged: Dict[str, torch.Tensor] = {}
+    # the stage whose file holds each name: contiguous stages, or an interleaved run's chunks
+    holder = {name: stage for (tp_rank, stage), rank_dict in per_rank.items() if tp_rank == 0
+              for name in rank_dict}
     for name in layout.model_parameter_names(num_layers) + ([layout.TIED_HEAD] if pp > 1 else []):
-        stage = layout.stage_of(name, num_layers, pp)
+        stage = holder.get(name, layout.stage_of(name, num_layers, pp))
         shards = []
         for tp_rank in range(tp):
             rank_dict = per_rank[(tp_rank, stage)]
@@ -114,9 +122,9 @@ def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[s
             shards.append(rank_dict[name])
         merged[name] = layout.merge_shards(shards, name)
         progress.add(merged[name])
+    known = set(layout.model_parameter_names(num_layers)) | {layout.TIED_HEAD}
     for (tp_rank, stage), rank_dict in per_rank.items():
-        expected = set(layout.stage_parameter_names(num_layers, pp, stage))
-        unknown = sorted(set(rank_dict) - expected)
+        unknown = sorted(set(rank_dict) - known)
         if unknown:
             raise ckpt.CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) holds {unknown[0]!r}, "
                                        "which the GPT-2 layout cannot map")

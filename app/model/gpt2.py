@@ -380,13 +380,13 @@ class GPT2Model(nn.Module):
         return self.word_embeddings.weight
 
     def shared_embedding_weight(self) -> Optional[torch.Tensor]:
-        """The word-embedding weight whose gradient is summed over the embedding group (first and
-        last pipeline stage), or None where there is none: middle stages, a single stage, and
-        every stage with untied embeddings and output weights."""
-        ps = self.parallel_state
-        if not self.tied or ps.pipeline_model_parallel_size == 1:
+        """The word-embedding weight whose gradient is summed over the embedding group (the
+        first and last pipeline stage's), or None where there is none: a stage (or model chunk)
+        without the embedding or the output layer, a single stage, and every stage with untied
+        embeddings and output weights."""
+        if not self.tied or self.parallel_state.pipeline_model_parallel_size == 1:
             return None
-        if ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage():
+        if self.pre_process or self.post_process:
             return self.word_embeddings_weight()
         return None
 

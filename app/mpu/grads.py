@@ -45,15 +45,28 @@ def grad_norm(parameters: Iterable[torch.Tensor], parallel_state: Optional[Paral
         return float(local.item())
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for p in owned:
-        g = p.grad.detach().float()
-        if not hasattr(p, "replicated_rows"):
-            total += g.norm(norm_type) ** norm_type
-            continue
-        first, replicas = p.replicated_rows
-        total += g[:first].norm(norm_type) ** norm_type
-        total += g[first:].norm(norm_type) ** norm_type / replicas
+        total += norm_power(p, p.grad, norm_type)
     collectives.all_reduce(total, state.model_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
+
+
+def norm_power(param: torch.Tensor, grad: torch.Tensor, norm_type: float = 2.0,
+               flat_start: Optional[int] = None) -> torch.Tensor:
+    """sum |grad|^p of one parameter for the global norm; rows replicated on r ranks
+    (`param.replicated_rows = (first_row, r)`) count 1/r.
+
+    `grad` is the whole gradient, shaped like `param`, or with `flat_start` the flat slice of it
+    that begins at that element (a distributed-optimizer shard).
+    """
+    g = grad.detach().float()
+    rows = getattr(param, "replicated_rows", None)
+    if rows is None:
+        return g.norm(norm_type) ** norm_type
+    first, replicas = rows
+    cut = first
+    if flat_start is not None:
+        cut = min(max(first * (param.numel() // param.shape[0]) - flat_start, 0), g.numel())
+    return g[:cut].norm(norm_type) ** norm_type + g[cut:].norm(norm_type) ** norm_type / replicas
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,

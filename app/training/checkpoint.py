@@ -218,6 +218,9 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
+        virtual_pipeline_model_parallel_size=(cfg.virtual_pipeline_model_parallel_size
+                                              if p.num_layers_per_virtual_pipeline_stage else None),
         data_parallel_size=p.data_parallel_size, world_size=p.world_size,
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
         train_iters=t.train_iters, seed=t.seed, lr=o.lr, min_lr=o.min_lr,
@@ -538,3 +541,35 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
         raise CheckpointError(f"checkpoint file {path} says iteration {saved} but lies in the "
                               f"directory of iteration {iteration}")
     return state, iteration
+
+
+def saved_virtual_pipeline_size(ckpt_args: Optional[argparse.Namespace]) -> int:
+    """Model chunks per pipeline rank of the run that saved `ckpt_args` (1: not interleaved)."""
+    return int(getattr(ckpt_args, "virtual_pipeline_model_parallel_size", None) or 1)
+
+
+def load_weights_by_name(load_dir: str, iteration: Iteration, names: List[str], *,
+                         tp_rank: int, pp_size: int
+                         ) -> Tuple[Dict[str, Any], Optional[Dict[str, torch.Tensor]]]:
+    """(weights, fp32 main weights or None) called `names`, from the files of every pipeline
+    stage of `tp_rank`.
+
+    Parameter names carry global layer indices, so a stage can take its layers from a
+    checkpoint whose stages held other layers (an interleaved run's chunks, or the reverse).
+    The tied copy of the word embeddings on the last stage (`word_embeddings.weight`) is the
+    same in every layout. Raises CheckpointError naming a weight no file holds.
+    """
+    found: Dict[str, Any] = {}
+    mains: Dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp_size):
+        state, _ = load_checkpoint_dict(load_dir, iteration=iteration, tp_rank=tp_rank,
+                                        pp_rank=pp_rank, pp_size=pp_size)
+        flat = from_megatron_model(state["model"])
+        found.update({name: flat[name] for name in names if name in flat})
+        main = fp32_main_weights(state) or {}
+        mains.update({name: main[name] for name in names if name in main})
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise CheckpointError(f"no pipeline stage of {checkpoint_dir(load_dir, iteration)} holds "
+                              f"{missing[:4]}; was it saved with another --num-layers?")
+    return found, (mains or None)

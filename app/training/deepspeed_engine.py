@@ -8,6 +8,16 @@ our schedule is attached to it) or both `optimizer` and `scheduler` (then DeepSp
 Per micro-batch, `backward` runs `engine.backward(loss, scale_wrt_gas=False)` (our schedule has
 already divided by the number of micro-batches) followed by `engine.step()`, which DeepSpeed
 turns into a real update only at the gradient-accumulation boundary; `step` then reports it.
+
+Pipeline parallelism (PP > 1) runs our own 1F1B schedule with one DeepSpeed engine per stage,
+the way DeepSpeed's PipelineEngine drives its engine: every backward runs with the accumulation
+boundary held off, so ZeRO-1 keeps the accumulated gradients local; `step` then sums the tied
+word-embedding gradient of the first and last stage, opens the boundary, reduces over data
+parallel (`allreduce_gradients`) and steps. Stages other than the last backpropagate the
+received output gradient through `engine.backward` too, as the scalar sum(output x gradient)
+(divided by the loss scale, which `engine.backward` multiplies back), whose gradient with respect
+to the output is exactly the received one. ZeRO-1 only (app.config says why); the last stage's
+tied copy of the embeddings is marked `ds_pipe_replicated` so DeepSpeed's norm counts it once.
 """
 from __future__ import annotations
 
@@ -71,6 +81,10 @@ class DeepSpeedEngineAdapter(Engine):
         # saved with every checkpoint, so that ds_to_universal.py can merge the TP slices
         setattr(model, UNIVERSAL_CHECKPOINT_INFO,
                 universal_checkpoint_info(model, cfg.raw_vocab_size or cfg.model.padded_vocab_size))
+        self.pipelined = parallel_state.pipeline_model_parallel_size > 1
+        for param in model.parameters():  # DeepSpeed's mark for a pipeline-replicated weight
+            if getattr(param, "shared", False):
+                param.ds_pipe_replicated = True
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
             from app.optim import OptimizerParamScheduler, get_param_groups
@@ -105,19 +119,51 @@ class DeepSpeedEngineAdapter(Engine):
 
     def backward(self, loss: torch.Tensor) -> None:
         self._bad_loss = self._bad_loss + (~torch.isfinite(loss.detach())).any().float().cpu()
+        self._backward(loss)
+
+    def backward_output(self, output: torch.Tensor, output_grad: torch.Tensor) -> None:
+        """engine.backward of sum(output x output_grad) / loss scale: gradients exactly those of
+        autograd.backward(output, output_grad), with DeepSpeed's bookkeeping around them."""
+        scale = self.loss_scale or 1.0
+        surrogate = (output.float() * output_grad.float()).sum() / scale  # scalar
+        self._backward(surrogate)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.pipelined:
+            self.ds.set_gradient_accumulation_boundary(False)
         self.ds.backward(loss, scale_wrt_gas=False)
-        self._lr_used = self._current_lr()  # the boundary step below advances the schedule
+        self._lr_used = self._current_lr()  # the boundary step advances the schedule
         # peak over the accumulation: ZeRO-1 holds full gradients between boundaries, ZeRO-2 only
         # its partition; the boundary step frees them
         self._grad_bytes = max(getattr(self, "_grad_bytes", 0), self._gradient_bytes())
-        self.ds.step()
         self._micro += 1
+        if not self.pipelined:
+            self.ds.step()  # an update only at the accumulation boundary
+        elif self._micro < self.ds.gradient_accumulation_steps():
+            self.ds.step()  # counts the micro-step; the boundary waits for step()
+
+    def _pipeline_boundary_step(self) -> None:
+        """Sum the tied embedding gradient over the first and last stage, then reduce over data
+        parallel and step (DeepSpeed's PipelineEngine order: tied, data-parallel, optimizer)."""
+        ps = self.ps
+        weight = self.ds.module.shared_embedding_weight()  # None with untied embeddings
+        if weight is not None:
+            opt = self.ds.optimizer
+            grad = (opt.get_gradient_for_reduction(weight)
+                    if hasattr(opt, "get_gradient_for_reduction") else weight.grad)
+            if grad is not None:
+                collectives.all_reduce(grad, ps.embedding_group)
+        self.ds.set_gradient_accumulation_boundary(True)
+        self.ds.allreduce_gradients()
+        self.ds.step()
 
     def step(self) -> StepResult:
         gas = self.ds.gradient_accumulation_steps()
         if self._micro != gas:
             raise RuntimeError(f"DeepSpeed engine saw {self._micro} micro-batches in an "
                                f"iteration; gradient_accumulation_steps is {gas}")
+        if self.pipelined:
+            self._pipeline_boundary_step()
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
         skipped = not self.ds.was_step_applied()
@@ -191,12 +237,13 @@ class DeepSpeedEngineAdapter(Engine):
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.ps.data_parallel_size, load_optimizer=False)
-        problem = (inspect.partition_problem(layout, self.ps.data_parallel_size)
-                   if layout is not None and plan.load_optimizer else None)
-        if problem:
+        if layout is not None:  # the file names give TP x PP ranks, the args their split
             saved = inspect.read_saved_state(layout).get("args")
             if saved is not None:
                 check_saved_args(plan, saved, self.cfg, where)
+        problem = (inspect.partition_problem(layout, self.ps.data_parallel_size)
+                   if layout is not None and plan.load_optimizer else None)
+        if problem:
             from app.training.checkpoint import CheckpointError
             raise CheckpointError(problem)
 
@@ -322,5 +369,19 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     deepspeed.checkpointing.configure(parallel_state, deepspeed_config=ds,
                                       num_checkpoints=None if given else chunks)
     deepspeed.checkpointing.model_parallel_cuda_manual_seed(cfg.training.seed)
-    mpu_random.set_checkpoint_implementation(deepspeed.checkpointing.checkpoint,
+    mpu_random.set_checkpoint_implementation(_leaf_safe(deepspeed.checkpointing.checkpoint),
                                              deepspeed.checkpointing.get_cuda_rng_tracker)
+
+
+def _leaf_safe(checkpoint: Any) -> Any:
+    """DeepSpeed's checkpoint, handed a view of any leaf tensor that requires grad.
+
+    With partition_activations DeepSpeed swaps each input's storage for its flat partition; on a
+    pipeline stage after the first, the first chunk's input is the received activation, a leaf
+    whose gradient the schedule sends back, so its own storage must stay [b, s, h].
+    """
+    def run(function: Any, *args: Any) -> Any:
+        args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
+                     else a for a in args)
+        return checkpoint(function, *args)
+    return run

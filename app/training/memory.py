@@ -11,6 +11,8 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
                                                + Adam 8Ψ                          = 16Ψ
     native fp16/bf16 steps fp32 main gradients: 4Ψ (accumulated in fp32, or cast from the
     2Ψ half gradients, each freed as it is cast, so the peak stays 4Ψ)
+    --use-distributed-optimizer (native): the optimizer states (Adam, fp32 main weights of a
+            half run) divided by N_d, as ZeRO-1
     ZeRO-1: optimizer states (and the fp32 master partition DeepSpeed keeps, also in fp32
             runs) divided by N_d;  ZeRO-2: gradients too;  offload_optimizer: optimizer states
             and master weights on the host (0 on the device).  With contiguous_gradients
@@ -164,7 +166,8 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     stage = int(zero.get("stage", 0)) if ds is not None else 0
     offload = ds is not None and (zero.get("offload_optimizer", {}) or {}).get("device") == "cpu"
     master = 4 if (half or stage >= 1) else 0  # ZeRO keeps an fp32 partition even in fp32 runs
-    optim = (master + 8) * psi / (dp if stage >= 1 else 1)
+    sharded = stage >= 1 or (ds is None and cfg.optimizer.use_distributed_optimizer)
+    optim = (master + 8) * psi / (dp if sharded else 1)
     grads = w * psi / (dp if stage >= 2 else 1)
     grads_text = f"{w}Ψ" + ("/N_d" if stage >= 2 else "")
     if ds is None and half:  # fp32 main gradients (MixedPrecisionOptimizer._main_grads)
@@ -178,9 +181,10 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
         buffers = float(int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)) * copies * width)
     if offload:
         optim = 0.0
-    engine = f"DeepSpeed ZeRO-{stage}" if ds is not None else "native"
+    engine = (f"DeepSpeed ZeRO-{stage}" if ds is not None else
+              "native, distributed optimizer" if sharded else "native")
     optim_text = ("0 (offloaded to the host)" if offload else
-                  f"{master + 8}Ψ" + ("/N_d" if stage >= 1 else ""))
+                  f"{master + 8}Ψ" + ("/N_d" if sharded else ""))
     note = (f"{engine}, {'16-bit' if half else 'fp32'} weights: weights {w}Ψ, gradients "
             f"{grads_text}, optimizer {optim_text} with Ψ = {psi:,} parameters "
             f"per rank, N_d = {dp}"

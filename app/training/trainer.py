@@ -151,6 +151,7 @@ class Trainer:
                         model=model, num_microbatches=self.num_micro,
                         loss_func=self._loss_func(forward_only),
                         backward_func=self.engine.backward,
+                        output_backward_func=self.engine.backward_output,
                         parallel_state=self.ps, forward_only=forward_only,
                         tensor_shape=(self.cfg.training.micro_batch_size, seq, m.hidden_size))
 
