@@ -1,7 +1,8 @@
 """Issue 13's model options at parallel layouts equal one process: sequence parallelism, RoPE,
 ALiBi, GQA, MQA (key/value heads replicated over TP), untied output layer, recompute and a
 custom logits loss, alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
-one combination also in native bf16 (to bf16 round-off).
+one combination also in native bf16 (to bf16 round-off), one under interleaved 1F1B (TP2xPP2,
+2 virtual stages) and one with the distributed optimizer (TP2xDP2).
 
 Two spawns. Each rank builds every run in-process (app.testing.synthetic.build_synthetic_run,
 the same path as pretrain_gpt2) and trains 5 iterations (fp32, dropout 0, 4 or 2 micro-batches
@@ -52,7 +53,15 @@ OPTIONS = {
     "sp+learned+untied": (SP + UNTIE, False),
     "bf16 sp+rope+mqa+untied+selective": (["--bf16"] + SP + ROPE + MQA + UNTIE
                                           + ["--recompute-granularity", "selective"], False),
+    # with issue 13's other half: interleaved 1F1B and the distributed optimizer
+    "interleaved sp+rope+untied": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
+                                    "1"] + SP + ROPE + UNTIE, False),
+    "distributed optimizer sp+mqa": (["--use-distributed-optimizer"] + SP + MQA, False),
 }
+LAYOUT_ONLY = {"--sequence-parallel": 0, "--use-distributed-optimizer": 0,
+               "--num-layers-per-virtual-pipeline-stage": 1}
+"""Flags that change how a layout runs, not the numbers (with their argument count): the
+single-process reference runs without them."""
 BF16_TOLERANCE = dict(curve=2e-3, rtol=1e-2, atol=5e-3)  # bf16 round-off; Adam steps noise
 LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("sp", 2, 1), ("rope", 2, 1), ("alibi", 2, 1), ("gqa2", 2, 1), ("mqa", 2, 1),
@@ -63,6 +72,7 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
 LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices between stages)
     ("sp", 2, 1), ("sp+rope+gqa2+untied+selective", 2, 1),
     ("sp+learned+untied", 2, 2), ("sp+alibi+mqa+full+resets", 2, 2),
+    ("interleaved sp+rope+untied", 2, 2), ("distributed optimizer sp+mqa", 2, 1),
 ]
 
 
@@ -112,10 +122,22 @@ def _rank(layouts) -> Dict[str, object]:
 
 @pytest.fixture(scope="module")
 def references():
-    """The single-process run of every option (trained in the test process; sequence
-    parallelism needs TP > 1 and changes no number, so the reference runs without it)."""
-    return {name: _train([f for f in flags if f not in SP], custom, 1)
+    """The single-process run of every option (trained in the test process, without the
+    layout-only flags)."""
+    return {name: _train(_reference_flags(flags), custom, 1)
             for name, (flags, custom) in OPTIONS.items()}
+
+
+def _reference_flags(flags: List[str]) -> List[str]:
+    out, skip = [], 0
+    for flag in flags:
+        if skip:
+            skip -= 1
+        elif flag in LAYOUT_ONLY:
+            skip = LAYOUT_ONLY[flag]
+        else:
+            out.append(flag)
+    return out
 
 
 def _query_groups(flags: List[str]) -> int:
