@@ -260,7 +260,8 @@ class DeepSpeedEngineAdapter(Engine):
         tag = self._universal_tag(load_dir) if universal else (
             "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
         where = os.path.join(load_dir, tag)
-        self._check_loadable(load_dir, plan, where)
+        if not universal:  # universal files are re-sliced for any layout; args checked below
+            self._check_loadable(load_dir, plan, where)
         try:
             path, client = self.ds.load_checkpoint(
                 load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,
