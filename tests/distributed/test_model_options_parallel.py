@@ -1,7 +1,7 @@
 """Issue 13's model options at parallel layouts equal one process: sequence parallelism, RoPE,
 ALiBi, GQA, MQA (key/value heads replicated over TP), untied output layer, recompute and a
 custom logits loss, alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
-one combination also in native bf16 (to bf16 round-off), one under interleaved 1F1B (TP2xPP2,
+one combination each also in native bf16 and fp16 (to their round-off), one under interleaved 1F1B (TP2xPP2,
 2 virtual stages) and one with the distributed optimizer (TP2xDP2).
 
 Two spawns. Each rank builds every run in-process (app.testing.synthetic.build_synthetic_run,
@@ -53,6 +53,8 @@ OPTIONS = {
     "sp+learned+untied": (SP + UNTIE, False),
     "bf16 sp+rope+mqa+untied+selective": (["--bf16"] + SP + ROPE + MQA + UNTIE
                                           + ["--recompute-granularity", "selective"], False),
+    "fp16 sp+alibi+gqa2+untied": (["--fp16", "--initial-loss-scale", "1024"] + SP + ALIBI
+                                  + GQA2 + UNTIE, False),
     # with issue 13's other half: interleaved 1F1B and the distributed optimizer
     "interleaved sp+rope+untied": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                                     "1"] + SP + ROPE + UNTIE, False),
@@ -62,12 +64,13 @@ LAYOUT_ONLY = {"--sequence-parallel": 0, "--use-distributed-optimizer": 0,
                "--num-layers-per-virtual-pipeline-stage": 1}
 """Flags that change how a layout runs, not the numbers (with their argument count): the
 single-process reference runs without them."""
-BF16_TOLERANCE = dict(curve=2e-3, rtol=1e-2, atol=5e-3)  # bf16 round-off; Adam steps noise
+HALF_TOLERANCE = dict(curve=2e-3, rtol=1e-2, atol=5e-3)  # bf16/fp16 round-off; Adam steps noise
 LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("sp", 2, 1), ("rope", 2, 1), ("alibi", 2, 1), ("gqa2", 2, 1), ("mqa", 2, 1),
     ("untied", 2, 1), ("recompute-full-block", 2, 1), ("logits-loss", 2, 1),
     ("sp+rope+gqa2+untied+selective", 2, 1), ("sp+alibi+mqa+full+resets", 2, 1),
     ("untied", 1, 2), ("alibi", 1, 2), ("rope", 1, 2), ("bf16 sp+rope+mqa+untied+selective", 2, 1),
+    ("fp16 sp+alibi+gqa2+untied", 2, 1),
 ]
 LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices between stages)
     ("sp", 2, 1), ("sp+rope+gqa2+untied+selective", 2, 1),
@@ -163,8 +166,8 @@ def _compare(results, references, world: int) -> None:
             want = references[name]
             what = f"{name} TP{tp} PP{pp} DP{world // (tp * pp)} rank {rank}"
             groups = _query_groups(OPTIONS[name][0])
-            tol = BF16_TOLERANCE if "--bf16" in OPTIONS[name][0] else dict(curve=1e-5, rtol=1e-4,
-                                                                           atol=1e-5)
+            half = {"--bf16", "--fp16"} & set(OPTIONS[name][0])
+            tol = HALF_TOLERANCE if half else dict(curve=1e-5, rtol=1e-4, atol=1e-5)
             if got["last_stage"]:
                 assert_close_curves(got["curve"], want["curve"], rel=tol["curve"], what=what)
                 for g, w in zip(got["metrics"], want["metrics"]):
