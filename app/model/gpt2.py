@@ -232,7 +232,10 @@ class ParallelTransformer(nn.Module):
     `app.mpu.random.checkpoint`, which recomputes them in backward with the RNG states restored
     so dropout masks repeat exactly: `uniform` checkpoints chunks of recompute_num_layers layers,
     `block` checkpoints the first recompute_num_layers layers of this stage one by one and keeps
-    the others' activations. (Selective recompute lives in the attention.)
+    the others' activations. (Selective recompute lives in the attention.) Under sequence
+    parallelism a layer's input is this rank's slice of the sequence, different on each TP
+    rank, so it never goes to DeepSpeed's partitioned checkpointing (which assumes inputs
+    replicated over TP and would rebuild them from the other ranks' slices).
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
@@ -245,6 +248,7 @@ class ParallelTransformer(nn.Module):
         self.recompute_full = config.recompute_granularity == "full"
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
+        self.inputs_replicated_over_tp = not config.sequence_parallel
         if post_process:
             self.final_layernorm = _layer_norm(config, torch_dtype(config.params_dtype),
                                                parallel_state)
@@ -256,7 +260,11 @@ class ParallelTransformer(nn.Module):
                 inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
         for chunk, recompute in self._chunks(inference_cache is None):
             run = _ChunkForward(chunk, attention_mask, rotary, inference_cache)
-            hidden = mpu_random.checkpoint(run, hidden) if recompute else run(hidden)  # [b, s, h]
+            if recompute:
+                hidden = mpu_random.checkpoint(  # [b, s, h] ([b, s/tp, h] with SP)
+                    run, hidden, inputs_replicated_over_tp=self.inputs_replicated_over_tp)
+            else:
+                hidden = run(hidden)  # [b, s, h] ([b, s/tp, h] with SP)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden
