@@ -20,7 +20,7 @@ their gradient is summed over the ranks that share them, inside backward.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 SEQUENCE_DIM = 1
 """The sequence dimension of batch-first activations [b, s, h]."""
@@ -40,116 +40,86 @@ def tensor_parallel_group(parallel_state: Any = None) -> Optional[object]:
     return parallel_state
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return input_.view_as(input_)
+class _ConjugateMapping(torch.autograd.Function):
+    """forward_op(input, group) in forward, backward_op(grad, group) in backward."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return collectives.all_reduce(grad.clone(), ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: torch.Tensor, group: Any) -> torch.Tensor:
-        return collectives.all_reduce(input_.clone(), group)
+    def forward(ctx, input_: torch.Tensor, group: Any, forward_op: Callable,
+                backward_op: Callable) -> torch.Tensor:
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(input_, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return collectives.split_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return collectives.all_gather_last_dim(grad, ctx.group), None
+def _map(input_: torch.Tensor, parallel_state: Any, forward_op: Callable,
+         backward_op: Callable) -> torch.Tensor:
+    """input_ itself on one TP rank, else the conjugate pair applied over the TP group."""
+    group = tensor_parallel_group(parallel_state)
+    if collectives.group_size(group) == 1:
+        return input_
+    return _ConjugateMapping.apply(input_, group, forward_op, backward_op)
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return collectives.all_gather_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return collectives.split_last_dim(grad, ctx.group), None
+def _identity(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return t.view_as(t)  # a new tensor object, as autograd wants from forward
 
 
-def _trivial(group: Any) -> bool:
-    return collectives.group_size(group) == 1
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return collectives.all_reduce(t.clone(), group)
+
+
+def _split_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return collectives.split_dim(t, group, SEQUENCE_DIM)
+
+
+def _gather_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return collectives.all_gather_dim(t, group, SEQUENCE_DIM)
+
+
+def _reduce_scatter_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return collectives.reduce_scatter(t, group, dim=SEQUENCE_DIM)
 
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor,
                                          parallel_state: Any = None) -> torch.Tensor:
     """Identity forward; all-reduce (sum) of the gradient over TP in backward. [*] -> [*]."""
-    group = tensor_parallel_group(parallel_state)
-    return input_ if _trivial(group) else _CopyToRegion.apply(input_, group)
+    return _map(input_, parallel_state, _identity, _all_reduce)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor,
                                              parallel_state: Any = None) -> torch.Tensor:
     """All-reduce (sum) over TP forward; identity backward. [*] -> [*]."""
-    group = tensor_parallel_group(parallel_state)
-    return input_ if _trivial(group) else _ReduceFromRegion.apply(input_, group)
+    return _map(input_, parallel_state, _all_reduce, _identity)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor,
                                             parallel_state: Any = None) -> torch.Tensor:
     """Keep this rank's chunk of the last dim; all-gather in backward. [*, n] -> [*, n/tp]."""
-    group = tensor_parallel_group(parallel_state)
-    return input_ if _trivial(group) else _ScatterToRegion.apply(input_, group)
+    return _map(input_, parallel_state, collectives.split_last_dim,
+                collectives.all_gather_last_dim)
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor,
                                              parallel_state: Any = None) -> torch.Tensor:
     """All-gather the last dim over TP; split in backward. [*, n/tp] -> [*, n]."""
-    group = tensor_parallel_group(parallel_state)
-    return input_ if _trivial(group) else _GatherFromRegion.apply(input_, group)
-
-
-class _ScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return collectives.split_dim(input_, group, SEQUENCE_DIM)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return collectives.all_gather_dim(grad, ctx.group, SEQUENCE_DIM), None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return collectives.reduce_scatter(input_, group, dim=SEQUENCE_DIM)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return collectives.all_gather_dim(grad, ctx.group, SEQUENCE_DIM), None
+    return _map(input_, parallel_state, collectives.all_gather_last_dim,
+                collectives.split_last_dim)
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor,
                                         parallel_state: Any = None) -> torch.Tensor:
     """Keep this rank's slice of the sequence; all-gather in backward. [b, s, h] -> [b, s/tp, h]."""
-    group = tensor_parallel_group(parallel_state)
-    return input_ if _trivial(group) else _ScatterToSequenceParallel.apply(input_, group)
+    return _map(input_, parallel_state, _split_sequence, _gather_sequence)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor,
                                                parallel_state: Any = None) -> torch.Tensor:
     """Sum over TP and keep this rank's slice of the sequence; all-gather in backward.
     [b, s, h] partial sums -> [b, s/tp, h]."""
-    group = tensor_parallel_group(parallel_state)
-    return input_ if _trivial(group) else _ReduceScatterToSequenceParallel.apply(input_, group)
+    return _map(input_, parallel_state, _reduce_scatter_sequence, _gather_sequence)
 
 
 def sum_gradient_over_tensor_parallel(param: torch.Tensor, parallel_state: Any = None, *,
