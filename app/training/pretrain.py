@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from app.config import RunConfig, samples_per_split
 from app.data import build_train_valid_test_datasets
 from app.mpu import collectives
 from app.training.checkpoint import CheckpointError
 from app.training.distributed import init_distributed, shutdown_distributed, world_group
+from app.training.loss import LossFunction
 from app.training.nonfinite import TrainingAborted
 from app.training.resume import load_on_all_ranks
 from app.training.run import build_run
@@ -59,11 +60,12 @@ def _log_precision(cfg: RunConfig) -> None:
     logger.info("> precision: %s weights (from %s)%s", cfg.model.params_dtype, p.source, detail)
 
 
-def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = ()) -> Trainer:
+def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = (),
+             loss_function: Optional[LossFunction] = None) -> Trainer:
     """Build everything for `cfg` and train; returns the Trainer (for tests and tools).
 
     `tokenizer` gives the end-of-document id; `arguments_listing` (Megatron's "arguments" block)
-    is printed at start.
+    is printed at start; `loss_function` replaces Megatron's LM loss (app.training.loss).
     """
     info = init_distributed(cfg.parallel.distributed_backend, cfg.deepspeed.mpi)
     setup_logging(info.rank, info.world_size)
@@ -87,7 +89,8 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
                              loaded.consumed_valid_samples)
             logger.info("loaded checkpoint %s: resuming at iteration %d, consumed samples %d",
                         loaded.path, loaded.iteration, loaded.consumed_train_samples)
-    trainer = run.attach_trainer(_datasets(cfg, info.rank), tokenizer.eod, state)
+    trainer = run.attach_trainer(_datasets(cfg, info.rank), tokenizer.eod, state,
+                                 loss_function=loss_function)
     trainer.train()
     return trainer
 
