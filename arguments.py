@@ -72,6 +72,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by launchers (torch.distributed.launch, deepspeed)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective waiting this long for another rank fails, and a rank "
+                        "making no progress for this long (plus a margin) is stopped; "
+                        "fractions allowed")
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +133,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="save and exit when the iteration is a multiple of this")
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
+                   help="on SIGTERM/SIGINT/SIGUSR1 save a checkpoint at the end of the "
+                        "iteration and exit 0 (default: on when --save is given)")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -159,6 +166,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="load weights only and start at iteration 0")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="after each save, delete all but the newest N iter_ directories")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="allow training from scratch (or from another --load) into a --save "
+                        "directory that already holds checkpoints")
 
 
 def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
@@ -275,7 +285,7 @@ def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingCon
         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         tensorboard_dir=args.tensorboard_dir, metrics_file=args.metrics_file,
-        peak_flops=args.peak_flops)
+        peak_flops=args.peak_flops, exit_signal_handler=args.exit_signal_handler)
 
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
@@ -304,7 +314,8 @@ def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
             save=args.save, save_interval=args.save_interval, load=args.load,
             no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-            finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints),
+            finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints,
+            overwrite_checkpoints=args.overwrite_checkpoints),
     )
 
 
@@ -331,7 +342,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, world_size=world_size,
-        distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank)
+        distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
     ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
     precision = PrecisionConfig(
         fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,

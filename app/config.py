@@ -106,11 +106,15 @@ class ParallelConfig:
     """torch.distributed backend: gloo (CPU) or nccl (CUDA); arguments.py defaults it by device."""
     local_rank: Optional[int] = None
     """--local_rank from a launcher; None means read LOCAL_RANK from the environment."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every process group: a collective waiting longer for a peer fails, and the
+    training watchdog stops a rank that makes no progress for this long (plus a margin)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-                         ("world_size", "world size")))
+                         ("world_size", "world size"),
+                         ("distributed_timeout_minutes", "--distributed-timeout-minutes")))
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ValueError(
@@ -234,6 +238,9 @@ class TrainingConfig:
     metrics_file: Optional[str] = None
     peak_flops: Optional[float] = None
     """Peak FLOP/s per rank used for MFU; None means measured/looked up at start."""
+    exit_signal_handler: Optional[bool] = None
+    """SIGTERM/SIGINT/SIGUSR1 save a checkpoint at the end of the iteration and exit 0;
+    None: on when --save is given (app.training.signals.handler_enabled)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("micro_batch_size", "--micro-batch-size"),
@@ -271,6 +278,9 @@ class CheckpointConfig:
     finetune: bool = False
     keep_last_n_checkpoints: Optional[int] = None
     """After each committed save, delete all but the newest N iter_ directories; None keeps all."""
+    overwrite_checkpoints: bool = False
+    """Allow training from scratch (or from another --load) into a --save that already holds
+    checkpoints; without it such a run is refused (app.training.resume.decide_start)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("save_interval", "--save-interval"),), allow_none=True)

@@ -157,6 +157,7 @@ _LOG_FIELDS: Tuple[Tuple[str, str, str], ...] = (
     # (key in values, label, format)
     ("consumed_samples", "consumed samples", "{:12d}"),
     ("ms_per_iteration", "elapsed time per iteration (ms)", "{:.1f}"),
+    ("eta_s", "ETA", "{hms}"),
     ("lr", "learning rate", "{:.6E}"),
     ("global_batch_size", "global batch size", "{:5d}"),
     ("lm_loss", "lm loss", "{:.6E}"),
@@ -169,7 +170,19 @@ _LOG_FIELDS: Tuple[Tuple[str, str, str], ...] = (
 )
 
 
+def format_duration(seconds: float) -> str:
+    """3725.2 -> '1:02:05'; days as '2 days, 3:04:05'; '?' when not finite."""
+    if not math.isfinite(seconds):
+        return "?"
+    whole = int(round(max(0.0, seconds)))
+    days, rest = divmod(whole, 86400)
+    text = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days} day{'s' if days != 1 else ''}, {text}" if days else text
+
+
 def _fmt(fmt: str, value: Any) -> str:
+    if fmt == "{hms}":
+        return format_duration(float(value))
     if "d}" in fmt:
         return fmt.format(int(value))
     return fmt.format(float(value))

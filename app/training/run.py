@@ -9,6 +9,7 @@ module that chooses between the engines.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -30,12 +31,14 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
     """Tensor/pipeline/data groups for the layout; the one-process state for a world of one
     (DeepSpeed runs always get real groups: DeepSpeed needs a process group even for one rank)."""
     p = cfg.parallel
+    timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
     if cfg.deepspeed.enabled:
         from app.training.deepspeed_engine import ensure_distributed
-        ensure_distributed(p.distributed_backend)
+        ensure_distributed(p.distributed_backend, p.distributed_timeout_minutes)
     elif world_size == 1:
         return ParallelState.single()
-    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                     timeout=timeout)
 
 
 def set_seeds(seed: int, parallel_state: ParallelState) -> None:
@@ -80,10 +83,11 @@ class Run:
     trainer: Optional[Trainer] = None
 
     def attach_trainer(self, datasets: Tuple[Any, Any, Any], eod: int,
-                       state: Optional[RunState] = None) -> Trainer:
-        """Create the Trainer over (train, valid, test) datasets starting at `state`."""
+                       state: Optional[RunState] = None, **guards: Any) -> Trainer:
+        """Create the Trainer over (train, valid, test) datasets starting at `state`; `guards`
+        are its optional `signals` (ExitSignalHandler) and `watchdog` (Watchdog)."""
         self.trainer = Trainer(self.cfg, self.engine, self.ps, datasets, eod, self.device,
-                               state=state)
+                               state=state, **guards)
         return self.trainer
 
 
