@@ -7,8 +7,9 @@ Weights only: for each tensor-parallel rank, `{input}/{tag}/mp_rank_XX_model_sta
 `iteration` / `checkpoint_version` fields, and the tracker file names the iteration. The
 module weights are those DeepSpeed saved (fp32 runs: the exact weights; fp16/bf16 runs: the
 half-precision copy; use DeepSpeed's zero_to_fp32.py for the fp32 master weights).
-DeepSpeed's files hold arbitrary pickled objects, so they are loaded with weights_only=False:
-convert only checkpoints you trust.
+DeepSpeed's own loader unpickles anything (weights_only=False); this tool reads each file the
+safe way instead (app.training.deepspeed_engine.load_deepspeed_file: SHA-256 sidecar verified,
+weights_only with an allow-list), so a crafted checkpoint is refused, never executed.
 """
 import argparse
 import glob
@@ -17,9 +18,9 @@ import re
 import sys
 
 
-import torch
-
 from app.training import checkpoint as ckpt
+from app.training.deepspeed_engine import load_deepspeed_file
+from app.utils.progress import progress
 
 
 def _tag(input_dir: str, tag: str = None) -> str:
@@ -39,9 +40,12 @@ def convert(input_dir: str, output_dir: str, tag: str = None) -> int:
     if not files:
         raise SystemExit(f"error: no mp_rank_*_model_states.pt in {os.path.join(input_dir, tag)}")
     iteration = None
-    for path in files:
+    for path in progress(files, desc="converting"):
         tp_rank = int(re.search(r"mp_rank_(\d+)_model_states", path).group(1))
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            state = load_deepspeed_file(path)
+        except ckpt.CheckpointError as exc:
+            raise SystemExit(f"error: {exc}") from exc
         iteration = int(state.get("iteration", re.sub(r"\D", "", tag) or 0))
         args = state.get("args")
         if args is None:

@@ -446,15 +446,14 @@ def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, An
     path = checkpoint_path(save_dir, iteration, tp_rank=tp_rank, pp_rank=pp_rank,
                            pp_size=pp_size)
     directory = checkpoint_dir(save_dir, iteration)
-    existed = os.path.exists(path)
+    existed, fresh = os.path.exists(path), not os.path.isdir(directory)
     error: Optional[OSError] = None
     try:
         write_checked_file(path, lambda f: torch.save(ckpt_dict, f))
     except OSError as exc:
         error = exc
     if not agree(error is None):  # every rank's file of this iteration is complete, or none
-        if not existed:
-            remove_written_file(path, directory)
+        _undo(path, existed, directory, fresh)
         raise save_failure(save_dir, iteration, error, path)
     if is_tracker_writer:
         _hook("before_tracker")
@@ -468,10 +467,18 @@ def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, An
                 rotate_checkpoints(save_dir, keep_last_n, int(iteration))
                 _hook("rotated")
     if not agree(error is None):  # the tracker names this iteration on every rank's return
-        if not existed:
-            remove_written_file(path, directory)
+        _undo(path, existed, directory, fresh)
         raise save_failure(save_dir, iteration, error, tracker_path(save_dir))
     return directory
+
+
+def _undo(path: str, existed: bool, directory: str, fresh: bool) -> None:
+    """Undo this rank's part of a failed save: its new file, and the iteration directory when
+    this save created it (a rank that saw it missing before writing removes it all)."""
+    if not existed:
+        remove_written_file(path, directory)
+    if fresh:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -538,7 +545,7 @@ def safe_torch_load(path: str, map_location: Any = "cpu",
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" in str(exc):
-            refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+            refused = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(exc))
             what = f" ({refused.group(1)})" if refused else ""
             raise UnsafeCheckpointError(
                 f"checkpoint file {path} pickles a class or function outside the allow-list"

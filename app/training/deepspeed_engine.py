@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
 import socket
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -249,12 +250,13 @@ class DeepSpeedEngineAdapter(Engine):
             state["rng_state"] = rng_state_dict()
         files, directory = self.files, os.path.join(save_dir, tag)
         device = next(self.ds.module.parameters()).device
+        fresh = not os.path.isdir(directory)  # checked before DeepSpeed's first barrier
         if files is not None:
             files.begin()
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
         errors = files.errors if files is not None else []
         if not all_ranks_ok(not errors, device):
-            self._undo_save(directory)
+            self._undo_save(directory, fresh)
             raise ckpt.save_failure(save_dir, iteration, errors[0][1] if errors else None,
                                     errors[0][0] if errors else "")
         error: Optional[OSError] = None
@@ -270,13 +272,16 @@ class DeepSpeedEngineAdapter(Engine):
                 if keep:
                     ckpt.rotate_checkpoints(save_dir, keep, iteration)
         if not all_ranks_ok(error is None, device):
-            self._undo_save(directory)
+            self._undo_save(directory, fresh)
             raise ckpt.save_failure(save_dir, iteration, error, ckpt.tracker_path(save_dir))
         return directory
 
-    def _undo_save(self, directory: str) -> None:
+    def _undo_save(self, directory: str, fresh: bool) -> None:
+        """Remove this save's new files, and its tag directory when the save created it."""
         if self.files is not None:
             self.files.undo(directory)
+        if fresh:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """engine.load_checkpoint of the plan's tag: the module always, optimizer and LR-scheduler

@@ -13,7 +13,7 @@ Two mechanisms bound the time a rank spends waiting for another one:
    collective). Before exiting it prints the same report and every thread's stack.
 
 Heartbeats: each rank's watchdog publishes "phase, iteration, time" in the process group's
-key-value store every few seconds; a report reads them back with a short deadline, so it can
+key-value store every second (when it changed); a report reads them back with a short deadline, so it can
 say "rank 1 last reported 'forward-backward' of iteration 7, 63 s ago". If the store itself does
 not answer (its host, rank 0 or the launcher, is the stopped one) the report says so.
 """
@@ -70,7 +70,7 @@ class Watchdog:
     """
 
     def __init__(self, limit_s: float, rank: int = 0, world_size: int = 1, *,
-                 heartbeat_s: float = 5.0, exit_code: int = EXIT_PEER_FAILURE,
+                 heartbeat_s: float = 1.0, exit_code: int = EXIT_PEER_FAILURE,
                  on_expire: Optional[Callable[[], None]] = None,
                  exit_fn: Callable[[int], None] = os._exit) -> None:
         self.limit_s = limit_s
@@ -148,16 +148,17 @@ class Watchdog:
 
     def _publish(self) -> None:
         key = f"app_watchdog/rank{self.rank}"
-        last = None
-        while not self._stop.wait(self.heartbeat_s):
+        last = None  # nothing published until the first beat: "no report yet"
+        while True:
             state = self._state
             value = None if state is None else (state[0], state[1], state[3])
-            if value == last:
-                continue
-            try:
-                self._store.set(key, json.dumps(value))
+            if value != last:
+                try:
+                    self._store.set(key, json.dumps(value))
+                except Exception:  # noqa: BLE001 - the store may be gone with a dead rank
+                    return
                 last = value
-            except Exception:  # noqa: BLE001 - the store may be gone with a dead rank
+            if self._stop.wait(self.heartbeat_s):
                 return
 
     # ------------------------------------------------------------------ reports
@@ -193,7 +194,7 @@ class Watchdog:
         if reader.is_alive() or len(result) < self.world_size:
             return ("Other ranks' last phases are unknown: the process group's store does not "
                     "answer (its host, rank 0 or the launcher, may be the one that is stopped).")
-        return "Last reports (published every few seconds): " + "; ".join(result) + "."
+        return "Last reports (published every second): " + "; ".join(result) + "."
 
     def failure(self, exc: BaseException) -> PeerFailure:
         """The PeerFailure for collective error `exc` raised in the current phase."""
