@@ -192,7 +192,7 @@ def format_train_log(iteration: int, train_iters: int, values: Mapping[str, Any]
     """Megatron's one-line training log, extended with throughput, MFU and memory.
 
     ' iteration       10/     200 | consumed samples:           80 | elapsed time per iteration
-    (ms): 123.4 | learning rate: 1.000000E-04 | lm loss: 5.123456E+00 | loss scale: 1.0 |
+    (ms): 123.4 | ETA: 0:00:23 | learning rate: 1.000000E-04 | lm loss: 5.123456E+00 | loss scale: 1.0 |
     grad norm: 1.234 | number of skipped iterations:   0 | tokens/s: 1234 | TFLOP/s per rank:
     0.123 | MFU: 12.34% | mem RSS/peak (MB): 812/900 |'. Keys absent or None are left out;
     `mfu` is a fraction; memory keys are those of memory_stats().

@@ -13,8 +13,8 @@ Two mechanisms bound the time a rank spends waiting for another one:
    collective). Before exiting it prints the same report and every thread's stack.
 
 Heartbeats: each rank's watchdog publishes "phase, iteration, time" in the process group's
-key-value store every second (when it changed); a report reads them back with a short deadline, so it can
-say "rank 1 last reported 'forward-backward' of iteration 7, 63 s ago". If the store itself does
+key-value store every second (when it changed); a report reads them back with a short
+deadline, so it can say "rank 1 last reported 'forward-backward' of iteration 7, 63 s ago". If the store itself does
 not answer (its host, rank 0 or the launcher, is the stopped one) the report says so.
 """
 from __future__ import annotations

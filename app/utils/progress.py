@@ -20,8 +20,9 @@ from typing import IO, Any, Iterable, Optional
 
 from tqdm import tqdm
 
-_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}, ETA {remaining}, {rate_fmt}{postfix}]"
-_LINE = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}, ETA {remaining}, {rate_fmt}{postfix}]"
+_TIMES = "[{elapsed}, ETA {remaining}, {rate_fmt}{postfix}]"
+_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " + _TIMES
+_LINE = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} " + _TIMES
 _NO_TOTAL = "{desc}: {n_fmt} [{elapsed}, {rate_fmt}{postfix}]"
 
 

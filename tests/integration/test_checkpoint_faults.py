@@ -98,7 +98,8 @@ def _deepspeed_faults(corpus, tmp):
     ck, out = os.path.join(tmp, "ck"), {}
     args = tiny_gpt_args(corpus, _Path(tmp), "--train-iters", "4", *QUIET, "--deepspeed",
                          "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2_fp32.json"),
-                         "--save", ck, "--load", ck, "--save-interval", "2", "--lr-decay-iters", "4")
+                         "--save", ck, "--load", ck, "--save-interval", "2",
+                         "--lr-decay-iters", "4")
     with _pytest.MonkeyPatch.context() as mp:
         _full_disk(mp, "iter_0000004")
         out["enospc"] = _main(args) + (ckpt.read_tracker(ck), sorted(os.listdir(ck)),
