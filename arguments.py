@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
-                        OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
+from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig,
+                        ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
 from app.data.tokenizer import pad_vocab_size
 from app.training.distributed import check_backend, default_backend
@@ -54,13 +54,37 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="pad the vocab to a multiple of this x the tensor-parallel size")
     g.add_argument("--openai-gelu", action="store_true",
                    help="tanh-approximated GeLU instead of the exact erf form")
-    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
-    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
-                   action="store_false")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute transformer layers in backward")
     g.add_argument("--checkpoint-num-layers", type=int, default=1,
                    help="layers per recomputed chunk")
+
+
+def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fused kernels", "fusions and the csrc/ kernels "
+                                  "(docs/kernels.md); each has a --no- form")
+    on = dict(action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--masked-softmax-fusion", **on,
+                   help="csrc/ causal and masked softmax kernels (CUDA)")
+    g.add_argument("--bias-gelu-fusion", **on, help="torch.compile'd bias+GeLU (CUDA)")
+    g.add_argument("--bias-dropout-fusion", **on,
+                   help="torch.compile'd bias+dropout+residual add (CUDA)")
+    g.add_argument("--layernorm-fusion", **on, help="csrc/ LayerNorm kernel (CUDA)")
+    g.add_argument("--cross-entropy-loss-fusion", **on,
+                   help="csrc/ cross-entropy kernels, no fp32 copy of the logits (CUDA)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="causal attention through SDPA's flash/efficient backends only")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "local"], default="auto",
+                   help="auto: SDPA for causal (measured default); flash: = --use-flash-attn; "
+                        "local: q k^T + fused softmax + @ v (Megatron's core attention)")
+    g.add_argument("--require-fused-kernels", action="store_true",
+                   help="stop if the kernels cannot be built on a CUDA machine "
+                        "(default: warn and use PyTorch)")
+    g.add_argument("--kernel-build-dir", type=str, default=None,
+                   help="kernel build cache (default $APP_KERNELS_BUILD_DIR or "
+                        "~/.cache/app_kernels)")
+    g.add_argument("--kernel-build-timeout", type=float, default=900.0,
+                   help="seconds a kernel build may take before falling back to PyTorch")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -79,16 +103,34 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("precision", "mixed precision and loss scaling")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
+    g = parser.add_argument_group("precision", "mixed precision and loss scaling (docs/precision.md)")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 weights and activations, fp32 main weights, dynamic loss scaling")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 weights and activations, fp32 main weights and gradient accumulation")
     g.add_argument("--loss-scale", type=float, default=None,
-                   help="static loss scale; unset means dynamic scaling")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+                   help="static loss scale (fp16); unset means dynamic scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=None,
+                   help="initial dynamic loss scale (fp16; default 2^32)")
     g.add_argument("--min-loss-scale", "--min-scale", dest="min_loss_scale", type=float,
-                   default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
+                   default=None, help="floor of the dynamic loss scale (fp16; default 1)")
+    g.add_argument("--loss-scale-window", type=int, default=None,
+                   help="clean steps before the loss scale doubles (fp16; default 1000)")
+    g.add_argument("--hysteresis", type=int, default=None,
+                   help="overflows tolerated before the loss scale halves (fp16; default 2)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and all-reduce fp16 gradients in fp32 (always on for bf16)")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="attention softmax in fp32 for half-precision scores")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="scale Q K^T by 1/layer number, undone in an fp32 softmax (fp16 guard)")
+    g.add_argument("--fp16-lm-cross-entropy", action="store_true",
+                   help="LM cross entropy on half-precision logits (default: fp32)")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=10,
+                   help="stop with an error after this many consecutive non-finite iterations "
+                        "(fp16: overflows at the minimum loss scale); 0 disables")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="stop at the first non-finite loss or gradient")
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
@@ -195,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="GPT-2 pretraining, Megatron-LM style (native or DeepSpeed)",
         allow_abbrev=False)
-    for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_optimizer_args,
-                _add_training_args, _add_data_args, _add_checkpoint_args, _add_deepspeed_args):
+    for add in (_add_model_args, _add_kernel_args, _add_parallel_args, _add_precision_args,
+                _add_optimizer_args, _add_training_args, _add_data_args, _add_checkpoint_args,
+                _add_deepspeed_args):
         add(parser)
     return parser
 
@@ -262,6 +305,22 @@ def _global_batch_size(args: argparse.Namespace, ds_json: Optional[Dict[str, Any
     return default
 
 
+def _precision_choice(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]],
+                      ds_path: Optional[str]) -> Tuple[bool, bool, str]:
+    """(fp16, bf16, where it came from): the flags, or with --deepspeed and no precision flag
+    the JSON's `fp16.enabled` / `bf16.enabled` (DeepSpeed's convention: the JSON is the source
+    of truth). A flag that contradicts the JSON is refused by reconcile_ds_config."""
+    if args.fp16 or args.bf16 or not ds_json:
+        flag = "--fp16" if args.fp16 else "--bf16" if args.bf16 else "fp32 (no --fp16/--bf16)"
+        return args.fp16, args.bf16, flag
+    json_fp16 = ds_json.get("fp16", {}).get("enabled") is True
+    json_bf16 = ds_json.get("bf16", {}).get("enabled") is True
+    if json_fp16 or json_bf16:
+        key = "fp16" if json_fp16 else "bf16"
+        return json_fp16, json_bf16, f"{ds_path} ({key}.enabled)"
+    return False, False, "fp32 (no --fp16/--bf16)"
+
+
 def _model_config(args: argparse.Namespace, padded_vocab_size: int,
                   precision: PrecisionConfig) -> ModelConfig:
     return ModelConfig(
@@ -274,8 +333,14 @@ def _model_config(args: argparse.Namespace, padded_vocab_size: int,
         layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
         openai_gelu=args.openai_gelu, checkpoint_activations=args.checkpoint_activations,
         checkpoint_num_layers=args.checkpoint_num_layers,
-        bias_gelu_fusion=args.bias_gelu_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
-        params_dtype=precision.params_dtype, seed=args.seed)
+        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        masked_softmax_fusion=args.masked_softmax_fusion, layernorm_fusion=args.layernorm_fusion,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        attention_backend=args.attention_backend, use_flash_attn=args.use_flash_attn,
+        params_dtype=precision.params_dtype, seed=args.seed,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy)
 
 
 def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
@@ -285,7 +350,10 @@ def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingCon
         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         tensorboard_dir=args.tensorboard_dir, metrics_file=args.metrics_file,
-        peak_flops=args.peak_flops, exit_signal_handler=args.exit_signal_handler)
+        peak_flops=args.peak_flops,
+        max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+        exit_signal_handler=args.exit_signal_handler)
 
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
@@ -316,6 +384,9 @@ def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
             finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints,
             overwrite_checkpoints=args.overwrite_checkpoints),
+        kernels=KernelConfig(
+            require_fused_kernels=args.require_fused_kernels, build_dir=args.kernel_build_dir,
+            build_timeout=args.kernel_build_timeout),
     )
 
 
@@ -345,10 +416,13 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
         distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
+    fp16, bf16, source = _precision_choice(args, ds_json, deepspeed.config_path)
     precision = PrecisionConfig(
-        fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
+        fp16=fp16, bf16=bf16, loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        source=source)
     cfg = RunConfig(
         model=_model_config(args, padded_vocab_size, precision), parallel=parallel,
         optimizer=_optimizer_config(args), precision=precision,

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from app.utils.dtypes import DTYPE_NAMES
 
+ATTENTION_BACKENDS = ("auto", "flash", "local")
+
 
 @dataclass
 class ModelConfig:
@@ -51,11 +53,29 @@ class ModelConfig:
     checkpoint_num_layers: int = 1
     """Layers per recomputed chunk when checkpoint_activations is on."""
     bias_gelu_fusion: bool = True
-    """Use the fused bias+GeLU op (CUDA kernel or torch.jit fallback); numerics are identical."""
+    """--bias-gelu-fusion: gelu(x + b) as one torch.compile'd kernel on CUDA (docs/kernels.md)."""
+    bias_dropout_fusion: bool = True
+    """--bias-dropout-fusion: residual + dropout(x + b) as one torch.compile'd kernel on CUDA."""
     masked_softmax_fusion: bool = True
-    """Use the fused scale+mask+softmax op for the explicit-mask attention path."""
+    """--masked-softmax-fusion: the csrc/ causal and masked softmax kernels where they apply."""
+    layernorm_fusion: bool = True
+    """--layernorm-fusion: the csrc/ LayerNorm kernel (fp32 statistics) on CUDA."""
+    cross_entropy_loss_fusion: bool = True
+    """--cross-entropy-loss-fusion: the csrc/ cross-entropy kernels (no fp32 logits) on CUDA."""
+    attention_backend: str = "auto"
+    """--attention-backend: auto (SDPA for causal), flash (SDPA flash/efficient only) or local
+    (q k^T + fused softmax + @ v, Megatron's core attention); explicit masks always go local."""
+    use_flash_attn: bool = False
+    """--use-flash-attn: Megatron's spelling of attention_backend "flash"."""
     params_dtype: str = "float32"
     """dtype of the module parameters: float32, float16 or bfloat16."""
+    attention_softmax_in_fp32: bool = False
+    """Compute the attention softmax in fp32 for half-precision scores (explicit-mask path)."""
+    apply_query_key_layer_scaling: bool = False
+    """Scale Q K^T by 1/layer_number before the softmax and back inside it, in fp32 (fp16
+    overflow guard); implies attention_softmax_in_fp32."""
+    fp16_lm_cross_entropy: bool = False
+    """Compute the LM cross entropy on half-precision logits (default: upcast to fp32)."""
     seed: int = 1234
     """Seed from which every parameter's initial value is derived (independent of TP/PP)."""
 
@@ -83,10 +103,22 @@ class ModelConfig:
         if self.params_dtype not in DTYPE_NAMES:
             raise ValueError(f"params_dtype must be one of {', '.join(DTYPE_NAMES)}, got "
                              f"{self.params_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.use_flash_attn and self.attention_backend == "local":
+            raise ValueError("--use-flash-attn asks for SDPA flash attention but "
+                             "--attention-backend local asks for the fused-softmax path; "
+                             "drop one of the two")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_impl(self) -> str:
+        """The attention backend in effect: "flash" with --use-flash-attn, else the chosen one."""
+        return "flash" if self.use_flash_attn else self.attention_backend
 
     def num_parameters(self) -> int:
         """Total parameters of the (tied-embedding) model: 12Lh^2 + 13Lh + Vh + sh + 2h for 4h MLP."""
@@ -176,26 +208,63 @@ class OptimizerConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Numeric precision. fp16/bf16 run through DeepSpeed for now (the native path is fp32);
-    the loss-scale fields, when given on the command line, fill the DeepSpeed JSON's fp16 block."""
+    """Numeric precision: fp32, bf16 or fp16 weights (native path or DeepSpeed).
+
+    The loss-scale fields apply to fp16 only and default (None) to Megatron's values: initial
+    scale 2^32, minimum 1, window 1000, hysteresis 2; `loss_scale` set means a static scale.
+    On the DeepSpeed path, the ones given fill the JSON's fp16 block.
+    """
 
     fp16: bool = False
     bf16: bool = False
     loss_scale: Optional[float] = None
     """Static loss scale; None means dynamic scaling."""
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    initial_loss_scale: Optional[float] = None
+    min_loss_scale: Optional[float] = None
+    loss_scale_window: Optional[int] = None
+    hysteresis: Optional[int] = None
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Accumulate and all-reduce gradients in fp32 buffers (always on for bf16)."""
+    source: str = "command line"
+    """Where the precision came from: the flags, or the DeepSpeed JSON (logged at start)."""
 
     def __post_init__(self) -> None:
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
+        given = [flag for flag, value in (("--loss-scale", self.loss_scale),
+                                          ("--initial-loss-scale", self.initial_loss_scale),
+                                          ("--min-loss-scale", self.min_loss_scale),
+                                          ("--loss-scale-window", self.loss_scale_window),
+                                          ("--hysteresis", self.hysteresis)) if value is not None]
+        if given and not self.fp16:
+            raise ValueError(f"{', '.join(given)} only apply with --fp16 (bf16 and fp32 need no "
+                             "loss scaling); drop them or add --fp16")
+        _positive(self, (("loss_scale", "--loss-scale"),
+                         ("initial_loss_scale", "--initial-loss-scale"),
+                         ("min_loss_scale", "--min-loss-scale"),
+                         ("loss_scale_window", "--loss-scale-window"),
+                         ("hysteresis", "--hysteresis")), allow_none=True)
+        initial, minimum, _, _ = self.dynamic_scaler_settings()
+        if minimum > initial:
+            raise ValueError(f"--min-loss-scale ({minimum}) exceeds --initial-loss-scale "
+                             f"({initial})")
 
     @property
     def params_dtype(self) -> str:
         """Model weight dtype this precision implies: float16, bfloat16 or float32."""
         return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
+    @property
+    def grads_accumulate_in_fp32(self) -> bool:
+        """Whether half-precision gradients accumulate in fp32 buffers (bf16: always)."""
+        return self.bf16 or (self.fp16 and self.accumulate_allreduce_grads_in_fp32)
+
+    def dynamic_scaler_settings(self) -> Tuple[float, float, int, int]:
+        """(initial scale, minimum scale, growth window, hysteresis) with Megatron's defaults."""
+        return (2.0 ** 32 if self.initial_loss_scale is None else float(self.initial_loss_scale),
+                1.0 if self.min_loss_scale is None else float(self.min_loss_scale),
+                1000 if self.loss_scale_window is None else int(self.loss_scale_window),
+                2 if self.hysteresis is None else int(self.hysteresis))
 
 
 @dataclass
@@ -241,6 +310,11 @@ class TrainingConfig:
     exit_signal_handler: Optional[bool] = None
     """SIGTERM/SIGINT/SIGUSR1 save a checkpoint at the end of the iteration and exit 0;
     None: on when --save is given (app.training.signals.handler_enabled)."""
+    max_consecutive_skipped_iterations: int = 10
+    """Stop (non-zero exit, no checkpoint) after this many consecutive non-finite iterations
+    (fp16: overflows at the minimum loss scale); 0 disables."""
+    check_for_nan_in_loss_and_grad: bool = False
+    """Stop at the first non-finite loss or gradient (Megatron's flag)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("micro_batch_size", "--micro-batch-size"),
@@ -252,6 +326,9 @@ class TrainingConfig:
                          ("peak_flops", "--peak-flops")), allow_none=True)
         if self.eval_iters < 0:
             raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.max_consecutive_skipped_iterations < 0:
+            raise ValueError(f"--max-consecutive-skipped-iterations must be >= 0 (0 disables), "
+                             f"got {self.max_consecutive_skipped_iterations}")
 
     def num_micro_batches(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per iteration: global / (micro x DP), validated exactly."""
@@ -311,6 +388,24 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class KernelConfig:
+    """How the csrc/ fused kernels are obtained (built on first use; see docs/kernels.md)."""
+
+    require_fused_kernels: bool = False
+    """--require-fused-kernels: a failed kernel build on a CUDA machine stops the run instead of
+    falling back to PyTorch with a warning."""
+    build_dir: Optional[str] = None
+    """--kernel-build-dir: cache of built kernels; None means $APP_KERNELS_BUILD_DIR or
+    ~/.cache/app_kernels."""
+    build_timeout: float = 900.0
+    """--kernel-build-timeout: seconds a build (or the wait for local rank 0's build) may take
+    before the run falls back to PyTorch."""
+
+    def __post_init__(self) -> None:
+        _positive(self, (("build_timeout", "--kernel-build-timeout"),))
+
+
+@dataclass
 class RunConfig:
     """Everything one training run needs; built once by arguments.build_run_config."""
 
@@ -322,6 +417,7 @@ class RunConfig:
     training: TrainingConfig
     checkpoint: CheckpointConfig
     deepspeed: DeepSpeedConfig
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     raw_vocab_size: int = 0
     """Tokenizer vocabulary before padding (recorded in checkpoints)."""
     make_vocab_size_divisible_by: int = 128
@@ -345,11 +441,14 @@ class RunConfig:
             raise ValueError(f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
                              "--deepspeed yet; use the native path or "
                              "--pipeline-model-parallel-size 1")
-        if (self.precision.fp16 or self.precision.bf16) and not self.deepspeed.enabled:
-            raise ValueError(
-                "--fp16/--bf16 need --deepspeed for now: the native path trains in fp32 (its "
-                "mixed-precision optimizer wrapper is not built yet); drop the flag, or add "
-                "--deepspeed --deepspeed_config ds_configs/zero2_fp16.json (or zero2_bf16.json)")
+        half = self.precision.fp16 or self.precision.bf16
+        if m.fp16_lm_cross_entropy and not half:
+            raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
+                             "fp32 otherwise); drop it or pick a half precision")
+        if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
+            raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
+                             "--deepspeed set the gradient accumulation dtype in the JSON "
+                             "(data_types.grad_accum_dtype) and drop the flag")
         if m.params_dtype != self.precision.params_dtype:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")

@@ -37,6 +37,8 @@ def measure(argv: List[str], steps: int, warmup: int, threads: int) -> Dict[str,
 
     import arguments
     from app.testing.synthetic import build_synthetic_run
+    from app.training.flops import cached_cpu_peak, model_flops_per_token
+    from app.utils.dtypes import torch_dtype
     from common import keep_freed_memory
 
     keep_freed_memory()
@@ -53,8 +55,11 @@ def measure(argv: List[str], steps: int, warmup: int, threads: int) -> Dict[str,
         trainer.train_step(iterator)
         times.append(time.perf_counter() - start)
     step = float(np.median(times[warmup:]))
+    tokens_per_s = t.global_batch_size * cfg.model.seq_length / step
+    peak, _ = cached_cpu_peak(torch_dtype(cfg.model.params_dtype), threads)
+    mfu = tokens_per_s * model_flops_per_token(cfg.model) / ps.world_size / peak
     return {"rank": ps.rank, "step_s": step, "padded_vocab": cfg.model.padded_vocab_size,
-            "tokens_per_s": t.global_batch_size * cfg.model.seq_length / step,
+            "tokens_per_s": tokens_per_s, "mfu": mfu,
             "state_bytes": engine.state_bytes(),
             "num_params": sum(p.numel() for p in model.parameters())}
 
@@ -75,7 +80,7 @@ def suite_layouts(steps: int, warmup: int) -> None:
             ("TP=2", 2, ["--tensor-model-parallel-size", "2"], 1),
             ("PP=2", 2, ["--pipeline-model-parallel-size", "2"], 1)]
     base = None
-    print(f"{'layout':<28}{'ms/step':>10}{'tokens/s':>10}{'vs 1 proc x 2 threads':>24}")
+    print(f"{'layout':<28}{'ms/step':>10}{'tokens/s':>10}{'MFU':>8}{'vs 1 proc x 2 threads':>24}")
     results = []
     for name, ranks, extra, threads in rows:
         r = run(ranks, extra, steps, warmup, threads)
@@ -84,15 +89,15 @@ def suite_layouts(steps: int, warmup: int) -> None:
             base = r["tokens_per_s"]
     for name, r in results:
         print(f"{name:<28}{r['step_s'] * 1e3:>10.0f}{r['tokens_per_s']:>10.0f}"
-              f"{r['tokens_per_s'] / base:>23.2f}x")
+              f"{100 * r['mfu']:>7.1f}%{r['tokens_per_s'] / base:>23.2f}x")
 
 
 def suite_zero(steps: int, warmup: int) -> None:
     ds = lambda name: ["--deepspeed", "--deepspeed_config",  # noqa: E731
                        os.path.join(ROOT, "ds_configs", f"{name}.json")]
-    rows = [("native DDP", []), ("ZeRO-1", ds("zero1_fp32")), ("ZeRO-2", ds("zero2_fp32")),
-            ("ZeRO-2 bf16", ds("zero2_bf16") + ["--bf16"])]
-    print(f"{'DP=2':<12}{'tokens/s':>10}{'params MiB':>12}{'grads MiB':>11}"
+    rows = [("native DDP", []), ("ZeRO-1", ds("zero1")), ("ZeRO-2", ds("zero2")),
+            ("ZeRO-2 bf16", ds("zero2") + ["--bf16"])]
+    print(f"{'DP=2':<12}{'tokens/s':>10}{'MFU':>7}{'params MiB':>12}{'grads MiB':>11}"
           f"{'optim MiB':>11}{'bytes/param (p+g+o)':>22}")
     base = None
     for name, extra in rows:
@@ -100,7 +105,7 @@ def suite_zero(steps: int, warmup: int) -> None:
         b, n = r["state_bytes"], r["num_params"]
         base = base or r["tokens_per_s"]
         per = (b["params"] + b["grads"] + b["optimizer"]) / n
-        print(f"{name:<12}{r['tokens_per_s']:>10.0f}{b['params'] / 2**20:>12.1f}"
+        print(f"{name:<12}{r['tokens_per_s']:>10.0f}{100 * r['mfu']:>6.1f}%{b['params'] / 2**20:>12.1f}"
               f"{b['grads'] / 2**20:>11.1f}{b['optimizer'] / 2**20:>11.1f}{per:>22.2f}"
               f"   ({r['tokens_per_s'] / base:.2f}x native)")
     dp = 2

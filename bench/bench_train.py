@@ -9,14 +9,25 @@ this machine's measured fp32 matmul peak.
 
     python bench/bench_train.py                 # 3 warm-up + 10 timed steps each
     python bench/bench_train.py --steps 20 --impls ours,hf
+
+GPU mode (--device cuda): GPT-2 124M or 350M at seq 1024 (--preset), bf16 or fp16 autocast over
+fp32 weights (--precision; fp16 with a GradScaler), MFU over the GPU's measured matmul peak in
+that dtype. Besides the references it times our model three ways: "ours" (the default, fastest
+selection: every fusion on, SDPA for causal attention), "ours-nofuse" (every --no-*-fusion
+flag; SDPA still) and "ours-eager" (nothing fused: q k^T + PyTorch softmax + @ v):
+
+    python bench/bench_train.py --device cuda --preset 124M --precision bf16 \
+        --impls ours,ours-nofuse,ours-eager,nano --micro-batch-size 8 --steps 20
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import math
 import resource
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +36,17 @@ from torch import nn
 
 from app.config import ModelConfig, OptimizerConfig
 from app.training.flops import model_flops_per_token
-from app.model import GPT2Model
+from app.model import GPT2Model, fused
 from app.optim import OptimizerParamScheduler, build_optimizer
 from common import (format_table, keep_freed_memory, measure_matmul_peak,
                           summarize)
 
+PRESETS = {  # GPT-2 sizes at seq 1024 (--preset)
+    "124M": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
+                 vocab_size=50304),
+    "350M": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024,
+                 vocab_size=50304),
+}
 OPT = OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_decay_style="cosine", lr_decay_iters=1000,
                       lr_warmup_iters=0, weight_decay=0.01)
 
@@ -96,28 +113,48 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 class Impl:
-    """A model, its optimizer and a loss function; `step()` times forward, backward, optimizer."""
+    """A model, its optimizer and a loss function; `step()` times forward, backward, optimizer.
+
+    On a GPU the forward runs under `autocast` (bf16/fp16; None: fp32), fp16 through a
+    GradScaler, and each phase is closed by a device synchronisation so its time is honest.
+    """
 
     def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[], torch.Tensor],
-                 after_step: Callable[[], None] = lambda: None) -> None:
+                 after_step: Callable[[], None] = lambda: None,
+                 autocast: Optional[torch.dtype] = None) -> None:
         self.name, self.model, self.optimizer = name, model, optimizer
         self.loss_fn, self.after_step = loss_fn, after_step
+        self.device = next(model.parameters()).device
+        self.autocast = autocast
+        self.scaler = (torch.amp.GradScaler("cuda") if autocast == torch.float16 else None)
         self.phases: Dict[str, List[float]] = {"fwd": [], "bwd": [], "opt": [], "step": [],
                                                "cpu": []}
         self.losses: List[float] = []
+        self.selections: Dict[str, tuple] = {}  # fused-op choices seen in its steps
 
     def step(self, record: bool) -> None:
         """One training step; wall time per phase and process CPU time go to `phases`."""
+        sync = (torch.cuda.synchronize if self.device.type == "cuda" else lambda: None)
+        cast = (torch.autocast("cuda", dtype=self.autocast) if self.autocast is not None
+                else contextlib.nullcontext())
         c0 = time.process_time()
         t0 = time.perf_counter()
-        loss = self.loss_fn()
+        with cast:
+            loss = self.loss_fn()
+        sync()
         t1 = time.perf_counter()
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        sync()
         t2 = time.perf_counter()
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.after_step()
+        sync()
         t3 = time.perf_counter()
         c3 = time.process_time()
         self.losses.append(loss.item())
@@ -127,17 +164,29 @@ class Impl:
                 self.phases[key].append(value)
 
 
+NO_FUSION = dict(masked_softmax_fusion=False, bias_gelu_fusion=False, bias_dropout_fusion=False,
+                 layernorm_fusion=False, cross_entropy_loss_fusion=False)
+OUR_VARIANTS = {"ours": {}, "ours-nofuse": NO_FUSION,
+                "ours-eager": dict(NO_FUSION, attention_backend="local")}
+
+
+def _ours(name: str, cfg: ModelConfig, ids: torch.Tensor, labels: torch.Tensor,
+          autocast: Optional[torch.dtype]) -> Impl:
+    """Our GPT-2 with the fusion settings of OUR_VARIANTS[name], on the device of `ids`."""
+    model = GPT2Model(dataclasses.replace(cfg, **OUR_VARIANTS[name])).to(ids.device).train()
+    opt = build_optimizer(model, OPT)
+    sched = OptimizerParamScheduler(opt, OPT)
+    pos = torch.arange(cfg.seq_length, device=ids.device).unsqueeze(0).expand_as(ids)
+    return Impl(name, model, opt, lambda: model(ids, pos, None, labels).mean(),
+                lambda: sched.step(), autocast)
+
+
 def build_impls(cfg: ModelConfig, names: List[str], ids: torch.Tensor,
-                labels: torch.Tensor) -> List[Impl]:
-    """The requested implementations, all fed the same ids [b, s] and labels [b, s]."""
-    impls = []
-    if "ours" in names:
-        ours = GPT2Model(cfg).train()
-        opt = build_optimizer(ours, OPT)
-        sched = OptimizerParamScheduler(opt, OPT)
-        pos = torch.arange(cfg.seq_length).unsqueeze(0).expand_as(ids)
-        impls.append(Impl("ours", ours, opt, lambda: ours(ids, pos, None, labels).mean(),
-                          lambda: sched.step()))
+                labels: torch.Tensor, autocast: Optional[torch.dtype] = None) -> List[Impl]:
+    """The requested implementations, all fed the same ids [b, s] and labels [b, s] (their
+    device is the benchmark's)."""
+    impls = [_ours(name, cfg, ids, labels, autocast) for name in OUR_VARIANTS if name in names]
+    device = ids.device
     if "hf" in names:
         import transformers
         hf_cfg = transformers.GPT2Config(
@@ -145,13 +194,13 @@ def build_impls(cfg: ModelConfig, names: List[str], ids: torch.Tensor,
             n_positions=cfg.max_position_embeddings, vocab_size=cfg.padded_vocab_size,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
             activation_function="gelu_pytorch_tanh" if cfg.openai_gelu else "gelu")
-        hf = transformers.GPT2LMHeadModel(hf_cfg).train()
+        hf = transformers.GPT2LMHeadModel(hf_cfg).to(device).train()
         vocab = cfg.padded_vocab_size
         impls.append(Impl("hf", hf, _adamw(hf), lambda: F.cross_entropy(
-            hf(input_ids=ids).logits.view(-1, vocab), labels.reshape(-1))))
+            hf(input_ids=ids).logits.view(-1, vocab), labels.reshape(-1)), autocast=autocast))
     if "nano" in names:
-        ref = RefGPT(cfg).train()
-        impls.append(Impl("nano", ref, _adamw(ref), lambda: ref(ids, labels)))
+        ref = RefGPT(cfg).to(device).train()
+        impls.append(Impl("nano", ref, _adamw(ref), lambda: ref(ids, labels), autocast=autocast))
     return impls
 
 
@@ -160,7 +209,9 @@ def run(impls: List[Impl], warmup: int, steps: int) -> None:
     for i in range(warmup + steps):
         shift = i % len(impls)
         for impl in impls[shift:] + impls[:shift]:
+            fused.reset_selections()
             impl.step(record=i >= warmup)
+            impl.selections = fused.selections()
 
 
 def _paired_speed(impl: Impl, ref: Impl) -> float:
@@ -177,7 +228,7 @@ def report(impls: List[Impl], cfg: ModelConfig, tokens_per_step: int, peak: floa
     flops_per_token = model_flops_per_token(cfg)
     med = {i.name: {k: summarize(v)["median"] for k, v in i.phases.items()} for i in impls}
     by_name = {i.name: i for i in impls}
-    refs = [n for n in med if n != "ours"]
+    refs = [n for n in med if not n.startswith("ours")]
     best = min(refs, key=lambda n: med[n]["step"]) if refs else None
     best_cpu = min(refs, key=lambda n: med[n]["cpu"]) if refs else None
     rows = []
@@ -204,7 +255,13 @@ def main(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
-    parser.add_argument("--impls", default="ours,hf,nano", help="comma list of ours, hf, nano")
+    parser.add_argument("--impls", default="ours,hf,nano",
+                        help="comma list of ours, ours-nofuse, ours-eager, hf, nano")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="GPT-2 124M or 350M at seq 1024 (overrides the shape flags)")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="bf16/fp16: autocast over fp32 weights (GPU only)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=6)
@@ -217,6 +274,13 @@ def main(argv: List[str] | None = None) -> None:
                         help="leave glibc malloc as is (default: keep freed memory for reuse, "
                              "for every implementation alike; see bench.common.keep_freed_memory)")
     args = parser.parse_args(argv)
+    if args.preset:
+        for key, value in PRESETS[args.preset].items():
+            setattr(args, key, value)
+    device = torch.device(args.device)
+    autocast = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    if autocast is not None and device.type != "cuda":
+        raise SystemExit("--precision bf16/fp16 needs --device cuda")
     torch.set_num_threads(args.threads)
     kept = False if args.default_malloc else keep_freed_memory()
     print(f"malloc keeps freed memory: {kept}")
@@ -225,10 +289,16 @@ def main(argv: List[str] | None = None) -> None:
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       max_position_embeddings=args.seq_length, padded_vocab_size=args.vocab_size,
                       hidden_dropout=0.0, attention_dropout=0.0, openai_gelu=args.openai_gelu)
-    peak = measure_matmul_peak()
+    def measure_peak():
+        if device.type == "cuda":
+            return measure_matmul_peak((2048, 4096, 8192), dtype=autocast or torch.float32,
+                                       device=device)
+        return measure_matmul_peak()
+
+    peak = measure_peak()
     sizes = ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in peak.by_n.items())
-    print(f"threads={args.threads}  fp32 matmul peak {peak.flops / 1e9:.1f} GFLOP/s "
-          f"(n={peak.best_n}; {sizes})")
+    print(f"device {device}, threads={args.threads}  {args.precision} matmul peak "
+          f"{peak.flops / 1e9:.1f} GFLOP/s (n={peak.best_n}; {sizes})")
     print(f"config L={cfg.num_layers} h={cfg.hidden_size} heads={cfg.num_attention_heads} "
           f"s={cfg.seq_length} V={cfg.padded_vocab_size} b={args.micro_batch_size}; "
           f"{model_flops_per_token(cfg) / 1e6:.1f} MFLOP/token; "
@@ -236,10 +306,13 @@ def main(argv: List[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(1)
     shape = (args.micro_batch_size, args.seq_length + 1)
     tokens = torch.randint(0, args.vocab_size, shape, generator=gen)
-    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    impls = build_impls(cfg, args.impls.split(","), ids, labels)
+    ids, labels = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+    impls = build_impls(cfg, args.impls.split(","), ids, labels, autocast)
     run(impls, args.warmup, args.steps)
-    again = measure_matmul_peak()  # the machine is shared: keep the better of two measurements
+    for impl in impls:
+        for op, (implementation, why) in sorted(impl.selections.items()):
+            print(f"  {impl.name}: {op}: {implementation} ({why})")
+    again = measure_peak()  # the machine is shared: keep the better of two measurements
     if again.flops > peak.flops:
         print(f"matmul peak re-measured after the run: {again.flops / 1e9:.1f} GFLOP/s (used)")
         peak = again
@@ -248,6 +321,8 @@ def main(argv: List[str] | None = None) -> None:
           "'cpu ms': process CPU time per step (less sensitive to other processes)")
     print(report(impls, cfg, ids.numel(), peak.flops))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB")
+    if device.type == "cuda":
+        print(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f} GiB")
 
 
 if __name__ == "__main__":

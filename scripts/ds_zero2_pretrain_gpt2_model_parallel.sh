@@ -3,16 +3,17 @@
 # DeepSpeed Megatron tutorial's script). Multi-node: NUM_WORKERS nodes listed in HOSTFILE
 # ("hostname slots=N" lines); the deepspeed launcher starts the ranks over ssh (docs/deepspeed.md).
 #   NUM_WORKERS=2 NUM_GPUS_PER_WORKER=8 MP_SIZE=4 HOSTFILE=hostfile bash scripts/ds_zero2_pretrain_gpt2_model_parallel.sh
-# On a CPU-only machine: two CPU ranks, MP_SIZE=2, ds_configs/zero2_fp32.json.
+# On a CPU-only machine: two CPU ranks, MP_SIZE=2, ds_configs/zero2.json in fp32.
+# PRECISION=--bf16 (or --fp16, or empty for fp32) picks the precision; the JSON holds none.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/gpt2_args.sh"
 NUM_WORKERS="${NUM_WORKERS:-1}"
 if has_cuda; then
     NUM_GPUS_PER_WORKER="${NUM_GPUS_PER_WORKER:-$(nvidia-smi -L | wc -l)}"
-    DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/zero2_fp16.json}"; PRECISION="${PRECISION---fp16}"
+    DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/zero2.json}"; PRECISION="${PRECISION---fp16}"
 else
     NUM_GPUS_PER_WORKER="${NUM_GPUS_PER_WORKER:-2}"
-    DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/zero2_fp32.json}"; PRECISION="${PRECISION:-}"
+    DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/zero2.json}"; PRECISION="${PRECISION:-}"
 fi
 MP_SIZE="${MP_SIZE:-2}"
 DP_SIZE=$((NUM_WORKERS * NUM_GPUS_PER_WORKER / MP_SIZE))

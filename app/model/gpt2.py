@@ -25,7 +25,6 @@ from torch import nn
 from app.config import ModelConfig
 from app.model import fused
 from app.mpu import random as mpu_random
-from app.mpu.cross_entropy import vocab_parallel_cross_entropy
 from app.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from app.mpu.mappings import copy_to_tensor_model_parallel_region
 from app.mpu.parallel_state import ParallelState, get_parallel_state
@@ -75,7 +74,8 @@ class ParamInit:
 
 def _layer_norm(config: ModelConfig, dtype: torch.dtype) -> nn.LayerNorm:
     """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks."""
-    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype)
+    norm = fused.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype,
+                           use_kernel=config.layernorm_fusion)
     for param in norm.parameters():
         param.tensor_model_parallel = False
         param.partition_dim = -1
@@ -116,15 +116,16 @@ class Embedding(nn.Module):
 class ParallelAttention(nn.Module):
     """Causal self-attention with a fused QKV projection split by heads over tensor parallelism.
 
-    [b, s, h] -> [b, s, h]. The QKV output rows are ordered [heads, (q, k, v), head_dim], so
-    each tensor-parallel rank holds whole heads. `attention_mask` None means plain causal
-    (SDPA with is_causal=True); otherwise a bool mask [b or 1, 1, s, s], True = masked out,
-    goes through the explicit scale+mask+softmax path. Attention dropout runs inside the
-    model-parallel RNG fork, since each rank's heads differ.
+    [b, s, h] -> ([b, s, h], dense bias [h]): the output projection's bias is returned, not
+    added, for the caller's bias+dropout+add. The QKV output rows are ordered
+    [heads, (q, k, v), head_dim], so each tensor-parallel rank holds whole heads.
+    `attention_mask` None means plain causal; otherwise a bool mask [b or 1, 1, s, s], True =
+    masked out. `fused.attention` picks SDPA or q k^T + fused softmax (config.attention_impl).
+    Attention dropout runs inside the model-parallel RNG fork, since each rank's heads differ.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
-                 prefix: str) -> None:
+                 prefix: str, layer_number: int = 0) -> None:
         super().__init__()
         tp = parallel_state.tensor_model_parallel_size
         self.heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads",
@@ -132,6 +133,12 @@ class ParallelAttention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout_p = config.attention_dropout
         self.masked_softmax_fusion = config.masked_softmax_fusion
+        self.attention_impl = config.attention_impl
+        # --apply-query-key-layer-scaling: scores / (sqrt(hd) * n), multiplied back by n inside
+        # an fp32 softmax (Megatron's fp16 overflow guard; n = 1-based layer number)
+        self.qk_coeff = float(layer_number + 1) if config.apply_query_key_layer_scaling else 1.0
+        self.softmax_in_fp32 = (config.attention_softmax_in_fp32
+                                or config.apply_query_key_layer_scaling)
         dtype = torch_dtype(config.params_dtype)
         h = config.hidden_size
         self.query_key_value = ColumnParallelLinear(
@@ -140,10 +147,10 @@ class ParallelAttention(nn.Module):
             parallel_state=parallel_state, params_dtype=dtype)
         self.dense = RowParallelLinear(
             h, h, input_is_parallel=True, init_method=init.scaled_normal(f"{prefix}.dense.weight"),
-            parallel_state=parallel_state, params_dtype=dtype)
+            parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True)
 
-    def forward(self, x: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         qkv = self.query_key_value(x)  # [b, s, 3h/tp]
         qkv = qkv.view(b, s, self.heads_per_partition, 3, self.head_dim)
@@ -156,32 +163,31 @@ class ParallelAttention(nn.Module):
         else:
             context = self._attend(q, k, v, attention_mask, 0.0)  # [b, nh/tp, s, hd]
         context = context.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
-        return self.dense(context)  # [b, s, h]
+        return self.dense(context)  # [b, s, h], [h]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd), masked) v with dropout on the probabilities. [b, n, s, hd]."""
-        if attention_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s, s]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        probs = fused.scale_mask_softmax(scores, attention_mask, scale,
-                                         use_kernel=self.masked_softmax_fusion)  # [b, n, s, s]
-        probs = _dropout(probs, dropout_p, True)
-        return torch.matmul(probs, v)  # [b, n, s, hd]
+        return fused.attention(q, k, v, attention_mask, dropout_p, self.attention_impl,
+                               self.masked_softmax_fusion, qk_coeff=self.qk_coeff,
+                               softmax_in_fp32=self.softmax_in_fp32)
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced); [b,s,h] kept."""
+    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced).
+
+    [b, s, h] -> ([b, s, h], output bias [h]): the last bias is returned for bias+dropout+add.
+    """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  prefix: str) -> None:
         super().__init__()
         dtype = torch_dtype(config.params_dtype)
         self.openai_gelu = config.openai_gelu
-        # The bias goes to the fused bias+GeLU kernel when one is registered; otherwise it stays
-        # inside the GEMM (addmm), which is cheaper than a separate add.
-        self.bias_gelu_fusion = config.bias_gelu_fusion and fused.has_kernel("bias_gelu")
+        # The bias goes to the fused bias+GeLU op where that op is fused (CUDA); otherwise it
+        # stays inside the GEMM (addmm), which is cheaper than a separate add.
+        self.bias_gelu_flag = config.bias_gelu_fusion
+        self.bias_gelu_fusion = fused.bias_gelu_fusion_applies(config.bias_gelu_fusion)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size, gather_output=False,
             init_method=init.normal(f"{prefix}.dense_h_to_4h.weight"),
@@ -190,19 +196,23 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
             init_method=init.scaled_normal(f"{prefix}.dense_4h_to_h.weight"),
-            parallel_state=parallel_state, params_dtype=dtype)
+            parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.bias_gelu_fusion:
             intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp]
             intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu)
         else:
-            intermediate = fused.gelu(self.dense_h_to_4h(x), self.openai_gelu)  # [b, s, ffn/tp]
-        return self.dense_4h_to_h(intermediate)  # [b, s, h]
+            intermediate = fused.bias_gelu(None, self.dense_h_to_4h(x), self.openai_gelu,
+                                           self.bias_gelu_flag)  # [b, s, ffn/tp]
+        return self.dense_4h_to_h(intermediate)  # [b, s, h], [h]
 
 
 class ParallelTransformerLayer(nn.Module):
-    """Pre-LN block: x + drop(attention(LN(x))), then x + drop(mlp(LN(x))). [b,s,h] -> [b,s,h]."""
+    """Pre-LN block: x + drop(attention(LN(x))), then x + drop(mlp(LN(x))). [b,s,h] -> [b,s,h].
+
+    Each "x + drop(out + bias)" is `fused.bias_dropout_add` (--bias-dropout-fusion).
+    """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  layer_number: int) -> None:
@@ -211,17 +221,21 @@ class ParallelTransformerLayer(nn.Module):
         dtype = torch_dtype(config.params_dtype)
         self.layer_number = layer_number
         self.dropout_p = config.hidden_dropout
+        self.bias_dropout_fusion = config.bias_dropout_fusion
         self.input_layernorm = _layer_norm(config, dtype)
-        self.attention = ParallelAttention(config, parallel_state, init, f"{prefix}.attention")
+        self.attention = ParallelAttention(config, parallel_state, init, f"{prefix}.attention",
+                                           layer_number)
         self.post_attention_layernorm = _layer_norm(config, dtype)
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x), attention_mask)  # [b, s, h]
-        x = x + _dropout(attn, self.dropout_p, self.training)
-        mlp = self.mlp(self.post_attention_layernorm(x))  # [b, s, h]
-        return x + _dropout(mlp, self.dropout_p, self.training)
+        attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask)  # [b,s,h], [h]
+        x = fused.bias_dropout_add(attn, attn_bias, x, self.dropout_p, self.training,
+                                   self.bias_dropout_fusion)  # [b, s, h]
+        mlp, mlp_bias = self.mlp(self.post_attention_layernorm(x))  # [b, s, h], [h]
+        return fused.bias_dropout_add(mlp, mlp_bias, x, self.dropout_p, self.training,
+                                      self.bias_dropout_fusion)
 
 
 class ParallelTransformer(nn.Module):
@@ -357,24 +371,25 @@ class GPT2Model(nn.Module):
         hidden = copy_to_tensor_model_parallel_region(hidden, self.parallel_state)
         logits = F.linear(hidden, self.word_embeddings_weight())  # [b, s, V/tp]
         if labels is None:
-            return logits
-        return lm_loss(logits, labels, self.parallel_state)  # [b, s] fp32
+            return logits.float()  # callers get fp32 logits whatever the weights' dtype
+        return lm_loss(logits, labels, self.parallel_state,
+                       in_fp32=not self.config.fp16_lm_cross_entropy,
+                       fusion=self.config.cross_entropy_loss_fusion)  # [b, s] fp32
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor,
-            parallel_state: ParallelState) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, parallel_state: ParallelState,
+            in_fp32: bool = True, fusion: bool = True) -> torch.Tensor:
     """Per-token fp32 cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
 
-    With one tensor-parallel rank the logits are the whole vocabulary and PyTorch's row-fused
-    `F.cross_entropy` gives the same values as `vocab_parallel_cross_entropy` with fewer passes
-    over the [b*s, V] tensor (~6% faster LM head on CPU); otherwise the vocab-parallel version.
+    `fused.cross_entropy`: the CUDA kernels with `fusion` (--cross-entropy-loss-fusion; fp32
+    arithmetic on the logits' own dtype, no fp32 copy); else the logits upcast to fp32 (kept
+    in their dtype with `in_fp32` False: --fp16-lm-cross-entropy) through PyTorch's row-fused
+    `F.cross_entropy` at one tensor-parallel rank (same values as
+    `vocab_parallel_cross_entropy`, fewer passes over [b*s, V]: ~6% faster LM head on CPU), or
+    `vocab_parallel_cross_entropy` across ranks.
     """
-    logits = logits.float()
-    if parallel_state.tensor_model_parallel_size == 1:
-        b, s, vocab = logits.shape
-        return F.cross_entropy(logits.view(b * s, vocab), labels.reshape(b * s),
-                               reduction="none").view(b, s)
-    return vocab_parallel_cross_entropy(logits, labels, parallel_state)
+    return fused.cross_entropy(logits, labels, parallel_state, use_kernel=fusion,
+                               in_fp32=in_fp32)
 
 
 def _check_layer_range(layer_range: Optional[Tuple[int, int]], num_layers: int) -> Tuple[int, int]:

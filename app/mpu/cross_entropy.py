@@ -7,7 +7,7 @@ The arithmetic lives in plain functions; the communication in `_VocabParallelCro
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -73,3 +73,70 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     start, end = vocab_range(logits.shape[-1] * tp, rank, tp)
     return _VocabParallelCrossEntropy.apply(logits, target, state.tensor_model_parallel_group,
                                             start, end)
+
+
+# ---- the fused variant: one-pass row statistics from the kernels -------------------------------
+def row_stats_reference(logits: torch.Tensor, target: torch.Tensor, start: int
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch version of the cross_entropy_stats kernel: per row of this rank's slice [*, v],
+    (max, sum exp(z - max), z[target - start] or 0 when the target is elsewhere), fp32 [*]."""
+    z = logits.float()  # [*, v]
+    row_max = z.max(dim=-1).values  # [*]
+    sum_exp = (z - row_max.unsqueeze(-1)).exp().sum(dim=-1)  # [*]
+    local_ids, outside = local_targets(target, start, start + logits.shape[-1])
+    return row_max, sum_exp, target_logits(z, local_ids, outside)
+
+
+def grad_reference(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                   logsumexp: torch.Tensor, start: int) -> torch.Tensor:
+    """PyTorch version of the cross_entropy_backward kernel: (softmax - onehot) * grad_loss,
+    in the logits' dtype. logits [*, v]; grad_loss, logsumexp fp32 [*]."""
+    grad = (logits.float() - logsumexp.unsqueeze(-1)).exp()  # [*, v]
+    local_ids, outside = local_targets(target, start, start + logits.shape[-1])
+    grad.scatter_add_(-1, local_ids.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+    return (grad * grad_loss.float().unsqueeze(-1)).to(logits.dtype)
+
+
+def combine_row_stats(row_max: torch.Tensor, sum_exp: torch.Tensor,
+                      global_max: torch.Tensor) -> torch.Tensor:
+    """This rank's sum of exponentials rescaled from its own row max to the global one. [*]."""
+    return sum_exp * torch.exp(row_max - global_max)
+
+
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: object, start: int,
+                stats_fn: Callable, grad_fn: Callable) -> torch.Tensor:
+        row_max, sum_exp, predicted = stats_fn(logits, target, start)  # 3 x [*] fp32
+        global_max = collectives.all_reduce(row_max.clone(), group, op="max")
+        total = collectives.all_reduce(combine_row_stats(row_max, sum_exp, global_max), group)
+        collectives.all_reduce(predicted, group)
+        logsumexp = global_max + torch.log(total)  # [*]
+        ctx.save_for_backward(logits, target, logsumexp)
+        ctx.start, ctx.grad_fn = start, grad_fn
+        return logsumexp - predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, target, logsumexp = ctx.saved_tensors
+        grad = ctx.grad_fn(grad_loss, logits, target, logsumexp, ctx.start)
+        return grad, None, None, None, None, None
+
+
+def fused_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                       parallel_state: Optional[ParallelState],
+                                       stats_fn: Callable, grad_fn: Callable) -> torch.Tensor:
+    """The loss of `vocab_parallel_cross_entropy` without an fp32 copy of the logits. [*] fp32.
+
+    Per row, one pass gives this rank's (max, sum of exp, target logit); ranks agree on the max,
+    rescale and sum their sums, and sum the target logits (three [*] all-reduces). Backward
+    writes (softmax - onehot) * grad in the logits' dtype from the saved logsumexp. `stats_fn`
+    and `grad_fn` are the CUDA kernels (app.kernels.ops.cross_entropy_stats / _grad) or the
+    `row_stats_reference` / `grad_reference` above, which run anywhere.
+    """
+    state = get_parallel_state() if parallel_state is None else parallel_state
+    tp, rank = state.tensor_model_parallel_size, state.tensor_model_parallel_rank
+    start, _ = vocab_range(logits.shape[-1] * tp, rank, tp)
+    return _FusedVocabParallelCrossEntropy.apply(logits, target,
+                                                 state.tensor_model_parallel_group, start,
+                                                 stats_fn, grad_fn)

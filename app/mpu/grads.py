@@ -66,30 +66,36 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
 
 def allreduce_gradients(parameters: Iterable[torch.Tensor], data_parallel_group: object,
                         bucket_size_mb: float = 25.0) -> None:
-    """Average `.grad` over the data-parallel group, in flat buckets of at most bucket_size_mb.
+    """Average `.grad` over the data-parallel group (see allreduce_grad_tensors)."""
+    allreduce_grad_tensors([p.grad for p in parameters if p.grad is not None],
+                           data_parallel_group, bucket_size_mb)
 
-    Parameters are bucketed by (dtype, device) in the given order; a tensor larger than a
-    bucket goes alone. No-op for a None / one-rank group.
+
+def allreduce_grad_tensors(grads: Iterable[torch.Tensor], data_parallel_group: object,
+                           bucket_size_mb: float = 25.0) -> None:
+    """Average gradient tensors in place over the data-parallel group, in flat buckets of at
+    most bucket_size_mb.
+
+    Tensors are bucketed by (dtype, device) in the given order; a tensor larger than a bucket
+    goes alone. No-op for a None / one-rank group.
     """
     size = collectives.group_size(data_parallel_group)
     if size == 1:
         return
     limit = bucket_size_mb * 1024 * 1024
     buckets: dict = {}
-    for p in parameters:
-        if p.grad is None:
-            continue
-        key = (p.grad.dtype, p.grad.device)
+    for grad in grads:
+        key = (grad.dtype, grad.device)
         bucket = buckets.setdefault(key, [[], 0])
-        grad_bytes = p.grad.numel() * p.grad.element_size()
+        grad_bytes = grad.numel() * grad.element_size()
         if bucket[0] and bucket[1] + grad_bytes > limit:
             _reduce_bucket(bucket[0], data_parallel_group, size)
             bucket[0], bucket[1] = [], 0
-        bucket[0].append(p.grad)
+        bucket[0].append(grad)
         bucket[1] += grad_bytes
-    for grads, _ in buckets.values():
-        if grads:
-            _reduce_bucket(grads, data_parallel_group, size)
+    for bucket_grads, _ in buckets.values():
+        if bucket_grads:
+            _reduce_bucket(bucket_grads, data_parallel_group, size)
 
 
 def _reduce_bucket(grads: List[torch.Tensor], group: object, size: int) -> None:
@@ -107,8 +113,16 @@ def allreduce_embedding_grads(word_embeddings: Optional[torch.Tensor],
     Call on every rank after backward with that stage's `word_embeddings.weight` (None on
     middle stages, which are not in an embedding group).
     """
+    grad = None if word_embeddings is None else word_embeddings.grad
+    allreduce_embedding_grad(grad, parallel_state)
+
+
+def allreduce_embedding_grad(grad: Optional[torch.Tensor],
+                             parallel_state: Optional[ParallelState] = None) -> None:
+    """Sum a gradient tensor of the tied word embeddings over the embedding group (first and
+    last pipeline stage); no-op with one stage or without a tensor (middle stages)."""
     state = get_parallel_state() if parallel_state is None else parallel_state
-    if state.pipeline_model_parallel_size == 1 or word_embeddings is None:
+    if state.pipeline_model_parallel_size == 1 or grad is None:
         return
-    if word_embeddings.grad is not None and state.embedding_group is not None:
-        collectives.all_reduce(word_embeddings.grad, state.embedding_group)
+    if state.embedding_group is not None:
+        collectives.all_reduce(grad, state.embedding_group)

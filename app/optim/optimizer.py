@@ -28,7 +28,12 @@ def _torch_adamw(groups: List[Dict[str, Any]], kwargs: Dict[str, Any]) -> torch.
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW over `get_param_groups(model)` with the config's lr, betas, eps and weight decay.
+    """AdamW over `get_param_groups(model)` (see build_adamw)."""
+    return build_adamw(get_param_groups(model, config.weight_decay), config)
+
+
+def build_adamw(groups: List[Dict[str, Any]], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW over param `groups` with the config's lr, betas, eps and weight decay.
 
     apex `FusedAdam` (decoupled weight decay, i.e. AdamW) is used only if
     `from apex.optimizers import FusedAdam` works and every parameter is on CUDA; otherwise
@@ -36,7 +41,6 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
     (CPU and CUDA in torch 2.13), else `torch.optim.AdamW(foreach=True)`. The LR written here is
     replaced by `OptimizerParamScheduler` before the first step.
     """
-    groups = get_param_groups(model, config.weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters to optimise")
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -25,9 +25,10 @@ class RandomTokens:
         return {"text": self.data[i]}
 
 
-def build_synthetic_run(cfg: RunConfig, num_samples: int) -> Dict[str, Any]:
+def build_synthetic_run(cfg: RunConfig, num_samples: int,
+                        device: Optional[torch.device] = None) -> Dict[str, Any]:
     """The run of `cfg` built by app.training.run.build_run in this process (torch.distributed
-    already initialised when several ranks run), on the CPU, over RandomTokens.
+    already initialised when several ranks run), on `device` (default CPU), over RandomTokens.
 
     Returns dict(cfg, ps, model, engine, trainer, iterator) with the iterator at sample 0.
     """
@@ -39,7 +40,7 @@ def build_synthetic_run(cfg: RunConfig, num_samples: int) -> Dict[str, Any]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized():  # launchers export it; DeepSpeed requires it (one machine here)
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-    run = build_run(cfg, world, torch.device("cpu"))
+    run = build_run(cfg, world, torch.device("cpu") if device is None else torch.device(device))
     data = RandomTokens(num_samples, cfg.model.seq_length, cfg.raw_vocab_size)
     trainer = run.attach_trainer((data, None, None), eod=0)
     iterator = build_data_iterator(data, 0, cfg.training.micro_batch_size, run.ps, 0)

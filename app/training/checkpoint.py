@@ -202,8 +202,12 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, openai_gelu=m.openai_gelu,
         bias_gelu_fusion=m.bias_gelu_fusion, masked_softmax_fusion=m.masked_softmax_fusion,
+        bias_dropout_fusion=m.bias_dropout_fusion, use_flash_attn=m.attention_impl == "flash",
         params_dtype=torch_dtype(m.params_dtype), fp16=cfg.precision.fp16,
-        bf16=cfg.precision.bf16,
+        bf16=cfg.precision.bf16, attention_softmax_in_fp32=m.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+        fp16_lm_cross_entropy=m.fp16_lm_cross_entropy,
+        accumulate_allreduce_grads_in_fp32=cfg.precision.grads_accumulate_in_fp32,
         position_embedding_type="learned_absolute", add_position_embedding=True,
         normalization="LayerNorm", add_bias_linear=True, swiglu=False,
         untie_embeddings_and_output_weights=False,
@@ -254,6 +258,23 @@ def check_checkpoint_version(state: Dict[str, Any], where: str) -> None:
             f"{where} has checkpoint_version {version}: its fused QKV rows are ordered "
             f"differently from version {CHECKPOINT_VERSION}; convert it first (Megatron-LM's "
             "checkpoint conversion to version 3.0)")
+
+
+def fp32_main_weights(state: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
+    """{parameter name: fp32 main weight} of a mixed-precision checkpoint, else None.
+
+    Mixed-precision runs save Megatron's `fp32_from_fp16_params` (lists per param group) in
+    `optimizer`, plus `param_names` in the same order; the `model` entry holds the fp16/bf16
+    weights, as Megatron's tools expect.
+    """
+    opt = state.get("optimizer")
+    if not isinstance(opt, dict) or "fp32_from_fp16_params" not in opt or "param_names" not in opt:
+        return None
+    out: Dict[str, torch.Tensor] = {}
+    for names, values in zip(opt["param_names"], opt["fp32_from_fp16_params"]):
+        for name, value in zip(names, values):
+            out[name] = value
+    return out
 
 
 # ---------------------------------------------------------------------------- RNG state

@@ -180,12 +180,14 @@ class DeepSpeedEngineAdapter(Engine):
     def zero_grad(self) -> None:
         self._micro = 0  # DeepSpeed clears gradients itself after each boundary step
         self._grad_bytes = 0
+        self._bad_loss = torch.zeros(())
 
     def _current_lr(self) -> float:
         lrs = self.ds.get_lr()
         return float(lrs[0]) if lrs else float("nan")
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._bad_loss = self._bad_loss + (~torch.isfinite(loss.detach())).any().float().cpu()
         self.ds.backward(loss, scale_wrt_gas=False)
         self._lr_used = self._current_lr()  # the boundary step below advances the schedule
         # peak over the accumulation: ZeRO-1 holds full gradients between boundaries, ZeRO-2 only
@@ -202,8 +204,14 @@ class DeepSpeedEngineAdapter(Engine):
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
         skipped = not self.ds.was_step_applied()
+        # DeepSpeed skips fp16 overflows itself; a non-finite loss in any precision is agreed
+        # over the world for the non-finite policy (app.training.nonfinite)
+        device = next(self.ds.module.parameters()).device
+        bad = getattr(self, "_bad_loss", torch.zeros(())).reshape(1).to(device)
+        collectives.all_reduce(bad, world_group(), op="max")
+        bad_loss = bool(bad.item() > 0)
         return StepResult(grad_norm=norm, skipped=skipped, lr=self._lr_used,
-                          loss_scale=self.loss_scale)
+                          loss_scale=self.loss_scale, nonfinite=bad_loss, nonfinite_loss=bad_loss)
 
     def _gradient_bytes(self) -> int:
         """Gradients held now: module .grad tensors plus ZeRO's partitioned gradient buffers."""

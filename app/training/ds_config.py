@@ -5,7 +5,8 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
   = --global-batch-size / (--micro-batch-size x data-parallel size), `train_batch_size` =
   --global-batch-size. Keys the JSON leaves out are filled from the command line.
 - `gradient_clipping` = --clip-grad (filled when absent).
-- Precision: `fp16.enabled` / `bf16.enabled` must agree with --fp16 / --bf16 (filled when absent).
+- Precision: `fp16.enabled` / `bf16.enabled` must agree with the run's precision (filled when
+  absent or "auto"); arguments.py takes the precision from the JSON when no flag is given.
 - If the JSON defines `optimizer`, its `params.lr` (and weight decay, betas, eps when given) must
   agree with the command line; if it also defines `scheduler`, our LR schedule is not used and
   explicit command-line schedule flags are rejected.
@@ -47,16 +48,19 @@ def _agree(ds: Dict[str, Any], key: str, value: Any, flag: str, path: str) -> No
 
 
 def _reconcile_precision(ds: Dict[str, Any], cfg: RunConfig, path: str) -> None:
-    for key, flag, wanted in (("fp16", "--fp16", cfg.precision.fp16),
-                              ("bf16", "--bf16", cfg.precision.bf16)):
+    """`fp16.enabled` / `bf16.enabled` must agree with the run's precision (filled when absent
+    or "auto"). arguments.py has already taken the precision from the JSON when no flag was
+    given, so a disagreement here is a flag contradicting the JSON."""
+    p = cfg.precision
+    run = "--fp16" if p.fp16 else "--bf16" if p.bf16 else "fp32 (no --fp16/--bf16)"
+    for key, wanted in (("fp16", p.fp16), ("bf16", p.bf16)):
         block = ds.setdefault(key, {})
-        if "enabled" not in block:
+        if block.get("enabled", "auto") == "auto":
             block["enabled"] = wanted
-        elif block["enabled"] is True and block["enabled"] != wanted:
-            raise ValueError(f"{path}: \"{key}.enabled\" is true but {flag} is not given; "
-                             f"add {flag} or set \"{key}.enabled\": false")
-        elif block["enabled"] is False and wanted:
-            raise ValueError(f"{path}: \"{key}.enabled\" is false but {flag} is given")
+        elif bool(block["enabled"]) != wanted:
+            raise ValueError(f"{path}: \"{key}.enabled\" is {str(block['enabled']).lower()} but "
+                             f"the command line asks for {run}; make them agree (drop the flag "
+                             f"to use the JSON's precision, or change \"{key}.enabled\")")
 
 
 LOSS_SCALE_FLAGS = {"--loss-scale": "loss_scale", "--initial-loss-scale": "initial_scale_power",
@@ -73,13 +77,14 @@ def _reconcile_loss_scale(ds: Dict[str, Any], cfg: RunConfig, path: str,
     if not cfg.precision.fp16:
         raise ValueError(f"{', '.join(sorted(given))} only apply with --fp16")
     p = cfg.precision
-    power = math.log2(p.initial_loss_scale) if p.initial_loss_scale > 0 else float("nan")
+    initial, minimum, window, hysteresis = p.dynamic_scaler_settings()
+    power = math.log2(initial)
     if "--initial-loss-scale" in given and not float(power).is_integer():
-        raise ValueError(f"--initial-loss-scale ({p.initial_loss_scale}) must be a power of two "
+        raise ValueError(f"--initial-loss-scale ({initial}) must be a power of two "
                          "(DeepSpeed takes it as fp16.initial_scale_power)")
-    values = {"loss_scale": p.loss_scale or 0, "min_loss_scale": p.min_loss_scale,
-              "initial_scale_power": int(round(math.log2(p.initial_loss_scale))),
-              "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis}
+    values = {"loss_scale": p.loss_scale or 0, "min_loss_scale": minimum,
+              "initial_scale_power": int(round(power)),
+              "loss_scale_window": window, "hysteresis": hysteresis}
     block = ds["fp16"]
     for flag in given:
         key = LOSS_SCALE_FLAGS[flag]

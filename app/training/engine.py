@@ -31,6 +31,12 @@ class StepResult:
     skipped: bool
     lr: float
     loss_scale: Optional[float] = None
+    nonfinite: bool = False
+    """A non-finite step that counts toward --max-consecutive-skipped-iterations (any skip in
+    fp32/bf16; in fp16 an overflow at the minimum or a static loss scale; on DeepSpeed a
+    non-finite loss)."""
+    nonfinite_loss: bool = False
+    """Some rank's loss of this iteration was inf/nan (agreed over all ranks)."""
 
 
 class Engine(abc.ABC):

@@ -1,75 +1,84 @@
-"""The native engine: our own gradient sync, clipping, AdamW step and Megatron-layout checkpoints.
+"""The native engine: our own gradient sync, precision wrapper, AdamW and Megatron checkpoints.
 
-Per iteration: gradients accumulate over micro-batches (`backward`), then `step` averages them
-over the data-parallel group (bucketed all-reduce), sums the tied word-embedding gradient of the
-first and last pipeline stages, computes the global norm over the model-parallel group (each
-replicated parameter counted once), clips, skips the update if the norm is not finite, steps
-the optimizer and advances the LR schedule.
+Per iteration: micro-batch losses are scaled (fp16) and back-propagated (`backward`), which also
+notes any non-finite loss; then `step` averages the accumulated gradients over the
+data-parallel group (bucketed all-reduce; fp32 buffers when gradients accumulate in fp32), sums
+the tied word-embedding gradient of the first and last pipeline stages, and lets the precision
+wrapper (app.optim.mixed_precision) agree on non-finite values over the whole world, update the
+loss scale, clip, step AdamW and copy the fp32 main weights back. The LR schedule advances only
+when the update was applied.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+import logging
+from typing import Any, Dict, Optional
 
 import torch
 
 from app.config import RunConfig
-from app.mpu.grads import allreduce_embedding_grads, allreduce_gradients, clip_grad_norm
+from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu.random import rng_state_dict
+from app.optim.mixed_precision import MixedPrecisionOptimizer
 from app.training import checkpoint as ckpt
-from app.training.distributed import all_ranks_ok
-from app.training.engine import Engine, StepResult, grad_norm_is_finite
+from app.training.distributed import all_ranks_ok, world_group
+from app.training.engine import Engine, StepResult
 from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
+
+logger = logging.getLogger(__name__)
 
 
 class NativeEngine(Engine):
-    """Engine for the native path: TP/PP/DP through app.mpu, fp32 weights and AdamW."""
+    """Engine for the native path: TP/PP/DP through app.mpu, fp32/bf16/fp16 through a precision
+    wrapper around AdamW (`optimizer`, from app.optim.mixed_precision)."""
 
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: Any,
                  lr_scheduler: Any, parallel_state: Any) -> None:
         self.cfg = cfg
         self.module = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.ps = parallel_state
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._nonfinite_loss: Optional[torch.Tensor] = None
 
     def zero_grad(self) -> None:
-        for p in self._params:
-            p.grad = None
+        self.optimizer.zero_grad()
+        self._nonfinite_loss = None
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        bad = (~torch.isfinite(loss.detach())).any().float()  # no host sync; agreed in step()
+        self._nonfinite_loss = bad if self._nonfinite_loss is None else self._nonfinite_loss + bad
+        self.optimizer.scale_loss(loss).backward()
 
     def _sync_gradients(self) -> None:
-        for p in self._params:  # a parameter unused on this stage still takes part in the sums
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        grads = self.optimizer.reduction_grads()  # every parameter's, zeros where unused
         if self.ps.data_parallel_size > 1:
-            allreduce_gradients(self._params, self.ps.data_parallel_group)
+            allreduce_grad_tensors(grads, self.ps.data_parallel_group)
         if self.ps.pipeline_model_parallel_size > 1:
             stage_has_embedding = (self.ps.is_pipeline_first_stage()
                                    or self.ps.is_pipeline_last_stage())
             tied = self.module.word_embeddings_weight() if stage_has_embedding else None
-            allreduce_embedding_grads(tied, self.ps)
+            allreduce_embedding_grad(None if tied is None else self.optimizer.embedding_grad(tied),
+                                     self.ps)
 
     def step(self) -> StepResult:
         self._sync_gradients()
-        self.last_state_bytes = Engine.state_bytes(self)  # gradients exist only until the next zero_grad
-        max_norm = self.cfg.optimizer.clip_grad
-        norm = clip_grad_norm(self._params, max_norm, self.ps)
         lr = self.optimizer.param_groups[0]["lr"]
-        if not grad_norm_is_finite(norm):
-            self.zero_grad()
-            return StepResult(grad_norm=norm, skipped=True, lr=lr)
-        self.optimizer.step()
-        self.lr_scheduler.step(1)
-        return StepResult(grad_norm=norm, skipped=False, lr=lr)
+        outcome = self.optimizer.step(self.ps, self.cfg.optimizer.clip_grad, world_group(),
+                                      self._nonfinite_loss)
+        if not outcome.skipped:
+            self.lr_scheduler.step(1)
+        return StepResult(grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
+                          loss_scale=self.optimizer.loss_scale, nonfinite=outcome.nonfinite,
+                          nonfinite_loss=outcome.nonfinite_loss)
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self.optimizer.loss_scale
 
     def state_bytes(self) -> Dict[str, int]:
-        """Parameters and optimizer states now; gradients as they were at the last step."""
-        now = Engine.state_bytes(self)
-        now["grads"] = getattr(self, "last_state_bytes", now)["grads"]
-        return now
+        """Model weights; gradients as they were at the last step; optimizer states (AdamW's,
+        plus the fp32 main weights of a mixed-precision run)."""
+        return self.optimizer.state_bytes()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -110,11 +119,7 @@ class NativeEngine(Engine):
         ckpt.check_checkpoint_version(state, where)
         args = state.get("args")
         check_saved_args(plan, args, self.cfg, where)
-        try:
-            self.module.load_state_dict(ckpt.from_megatron_model(state["model"]), strict=True)
-        except RuntimeError as exc:  # names or shapes that do not match this model
-            raise ckpt.CheckpointError(f"weights in {where} do not fit this model: "
-                                       f"{str(exc).splitlines()[0][:400]}") from exc
+        self._load_weights(state, where)
         if plan.load_optimizer:
             if state.get("optimizer") is None or state.get("lr_scheduler") is None:
                 raise ckpt.CheckpointError(
@@ -129,3 +134,27 @@ class NativeEngine(Engine):
         return CheckpointContents(path=where, iteration=iteration, args=args,
                                   client_state=position, rng_state=state.get("rng_state"),
                                   scheduler_state=state.get("lr_scheduler"))
+
+    def _load_weights(self, state: Dict[str, Any], where: str) -> None:
+        """Model weights from the checkpoint, converted to this run's precision.
+
+        The most exact fp32 weights are used: a mixed-precision checkpoint's fp32 main copies
+        (by parameter name), else the saved weights. The model gets them cast to its dtype; a
+        half-precision run also sets its fp32 main weights from them.
+        """
+        weights = ckpt.from_megatron_model(state["model"])
+        main = ckpt.fp32_main_weights(state)
+        saved_dtype = next((v.dtype for v in weights.values() if v.is_floating_point()), None)
+        run_dtype = next(self.module.parameters()).dtype
+        fp32 = {**{k: v.float() for k, v in weights.items()}, **(main or {})}
+        try:
+            self.module.load_state_dict(fp32, strict=True)  # cast to the run's dtype
+        except RuntimeError as exc:  # names or shapes that do not match this model
+            raise ckpt.CheckpointError(f"weights in {where} do not fit this model: "
+                                       f"{str(exc).splitlines()[0][:400]}") from exc
+        if isinstance(self.optimizer, MixedPrecisionOptimizer):
+            self.optimizer.set_main_weights(fp32)
+        if saved_dtype is not None and saved_dtype != run_dtype:
+            source = "its fp32 main weights" if main else f"its {saved_dtype} weights"
+            logger.info("converted checkpoint %s from %s to this run's %s (fp32 weights taken "
+                        "from %s)", where, saved_dtype, run_dtype, source)

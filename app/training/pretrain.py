@@ -8,8 +8,9 @@ parts of the run (app.training.run) -> checkpoint load (all ranks agree) -> data
 the run -> Trainer, with the exit-signal handler installed while it trains.
 
 `main` maps outcomes to exit codes: 0 for a finished run and for one stopped by a signal after
-its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3
-(EXIT_PEER_FAILURE) when another rank died, stopped or hung.
+its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3 for a run
+stopped by the non-finite policy (app.training.nonfinite); 4 (EXIT_PEER_FAILURE) when another
+rank died, stopped or hung.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from app.mpu import collectives
 from app.training.checkpoint import CheckpointError
 from app.training.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
                                       shutdown_distributed, world_group)
+from app.training.nonfinite import TrainingAborted
 from app.training.resume import StartDecision, decide_start, load_on_all_ranks
 from app.training.run import build_run
 from app.training.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
@@ -106,6 +108,20 @@ def _signal_handler(cfg: RunConfig) -> Optional[ExitSignalHandler]:
     return ExitSignalHandler() if enabled else None
 
 
+def _log_precision(cfg: RunConfig) -> None:
+    p = cfg.precision
+    detail = ""
+    if p.fp16 and not cfg.deepspeed.enabled:
+        initial, minimum, window, hysteresis = p.dynamic_scaler_settings()
+        detail = (f"; static loss scale {p.loss_scale}" if p.loss_scale else
+                  f"; dynamic loss scale from {initial:g} (min {minimum:g}, window {window}, "
+                  f"hysteresis {hysteresis})")
+    if (p.fp16 or p.bf16) and not cfg.deepspeed.enabled:
+        detail += (", gradients accumulated in fp32" if p.grads_accumulate_in_fp32
+                   else ", gradients accumulated in fp16") + ", fp32 main weights"
+    logger.info("> precision: %s weights (from %s)%s", cfg.model.params_dtype, p.source, detail)
+
+
 def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = ()) -> Trainer:
     """Build everything for `cfg` and train; returns the Trainer (for tests and tools).
 
@@ -123,6 +139,7 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
     logger.info("> padded vocab (size: %d) with %d dummy tokens (new size: %d)",
                 cfg.raw_vocab_size, cfg.model.padded_vocab_size - cfg.raw_vocab_size,
                 cfg.model.padded_vocab_size)
+    _log_precision(cfg)
     with contextlib.ExitStack() as stack:
         lock, decision = _start_checks(cfg, info)
         if lock is not None:
@@ -145,8 +162,9 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
 
 def main(run: Callable[[], Any]) -> int:
     """Call `run()` (which builds the config and trains) and return the process exit code:
-    configuration, data and checkpoint errors print one clear line and give 2; a dead, stopped
-    or hung peer gives 3 (PeerFailure); the process group is torn down either way."""
+    configuration, data and checkpoint errors print one clear line and give 2; the non-finite
+    policy stopping the run gives 3; a dead, stopped or hung peer gives 4 (PeerFailure, without
+    waiting for the other ranks); the process group is torn down otherwise."""
     try:
         run()
     except PeerFailure as exc:
@@ -156,6 +174,10 @@ def main(run: Callable[[], Any]) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         shutdown_distributed(graceful=False)
         return 2
+    except TrainingAborted as exc:
+        print(f"error: training stopped: {exc}", file=sys.stderr, flush=True)
+        shutdown_distributed(graceful=False)
+        return 3
     shutdown_distributed(graceful=True)
     return 0
 

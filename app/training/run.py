@@ -1,7 +1,7 @@
 """Composition: build the parts of one training run from a RunConfig, in the one right order.
 
-    parallel groups and seeds -> (DeepSpeed activation checkpointing) -> model stage -> engine
-    -> Trainer
+    parallel groups and seeds -> (DeepSpeed activation checkpointing) -> fused kernels
+    -> model stage -> engine -> Trainer
 
 `build_run` is used by `app.training.pretrain` (real data) and by the test and benchmark
 helpers (`app.testing.synthetic`), so every run is put together the same way. This is the only
@@ -16,11 +16,13 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from app import kernels
 from app.config import RunConfig
 from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
 from app.mpu.random import model_parallel_seed
 from app.optim import OptimizerParamScheduler, build_optimizer
+from app.optim.mixed_precision import build_precision_optimizer
 from app.training.engine import Engine
 from app.training.trainer import RunState, Trainer
 
@@ -47,6 +49,18 @@ def set_seeds(seed: int, parallel_state: ParallelState) -> None:
     model_parallel_seed(seed, parallel_state)
 
 
+def prepare_kernels(cfg: RunConfig, device: torch.device) -> None:
+    """Tell the kernel library how to build (--require-fused-kernels, --kernel-build-*); on a
+    CUDA device with a csrc/ fusion on, obtain it now, so the build (local rank 0; the others
+    wait) and any failure happen at start-up rather than inside the first forward."""
+    k, m = cfg.kernels, cfg.model
+    kernels.configure(required=k.require_fused_kernels, build_root=k.build_dir,
+                      timeout_s=k.build_timeout, local_rank=cfg.parallel.local_rank)
+    if device.type == "cuda" and (m.masked_softmax_fusion or m.layernorm_fusion
+                                  or m.cross_entropy_loss_fusion):
+        kernels.status()
+
+
 def build_model(cfg: RunConfig, parallel_state: ParallelState) -> torch.nn.Module:
     """The GPT-2 stage this rank holds (all layers when there is one pipeline stage)."""
     pp = parallel_state.pipeline_model_parallel_size
@@ -62,13 +76,15 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Paralle
 
     DeepSpeed is imported only when asked for, inside app.training.deepspeed_engine.
     """
-    optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
-    if cfg.deepspeed.enabled:
+    if cfg.deepspeed.enabled:  # DeepSpeed brings its own fp16/bf16 optimizer wrapping ours
         from app.training.deepspeed_engine import DeepSpeedEngineAdapter
+        optimizer = build_optimizer(model, cfg.optimizer)
+        scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
         return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state)
     from app.training.native_engine import NativeEngine
-    return NativeEngine(cfg, model, optimizer, scheduler, parallel_state)
+    wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision)
+    scheduler = OptimizerParamScheduler(wrapper, cfg.optimizer)
+    return NativeEngine(cfg, model, wrapper, scheduler, parallel_state)
 
 
 @dataclass
@@ -103,6 +119,7 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
         configure_activation_checkpointing(cfg, ps)
         logger.info("activation checkpointing through deepspeed.checkpointing (settings from "
                     "the JSON's activation_checkpointing block)")
+    prepare_kernels(cfg, device)
     model = build_model(cfg, ps).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("> parameters on (tensor, pipeline) model-parallel rank (%d, %d): %d",

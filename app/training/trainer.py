@@ -29,6 +29,8 @@ from app.training.data_loading import BatchBuilder, build_data_iterator
 from app.training.engine import Engine
 from app.training.signals import ExitSignalHandler, signal_name
 from app.training.watchdog import Watchdog, is_peer_failure
+from app.training.checkpoint import CheckpointError
+from app.training.nonfinite import NonFinitePolicy, TrainingAborted
 from app.utils.dtypes import torch_dtype
 from app.utils.rank_logging import LAST_RANK
 
@@ -62,6 +64,7 @@ class _Interval:
 
     losses: List[float] = field(default_factory=list)
     skipped: int = 0
+    nan: int = 0
     iterations: int = 0
     seconds: float = 0.0
 
@@ -99,6 +102,8 @@ class Trainer:
                      f"model FLOPs per token {self.flops_per_token / 1e6:.2f} MFLOP, hardware "
                      f"{self.hardware_flops_per_token / 1e6:.2f} MFLOP (recompute: "
                      f"{self.recompute})")
+        self.nonfinite = NonFinitePolicy(t.max_consecutive_skipped_iterations,
+                                         t.check_for_nan_in_loss_and_grad)
         self.start_time = time.time()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.timers = metrics_lib.Timers(synchronize=sync)
@@ -182,7 +187,8 @@ class Trainer:
         result = self.engine.step()
         self.timers("optimizer").stop()
         return {"loss": self._mean_loss_across_dp(losses), "grad_norm": result.grad_norm,
-                "skipped": result.skipped, "lr": result.lr, "loss_scale": result.loss_scale}
+                "skipped": result.skipped, "lr": result.lr, "loss_scale": result.loss_scale,
+                "nonfinite": result.nonfinite, "nonfinite_loss": result.nonfinite_loss}
 
     # ------------------------------------------------------------------ evaluation
 
@@ -199,7 +205,7 @@ class Trainer:
     def _report_eval(self, kind: str, loss: Optional[float]) -> None:
         if loss is None or not self.is_logging_rank:
             return
-        ppl = math.exp(min(20.0, loss))
+        ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
         self.log(f" {kind} loss at iteration {self.state.iteration} | lm loss: {loss:.6E} | "
                  f"lm loss PPL: {ppl:.6E}")
         self.writer.write(kind, self.state.iteration,
@@ -220,6 +226,7 @@ class Trainer:
             # Megatron logs the last iteration's norm (None when that step was skipped)
             "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),
             "loss_scale": step["loss_scale"], "skipped_iterations": acc.skipped,
+            "nan_iterations": acc.nan,
             "total_skipped_iterations": s.skipped_iterations,
             "ms_per_iteration": per_iter * 1e3, "tokens_per_s": tokens_per_s,
             **self._utilization(tokens_per_s),
@@ -287,6 +294,8 @@ class Trainer:
         (when a watchdog is attached)."""
         try:
             return self._train()
+        except (TrainingAborted, CheckpointError):
+            raise
         except RuntimeError as exc:
             if self.watchdog is not None and is_peer_failure(exc):
                 raise self.watchdog.failure(exc) from exc
@@ -314,12 +323,14 @@ class Trainer:
             s.iteration += 1
             s.consumed_train_samples += t.global_batch_size
             acc.iterations += 1
+            self.nonfinite.observe(s.iteration, step["nonfinite"], step["nonfinite_loss"],
+                                   step["skipped"])
+            acc.nan += int(step["nonfinite"] or step["nonfinite_loss"])
             if step["skipped"]:
                 acc.skipped += 1
                 s.skipped_iterations += 1
-            else:
-                if step["loss"] is not None:
-                    acc.losses.append(step["loss"])
+            elif step["loss"] is not None and math.isfinite(step["loss"]):
+                acc.losses.append(step["loss"])
             if acc.iterations == 1 and not hasattr(self, "_reported_state_bytes"):
                 self._report_state_bytes()
             if s.iteration % t.log_interval == 0:
@@ -332,8 +343,12 @@ class Trainer:
             exiting = bool(t.exit_interval and s.iteration % t.exit_interval == 0)
             exiting = exiting or out_of_time or bool(self.stop_signal)
             if c.save and ((c.save_interval and s.iteration % c.save_interval == 0) or exiting):
-                self._save()
-                last_saved = s.iteration
+                if self.nonfinite.in_streak:
+                    logger.warning("iteration %d: not saving a checkpoint during a run of "
+                                   "non-finite iterations", s.iteration, extra=LAST_RANK)
+                else:
+                    self._save()
+                    last_saved = s.iteration
         if self.stop_signal:
             self._log_signal_exit()
         elif exiting:
@@ -360,7 +375,7 @@ class Trainer:
         if t.eval_iters and self.valid_ds is not None and s.iteration % t.eval_interval != 0:
             self._report_eval("valid", self.evaluate(valid_iter, t.eval_iters))
             s.consumed_valid_samples += t.eval_iters * t.global_batch_size
-        if self.cfg.checkpoint.save and last_saved != s.iteration:
+        if self.cfg.checkpoint.save and last_saved != s.iteration and not self.nonfinite.in_streak:
             self._save()
         if t.eval_iters and self.test_ds is not None:
             test_iter = build_data_iterator(self.test_ds, 0, t.micro_batch_size, self.ps, 0)

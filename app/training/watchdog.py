@@ -31,7 +31,7 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
-EXIT_PEER_FAILURE = 3
+EXIT_PEER_FAILURE = 4
 """Exit code of a rank that stopped because another rank died, stopped or hung; the last
 complete checkpoint is intact and a relaunch resumes from it."""
 

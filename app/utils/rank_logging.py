@@ -62,7 +62,8 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int = logging.INFO)
     handler.setFormatter(_Formatter())
     logger.addHandler(handler)
     logger.setLevel(level)
-    logger.propagate = False
+    # records still propagate: the root logger normally has no handler (so nothing prints
+    # twice), and test harnesses or an embedding application can capture them there
     return logger
 
 

@@ -47,7 +47,7 @@ def _lr_trace(config_path):
 
 
 def _both_optimizers(tmpdir):
-    client = os.path.join(ROOT, "ds_configs", "zero2_fp32.json")
+    client = os.path.join(ROOT, "ds_configs", "zero2.json")
     with open(client) as f:
         cfg = json.load(f)
     cfg["optimizer"] = {"type": "AdamW", "params": {}}

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from app import mpu
 from app.mpu import collectives
+from app.mpu.cross_entropy import (fused_vocab_parallel_cross_entropy, grad_reference,
+                                   row_stats_reference)
 from app.testing.distributed import expect_close, run_checks, run_distributed
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -244,6 +246,30 @@ def check_cross_entropy(ps: mpu.ParallelState) -> None:
     assert lp.grad.dtype == torch.bfloat16
 
 
+def check_fused_cross_entropy(ps: mpu.ParallelState) -> None:
+    """The fused variant (one-pass row stats, here their PyTorch references) equals the dense
+    loss and gradient, in fp32 and from bf16 logits without an fp32 copy."""
+    logits = _rand(3, 5, 12, seed=41) * 4 + 30
+    target = torch.tensor([[0, 11, 5, 6, 3], [7, 7, 1, 10, 2], [11, 0, 6, 5, 9]])
+    grad_loss = _rand(3, 5, seed=42)
+    for dtype, tol in ((torch.float32, {}), (torch.bfloat16, dict(atol=1e-5, rtol=1e-5))):
+        ld = logits.to(dtype).float().clone().requires_grad_()  # dense reference, same values
+        ref = F.cross_entropy(ld.reshape(-1, 12), target.reshape(-1), reduction="none")
+        ref.reshape(3, 5).backward(grad_loss)
+        lp = _shard(logits, -1, ps).to(dtype).requires_grad_()
+        loss = fused_vocab_parallel_cross_entropy(lp, target, ps, row_stats_reference,
+                                                  grad_reference)
+        assert loss.dtype == torch.float32 and loss.shape == (3, 5)
+        expect_close(loss, ref.detach().reshape(3, 5), f"fused {dtype} loss", **tol)
+        loss.backward(grad_loss)
+        assert lp.grad.dtype == dtype
+        # fp32 exp/log of logits near 40 differ by ~40 eps(fp32) ~ 5e-6 relative between the
+        # two orders of operations; that may move a bf16 result by one rounding step (eps).
+        want = _shard(ld.grad, -1, ps).to(dtype).float()
+        expect_close(lp.grad.float(), want, f"fused {dtype} grad shard", atol=1e-5,
+                     rtol=1e-5 + (torch.finfo(dtype).eps if dtype != torch.float32 else 0.0))
+
+
 def _dropout_masks(ps: mpu.ParallelState):
     ones = torch.ones(64)
     inside, outside = [], []
@@ -368,7 +394,7 @@ def check_data_parallel(ps_tp: mpu.ParallelState) -> None:
 CHECKS: Dict[str, Callable[[mpu.ParallelState], None]] = {
     f.__name__: f for f in (check_state, check_collectives, check_mappings, check_column_parallel,
                             check_row_parallel, check_mlp_block, check_vocab_embedding,
-                            check_cross_entropy, check_rng_tracker,
+                            check_cross_entropy, check_fused_cross_entropy, check_rng_tracker,
                             check_activation_checkpointing, check_clip_grad_norm,
                             check_data_parallel)}
 

@@ -97,7 +97,7 @@ def _deepspeed_faults(corpus, tmp):
     os.environ.setdefault("LOCAL_RANK", "0")
     ck, out = os.path.join(tmp, "ck"), {}
     args = tiny_gpt_args(corpus, _Path(tmp), "--train-iters", "4", *QUIET, "--deepspeed",
-                         "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2_fp32.json"),
+                         "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json"),
                          "--save", ck, "--load", ck, "--save-interval", "2",
                          "--lr-decay-iters", "4")
     with _pytest.MonkeyPatch.context() as mp:

@@ -18,7 +18,7 @@ ITERS = ["--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
 
 
 def ds_args(stage: int):
-    return ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", f"zero{stage}_fp32.json")]
+    return ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", f"zero{stage}.json")]
 
 
 def free_port() -> int:
@@ -55,11 +55,19 @@ def test_zero_dp2_matches_native(tiny_corpus, native_dp2, tmp_path, stage, launc
 
 
 def test_zero2_bf16_dp2_tracks_fp32(tiny_corpus, native_dp2, tmp_path):
-    """bf16 weights through DeepSpeed on CPU: the loss curve stays within bf16 rounding of fp32."""
+    """bf16 weights through DeepSpeed on CPU, chosen by the JSON alone (`bf16.enabled`, no
+    --bf16 flag: DeepSpeed's convention): the loss curve stays within bf16 rounding of fp32."""
+    import json
+    with open(os.path.join(ROOT, "ds_configs", "zero2.json")) as f:
+        ds = json.load(f)
+    ds["bf16"] = {"enabled": True}
+    config = tmp_path / "zero2_bf16.json"
+    config.write_text(json.dumps(ds))
     metrics = tmp_path / "m.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--bf16", "--deepspeed",
-                              "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2_bf16.json"),
-                              "--metrics-file", str(metrics)), tmp_path)
+    proc = torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--deepspeed",
+                                     "--deepspeed_config", str(config),
+                                     "--metrics-file", str(metrics)), tmp_path)
+    assert "dtype torch.bfloat16" in proc.stdout and "bf16.enabled" in proc.stdout
     got = train_curve(metrics)
     assert sorted(got) == sorted(native_dp2)
     for it, (loss, _) in got.items():

@@ -1,4 +1,4 @@
-"""GPU-only: DeepSpeed fp16 with dynamic loss scaling and bf16, and the native path on CUDA.
+"""GPU-only: DeepSpeed and native fp16 (dynamic loss scaling) and bf16, and the native path on CUDA.
 Skipped without CUDA (CI has no GPU); run them on a GPU machine with `bash scripts/test.sh -k gpu`."""
 import os
 import math
@@ -27,7 +27,7 @@ def fp32_curve(tiny_corpus, tmp_path_factory):
     return train_curve(tmp / "m.jsonl")
 
 
-@pytest.mark.parametrize("precision,config", [("--fp16", "zero2_fp16"), ("--bf16", "zero2_bf16")])
+@pytest.mark.parametrize("precision,config", [("--fp16", "zero2"), ("--bf16", "zero2")])
 def test_deepspeed_half_precision_on_gpu_tracks_fp32(tiny_corpus, fp32_curve, tmp_path,
                                                      precision, config):
     metrics = tmp_path / "m.jsonl"
@@ -59,3 +59,21 @@ def test_native_tp1_on_gpu_matches_cpu(tiny_corpus, fp32_curve, tmp_path):
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = env_cuda
     assert_close_curves(fp32_curve, train_curve(cpu), rel=1e-3, what="GPU vs CPU fp32")
+
+
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16"], ["--fp16",
+                                                                "--accumulate-allreduce-grads-in-fp32"]])
+def test_native_half_precision_on_gpu_tracks_fp32(tiny_corpus, fp32_curve, tmp_path, precision):
+    """Native fp16 (dynamic loss scaling from 2^32: the first steps overflow and are skipped)
+    and bf16 on CUDA: finite losses, loss scale logged, and the applied steps track fp32."""
+    metrics = tmp_path / "m.jsonl"
+    torchrun(1, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *precision,
+                              "--metrics-file", str(metrics)), tmp_path)
+    rows = [r for r in read_metrics(metrics) if r["kind"] == "train"]
+    assert [r["iteration"] for r in rows] == list(range(1, 7))
+    for r in rows:
+        if precision[0] == "--fp16":
+            assert r["loss_scale"] is not None and r["loss_scale"] >= 1
+        if r["lm_loss"] is not None and not r["total_skipped_iterations"]:
+            want = fp32_curve[r["iteration"]][0]
+            assert abs(r["lm_loss"] - want) / want < 2e-2, (r["iteration"], r["lm_loss"], want)

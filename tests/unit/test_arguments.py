@@ -7,7 +7,7 @@ import pytest
 import arguments
 from app.config import RunConfig
 
-DS_JSON = str(pathlib.Path(__file__).resolve().parents[2] / "ds_configs" / "zero1_fp32.json")
+DS_JSON = str(pathlib.Path(__file__).resolve().parents[2] / "ds_configs" / "zero1.json")
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "64", "--train-iters", "100",
         "--micro-batch-size", "2", "--distributed-backend", "gloo"]
@@ -122,7 +122,7 @@ def test_every_issue_flag_is_accepted_and_converted():
     assert not p.fp16 and m.params_dtype == "float32"
 
 
-def test_precision_flags_go_with_deepspeed_and_native_fp16_is_rejected(tmp_path):
+def test_precision_flags_on_deepspeed_and_native(tmp_path):
     import json
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 8}))
@@ -137,8 +137,39 @@ def test_precision_flags_go_with_deepspeed_and_native_fp16_is_rejected(tmp_path)
         True, 128.0, 1024.0, 10, 3)
     assert cfg.model.params_dtype == "float16"
     assert cfg.training.global_batch_size == 8  # taken from the JSON's train_batch_size
-    with pytest.raises(ValueError, match="--deepspeed"):
-        arguments.build_run_config(arguments.parse_args(base + ["--bf16"]), 2, 100, 128)
+    native = arguments.build_run_config(arguments.parse_args(base + ["--bf16"]), 2, 100, 128)
+    assert native.model.params_dtype == "bfloat16" and native.precision.grads_accumulate_in_fp32
+    assert native.precision.dynamic_scaler_settings() == (2.0 ** 32, 1.0, 1000, 2)  # Megatron's
+    fp16 = arguments.build_run_config(arguments.parse_args(base + half), 1, 100, 128)
+    assert fp16.model.params_dtype == "float16" and not fp16.precision.grads_accumulate_in_fp32
+    with pytest.raises(ValueError, match="--hysteresis only apply with --fp16"):
+        arguments.build_run_config(arguments.parse_args(base + ["--bf16", "--hysteresis", "3"]),
+                                   1, 100, 128)
+    with pytest.raises(ValueError, match="--fp16-lm-cross-entropy"):
+        arguments.build_run_config(arguments.parse_args(base + ["--fp16-lm-cross-entropy"]),
+                                   1, 100, 128)
+
+
+def test_deepspeed_json_decides_the_precision_unless_a_flag_contradicts_it(tmp_path):
+    import json
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--train-iters", "10", "--micro-batch-size", "2"]
+    for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({key: {"enabled": True}}))
+        ds = base + ["--deepspeed", "--deepspeed_config", str(path)]
+        cfg = arguments.build_run_config(arguments.parse_args(ds), 1, 100, 128)
+        assert cfg.model.params_dtype == dtype and str(path) in cfg.precision.source
+        assert cfg.deepspeed.config[key]["enabled"] is True
+        other = "--fp16" if key == "bf16" else "--bf16"
+        with pytest.raises(ValueError) as err:
+            arguments.build_run_config(arguments.parse_args(ds + [other]), 1, 100, 128)
+        assert f"{key}.enabled" in str(err.value) and other in str(err.value)
+    plain = tmp_path / "plain.json"
+    plain.write_text("{}")
+    cfg = arguments.build_run_config(arguments.parse_args(
+        base + ["--bf16", "--deepspeed", "--deepspeed_config", str(plain)]), 1, 100, 128)
+    assert cfg.deepspeed.config["bf16"]["enabled"] is True and cfg.precision.bf16
 
 
 def test_deepspeed_flags(tmp_path, monkeypatch):

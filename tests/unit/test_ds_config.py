@@ -44,7 +44,7 @@ def test_precision_must_agree():
         reconcile_ds_config({"fp16": {"enabled": True}}, cfg())
     import os
     ds_json = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-                           "ds_configs", "zero2_bf16.json")
+                           "ds_configs", "zero2.json")
     bf16 = cfg("--bf16", "--deepspeed", "--deepspeed_config", ds_json)
     assert reconcile_ds_config({}, bf16)["bf16"]["enabled"] is True
 
@@ -72,7 +72,7 @@ def test_zero3_is_rejected_and_offload_detected():
 def test_pipeline_with_deepspeed_is_rejected():
     import os
     ds_json = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-                           "ds_configs", "zero2_fp32.json")
+                           "ds_configs", "zero2.json")
     args = arguments.parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--deepspeed",
                                         "--deepspeed_config", ds_json])
     with pytest.raises(ValueError, match="pipeline-model-parallel-size"):
@@ -82,7 +82,7 @@ def test_pipeline_with_deepspeed_is_rejected():
 def test_loss_scale_flags_fill_the_fp16_block_and_are_checked():
     import os
     ds_json = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-                           "ds_configs", "zero2_fp16.json")
+                           "ds_configs", "zero2.json")
     half = cfg("--fp16", "--deepspeed", "--deepspeed_config", ds_json, "--loss-scale-window", "500",
                "--initial-loss-scale", "65536", "--hysteresis", "4")
     flags = {"--loss-scale-window", "--initial-loss-scale", "--hysteresis"}

@@ -1,0 +1,182 @@
+"""The kernel build cache never hangs and always says why: real builds of tiny host-only libraries
+through the same child process, lock and markers that build csrc/ on a GPU machine.
+
+- a build is cached (READY) and reused by the builder and by other local ranks;
+- a failed build reports its first compiler error, records FAILED, and other local ranks see it;
+- a stale lock (dead owner, or no heartbeat) is broken; a live one is waited on, up to a timeout;
+- a half-written build directory (torch's own lock file included) is wiped, not trusted;
+- a build over the timeout is killed and reported;
+- `app.kernels.library`: a failed build falls back with one warning naming
+  --require-fused-kernels, and is an error with it.
+"""
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from app.kernels import build, library
+
+GOOD = 'extern "C" int app_kernels_probe() { return 7; }\n'
+BROKEN = "int broken( { return 1; }\n"
+
+
+def _spec(tmp_path, name, text):
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(text)
+    return build.BuildSpec(name, (str(src),))
+
+
+def _entry(root, spec):
+    return root / spec.cache_dir_name(torch.__version__, torch.version.cuda)
+
+
+def test_build_once_then_reuse_and_share_with_other_local_ranks(tmp_path):
+    spec, root = _spec(tmp_path, "probe", GOOD), tmp_path / "cache"
+    library = build.ensure_built(spec, root, local_rank=0, timeout_s=300)
+    assert library.endswith("probe.so") and os.path.isfile(library)
+    entry = _entry(root, spec)
+    ready = json.loads((entry / "READY").read_text())
+    assert ready["library"] == library and not (entry / ".lock").exists()
+    stamp = os.stat(library).st_mtime_ns
+    assert build.ensure_built(spec, root, local_rank=0, timeout_s=300) == library
+    assert build.ensure_built(spec, root, local_rank=3, timeout_s=5) == library
+    assert os.stat(library).st_mtime_ns == stamp  # not rebuilt
+    # a truncated library is not trusted: it is rebuilt
+    with open(library, "r+b") as f:
+        f.truncate(10)
+    assert build.read_ready(entry) is None
+    assert os.path.getsize(build.ensure_built(spec, root, local_rank=0, timeout_s=300)) > 10
+    # the key covers the sources' text, the torch and CUDA versions and the arch
+    (tmp_path / "probe.cpp").write_text(GOOD.replace("7", "8"))
+    assert _entry(root, spec) != entry
+    names = {spec.cache_dir_name("2.13", "12.8"), spec.cache_dir_name("2.12", "12.8"),
+             spec.cache_dir_name("2.13", "13.0"),
+             build.BuildSpec("probe", spec.sources, cuda_arch="9.0").cache_dir_name("2.13", "12.8")}
+    assert len(names) == 4
+
+
+def test_failed_build_reports_first_error_and_other_ranks_see_it(tmp_path):
+    spec, root = _spec(tmp_path, "broken", BROKEN), tmp_path / "cache"
+    with pytest.raises(build.BuildError) as err:
+        build.ensure_built(spec, root, local_rank=0, timeout_s=300)
+    line = str(err.value)
+    assert "broken.cpp:1" in line and "error" in line and "build.log" in line
+    entry = _entry(root, spec)
+    assert "error" in json.loads((entry / "FAILED").read_text())["error"]
+    assert not (entry / ".lock").exists()
+    with pytest.raises(build.BuildError, match="local rank 0's build failed: .*broken.cpp:1"):
+        build.ensure_built(spec, root, local_rank=1, timeout_s=5, poll_s=0.1)
+
+
+def test_first_error_line_skips_ninja_noise():
+    log = ("[1/2] c++ -c a.cpp\nFAILED: a.o\nc++ -c a.cpp\n"
+           "a.cpp:3:5: error: 'x' was not declared in this scope\n"
+           "ninja: build stopped: subcommand failed.\nTraceback (most recent call last):\n"
+           "RuntimeError: Error building extension 'app_kernels'\n")
+    assert build.first_error_line(log) == "a.cpp:3:5: error: 'x' was not declared in this scope"
+    nvcc = "softmax.cu(12): error: identifier \"v\" is undefined\n1 error detected"
+    assert build.first_error_line(nvcc).startswith("softmax.cu(12): error")
+    assert build.first_error_line("") == "no output"
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_locks_are_broken_and_half_written_builds_wiped(tmp_path):
+    spec, root = _spec(tmp_path, "probe", GOOD), tmp_path / "cache"
+    entry = _entry(root, spec)
+    (entry / "build").mkdir(parents=True)
+    (entry / "build" / "lock").write_text("")  # torch's FileBaton from a killed build
+    (entry / "build" / "probe.o").write_text("half-written")
+    lock = entry / ".lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid()}))
+    assert build.lock_is_stale(lock, stale_s=3600)  # dead owner on this host
+    library = build.ensure_built(spec, root, local_rank=0, timeout_s=300, poll_s=0.1)
+    assert os.path.isfile(library) and not lock.exists()
+    assert not (entry / "build" / "lock").exists()
+    # another host's lock: stale only once its heartbeat is older than stale_s
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    assert not build.lock_is_stale(lock, stale_s=60)
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    assert build.lock_is_stale(lock, stale_s=60)
+
+
+def test_live_lock_is_waited_on_until_the_timeout(tmp_path):
+    spec, root = _spec(tmp_path, "probe", GOOD), tmp_path / "cache"
+    entry = _entry(root, spec)
+    entry.mkdir(parents=True)
+    (entry / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1}))  # fresh mtime
+    start = time.time()
+    with pytest.raises(build.BuildError, match="timed out after 1 s waiting for the build lock"):
+        build.ensure_built(spec, root, local_rank=0, timeout_s=1.0, stale_s=600, poll_s=0.1)
+    assert time.time() - start < 10
+    with pytest.raises(build.BuildError, match="waiting for local rank 0"):
+        build.ensure_built(spec, root, local_rank=1, timeout_s=0.5, stale_s=0.5, poll_s=0.1)
+
+
+def test_build_over_the_timeout_is_killed(tmp_path):
+    spec, root = _spec(tmp_path, "probe", GOOD), tmp_path / "cache"
+    start = time.time()
+    with pytest.raises(build.BuildError, match="build timed out after 0 s"):
+        build.ensure_built(spec, root, local_rank=0, timeout_s=0.2)
+    assert time.time() - start < 30
+    entry = _entry(root, spec)
+    assert not (entry / ".lock").exists() and (entry / "FAILED").exists()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A CUDA machine as app.kernels.library sees it, whose kernel spec is a broken library."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(build, "find_cuda_home", lambda: str(tmp_path))
+    broken = _spec(tmp_path, "broken", BROKEN)
+    monkeypatch.setattr(build, "kernel_spec", lambda arch: broken)
+    library.reset()
+    yield tmp_path / "cache"
+    library.reset()
+    library.configure()
+
+
+def test_failed_build_falls_back_with_a_warning(fake_gpu, caplog):
+    library.configure(build_root=str(fake_gpu), timeout_s=300)
+    with caplog.at_level(logging.WARNING, logger="app.kernels.library"):
+        status = library.status()
+        assert library.status() is status  # decided once per process
+    assert not status.available and status.reason.startswith("build failed: ")
+    assert "broken.cpp:1" in status.reason
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "--require-fused-kernels" in warnings[0]
+
+
+def test_failed_build_is_fatal_with_require_fused_kernels(fake_gpu, monkeypatch):
+    library.configure(required=True, build_root=str(fake_gpu), timeout_s=300)
+    with pytest.raises(RuntimeError, match=r"required \(--require-fused-kernels\).*broken.cpp:1"):
+        library.status()
+    library.reset()
+    monkeypatch.setattr(build, "find_cuda_home", lambda: None)
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        library.status()
+
+
+def test_no_cuda_is_never_fatal(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    library.reset()
+    library.configure(required=True)
+    try:
+        assert library.status() == library.Status(False, library.NO_CUDA)
+    finally:
+        library.reset()
+        library.configure()
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        library.configure(timeout_s=0)

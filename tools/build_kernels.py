@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""Prebuild the csrc/ fused kernels into the build cache, and print what was built (or why not).
+
+    python tools/build_kernels.py                       # for this machine's GPU
+    python tools/build_kernels.py --arch 8.0 9.0        # for other architectures (no GPU needed)
+    python tools/build_kernels.py --build-dir /shared/kernels --timeout 1800
+
+Training runs find the library there on first use (same torch, CUDA, arch and sources) instead
+of compiling; pass the same --build-dir as --kernel-build-dir (or set $APP_KERNELS_BUILD_DIR).
+Without --arch and without a GPU it says so and exits 1. Exit status 0 only if every requested
+architecture built and (for this machine's GPU) loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from app.kernels import build
+
+
+def _build_one(arch: str, root: Path, timeout: float, cuda_home: str) -> bool:
+    start = time.time()
+    try:
+        library = build.ensure_built(build.kernel_spec(arch), root, local_rank=0,
+                                     timeout_s=timeout, cuda_home=cuda_home)
+    except build.BuildError as err:
+        print(f"sm_{arch.replace('.', '')}: FAILED: {err}")
+        return False
+    print(f"sm_{arch.replace('.', '')}: {library} ({time.time() - start:.0f} s)")
+    return True
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", nargs="*", default=None,
+                        help="compute capabilities such as 8.0 9.0 (default: this GPU's)")
+    parser.add_argument("--build-dir", default=None,
+                        help=f"cache root (default ${build.BUILD_DIR_ENV} or ~/.cache/app_kernels)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per build")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cuda_home = build.find_cuda_home()
+    if cuda_home is None:
+        print("no CUDA toolkit: nvcc not found (install one matching torch's CUDA "
+              f"{torch.version.cuda}, or set CUDA_HOME)")
+        return 1
+    archs = args.arch
+    if not archs:
+        if not torch.cuda.is_available():
+            print("no CUDA device here: name the architectures with --arch (e.g. --arch 9.0)")
+            return 1
+        archs = ["%d.%d" % torch.cuda.get_device_capability()]
+    root = Path(args.build_dir) if args.build_dir else build.default_build_root()
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), nvcc "
+          f"{build.nvcc_version(cuda_home)} at {cuda_home}, cache {root}")
+    ok = all([_build_one(arch, root, args.timeout, cuda_home) for arch in archs])
+    if ok and torch.cuda.is_available() and not args.arch:
+        from app.kernels import library
+
+        library.configure(build_root=str(root), timeout_s=args.timeout)
+        status = library.status()
+        print(("loaded: " if status.available else "NOT loaded: ") + status.reason)
+        ok = status.available
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

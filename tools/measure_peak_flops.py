@@ -1,0 +1,47 @@
+"""Measure (or show) the matmul peak FLOP/s that MFU is computed against on this machine.
+
+    python tools/measure_peak_flops.py                       # show the peak for fp32, this many threads
+    python tools/measure_peak_flops.py --dtype bf16 --threads 2 --force   # re-measure and cache it
+
+On a CPU the peak is the best n x n matmul throughput at the run's dtype and thread count,
+measured once and cached per machine (CPU model, threads, dtype, torch version) in
+$GPT2_PEAK_FLOPS_CACHE or ~/.cache/gpt2-megatron/peak_flops.json, so every run and every rank
+uses the same number. `--force` re-measures (do it on an idle machine). On a GPU the peak is the
+datasheet's dense peak for the dtype (see docs/metrics.md); nothing is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import torch
+
+from app.training import flops
+from app.utils.dtypes import torch_dtype
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (the run's weights)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: torch's current setting)")
+    p.add_argument("--force", action="store_true", help="re-measure even if a value is cached")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args(argv)
+    try:
+        dtype = torch_dtype(a.dtype)
+    except ValueError as exc:
+        print(f"error: --dtype: {exc}", file=sys.stderr)
+        return 2
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        value, desc = flops.peak_flops(device, dtype)
+    else:
+        value, desc = flops.cached_cpu_peak(dtype, a.threads, remeasure=a.force)
+    print(f"{value / 1e12:.4f} TFLOP/s  ({desc})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
