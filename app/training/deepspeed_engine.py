@@ -30,12 +30,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from app.config import RunConfig
-from app.training import ds_config
+from app.mpu import collectives
 from app.training import checkpoint as ckpt
-from app.training.distributed import all_ranks_ok
-from app.utils.fileio import atomic_write_bytes
+from app.training import ds_config
+from app.training.distributed import all_ranks_ok, world_group
 from app.training.engine import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
+from app.utils.fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -81,6 +81,7 @@ class Watchdog:
         self._exit = exit_fn
         self._state: Optional[tuple] = None  # (phase, iteration, monotonic, wall time)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # publish at once when the loop starts
         self._threads: List[threading.Thread] = []
         self._store = None
 
@@ -88,7 +89,10 @@ class Watchdog:
 
     def beat(self, phase: str, iteration: int) -> None:
         """Record progress: this rank is now in `phase` of `iteration`."""
+        first = self._state is None
         self._state = (phase, iteration, time.monotonic(), time.time())
+        if first:
+            self._wake.set()
 
     def idle(self) -> None:
         """Stop watching until the next beat (outside the training loop)."""
@@ -113,6 +117,7 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._state = None
 
     def __enter__(self) -> "Watchdog":
@@ -158,7 +163,9 @@ class Watchdog:
                 except Exception:  # noqa: BLE001 - the store may be gone with a dead rank
                     return
                 last = value
-            if self._stop.wait(self.heartbeat_s):
+            self._wake.wait(self.heartbeat_s)
+            self._wake.clear()
+            if self._stop.is_set():
                 return
 
     # ------------------------------------------------------------------ reports

@@ -7,7 +7,6 @@ import io
 import os
 import shutil
 
-import pytest
 import torch
 
 from app.testing.distributed import run_distributed

@@ -174,7 +174,7 @@ def test_native_one_process_sigterm_and_the_writer_lock(tiny_corpus, tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGCONT)
     assert second.returncode == 2, second.stderr[-3000:]
-    assert f"in use by another run: host" in second.stderr and f"pid {proc.pid}" in second.stderr
+    assert "in use by another run: host" in second.stderr and f"pid {proc.pid}" in second.stderr
     assert finish(proc) == 0, tail(proc)
     k = max(curve(first))
     assert tracker(ck) == k
