@@ -27,8 +27,8 @@ import sys
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig,
-                        ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
-                        TrainingConfig)
+                        ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                        RollbackConfig, RunConfig, TrainingConfig)
 from app.data.tokenizer import pad_vocab_size
 from app.training.distributed import check_backend, default_backend
 from app.training.ds_config import load_ds_json, reconcile_ds_config
@@ -213,10 +213,39 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                         "directory that already holds checkpoints")
 
 
+def _add_rollback_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "self-healing", "roll back to the last checkpoint on a loss spike (docs/reliability.md)")
+    g.add_argument("--rollback-on-spike", action="store_true",
+                   help="on a loss spike, or when --max-consecutive-skipped-iterations is reached, "
+                        "reload the last checkpoint, skip the data since it and continue (needs "
+                        "--save and --save-interval)")
+    g.add_argument("--spike-window", type=int, default=50,
+                   help="iterations of loss history for the running mean and deviation")
+    g.add_argument("--spike-zscore", type=float, default=5.0,
+                   help="a spike is a loss above mean + this x the standard deviation ...")
+    g.add_argument("--spike-min-increase", type=float, default=0.2,
+                   help="... and above mean x (1 + this)")
+    g.add_argument("--max-rollbacks", type=int, default=3,
+                   help="rollbacks allowed; the next trigger stops the run (exit code 3)")
+
+
+def _add_preflight_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("preflight", "check a run without training (docs/reliability.md)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the flags, DeepSpeed JSON, data, checkpoint and memory; print one "
+                        "report and exit (non-zero on any error) without training")
+    g.add_argument("--dry-run-world-size", type=int, default=None,
+                   help="plan for this many ranks (default: the launcher's WORLD_SIZE, else 1)")
+    g.add_argument("--dry-run-device-memory", type=float, default=None, metavar="GiB",
+                   help="memory per device to check the estimate against (default: the first "
+                        "CUDA device's)")
+
+
 def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
     """DeepSpeed's own flags (from deepspeed when it imports) plus ours for the DeepSpeed path."""
     try:
-        import deepspeed  # lazy: importing it is slow and it is optional on the native path
+        import deepspeed  # by design (deepspeed.add_config_arguments): DeepSpeed's own flags
         deepspeed.add_config_arguments(parser)
     except Exception:  # noqa: BLE001 (not installed, or broken on this machine: same flags)
         g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
@@ -239,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False)
     for add in (_add_model_args, _add_kernel_args, _add_parallel_args, _add_precision_args,
                 _add_optimizer_args, _add_training_args, _add_data_args, _add_checkpoint_args,
+                _add_rollback_args, _add_preflight_args,
                 _add_deepspeed_args):
         add(parser)
     return parser
@@ -358,8 +388,6 @@ def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingCon
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-    if decay_iters <= 0:
-        raise ValueError(f"--lr-decay-iters must be positive, got {decay_iters}")
     return OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_decay_iters=decay_iters, lr_warmup_iters=_warmup_iters(args, decay_iters),
@@ -384,6 +412,9 @@ def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
             finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints,
             overwrite_checkpoints=args.overwrite_checkpoints),
+        rollback=RollbackConfig(
+            enabled=args.rollback_on_spike, window=args.spike_window, zscore=args.spike_zscore,
+            min_increase=args.spike_min_increase, max_rollbacks=args.max_rollbacks),
         kernels=KernelConfig(
             require_fused_kernels=args.require_fused_kernels, build_dir=args.kernel_build_dir,
             build_timeout=args.kernel_build_timeout),

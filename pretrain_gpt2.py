@@ -3,34 +3,78 @@
     python pretrain_gpt2.py --num-layers 4 --hidden-size 256 ... --data-path data/corpus_content_document
     torchrun --nproc-per-node 2 pretrain_gpt2.py --tensor-model-parallel-size 2 ...
     deepspeed pretrain_gpt2.py --deepspeed --deepspeed_config ds_configs/zero2.json ...
+    python pretrain_gpt2.py ... --dry-run [--dry-run-world-size 8 --dry-run-device-memory 80]
 
-The composition root: flags -> RunConfig (once, arguments.py) -> app.training.pretrain.pretrain.
+The composition root: flags -> RunConfig (once, arguments.py) -> app.training.pretrain.pretrain,
+or with --dry-run the preflight report (app.training.preflight) instead of training.
 See README.md and docs/ for every flag.
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from typing import Any, List, Optional
 
 import arguments
 from app.data import build_tokenizer
+from app.training import preflight as preflight_lib
 from app.training import pretrain as pretrain_lib
 from app.training.distributed import discover_world
 
 
-def run(argv: Optional[List[str]] = None) -> Any:
-    """Parse `argv`, build the RunConfig and train; returns the Trainer."""
-    args = arguments.parse_args(argv)
+def _train(args: argparse.Namespace) -> Any:
     world = discover_world(args.deepspeed_mpi)
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     cfg = arguments.build_run_config(args, world.world_size, tokenizer.vocab_size)
     return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args))
 
 
+def preflight(args: argparse.Namespace) -> preflight_lib.Report:
+    """--dry-run: the tokenizer, the RunConfig the run would build (for --dry-run-world-size
+    ranks) and every check of app.training.preflight, gathered in one report; nothing trains
+    and no process group starts."""
+    report = preflight_lib.Report()
+    report.section("tokenizer")
+    vocab: Optional[int] = None
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        vocab = tokenizer.vocab_size
+        report.ok(f"{args.tokenizer_type}: vocabulary {vocab}, end-of-document id {tokenizer.eod}")
+    except (ValueError, OSError) as exc:
+        report.error(str(exc))
+    world = args.dry_run_world_size or discover_world(args.deepspeed_mpi).world_size
+    cfg = None
+    try:  # with no tokenizer, a placeholder vocabulary still checks the flags and the JSON
+        cfg = arguments.build_run_config(args, world, vocab or args.make_vocab_size_divisible_by)
+    except ValueError as exc:
+        report.section("configuration")
+        report.error(str(exc))
+    return preflight_lib.run_checks(
+        report, cfg if vocab is not None else None, data_path=args.data_path, split=args.split,
+        data_cache_path=args.data_cache_path, vocab_size=vocab,
+        device_memory_gib=args.dry_run_device_memory)
+
+
+def run(argv: Optional[List[str]] = None) -> Any:
+    """Parse `argv`, build the RunConfig and train; returns the Trainer (with --dry-run: the
+    preflight Report, printed)."""
+    args = arguments.parse_args(argv)
+    if args.dry_run:
+        report = preflight(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(report.render(), flush=True)
+        return report
+    return _train(args)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Command-line entry: exit code 0, or 2 with one clear line for bad flags, data or
-    checkpoints."""
-    return pretrain_lib.main(lambda: run(argv))
+    checkpoints (with --dry-run: 2 when the report has an error)."""
+    args = arguments.parse_args(argv)
+    if args.dry_run:
+        return 2 if run(argv).errors else 0
+    return pretrain_lib.main(lambda: _train(args))
 
 
 if __name__ == "__main__":

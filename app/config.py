@@ -330,6 +330,14 @@ class TrainingConfig:
             raise ValueError(f"--max-consecutive-skipped-iterations must be >= 0 (0 disables), "
                              f"got {self.max_consecutive_skipped_iterations}")
 
+    def samples_per_split(self) -> Tuple[int, int, int]:
+        """Samples the run reads from (train, valid, test): every iteration's global batch,
+        eval_iters global batches per evaluation (every eval_interval, plus one at the end),
+        and eval_iters global batches of test."""
+        evals = (self.train_iters // self.eval_interval + 1) * self.eval_iters
+        return (self.train_iters * self.global_batch_size, evals * self.global_batch_size,
+                self.eval_iters * self.global_batch_size)
+
     def num_micro_batches(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per iteration: global / (micro x DP), validated exactly."""
         per_step = self.micro_batch_size * data_parallel_size
@@ -388,6 +396,31 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class RollbackConfig:
+    """Self-healing from loss spikes (docs/reliability.md): reload the last checkpoint, skip the
+    data that led to the spike, continue; at most max_rollbacks times."""
+
+    enabled: bool = False
+    """--rollback-on-spike."""
+    window: int = 50
+    """--spike-window: iterations of loss history the running mean and deviation cover; no
+    spike is called before the window is full."""
+    zscore: float = 5.0
+    """--spike-zscore: a spike is a loss above mean + zscore x standard deviation ..."""
+    min_increase: float = 0.2
+    """--spike-min-increase: ... and above mean x (1 + min_increase)."""
+    max_rollbacks: int = 3
+    """--max-rollbacks: rollbacks allowed in one run; the next trigger stops it (exit 3)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, (("window", "--spike-window"), ("zscore", "--spike-zscore")))
+        if self.min_increase < 0:
+            raise ValueError(f"--spike-min-increase must be >= 0, got {self.min_increase}")
+        if self.max_rollbacks < 0:
+            raise ValueError(f"--max-rollbacks must be >= 0, got {self.max_rollbacks}")
+
+
+@dataclass
 class KernelConfig:
     """How the csrc/ fused kernels are obtained (built on first use; see docs/kernels.md)."""
 
@@ -421,6 +454,7 @@ class RunConfig:
     raw_vocab_size: int = 0
     """Tokenizer vocabulary before padding (recorded in checkpoints)."""
     make_vocab_size_divisible_by: int = 128
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
 
     def __post_init__(self) -> None:
         m, p, t = self.model, self.parallel, self.training
@@ -437,6 +471,9 @@ class RunConfig:
             _divisible(what, value, "--tensor-model-parallel-size", tp)
         _divisible("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp)
         t.num_micro_batches(p.data_parallel_size)
+        if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
+            raise ValueError("--rollback-on-spike reloads the latest checkpoint: give --save and "
+                             "--save-interval (the window of data skipped is at most that long)")
         if self.deepspeed.enabled and pp > 1:
             raise ValueError(f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
                              "--deepspeed yet; use the native path or "
@@ -452,6 +489,17 @@ class RunConfig:
         if m.params_dtype != self.precision.params_dtype:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
+
+
+def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
+    """Samples the datasets must hold: TrainingConfig.samples_per_split, plus, with
+    --rollback-on-spike, the training samples each rollback may skip (at most one
+    --save-interval of iterations per rollback)."""
+    train, valid, test = cfg.training.samples_per_split()
+    r = cfg.rollback
+    if r.enabled:
+        train += r.max_rollbacks * cfg.checkpoint.save_interval * cfg.training.global_batch_size
+    return train, valid, test
 
 
 def _positive(config: Any, fields: Tuple[Tuple[str, str], ...], allow_none: bool = False) -> None:

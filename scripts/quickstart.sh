@@ -35,8 +35,11 @@ if [ ! -s "$DATA_DIR/stdlib_content_document.idx" ]; then
         --append-eod --workers 2 --log-interval 2000
 fi
 
-echo "== 4/4 training GPT-2 (4 layers, hidden 256, seq 256) for $TRAIN_ITERS iterations:"
-echo "        deepspeed launcher, 2 ranks, ZeRO-2 (fp32 on CPU, fp16 on GPU)"
+# the banner reads the flags the launch script will build (same environment, same helper)
+MODEL="$(MICRO_BATCH=4 TRAIN_ITERS="$TRAIN_ITERS" bash -c \
+    'source scripts/lib/gpt2_args.sh && gpt2_args 8 unused && model_summary')"
+echo "== 4/4 training GPT-2 ($MODEL) for $TRAIN_ITERS iterations:"
+echo "        deepspeed launcher, ${NUM_GPUS:-2} ranks, ${DS_CONFIG:-ZeRO-2 (fp32 on CPU, fp16 on GPU)}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 DATA="$DATA_DIR/stdlib_content_document" VOCAB="$DATA_DIR/tokenizer/vocab.json" \
 MERGES="$DATA_DIR/tokenizer/merges.txt" CHECKPOINT_PATH="$CKPT" NUM_GPUS="${NUM_GPUS:-2}" \

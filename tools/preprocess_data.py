@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -313,10 +314,36 @@ def _results(args: argparse.Namespace, chunks: Iterator[List[Line]], punkt_param
             yield pending.popleft().get()
 
 
+def _read_input(args: argparse.Namespace, stream, punkt_params, counts: Dict[str, int]):
+    """_results over the input's chunks; a truncated or corrupt .gz stops with the file named."""
+    try:
+        yield from _results(args, read_chunks(stream, args.chunk_size), punkt_params)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        lines = counts["documents"] + counts["bad_lines"] + counts["blank_lines"]
+        raise SystemExit(f"{args.input} is truncated or corrupt after about {lines} lines "
+                         f"({type(exc).__name__}: {exc}); re-create or re-copy the file "
+                         "(nothing was written)") from None
+
+
+def _check_not_empty(args: argparse.Namespace, counts: Dict[str, int]) -> None:
+    """Stop (nothing written) when the input gave no document, or a key none with text."""
+    if counts["documents"] == 0:
+        raise SystemExit(f"{args.input} holds no documents ({counts['blank_lines']} blank and "
+                         f"{counts['bad_lines']} skipped lines); nothing was written: check "
+                         "--input")
+    for key in args.json_keys:
+        if counts[f"empty_{key}"] == counts["documents"]:
+            raise SystemExit(f"{args.input}: the {counts['documents']} documents have no text "
+                             f"under key {key!r}; nothing was written: check --json-keys")
+
+
 def run(args: argparse.Namespace) -> Dict[str, int]:
     """Preprocess per `args`; returns the counters printed at the end. Raises SystemExit on bad input."""
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     punkt_params = build_punkt_params(args) if args.split_sentences else None
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -329,7 +356,7 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
     counts = {"documents": 0, "bad_lines": 0, "blank_lines": 0,
               **{f"empty_{k}": 0 for k in args.json_keys}}
     try:
-        for result in _results(args, read_chunks(stream, args.chunk_size), punkt_params):
+        for result in _read_input(args, stream, punkt_params, counts):
             if result.errors and not args.skip_bad_lines:
                 lineno, message = result.errors[0]
                 raise SystemExit(f"{args.input}: line {lineno}: {message}. Fix the line or pass "
@@ -343,6 +370,7 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
                 builders[key].add_documents(tokens, lengths, per_doc)
                 counts[f"empty_{key}"] += empty
             meter.update(result)
+        _check_not_empty(args, counts)
         for key, builder in builders.items():
             builder.finalize(index_file_path(output_prefix_for(args, key)))
     except BaseException:

@@ -55,6 +55,17 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[float], List[str]]:
     return [w / total for w in weights], data_path[1::2]
 
 
+def samples_per_prefix(data_path: Sequence[str], num_samples: Sequence[int]
+                       ) -> List[Tuple[float, str, List[int]]]:
+    """(weight, prefix, samples per split) of each dataset of --data-path: all of num_samples
+    for a single prefix; for a blend, its share plus 0.5% (so rounding never runs one short)."""
+    weights, prefixes = parse_data_path(data_path)
+    if len(prefixes) == 1:
+        return [(1.0, prefixes[0], list(num_samples))]
+    return [(w, p, [int(math.ceil(w * n * 1.005)) for n in num_samples])
+            for w, p in zip(weights, prefixes)]
+
+
 def _digest(*parts: bytes) -> str:
     h = hashlib.blake2b(digest_size=10)
     for part in parts:
@@ -62,32 +73,66 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-def check_token_ids(indexed: MMapIndexedDataset, vocab_size: int, cache_dir: str) -> None:
-    """Raise ValueError if any token id of `indexed` is < 0 or >= vocab_size.
+def first_token_outside(indexed: MMapIndexedDataset, vocab_size: int,
+                        chunk_tokens: int = 1 << 24) -> Optional[Tuple[int, int, int]]:
+    """(document, token position in the .bin, token id) of the first id outside
+    [0, vocab_size), or None; scans in chunks and stops at the first hit."""
+    tokens = indexed.tokens
+    for start in range(0, tokens.size, chunk_tokens):
+        chunk = tokens[start:start + chunk_tokens]
+        bad = chunk >= vocab_size
+        if np.issubdtype(chunk.dtype, np.signedinteger):
+            bad |= chunk < 0
+        if bad.any():
+            position = start + int(np.argmax(bad))
+            starts = indexed.document_token_ranges()[:, 0]
+            document = int(np.searchsorted(starts, position, side="right")) - 1
+            return document, position, int(tokens[position])
+    return None
 
-    The (min, max) scan is cached in `cache_dir`, keyed on the files' sizes and mtimes, so later
-    runs pay nothing.
-    """
-    bin_path = data_file_path(indexed.prefix)
-    stats = [os.stat(p) for p in (bin_path, index_file_path(indexed.prefix))]
+
+def token_id_range(indexed: MMapIndexedDataset, cache_dir: str) -> Tuple[int, int]:
+    """(min, max) token id of `indexed`, cached in `cache_dir` keyed on the files' sizes and
+    mtimes, so later runs pay nothing. A cache that cannot be written costs only a rescan."""
+    stats = [os.stat(p) for p in (data_file_path(indexed.prefix), index_file_path(indexed.prefix))]
     key = _digest(repr([(s.st_size, s.st_mtime_ns) for s in stats]).encode())
     cache_file = os.path.join(cache_dir, f"{os.path.basename(indexed.prefix)}_{key}_token_range.json")
-    try:
-        with open(cache_file) as f:
-            lo, hi = json.load(f)
-    except (OSError, ValueError):
-        lo, hi = indexed.token_id_range()
+    if os.path.isfile(cache_file):
         try:
-            os.makedirs(cache_dir, exist_ok=True)
-            atomic_write(cache_file, lambda f: f.write(json.dumps([lo, hi]).encode()))
-        except OSError as err:
-            logger.warning("could not cache token range in %s: %s", cache_file, err)
-    if hi >= vocab_size or lo < 0:
-        raise ValueError(
-            f"{bin_path} holds token ids in [{lo}, {hi}] but the tokenizer's vocabulary has "
-            f"{vocab_size} entries (ids must be in [0, {vocab_size - 1}]); the data was tokenized "
-            f"with another vocabulary: re-run tools/preprocess_data.py with the --vocab-file/"
-            f"--merge-file used for training, or train with the data's tokenizer")
+            with open(cache_file) as f:
+                lo, hi = json.load(f)
+            return int(lo), int(hi)
+        except (OSError, ValueError, TypeError):
+            pass  # unreadable cache: scan again and replace it
+    lo, hi = indexed.token_id_range()
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        atomic_write(cache_file, lambda f: f.write(json.dumps([lo, hi]).encode()))
+    except OSError as err:
+        logger.warning("could not cache the token range of %s in %s (%s); it is rescanned next "
+                       "time", indexed.prefix, cache_dir, err)
+    return lo, hi
+
+
+def check_token_ids(indexed: MMapIndexedDataset, vocab_size: int, cache_dir: str) -> None:
+    """Raise ValueError if any token id of `indexed` is < 0 or >= vocab_size, naming the file,
+    the first offending document and the fix. The (min, max) scan is cached (token_id_range);
+    the search for the first offending document runs only when there is one."""
+    lo, hi = token_id_range(indexed, cache_dir)
+    if hi < vocab_size and lo >= 0:
+        return
+    bin_path = data_file_path(indexed.prefix)
+    first = first_token_outside(indexed, vocab_size)
+    where = ""
+    if first is not None:
+        document, position, token = first
+        where = (f"; the first is id {token} in document {document} (0-based, token {position} "
+                 f"of the file)")
+    raise ValueError(
+        f"{bin_path} holds token ids in [{lo}, {hi}] but the tokenizer's vocabulary has "
+        f"{vocab_size} entries (ids must be in [0, {vocab_size - 1}]){where}; the data was "
+        f"tokenized with another vocabulary: re-run tools/preprocess_data.py with the "
+        f"--vocab-file/--merge-file used for training, or train with the data's tokenizer")
 
 
 class GPTDataset:
@@ -180,6 +225,10 @@ def _build_split_datasets(prefix: str, weights: Tuple[float, float, float],
                           barrier: Callable[[], None]) -> List[Optional[GPTDataset]]:
     """The three split datasets of one prefix (None where the split or its sample count is empty)."""
     indexed = MMapIndexedDataset(prefix)
+    if indexed.num_documents == 0:
+        raise ValueError(f"{data_file_path(prefix)} holds no documents (an empty input was "
+                         "preprocessed?); re-run tools/preprocess_data.py on a non-empty input "
+                         "or leave this prefix out of --data-path")
     cache_dir = cache_path or os.path.dirname(os.path.abspath(prefix))
     if vocab_size is not None:
         check_token_ids(indexed, vocab_size, cache_dir)
@@ -214,8 +263,7 @@ def build_train_valid_test_datasets(
         return tuple(_build_split_datasets(prefixes[0], fractions, num_samples, seq_length, seed,
                                            cache_path, vocab_size, is_builder, barrier))
     per_prefix = []
-    for w, prefix in zip(weights, prefixes):
-        needed = [int(math.ceil(w * n * 1.005)) for n in num_samples]
+    for _, prefix, needed in samples_per_prefix(data_path, num_samples):
         per_prefix.append(_build_split_datasets(prefix, fractions, needed, seq_length, seed,
                                                 cache_path, vocab_size, is_builder, barrier))
     result = []

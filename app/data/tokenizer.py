@@ -38,12 +38,22 @@ class GPT2BPETokenizer:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{flag} {path!r} does not exist; train one with "
                                         f"tools/train_tokenizer.py or fix the path")
-        with open(vocab_file, encoding="utf-8") as f:
-            vocab = json.load(f)
+        vocab = read_vocab(vocab_file)
         if EOD_TOKEN not in vocab:
             raise ValueError(f"vocab file {vocab_file!r} has no {EOD_TOKEN!r} entry; "
                              f"a GPT-2 vocabulary needs it as the end-of-document token")
-        model = models.BPE.from_file(vocab_file, merge_file)
+        merges = count_merges(merge_file)
+        if merges == 0 and len(vocab) > BYTE_SYMBOLS + 1:
+            raise ValueError(
+                f"--merge-file {merge_file!r} holds no merges, but --vocab-file {vocab_file!r} has "
+                f"{len(vocab)} entries (a vocabulary without merges has at most {BYTE_SYMBOLS + 1}): "
+                "the file is empty or truncated; pass the merges.txt written with this vocab.json")
+        try:
+            model = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as exc:  # noqa: BLE001  tokenizers raises its own exception type
+            raise ValueError(f"--vocab-file {vocab_file!r} and --merge-file {merge_file!r} do not "
+                             f"form a BPE tokenizer ({exc}); pass the pair written together by "
+                             "tools/train_tokenizer.py (or GPT-2's)") from exc
         tok = Tokenizer(model)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
@@ -64,6 +74,44 @@ class GPT2BPETokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text of the token ids (inverse of tokenize for valid UTF-8 text)."""
         return self._tokenizer.decode(list(int(i) for i in ids), skip_special_tokens=False)
+
+
+BYTE_SYMBOLS = 256
+"""Byte-level BPE starts from one symbol per byte; every further vocabulary entry but
+<|endoftext|> comes from a merge."""
+
+
+def read_vocab(vocab_file: str) -> dict:
+    """The token -> id map of a GPT-2 vocab.json; ValueError naming the file when it is not one."""
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"--vocab-file {vocab_file!r} is not valid JSON ({exc}); a GPT-2 "
+                         "vocab.json maps each token to its id; train one with "
+                         "tools/train_tokenizer.py or fix the path") from None
+    if not isinstance(vocab, dict) or not vocab:
+        raise ValueError(f"--vocab-file {vocab_file!r} holds {type(vocab).__name__} "
+                         f"{str(vocab)[:40]}, not a JSON object mapping tokens to ids")
+    if not all(isinstance(v, int) for v in vocab.values()):
+        raise ValueError(f"--vocab-file {vocab_file!r}: every value must be an integer token id")
+    return vocab
+
+
+def count_merges(merge_file: str) -> int:
+    """Merge rules in a GPT-2 merges.txt (lines 'a b' after an optional '#version' header);
+    ValueError naming the file and line for a line that is not two symbols."""
+    count = 0
+    with open(merge_file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.rstrip("\r\n")
+            if not line or (lineno == 1 and line.startswith("#version")):
+                continue
+            if len(line.split(" ")) != 2:
+                raise ValueError(f"--merge-file {merge_file!r}: line {lineno} ({line[:60]!r}) is "
+                                 "not a merge of two symbols separated by one space")
+            count += 1
+    return count
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: str, merge_file: str) -> GPT2BPETokenizer:

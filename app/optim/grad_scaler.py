@@ -24,8 +24,7 @@ class ConstantLossScaler:
     """A fixed loss scale (--loss-scale S): overflowing steps are skipped, the scale stays."""
 
     def __init__(self, scale: float) -> None:
-        if not scale > 0:
-            raise ValueError(f"--loss-scale must be positive, got {scale}")
+        assert scale > 0, scale  # PrecisionConfig validates the flag
         self.scale = float(scale)
         self.min_scale = float(scale)
 
@@ -45,15 +44,10 @@ class DynamicLossScaler:
     def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2) -> None:
-        if not 0 < min_scale <= initial_scale:
-            raise ValueError(f"need 0 < --min-loss-scale ({min_scale}) <= --initial-loss-scale "
-                             f"({initial_scale})")
-        if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
-                             f"{growth_factor}, {backoff_factor}")
-        if growth_interval < 1 or hysteresis < 1:
-            raise ValueError(f"--loss-scale-window ({growth_interval}) and --hysteresis "
-                             f"({hysteresis}) must be at least 1")
+        # internal invariants: PrecisionConfig validates the flags, naming them
+        assert 0 < min_scale <= initial_scale, (min_scale, initial_scale)
+        assert growth_factor > 1.0 and 0.0 < backoff_factor < 1.0, (growth_factor, backoff_factor)
+        assert growth_interval >= 1 and hysteresis >= 1, (growth_interval, hysteresis)
         self.scale = float(initial_scale)
         self.min_scale = float(min_scale)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)

@@ -292,11 +292,31 @@ class DeepSpeedEngineAdapter(Engine):
         if fresh:
             shutil.rmtree(directory, ignore_errors=True)
 
+    def _check_loadable(self, load_dir: str, plan: ResumePlan, where: str) -> None:
+        """Refuse what DeepSpeed would fail on with a raw error: another format or layout, and
+        ZeRO partitions of another data-parallel size (after the model shape, the more basic
+        mismatch, which DeepSpeed would otherwise report first)."""
+        from app.training import checkpoint_inspect as inspect
+        layout = inspect.check_loadable(
+            load_dir, plan.iteration, deepspeed=True,
+            tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
+            data_parallel_size=self.ps.data_parallel_size, load_optimizer=False)
+        problem = (inspect.partition_problem(layout, self.ps.data_parallel_size)
+                   if layout is not None and plan.load_optimizer else None)
+        if problem:
+            saved = inspect.read_saved_state(layout).get("args")
+            if saved is not None:
+                check_saved_args(plan, saved, self.cfg, where)
+            from app.training.checkpoint import CheckpointError
+            raise CheckpointError(problem)
+
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """engine.load_checkpoint of the plan's tag: the module always, optimizer and LR-scheduler
         states when the plan says so; our client state carries the position, args and RNG."""
         tag = "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}"
         where = os.path.join(load_dir, tag)
+        self._check_loadable(load_dir, plan, where)
         try:
             path, client = self.ds.load_checkpoint(
                 load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,

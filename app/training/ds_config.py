@@ -64,7 +64,7 @@ def _reconcile_precision(ds: Dict[str, Any], cfg: RunConfig, path: str) -> None:
 
 
 LOSS_SCALE_FLAGS = {"--loss-scale": "loss_scale", "--initial-loss-scale": "initial_scale_power",
-                    "--min-loss-scale": "min_loss_scale", "--min-scale": "min_loss_scale",
+                    "--min-loss-scale": "min_loss_scale",
                     "--loss-scale-window": "loss_scale_window", "--hysteresis": "hysteresis"}
 
 
@@ -74,9 +74,7 @@ def _reconcile_loss_scale(ds: Dict[str, Any], cfg: RunConfig, path: str,
     given = [f for f in explicit_flags if f in LOSS_SCALE_FLAGS]
     if not given:
         return
-    if not cfg.precision.fp16:
-        raise ValueError(f"{', '.join(sorted(given))} only apply with --fp16")
-    p = cfg.precision
+    p = cfg.precision  # PrecisionConfig has refused loss-scale flags without --fp16
     initial, minimum, window, hysteresis = p.dynamic_scaler_settings()
     power = math.log2(initial)
     if "--initial-loss-scale" in given and not float(power).is_integer():

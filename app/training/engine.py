@@ -117,8 +117,3 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     for state in getattr(optimizer, "state", {}).values():
         total += sum(tensor_bytes(v) for v in state.values() if getattr(v, "dim", lambda: 0)() > 0)
     return total
-
-
-def grad_norm_is_finite(norm: Optional[float]) -> bool:
-    """True when there is no norm to check or it is a finite number."""
-    return norm is None or math.isfinite(norm)

@@ -2,18 +2,15 @@
 and a stable, cached, measured peak for CPUs.
 
 Model FLOPs per token (Narayanan et al. 2021, appendix A, divided by the B*s tokens of a batch;
-forward + backward, attention not halved for the causal mask, ffn = 4h)::
+forward + backward = 3 x forward, 2 FLOPs per multiply-add, attention not halved for the causal
+mask), for L layers of width h, MLP width f, sequence s and padded vocabulary V::
 
-    72 L h^2 (1 + s/(6h) + V/(12 L h))
+    L (24 h^2 + 12 h f + 12 s h) + 6 h V   =   72 L h^2 (1 + s/(6h) + V/(12 L h))  when f = 4h
 
 Hardware FLOPs add what activation recompute runs again: with full recompute every layer's
-forward runs twice (the logits are not recomputed), so the transformer term grows by 4/3::
-
-    96 L h^2 (1 + s/(6h)) + 6 h V   =   96 L h^2 (1 + s/(6h) + V/(16 L h))
-
-and with selective recompute (the attention core only) the s/(6h) term doubles::
-
-    72 L h^2 (1 + s/(3h) + V/(12 L h))
+forward runs twice (the logits are not recomputed), so the transformer term grows by 4/3
+(96 L h^2 (1 + s/(6h)) + 6 h V for f = 4h); with selective recompute (the attention core only)
+the attention-core term 12 s h doubles, Korthikanti et al.'s 72 L h^2 (1 + s/(3h) + V/(12 L h)).
 
 MFU = model FLOP/s per rank / peak; HFU = hardware FLOP/s per rank / peak (equal without
 recompute). Peaks: on CUDA the datasheet's dense tensor-core peak for the run's dtype (fp32 runs
@@ -43,21 +40,29 @@ CACHE_ENV = "GPT2_PEAK_FLOPS_CACHE"
 
 # ---------------------------------------------------------------------------- FLOP counts
 
+def _layer_terms(m: ModelConfig) -> tuple:
+    """Per-layer, per-token fwd+bwd FLOPs: (dense GEMMs 24 h^2 + 12 h f, attention core 12 s h)."""
+    h, f, s = m.hidden_size, m.ffn_hidden_size, m.seq_length
+    return 24.0 * h * h + 12.0 * h * f, 12.0 * s * h
+
+
 def model_flops_per_token(m: ModelConfig) -> float:
-    """Megatron's model FLOPs per token (fwd+bwd, no recompute): 72 L h^2 (1 + s/(6h) + V/(12 L h))."""
-    L, h, s, V = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
-    return 72.0 * L * h * h * (1.0 + s / (6.0 * h) + V / (12.0 * L * h))
+    """Megatron's model FLOPs per token (fwd+bwd, no recompute): L (24 h^2 + 12 h f + 12 s h)
+    + 6 h V, which is 72 L h^2 (1 + s/(6h) + V/(12 L h)) for the usual f = 4h."""
+    dense, core = _layer_terms(m)
+    return m.num_layers * (dense + core) + 6.0 * m.hidden_size * m.padded_vocab_size
 
 
 def hardware_flops_per_token(m: ModelConfig, recompute: str = "none") -> float:
     """FLOPs per token the hardware runs, recompute included (see the module docstring)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    L, h, s, V = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
-    if recompute == "full":
-        return 96.0 * L * h * h * (1.0 + s / (6.0 * h)) + 6.0 * h * V
-    if recompute == "selective":
-        return 72.0 * L * h * h * (1.0 + s / (3.0 * h) + V / (12.0 * L * h))
+    dense, core = _layer_terms(m)
+    logits = 6.0 * m.hidden_size * m.padded_vocab_size
+    if recompute == "full":  # every layer's forward (a third of its fwd+bwd) runs again
+        return m.num_layers * (dense + core) * 4.0 / 3.0 + logits
+    if recompute == "selective":  # Korthikanti et al.: the attention-core term doubles
+        return m.num_layers * (dense + 2.0 * core) + logits
     return model_flops_per_token(m)
 
 
@@ -73,6 +78,7 @@ GPU_PEAKS: Tuple[Tuple[str, Dict[str, float]], ...] = (
     ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
     ("A100", {"bf16": 312.0e12, "fp16": 312.0e12, "tf32": 156.0e12, "fp32": 19.5e12}),
     ("L40S", {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183.0e12, "fp32": 91.6e12}),
+    ("L40", {"bf16": 181.05e12, "fp16": 181.05e12, "tf32": 90.5e12, "fp32": 90.5e12}),
     ("A10G", {"bf16": 70.0e12, "fp16": 70.0e12, "tf32": 35.0e12, "fp32": 31.2e12}),
     ("A10", {"bf16": 125.0e12, "fp16": 125.0e12, "tf32": 62.5e12, "fp32": 31.2e12}),
     ("L4", {"bf16": 121.0e12, "fp16": 121.0e12, "tf32": 60.0e12, "fp32": 30.3e12}),

@@ -20,6 +20,7 @@ from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu.random import rng_state_dict
 from app.optim.mixed_precision import MixedPrecisionOptimizer
 from app.training import checkpoint as ckpt
+from app.training.checkpoint_inspect import check_loadable
 from app.training.distributed import all_ranks_ok, world_group
 from app.training.engine import Engine, StepResult
 from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
@@ -112,6 +113,11 @@ class NativeEngine(Engine):
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """Read this rank's Megatron-layout file; load the weights and, when the plan says so,
         the optimizer and LR-scheduler states."""
+        check_loadable(load_dir, plan.iteration, deepspeed=False,
+                       tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
+                       pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
+                       data_parallel_size=self.ps.data_parallel_size,
+                       load_optimizer=plan.load_optimizer)
         state, iteration = ckpt.load_checkpoint_dict(
             load_dir, iteration=plan.iteration, tp_size=self.ps.tensor_model_parallel_size,
             **self._rank_kwargs())

@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from app.config import RunConfig
+from app.config import RunConfig, samples_per_split
 from app.data import build_train_valid_test_datasets
 from app.mpu import collectives
 from app.training.checkpoint import CheckpointError
@@ -39,15 +39,21 @@ logger = logging.getLogger(__name__)
 
 def _datasets(cfg: RunConfig, rank: int) -> tuple:
     t = cfg.training
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
-    num_samples = (t.train_iters * t.global_batch_size, evals * t.global_batch_size,
-                   t.eval_iters * t.global_batch_size)
+    num_samples = samples_per_split(cfg)
     logger.info("building train/valid/test datasets for %s samples from %s", num_samples,
                 cfg.data.data_path)
-    return build_train_valid_test_datasets(
+    datasets = build_train_valid_test_datasets(
         cfg.data.data_path, cfg.data.split, num_samples, cfg.model.seq_length, t.seed,
         cache_path=cfg.data.data_cache_path, vocab_size=cfg.raw_vocab_size,
         is_builder=rank == 0, barrier=lambda: collectives.barrier(world_group()))
+    if datasets[0] is None:
+        raise ValueError(f"--split {cfg.data.split} leaves no training documents in --data-path "
+                         f"{' '.join(cfg.data.data_path)}; give the first (training) weight a "
+                         "positive value, e.g. --split 969,30,1")
+    if datasets[1] is None and t.eval_iters > 0:
+        logger.warning("--split %s leaves no validation documents: evaluation is skipped "
+                       "(--eval-iters 0 silences this)", cfg.data.split)
+    return datasets
 
 
 def _start_checks(cfg: RunConfig, info: DistributedInfo

@@ -262,14 +262,17 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
                       int(position.get("consumed_valid_samples", 0)), contents.path)
 
 
-def load_on_all_ranks(engine: Any, load_dir: str, device: torch.device) -> Optional[LoadResult]:
+def load_on_all_ranks(engine: Any, load_dir: str, device: torch.device,
+                      checkpoint: Optional[CheckpointConfig] = None) -> Optional[LoadResult]:
     """engine.load_checkpoint on every rank, then agree: if any rank failed every rank raises,
     and every rank must have loaded the same iteration (none left waiting in a collective for
-    a rank that exited, none starting at another iteration)."""
+    a rank that exited, none starting at another iteration). `checkpoint` replaces the run's
+    --finetune/--no-load-* settings (a rollback restores everything)."""
     error: Optional[BaseException] = None
     loaded = None
     try:
-        loaded = engine.load_checkpoint(load_dir)
+        loaded = (engine.load_checkpoint(load_dir) if checkpoint is None else
+                  resume_from_checkpoint(engine, checkpoint, load_dir))
     except Exception as exc:  # noqa: BLE001  re-raised below, after the other ranks know
         error = exc
     iteration = -1.0 if loaded is None else float(loaded.iteration)

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -27,14 +27,19 @@ from app.training import metrics as metrics_lib
 from app.training.distributed import world_group
 from app.training.data_loading import BatchBuilder, build_data_iterator
 from app.training.engine import Engine
-from app.training.signals import ExitSignalHandler, signal_name
-from app.training.watchdog import Watchdog, is_peer_failure
 from app.training.checkpoint import CheckpointError
 from app.training.nonfinite import NonFinitePolicy, TrainingAborted
+from app.training.rollback import SpikeRollback
+from app.training.signals import ExitSignalHandler, signal_name
+from app.training.watchdog import Watchdog, is_peer_failure
 from app.utils.dtypes import torch_dtype
 from app.utils.rank_logging import LAST_RANK
 
 logger = logging.getLogger(__name__)
+
+LOSS_HOOK: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
+"""Test seam: called with (the iteration's first training sample, a micro-batch's loss) and
+returning the loss to use; tests inject a poisoned (non-finite) loss into a data window."""
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -104,6 +109,7 @@ class Trainer:
                      f"{self.recompute})")
         self.nonfinite = NonFinitePolicy(t.max_consecutive_skipped_iterations,
                                          t.check_for_nan_in_loss_and_grad)
+        self.rollback = SpikeRollback(cfg, engine, device) if cfg.rollback.enabled else None
         self.start_time = time.time()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.timers = metrics_lib.Timers(synchronize=sync)
@@ -157,7 +163,8 @@ class Trainer:
         return schedule(forward_step_func=forward_step,
                         batch_func=next_batch,
                         model=model, num_microbatches=self.num_micro,
-                        loss_func=masked_mean_loss, backward_func=self.engine.backward,
+                        loss_func=self._loss_func(forward_only),
+                        backward_func=self.engine.backward,
                         parallel_state=self.ps, forward_only=forward_only,
                         tensor_shape=(self.cfg.training.micro_batch_size,
                                       self.cfg.model.seq_length, self.cfg.model.hidden_size))
@@ -165,6 +172,12 @@ class Trainer:
     def _beat(self, phase: str) -> None:
         if self.watchdog is not None:
             self.watchdog.beat(phase, self.state.iteration + 1)
+
+    def _loss_func(self, forward_only: bool) -> Callable:
+        if LOSS_HOOK is None or forward_only:
+            return masked_mean_loss
+        first_sample = self.state.consumed_train_samples
+        return lambda out, mask: LOSS_HOOK(first_sample, masked_mean_loss(out, mask))
 
     def _mean_loss_across_dp(self, losses: List[torch.Tensor]) -> Optional[float]:
         if not losses:
@@ -323,8 +336,14 @@ class Trainer:
             s.iteration += 1
             s.consumed_train_samples += t.global_batch_size
             acc.iterations += 1
-            self.nonfinite.observe(s.iteration, step["nonfinite"], step["nonfinite_loss"],
-                                   step["skipped"])
+            if self._observe(step):  # rolled back: new position, fresh iterators and sums
+                train_iter = build_data_iterator(self.train_ds, s.consumed_train_samples,
+                                                 t.micro_batch_size, self.ps,
+                                                 self.cfg.data.num_workers)
+                valid_iter = build_data_iterator(self.valid_ds, s.consumed_valid_samples,
+                                                 t.micro_batch_size, self.ps, 0)
+                acc = _Interval()
+                continue
             acc.nan += int(step["nonfinite"] or step["nonfinite_loss"])
             if step["skipped"]:
                 acc.skipped += 1
@@ -350,7 +369,7 @@ class Trainer:
                     self._save()
                     last_saved = s.iteration
         if self.stop_signal:
-            self._log_signal_exit()
+            self._log_signal_exit(last_saved)
         elif exiting:
             self.log(f"exiting at iteration {s.iteration} (exit condition reached)")
         else:
@@ -358,10 +377,14 @@ class Trainer:
         self.writer.close()
         return s
 
-    def _log_signal_exit(self) -> None:
+    def _log_signal_exit(self, last_saved: Optional[int]) -> None:
         c, s = self.cfg.checkpoint, self.state
         name = signal_name(self.stop_signal)
-        if c.save:
+        if c.save and last_saved != s.iteration:  # a non-finite streak: no checkpoint of it
+            self.log(f"exiting after {name} at iteration {s.iteration} without a checkpoint of "
+                     "it (its state is not finite); exit status 0. The latest checkpoint in "
+                     f"{c.save} is the one to resume from")
+        elif c.save:
             from app.training.checkpoint import checkpoint_dir
             self.log(f"exiting after {name}: saved the checkpoint of iteration {s.iteration} to "
                      f"{checkpoint_dir(c.save, s.iteration)}; exit status 0. Relaunch with "
@@ -369,6 +392,23 @@ class Trainer:
         else:
             self.log(f"exiting after {name} at iteration {s.iteration} without a checkpoint (no "
                      "--save); exit status 0")
+
+    def _observe(self, step: Dict[str, Any]) -> bool:
+        """The non-finite policy, then (with --rollback-on-spike) the spike check, which turns
+        the policy's stop into a rollback while the budget lasts. True when rolled back."""
+        s = self.state
+        try:
+            self.nonfinite.observe(s.iteration, step["nonfinite"], step["nonfinite_loss"],
+                                   step["skipped"])
+            stop = None
+        except TrainingAborted as exc:
+            if self.rollback is None:
+                raise
+            stop = exc
+        if self.rollback is None or not self.rollback.check(s, step["loss"], stop):
+            return False
+        self.nonfinite.streak = 0
+        return True
 
     def _finish(self, valid_iter, last_saved: Optional[int]) -> None:
         t, s = self.cfg.training, self.state

@@ -29,3 +29,18 @@ gpt2_args() {
         --eval-iters "${EVAL_ITERS:-10}"
     )
 }
+
+# flag_value FLAG: the value that follows FLAG in GPT2_ARGS (call gpt2_args first)
+flag_value() {
+    local i
+    for ((i = 0; i < ${#GPT2_ARGS[@]} - 1; i++)); do
+        if [ "${GPT2_ARGS[$i]}" = "$1" ]; then echo "${GPT2_ARGS[$((i + 1))]}"; return; fi
+    done
+}
+
+# model_summary: one line naming the model and batch sizes GPT2_ARGS will train
+model_summary() {
+    echo "$(flag_value --num-layers) layers, hidden $(flag_value --hidden-size)," \
+         "heads $(flag_value --num-attention-heads), seq $(flag_value --seq-length)," \
+         "micro-batch $(flag_value --micro-batch-size), global batch $(flag_value --global-batch-size)"
+}

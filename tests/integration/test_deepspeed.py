@@ -118,8 +118,20 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, t
     wide[wide.index("--hidden-size") + 1] = "128"
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *wide],
                          capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
-    assert bad.returncode == 2 and "does not fit this model" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == 2 and "hidden_size 64 but this run uses 128" in bad.stderr, \
+        bad.stderr[-2000:]
     assert "Traceback" not in bad.stderr
+
+    # DP2 -> TP2 (issue 14, defect 7): the tensor-parallel change is named, not DeepSpeed's
+    # "DP world size" error about the ZeRO partitions
+    tp2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", os.path.join(ROOT, "pretrain_gpt2.py"),
+                          *tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck),
+                                         "--tensor-model-parallel-size", "2")],
+                         capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
+    assert tp2.returncode != 0, tp2.stdout[-2000:]
+    assert "DeepSpeed cannot change the tensor-parallel size" in tp2.stderr, tp2.stderr[-3000:]
+    assert "DP world size" not in tp2.stderr + tp2.stdout
 
     # DeepSpeed's own zero_to_fp32 on our checkpoint == the module weights it saved
     out = tmp_path / "fp32"

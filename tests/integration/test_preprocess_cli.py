@@ -221,3 +221,43 @@ def test_temporaries_left_by_a_killed_run_are_removed(corpus, tmp_path, capsys):
         writer.wait()
     assert not stale.exists() and live.exists() and other.exists()
     assert f"removed {stale}" in capsys.readouterr().err
+
+
+def test_empty_input_is_an_error_and_writes_nothing(corpus, tmp_path):
+    for name, lines in (("empty.jsonl", []), ("blank.jsonl", ["", "  "]),
+                        ("no_text.jsonl", [json.dumps({"content": ""})] * 3)):
+        path = _write_lines(tmp_path / name, lines)
+        with pytest.raises(SystemExit) as info:
+            run(corpus, tmp_path / "out", input_path=path)
+        assert path in str(info.value.code) and "nothing was written" in str(info.value.code)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
+
+
+def test_truncated_gzip_names_the_file(corpus, tmp_path):
+    whole = tmp_path / "whole.jsonl.gz"
+    with gzip.open(whole, "wb") as f:
+        f.write(open(corpus["path"], "rb").read())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(SystemExit, match=r"cut\.jsonl\.gz is truncated or corrupt.*EOFError"):
+        run(corpus, tmp_path / "out", input_path=str(cut))
+    assert sorted(os.listdir(tmp_path)) == ["cut.jsonl.gz", "whole.jsonl.gz"]
+
+
+@pytest.mark.parametrize("vocab_text,merges_text,pattern", [
+    (None, "", r"--merge-file .* holds no merges"),
+    ("", None, r"--vocab-file .* is not valid JSON"),
+])
+def test_bad_tokenizer_files_stop_preprocessing(corpus, tmp_path, vocab_text, merges_text, pattern):
+    vocab, merges = corpus["vocab"], corpus["merges"]
+    if vocab_text is not None:
+        vocab = str(tmp_path / "vocab.json")
+        open(vocab, "w").write(vocab_text)
+    if merges_text is not None:
+        merges = str(tmp_path / "merges.txt")
+        open(merges, "w").write(merges_text)
+    with pytest.raises(SystemExit, match=pattern):
+        preprocess_data.main(["--input", corpus["path"], "--output-prefix", str(tmp_path / "out"),
+                              "--json-keys", "content", "--vocab-file", vocab,
+                              "--merge-file", merges])
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]

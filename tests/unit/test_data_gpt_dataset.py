@@ -141,6 +141,41 @@ def test_token_ids_not_below_vocab_size_fail_at_start(tmp_path, lengths):
     assert prefix + ".bin" in str(e.value)
 
 
+def test_token_id_error_names_the_first_offending_document(tmp_path, lengths):
+    """Token value = its position in the file, so with vocabulary v the first offending token is
+    the one at position v, in the document whose token range holds v (found here by a walk)."""
+    prefix = write_dataset(str(tmp_path / "d"), lengths)
+    vocab = int(lengths.sum()) // 3
+    document, end = 0, int(lengths[0])
+    while end <= vocab:
+        document += 1
+        end += int(lengths[document])
+    with pytest.raises(ValueError, match=rf"first is id {vocab} in document {document} "
+                                         rf"\(0-based, token {vocab} of the file\)"):
+        build_train_valid_test_datasets([prefix], "1,0,0", (5, 0, 0), 16, 1, vocab_size=vocab,
+                                        cache_path=str(tmp_path / "new" / "cache"))
+    assert gpt_dataset.first_token_outside(gpt_dataset.MMapIndexedDataset(prefix),
+                                           int(lengths.sum())) is None
+
+
+def test_a_new_cache_path_caches_the_token_range_without_a_warning(tmp_path, lengths, caplog):
+    """Issue 14: the first run with a new --data-cache-path warned 'could not cache token range
+    ... No such file or directory'; the directory is now created and the range cached."""
+    prefix = write_dataset(str(tmp_path / "d"), lengths)
+    cache = tmp_path / "new" / "nested" / "cache"
+    with caplog.at_level("WARNING"):
+        build_train_valid_test_datasets([prefix], "1,0,0", (5, 0, 0), 16, 1,
+                                        vocab_size=int(lengths.sum()), cache_path=str(cache))
+    assert "could not cache" not in caplog.text
+    assert len(list(cache.glob("d_*_token_range.json"))) == 1
+
+
+def test_a_dataset_without_documents_is_an_error_naming_it(tmp_path):
+    prefix = write_dataset(str(tmp_path / "empty"), [])
+    with pytest.raises(ValueError, match=r"empty\.bin holds no documents.*preprocess_data"):
+        build_train_valid_test_datasets([prefix], "1,0,0", (5, 0, 0), 16, 1)
+
+
 def test_separate_last_epoch_shuffle():
     lengths = np.full(10, 11)  # 110 tokens per epoch: (110 - 1) // 10 = 10 samples per epoch
     # 12 samples need 2 epochs; the second supplies 2 < 80% of 10: it is shuffled apart

@@ -94,8 +94,8 @@ def test_loss_scale_flags_fill_the_fp16_block_and_are_checked():
     odd = cfg("--fp16", "--deepspeed", "--deepspeed_config", ds_json, "--initial-loss-scale", "1000")
     with pytest.raises(ValueError, match="power of two"):
         reconcile_ds_config({}, odd, explicit_flags={"--initial-loss-scale"})
-    with pytest.raises(ValueError, match="only apply with --fp16"):
-        reconcile_ds_config({}, cfg(), explicit_flags={"--hysteresis"})
+    with pytest.raises(ValueError, match="only apply with --fp16"):  # one home: PrecisionConfig
+        cfg("--hysteresis", "3")
 
 
 def test_keep_last_n_checkpoints_must_be_positive():

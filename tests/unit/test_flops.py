@@ -36,6 +36,16 @@ def test_flop_formulas_by_hand():
         flops.hardware_flops_per_token(m, "some")
 
 
+def test_flops_count_any_mlp_width():
+    """With f != 4h: per layer fwd MACs per token are 3h^2 (QKV) + h^2 (out) + 2hf (MLP) +
+    2sh (scores, AV); FLOPs = 2 x MACs, x3 for fwd+bwd; logits 2hV x 3."""
+    m = ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=6, seq_length=S,
+                    max_position_embeddings=S, padded_vocab_size=V, ffn_hidden_size=3 * H)
+    macs = 3 * H * H + H * H + 2 * H * (3 * H) + 2 * S * H
+    assert flops.model_flops_per_token(m) == pytest.approx(L * 6 * macs + 6 * H * V)
+    assert flops.model_flops_per_token(m) < flops.model_flops_per_token(model_config())
+
+
 @pytest.mark.parametrize("name, dtype, tf32, value", [
     ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.4e12),
     ("NVIDIA H100 80GB HBM3", torch.float32, True, 494.7e12),
@@ -47,6 +57,8 @@ def test_flop_formulas_by_hand():
     ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312e12),
     ("NVIDIA A100-PCIE-40GB", torch.float32, True, 156e12),
     ("NVIDIA L40S", torch.bfloat16, False, 362.05e12),
+    ("NVIDIA L40", torch.bfloat16, False, 181.05e12),
+    ("NVIDIA L4", torch.bfloat16, False, 121e12),
     ("Tesla V100-SXM2-32GB", torch.float16, False, 125e12),
     ("Tesla V100-PCIE-16GB", torch.float16, False, 112e12),
 ])

@@ -63,7 +63,8 @@ def test_builder_picks_by_precision_and_validates():
     assert isinstance(build_loss_scaler(True, 64.0, 2.0 ** 32, 1.0, 1000, 2), ConstantLossScaler)
     dynamic = build_loss_scaler(True, None, 2.0 ** 32, 1.0, 1000, 2)
     assert isinstance(dynamic, DynamicLossScaler) and dynamic.scale == 2.0 ** 32
+    from app.config import PrecisionConfig  # the flags are validated where the config is built
     with pytest.raises(ValueError, match="--min-loss-scale"):
-        DynamicLossScaler(initial_scale=1.0, min_scale=2.0)
+        PrecisionConfig(fp16=True, initial_loss_scale=1.0, min_loss_scale=2.0)
     with pytest.raises(ValueError, match="--hysteresis"):
-        DynamicLossScaler(hysteresis=0)
+        PrecisionConfig(fp16=True, hysteresis=0)

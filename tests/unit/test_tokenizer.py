@@ -134,6 +134,35 @@ def test_errors_name_the_problem(tmp_path, tokenizer_files):
         build_tokenizer("GPT2BPETokenizer", str(bad_vocab), merge_file)
 
 
+@pytest.mark.parametrize("content", ["", "garbage{", "[1, 2]", "{}"])
+def test_empty_or_garbage_vocab_is_an_error_naming_the_file(tmp_path, tokenizer_files, content):
+    bad = tmp_path / "vocab.json"
+    bad.write_text(content)
+    with pytest.raises(ValueError, match=r"--vocab-file .*vocab\.json"):
+        build_tokenizer("GPT2BPETokenizer", str(bad), tokenizer_files[1])
+
+
+def test_empty_or_broken_merges_are_errors_naming_the_file(tmp_path, tokenizer_files):
+    vocab_file, merge_file = tokenizer_files
+    empty = tmp_path / "merges.txt"
+    for text in ("", "#version: 0.2\n"):
+        empty.write_text(text)
+        with pytest.raises(ValueError, match=r"--merge-file .*merges\.txt' holds no merges.*800"):
+            build_tokenizer("GPT2BPETokenizer", vocab_file, str(empty))
+    empty.write_text("#version: 0.2\na b c\n")
+    with pytest.raises(ValueError, match="line 2"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file, str(empty))
+    # a byte-level vocabulary without merges (256 bytes + eod) needs none
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    small = {tok: i for i, tok in enumerate(t for t in vocab if vocab[t] < 256)}
+    small[EOD_TOKEN] = len(small)
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    empty.write_text("")
+    assert build_tokenizer("GPT2BPETokenizer", str(tmp_path / "small.json"),
+                           str(empty)).vocab_size == len(small)
+
+
 @pytest.mark.parametrize("vocab,div,tp,expected", [
     (50257, 128, 1, 50304), (50257, 128, 2, 50432), (50304, 128, 1, 50304),
     (800, 128, 4, 1024), (1, 1, 1, 1), (129, 64, 1, 192)])

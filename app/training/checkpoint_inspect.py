@@ -1,0 +1,193 @@
+"""What a checkpoint directory holds, read from file names alone, and whether a run can load it.
+
+Both engines call `check_loadable` before they read a single file, and the preflight check
+(`app.training.preflight`) uses the same functions, so a checkpoint that cannot be loaded is
+refused with one message naming the directory, both layouts and the fix (the conversion
+command), instead of an error from deep inside DeepSpeed or torch.
+
+Two formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
+
+- "megatron" (the native path, Megatron-LM's layout): `mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`,
+  one file per tensor x pipeline rank (data-parallel replicas write nothing of their own);
+- "deepspeed": `mp_rank_{tp:02d}_model_states.pt` per tensor-parallel rank, plus, with ZeRO,
+  `[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt` per data-parallel x tensor rank
+  (ZeRO's partitions of the optimizer states).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from app.training import checkpoint as ckpt
+
+MEGATRON = "megatron"
+DEEPSPEED = "deepspeed"
+
+_MEGATRON_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_DS_MODEL = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
+_DS_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
+
+CONVERTER = "tools/convert_checkpoint.py"
+
+
+@dataclass
+class SavedLayout:
+    """The format and parallel layout of one saved iteration, from its file names."""
+
+    directory: str
+    format: str
+    """MEGATRON or DEEPSPEED."""
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: Optional[int]
+    """ZeRO partitions of the optimizer states (DeepSpeed with ZeRO); None otherwise."""
+    model_files: List[str] = field(default_factory=list)
+    """Paths of the weight files present (Megatron: model_optim_rng.pt; DeepSpeed: model states)."""
+    optimizer_files: List[str] = field(default_factory=list)
+    """DeepSpeed's ZeRO optimizer partitions present (empty for Megatron: inside model files)."""
+    missing: List[str] = field(default_factory=list)
+    """Files that the layout implies but that are absent (an unfinished or damaged save)."""
+
+    def describe(self) -> str:
+        dp = f", ZeRO partitions over {self.data_parallel_size} data-parallel ranks" \
+            if self.data_parallel_size else ""
+        return (f"{self.format} layout, tensor-parallel size {self.tensor_model_parallel_size}, "
+                f"pipeline-parallel size {self.pipeline_model_parallel_size}{dp}")
+
+
+def _megatron_layout(directory: str, names: List[str]) -> Optional[SavedLayout]:
+    ranks: Dict[Tuple[int, int], str] = {}
+    for name in names:
+        m = _MEGATRON_RANK_DIR.match(name)
+        if m and os.path.isdir(os.path.join(directory, name)):
+            ranks[(int(m.group(1)), int(m.group(2) or 0))] = name
+    if not ranks:
+        return None
+    tp = max(t for t, _ in ranks) + 1
+    pp = max(p for _, p in ranks) + 1
+    present, missing = [], []
+    for t in range(tp):
+        for p in range(pp):
+            path = os.path.join(directory, ckpt.rank_dir_name(t, p, pp), ckpt.MODEL_FILENAME)
+            (present if os.path.isfile(path) else missing).append(path)
+    return SavedLayout(directory, MEGATRON, tp, pp, None, present, [], missing)
+
+
+def _deepspeed_layout(directory: str, names: List[str]) -> Optional[SavedLayout]:
+    model = {int(m.group(1)): n for n in names for m in [_DS_MODEL.match(n)] if m}
+    optim = {(int(m.group(1)), int(m.group(2))): n for n in names
+             for m in [_DS_OPTIM.match(n)] if m}
+    if not model and not optim:
+        return None
+    tp = max(list(model) + [t for _, t in optim]) + 1
+    dp = max(d for d, _ in optim) + 1 if optim else None
+    missing = [os.path.join(directory, f"mp_rank_{t:02d}_model_states.pt")
+               for t in range(tp) if t not in model]
+    if dp:
+        prefix = "bf16_" if any(n.startswith("bf16_") for n in optim.values()) else ""
+        missing += [os.path.join(directory, f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")
+                    for d in range(dp) for t in range(tp) if (d, t) not in optim]
+    return SavedLayout(directory, DEEPSPEED, tp, 1, dp,
+                       [os.path.join(directory, model[t]) for t in sorted(model)],
+                       [os.path.join(directory, optim[k]) for k in sorted(optim)], missing)
+
+
+def inspect_directory(directory: str) -> Optional[SavedLayout]:
+    """The layout of the checkpoint in `directory` (an iter_XXXXXXX or release folder), or None
+    when it holds neither format's files."""
+    if not os.path.isdir(directory):
+        return None
+    names = sorted(os.listdir(directory))
+    return _megatron_layout(directory, names) or _deepspeed_layout(directory, names)
+
+
+def load_command_hint(load_dir: str, target_tp: int, target_pp: int, source_format: str) -> str:
+    """The conversion command that writes a Megatron-layout copy at the run's TP x PP."""
+    return (f"python {CONVERTER} --input-format {source_format} --output-format megatron "
+            f"--load {load_dir} --save <new dir> --target-tensor-model-parallel-size {target_tp} "
+            f"--target-pipeline-model-parallel-size {target_pp}, then --load <new dir>")
+
+
+def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed: bool,
+                     tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                     data_parallel_size: int, load_optimizer: bool) -> Optional[str]:
+    """Why a run of this engine and layout cannot load `layout`, with the fix; None if it can."""
+    if layout is None:
+        return None  # nothing recognisable: the engine's own reader says what it expected
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    where = layout.directory
+    if layout.missing:
+        shown = ", ".join(os.path.relpath(p, where) for p in layout.missing[:4])
+        more = f" and {len(layout.missing) - 4} more" if len(layout.missing) > 4 else ""
+        return (f"checkpoint {where} is incomplete ({layout.describe()}): missing {shown}{more}; "
+                "the save did not finish or files were lost: restore them, or write an earlier "
+                f"complete iteration into {ckpt.tracker_path(load_dir)}")
+    if deepspeed and layout.format == MEGATRON:
+        return (f"checkpoint {where} is a Megatron-layout checkpoint of the native path "
+                "(mp_rank_XX/model_optim_rng.pt), but this is a --deepspeed run, which reads "
+                "DeepSpeed's files (mp_rank_XX_model_states.pt): resume it without --deepspeed "
+                "(and its --deepspeed_config)")
+    if not deepspeed and layout.format == DEEPSPEED:
+        return (f"checkpoint {where} was written by DeepSpeed (mp_rank_XX_model_states.pt), but "
+                "this run is on the native path: add --deepspeed --deepspeed_config <json> to "
+                "resume it, or convert it: " + load_command_hint(load_dir, tp, pp, DEEPSPEED))
+    saved_tp, saved_pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    if (saved_tp, saved_pp) != (tp, pp):
+        change = (f"it was saved with tensor-parallel size {saved_tp} and pipeline-parallel size "
+                  f"{saved_pp}; this run uses {tp} and {pp}")
+        if layout.format == MEGATRON:
+            return (f"checkpoint {where}: {change}; reshard it: "
+                    + load_command_hint(load_dir, tp, pp, MEGATRON))
+        return (f"checkpoint {where}: {change}; DeepSpeed cannot change the tensor-parallel size "
+                f"of a checkpoint: resume with --tensor-model-parallel-size {saved_tp}, or "
+                "convert it to the native path at the new size: "
+                + load_command_hint(load_dir, tp, pp, DEEPSPEED) + " (without --deepspeed)")
+    return partition_problem(layout, data_parallel_size) if load_optimizer else None
+
+
+def partition_problem(layout: SavedLayout, data_parallel_size: int) -> Optional[str]:
+    """Why ZeRO's optimizer partitions of `layout` cannot be loaded at this data-parallel size
+    (DeepSpeed cannot re-partition them), with the fix; None if they can (or there are none)."""
+    saved_dp = layout.data_parallel_size
+    if layout.format != DEEPSPEED or not saved_dp or saved_dp == data_parallel_size:
+        return None
+    ranks = saved_dp * layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+    return (f"checkpoint {layout.directory}: ZeRO split the optimizer states over {saved_dp} "
+            f"data-parallel ranks, and this run has {data_parallel_size}; DeepSpeed cannot "
+            f"re-partition them: launch {ranks} ranks (data-parallel size {saved_dp}), or pass "
+            "--no-load-optim to load the weights and continue the LR schedule with fresh "
+            "optimizer states")
+
+
+def check_loadable(load_dir: str, iteration: ckpt.Iteration, *, deepspeed: bool,
+                   tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                   data_parallel_size: int, load_optimizer: bool) -> Optional[SavedLayout]:
+    """Raise CheckpointError (see `loadable_problem`) when this run cannot load `iteration`
+    under `load_dir`; return its layout (None when the directory holds no known files)."""
+    layout = inspect_directory(ckpt.checkpoint_dir(load_dir, iteration))
+    problem = loadable_problem(
+        layout, load_dir, deepspeed=deepspeed,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        data_parallel_size=data_parallel_size, load_optimizer=load_optimizer)
+    if problem:
+        raise ckpt.CheckpointError(problem)
+    return layout
+
+
+def read_saved_state(layout: SavedLayout) -> dict:
+    """The dict stored in the first weight file, memory-mapped (tensors are not read), loaded
+    with weights_only and the checkpoint allow-list: its `args`, `iteration`, `lr_scheduler`."""
+    import torch
+    path = layout.model_files[0]
+    try:
+        with torch.serialization.safe_globals(ckpt._safe_globals()):  # noqa: SLF001 (one allow-list)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001  damaged or unsafe: name the file
+        raise ckpt.CheckpointError(f"checkpoint file {path} cannot be read: "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
+    if not isinstance(state, dict):
+        raise ckpt.CheckpointError(f"checkpoint file {path} does not hold a dict")
+    return state

@@ -1,0 +1,124 @@
+"""Self-healing from loss spikes (--rollback-on-spike): reload the last checkpoint, skip the data
+that led to the spike, continue; stop after --max-rollbacks.
+
+Triggers, checked after every iteration:
+
+- a spike: the iteration's loss is above mean + zscore x std AND above mean x (1 + min_increase),
+  with mean and std over the last `window` finite losses (no spike is called before the
+  window is full; a spike is never added to the history);
+- the non-finite limit: --max-consecutive-skipped-iterations consecutive non-finite steps
+  (app.training.nonfinite), which would otherwise stop the run.
+
+All ranks agree on a trigger (one max all-reduce per iteration: the loss lives on the last
+pipeline stage), then every rank reloads the latest checkpoint under --save with everything in
+it (weights, optimizer, LR schedule, RNG), whatever --finetune/--no-load-* said at start. The
+data of the window that led to the spike, samples [checkpoint's consumed samples, samples
+consumed through the spike iteration), is skipped: the iteration count goes back to the
+checkpoint's, the consumed-sample count does not, and the sampler resumes from it. The run
+then needs more samples than train_iters x global batch; `app.config.samples_per_split` adds
+max_rollbacks x save_interval global batches to the training split for this.
+
+Nothing is saved from the poisoned state: the trigger is handled before the iteration's save.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import deque
+from typing import Any, Deque, Optional
+
+import torch
+
+from app.config import RollbackConfig, RunConfig
+from app.mpu import collectives
+from app.training import checkpoint as ckpt
+from app.training.distributed import world_group
+from app.training.nonfinite import TrainingAborted
+from app.training.resume import load_on_all_ranks
+from app.utils.rank_logging import LAST_RANK
+
+logger = logging.getLogger(__name__)
+
+
+def _nonfinite_reason(stop: TrainingAborted) -> str:
+    """The policy's 'iteration N: <what>; <advice>' message cut down to <what>."""
+    text = str(stop)
+    what = text.split(": ", 1)[-1].split(";", 1)[0]
+    return f"the non-finite limit was reached ({what})"
+
+
+class SpikeDetector:
+    """Running statistics of the recent losses and the spike rule (pure, no I/O)."""
+
+    def __init__(self, config: RollbackConfig) -> None:
+        self.config = config
+        self.history: Deque[float] = deque(maxlen=config.window)
+
+    def observe(self, loss: Optional[float]) -> Optional[str]:
+        """Record `loss`; return why it is a spike (it is then not recorded), else None."""
+        if loss is None or not math.isfinite(loss):
+            return None  # non-finite steps are the non-finite policy's business
+        if len(self.history) == self.config.window:
+            mean = sum(self.history) / len(self.history)
+            std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / len(self.history))
+            bound = max(mean + self.config.zscore * std, mean * (1.0 + self.config.min_increase))
+            if loss > bound:
+                return (f"loss {loss:.4f} is above {bound:.4f} (mean {mean:.4f}, std {std:.4f} "
+                        f"over the last {len(self.history)} iterations; --spike-zscore "
+                        f"{self.config.zscore:g}, --spike-min-increase "
+                        f"{self.config.min_increase:g})")
+        self.history.append(loss)
+        return None
+
+
+class SpikeRollback:
+    """The rollback of one run: detection, agreement across ranks, reload, data skip, budget."""
+
+    def __init__(self, cfg: RunConfig, engine: Any, device: torch.device) -> None:
+        self.cfg, self.engine, self.device = cfg, engine, device
+        self.detector = SpikeDetector(cfg.rollback)
+        self.rollbacks = 0
+        # a rollback restores everything the checkpoint holds, whatever the start-up flags said
+        self.restore_all = dataclasses.replace(cfg.checkpoint, finetune=False,
+                                               no_load_optim=False, no_load_rng=False)
+
+    def _agree(self, triggered: bool) -> bool:
+        flag = torch.tensor([1.0 if triggered else 0.0], device=self.device)
+        collectives.all_reduce(flag, world_group(), op="max")
+        return bool(flag.item() > 0)
+
+    def check(self, state: Any, loss: Optional[float],
+              nonfinite_stop: Optional[TrainingAborted]) -> bool:
+        """After iteration `state.iteration`: roll back when its loss spiked or the non-finite
+        limit was reached. Returns True when `state` was moved back (the caller rebuilds its
+        data iterators and resets its interval sums); raises TrainingAborted when the rollback
+        budget is spent or there is no checkpoint to go back to."""
+        reason = (_nonfinite_reason(nonfinite_stop) if nonfinite_stop
+                  else self.detector.observe(loss))
+        if not self._agree(reason is not None):
+            return False
+        reason = reason or "another rank saw the trigger"
+        save = self.cfg.checkpoint.save
+        latest = ckpt.read_tracker(save)
+        budget = self.cfg.rollback.max_rollbacks
+        if self.rollbacks >= budget or latest is None:
+            why = (f"{budget} rollback(s) already made (--max-rollbacks)" if latest is not None
+                   else f"no checkpoint under --save {save} to roll back to yet")
+            raise TrainingAborted(
+                f"iteration {state.iteration}: {reason}; {why}: stopping without saving a "
+                f"checkpoint. The last good checkpoint is "
+                f"{ckpt.checkpoint_dir(save, latest) if latest is not None else 'none'}: check "
+                "the data after it, lower --lr, or raise --max-rollbacks")
+        self.rollbacks += 1
+        logger.warning("iteration %d: %s: rolling back (%d of %d)", state.iteration, reason,
+                       self.rollbacks, budget, extra=LAST_RANK)
+        loaded = load_on_all_ranks(self.engine, save, self.device, checkpoint=self.restore_all)
+        skipped = (loaded.consumed_train_samples, state.consumed_train_samples)
+        logger.warning("rolled back to iteration %d (%s); skipping training samples [%d, %d) "
+                       "(the %d iterations of data that led to the spike)", loaded.iteration,
+                       loaded.path, skipped[0], skipped[1], state.iteration - loaded.iteration,
+                       extra=LAST_RANK)
+        state.iteration = loaded.iteration
+        state.consumed_valid_samples = loaded.consumed_valid_samples
+        return True

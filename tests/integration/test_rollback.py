@@ -1,0 +1,167 @@
+"""Self-healing (--rollback-on-spike): a poisoned batch triggers one rollback to the last
+checkpoint, its data window is skipped and the run finishes; a failure past the retry limit
+stops with exit code 3 and no checkpoint from the poisoned state. Also the diverged run of
+issue 14's defect 2 (exit non-zero, no checkpoint of NaN state, perplexity NaN)."""
+import logging
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import arguments
+import pretrain_gpt2
+from app.testing.synthetic import RandomTokens
+from app.training import checkpoint as ckpt
+from app.training import trainer as trainer_lib
+from app.training.resume import load_on_all_ranks
+from app.training.rollback import SpikeDetector
+from app.training.run import build_run
+from app.training.trainer import RunState
+from tests.integration.conftest import read_metrics, tiny_gpt_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = 64  # RandomTokens draw ids below 64; the model's padded vocabulary has 128 rows
+POISON_TOKEN = 100  # an id the clean data never holds: after some training its loss is high
+SPIKE_ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+              "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+              "--global-batch-size", "4", "--train-iters", "30", "--lr", "1e-2",
+              "--lr-warmup-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--eval-iters", "0", "--log-interval", "1", "--make-vocab-size-divisible-by", "128",
+              "--num-workers", "0", "--distributed-backend", "gloo", "--save-interval", "5",
+              "--rollback-on-spike", "--spike-window", "5", "--max-rollbacks", "1"]
+
+
+class PoisonedSamples:
+    """A dataset whose samples at `poisoned` indices are replaced by one repeated unseen token;
+    records every index read."""
+
+    def __init__(self, data, poisoned):
+        self.data, self.poisoned, self.read = data, set(poisoned), []
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        if i in self.poisoned:
+            return {"text": np.full_like(self.data[i]["text"], POISON_TOKEN)}
+        return self.data[i]
+
+
+def test_spike_detector_rule():
+    det = SpikeDetector(arguments.config_from_argv(
+        [*SPIKE_ARGS, "--save", "x", "--spike-zscore", "3", "--spike-min-increase", "0.1"],
+        1, VOCAB).rollback)
+    for loss in (4.0, 4.1, 3.9, 4.0, 4.0):  # mean 4.0, std 0.0632
+        assert det.observe(loss) is None
+    assert det.observe(4.3) is None  # above mean + 3 std (4.19) but not 10 % above the mean
+    assert det.observe(float("nan")) is None and len(det.history) == 5
+    reason = det.observe(9.0)
+    assert reason is not None and "loss 9.0000" in reason and list(det.history)[-1] == 4.3
+
+
+def test_rollback_needs_save_and_save_interval_and_sizes_the_data_for_the_skips():
+    at = SPIKE_ARGS.index("--save-interval")
+    argv = SPIKE_ARGS[:at] + SPIKE_ARGS[at + 2:]
+    with pytest.raises(ValueError, match="--rollback-on-spike reloads the latest checkpoint"):
+        arguments.config_from_argv([*argv, "--save", "x"], 1, VOCAB)
+    from app.config import samples_per_split
+    cfg = arguments.config_from_argv([*SPIKE_ARGS, "--save", "x"], 1, VOCAB)
+    assert samples_per_split(cfg)[0] == 30 * 4 + 1 * 5 * 4  # one rollback of <= 5 iterations
+
+
+def _run(cfg, datasets, state=None, load=None):
+    run = build_run(cfg, 1, torch.device("cpu"))
+    if load is not None:
+        load_on_all_ranks(run.engine, load, torch.device("cpu"))
+    trainer = run.attach_trainer(datasets, eod=0, state=state)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("engine", [(), ("--deepspeed", "--deepspeed_config",
+                                           os.path.join(ROOT, "ds_configs", "zero2.json"))],
+                         ids=["native", "deepspeed"])
+def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, caplog, engine):
+    ck = tmp_path / "ck"
+    cfg = arguments.config_from_argv([*SPIKE_ARGS, *engine, "--save", str(ck)], 1, VOCAB)
+    poisoned = range(4 * 17, 4 * 17 + 3)  # three of the four samples of iteration 18
+    data = PoisonedSamples(RandomTokens(400, 16, VOCAB, seed=3), poisoned)
+    with caplog.at_level(logging.WARNING):
+        trainer = _run(cfg, (data, None, None))
+    log = caplog.text
+    assert "iteration 18: loss" in log and "rolling back (1 of 1)" in log, log
+    assert "rolled back to iteration 15" in log and "skipping training samples [60, 72)" in log
+    assert trainer.state.iteration == 30 and trainer.state.consumed_train_samples == 30 * 4 + 12
+    after = data.read[data.read.index(72):]  # reads once the rollback resumed at sample 72
+    assert not set(after) & set(range(60, 72)), "the skipped window was read again"
+    assert ckpt.read_tracker(str(ck)) == 30
+
+    # the rollback is exactly "load iteration 15 and continue at sample 72": a fresh run doing
+    # that by hand ends with the same weights, bit for bit
+    other = tmp_path / "other"
+    reference = tmp_path / "ref"
+    shutil.copytree(ck / "iter_0000015", reference / "iter_0000015")
+    if engine:
+        (reference / "latest").write_text("iter_0000015")
+    ckpt.write_tracker(str(reference), 15)
+    again = _run(arguments.config_from_argv([*SPIKE_ARGS, *engine, "--save", str(other)], 1,
+                                            VOCAB),
+                 (RandomTokens(400, 16, VOCAB, seed=3), None, None),
+                 state=RunState(15, 72, 0), load=str(reference))
+    for (name, p), q in zip(trainer.engine.module.named_parameters(),
+                            again.engine.module.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_failure_past_the_retry_limit_stops_without_a_new_checkpoint(tiny_corpus, tmp_path,
+                                                                      capsys):
+    """NaN losses injected into two data windows: the first reaches the non-finite limit and is
+    rolled back; the second finds the budget (--max-rollbacks 1) spent: exit 3, the latest
+    checkpoint stays the last one saved before it."""
+    ck = tmp_path / "ck"
+    # samples 44-51 are iterations 12-13; after the rollback to 10 skips samples [40, 52),
+    # samples 100-107 are iterations 23-24
+    windows = [range(44, 52), range(100, 108)]
+
+    def poison(first_sample, loss):
+        bad = any(first_sample in w for w in windows)
+        return loss * float("nan") if bad else loss
+
+    trainer_lib.LOSS_HOOK = poison
+    try:
+        code = pretrain_gpt2.main(tiny_gpt_args(
+            tiny_corpus, tmp_path, "--train-iters", "40", "--log-interval", "1", "--eval-iters",
+            "0", "--save", str(ck), "--save-interval", "5", "--rollback-on-spike",
+            "--max-rollbacks", "1", "--max-consecutive-skipped-iterations", "2",
+            "--metrics-file", str(tmp_path / "m.jsonl")))
+    finally:
+        trainer_lib.LOSS_HOOK = None
+    out = capsys.readouterr()
+    assert code == 3, out.err[-3000:]
+    assert "rolled back to iteration 10" in out.out and "skipping training samples [40, 52)" in out.out
+    stop = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert len(stop) == 1 and "1 rollback(s) already made (--max-rollbacks)" in stop[0], out.err
+    assert "iteration 24: the non-finite limit was reached (2 consecutive iterations" in stop[0]
+    assert ckpt.read_tracker(str(ck)) == 20 and ckpt.list_checkpoint_iterations(str(ck))[-1] == 20
+    rows = [r for r in read_metrics(tmp_path / "m.jsonl") if r["kind"] == "train"]
+    assert all(math.isfinite(r["lm_loss"]) for r in rows if r["lm_loss"] is not None)
+
+
+def test_diverged_run_exits_nonzero_without_nan_checkpoint_and_nan_perplexity(
+        tiny_corpus, tmp_path, capsys):
+    """Defect 2 (issue 14): --lr 1e6 saved NaN checkpoints, printed PPL 4.85E+08 and exited 0."""
+    ck = tmp_path / "ck"
+    code = pretrain_gpt2.main(tiny_gpt_args(
+        tiny_corpus, tmp_path, "--train-iters", "30", "--lr", "1e6", "--lr-warmup-iters", "0",
+        "--save", str(ck), "--save-interval", "2", "--eval-interval", "4", "--eval-iters", "1",
+        "--log-interval", "1", "--max-consecutive-skipped-iterations", "5"))
+    out = capsys.readouterr()
+    assert code == 3, out.err[-2000:]
+    assert "lm loss PPL: NAN" in out.out and "E+08" not in out.out
+    # the update of iteration 1 (finite gradients) already breaks the model: every save
+    # (interval 2) fell inside the run of non-finite iterations, so none was written
+    assert not ck.exists() or ckpt.read_tracker(str(ck)) is None

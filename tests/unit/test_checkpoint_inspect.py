@@ -1,0 +1,105 @@
+"""Checkpoint layouts read from file names, and the messages that refuse an unloadable one.
+
+The directories are laid out by hand from the two formats' documented names (Megatron-LM's
+mp_rank_XX[_YYY]/model_optim_rng.pt; DeepSpeed's mp_rank_XX_model_states.pt and
+[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt), so the reader is checked against the
+formats, not against our writers.
+"""
+import os
+
+import pytest
+
+from app.training import checkpoint as ckpt
+from app.training.checkpoint_inspect import (DEEPSPEED, MEGATRON, check_loadable,
+                                             inspect_directory, loadable_problem)
+
+
+def touch(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "wb").close()
+
+
+def megatron_dir(root, tp, pp, skip=()):
+    iter_dir = os.path.join(root, "iter_0000010")
+    for t in range(tp):
+        for p in range(pp):
+            name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+            if (t, p) not in skip:
+                touch(os.path.join(iter_dir, name, "model_optim_rng.pt"))
+            else:
+                os.makedirs(os.path.join(iter_dir, name), exist_ok=True)
+    ckpt.write_tracker(root, 10)
+    return iter_dir
+
+
+def deepspeed_dir(root, tp, dp, prefix=""):
+    iter_dir = os.path.join(root, "iter_0000010")
+    for t in range(tp):
+        touch(os.path.join(iter_dir, f"mp_rank_{t:02d}_model_states.pt"))
+        for d in range(dp):
+            touch(os.path.join(iter_dir, f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"))
+    ckpt.write_tracker(root, 10)
+    return iter_dir
+
+
+def problem(layout, root, deepspeed, tp=1, pp=1, dp=1, load_optimizer=True):
+    return loadable_problem(layout, root, deepspeed=deepspeed, tensor_model_parallel_size=tp,
+                            pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                            load_optimizer=load_optimizer)
+
+
+def test_layouts_are_read_from_the_names(tmp_path):
+    meg = inspect_directory(megatron_dir(str(tmp_path / "m"), tp=2, pp=3))
+    assert (meg.format, meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size,
+            meg.data_parallel_size, len(meg.model_files), meg.missing) == (MEGATRON, 2, 3, None, 6, [])
+    ds = inspect_directory(deepspeed_dir(str(tmp_path / "d"), tp=2, dp=4, prefix="bf16_"))
+    assert (ds.format, ds.tensor_model_parallel_size, ds.data_parallel_size,
+            len(ds.model_files), len(ds.optimizer_files), ds.missing) == (DEEPSPEED, 2, 4, 2, 8, [])
+    assert inspect_directory(str(tmp_path / "nothing")) is None
+
+
+def test_a_missing_rank_file_makes_the_checkpoint_incomplete(tmp_path):
+    root = str(tmp_path)
+    layout = inspect_directory(megatron_dir(root, tp=2, pp=2, skip={(1, 1)}))
+    assert layout.missing == [os.path.join(layout.directory, "mp_rank_01_001", "model_optim_rng.pt")]
+    message = problem(layout, root, deepspeed=False, tp=2, pp=2)
+    assert "incomplete" in message and "mp_rank_01_001" in message and ckpt.TRACKER_FILENAME in message
+
+
+def test_native_checkpoint_under_deepspeed_and_back(tmp_path):
+    """Defect: a DeepSpeed run loading a native checkpoint died with a bare AssertionError."""
+    meg_root, ds_root = str(tmp_path / "m"), str(tmp_path / "d")
+    meg = inspect_directory(megatron_dir(meg_root, tp=1, pp=1))
+    message = problem(meg, meg_root, deepspeed=True)
+    assert "Megatron-layout" in message and "without --deepspeed" in message
+    assert problem(meg, meg_root, deepspeed=False) is None
+    ds = inspect_directory(deepspeed_dir(ds_root, tp=1, dp=1))
+    message = problem(ds, ds_root, deepspeed=False)
+    assert "written by DeepSpeed" in message and "--input-format deepspeed" in message
+    assert problem(ds, ds_root, deepspeed=True) is None
+
+
+def test_megatron_layout_change_names_the_converter(tmp_path):
+    root = str(tmp_path)
+    layout = inspect_directory(megatron_dir(root, tp=2, pp=1))
+    message = problem(layout, root, deepspeed=False, tp=1, pp=2)
+    assert "tensor-parallel size 2 and pipeline-parallel size 1; this run uses 1 and 2" in message
+    assert ("tools/convert_checkpoint.py --input-format megatron --output-format megatron "
+            f"--load {root}") in message
+    assert "--target-tensor-model-parallel-size 1 --target-pipeline-model-parallel-size 2" in message
+
+
+def test_deepspeed_dp2_to_tp2_names_the_tensor_parallel_change(tmp_path):
+    """Defect: DP2 -> TP2 under DeepSpeed raised its 'DP world size' error, hiding the TP change."""
+    root = str(tmp_path)
+    layout = inspect_directory(deepspeed_dir(root, tp=1, dp=2))
+    message = problem(layout, root, deepspeed=True, tp=2, dp=1)
+    assert "tensor-parallel size 1" in message and "this run uses 2" in message
+    assert "DeepSpeed cannot change the tensor-parallel size" in message
+    assert "--tensor-model-parallel-size 1" in message and "DP world size" not in message
+    only_dp = problem(layout, root, deepspeed=True, tp=1, dp=4)
+    assert "over 2 data-parallel ranks, and this run has 4" in only_dp and "--no-load-optim" in only_dp
+    assert problem(layout, root, deepspeed=True, tp=1, dp=4, load_optimizer=False) is None
+    with pytest.raises(ckpt.CheckpointError, match="DeepSpeed cannot change"):
+        check_loadable(root, 10, deepspeed=True, tensor_model_parallel_size=2,
+                       pipeline_model_parallel_size=1, data_parallel_size=1, load_optimizer=True)
