@@ -160,3 +160,34 @@ def test_deepspeed_full_disk_corruption_unsafe_pickle_and_non_finite(tiny_corpus
     assert "refused" in got["converter"] and not got["converter_marker"]
     code, err = got["nan"]
     assert code == 2 and "non-finite weights" in err, err
+
+
+def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path, monkeypatch,
+                                                          capfd):
+    """SIGTERM twice while the checkpoint of iteration 3 is being written: that save completes,
+    the run stops after the next iteration with a checkpoint of it, exit 0, and both load."""
+    import signal
+    ck = str(tmp_path / "ck")
+    args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "10", *QUIET, "--save", ck,
+                         "--load", ck, "--save-interval", "3")
+    sent = []
+
+    def hook(stage):
+        if stage == "rank_tmp_written" and not sent:
+            sent.append(stage)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    monkeypatch.setattr(ckpt, "SAVE_HOOK", hook)
+    try:
+        code, err = _main(args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert code == 0 and sent, err
+    assert "received SIGTERM again while the checkpoint is being written" in capfd.readouterr().err
+    assert ckpt.read_tracker(ck) == 4 and ckpt.list_checkpoint_iterations(ck) == [3, 4]
+    for it in (3, 4):
+        state, _ = ckpt.load_checkpoint_dict(ck, iteration=it)  # checksum verified, complete
+        assert state["iteration"] == it
