@@ -83,8 +83,9 @@ def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-build-dir", type=str, default=None,
                    help="kernel build cache (default $APP_KERNELS_BUILD_DIR or "
                         "~/.cache/app_kernels)")
-    g.add_argument("--kernel-build-timeout", type=float, default=900.0,
-                   help="seconds a kernel build may take before falling back to PyTorch")
+    g.add_argument("--kernel-build-timeout", type=float, default=300.0,
+                   help="seconds a kernel build may take before falling back to PyTorch "
+                        "(below the process-group timeout)")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +93,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", "--model-parallel-size",
                    dest="tensor_model_parallel_size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: each pipeline rank holds (num layers / PP) / N model "
+                        "chunks of N layers, assigned round-robin (stage r holds virtual stages r, "
+                        "r+PP, ...); needs PP > 1, N dividing the layers per stage and the "
+                        "micro-batches per iteration a multiple of PP; native path only")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
@@ -154,6 +160,20 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on resume, keep the checkpoint's LR settings")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="native path: shard the fp32 main weights and AdamW states over the "
+                        "data-parallel ranks (gradients reduce-scattered in buckets, weights "
+                        "all-gathered after the step); checkpoints stay layout-independent, so "
+                        "a run resumes at another data-parallel size or without the flag")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="with --use-distributed-optimizer: reduce-scatter each gradient bucket "
+                        "while backward still runs, once its last micro-batch is in")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --overlap-grad-reduce: all-gather updated weights in the "
+                        "background; each module waits for its bucket at its next forward")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket of the distributed optimizer "
+                        "(default max(40M, 1M x data-parallel size))")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -259,6 +279,9 @@ def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
                             help="discover ranks through mpi4py")
     parser.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                         help="use deepspeed.checkpointing instead of our recomputation")
+    parser.add_argument("--universal-checkpoint", action="store_true",
+                        help="load a DeepSpeed universal checkpoint (ds_to_universal.py output, "
+                             "named by --load's latest_universal) at any DP/TP size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -394,7 +417,10 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, ddp_bucket_size=args.ddp_bucket_size)
 
 
 def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
@@ -440,12 +466,13 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     deepspeed = DeepSpeedConfig(
         enabled=args.deepspeed, config_path=args.deepspeed_config,
         activation_checkpointing=args.deepspeed_activation_checkpointing,
-        mpi=args.deepspeed_mpi)
+        mpi=args.deepspeed_mpi, universal_checkpoint=args.universal_checkpoint)
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, world_size=world_size,
         distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank,
-        distributed_timeout_minutes=args.distributed_timeout_minutes)
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
     ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
     fp16, bf16, source = _precision_choice(args, ds_json, deepspeed.config_path)
     precision = PrecisionConfig(

@@ -141,12 +141,17 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10.0
     """Timeout of every process group: a collective waiting longer for a peer fails, and the
     training watchdog stops a rank that makes no progress for this long (plus a margin)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per model chunk for the interleaved 1F1B schedule; None means one chunk per stage
+    (RunConfig checks it against the layer count, the pipeline size and the micro-batches)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                          ("world_size", "world size"),
                          ("distributed_timeout_minutes", "--distributed-timeout-minutes")))
+        _positive(self, (("num_layers_per_virtual_pipeline_stage",
+                          "--num-layers-per-virtual-pipeline-stage"),), allow_none=True)
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ValueError(
@@ -184,6 +189,17 @@ class OptimizerConfig:
     """On resume, use this run's LR settings instead of the checkpoint's."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, adopt the checkpoint's LR settings, ignoring this run's."""
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 main weights and AdamW states over data parallel (native path; ZeRO-1 as
+    Megatron's distributed optimizer: reduce-scatter of gradients, all-gather of weights)."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's reduce-scatter during backward, once its last micro-batch
+    gradients are in (needs use_distributed_optimizer)."""
+    overlap_param_gather: bool = False
+    """All-gather the updated weights in the background; each module waits for its bucket at
+    its next forward (needs overlap_grad_reduce)."""
+    ddp_bucket_size: Optional[int] = None
+    """Elements per gradient bucket of the distributed optimizer; None: max(40M, 1M x DP)."""
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in ("constant", "linear", "cosine", "exponential"):
@@ -201,6 +217,15 @@ class OptimizerConfig:
                                  f"--lr-decay-iters ({self.lr_decay_iters}); shorten the warmup")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _positive(self, (("ddp_bucket_size", "--ddp-bucket-size"),), allow_none=True)
+        if self.overlap_grad_reduce and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-grad-reduce needs --use-distributed-optimizer (the "
+                             "distributed optimizer owns the gradient buckets it overlaps); add "
+                             "--use-distributed-optimizer or drop --overlap-grad-reduce")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (and "
+                             "--use-distributed-optimizer), as in Megatron-LM; add them or drop "
+                             "--overlap-param-gather")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("--override-opt_param-scheduler and "
                              "--use-checkpoint-opt_param-scheduler are mutually exclusive")
@@ -389,10 +414,15 @@ class DeepSpeedConfig:
     """--deepspeed-activation-checkpointing: use deepspeed.checkpointing instead of ours."""
     mpi: bool = False
     """--deepspeed_mpi: discover ranks through mpi4py."""
+    universal_checkpoint: bool = False
+    """--universal-checkpoint: --load names a DeepSpeed universal checkpoint (any DP/TP size)."""
 
     def __post_init__(self) -> None:
         if self.enabled and not self.config_path:
             raise ValueError("--deepspeed needs --deepspeed_config <path to JSON> (see ds_configs/)")
+        if self.universal_checkpoint and not self.enabled:
+            raise ValueError("--universal-checkpoint needs --deepspeed (a DeepSpeed universal "
+                             "checkpoint); for Megatron checkpoints use tools/convert_checkpoint.py")
 
 
 @dataclass
@@ -430,9 +460,10 @@ class KernelConfig:
     build_dir: Optional[str] = None
     """--kernel-build-dir: cache of built kernels; None means $APP_KERNELS_BUILD_DIR or
     ~/.cache/app_kernels."""
-    build_timeout: float = 900.0
-    """--kernel-build-timeout: seconds a build (or the wait for local rank 0's build) may take
-    before the run falls back to PyTorch."""
+    build_timeout: float = 300.0
+    """--kernel-build-timeout: seconds local rank 0 may spend on the build (waiting for another
+    node's build included) before the run falls back to PyTorch; must stay below the
+    process-group timeout, since the other ranks wait for it in the first collective."""
 
     def __post_init__(self) -> None:
         _positive(self, (("build_timeout", "--kernel-build-timeout"),))
@@ -471,17 +502,20 @@ class RunConfig:
             _divisible(what, value, "--tensor-model-parallel-size", tp)
         _divisible("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp)
         t.num_micro_batches(p.data_parallel_size)
+        self._check_virtual_pipeline()
+        self._check_deepspeed_pipeline()
         if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
             raise ValueError("--rollback-on-spike reloads the latest checkpoint: give --save and "
-                             "--save-interval (the window of data skipped is at most that long)")
-        if self.deepspeed.enabled and pp > 1:
-            raise ValueError(f"--pipeline-model-parallel-size ({pp}) > 1 is not supported with "
-                             "--deepspeed yet; use the native path or "
-                             "--pipeline-model-parallel-size 1")
+                             "--save-interval (a rollback skips the data read since that "
+                             "checkpoint)")
         half = self.precision.fp16 or self.precision.bf16
         if m.fp16_lm_cross_entropy and not half:
             raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
                              "fp32 otherwise); drop it or pick a half precision")
+        if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
+            raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
+                             "shard the optimizer with ZeRO (zero_optimization.stage 1 or 2 in "
+                             "the JSON, e.g. ds_configs/zero1.json) and drop the flag")
         if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
             raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
                              "--deepspeed set the gradient accumulation dtype in the JSON "
@@ -489,16 +523,94 @@ class RunConfig:
         if m.params_dtype != self.precision.params_dtype:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
+        self._check_kernel_build_timeout()
+
+    def _check_kernel_build_timeout(self) -> None:
+        """Ranks that do not build wait for the builder in the first collective after the build
+        (app.kernels.agree_across_ranks), so the build must end within the process-group
+        timeout. Checked when several ranks run (one rank has no one waiting for it)."""
+        # --distributed-timeout-minutes (ParallelConfig.distributed_timeout_minutes) comes with
+        # issue 14a; until then init_distributed's process group has a fixed 10 minutes
+        minutes = getattr(self.parallel, "distributed_timeout_minutes", 10.0)
+        build_s = self.kernels.build_timeout
+        if self.parallel.world_size > 1 and build_s >= minutes * 60:
+            raise ValueError(f"--kernel-build-timeout ({build_s:g} s) must be below "
+                             f"--distributed-timeout-minutes ({minutes:g} min = "
+                             f"{minutes * 60:g} s): the other ranks wait for the kernel build in "
+                             "a collective; lower the first or raise the second")
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> int:
+        """Model chunks per pipeline rank: (layers / PP) / --num-layers-per-virtual-pipeline-stage,
+        1 without interleaving."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return 1
+        return self.model.num_layers // self.parallel.pipeline_model_parallel_size // per_chunk
+
+    def _check_deepspeed_pipeline(self) -> None:
+        """--deepspeed with PP > 1 needs ZeRO stage 1 (checked once the JSON is read)."""
+        pp = self.parallel.pipeline_model_parallel_size
+        if not self.deepspeed.enabled or pp == 1 or self.deepspeed.config is None:
+            return
+        stage = self.deepspeed.config.get("zero_optimization", {}).get("stage", 0)
+        if stage != 1:
+            why = ("ZeRO-2 reduce-scatters gradients during backward, before the tied "
+                   "word-embedding gradient is summed across the first and last stage"
+                   if stage >= 2 else
+                   "without ZeRO DeepSpeed's gradient norm counts the replicated weights "
+                   "(LayerNorms, biases) of the first stage only")
+            raise ValueError(
+                f"{self.deepspeed.config_path}: zero_optimization.stage {stage} cannot be "
+                f"combined with --pipeline-model-parallel-size ({pp}) under --deepspeed ({why}); "
+                "pipeline parallelism under DeepSpeed needs ZeRO stage 1, as DeepSpeed's own "
+                "pipeline engine: use ds_configs/zero1.json, or "
+                "--pipeline-model-parallel-size 1")
+
+    def _check_virtual_pipeline(self) -> None:
+        """Megatron's rules for the interleaved schedule (--num-layers-per-virtual-pipeline-stage)."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return
+        flag = "--num-layers-per-virtual-pipeline-stage"
+        pp = self.parallel.pipeline_model_parallel_size
+        if pp == 1:
+            raise ValueError(f"{flag} ({per_chunk}) needs --pipeline-model-parallel-size > 1 (got "
+                             "1): interleaving splits each pipeline stage into chunks; raise "
+                             f"--pipeline-model-parallel-size or drop {flag}")
+        per_stage = self.model.num_layers // pp
+        if per_stage % per_chunk:
+            raise ValueError(f"--num-layers ({self.model.num_layers}) / "
+                             f"--pipeline-model-parallel-size ({pp}) = {per_stage} layers per "
+                             f"stage is not divisible by {flag} ({per_chunk}); pick a {flag} that "
+                             f"divides {per_stage}")
+        if self.deepspeed.enabled:
+            raise ValueError(f"{flag} is not supported with --deepspeed (the DeepSpeed path runs "
+                             f"plain 1F1B); drop {flag} or use the native path")
+        micro = self.training.num_micro_batches(self.parallel.data_parallel_size)
+        if self.virtual_pipeline_model_parallel_size > 1 and micro % pp:
+            t = self.training
+            raise ValueError(
+                f"{flag} needs the micro-batches per iteration to be a multiple of "
+                f"--pipeline-model-parallel-size ({pp}), but --global-batch-size "
+                f"({t.global_batch_size}) / (--micro-batch-size ({t.micro_batch_size}) x "
+                f"data-parallel size ({self.parallel.data_parallel_size})) = {micro}; raise "
+                f"--global-batch-size to a multiple of {t.micro_batch_size * pp * self.parallel.data_parallel_size}")
 
 
 def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
     """Samples the datasets must hold: TrainingConfig.samples_per_split, plus, with
-    --rollback-on-spike, the training samples each rollback may skip (at most one
-    --save-interval of iterations per rollback)."""
-    train, valid, test = cfg.training.samples_per_split()
+    --rollback-on-spike, the training samples the rollbacks may skip: --save-interval +
+    --max-consecutive-skipped-iterations iterations per rollback, since no checkpoint is saved
+    while a run of non-finite iterations lasts (one streak can hide a save point and then
+    reach the limit). Longer skips are possible (several streaks over several save points, or
+    the limit off); the rollback then checks the data left and stops if it is short."""
+    t = cfg.training
+    train, valid, test = t.samples_per_split()
     r = cfg.rollback
     if r.enabled:
-        train += r.max_rollbacks * cfg.checkpoint.save_interval * cfg.training.global_batch_size
+        window = cfg.checkpoint.save_interval + t.max_consecutive_skipped_iterations
+        train += r.max_rollbacks * window * t.global_batch_size
     return train, valid, test
 
 

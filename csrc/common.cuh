@@ -50,8 +50,12 @@ __device__ __forceinline__ void store_floats(T* dst, const float* src) {
   *reinterpret_cast<Pack<T, kVec>*>(dst) = p;
 }
 
+// max(a, b) that propagates NaN, like torch.max; fmaxf would return the other operand, so an
+// all-NaN softmax row would look fully masked (uniform) instead of NaN as in PyTorch.
+__device__ __forceinline__ float nan_max(float a, float b) { return (isnan(a) || a > b) ? a : b; }
+
 struct MaxOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ float operator()(float a, float b) const { return nan_max(a, b); }
 };
 struct SumOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }

@@ -77,7 +77,7 @@ softmax_forward_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask
       for (int j = 0; j < kVec; ++j) {
         const bool keep = col + j < view.limit && !masked[j];
         chunk[j] = keep ? chunk[j] * scale : -INFINITY;
-        local_max = fmaxf(local_max, chunk[j]);
+        local_max = detail::nan_max(local_max, chunk[j]);  // NaN scores give a NaN row
       }
     } else {
 #pragma unroll
@@ -158,7 +158,9 @@ softmax_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y,
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const int i = c * kVec + j;
-      out[j] = masked[j] ? 0.0f : scale * p[i] * (g[i] - dot);
+      // masked and causally hidden columns: exactly 0, as the reference's masked_fill gives,
+      // also when dot is NaN (a NaN row)
+      out[j] = (masked[j] || col + j >= view.limit) ? 0.0f : scale * p[i] * (g[i] - dot);
     }
     detail::store_floats<T, kVec>(dx + col, out);
   }

@@ -2,22 +2,31 @@
 
 Layout of one cache entry, `<build_root>/<name>-torch<v>-cuda<v>-sm<arch>-<hash>/`:
 
-    .lock      held by the one process building; JSON {host, pid, started}; its mtime is a
-               heartbeat refreshed every few seconds, so a lock whose owner died (same host: pid
-               gone; any host: heartbeat older than `stale_s`) is broken and the build redone
-    build/     torch.utils.cpp_extension's ninja directory, wiped before every build (a
-               half-written one from a killed build is never reused, and torch's own `lock`
-               file in it can never block us)
-    READY      written atomically after the library built and loaded in the build process;
-               names the library and its size, so a truncated file is rebuilt
+    .lock      held by the one process building; JSON {host, pid, token, started}; its mtime is
+               a heartbeat refreshed every few seconds, so a lock whose owner died (same host:
+               pid gone; any host: heartbeat older than `stale_s`) is broken and the build
+               redone. The heartbeat's age is measured against the file system's own clock (a
+               probe file's mtime), so clock skew between nodes sharing it over NFS does not
+               matter. The owner removes the lock only while it still holds its token.
+    build.tmp-<token>/  one owner's torch.utils.cpp_extension (ninja) directory: new for every
+               build and touched by no one else, so breaking a lock never disturbs a live
+               build, and a half-written directory (with torch's own `lock` file) is never
+               reused; left behind by a dead owner, it is removed by the next build on its host
+    build/     the last good build, renamed into place from its build.tmp-* directory
+    READY      written atomically once the library built, loaded in the build process and was
+               renamed into place; names the library and its size, so a truncated file is rebuilt
     FAILED     the first error line of the last failed build, and the log's path
+    FAILED.<host>  why local rank 0 on <host> gave up (its build failed, another node's build
+               failed, or it timed out waiting for another node's lock): the other local ranks
+               read it and fall back at once
     build.log  the compiler output of the last build
 
-The compiler runs in a child process (`python -m app.kernels.build`) in its own session: a
-build over `timeout_s` is killed with its ninja/nvcc children and reported as a failure, so the
+The compiler runs in a child process (`python -m app.kernels.build`) in its own session; local
+rank 0 spends at most `timeout_s` in all (waiting for another node's lock included): a build
+still running then is killed with its ninja/nvcc children and reported as a failure, so the
 caller falls back instead of waiting. Only local rank 0 builds; other local ranks poll for READY
-(or a fresh FAILED). Ranks on other nodes sharing the directory meet at the lock: one builds,
-the rest wait for READY.
+or their FAILED.<host>. Ranks on other nodes sharing the directory meet at the lock: one builds,
+the rest wait for READY (or a fresh FAILED).
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -138,7 +148,7 @@ def first_error_line(log: str) -> str:
 
 # ---- the cache entry: READY / FAILED markers and the lock --------------------------------------
 def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, path)
 
@@ -148,6 +158,36 @@ def _read_json(path: Path) -> Optional[dict]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _read_with_mtime(path: Path) -> Optional[Tuple[dict, float]]:
+    """(JSON content or {}, mtime) of a file, or None when it does not exist."""
+    try:
+        with open(path, "rb") as f:  # open() revalidates NFS's cached attributes (close-to-open)
+            mtime = os.fstat(f.fileno()).st_mtime
+            text = f.read()
+    except OSError:
+        return None
+    try:
+        content = json.loads(text)
+    except ValueError:  # being written (the lock is created empty, then filled)
+        content = None
+    return (content if isinstance(content, dict) else {}), mtime
+
+
+def _host() -> str:
+    return socket.gethostname()
+
+
+def fs_now(directory: Path) -> float:
+    """The current time of the file system holding `directory`: the mtime of a probe file
+    touched now (on NFS the server's clock, the one that stamps the lock's heartbeat)."""
+    probe = directory / f".clock-{_host()}-{os.getpid()}-{threading.get_ident()}"
+    probe.touch()
+    try:
+        return probe.stat().st_mtime
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def read_ready(entry: Path) -> Optional[str]:
@@ -164,12 +204,23 @@ def read_ready(entry: Path) -> Optional[str]:
     return None
 
 
-def read_failure(entry: Path, since: float) -> Optional[str]:
-    """The reason in FAILED when it was written at or after `since` (epoch seconds)."""
-    failed = _read_json(entry / "FAILED")
-    if failed and failed.get("time", 0.0) >= since:
-        return f"{failed.get('error', 'unknown error')} (log: {failed.get('log', '?')})"
-    return None
+def host_failure_marker(entry: Path) -> Path:
+    """FAILED.<host>: where local rank 0 on this host says why it gave up."""
+    return entry / ("FAILED." + re.sub(r"[^A-Za-z0-9._-]+", "_", _host()))
+
+
+def _write_failure(marker: Path, error: str, log: Optional[str]) -> None:
+    _write_json_atomic(marker, {"error": error, "log": log, "host": _host()})
+
+
+def read_failure(marker: Path, since: float) -> Optional[str]:
+    """The reason in a FAILED marker written at or after `since` (file-system time, fs_now)."""
+    found = _read_with_mtime(marker)
+    if found is None or found[1] < since:
+        return None
+    failed, _ = found
+    log = failed.get("log")
+    return failed.get("error", "unknown error") + (f" (log: {log})" if log else "")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -182,138 +233,218 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _owner_gone(owner: dict) -> bool:
+    """True when `owner` ({host, pid}) names a process on this host that no longer runs."""
+    pid = owner.get("pid")
+    return owner.get("host") == _host() and isinstance(pid, int) and not _pid_alive(pid)
+
+
+def _stale_owner(lock: Path, stale_s: float) -> Optional[dict]:
+    """The lock's owner record when the owner is gone (dead pid on this host, or no heartbeat
+    for stale_s by the file system's clock); None when the lock is live or absent."""
+    found = _read_with_mtime(lock)
+    if found is None:
+        return None
+    owner, mtime = found
+    if _owner_gone(owner) or fs_now(lock.parent) - mtime > stale_s:
+        return owner
+    return None
+
+
 def lock_is_stale(lock: Path, stale_s: float) -> bool:
     """True when the lock's owner is gone: a dead pid on this host, or no heartbeat for stale_s."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    owner = _read_json(lock) or {}
-    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-        if not _pid_alive(owner["pid"]):
-            return True
-    return age > stale_s
+    return _stale_owner(lock, stale_s) is not None
 
 
-def _break_lock(lock: Path) -> None:
-    """Remove a stale lock; a rename first, so only one of several breakers succeeds."""
-    grave = lock.with_name(f"{lock.name}.stale-{socket.gethostname()}-{os.getpid()}")
+def _break_lock(lock: Path, owner: dict) -> None:
+    """Remove the stale lock of `owner`; a rename first, so only one of several breakers
+    succeeds, and a lock that changed hands meanwhile is put back."""
+    grave = lock.with_name(f"{lock.name}.stale-{_host()}-{os.getpid()}-{threading.get_ident()}")
     try:
         os.rename(lock, grave)
     except FileNotFoundError:
         return
-    logger.warning("removed a stale kernel build lock %s (owner %s)", lock, _read_json(grave))
+    taken = _read_json(grave) or {}
+    if taken.get("token") != owner.get("token"):  # a new owner took it since we judged it
+        with contextlib.suppress(OSError):
+            os.link(grave, lock)  # back, unless yet another owner exists now
+        grave.unlink(missing_ok=True)
+        return
+    logger.warning("removed a stale kernel build lock %s (owner %s)", lock, taken)
     grave.unlink(missing_ok=True)
 
 
+def _lock_token(lock: Path) -> Optional[str]:
+    return (_read_json(lock) or {}).get("token")
+
+
 @contextlib.contextmanager
-def _held_lock(lock: Path, heartbeat_s: float) -> Iterator[bool]:
-    """Yields True with `lock` created by us (and its mtime refreshed), False if it exists."""
+def _held_lock(lock: Path, heartbeat_s: float) -> Iterator[Optional[str]]:
+    """Yields a token with `lock` created by us (mtime refreshed while it holds that token),
+    None if the lock exists. On exit the lock is removed only if it still holds our token: a
+    peer that judged it stale may have broken it and taken it since."""
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
-        yield False
+        yield None
         return
+    token = secrets.token_hex(8)
     with os.fdopen(fd, "w") as f:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}, f)
+        json.dump({"host": _host(), "pid": os.getpid(), "token": token,
+                   "started": time.time()}, f)
     stop = threading.Event()
 
     def beat() -> None:
         while not stop.wait(heartbeat_s):
-            with contextlib.suppress(OSError):
-                os.utime(lock)
+            if _lock_token(lock) == token:
+                with contextlib.suppress(OSError):
+                    os.utime(lock)
 
     thread = threading.Thread(target=beat, name="kernel-build-heartbeat", daemon=True)
     thread.start()
     try:
-        yield True
+        yield token
     finally:
         stop.set()
         thread.join()
-        lock.unlink(missing_ok=True)
+        if _lock_token(lock) == token:
+            lock.unlink(missing_ok=True)
 
 
 # ---- building ----------------------------------------------------------------------------------
-def _run_build(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s: float) -> str:
-    """Compile in a child process with a hard timeout; the library path, or BuildError."""
-    build_dir = entry / "build"
-    shutil.rmtree(build_dir, ignore_errors=True)
-    build_dir.mkdir(parents=True)
-    log_path = entry / "build.log"
+def _child_command(spec: BuildSpec, build_dir: Path) -> List[str]:
+    """The compiler process: this module's `_child_main` (tests substitute a fake compiler)."""
+    return [sys.executable, "-m", "app.kernels.build", json.dumps(dataclasses.asdict(spec)),
+            str(build_dir)]
+
+
+def _remove_dead_builds(entry: Path) -> None:
+    """Delete build.tmp-* directories whose owner was on this host and is gone, and the old
+    build/ directories left by a replacement; other hosts' may belong to live builds."""
+    for work in entry.glob("build.tmp-*"):
+        if _owner_gone(_read_json(work / "owner.json") or {}):
+            shutil.rmtree(work, ignore_errors=True)
+    for old in entry.glob("build.old-*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _install(entry: Path, work: Path, library: str, token: str) -> str:
+    """Rename the finished build directory `work` to entry/build and return the library's path
+    there; if another owner's build is already in place (READY), keep that one instead."""
+    final = entry / "build"
+    try:
+        if read_ready(entry) is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(final, entry / f"build.old-{token}")
+            os.rename(work, final)
+            shutil.rmtree(entry / f"build.old-{token}", ignore_errors=True)
+            return str(final / Path(library).relative_to(work))
+    except OSError:  # another owner renamed its build into place first
+        pass
+    shutil.rmtree(work, ignore_errors=True)
+    library = read_ready(entry)
+    if library is None:
+        raise BuildError(f"another process replaced {final} while this build finished")
+    return library
+
+
+def _run_build(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s: float,
+               token: str) -> str:
+    """Compile in a child process, in a directory of our own, with a hard timeout; put the
+    result in place and return the library's path, or raise BuildError."""
+    timeout_s = max(timeout_s, 0.0)  # what is left of local rank 0's budget
+    work = entry / f"build.tmp-{token}"
+    work.mkdir()
+    _write_json_atomic(work / "owner.json", {"host": _host(), "pid": os.getpid()})
+    log_path, own_log = entry / "build.log", work / "build.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     if spec.cuda_arch:
         env["TORCH_CUDA_ARCH_LIST"] = spec.cuda_arch
     if cuda_home:
         env["CUDA_HOME"] = cuda_home
-    cmd = [sys.executable, "-m", "app.kernels.build", json.dumps(dataclasses.asdict(spec)),
-           str(build_dir)]
-    started = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=str(REPO_ROOT), start_new_session=True)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise BuildError(f"build timed out after {timeout_s:.0f} s (log: {log_path})")
-    text = log_path.read_text(errors="replace")
-    libraries = [line[len(_LIBRARY_LINE):] for line in text.splitlines()
-                 if line.startswith(_LIBRARY_LINE)]
-    if proc.returncode != 0 or not libraries:
-        raise BuildError(f"{first_error_line(text)} (log: {log_path})")
-    logger.info("built %s in %.0f s: %s", spec.name, time.time() - started, libraries[-1])
-    return libraries[-1]
+    started = time.monotonic()
+    try:
+        with open(own_log, "w") as log:
+            proc = subprocess.Popen(_child_command(spec, work), stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise BuildError(f"build timed out after {timeout_s:.0f} s (log: {log_path})")
+        text = own_log.read_text(errors="replace")
+        libraries = [line[len(_LIBRARY_LINE):] for line in text.splitlines()
+                     if line.startswith(_LIBRARY_LINE)]
+        if proc.returncode != 0 or not libraries:
+            raise BuildError(f"{first_error_line(text)} (log: {log_path})")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.replace(own_log, log_path)
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    shutil.copyfile(own_log, log_path)
+    library = _install(entry, work, libraries[-1], token)
+    logger.info("built %s in %.0f s: %s", spec.name, time.monotonic() - started, library)
+    return library
+
+
+def _build_locked(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s: float,
+                  token: str) -> str:
+    """The build itself, with the lock held: READY on success, FAILED on failure."""
+    library = read_ready(entry)
+    if library:
+        return library
+    (entry / "FAILED").unlink(missing_ok=True)
+    _remove_dead_builds(entry)
+    try:
+        library = _run_build(spec, entry, cuda_home, timeout_s, token)
+    except BuildError as err:
+        _write_failure(entry / "FAILED", str(err).split(" (log: ")[0], str(entry / "build.log"))
+        raise
+    _write_json_atomic(entry / "READY", {"library": library, "time": time.time(),
+                                         "size": os.path.getsize(library)})
+    return library
 
 
 def _build_as_owner(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s: float,
                     stale_s: float, poll_s: float) -> str:
-    start = time.time()
+    deadline = time.monotonic() + timeout_s
+    since = fs_now(entry)
+    lock = entry / ".lock"
     while True:
         library = read_ready(entry)
         if library:
             return library
-        failure = read_failure(entry, since=start)
+        failure = read_failure(entry / "FAILED", since)
         if failure:  # another node built the same sources for the same arch and failed
             raise BuildError(failure)
-        with _held_lock(entry / ".lock", heartbeat_s=max(stale_s / 6, 0.5)) as mine:
-            if mine:
-                library = read_ready(entry)
-                if library:
-                    return library
-                (entry / "FAILED").unlink(missing_ok=True)
-                try:
-                    library = _run_build(spec, entry, cuda_home, timeout_s)
-                except BuildError as err:
-                    _write_json_atomic(entry / "FAILED", {"error": str(err).split(" (log: ")[0],
-                                                          "log": str(entry / "build.log"),
-                                                          "time": time.time()})
-                    raise
-                _write_json_atomic(entry / "READY", {"library": library, "time": time.time(),
-                                                     "size": os.path.getsize(library)})
-                return library
-        if lock_is_stale(entry / ".lock", stale_s):
-            _break_lock(entry / ".lock")
+        with _held_lock(lock, heartbeat_s=max(stale_s / 6, 0.5)) as token:
+            if token is not None:
+                return _build_locked(spec, entry, cuda_home, deadline - time.monotonic(), token)
+        owner = _stale_owner(lock, stale_s)
+        if owner is not None:
+            _break_lock(lock, owner)
             continue
-        if time.time() - start > timeout_s:
-            owner = _read_json(entry / ".lock")
+        if time.monotonic() > deadline:
             raise BuildError(f"timed out after {timeout_s:.0f} s waiting for the build lock "
-                             f"held by {owner} in {entry}")
+                             f"held by {_read_json(lock)} in {entry}")
         time.sleep(poll_s)
 
 
 def _wait_for_owner(entry: Path, wait_s: float, poll_s: float) -> str:
-    start = time.time()
-    while time.time() - start < wait_s:
+    deadline = time.monotonic() + wait_s
+    marker = host_failure_marker(entry)
+    since = fs_now(entry) - 30.0  # local rank 0 may fail fast, just before we started
+    while time.monotonic() < deadline:
         library = read_ready(entry)
         if library:
             return library
-        if not (entry / ".lock").exists():
-            # A failure from just before we started counts too: local rank 0 may fail fast.
-            failure = read_failure(entry, since=start - 30.0)
-            if failure:
-                raise BuildError(f"local rank 0's build failed: {failure}")
+        failure = read_failure(marker, since)
+        if failure:
+            raise BuildError(f"local rank 0 gave up: {failure}")
         time.sleep(poll_s)
     raise BuildError(f"timed out after {wait_s:.0f} s waiting for local rank 0 to build in {entry}")
 
@@ -324,21 +455,29 @@ def ensure_built(spec: BuildSpec, build_root: Path, *, local_rank: int, timeout_
                  poll_s: float = 1.0) -> str:
     """Path of `spec`'s library in the cache under `build_root`; builds or waits as needed.
 
-    Local rank 0 builds (after taking the entry's lock); other local ranks wait up to
-    `timeout_s + stale_s` for it. Raises BuildError with a one-line reason on failure.
+    Local rank 0 builds (after taking the entry's lock), within `timeout_s` in all; when it
+    gives up it says why in FAILED.<host>, and the other local ranks, which otherwise wait up
+    to `timeout_s + stale_s` for it, stop at once. Raises BuildError with a one-line reason.
     """
     import torch
 
-    entry = build_root / spec.cache_dir_name(torch_version or torch.__version__,
-                                             cuda_version if cuda_version is not None
-                                             else torch.version.cuda)
+    key = spec.cache_dir_name(torch_version or torch.__version__,
+                              cuda_version if cuda_version is not None else torch.version.cuda)
+    entry = Path(os.path.abspath(build_root)) / key  # absolute: the compiler runs elsewhere
     entry.mkdir(parents=True, exist_ok=True)
     library = read_ready(entry)
     if library:
         return library
-    if local_rank == 0:
+    if local_rank != 0:
+        return _wait_for_owner(entry, timeout_s + stale_s, poll_s)
+    marker = host_failure_marker(entry)
+    marker.unlink(missing_ok=True)  # a previous run's
+    try:
         return _build_as_owner(spec, entry, cuda_home, timeout_s, stale_s, poll_s)
-    return _wait_for_owner(entry, timeout_s + stale_s, poll_s)
+    except (BuildError, OSError) as err:
+        with contextlib.suppress(OSError):
+            _write_failure(marker, str(err), None)
+        raise
 
 
 # ---- the child process -------------------------------------------------------------------------

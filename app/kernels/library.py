@@ -6,6 +6,10 @@ not load. The first answer is kept for the life of the process, so every op repo
 reason. A failure is logged once as a warning naming the fix; with `configure(required=True)`
 (the --require-fused-kernels switch) it raises instead, unless there is no CUDA device at all
 (then no kernel could ever apply, and a CPU run should not die for that).
+
+`agree_across_ranks(group, device)` then makes the answer the same on every rank: if any rank
+lacks the kernels, every rank falls back. Ranks must not mix implementations: tensor-parallel
+ranks exchange per-row statistics in the cross entropy, and the two paths round differently.
 """
 from __future__ import annotations
 
@@ -19,10 +23,12 @@ from typing import Optional
 import torch
 
 from app.kernels import build
+from app.mpu import collectives
+from app.utils.rank_logging import ALL_RANKS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUILD_TIMEOUT_S = 900.0
+DEFAULT_BUILD_TIMEOUT_S = 300.0  # below the 10-minute process-group timeout
 REQUIRED_FLAG = "--require-fused-kernels"
 NO_CUDA = "no CUDA device"
 
@@ -86,6 +92,34 @@ def status() -> Status:
                 logger.warning("fused kernels unavailable (%s); using the PyTorch implementations"
                                " (pass %s to make this an error)", _STATUS.reason, REQUIRED_FLAG)
         return _STATUS
+
+
+def agree_across_ranks(group: object, device: torch.device) -> Status:
+    """Kernels on every rank of `group` or on none; returns the status now in effect here.
+
+    One MIN all-reduce of a [group size] vector holding each rank's availability (collectives
+    need the tensor on `device`: the CUDA device under NCCL). If some ranks lack the kernels,
+    each of them logs its reason (printed whatever its rank), rank 0 logs which ranks they are,
+    and the ranks that have them switch to the PyTorch implementations for good.
+    """
+    global _STATUS
+    mine = status()
+    size, rank = collectives.group_size(group), collectives.group_rank(group)
+    flags = torch.ones(size, dtype=torch.int32, device=device)  # [size], 1 = has the kernels
+    flags[rank] = int(mine.available)
+    collectives.all_reduce(flags, group, op="min")
+    lacking = [r for r, have in enumerate(flags.tolist()) if not have]
+    if not lacking or len(lacking) == size:  # all agree already
+        return mine
+    if not mine.available:
+        logger.warning("fused kernels unavailable on this rank: %s", mine.reason,
+                       extra=ALL_RANKS)
+    logger.warning("fused kernels unavailable on rank(s) %s of %d; every rank uses the PyTorch "
+                   "implementations, so that ranks compute alike", lacking, size)
+    if mine.available:
+        with _LOCK:
+            _STATUS = Status(False, f"off on every rank: rank(s) {lacking} lack them")
+    return status()
 
 
 def available() -> bool:

@@ -255,14 +255,9 @@ def _announce_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     if not q.is_cuda:
         _announce("attention", "SDPA", "CPU tensors")
         return
-    try:  # private, only for the log line
-        backend = torch.nn.attention.SDPBackend(
-            torch._fused_sdp_choice(q, k, v, None, dropout_p, True)).name.lower()
-    except Exception:  # noqa: BLE001
-        backend = "picked by PyTorch"
     why = ("--use-flash-attn" if flash_only
            else "auto: faster than the fused softmax for causal attention")
-    _announce("attention", "SDPA", f"{why}; backend {backend}")
+    _announce("attention", "SDPA", f"{why}; backend {_sdpa_backend_name(q, k, v, dropout_p)}")
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
@@ -361,7 +356,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, parallel_state,
     """Per-token fp32 cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].
 
     Kernel (--cross-entropy-loss-fusion, CUDA): one pass over the logits in their own dtype per
-    direction, three [b, s] all-reduces across tensor-parallel ranks, no fp32 [b, s, V/tp] copy.
+    direction, the same two all-reduces across tensor-parallel ranks as the fallback (max
+    [b, s], then [2, b, s]), no fp32 [b, s, V/tp] copy.
     Fallback: the logits in fp32 (their own dtype when not `in_fp32`: --fp16-lm-cross-entropy),
     then PyTorch's row-fused F.cross_entropy at one tensor-parallel rank, else
     `vocab_parallel_cross_entropy`; the loss is fp32 either way.

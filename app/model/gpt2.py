@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,17 @@ from app.utils.dtypes import torch_dtype
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+class InferenceCache(Protocol):
+    """Key/value cache for incremental decoding (app.inference.kv_cache.KVCache implements it).
+
+    `append(layer_number, k, v)` stores this step's keys/values [b, nh/tp, s, hd] of a layer
+    after those already cached and returns all of them [b, nh/tp, cached + s, hd].
+    """
+
+    def append(self, layer_number: int, key: torch.Tensor,
+               value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
 # ---- initialisation ----------------------------------------------------------------------------
@@ -149,13 +160,16 @@ class ParallelAttention(nn.Module):
             h, h, input_is_parallel=True, init_method=init.scaled_normal(f"{prefix}.dense.weight"),
             parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True)
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                inference_cache: Optional[InferenceCache] = None,
+                layer_number: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         qkv = self.query_key_value(x)  # [b, s, 3h/tp]
         qkv = qkv.view(b, s, self.heads_per_partition, 3, self.head_dim)
         # Views, no copy; in backward unbind's stack writes the [b, s, nh/tp, 3, hd] grad directly.
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # 3 x [b, nh/tp, s, hd]
+        if inference_cache is not None:  # keys/values of earlier steps come first
+            k, v = inference_cache.append(layer_number, k, v)  # 2 x [b, nh/tp, past + s, hd]
         dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p > 0.0:
             with mpu_random.get_rng_tracker().fork():
@@ -167,7 +181,16 @@ class ParallelAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd), masked) v with dropout on the probabilities. [b, n, s, hd]."""
+        """softmax(q k^T / sqrt(hd), masked) v with dropout on the probabilities. [b, n, s_q, hd].
+
+        Without a mask, s_q == s_k is plain causal; queries after cached keys (decoding with an
+        inference cache) get the bottom-right causal mask: query i sees keys 0..s_k - s_q + i.
+        """
+        s_q, s_k = q.shape[2], k.shape[2]
+        if attention_mask is None and s_q != s_k:
+            rows = torch.arange(s_q, device=q.device).unsqueeze(1) + (s_k - s_q)
+            attention_mask = torch.arange(s_k, device=q.device).unsqueeze(0) > rows  # [s_q, s_k]
+            attention_mask = attention_mask.view(1, 1, s_q, s_k)
         return fused.attention(q, k, v, attention_mask, dropout_p, self.attention_impl,
                                self.masked_softmax_fusion, qk_coeff=self.qk_coeff,
                                softmax_in_fp32=self.softmax_in_fp32)
@@ -228,9 +251,10 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = _layer_norm(config, dtype)
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
-    def forward(self, x: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask)  # [b,s,h], [h]
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
+        attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask, inference_cache,
+                                         self.layer_number)  # [b, s, h], [h]
         x = fused.bias_dropout_add(attn, attn_bias, x, self.dropout_p, self.training,
                                    self.bias_dropout_fusion)  # [b, s, h]
         mlp, mlp_bias = self.mlp(self.post_attention_layernorm(x))  # [b, s, h], [h]
@@ -260,17 +284,18 @@ class ParallelTransformer(nn.Module):
         else:
             self.final_layernorm = None
 
-    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
         layers: List[nn.Module] = list(self.layers.values())
-        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+        if (self.checkpoint_activations and self.training and torch.is_grad_enabled()
+                and inference_cache is None):
             n = self.checkpoint_num_layers
             for first in range(0, len(layers), n):
                 chunk = _ChunkForward(layers[first:first + n], attention_mask)
                 hidden = mpu_random.checkpoint(chunk, hidden)  # [b, s, h]
         else:
             for layer in layers:
-                hidden = layer(hidden, attention_mask)  # [b, s, h]
+                hidden = layer(hidden, attention_mask, inference_cache)  # [b, s, h]
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden
@@ -302,7 +327,8 @@ class TransformerLanguageModel(nn.Module):
 class GPT2Model(nn.Module):
     """GPT-2 (Megatron-LM), or one pipeline stage of it when pre_process/post_process are False.
 
-    forward(input_ids [b, s], position_ids [b, s], attention_mask=None, labels=None):
+    forward(input_ids [b, s], position_ids [b, s], attention_mask=None, labels=None,
+    inference_cache=None):
     - with `post_process` and `labels`: per-token loss [b, s] fp32 (no reduction, no loss mask);
     - with `post_process`, no labels: logits [b, s, V/tp] (this rank's vocab shard);
     - without `post_process`: hidden states [b, s, h] for the next stage.
@@ -312,6 +338,8 @@ class GPT2Model(nn.Module):
     the tied output embedding: the first stage's word embeddings, or, when it has no embedding,
     its own `word_embeddings.weight` initialised to the same values (flag `shared = True`; the
     pipeline keeps the two equal by all-reducing their gradients over the embedding group).
+    With an `inference_cache` (incremental decoding) the inputs are the new tokens only, their
+    `position_ids` follow the cached ones, and each layer attends to its cached keys too.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *,
@@ -354,7 +382,8 @@ class GPT2Model(nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor],
                 position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
         if self.pre_process:
             if position_ids is None:
                 seq = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -365,7 +394,8 @@ class GPT2Model(nn.Module):
                 raise RuntimeError(
                     "this pipeline stage has no embedding: call set_input_tensor() first")
             hidden = self.input_tensor
-        hidden = self.language_model.transformer(hidden, attention_mask)  # [b, s, h]
+        hidden = self.language_model.transformer(hidden, attention_mask,
+                                                 inference_cache)  # [b, s, h]
         if not self.post_process:
             return hidden
         hidden = copy_to_tensor_model_parallel_region(hidden, self.parallel_state)

@@ -6,7 +6,7 @@ calls torch.cuda. Ranks passed to broadcast / send / recv are global ranks (torc
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,34 @@ def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, dim: int = -1) -> 
     return summed.chunk(size, dim=dim)[rank].contiguous()
 
 
+def reduce_scatter_flat(output: torch.Tensor, flat: torch.Tensor, group: ProcessGroup,
+                        async_op: bool = False) -> Optional[Any]:
+    """Sum the 1-D `flat` [n] over `group` into `output` [n / group_size], this rank's
+    contiguous chunk (which may be that chunk of `flat` itself: in place, as NCCL documents and
+    gloo does); with `async_op` returns a request for `wait_all` (None when nothing is in
+    flight)."""
+    if _trivial(group):
+        if output.data_ptr() != flat.data_ptr():
+            output.copy_(flat)
+        return None
+    work = dist.reduce_scatter_tensor(output, flat, group=group, async_op=async_op)
+    return work if async_op else None
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
+                    async_op: bool = False) -> Optional[Any]:
+    """Concatenate every rank's 1-D `shard` [n / group_size] into `output` [n] in group-rank
+    order (`shard` may be this rank's chunk of `output`: in place); with `async_op` returns a
+    request for `wait_all` (None when nothing is in flight)."""
+    if _trivial(group):
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
+        return None
+    work = dist.all_gather_into_tensor(output, shard.contiguous(), group=group,
+                                       async_op=async_op)
+    return work if async_op else None
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
     """In-place broadcast of `tensor` from global rank `src` to `group`; returns `tensor`."""
     if _trivial(group):
@@ -137,15 +165,31 @@ def recv(tensor: torch.Tensor, src: int) -> torch.Tensor:
 
 
 def send_recv(sends: Sequence[Tuple[torch.Tensor, int]],
-              recvs: Sequence[Tuple[torch.Tensor, int]]) -> None:
+              recvs: Sequence[Tuple[torch.Tensor, int]], group: ProcessGroup = None) -> None:
     """Post every send (tensor, dst) and receive (buffer, src) at once, then wait for all.
 
     Posting both directions before waiting is what keeps two neighbouring pipeline stages
-    that send to each other at the same time from deadlocking.
+    that send to each other at the same time from deadlocking. `group` None is the world.
     """
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    wait_all(post_send_recv(sends, recvs, group))
+
+
+def post_send_recv(sends: Sequence[Tuple[torch.Tensor, int]],
+                   recvs: Sequence[Tuple[torch.Tensor, int]],
+                   group: ProcessGroup = None) -> List[Any]:
+    """Post sends and receives over `group` (global peer ranks) without waiting; returns the
+    requests for `wait_all`. Messages between two ranks in one direction match in posting
+    order within a group, never across groups."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
     if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        return []
+    return list(dist.batch_isend_irecv(ops))
+
+
+def wait_all(requests: Sequence[Any]) -> None:
+    """Wait for every request returned by post_send_recv (or another async call); None entries
+    (nothing was in flight) are skipped."""
+    for work in requests:
+        if work is not None:
+            work.wait()

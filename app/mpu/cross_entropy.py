@@ -1,9 +1,12 @@
 """Cross-entropy over logits split by vocabulary across the tensor-parallel group.
 
 loss_i = log(sum_v exp(z_iv)) - z_i,target over the full vocabulary, computed from each rank's
-[*, V/tp] slice with three all-reduces of [*]-shaped tensors (max, target logit, sum of exps);
-the full [*, V] logits are never gathered. Arithmetic in fp32, per-token loss, no reduction.
-The arithmetic lives in plain functions; the communication in `_VocabParallelCrossEntropy`.
+[*, V/tp] slice with two all-reduces: the max [*], then [sum of exp(z - max), target logit]
+stacked as [2, *]; the full [*, V] logits are never gathered. Arithmetic in fp32, per-token
+loss, no reduction. The arithmetic lives in plain functions; the communication in
+`_row_totals`, which both variants below (PyTorch and fused kernel) call, so the two issue the
+same collectives with the same meaning: ranks that somehow chose different variants still add
+like quantities (app.kernels.agree_across_ranks keeps them on one variant in the first place).
 """
 from __future__ import annotations
 
@@ -30,6 +33,14 @@ def target_logits(logits: torch.Tensor, local_ids: torch.Tensor,
     return picked.masked_fill(outside, 0.0)
 
 
+def _row_totals(sum_exp: torch.Tensor, predicted: torch.Tensor, group: object
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sums over the group of each rank's sum of exp(z - global max) and of its target logit
+    (raw, 0 where the target is elsewhere): one all-reduce of the two stacked. [*] each."""
+    totals = collectives.all_reduce(torch.stack([sum_exp, predicted]), group)  # [2, *]
+    return totals[0], totals[1]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: object,
@@ -37,14 +48,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z = logits.float()  # [*, v]
         z_max = z.max(dim=-1).values  # [*]
         collectives.all_reduce(z_max, group, op="max")
-        z = z - z_max.unsqueeze(-1)  # new tensor; the input logits are untouched
         local_ids, outside = local_targets(target, start, end)
-        predicted = target_logits(z, local_ids, outside)  # [*]
-        collectives.all_reduce(predicted, group)
+        predicted = target_logits(z, local_ids, outside)  # [*], raw logit
+        z = z - z_max.unsqueeze(-1)  # new tensor; the input logits are untouched
         exp = z.exp_()  # [*, v]
-        sum_exp = exp.sum(dim=-1)  # [*]
-        collectives.all_reduce(sum_exp, group)
-        loss = torch.log(sum_exp) - predicted  # [*]
+        sum_exp, predicted = _row_totals(exp.sum(dim=-1), predicted, group)  # [*] each
+        loss = torch.log(sum_exp) - (predicted - z_max)  # [*]
         softmax = exp.div_(sum_exp.unsqueeze(-1))  # [*, v], this rank's slice
         ctx.save_for_backward(softmax, local_ids, outside)
         ctx.input_dtype = logits.dtype
@@ -109,8 +118,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
                 stats_fn: Callable, grad_fn: Callable) -> torch.Tensor:
         row_max, sum_exp, predicted = stats_fn(logits, target, start)  # 3 x [*] fp32
         global_max = collectives.all_reduce(row_max.clone(), group, op="max")
-        total = collectives.all_reduce(combine_row_stats(row_max, sum_exp, global_max), group)
-        collectives.all_reduce(predicted, group)
+        total, predicted = _row_totals(combine_row_stats(row_max, sum_exp, global_max),
+                                       predicted, group)
         logsumexp = global_max + torch.log(total)  # [*]
         ctx.save_for_backward(logits, target, logsumexp)
         ctx.start, ctx.grad_fn = start, grad_fn
@@ -129,7 +138,8 @@ def fused_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tenso
     """The loss of `vocab_parallel_cross_entropy` without an fp32 copy of the logits. [*] fp32.
 
     Per row, one pass gives this rank's (max, sum of exp, target logit); ranks agree on the max,
-    rescale and sum their sums, and sum the target logits (three [*] all-reduces). Backward
+    then sum their rescaled sums and their target logits (the same two all-reduces as the
+    PyTorch variant: max [*], then [2, *]). Backward
     writes (softmax - onehot) * grad in the logits' dtype from the saved logsumexp. `stats_fn`
     and `grad_fn` are the CUDA kernels (app.kernels.ops.cross_entropy_stats / _grad) or the
     `row_stats_reference` / `grad_reference` above, which run anywhere.

@@ -82,6 +82,8 @@ class ParallelState:
     tensor_model_parallel_ranks: List[int] = field(default_factory=lambda: [0])
     """Global ranks of this rank's tensor-parallel group (src for broadcasts is ranks[0])."""
     data_parallel_ranks: List[int] = field(default_factory=lambda: [0])
+    virtual_pipeline_model_parallel_size: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B when > 1)."""
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -133,7 +135,8 @@ class ParallelState:
         return self.tensor_model_parallel_ranks[0]
 
     # ---- DeepSpeed's `mpu=` interface (and Megatron's names) ----------------------------------
-    # "Model parallel" for DeepSpeed means TP x PP; it equals TP when PP = 1 (the DeepSpeed path).
+    # "Model parallel" for DeepSpeed means TP x PP (its checkpoint file numbers and norm
+    # all-reduces); it counts replicated weights by get_tensor_model_parallel_rank().
     def get_model_parallel_rank(self) -> int:
         return self.model_parallel_rank
 
@@ -195,6 +198,7 @@ def destroy_model_parallel() -> None:
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: int = 1,
                               timeout: Optional[datetime.timedelta] = None) -> ParallelState:
     """Create the TP / DP / PP / model / embedding groups of this world; return this rank's state.
 
@@ -202,6 +206,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     collective). Every collective on these groups fails after `timeout` (torch's default for
     new groups when None) instead of waiting forever for a stopped rank. The returned state
     also becomes the default (`get_parallel_state()`).
+    `virtual_pipeline_model_parallel_size` (model chunks per pipeline rank) is only recorded.
     """
     if not dist.is_available() or not dist.is_initialized():
         if tensor_model_parallel_size == 1 and pipeline_model_parallel_size == 1:
@@ -242,6 +247,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         pipeline_ranks=list(pp_ranks),
         tensor_model_parallel_ranks=list(tp_ranks),
         data_parallel_ranks=list(dp_ranks),
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
     set_parallel_state(state)
     return state

@@ -98,6 +98,9 @@ class _PrecisionOptimizer:
     def loss_scale(self) -> Optional[float]:
         return None if self.scaler is None else self.scaler.scale
 
+    def set_main_weights(self, named_fp32: Dict[str, torch.Tensor]) -> None:
+        """Set separate fp32 main weights by parameter name (none here: the weights are them)."""
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss x the current loss scale (fp16); the loss itself otherwise."""
         return loss if self.scaler is None else loss * self.scaler.scale
@@ -113,6 +116,22 @@ class _PrecisionOptimizer:
         collectives.all_reduce(flags, world_group, op="max")
         grad_bad, loss_bad_any = (bool(v > 0) for v in flags.tolist())
         return grad_bad or loss_bad_any, loss_bad_any
+
+    def _unscale_or_skip(self, grads: List[torch.Tensor], nonfinite_loss: Optional[torch.Tensor],
+                         world_group: Any) -> Optional[StepOutcome]:
+        """Unscale the fp32 `grads` (fp16), agree on non-finite values, advance the scaler; the
+        skipped step's outcome (gradients dropped), or None when the update goes ahead."""
+        scale = self.loss_scale
+        if scale is not None and scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        found_inf, bad_loss = self._agree_nonfinite(grads, nonfinite_loss, world_group)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if not found_inf:
+            return None
+        self.zero_grad()
+        return StepOutcome(True, None, self._counts_as_nonfinite(found_inf, scale), scale,
+                           nonfinite_loss=bad_loss)
 
     def _counts_as_nonfinite(self, found_inf: bool, scale_before: Optional[float]) -> bool:
         if not found_inf:
@@ -240,16 +259,10 @@ class MixedPrecisionOptimizer(_PrecisionOptimizer):
              nonfinite_loss: Optional[torch.Tensor] = None) -> StepOutcome:
         grads = self._main_grads()
         self.last_grad_bytes = _bytes(grads)  # fp32; the half gradients are gone by now
-        scale = self.loss_scale
-        if scale is not None and scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        found_inf, bad_loss = self._agree_nonfinite(grads, nonfinite_loss, world_group)
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        if found_inf:
-            self.zero_grad()
-            return StepOutcome(True, None, self._counts_as_nonfinite(found_inf, scale), scale,
-                               nonfinite_loss=bad_loss)
+        scale = self.loss_scale  # the scale this step's gradients carry
+        skipped = self._unscale_or_skip(grads, nonfinite_loss, world_group)
+        if skipped is not None:
+            return skipped
         norm = clip_grad_norm(self.main_params, clip_grad, parallel_state)
         self.inner.step()
         with torch.no_grad():

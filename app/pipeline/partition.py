@@ -1,4 +1,10 @@
-"""Stage partitioning: which global transformer layers each pipeline stage holds (pure)."""
+"""Stage partitioning: which global transformer layers each pipeline stage holds (pure).
+
+Without interleaving stage r of PP holds one contiguous block of L / PP layers. With V model
+chunks per stage (the interleaved schedule) the layers are cut into PP x V blocks of
+L / (PP x V), handed out round-robin: block v x PP + r is chunk v of stage r, so stage 0 of
+PP = 2, V = 2, L = 8 holds layers {0, 1} and {4, 5}, stage 1 holds {2, 3} and {6, 7}.
+"""
 from __future__ import annotations
 
 from typing import List
@@ -28,3 +34,18 @@ def stage_layer_range(num_layers: int, pipeline_model_parallel_size: int,
         raise ValueError(f"pipeline_model_parallel_rank ({pipeline_model_parallel_rank}) is not "
                          f"in [0, {pipeline_model_parallel_size})")
     return partition_layers(num_layers, pipeline_model_parallel_size)[pipeline_model_parallel_rank]
+
+
+def virtual_stage_layer_ranges(num_layers: int, pipeline_model_parallel_size: int,
+                               virtual_pipeline_model_parallel_size: int,
+                               pipeline_model_parallel_rank: int) -> List[range]:
+    """Global layer indices of each model chunk of stage `pipeline_model_parallel_rank`, chunk 0
+    first: chunk v holds block v x PP + rank of the PP x V equal blocks (Megatron's order)."""
+    pp, vp = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
+    if vp <= 0:
+        raise ValueError(f"virtual_pipeline_model_parallel_size must be positive, got {vp}")
+    if not 0 <= pipeline_model_parallel_rank < max(pp, 1):
+        raise ValueError(f"pipeline_model_parallel_rank ({pipeline_model_parallel_rank}) is not "
+                         f"in [0, {pp})")
+    blocks = partition_layers(num_layers, pp * vp)
+    return [blocks[v * pp + pipeline_model_parallel_rank] for v in range(vp)]

@@ -175,3 +175,11 @@ def run_checks(checks: Mapping[str, Callable[..., None]], *args: Any) -> Dict[st
         if failed.item() > 0:
             stopped = name
     return outcome
+
+
+def assert_checks_passed(outcomes: List[Dict[str, Optional[str]]]) -> None:
+    """Parent side: raise AssertionError listing every (rank, check) that run_checks reported
+    as failed, given the ranks' outcomes in rank order."""
+    failures = [f"rank {rank}: {name}:\n{text}" for rank, outcome in enumerate(outcomes)
+                for name, text in outcome.items() if text]
+    assert not failures, "\n".join(failures)

@@ -214,6 +214,9 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         apply_residual_connection_post_layernorm=False,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
+        virtual_pipeline_model_parallel_size=(cfg.virtual_pipeline_model_parallel_size
+                                              if p.num_layers_per_virtual_pipeline_stage else None),
         data_parallel_size=p.data_parallel_size, world_size=p.world_size,
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
         train_iters=t.train_iters, seed=t.seed, lr=o.lr, min_lr=o.min_lr,
@@ -228,7 +231,7 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
     """Raise CheckpointError if the checkpoint's model shape or TP/PP layout differs from ours.
 
     Fields missing from an older checkpoint are skipped. The message names the field and both
-    values; a tensor/pipeline size mismatch also says that resharding is not supported.
+    values; a tensor/pipeline size mismatch also says how to reshard (tools/convert_checkpoint.py).
     """
     if ckpt_args is None:
         return
@@ -236,7 +239,9 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
         saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
         if saved != now:
             raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
-                                  f"{now}; resharding is not supported yet")
+                                  f"{now}; reshard it first: tools/convert_checkpoint.py "
+                                  "--input-format megatron --target-tensor-model-parallel-size T "
+                                  "--target-pipeline-model-parallel-size P --include-optimizer")
     for name in MODEL_SHAPE_FIELDS:
         if not hasattr(ckpt_args, name) or not hasattr(current, name):
             continue
@@ -623,7 +628,9 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
             raise CheckpointError(
                 f"checkpoint in {directory} was saved with tensor_model_parallel_size "
                 f"{layout[0]} and pipeline_model_parallel_size {layout[1]}, but this run uses "
-                f"{tp_size} and {pp_size}; resharding is not supported yet: use the saved sizes")
+                f"{tp_size} and {pp_size}; use the saved sizes, or reshard it with "
+                "tools/convert_checkpoint.py (--target-tensor-model-parallel-size, "
+                "--target-pipeline-model-parallel-size, --include-optimizer)")
         raise CheckpointError(
             f"checkpoint file {path} does not exist (found {present} in {directory}); was it "
             "saved with a different tensor/pipeline parallel size, or did the save not finish?")
@@ -634,3 +641,35 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
         raise CheckpointError(f"checkpoint file {path} says iteration {saved} but lies in the "
                               f"directory of iteration {iteration}")
     return state, iteration
+
+
+def saved_virtual_pipeline_size(ckpt_args: Optional[argparse.Namespace]) -> int:
+    """Model chunks per pipeline rank of the run that saved `ckpt_args` (1: not interleaved)."""
+    return int(getattr(ckpt_args, "virtual_pipeline_model_parallel_size", None) or 1)
+
+
+def load_weights_by_name(load_dir: str, iteration: Iteration, names: List[str], *,
+                         tp_rank: int, pp_size: int
+                         ) -> Tuple[Dict[str, Any], Optional[Dict[str, torch.Tensor]]]:
+    """(weights, fp32 main weights or None) called `names`, from the files of every pipeline
+    stage of `tp_rank`.
+
+    Parameter names carry global layer indices, so a stage can take its layers from a
+    checkpoint whose stages held other layers (an interleaved run's chunks, or the reverse).
+    The tied copy of the word embeddings on the last stage (`word_embeddings.weight`) is the
+    same in every layout. Raises CheckpointError naming a weight no file holds.
+    """
+    found: Dict[str, Any] = {}
+    mains: Dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp_size):
+        state, _ = load_checkpoint_dict(load_dir, iteration=iteration, tp_rank=tp_rank,
+                                        pp_rank=pp_rank, pp_size=pp_size)
+        flat = from_megatron_model(state["model"])
+        found.update({name: flat[name] for name in names if name in flat})
+        main = fp32_main_weights(state) or {}
+        mains.update({name: main[name] for name in names if name in main})
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise CheckpointError(f"no pipeline stage of {checkpoint_dir(load_dir, iteration)} holds "
+                              f"{missing[:4]}; was it saved with another --num-layers?")
+    return found, (mains or None)

@@ -9,7 +9,8 @@ Two formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
 
 - "megatron" (the native path, Megatron-LM's layout): `mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`,
   one file per tensor x pipeline rank (data-parallel replicas write nothing of their own);
-- "deepspeed": `mp_rank_{tp:02d}_model_states.pt` per tensor-parallel rank, plus, with ZeRO,
+- "deepspeed": `mp_rank_{tp:02d}_model_states.pt` per tensor-parallel rank (per model-parallel
+  rank pp_rank x TP + tp_rank with pipeline stages, read as TP x PP ranks), plus, with ZeRO,
   `[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt` per data-parallel x tensor rank
   (ZeRO's partitions of the optimizer states).
 """
@@ -134,6 +135,10 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
                 "this run is on the native path: add --deepspeed --deepspeed_config <json> to "
                 "resume it, or convert it: " + load_command_hint(load_dir, tp, pp, DEEPSPEED))
     saved_tp, saved_pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    if layout.format == DEEPSPEED and pp > 1 and saved_tp * saved_pp == tp * pp:
+        # DeepSpeed numbers its files by model-parallel rank (pp_rank x TP + tp_rank), so the
+        # names give TP x PP only; the engine checks the split against the saved args
+        return partition_problem(layout, data_parallel_size) if load_optimizer else None
     if (saved_tp, saved_pp) != (tp, pp):
         change = (f"it was saved with tensor-parallel size {saved_tp} and pipeline-parallel size "
                   f"{saved_pp}; this run uses {tp} and {pp}")

@@ -55,6 +55,28 @@ def build_data_iterator(dataset: Any, consumed_samples: int, micro_batch_size: i
     return iter(loader)
 
 
+def check_data_suffices(dataset: Any, split: str, consumed_samples: int, global_batches: int,
+                        global_batch_size: int) -> None:
+    """Raise ValueError unless `dataset` holds the `global_batches` global batches a run reads
+    from sample `consumed_samples` on (nothing to check without a data set or batches).
+
+    Called before the loop on every rank, from numbers every rank has, so every rank stops
+    alike: running out inside the loop would stop only tensor-parallel rank 0 (the reader) and
+    leave the other ranks of its group waiting in the batch broadcast.
+    """
+    if dataset is None or global_batches <= 0:
+        return
+    needed = consumed_samples + global_batches * global_batch_size
+    if needed > len(dataset):
+        raise ValueError(
+            f"the {split} data set holds {len(dataset)} samples, but the run reads up to sample "
+            f"{needed} ({global_batches} global batches of --global-batch-size "
+            f"{global_batch_size} from consumed sample {consumed_samples}, which a resumed run "
+            "takes from its checkpoint, rollback skips included): lower --train-iters, or "
+            "build the data sets for this run (they are sized from --train-iters, "
+            "--global-batch-size, --eval-interval, --eval-iters and --max-rollbacks)")
+
+
 class BatchBuilder:
     """Turns the next micro-batch of an iterator into model inputs on every TP rank."""
 

@@ -9,6 +9,16 @@ Per micro-batch, `backward` runs `engine.backward(loss, scale_wrt_gas=False)` (o
 already divided by the number of micro-batches) followed by `engine.step()`, which DeepSpeed
 turns into a real update only at the gradient-accumulation boundary; `step` then reports it.
 
+Pipeline parallelism (PP > 1) runs our own 1F1B schedule with one DeepSpeed engine per stage,
+the way DeepSpeed's PipelineEngine drives its engine: every backward runs with the accumulation
+boundary held off, so ZeRO-1 keeps the accumulated gradients local; `step` then sums the tied
+word-embedding gradient of the first and last stage, opens the boundary, reduces over data
+parallel (`allreduce_gradients`) and steps. Stages other than the last backpropagate the
+received output gradient through `engine.backward` too, as the scalar sum(output x gradient)
+(divided by the loss scale, which `engine.backward` multiplies back), whose gradient with respect
+to the output is exactly the received one. ZeRO-1 only (app.config says why); the last stage's
+tied copy of the embeddings is marked `ds_pipe_replicated` so DeepSpeed's norm counts it once.
+
 DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replaces the engine's
 `checkpoint_engine` (DeepSpeed's hook for checkpoint I/O): every file is written crash-safely
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
@@ -23,6 +33,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import shutil
 import socket
 from typing import Any, Dict, List, Optional, Tuple
@@ -139,7 +150,16 @@ class DeepSpeedEngineAdapter(Engine):
         if cfg.checkpoint.no_save_optim:
             raise ValueError("--no-save-optim is not available with --deepspeed: DeepSpeed always "
                              "writes the (ZeRO-partitioned) optimizer states; drop the flag, or "
-                             "convert to weights only with tools/convert_deepspeed_to_megatron.py")
+                             "convert to weights only with tools/convert_checkpoint.py "
+                             "--input-format deepspeed")
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+        # saved with every checkpoint, so that ds_to_universal.py can merge the TP slices
+        setattr(model, UNIVERSAL_CHECKPOINT_INFO,
+                universal_checkpoint_info(model, cfg.raw_vocab_size or cfg.model.padded_vocab_size))
+        self.pipelined = parallel_state.pipeline_model_parallel_size > 1
+        for param in model.parameters():  # DeepSpeed's mark for a pipeline-replicated weight
+            if getattr(param, "shared", False):
+                param.ds_pipe_replicated = True
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
             from app.optim import OptimizerParamScheduler, get_param_groups
@@ -189,19 +209,51 @@ class DeepSpeedEngineAdapter(Engine):
 
     def backward(self, loss: torch.Tensor) -> None:
         self._bad_loss = self._bad_loss + (~torch.isfinite(loss.detach())).any().float().cpu()
+        self._backward(loss)
+
+    def backward_output(self, output: torch.Tensor, output_grad: torch.Tensor) -> None:
+        """engine.backward of sum(output x output_grad) / loss scale: gradients exactly those of
+        autograd.backward(output, output_grad), with DeepSpeed's bookkeeping around them."""
+        scale = self.loss_scale or 1.0
+        surrogate = (output.float() * output_grad.float()).sum() / scale  # scalar
+        self._backward(surrogate)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.pipelined:
+            self.ds.set_gradient_accumulation_boundary(False)
         self.ds.backward(loss, scale_wrt_gas=False)
-        self._lr_used = self._current_lr()  # the boundary step below advances the schedule
+        self._lr_used = self._current_lr()  # the boundary step advances the schedule
         # peak over the accumulation: ZeRO-1 holds full gradients between boundaries, ZeRO-2 only
         # its partition; the boundary step frees them
         self._grad_bytes = max(getattr(self, "_grad_bytes", 0), self._gradient_bytes())
-        self.ds.step()
         self._micro += 1
+        if not self.pipelined:
+            self.ds.step()  # an update only at the accumulation boundary
+        elif self._micro < self.ds.gradient_accumulation_steps():
+            self.ds.step()  # counts the micro-step; the boundary waits for step()
+
+    def _pipeline_boundary_step(self) -> None:
+        """Sum the tied embedding gradient over the first and last stage, then reduce over data
+        parallel and step (DeepSpeed's PipelineEngine order: tied, data-parallel, optimizer)."""
+        ps = self.ps
+        if ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage():
+            weight = self.ds.module.word_embeddings_weight()
+            opt = self.ds.optimizer
+            grad = (opt.get_gradient_for_reduction(weight)
+                    if hasattr(opt, "get_gradient_for_reduction") else weight.grad)
+            if grad is not None:
+                collectives.all_reduce(grad, ps.embedding_group)
+        self.ds.set_gradient_accumulation_boundary(True)
+        self.ds.allreduce_gradients()
+        self.ds.step()
 
     def step(self) -> StepResult:
         gas = self.ds.gradient_accumulation_steps()
         if self._micro != gas:
             raise RuntimeError(f"DeepSpeed engine saw {self._micro} micro-batches in an "
                                f"iteration; gradient_accumulation_steps is {gas}")
+        if self.pipelined:
+            self._pipeline_boundary_step()
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
         skipped = not self.ds.was_step_applied()
@@ -302,19 +354,27 @@ class DeepSpeedEngineAdapter(Engine):
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.ps.data_parallel_size, load_optimizer=False)
-        problem = (inspect.partition_problem(layout, self.ps.data_parallel_size)
-                   if layout is not None and plan.load_optimizer else None)
-        if problem:
+        if layout is not None:  # the file names give TP x PP ranks, the args their split
             saved = inspect.read_saved_state(layout).get("args")
             if saved is not None:
                 check_saved_args(plan, saved, self.cfg, where)
+        problem = (inspect.partition_problem(layout, self.ps.data_parallel_size)
+                   if layout is not None and plan.load_optimizer else None)
+        if problem:
             from app.training.checkpoint import CheckpointError
             raise CheckpointError(problem)
 
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """engine.load_checkpoint of the plan's tag: the module always, optimizer and LR-scheduler
-        states when the plan says so; our client state carries the position, args and RNG."""
-        tag = "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}"
+        states when the plan says so; our client state carries the position, args and RNG.
+
+        With --universal-checkpoint the tag is the one `latest_universal` names (written by
+        DeepSpeed's ds_to_universal.py); DeepSpeed then slices every parameter and Adam moment
+        for this run's DP and TP sizes, so the saved layout need not match this run's.
+        """
+        universal = self.cfg.deepspeed.universal_checkpoint
+        tag = self._universal_tag(load_dir) if universal else (
+            "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
         where = os.path.join(load_dir, tag)
         self._check_loadable(load_dir, plan, where)
         try:
@@ -331,12 +391,70 @@ class DeepSpeedEngineAdapter(Engine):
             raise ckpt.CheckpointError(f"DeepSpeed could not load {where}; is it a DeepSpeed "
                                        "checkpoint (mp_rank_XX_model_states.pt) of this model?")
         client = client or {}
-        args = client.get("args")
+        args, rng = client.get("args"), client.get("rng_state")
+        if args is not None and universal:  # any layout: compare the model shape only
+            args, rng = self._universal_adjust(args, rng)
         if args is not None:
             check_saved_args(plan, args, self.cfg, where)
         return CheckpointContents(path=path, iteration=plan.iteration, args=args,
-                                  client_state=client, rng_state=client.get("rng_state"),
+                                  client_state=client, rng_state=rng,
                                   scheduler_state=client.get("scheduler_steps"))
+
+    @staticmethod
+    def _universal_tag(load_dir: str) -> str:
+        from app.training import checkpoint as ckpt
+        latest = os.path.join(load_dir, "latest_universal")
+        if not os.path.isfile(latest):
+            raise ckpt.CheckpointError(
+                f"--universal-checkpoint: {latest} does not exist; convert first with "
+                f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {load_dir}/iter_N "
+                f"--output_folder {load_dir}/iter_N_universal")
+        with open(latest, encoding="utf-8") as f:
+            return f.read().strip()
+
+    def _universal_adjust(self, args: Any, rng: Any) -> Tuple[Any, Any]:
+        """The saved args with this run's layout (DeepSpeed re-slices the tensors), and the
+        saved RNG states with this run's model-parallel dropout stream when the TP size changed
+        (each TP rank needs its own stream; the saved ones belong to the old ranks)."""
+        import copy
+        from app.mpu.random import get_rng_tracker
+        saved_tp = int(getattr(args, "tensor_model_parallel_size", 1))
+        args = copy.copy(args)
+        args.tensor_model_parallel_size = self.ps.tensor_model_parallel_size
+        args.pipeline_model_parallel_size = self.ps.pipeline_model_parallel_size
+        args.padded_vocab_size = self.cfg.model.padded_vocab_size
+        if rng is not None and saved_tp != self.ps.tensor_model_parallel_size:
+            rng = dict(rng[0] if isinstance(rng, (list, tuple)) else rng)
+            rng["rng_tracker_states"] = get_rng_tracker().get_states()
+            logger.info("universal checkpoint saved at TP %d, loaded at TP %d: the model-parallel "
+                        "dropout streams restart from this run's seed", saved_tp,
+                        self.ps.tensor_model_parallel_size)
+        return args, rng
+
+
+def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[str, Any]:
+    """What DeepSpeed's ds_to_universal.py needs to merge and re-slice our parameters: which
+    are replicated across TP ranks, which are split by columns (row-parallel layers), and which
+    hold the padded vocabulary (trimmed to the tokenizer's `vocab_size` in the universal files,
+    padded with zeros for the loading run's TP size); everything else is split by rows. Read
+    from the parameters' own `tensor_model_parallel` / `partition_dim` marks, one exact-name
+    pattern each."""
+    from deepspeed.checkpoint import constants as c
+    replicated, by_columns, vocabulary = [], [], []
+    for name, param in model.named_parameters():
+        pattern = re.escape(name) + "$"
+        if not getattr(param, "tensor_model_parallel", False):
+            replicated.append(pattern)
+        elif getattr(param, "partition_dim", 0) == 1:
+            by_columns.append(pattern)
+        if name.endswith("word_embeddings.weight"):
+            vocabulary.append(pattern)
+    return {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            c.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+            c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: by_columns,
+            c.VOCABULARY_PARAMETER_PATTERNS: vocabulary,
+            c.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [],
+            c.PARAMETER_TO_AVERAGE_PATTERNS: [], "original_vocab_size": int(vocab_size)}
 
 
 def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:
@@ -352,9 +470,24 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     from app.mpu import random as mpu_random
     ds = cfg.deepspeed.config
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")
-    chunks = cfg.model.num_layers // cfg.model.checkpoint_num_layers
+    layers_per_stage = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
+    chunks = layers_per_stage // cfg.model.checkpoint_num_layers
     deepspeed.checkpointing.configure(parallel_state, deepspeed_config=ds,
                                       num_checkpoints=None if given else chunks)
     deepspeed.checkpointing.model_parallel_cuda_manual_seed(cfg.training.seed)
-    mpu_random.set_checkpoint_implementation(deepspeed.checkpointing.checkpoint,
+    mpu_random.set_checkpoint_implementation(_leaf_safe(deepspeed.checkpointing.checkpoint),
                                              deepspeed.checkpointing.get_cuda_rng_tracker)
+
+
+def _leaf_safe(checkpoint: Any) -> Any:
+    """DeepSpeed's checkpoint, handed a view of any leaf tensor that requires grad.
+
+    With partition_activations DeepSpeed swaps each input's storage for its flat partition; on a
+    pipeline stage after the first, the first chunk's input is the received activation, a leaf
+    whose gradient the schedule sends back, so its own storage must stay [b, s, h].
+    """
+    def run(function: Any, *args: Any) -> Any:
+        args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
+                     else a for a in args)
+        return checkpoint(function, *args)
+    return run

@@ -136,6 +136,8 @@ def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig, path: str = "<d
     _reconcile_precision(ds, cfg, path)
     _reconcile_loss_scale(ds, cfg, path, explicit_flags)
     _reconcile_optimizer(ds, cfg, path, explicit_flags)
+    if cfg.deepspeed.universal_checkpoint:
+        ds.setdefault("checkpoint", {})["load_universal"] = True
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2):
         raise ValueError(f"{path}: zero_optimization.stage {stage} is not supported here "

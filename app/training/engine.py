@@ -60,6 +60,11 @@ class Engine(abc.ABC):
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of `loss` (already divided by the number of micro-batches)."""
 
+    def backward_output(self, output: torch.Tensor, output_grad: torch.Tensor) -> None:
+        """Accumulate gradients of a pipeline stage's `output` given the gradient the next stage
+        sent back (it already carries the loss scale and the 1 / num_micro_batches)."""
+        torch.autograd.backward(output, grad_tensors=output_grad)
+
     @abc.abstractmethod
     def step(self) -> StepResult:
         """Synchronise gradients, clip, update the weights and advance the LR schedule by one."""

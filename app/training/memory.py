@@ -9,8 +9,10 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
     fp32 (native, or DeepSpeed without ZeRO):  weights 4Ψ + gradients 4Ψ + Adam 8Ψ   = 16Ψ
     fp16/bf16 (mixed precision, K = 12):       weights 2Ψ + gradients 2Ψ + fp32 master 4Ψ
                                                + Adam 8Ψ                          = 16Ψ
-    native fp16/bf16 steps fp32 main gradients: 4Ψ, plus the 2Ψ half gradients they are cast
-    from unless gradients accumulate in fp32 (bf16, --accumulate-allreduce-grads-in-fp32)
+    native fp16/bf16 steps fp32 main gradients: 4Ψ (accumulated in fp32, or cast from the
+    2Ψ half gradients, each freed as it is cast, so the peak stays 4Ψ)
+    --use-distributed-optimizer (native): the optimizer states (Adam, fp32 main weights of a
+            half run) divided by N_d, as ZeRO-1
     ZeRO-1: optimizer states (and the fp32 master partition DeepSpeed keeps, also in fp32
             runs) divided by N_d;  ZeRO-2: gradients too;  offload_optimizer: optimizer states
             and master weights on the host (0 on the device).  With contiguous_gradients
@@ -23,15 +25,23 @@ tensor parallelism t, generalised to an activation width of w bytes and dropout 
 m = 1 byte, 0 when that dropout is off):
 
     s b h (w (4 + 12/t) + 2 m)          LayerNorm inputs, QKV, attention output, MLP, masks
-    + a s^2 b (2 w + m_attn) / t        scores kept by explicit-mask attention (w=2, dropout on:
-                                        the paper's 5 a s / h term); SDPA's fused kernels keep
-                                        none, so plain causal attention drops this term
+    + a s^2 b (2 w + m_attn) / t        probabilities kept on the local attention path (q k^T
+                                        + fused softmax + @ v: --attention-backend local or an
+                                        explicit mask): the softmax output, the dropout mask
+                                        and the dropped copy (w=2, dropout on: the paper's
+                                        5 a s / h term); a s^2 b w / t without attention
+                                        dropout; SDPA's fused kernels keep none, so plain
+                                        causal attention through SDPA drops this term
 
 which is the paper's s b h (34 + 5 a s / h) for w = 2, t = 1, dropout on. Full recompute
 (--checkpoint-activations, c layers per chunk) keeps only each chunk's input, w s b h, plus
-one chunk's activations while it is recomputed. The 1F1B pipeline schedule keeps min(PP,
-micro-batches) micro-batches in flight on the first stage. The output layer adds
-(w + 4) s b V / t (logits and the fp32 softmax the loss keeps). The estimate fits when it is
+one chunk's activations while it is recomputed. The first stage adds the embedding output; the
+last the output layer, (w + 4) s b V / t (logits and the fp32 softmax the loss keeps). The
+1F1B pipeline schedule keeps min(PP - r, micro-batches) micro-batches in flight on stage r, so
+with a pipeline both the first stage (most in flight) and the last (the output layer) are
+estimated and the larger counts; the micro-batches per iteration, ceil(global batch / (N_d b)),
+change with the micro-batch b, so the largest micro-batch that fits is searched for, not
+extrapolated. The estimate fits when it is
 at most FIT_FRACTION of the device memory; the rest is for the CUDA context, the allocator's
 fragmentation and temporary buffers.
 """
@@ -61,6 +71,27 @@ def params_per_rank(cfg: RunConfig) -> int:
     return max(first + (2 * h if pp == 1 else 0), last)
 
 
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes per sample of the micro-batch on one pipeline stage's ranks."""
+
+    pipeline_rank: int
+    max_in_flight: int
+    """Micro-batches the 1F1B schedule keeps in flight there at most (PP - rank; 1 without PP)."""
+    forward: float
+    """Kept by autograd from the forward pass of one micro-batch."""
+    recompute: float
+    """Added by full recompute while one chunk is recomputed in backward."""
+    transient: float
+    """The logits alive at the loss (last stage)."""
+    note: str
+
+    def bytes(self, micro_batch_size: int, micro_batches: int) -> float:
+        """Peak activation bytes at `micro_batch_size` with `micro_batches` per iteration."""
+        in_flight = min(self.max_in_flight, micro_batches)
+        return micro_batch_size * (in_flight * self.forward + self.recompute + self.transient)
+
+
 @dataclass
 class MemoryEstimate:
     """Bytes per rank by component, for one micro-batch size."""
@@ -73,9 +104,12 @@ class MemoryEstimate:
     buffers: float
     """DeepSpeed's gradient reduce buckets (0 on the native path)."""
     activations: float
-    activations_per_sample: float
-    """activations / micro_batch_size (the estimate is linear in the micro-batch)."""
+    """Activations of the most loaded pipeline stage (the first or the last)."""
     micro_batch_size: int
+    stages: List[StageActivations] = field(default_factory=list)
+    """The stages estimated: the first and, with a pipeline, the last."""
+    samples_per_rank: int = 1
+    """Samples per data-parallel rank per iteration (global batch / N_d)."""
     notes: List[str] = field(default_factory=list)
     """How each term was computed, for the report."""
 
@@ -87,12 +121,27 @@ class MemoryEstimate:
     def total(self) -> float:
         return self.model_states + self.activations
 
+    def activations_at(self, micro_batch_size: int) -> float:
+        """Activation bytes of the most loaded stage at `micro_batch_size`; the micro-batches
+        per iteration (which bound those in flight) follow from it, ceil(samples_per_rank / b)."""
+        micro_batches = -(-self.samples_per_rank // micro_batch_size)
+        return max(st.bytes(micro_batch_size, micro_batches) for st in self.stages)
+
     def largest_micro_batch(self, device_bytes: float) -> int:
-        """Largest micro-batch whose estimate fits FIT_FRACTION of `device_bytes` (0: none)."""
+        """Largest micro-batch whose estimate fits FIT_FRACTION of `device_bytes` (0: none).
+
+        Exact search: with a pipeline, the micro-batches in flight, min(PP, micro-batches),
+        shrink as the micro-batch grows, so activations are not linear in it. Every micro-batch
+        b keeps at least b x (one in flight) bytes, which bounds the search; from
+        samples_per_rank on, one is in flight and the first candidate fits."""
         room = FIT_FRACTION * device_bytes - self.model_states
-        if room <= 0 or self.activations_per_sample <= 0:
+        one_in_flight = max(st.bytes(1, 1) for st in self.stages)
+        if room <= 0 or one_in_flight <= 0:
             return 0
-        return int(room // self.activations_per_sample)
+        for b in range(int(room // one_in_flight), 0, -1):
+            if self.activations_at(b) <= room:
+                return b
+        return 0
 
 
 def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
@@ -105,13 +154,14 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     stage = int(zero.get("stage", 0)) if ds is not None else 0
     offload = ds is not None and (zero.get("offload_optimizer", {}) or {}).get("device") == "cpu"
     master = 4 if (half or stage >= 1) else 0  # ZeRO keeps an fp32 partition even in fp32 runs
-    optim = (master + 8) * psi / (dp if stage >= 1 else 1)
+    sharded = stage >= 1 or (ds is None and cfg.optimizer.use_distributed_optimizer)
+    optim = (master + 8) * psi / (dp if sharded else 1)
     grads = w * psi / (dp if stage >= 2 else 1)
     grads_text = f"{w}Ψ" + ("/N_d" if stage >= 2 else "")
-    if ds is None and half:  # fp32 main gradients, cast from half ones unless accumulated in fp32
-        fp32_accumulation = cfg.precision.grads_accumulate_in_fp32
-        grads = (4 if fp32_accumulation else 4 + w) * psi
-        grads_text = "4Ψ (fp32 main)" + ("" if fp32_accumulation else f" + {w}Ψ")
+    if ds is None and half:  # fp32 main gradients (MixedPrecisionOptimizer._main_grads)
+        grads = 4 * psi
+        grads_text = ("4Ψ (fp32 main)" if cfg.precision.grads_accumulate_in_fp32 else
+                      f"4Ψ (fp32 main, cast from {w}Ψ half ones, each freed as it is cast)")
     buffers = 0.0
     if stage >= 1 and zero.get("contiguous_gradients", True):
         copies = 2 if zero.get("overlap_comm", False) else 1
@@ -119,9 +169,10 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
         buffers = float(int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)) * copies * width)
     if offload:
         optim = 0.0
-    engine = f"DeepSpeed ZeRO-{stage}" if ds is not None else "native"
+    engine = (f"DeepSpeed ZeRO-{stage}" if ds is not None else
+              "native, distributed optimizer" if sharded else "native")
     optim_text = ("0 (offloaded to the host)" if offload else
-                  f"{master + 8}Ψ" + ("/N_d" if stage >= 1 else ""))
+                  f"{master + 8}Ψ" + ("/N_d" if sharded else ""))
     note = (f"{engine}, {'16-bit' if half else 'fp32'} weights: weights {w}Ψ, gradients "
             f"{grads_text}, optimizer {optim_text} with Ψ = {psi:,} parameters "
             f"per rank, N_d = {dp}"
@@ -131,21 +182,21 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
 
 
 def scores_kept(cfg: RunConfig, device_type: str) -> bool:
-    """Whether attention keeps its [b, a/t, s, s] probabilities for backward: with an explicit
-    mask (--reset-attention-mask) always; through SDPA only where no fused kernel takes the
-    call (on the CPU when attention dropout is on, which sends SDPA to its math path)."""
-    if cfg.data.reset_attention_mask:
+    """Whether attention keeps its [b, a/t, s, s] probabilities for backward: on the local path
+    (q k^T + fused softmax + @ v: --attention-backend local, or an explicit mask from
+    --reset-attention-mask) always; through SDPA only where no fused kernel takes the call (on
+    the CPU when attention dropout is on, which sends SDPA to its math path)."""
+    if cfg.data.reset_attention_mask or cfg.model.attention_impl == "local":
         return True
     return device_type == "cpu" and cfg.model.attention_dropout > 0
 
 
-def activation_bytes_per_sample(cfg: RunConfig, device_type: str = "cuda") -> Dict[str, Any]:
-    """Activation bytes per sample of the micro-batch on the most loaded rank.
+def stage_activations(cfg: RunConfig, device_type: str = "cuda",
+                      pipeline_rank: int = 0) -> StageActivations:
+    """Activation bytes per sample of the micro-batch on pipeline stage `pipeline_rank`.
 
-    Returns dict(forward=bytes autograd keeps from the forward pass, recompute=what full
-    recompute adds while one chunk is recomputed in backward, transient=the logits alive at
-    the loss, note=the formula with its values). Dropout masks are bool on CUDA (m = 1 byte)
-    and have the activation's width on the CPU (m = w).
+    Dropout masks are bool on CUDA (m = 1 byte) and have the activation's width on the CPU
+    (m = w). The first stage adds the embedding output; the last the output layer and the loss.
     """
     m, p = cfg.model, cfg.parallel
     t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
@@ -153,11 +204,13 @@ def activation_bytes_per_sample(cfg: RunConfig, device_type: str = "cuda") -> Di
     w = 2 if (cfg.precision.fp16 or cfg.precision.bf16) else 4
     mask_width = 1 if device_type == "cuda" else w
     mask = mask_width if m.hidden_dropout > 0 else 0
-    attn_mask = mask_width if m.attention_dropout > 0 else 0
-    explicit = scores_kept(cfg, device_type)
     per_layer = s * h * (w * (4 + 12 / t) + 2 * mask)
-    if explicit:
-        per_layer += a * s * s * (2 * w + attn_mask) / t
+    scores = ""
+    if scores_kept(cfg, device_type):
+        # the softmax output; with attention dropout also its mask and the dropped copy @ v keeps
+        width = 2 * w + mask_width if m.attention_dropout > 0 else w
+        per_layer += a * s * s * width / t
+        scores = " + a·s²·b(2w + m)/t" if m.attention_dropout > 0 else " + a·s²·b·w/t"
     layers = m.num_layers // pp
     recompute = 0.0
     if m.checkpoint_activations:
@@ -168,30 +221,35 @@ def activation_bytes_per_sample(cfg: RunConfig, device_type: str = "cuda") -> Di
     else:
         stage = layers * per_layer
         how = f"{layers} layers kept"
-    micro = cfg.training.num_micro_batches(p.data_parallel_size)
-    in_flight = min(pp, micro) if pp > 1 else 1
-    embedding = s * h * (w + mask)
-    last = pp == 1  # the output layer lives on the last stage, which has one micro-batch in flight
-    forward = in_flight * (stage + embedding) + (4 * s * V / t if last else 0.0)
+    first, last = pipeline_rank == 0, pipeline_rank == pp - 1
+    forward = stage + (s * h * (w + mask) if first else 0.0) + (4 * s * V / t if last else 0.0)
     transient = w * s * V / t if last else 0.0
-    note = (f"per layer s·b·h·(w(4 + 12/t) + 2m){' + a·s²·b(2w + m)/t' if explicit else ''} "
-            f"with s = {s}, h = {h}, a = {a}, t = {t}, w = {w}, m = {mask}; {how}; "
-            f"{in_flight} micro-batch(es) in flight; output layer (w + 4)·s·b·V/t with V = {V}")
-    return dict(forward=float(forward), recompute=float(recompute), transient=float(transient),
-                note=note)
+    in_flight = pp - pipeline_rank
+    where = ("" if pp == 1 else
+             f"stage {pipeline_rank} of {pp}, up to {in_flight} micro-batch(es) in flight: ")
+    note = (f"{where}per layer s·b·h·(w(4 + 12/t) + 2m){scores} with s = {s}, h = {h}, a = {a}, "
+            f"t = {t}, w = {w}, m = {mask}; {how}"
+            + (f"; output layer (w + 4)·s·b·V/t with V = {V}" if last else ""))
+    return StageActivations(pipeline_rank=pipeline_rank, max_in_flight=in_flight,
+                            forward=float(forward), recompute=float(recompute),
+                            transient=float(transient), note=note)
 
 
 def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,
                     device_type: str = "cuda") -> MemoryEstimate:
     """The per-rank memory estimate of `cfg` (at its micro-batch size unless one is given) on a
-    device of `device_type` ("cuda" or "cpu")."""
+    device of `device_type` ("cuda" or "cpu"); with a pipeline, of the first or the last stage,
+    whichever needs more."""
     b = micro_batch_size or cfg.training.micro_batch_size
     psi = params_per_rank(cfg)
     states = _model_states(cfg, psi)
-    act = activation_bytes_per_sample(cfg, device_type)
-    per_sample = act["forward"] + act["recompute"] + act["transient"]
-    return MemoryEstimate(params=psi, weights=states["weights"], gradients=states["gradients"],
-                          optimizer=states["optimizer"], buffers=states["buffers"],
-                          activations=per_sample * b,
-                          activations_per_sample=per_sample, micro_batch_size=b,
-                          notes=[states["note"], act["note"]])
+    pp = cfg.parallel.pipeline_model_parallel_size
+    stages = [stage_activations(cfg, device_type, r) for r in sorted({0, pp - 1})]
+    est = MemoryEstimate(params=psi, weights=states["weights"], gradients=states["gradients"],
+                         optimizer=states["optimizer"], buffers=states["buffers"],
+                         activations=0.0, micro_batch_size=b, stages=stages,
+                         samples_per_rank=max(1, cfg.training.global_batch_size
+                                              // cfg.parallel.data_parallel_size),
+                         notes=[states["note"]] + [st.note for st in stages])
+    est.activations = est.activations_at(b)
+    return est

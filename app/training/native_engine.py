@@ -11,14 +11,13 @@ when the update was applied.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from app.config import RunConfig
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu.random import rng_state_dict
-from app.optim.mixed_precision import MixedPrecisionOptimizer
 from app.training import checkpoint as ckpt
 from app.training.checkpoint_inspect import check_loadable
 from app.training.distributed import all_ranks_ok, world_group
@@ -110,6 +109,25 @@ class NativeEngine(Engine):
                                     is_tracker_writer=self.ps.rank == 0,
                                     keep_last_n=c.keep_last_n_checkpoints, **self._rank_kwargs())
 
+    def _saved_weights(self, state: Dict[str, Any], load_dir: str, iteration: Any,
+                       plan: ResumePlan) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+        """(weights, fp32 main weights or None) of this rank: from its own file, or from every
+        stage's file by global name when the checkpoint's model chunks differ from ours
+        (interleaved vs not, or another V)."""
+        saved_vp = ckpt.saved_virtual_pipeline_size(state.get("args"))
+        ours = self.cfg.virtual_pipeline_model_parallel_size
+        if saved_vp == ours:
+            return ckpt.from_megatron_model(state["model"]), ckpt.fp32_main_weights(state)
+        if plan.load_optimizer:
+            raise ckpt.CheckpointError(
+                f"checkpoint in {load_dir} was saved with {saved_vp} model chunks per pipeline "
+                f"stage (--num-layers-per-virtual-pipeline-stage) and this run uses {ours}: the "
+                "weights load by their global names, but optimizer states are per rank; pass "
+                "--no-load-optim (the LR schedule continues) or --finetune")
+        return ckpt.load_weights_by_name(load_dir, iteration, list(self.module.state_dict()),
+                                         tp_rank=self.ps.tensor_model_parallel_rank,
+                                         pp_size=self.ps.pipeline_model_parallel_size)
+
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """Read this rank's Megatron-layout file; load the weights and, when the plan says so,
         the optimizer and LR-scheduler states."""
@@ -125,7 +143,7 @@ class NativeEngine(Engine):
         ckpt.check_checkpoint_version(state, where)
         args = state.get("args")
         check_saved_args(plan, args, self.cfg, where)
-        self._load_weights(state, where)
+        self._load_weights(*self._saved_weights(state, load_dir, iteration, plan), where)
         if plan.load_optimizer:
             if state.get("optimizer") is None or state.get("lr_scheduler") is None:
                 raise ckpt.CheckpointError(
@@ -141,15 +159,14 @@ class NativeEngine(Engine):
                                   client_state=position, rng_state=state.get("rng_state"),
                                   scheduler_state=state.get("lr_scheduler"))
 
-    def _load_weights(self, state: Dict[str, Any], where: str) -> None:
+    def _load_weights(self, weights: Dict[str, Any], main: Optional[Dict[str, Any]],
+                      where: str) -> None:
         """Model weights from the checkpoint, converted to this run's precision.
 
         The most exact fp32 weights are used: a mixed-precision checkpoint's fp32 main copies
-        (by parameter name), else the saved weights. The model gets them cast to its dtype; a
-        half-precision run also sets its fp32 main weights from them.
+        `main` (by parameter name), else the saved `weights`. The model gets them cast to its
+        dtype; a half-precision run also sets its fp32 main weights from them.
         """
-        weights = ckpt.from_megatron_model(state["model"])
-        main = ckpt.fp32_main_weights(state)
         saved_dtype = next((v.dtype for v in weights.values() if v.is_floating_point()), None)
         run_dtype = next(self.module.parameters()).dtype
         fp32 = {**{k: v.float() for k, v in weights.items()}, **(main or {})}
@@ -158,8 +175,7 @@ class NativeEngine(Engine):
         except RuntimeError as exc:  # names or shapes that do not match this model
             raise ckpt.CheckpointError(f"weights in {where} do not fit this model: "
                                        f"{str(exc).splitlines()[0][:400]}") from exc
-        if isinstance(self.optimizer, MixedPrecisionOptimizer):
-            self.optimizer.set_main_weights(fp32)
+        self.optimizer.set_main_weights(fp32)  # a no-op where the weights are the main ones
         if saved_dtype is not None and saved_dtype != run_dtype:
             source = "its fp32 main weights" if main else f"its {saved_dtype} weights"
             logger.info("converted checkpoint %s from %s to this run's %s (fp32 weights taken "

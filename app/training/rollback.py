@@ -16,7 +16,13 @@ data of the window that led to the spike, samples [checkpoint's consumed samples
 consumed through the spike iteration), is skipped: the iteration count goes back to the
 checkpoint's, the consumed-sample count does not, and the sampler resumes from it. The run
 then needs more samples than train_iters x global batch; `app.config.samples_per_split` adds
-max_rollbacks x save_interval global batches to the training split for this.
+max_rollbacks x (save_interval + max_consecutive_skipped_iterations) global batches to the
+training split for this (no checkpoint is saved during a run of non-finite iterations, so one
+window can be that long). A window can be longer still (several non-finite runs hiding several
+save points); before reloading, every rank checks from numbers all ranks share (the data set's
+length, the run's position, the checkpoint's iteration) that the samples left reach
+--train-iters, and otherwise all stop alike with TrainingAborted: running out of data inside
+the loop would stop only the tensor-parallel rank that reads it.
 
 Nothing is saved from the poisoned state: the trigger is handled before the iteration's save.
 """
@@ -75,8 +81,11 @@ class SpikeDetector:
 class SpikeRollback:
     """The rollback of one run: detection, agreement across ranks, reload, data skip, budget."""
 
-    def __init__(self, cfg: RunConfig, engine: Any, device: torch.device) -> None:
+    def __init__(self, cfg: RunConfig, engine: Any, device: torch.device,
+                 train_samples: Optional[int] = None) -> None:
+        """`train_samples`: the training data set's length (None: not checked)."""
         self.cfg, self.engine, self.device = cfg, engine, device
+        self.train_samples = train_samples
         self.detector = SpikeDetector(cfg.rollback)
         self.rollbacks = 0
         # a rollback restores everything the checkpoint holds, whatever the start-up flags said
@@ -110,6 +119,7 @@ class SpikeRollback:
                 f"checkpoint. The last good checkpoint is "
                 f"{ckpt.checkpoint_dir(save, latest) if latest is not None else 'none'}: check "
                 "the data after it, lower --lr, or raise --max-rollbacks")
+        self._check_data_left(state, reason, latest)
         self.rollbacks += 1
         logger.warning("iteration %d: %s: rolling back (%d of %d)", state.iteration, reason,
                        self.rollbacks, budget, extra=LAST_RANK)
@@ -122,3 +132,24 @@ class SpikeRollback:
         state.iteration = loaded.iteration
         state.consumed_valid_samples = loaded.consumed_valid_samples
         return True
+
+    def _check_data_left(self, state: Any, reason: str, latest: Any) -> None:
+        """Raise TrainingAborted (on every rank alike: the numbers are the same everywhere)
+        when going back to checkpoint `latest` and skipping the data read since would leave too
+        few training samples to reach --train-iters."""
+        if self.train_samples is None:
+            return
+        t, save = self.cfg.training, self.cfg.checkpoint.save
+        back_to = latest if isinstance(latest, int) else 0  # "release" restarts the count
+        needed = state.consumed_train_samples + (t.train_iters - back_to) * t.global_batch_size
+        if needed <= self.train_samples:
+            return
+        raise TrainingAborted(
+            f"iteration {state.iteration}: {reason}; rolling back to iteration {back_to} would "
+            f"skip the data read since it, and the {t.train_iters - back_to} iterations left to "
+            f"--train-iters {t.train_iters} would then need training samples up to {needed}, "
+            f"but the training data set holds {self.train_samples}: stopping without saving a "
+            f"checkpoint. The last good checkpoint is {ckpt.checkpoint_dir(save, latest)}: "
+            "check the data after it, or resume from it with a lower --save-interval or a "
+            "higher --max-rollbacks (each sizes the training data for (--save-interval + "
+            "--max-consecutive-skipped-iterations) more iterations)")

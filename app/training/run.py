@@ -22,7 +22,10 @@ from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
 from app.mpu.random import model_parallel_seed
 from app.optim import OptimizerParamScheduler, build_optimizer
+from app.optim.distributed_optimizer import DistributedOptimizer
 from app.optim.mixed_precision import build_precision_optimizer
+from app.pipeline import ModelChunks, virtual_stage_layer_ranges
+from app.training.distributed import world_group
 from app.training.engine import Engine
 from app.training.trainer import RunState, Trainer
 
@@ -40,6 +43,7 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
     elif world_size == 1:
         return ParallelState.single()
     return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                     cfg.virtual_pipeline_model_parallel_size,
                                      timeout=timeout)
 
 
@@ -52,23 +56,30 @@ def set_seeds(seed: int, parallel_state: ParallelState) -> None:
 def prepare_kernels(cfg: RunConfig, device: torch.device) -> None:
     """Tell the kernel library how to build (--require-fused-kernels, --kernel-build-*); on a
     CUDA device with a csrc/ fusion on, obtain it now, so the build (local rank 0; the others
-    wait) and any failure happen at start-up rather than inside the first forward."""
+    wait) and any failure happen at start-up rather than inside the first forward. Then all
+    ranks agree: if any rank lacks the kernels, every rank uses PyTorch (one all-reduce over
+    the world; the build timeout keeps the builder within the process-group timeout)."""
     k, m = cfg.kernels, cfg.model
     kernels.configure(required=k.require_fused_kernels, build_root=k.build_dir,
                       timeout_s=k.build_timeout, local_rank=cfg.parallel.local_rank)
     if device.type == "cuda" and (m.masked_softmax_fusion or m.layernorm_fusion
                                   or m.cross_entropy_loss_fusion):
         kernels.status()
+        kernels.agree_across_ranks(world_group(), device)
 
 
 def build_model(cfg: RunConfig, parallel_state: ParallelState) -> torch.nn.Module:
-    """The GPT-2 stage this rank holds (all layers when there is one pipeline stage)."""
+    """The GPT-2 stage this rank holds (all layers when there is one pipeline stage); with
+    interleaving, its model chunks (chunk v holds virtual stage v x PP + rank) as ModelChunks."""
     pp = parallel_state.pipeline_model_parallel_size
     stage = parallel_state.pipeline_model_parallel_rank
-    per_stage = cfg.model.num_layers // pp
-    return GPT2Model(cfg.model, parallel_state, pre_process=stage == 0,
-                     post_process=stage == pp - 1,
-                     layer_range=(stage * per_stage, (stage + 1) * per_stage))
+    vp = cfg.virtual_pipeline_model_parallel_size
+    ranges = virtual_stage_layer_ranges(cfg.model.num_layers, pp, vp, stage)
+    chunks = [GPT2Model(cfg.model, parallel_state, pre_process=stage == 0 and v == 0,
+                        post_process=stage == pp - 1 and v == vp - 1,
+                        layer_range=(layers.start, layers.stop))
+              for v, layers in enumerate(ranges)]
+    return chunks[0] if vp == 1 else ModelChunks(chunks)
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: ParallelState) -> Engine:
@@ -82,7 +93,12 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Paralle
         scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
         return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state)
     from app.training.native_engine import NativeEngine
-    wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision)
+    if cfg.optimizer.use_distributed_optimizer:  # a sibling wrapper with the same interface
+        wrapper = DistributedOptimizer(
+            model, cfg.optimizer, cfg.precision, parallel_state,
+            cfg.training.num_micro_batches(parallel_state.data_parallel_size))
+    else:
+        wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision)
     scheduler = OptimizerParamScheduler(wrapper, cfg.optimizer)
     return NativeEngine(cfg, model, wrapper, scheduler, parallel_state)
 

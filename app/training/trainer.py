@@ -25,7 +25,7 @@ from app.mpu import collectives
 from app.training import flops
 from app.training import metrics as metrics_lib
 from app.training.distributed import world_group
-from app.training.data_loading import BatchBuilder, build_data_iterator
+from app.training.data_loading import BatchBuilder, build_data_iterator, check_data_suffices
 from app.training.engine import Engine
 from app.training.checkpoint import CheckpointError
 from app.training.nonfinite import NonFinitePolicy, TrainingAborted
@@ -109,7 +109,8 @@ class Trainer:
                      f"{self.recompute})")
         self.nonfinite = NonFinitePolicy(t.max_consecutive_skipped_iterations,
                                          t.check_for_nan_in_loss_and_grad)
-        self.rollback = SpikeRollback(cfg, engine, device) if cfg.rollback.enabled else None
+        self.rollback = (SpikeRollback(cfg, engine, device, _length(self.train_ds))
+                         if cfg.rollback.enabled else None)
         self.start_time = time.time()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.timers = metrics_lib.Timers(synchronize=sync)
@@ -165,6 +166,7 @@ class Trainer:
                         model=model, num_microbatches=self.num_micro,
                         loss_func=self._loss_func(forward_only),
                         backward_func=self.engine.backward,
+                        output_backward_func=self.engine.backward_output,
                         parallel_state=self.ps, forward_only=forward_only,
                         tensor_shape=(self.cfg.training.micro_batch_size,
                                       self.cfg.model.seq_length, self.cfg.model.hidden_size))
@@ -324,6 +326,7 @@ class Trainer:
                      f"is {t.train_iters}; raise --train-iters to continue")
             self.writer.close()
             return s
+        self._check_data_suffices()
         train_iter = build_data_iterator(self.train_ds, s.consumed_train_samples,
                                          t.micro_batch_size, self.ps, self.cfg.data.num_workers)
         valid_iter = build_data_iterator(self.valid_ds, s.consumed_valid_samples,
@@ -393,6 +396,18 @@ class Trainer:
             self.log(f"exiting after {name} at iteration {s.iteration} without a checkpoint (no "
                      "--save); exit status 0")
 
+    def _check_data_suffices(self) -> None:
+        """Every rank alike: the training and validation data hold what the iterations left to
+        --train-iters read (evaluations every --eval-interval and one at the end)."""
+        t, s = self.cfg.training, self.state
+        check_data_suffices(self.train_ds, "training", s.consumed_train_samples,
+                            t.train_iters - s.iteration, t.global_batch_size)
+        if t.eval_iters:
+            evals = (t.train_iters // t.eval_interval - s.iteration // t.eval_interval
+                     + (1 if t.train_iters % t.eval_interval else 0))
+            check_data_suffices(self.valid_ds, "validation", s.consumed_valid_samples,
+                                evals * t.eval_iters, t.global_batch_size)
+
     def _observe(self, step: Dict[str, Any]) -> bool:
         """The non-finite policy, then (with --rollback-on-spike) the spike check, which turns
         the policy's stop into a rollback while the budget lasts. True when rolled back."""
@@ -420,3 +435,7 @@ class Trainer:
         if t.eval_iters and self.test_ds is not None:
             test_iter = build_data_iterator(self.test_ds, 0, t.micro_batch_size, self.ps, 0)
             self._report_eval("test", self.evaluate(test_iter, t.eval_iters))
+
+
+def _length(dataset: Any) -> Optional[int]:
+    return None if dataset is None else len(dataset)

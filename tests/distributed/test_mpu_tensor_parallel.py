@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from app import mpu
+from app.kernels import library as kernel_library
 from app.mpu import collectives
 from app.mpu.cross_entropy import (fused_vocab_parallel_cross_entropy, grad_reference,
                                    row_stats_reference)
@@ -225,23 +226,30 @@ def check_vocab_embedding(ps: mpu.ParallelState) -> None:
     _close(emb.weight.grad, _shard(fd.grad, 0, ps), "embedding weight grad shard")
 
 
-def check_cross_entropy(ps: mpu.ParallelState) -> None:
-    logits = _rand(3, 5, 12, seed=41) * 4 + 30  # large offset: max subtraction matters
+def _cross_entropy_case(seed: int):
+    """(logits [3, 5, 12], targets [3, 5], upstream gradient [3, 5], dense loss, dense logits
+    gradient); a large offset on the logits, so the max subtraction matters."""
+    logits = _rand(3, 5, 12, seed=seed) * 4 + 30
     target = torch.tensor([[0, 11, 5, 6, 3], [7, 7, 1, 10, 2], [11, 0, 6, 5, 9]])
-    grad_loss = _rand(3, 5, seed=42)
+    grad_loss = _rand(3, 5, seed=seed + 1)
     ld = logits.clone().requires_grad_()
     ref = F.cross_entropy(ld.reshape(-1, 12), target.reshape(-1), reduction="none").reshape(3, 5)
     ref.backward(grad_loss)
+    return logits, target, grad_loss, ref.detach(), ld.grad
+
+
+def check_cross_entropy(ps: mpu.ParallelState) -> None:
+    logits, target, grad_loss, ref, ref_grad = _cross_entropy_case(41)
     lp = _shard(logits, -1, ps).clone().requires_grad_()
     loss = mpu.vocab_parallel_cross_entropy(lp, target, ps)
     assert loss.dtype == torch.float32 and loss.shape == (3, 5)
-    _close(loss, ref.detach(), "cross-entropy loss")
+    _close(loss, ref, "cross-entropy loss")
     loss.backward(grad_loss)
-    _close(lp.grad, _shard(ld.grad, -1, ps), "cross-entropy logits grad shard")
+    _close(lp.grad, _shard(ref_grad, -1, ps), "cross-entropy logits grad shard")
     lp = _shard(logits, -1, ps).to(torch.bfloat16).requires_grad_()
     loss = mpu.vocab_parallel_cross_entropy(lp, target)  # default state
     assert loss.dtype == torch.float32
-    expect_close(loss, ref.detach(), "bf16 cross-entropy loss", atol=0.2, rtol=0.02)
+    expect_close(loss, ref, "bf16 cross-entropy loss", atol=0.2, rtol=0.02)
     loss.sum().backward()
     assert lp.grad.dtype == torch.bfloat16
 
@@ -268,6 +276,46 @@ def check_fused_cross_entropy(ps: mpu.ParallelState) -> None:
         want = _shard(ld.grad, -1, ps).to(dtype).float()
         expect_close(lp.grad.float(), want, f"fused {dtype} grad shard", atol=1e-5,
                      rtol=1e-5 + (torch.finfo(dtype).eps if dtype != torch.float32 else 0.0))
+
+
+def check_mixed_cross_entropy_paths(ps: mpu.ParallelState) -> None:
+    """Rank 0 on the fused path, rank 1 on the PyTorch one: the two issue the same all-reduces
+    with the same meaning, so even mixed they give the dense loss and gradient."""
+    logits, target, grad_loss, ref, ref_grad = _cross_entropy_case(43)
+    lp = _shard(logits, -1, ps).clone().requires_grad_()
+    if ps.tensor_model_parallel_rank == 0:
+        loss = fused_vocab_parallel_cross_entropy(lp, target, ps, row_stats_reference,
+                                                  grad_reference)
+    else:
+        loss = mpu.vocab_parallel_cross_entropy(lp, target, ps)
+    _close(loss, ref, "mixed-path cross-entropy loss")
+    loss.backward(grad_loss)
+    _close(lp.grad, _shard(ref_grad, -1, ps), "mixed-path logits grad shard")
+
+
+def check_kernel_choice_is_agreed(ps: mpu.ParallelState) -> None:
+    """app.kernels.agree_across_ranks: the kernels stay on only where every rank has them; when
+    only rank 1 has them (rank 0's build failed, say), rank 1 falls back too."""
+    rank, world = dist.get_rank(), dist.group.WORLD
+    obtain = kernel_library._obtain
+    outcomes = []
+    try:
+        for have in ((True, True), (False, True)):
+            kernel_library._obtain = lambda: kernel_library.Status(
+                have[rank], "pretend: loaded" if have[rank] else "pretend: build failed")
+            kernel_library.reset()
+            agreed = kernel_library.agree_across_ranks(world, torch.device("cpu"))
+            assert kernel_library.status() is agreed  # what every op consults from now on
+            both = collectives.all_gather(torch.tensor([int(agreed.available)]), world)
+            outcomes.append((have, agreed, [int(t) for t in both]))
+    finally:
+        kernel_library._obtain = obtain
+        kernel_library.reset()
+    (_, all_have, both_on), (_, one_lacks, both_off) = outcomes
+    assert all_have.available and both_on == [1, 1], outcomes
+    assert both_off == [0, 0], outcomes
+    want = "pretend: build failed" if rank == 0 else "off on every rank: rank(s) [0] lack them"
+    assert one_lacks.reason == want, outcomes
 
 
 def _dropout_masks(ps: mpu.ParallelState):
@@ -394,7 +442,9 @@ def check_data_parallel(ps_tp: mpu.ParallelState) -> None:
 CHECKS: Dict[str, Callable[[mpu.ParallelState], None]] = {
     f.__name__: f for f in (check_state, check_collectives, check_mappings, check_column_parallel,
                             check_row_parallel, check_mlp_block, check_vocab_embedding,
-                            check_cross_entropy, check_fused_cross_entropy, check_rng_tracker,
+                            check_cross_entropy, check_fused_cross_entropy,
+                            check_mixed_cross_entropy_paths, check_kernel_choice_is_agreed,
+                            check_rng_tracker,
                             check_activation_checkpointing, check_clip_grad_norm,
                             check_data_parallel)}
 

@@ -61,3 +61,22 @@ def read_metrics(path):
     import json
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+ZERO2_DP2_ARGS = ["--train-iters", "6", "--log-interval", "1", "--eval-iters", "0",
+                  "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "8",
+                  "--micro-batch-size", "2", "--save-interval", "3"]
+
+
+@pytest.fixture(scope="session")
+def zero2_dp2_run(tiny_corpus, tmp_path_factory):
+    """A DeepSpeed ZeRO-2 run on two ranks (ZERO2_DP2_ARGS): its checkpoints of iterations 3 and 6
+    in `ck/` and its losses in `straight.jsonl`; shared by the conversion and reshape tests."""
+    import os
+    from tests.integration.launch_utils import ROOT, torchrun
+    tmp = tmp_path_factory.mktemp("zero2_dp2")
+    torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *ZERO2_DP2_ARGS, "--deepspeed", "--deepspeed_config",
+                              os.path.join(ROOT, "ds_configs", "zero2.json"),
+                              "--save", str(tmp / "ck"), "--metrics-file",
+                              str(tmp / "straight.jsonl")), tmp)
+    return tmp

@@ -92,7 +92,7 @@ def test_native_full_disk_and_non_finite_weights(tiny_corpus, tmp_path, monkeypa
 def _deepspeed_faults(corpus, tmp):
     """Runs in a child process (DeepSpeed sets process-wide state); returns what happened."""
     import pytest as _pytest
-    from tools import convert_deepspeed_to_megatron as converter
+    from tools import convert_checkpoint
     os.environ.setdefault("LOCAL_RANK", "0")
     ck, out = os.path.join(tmp, "ck"), {}
     args = tiny_gpt_args(corpus, _Path(tmp), "--train-iters", "4", *QUIET, "--deepspeed",
@@ -125,11 +125,12 @@ def _deepspeed_faults(corpus, tmp):
     evil = lambda p: _rewrite(p, lambda s: s.update(evil=RunsACommand(marker)))  # noqa: E731
     out["flipped"] = variant("flipped", flip)
     out["evil"] = variant("evil", evil) + (os.path.exists(marker),)
-    try:
-        converter.convert(os.path.join(tmp, "evil"), os.path.join(tmp, "converted"))
-        out["converter"] = "converted"
-    except SystemExit as exc:
-        out["converter"] = str(exc)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = convert_checkpoint.main(["--input-format", "deepspeed", "--load",
+                                        os.path.join(tmp, "evil"), "--save",
+                                        os.path.join(tmp, "converted")])
+    out["converter"] = (code, err.getvalue())
     out["converter_marker"] = os.path.exists(marker)
     out["nan"] = variant("nan", lambda p: _rewrite(
         p, lambda s: s["module"][_first_weight(s["module"])].view(-1)[3].fill_(float("inf"))))
@@ -157,7 +158,8 @@ def test_deepspeed_full_disk_corruption_unsafe_pickle_and_non_finite(tiny_corpus
     code, err, ran = got["evil"]
     assert code == 2 and not ran, err
     assert "outside the allow-list (posix.system)" in err and "mp_rank_00_model_states" in err
-    assert "refused" in got["converter"] and not got["converter_marker"]
+    code, err = got["converter"]
+    assert code == 2 and "refused" in err and "posix.system" in err and not got["converter_marker"]
     code, err = got["nan"]
     assert code == 2 and "non-finite weights" in err, err
 

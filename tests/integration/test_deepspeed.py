@@ -152,8 +152,8 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, t
 
     # our converter: DeepSpeed checkpoint -> Megatron layout, read back by our loader
     meg = tmp_path / "megatron"
-    run([sys.executable, os.path.join(ROOT, "tools", "convert_deepspeed_to_megatron.py"),
-         "--input", str(ck), "--output", str(meg)], tmp_path)
+    run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
+         "deepspeed", "--load", str(ck), "--save", str(meg), "--iteration", "6"], tmp_path)
     from app.training import checkpoint as ckpt
     state, iteration = ckpt.load_checkpoint_dict(str(meg))
     assert iteration == 6

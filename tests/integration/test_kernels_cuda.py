@@ -43,6 +43,18 @@ def kernels():
     library.configure()
 
 
+def test_start_up_keeps_the_kernels_on_when_every_rank_has_them():
+    """prepare_kernels (the run's start-up) obtains the library and has the ranks agree on it;
+    with every rank (here the only one) holding the kernels they stay on."""
+    from arguments import config_from_argv
+    from app.training.run import prepare_kernels
+
+    cfg = config_from_argv(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+                            "2", "--seq-length", "8", "--train-iters", "1"], 1, 100)
+    prepare_kernels(cfg, torch.device("cuda"))
+    assert library.status().available, library.status().reason
+
+
 def _rand(*shape, dtype, scale=1.0, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
@@ -95,6 +107,33 @@ def test_softmax_kernels_match_fp32_reference(kind, shape, dtype):
                                                  + (dy.float() * p).abs().sum(-1, keepdim=True)))
     err = (xk.grad.float() - x32.grad).abs()
     assert bool((err <= bound + 1e-6).all()), f"max excess {(err - bound).max().item()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("s_k", [17, 1000, 2047, 4096], ids=str)  # warp rows, then block rows
+@pytest.mark.parametrize("kind", ["causal", "masked"])
+def test_softmax_nan_rows_match_pytorch(kind, s_k, dtype):
+    """NaN scores give NaN rows as in PyTorch, an all-NaN row included (a max that drops NaN
+    made it look fully masked, hence uniform); masked NaNs are ignored like masked_fill's;
+    other rows are unaffected, and masked or causally hidden columns get a zero gradient."""
+    x, mask, dy, scale = _softmax_case(kind, 2, 3, s_k, s_k, dtype=dtype)
+    nan = float("nan")
+    x[0, 0, 1] = nan  # all NaN
+    x[1, 2, -1, 0] = nan  # one NaN (the last causal row sees every column)
+    x[0, 1, s_k // 2] = nan  # all NaN; fully masked in the masked case: uniform there
+    xk = x.clone().requires_grad_()
+    y = ops.causal_softmax(xk, scale) if kind == "causal" else ops.masked_softmax(xk, mask, scale)
+    y.backward(dy)
+    x32, y_ref = _softmax_reference(kind, x, mask, scale)
+    y_ref.backward(dy.float())
+    assert bool(y[0, 0, 1].isnan().all()) and bool(y_ref[0, 0, 1].isnan().all())
+    assert torch.equal(y.isnan(), y_ref.isnan())
+    finite = ~y_ref.isnan()
+    torch.testing.assert_close(y.float()[finite], y_ref.detach()[finite],
+                               rtol=EPS[dtype] + 1e-5, atol=1e-6)
+    assert torch.equal(xk.grad.isnan(), x32.grad.isnan())
+    zero = x32.grad == 0
+    assert torch.equal(xk.grad[zero], torch.zeros_like(xk.grad[zero]))
 
 
 LN_SHAPES = [(1, 1), (7, 33), (4096, 768), (2, 1024), (3, 1600), (5, 4100), (1000, 2049)]
@@ -151,6 +190,28 @@ def test_cross_entropy_kernels_match_fp32_reference(shape, dtype):
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lk.grad.float(), l32.grad, rtol=EPS[dtype] + 1e-5,
                                atol=1e-6 * l32.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cross_entropy_nan_rows_match_pytorch(dtype):
+    """A row with a NaN logit (or all NaN) gives a NaN loss and NaN gradients, as in PyTorch;
+    the other rows are unaffected."""
+    logits = _rand(2, 3, 1000, dtype=dtype, scale=3.0, seed=13)
+    logits[0, 0] = float("nan")
+    logits[1, 2, 5] = float("nan")
+    target = torch.randint(0, 1000, (2, 3), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(14))
+    lk = logits.clone().requires_grad_()
+    loss = fused_vocab_parallel_cross_entropy(lk, target, ParallelState.single(),
+                                              ops.cross_entropy_stats, ops.cross_entropy_grad)
+    loss.sum().backward()
+    l32 = logits.float().requires_grad_()
+    ref = F.cross_entropy(l32.view(-1, 1000), target.view(-1), reduction="none").view(2, 3)
+    ref.sum().backward()
+    assert torch.equal(loss.isnan(), ref.isnan()) and int(loss.isnan().sum()) == 2
+    torch.testing.assert_close(loss[~ref.isnan()], ref.detach()[~ref.isnan()], rtol=1e-5,
+                               atol=1e-5)
+    assert torch.equal(lk.grad.isnan(), l32.grad.isnan())
 
 
 def _run_all_kernels(dtype):

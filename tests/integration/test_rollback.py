@@ -13,10 +13,13 @@ import torch
 
 import arguments
 import pretrain_gpt2
+from app.config import samples_per_split
+from app.testing.distributed import run_distributed
 from app.testing.synthetic import RandomTokens
 from app.training import checkpoint as ckpt
 from app.training import trainer as trainer_lib
 from app.training.resume import load_on_all_ranks
+from app.training.nonfinite import TrainingAborted
 from app.training.rollback import SpikeDetector
 from app.training.run import build_run
 from app.training.trainer import RunState
@@ -68,9 +71,9 @@ def test_rollback_needs_save_and_save_interval_and_sizes_the_data_for_the_skips(
     argv = SPIKE_ARGS[:at] + SPIKE_ARGS[at + 2:]
     with pytest.raises(ValueError, match="--rollback-on-spike reloads the latest checkpoint"):
         arguments.config_from_argv([*argv, "--save", "x"], 1, VOCAB)
-    from app.config import samples_per_split
     cfg = arguments.config_from_argv([*SPIKE_ARGS, "--save", "x"], 1, VOCAB)
-    assert samples_per_split(cfg)[0] == 30 * 4 + 1 * 5 * 4  # one rollback of <= 5 iterations
+    # one rollback of <= --save-interval (5) + --max-consecutive-skipped-iterations (10)
+    assert samples_per_split(cfg)[0] == 30 * 4 + 1 * (5 + 10) * 4
 
 
 def _run(cfg, datasets, state=None, load=None):
@@ -115,6 +118,86 @@ def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, 
     for (name, p), q in zip(trainer.engine.module.named_parameters(),
                             again.engine.module.parameters()):
         assert torch.equal(p, q), name
+
+
+# only the non-finite limit triggers here (no spike is called before 100 losses)
+NAN_LIMIT_ARGS = [*SPIKE_ARGS, "--max-consecutive-skipped-iterations", "3", "--spike-window",
+                  "100"]
+
+
+def _poison_iterations(first_samples):
+    """A LOSS_HOOK that makes the loss NaN in the iterations starting at `first_samples`."""
+    return lambda first, loss: loss * float("nan") if first in first_samples else loss
+
+
+def test_nonfinite_run_over_a_save_point_fits_the_data_allowance(tmp_path, caplog):
+    """NaN losses at iterations 9-11 (--save-interval 5, limit 3): the save at 10 is suppressed,
+    so the rollback goes back to 5 and skips 6 iterations, more than one --save-interval; data
+    sized exactly as the run's datasets are still reaches --train-iters."""
+    cfg = arguments.config_from_argv([*NAN_LIMIT_ARGS, "--save", str(tmp_path / "ck")], 1, VOCAB)
+    data = RandomTokens(samples_per_split(cfg)[0], 16, VOCAB, seed=3)
+    trainer_lib.LOSS_HOOK = _poison_iterations({32, 36, 40})
+    try:
+        with caplog.at_level(logging.WARNING):
+            trainer = _run(cfg, (data, None, None))
+    finally:
+        trainer_lib.LOSS_HOOK = None
+    assert "rolled back to iteration 5" in caplog.text, caplog.text
+    assert "skipping training samples [20, 44)" in caplog.text
+    assert trainer.state.iteration == 30 and trainer.state.consumed_train_samples == 30 * 4 + 24
+
+
+def test_short_validation_data_is_an_error_before_the_first_iteration(tmp_path):
+    """Evaluations at 10, 20, 30 of one global batch each need 12 validation samples."""
+    cfg = arguments.config_from_argv([*SPIKE_ARGS, "--save", str(tmp_path), "--eval-iters", "1",
+                                      "--eval-interval", "10"], 1, VOCAB)
+    trainer = build_run(cfg, 1, torch.device("cpu")).attach_trainer(
+        (RandomTokens(200, 16, VOCAB), RandomTokens(11, 16, VOCAB), None), eod=0)
+    with pytest.raises(ValueError, match="the validation data set holds 11 samples, but the run "
+                                         "reads up to sample 12"):
+        trainer.train()
+    assert trainer.state.iteration == 0
+
+
+def _tp2_data_running_out(save_dir):
+    """Rank function (TP 2, so a rank that reads no data waits in the batch broadcast): a
+    training set too short from the start, then a rollback whose skip would leave too few
+    samples. Returns the error text each scenario raised on this rank."""
+    cfg = arguments.config_from_argv([*NAN_LIMIT_ARGS, "--tensor-model-parallel-size", "2",
+                                      "--save", save_dir], 2, VOCAB)
+    run = build_run(cfg, 2, torch.device("cpu"))
+    errors = {}
+    try:
+        run.attach_trainer((RandomTokens(30 * 4 - 4, 16, VOCAB), None, None), eod=0).train()
+    except ValueError as exc:
+        errors["start"] = str(exc)
+    # NaN at 10 (the save at 10 is suppressed) and at 12-14 (the limit): going back to 5 skips
+    # 9 iterations, more than the allowance of 5 + 3 the data was sized for
+    trainer_lib.LOSS_HOOK = _poison_iterations({36, 44, 48, 52})
+    try:
+        data = RandomTokens(samples_per_split(cfg)[0], 16, VOCAB, seed=3)
+        run.attach_trainer((data, None, None), eod=0).train()
+    except TrainingAborted as exc:
+        errors["rollback"] = str(exc)
+    finally:
+        trainer_lib.LOSS_HOOK = None
+    return errors
+
+
+def test_running_out_of_training_data_stops_every_tensor_parallel_rank(tmp_path):
+    """Both failures raise on both TP ranks (they used to stop rank 0 with StopIteration and
+    leave rank 1 in the broadcast until the process-group timeout)."""
+    ck = tmp_path / "ck"
+    ranks = run_distributed(_tp2_data_running_out, 2, str(ck), timeout=180)
+    assert ranks[0] == ranks[1], ranks
+    errors = ranks[0]
+    assert "the training data set holds 116 samples, but the run reads up to sample 120" in \
+        errors.get("start", ""), errors
+    rollback = errors.get("rollback", "")
+    assert "iteration 14: the non-finite limit was reached" in rollback, errors
+    assert "rolling back to iteration 5" in rollback and "training samples up to 156" in rollback
+    assert f"holds {30 * 4 + 8 * 4}" in rollback and "stopping without saving" in rollback
+    assert ckpt.read_tracker(str(ck)) == 5
 
 
 def test_failure_past_the_retry_limit_stops_without_a_new_checkpoint(tiny_corpus, tmp_path,

@@ -246,8 +246,8 @@ def test_check_checkpoint_args_names_field_and_values():
     tp2 = ckpt.checkpoint_args_namespace(make_cfg(tp=2), 0, 0, 0)
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.check_checkpoint_args(tp2, saved)
-    assert str(info.value) == ("checkpoint was saved with tensor_model_parallel_size 2 but this "
-                               "run uses 1; resharding is not supported yet")
+    assert str(info.value).startswith("checkpoint was saved with tensor_model_parallel_size 2 but "
+                                      "this run uses 1; reshard it first: tools/convert_checkpoint.py")
 
 
 def test_keep_last_n_rotation(tmp_path):

@@ -101,3 +101,14 @@ def test_loss_scale_flags_fill_the_fp16_block_and_are_checked():
 def test_keep_last_n_checkpoints_must_be_positive():
     with pytest.raises(ValueError, match="--keep-last-n-checkpoints"):
         cfg("--keep-last-n-checkpoints", "0")
+
+
+def test_universal_checkpoint_flag_sets_load_universal(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2}}')
+    ds_flags = ["--deepspeed", "--deepspeed_config", str(path)]
+    assert "checkpoint" not in reconcile_ds_config({}, cfg(*ds_flags))
+    universal = cfg(*ds_flags, "--universal-checkpoint")
+    assert reconcile_ds_config({}, universal)["checkpoint"] == {"load_universal": True}
+    with pytest.raises(ValueError, match="--universal-checkpoint needs --deepspeed"):
+        cfg("--universal-checkpoint")

@@ -149,3 +149,11 @@ def test_kernel_flags_and_their_validation():
                                    1, 100)
     with pytest.raises(ValueError, match="--kernel-build-timeout must be positive"):
         arguments.config_from_argv(base + ["--kernel-build-timeout", "0"], 1, 100)
+    # the other ranks wait for the build in a collective: it must end within the process-group
+    # timeout (10 minutes unless --distributed-timeout-minutes says otherwise)
+    two = base + ["--micro-batch-size", "1", "--global-batch-size", "2"]
+    assert arguments.config_from_argv(two, 2, 100).kernels.build_timeout == 300.0
+    assert arguments.config_from_argv(base + ["--kernel-build-timeout", "900"], 1, 100)
+    with pytest.raises(ValueError, match=r"--kernel-build-timeout \(600 s\) must be below "
+                                         r"--distributed-timeout-minutes \(10 min = 600 s\)"):
+        arguments.config_from_argv(two + ["--kernel-build-timeout", "600"], 2, 100)

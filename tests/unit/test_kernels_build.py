@@ -3,8 +3,12 @@ through the same child process, lock and markers that build csrc/ on a GPU machi
 
 - a build is cached (READY) and reused by the builder and by other local ranks;
 - a failed build reports its first compiler error, records FAILED, and other local ranks see it;
-- a stale lock (dead owner, or no heartbeat) is broken; a live one is waited on, up to a timeout;
-- a half-written build directory (torch's own lock file included) is wiped, not trusted;
+- a stale lock (dead owner, or no heartbeat by the file system's clock, whatever the local
+  clock says) is broken; a live one is waited on, up to a timeout, and when local rank 0 gives
+  up its local peers stop waiting at once;
+- a lock is removed only by its owner; a live owner whose lock was wrongly broken finishes its
+  build undisturbed (each build compiles in a directory of its own);
+- a half-written build directory (torch's own lock file included) is never reused;
 - a build over the timeout is killed and reported;
 - `app.kernels.library`: a failed build falls back with one warning naming
   --require-fused-kernels, and is an error with it.
@@ -15,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -70,7 +75,7 @@ def test_failed_build_reports_first_error_and_other_ranks_see_it(tmp_path):
     entry = _entry(root, spec)
     assert "error" in json.loads((entry / "FAILED").read_text())["error"]
     assert not (entry / ".lock").exists()
-    with pytest.raises(build.BuildError, match="local rank 0's build failed: .*broken.cpp:1"):
+    with pytest.raises(build.BuildError, match="local rank 0 gave up: .*broken.cpp:1"):
         build.ensure_built(spec, root, local_rank=1, timeout_s=5, poll_s=0.1)
 
 
@@ -120,8 +125,117 @@ def test_live_lock_is_waited_on_until_the_timeout(tmp_path):
     with pytest.raises(build.BuildError, match="timed out after 1 s waiting for the build lock"):
         build.ensure_built(spec, root, local_rank=0, timeout_s=1.0, stale_s=600, poll_s=0.1)
     assert time.time() - start < 10
+    # local rank 0 gave up: its local peers stop waiting at once, with its reason
+    with pytest.raises(build.BuildError, match="local rank 0 gave up: timed out after 1 s "
+                                               "waiting for the build lock"):
+        build.ensure_built(spec, root, local_rank=1, timeout_s=5, stale_s=0, poll_s=0.1)
+    build.host_failure_marker(entry).unlink()  # no word from local rank 0: peers time out
     with pytest.raises(build.BuildError, match="waiting for local rank 0"):
         build.ensure_built(spec, root, local_rank=1, timeout_s=0.5, stale_s=0.5, poll_s=0.1)
+
+
+def test_lock_staleness_uses_the_file_systems_clock(tmp_path, monkeypatch):
+    """Another node's lock is judged by its heartbeat's age on the file system's clock, so a
+    local clock an hour off (NFS clients with skewed clocks) neither breaks a live lock nor
+    keeps a dead one."""
+    lock = tmp_path / ".lock"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "t"}))  # beat: now
+    dead = tmp_path / "dead.lock"
+    dead.write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "u"}))
+    old = time.time() - 120
+    os.utime(dead, (old, old))  # last beat 2 minutes ago
+    real = time.time
+    for skew in (3600.0, -3600.0):
+        monkeypatch.setattr(build.time, "time", lambda skew=skew: real() + skew)
+        assert not build.lock_is_stale(lock, stale_s=60), skew
+        assert build.lock_is_stale(dead, stale_s=60), skew
+
+
+def test_lock_is_removed_only_by_its_owner(tmp_path):
+    lock = tmp_path / ".lock"
+    with build._held_lock(lock, heartbeat_s=3600) as token:
+        assert token and json.loads(lock.read_text())["token"] == token
+        with build._held_lock(lock, heartbeat_s=3600) as other:
+            assert other is None  # held
+        # a peer judged it stale, broke it and took it: ours ends without touching theirs
+        lock.unlink()
+        lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "theirs"}))
+    assert json.loads(lock.read_text())["token"] == "theirs"
+    # a breaker that judged an older owner stale leaves a lock that changed hands in place
+    build._break_lock(lock, {"host": "elsewhere", "pid": 1, "token": "before"})
+    assert json.loads(lock.read_text())["token"] == "theirs"
+    build._break_lock(lock, {"host": "elsewhere", "pid": 1, "token": "theirs"})
+    assert not lock.exists()
+    with build._held_lock(lock, heartbeat_s=3600) as token:
+        assert token
+    assert not lock.exists()
+
+
+# Stands in for the compiler: leaves an object file in its build directory, waits for "go",
+# and fails if that file is gone (another builder wiped the directory it compiles in).
+FAKE_COMPILER = """
+import os, sys, time
+build_dir, sync = sys.argv[1], sys.argv[2]
+mine = os.path.join(build_dir, "part-%d.o" % os.getpid())
+open(mine, "w").close()
+open(os.path.join(sync, "started-%d" % os.getpid()), "w").close()
+deadline = time.monotonic() + 120
+while not os.path.exists(os.path.join(sync, "go")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+if not os.path.exists(mine):
+    sys.exit("error: another builder wiped this build directory")
+library = os.path.join(build_dir, "probe.so")
+with open(library, "w") as f:
+    f.write("library")
+print("APP_KERNELS_LIBRARY " + library, flush=True)
+"""
+
+
+def test_breaking_a_live_owners_lock_never_disturbs_its_build(tmp_path, monkeypatch):
+    """Owner A is compiling when B wrongly judges A's lock stale (A's heartbeat looks old),
+    breaks it and builds too. Each compiles in a directory of its own, so both succeed and
+    agree on the library, which ends up in build/; no lock or work directory is left over,
+    and a dead owner's leftover directory on this host is cleaned up."""
+    spec, root, sync = _spec(tmp_path, "probe", GOOD), tmp_path / "cache", tmp_path / "sync"
+    sync.mkdir()
+    monkeypatch.setattr(build, "_child_command", lambda spec, work: [
+        sys.executable, "-c", FAKE_COMPILER, str(work), str(sync)])
+    entry = _entry(root, spec)
+    leftover = entry / "build.tmp-deadbeef"
+    leftover.mkdir(parents=True)
+    (leftover / "owner.json").write_text(json.dumps({"host": socket.gethostname(),
+                                                      "pid": _dead_pid()}))
+    results = {}
+
+    def owner(name, stale_s):
+        try:
+            results[name] = build.ensure_built(spec, root, local_rank=0, timeout_s=120,
+                                               stale_s=stale_s, poll_s=0.05)
+        except Exception as err:  # noqa: BLE001 - reported by the asserts below
+            results[name] = err
+
+    def wait_for_compilers(n):
+        deadline = time.monotonic() + 60
+        while len(list(sync.glob("started-*"))) < n:
+            assert time.monotonic() < deadline, f"{n} fake compilers did not start: {results}"
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=owner, args=("A", 3600))]
+    threads[0].start()
+    wait_for_compilers(1)
+    old = time.time() - 600
+    os.utime(entry / ".lock", (old, old))  # A beats every 600 s: to B it looks dead
+    threads.append(threading.Thread(target=owner, args=("B", 60)))
+    threads[1].start()
+    wait_for_compilers(2)
+    (sync / "go").touch()
+    for t in threads:
+        t.join(120)
+    library = str(entry / "build" / "probe.so")
+    assert results == {"A": library, "B": library}
+    assert build.read_ready(entry) == library
+    assert not (entry / ".lock").exists() and not (entry / "FAILED").exists()
+    assert not list(entry.glob("build.tmp-*")) and not list(entry.glob("build.old-*"))
 
 
 def test_build_over_the_timeout_is_killed(tmp_path):

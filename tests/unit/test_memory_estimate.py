@@ -2,8 +2,10 @@
 
 Parameters per rank against the model stages built at TP2 / PP2; activation bytes against the
 tensors autograd saves in a real forward pass (counted by storage through saved-tensor hooks,
-CPU semantics); weights, gradients and optimizer states against the engine's own tensors after
-a step (native and DeepSpeed ZeRO-2); DeepSpeed's reduce bucket against the buffer it allocates.
+CPU semantics), for both attention backends and for the first and last pipeline stage;
+weights, gradients and optimizer states against the engine's own tensors after a step (native
+fp32/bf16/fp16 and DeepSpeed ZeRO-2); DeepSpeed's reduce bucket against the buffer it
+allocates; the largest micro-batch against the estimates of runs configured with it.
 """
 import pytest
 import torch
@@ -12,16 +14,16 @@ import arguments
 from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState
 from app.mpu.random import model_parallel_seed
-from app.training.memory import (FIT_FRACTION, activation_bytes_per_sample, estimate_memory,
-                                 params_per_rank)
+from app.training.memory import (FIT_FRACTION, estimate_memory, params_per_rank,
+                                 stage_activations)
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--micro-batch-size", "4", "--train-iters", "2",
         "--make-vocab-size-divisible-by", "64", "--distributed-backend", "gloo"]
 
 
-def config(*extra, world=1):
-    return arguments.config_from_argv([*BASE, *extra], world, 500)
+def config(*extra, world=1, vocab=500):
+    return arguments.config_from_argv([*BASE, *extra], world, vocab)
 
 
 def stage_model(cfg, tp_rank=0, pp_rank=0):
@@ -45,12 +47,16 @@ def test_params_per_rank_is_the_largest_stage_shard(tp, pp):
     assert params_per_rank(cfg) == max(counts)
 
 
-def saved_activation_bytes(cfg):
-    """Bytes of the tensors autograd keeps from one training forward (parameters excluded)."""
-    model = stage_model(cfg)
+def saved_activation_bytes(cfg, pp_rank=0):
+    """Bytes of the tensors autograd keeps from one training forward of one micro-batch on
+    pipeline stage `pp_rank` (parameters excluded; a later stage's input counts, as the
+    received activation does in a pipeline)."""
+    model = stage_model(cfg, pp_rank=pp_rank)
     model.train()
     b, s = cfg.training.micro_batch_size, cfg.model.seq_length
     ids = torch.randint(0, cfg.raw_vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    if pp_rank > 0:
+        model.set_input_tensor(torch.randn(b, s, cfg.model.hidden_size, requires_grad=True))
     mask = None
     if cfg.data.reset_attention_mask:
         mask = ~torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
@@ -63,29 +69,63 @@ def saved_activation_bytes(cfg):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, None, mask, labels=ids)
+        model(ids if pp_rank == 0 else None, None, mask, labels=ids)
     return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
+@pytest.mark.parametrize("backend", ["auto", "local"])
 @pytest.mark.parametrize("extra", [
-    ("--attention-dropout", "0"),                       # SDPA's fused CPU kernel: no scores kept
+    ("--attention-dropout", "0"),     # SDPA's fused CPU kernel keeps no scores; local: the probs
     ("--hidden-dropout", "0", "--attention-dropout", "0"),
-    ("--reset-attention-mask",),                        # explicit mask: scores, probs, dropout mask
-    (),                                                 # SDPA with dropout: its math path keeps scores
+    ("--reset-attention-mask",),      # explicit mask: probs, dropout mask, dropped probs
+    (),                               # SDPA with dropout: its math path keeps them too
     ("--checkpoint-activations", "--checkpoint-num-layers", "2"),  # chunk inputs only
 ])
-def test_activation_formula_matches_the_tensors_autograd_keeps(extra):
-    cfg = config(*extra)
-    want = activation_bytes_per_sample(cfg, "cpu")["forward"] * cfg.training.micro_batch_size
+def test_activation_formula_matches_the_tensors_autograd_keeps(extra, backend):
+    cfg = config(*extra, "--attention-backend", backend)
+    want = stage_activations(cfg, "cpu").forward * cfg.training.micro_batch_size
     got = saved_activation_bytes(cfg)
     assert abs(want - got) / got < 0.1, (extra, want, got)
 
 
-def test_model_states_match_the_engines_tensors_after_a_step():
-    """Native fp32 and bf16, and DeepSpeed ZeRO-2 (one rank): weights, gradients and optimizer states equal
-    the engine's tensors exactly; ZeRO-2's reduce bucket equals the buffer DeepSpeed allocates."""
+@pytest.mark.parametrize("vocab", [500, 8000])  # the first stage needs more; the last does
+def test_pipeline_estimate_is_the_larger_of_the_first_and_the_last_stage(vocab):
+    """PP 2 with 4 micro-batches: the first stage keeps 2 in flight, the last one plus the
+    output layer (its fp32 log-probabilities kept, its logits alive at the loss)."""
+    cfg = config("--pipeline-model-parallel-size", "2", "--global-batch-size", "16", world=2,
+                 vocab=vocab)
+    b, s, w = cfg.training.micro_batch_size, cfg.model.seq_length, 4
+    first, last = (saved_activation_bytes(cfg, r) for r in (0, 1))
+    for rank, got in ((0, first), (1, last)):
+        want = stage_activations(cfg, "cpu", rank).forward * b
+        assert abs(want - got) / got < 0.1, (rank, want, got)
+    logits = b * s * cfg.model.padded_vocab_size * w
+    measured = max(2 * first, last + logits)
+    est = estimate_memory(cfg, device_type="cpu")
+    assert abs(est.activations - measured) / measured < 0.1, (est.activations, first, last)
+    assert (est.activations == est.stages[1].bytes(b, 4)) == (vocab == 8000)
+
+
+def test_model_states_match_the_engines_tensors_after_a_step(monkeypatch):
+    """Native fp32, bf16 and fp16 (half gradients cast to fp32 and freed one by one), and
+    DeepSpeed ZeRO-2 (one rank): weights, gradients and optimizer states equal the engine's
+    tensors exactly; ZeRO-2's reduce bucket equals the buffer DeepSpeed allocates."""
+    import torch.distributed as dist
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)  # DeepSpeed's one-rank start-up exports these
+    try:
+        _check_states_against_engines()
+    finally:
+        if dist.is_initialized():  # DeepSpeed's one-rank group must not leak into other tests
+            dist.destroy_process_group()
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(key, raising=False)
+
+
+def _check_states_against_engines():
     from app.testing.synthetic import build_synthetic_run
-    for extra in ((), ("--bf16",), ("--deepspeed", "--deepspeed_config", "ds_configs/zero2.json")):
+    for extra in ((), ("--bf16",), ("--fp16", "--initial-loss-scale", "4096"),  # step applied
+                  ("--deepspeed", "--deepspeed_config", "ds_configs/zero2.json")):
         cfg = config("--global-batch-size", "8", *extra)
         run = build_synthetic_run(cfg, 32)
         buckets = []
@@ -110,10 +150,27 @@ def test_model_states_match_the_engines_tensors_after_a_step():
 def test_largest_micro_batch_is_the_last_that_fits():
     cfg = config()
     est = estimate_memory(cfg)
-    device = est.model_states + 10.5 * est.activations_per_sample
+    device = est.model_states + 10.5 * est.activations_at(1)
     device /= FIT_FRACTION
     largest = est.largest_micro_batch(device)
     assert largest == 10
     assert estimate_memory(cfg, largest).total <= FIT_FRACTION * device
     assert estimate_memory(cfg, largest + 1).total > FIT_FRACTION * device
     assert est.largest_micro_batch(est.model_states / FIT_FRACTION) == 0
+
+
+def test_largest_micro_batch_counts_the_micro_batches_in_flight():
+    """PP 2, 8 samples per rank: micro-batch 1 keeps 2 of 8 micro-batches in flight on the first
+    stage, micro-batch 8 one of one. For each micro-batch b that divides 8, the device on which
+    a run configured with b just fits must give an answer >= b, and the answer must fit."""
+    def pp2(b):
+        return config("--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                      "--micro-batch-size", str(b), "--num-layers", "8", world=2)
+    est = estimate_memory(pp2(1))
+    for b in (1, 2, 4, 8):
+        own = estimate_memory(pp2(b))
+        assert est.activations_at(b) == own.activations
+        device = own.total / FIT_FRACTION * (1 + 1e-12)
+        largest = est.largest_micro_batch(device)
+        assert largest >= b, (b, largest)
+        assert estimate_memory(pp2(1), largest).total <= FIT_FRACTION * device

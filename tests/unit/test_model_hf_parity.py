@@ -1,9 +1,11 @@
-"""Our GPT-2 (dropout 0) against Hugging Face's GPT2LMHeadModel with the same weights copied in."""
+"""Our GPT-2 (dropout 0) against Hugging Face's GPT2LMHeadModel with the same weights copied in
+through app.convert.hf_gpt2's mapping (logits, loss and gradients agree)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from app.config import ModelConfig
+from app.convert.hf_gpt2 import to_hf_state
 from app.model import GPT2Model
 
 transformers = pytest.importorskip("transformers")
@@ -17,32 +19,9 @@ def _config(openai_gelu: bool) -> ModelConfig:
                        attention_dropout=0.0, openai_gelu=openai_gelu, seed=7)
 
 
-def _qkv_to_hf(t: torch.Tensor) -> torch.Tensor:
-    """Our rows [heads, (q,k,v), hd] -> HF's [(q,k,v), heads, hd]; works for weight and bias."""
-    hd = H // HEADS
-    return t.reshape(HEADS, 3, hd, *t.shape[1:]).transpose(0, 1).reshape(3 * H, *t.shape[1:])
-
-
 def _hf_tensors(ours: dict) -> dict:
-    """Our state (params or grads, by our names) in HF's names and layouts (Conv1D is [in, out])."""
-    out = {"transformer.wte.weight": ours["language_model.embedding.word_embeddings.weight"],
-           "transformer.wpe.weight": ours["language_model.embedding.position_embeddings.weight"],
-           "transformer.ln_f.weight": ours["language_model.transformer.final_layernorm.weight"],
-           "transformer.ln_f.bias": ours["language_model.transformer.final_layernorm.bias"]}
-    for i in range(L):
-        p, h = f"language_model.transformer.layers.{i}.", f"transformer.h.{i}."
-        norms = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"))
-        for ours_name, hf_name in norms:
-            for kind in ("weight", "bias"):
-                out[f"{h}{hf_name}.{kind}"] = ours[f"{p}{ours_name}.{kind}"]
-        out[f"{h}attn.c_attn.weight"] = _qkv_to_hf(ours[f"{p}attention.query_key_value.weight"]).t()
-        out[f"{h}attn.c_attn.bias"] = _qkv_to_hf(ours[f"{p}attention.query_key_value.bias"])
-        linears = (("attention.dense", "attn.c_proj"), ("mlp.dense_h_to_4h", "mlp.c_fc"),
-                   ("mlp.dense_4h_to_h", "mlp.c_proj"))
-        for ours_name, hf_name in linears:
-            out[f"{h}{hf_name}.weight"] = ours[f"{p}{ours_name}.weight"].t()
-            out[f"{h}{hf_name}.bias"] = ours[f"{p}{ours_name}.bias"]
-    return out
+    """Our state (params or grads, by our names) in HF's names and layouts (app.convert's mapping)."""
+    return to_hf_state(ours, L, HEADS)
 
 
 def _models(openai_gelu: bool):

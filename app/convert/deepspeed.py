@@ -1,0 +1,191 @@
+"""Read a DeepSpeed checkpoint written by pretrain_gpt2.py --deepspeed (ZeRO-1/2, any DP and TP)
+into a ModelCheckpoint: the consolidated fp32 master weights and, when asked, Adam's moments.
+
+DeepSpeed's layout under `{load}/{tag}/` (tag `iter_0000100`, named by the `latest` file):
+
+    mp_rank_{mp:02d}_model_states.pt                       module (working-precision weights),
+                                                           param_shapes, our client state (args,
+                                                           iteration, rng_state, ...), lr_scheduler
+    [bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt   this DP rank's slice of the flat
+                                                           fp32 master weights of each param group
+                                                           and of Adam's state for that slice
+
+Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (the pipeline stages of a
+PP > 1 run; TP from the saved args). For each of them the DP slices of each group are concatenated and cut into parameters in the
+order of `param_shapes` (DeepSpeed's zero_to_fp32 does the same for a single TP rank); then
+the TP shards are merged by app.convert.layout. The files pickle DeepSpeed objects; they are read
+the safe way (app.training.deepspeed_engine.load_deepspeed_file: SHA-256 sidecar verified,
+weights_only with an allow-list of DeepSpeed's classes), so a crafted file is refused, never run.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import math
+import os
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from app.convert import layout
+from app.convert.state import ModelCheckpoint, OptimizerState, Progress
+from app.training import checkpoint as ckpt
+
+logger = logging.getLogger(__name__)
+
+_MODEL_FILE_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_OPTIM_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def resolve_tag(load_dir: str, iteration: Optional[Any]) -> str:
+    """`iter_{n:07d}` for --iteration n, else the tag named by DeepSpeed's `latest` file."""
+    if iteration is not None:
+        tag = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    else:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            raise ckpt.CheckpointError(f"--load {load_dir} has no DeepSpeed 'latest' file; pass "
+                                       "--iteration N, or is it a Megatron checkpoint (--input-format megatron)?")
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise ckpt.CheckpointError(f"DeepSpeed checkpoint {os.path.join(load_dir, tag)} does not exist")
+    return tag
+
+
+def load_file(path: str) -> Dict[str, Any]:
+    """One DeepSpeed file, read safely (checksum, weights_only with DeepSpeed's allow-list);
+    CheckpointError naming the file when it is damaged or would run code."""
+    from app.training.deepspeed_engine import load_deepspeed_file
+    return load_deepspeed_file(path)
+
+
+def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
+                   include_optimizer: bool = False) -> ModelCheckpoint:
+    """The whole model of a DeepSpeed checkpoint of ours (fp32 masters), any DP and TP size."""
+    tag = resolve_tag(load_dir, iteration)
+    directory = os.path.join(load_dir, tag)
+    model_files = sorted((int(m.group(1)), name) for name in os.listdir(directory)
+                         for m in [_MODEL_FILE_RE.match(name)] if m)
+    if not model_files:
+        raise ckpt.CheckpointError(f"{directory} has no mp_rank_XX_model_states.pt: not a DeepSpeed "
+                                   "checkpoint")
+    mp = len(model_files)  # DeepSpeed numbers files by model-parallel rank pp_rank x TP + tp_rank
+    first: Dict[str, Any] = load_file(os.path.join(directory, model_files[0][1]))
+    tp = int(getattr(first.get("args"), "tensor_model_parallel_size", mp) or mp)
+    pp = mp // tp
+    weights_per_rank: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}
+    moments_per_rank: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {
+        "exp_avg": {}, "exp_avg_sq": {}}
+    steps: Dict[str, torch.Tensor] = {}
+    hparams: Dict[str, Dict[str, Any]] = {}
+    for mp_rank, name in model_files:
+        states = first if mp_rank == 0 else load_file(os.path.join(directory, name))
+        tp_rank, pp_rank = mp_rank % tp, mp_rank // tp
+        optim = _optim_files(directory, mp_rank)
+        if optim:
+            weights, moments, step, groups = _consolidate(states, optim, directory, include_optimizer)
+            hparams.update(groups)
+            steps.update(step)
+        elif include_optimizer:
+            raise ckpt.CheckpointError(f"--include-optimizer: {directory} has no ZeRO optimizer files "
+                                       f"for model-parallel rank {mp_rank}")
+        else:
+            logger.warning("%s has no ZeRO optimizer files; using the module weights it saved", directory)
+            weights, moments = {k: v.float() for k, v in states["module"].items()}, {}
+        weights_per_rank[(tp_rank, pp_rank)] = weights
+        for kind, values in moments.items():
+            moments_per_rank[kind][(tp_rank, pp_rank)] = values
+    args = first.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise ckpt.CheckpointError(f"{directory}/mp_rank_00_model_states.pt has no 'args' (not written "
+                                   "by pretrain_gpt2.py --deepspeed?): its model shape is unknown")
+    from app.convert.megatron import merge_ranks
+    result = ModelCheckpoint(args=argparse.Namespace(**vars(args)),
+                             weights=merge_ranks(args, weights_per_rank, tp, pp, "weights"),
+                             iteration=int(first.get("iteration", 0)), source_layout=(tp, pp))
+    rng = first.get("rng_state")
+    if rng is not None:
+        result.rng_states = {(0, 0): [rng] if isinstance(rng, dict) else rng}
+    if include_optimizer:
+        merged = {kind: merge_ranks(args, ranks, tp, pp, f"optimizer {kind}")
+                  for kind, ranks in moments_per_rank.items()}
+        result.optimizer = OptimizerState(
+            per_param={n: {"exp_avg": merged["exp_avg"][n], "exp_avg_sq": merged["exp_avg_sq"][n],
+                           "step": steps[n]} for n in merged["exp_avg"]},
+            group_hparams=hparams)
+        result.lr_scheduler = first.get("lr_scheduler")
+    return result
+
+
+def _optim_files(directory: str, tp_rank: int) -> List[str]:
+    """This TP rank's ZeRO files, ordered by data-parallel rank."""
+    found = []
+    for path in glob.glob(os.path.join(directory, "*optim_states.pt")):
+        match = _OPTIM_FILE_RE.search(os.path.basename(path))
+        if match and int(match.group(2)) == tp_rank:
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def _consolidate(model_states: Dict[str, Any], optim_paths: List[str], directory: str,
+                 include_optimizer: bool):
+    """Full fp32 weights (and Adam moments) of one TP rank from its DP-partitioned ZeRO files."""
+    progress = Progress(f"reading ZeRO partitions of {os.path.basename(optim_paths[0])}")
+    parts = [load_file(p)["optimizer_state_dict"] for p in optim_paths]
+    stage = int(parts[0].get("zero_stage", 0))
+    if stage not in (1, 2):
+        raise ckpt.CheckpointError(f"{directory}: ZeRO stage {stage} is not supported (ZeRO-1/2 only)")
+    dp = parts[0]["partition_count"]
+    dp = max(dp) if isinstance(dp, list) else int(dp)
+    if dp != len(parts):
+        raise ckpt.CheckpointError(f"{directory}: the ZeRO files say {dp} data-parallel ranks but "
+                                   f"{len(parts)} *_optim_states.pt files exist for this TP rank")
+    shapes = model_states["param_shapes"]
+    weights: Dict[str, torch.Tensor] = {}
+    moments: Dict[str, Dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    steps: Dict[str, torch.Tensor] = {}
+    hparams: Dict[str, Dict[str, Any]] = {}
+    paddings = parts[0].get("param_alignment_paddings")
+    for g, group_shapes in enumerate(shapes):
+        flat = torch.cat([p["single_partition_of_fp32_groups"][g] for p in parts])
+        pads = paddings[g] if paddings else [0] * len(group_shapes)
+        weights.update(_unflatten(flat, group_shapes, pads, dp, directory))
+        if include_optimizer:
+            base = [p["base_optimizer_state"] for p in parts]
+            group_state = [b["state"][g] if "state" in b else b[g] for b in base]
+            group_pads = parts[0].get("group_paddings") or [0] * len(shapes)
+            for kind in moments:
+                pieces = [s[kind] for s in group_state]
+                if group_pads[g]:  # the last DP rank's slice carries the group's padding
+                    pieces[-1] = pieces[-1][:pieces[-1].numel() - group_pads[g]]
+                moments[kind].update(_unflatten(torch.cat(pieces), group_shapes, pads, dp, directory))
+            step = group_state[0]["step"]
+            for n in group_shapes:
+                steps[n] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+            if "param_groups" in base[0]:
+                group = base[0]["param_groups"][g]
+                names = list(group_shapes)
+                group_name = "no_decay" if layout.is_no_weight_decay(names[0]) else "decay"
+                hparams[group_name] = {k: v for k, v in group.items() if k != "params"}
+    for t in weights.values():
+        progress.add(t)
+    progress.report(final=True)
+    return weights, moments, steps, hparams
+
+
+def _unflatten(flat: torch.Tensor, group_shapes: Dict[str, Any], paddings: List[int], dp: int,
+               directory: str) -> Dict[str, torch.Tensor]:
+    """Cut a group's flat vector into its parameters (DeepSpeed pads the group to 2*DP)."""
+    out, offset = {}, 0
+    for (name, shape), pad in zip(group_shapes.items(), paddings):
+        numel = math.prod(shape)
+        out[name] = flat.narrow(0, offset, numel).view(tuple(shape)).clone()
+        offset += numel + pad
+    align = 2 * dp
+    if math.ceil(offset / align) * align != math.ceil(flat.numel() / align) * align:
+        raise ckpt.CheckpointError(f"{directory}: the ZeRO partitions hold {flat.numel()} values but the "
+                                   f"parameter shapes need {offset}; the checkpoint is inconsistent")
+    return out

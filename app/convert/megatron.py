@@ -1,0 +1,318 @@
+"""Read a Megatron-layout checkpoint at any TP/PP into a ModelCheckpoint, and write one at any
+target TP/PP/dtype (the files app.training.checkpoint reads and writes; see docs/checkpoints.md).
+
+Reading merges every rank's shard of every parameter (and, when present, of its Adam moments)
+into full tensors; writing splits them for the target layout. The padded vocabulary is
+re-padded with Megatron's rule for the target tensor-parallel size (pad_vocab_size), so TP1 ->
+TP2xPP2 -> TP4 -> TP1 gives back the same tensors bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from app.convert import layout
+from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
+                               cast_weights)
+from app.optim.mixed_precision import is_mixed_state
+from app.training import checkpoint as ckpt
+from app.utils.dtypes import torch_dtype
+
+logger = logging.getLogger(__name__)
+
+
+
+def resolve_iteration(load_dir: str, iteration: Optional[Iteration]) -> Iteration:
+    """The iteration to read: `iteration` if given (int or 'release'), else the tracker's."""
+    if iteration is not None:
+        directory = ckpt.checkpoint_dir(load_dir, iteration)
+        if not os.path.isdir(directory):
+            raise ckpt.CheckpointError(f"--iteration {iteration}: {directory} does not exist "
+                                       f"(iterations present: {ckpt.list_checkpoint_iterations(load_dir)})")
+        return iteration
+    found = ckpt.read_tracker(load_dir)
+    if found is None:
+        raise ckpt.CheckpointError(f"--load {load_dir} has no {ckpt.TRACKER_FILENAME}; pass "
+                                   "--iteration N (or release) or point --load at a Megatron checkpoint")
+    return found
+
+
+def read_rank_files(load_dir: str, iteration: Iteration
+                    ) -> Tuple[Tuple[int, int], Dict[Tuple[int, int], Dict[str, Any]]]:
+    """((tp, pp), {(tp_rank, pp_rank): checkpoint dict}) of every rank file of `iteration`."""
+    directory = ckpt.checkpoint_dir(load_dir, iteration)
+    found = ckpt.saved_layout(directory)
+    if found is None:
+        raise ckpt.CheckpointError(f"{directory} holds no mp_rank_XX folders: not a Megatron-layout "
+                                   "checkpoint (a DeepSpeed one? use --input-format deepspeed)")
+    tp, pp = found
+    files = {}
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            state, _ = ckpt.load_checkpoint_dict(load_dir, tp_rank=tp_rank, pp_rank=pp_rank,
+                                                 pp_size=pp, iteration=iteration, tp_size=tp)
+            ckpt.check_checkpoint_version(state, directory)
+            files[(tp_rank, pp_rank)] = state
+    return (tp, pp), files
+
+
+def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
+                  include_optimizer: bool = False) -> ModelCheckpoint:
+    """The whole model (and, with `include_optimizer`, its Adam state) of a Megatron checkpoint."""
+    iteration = resolve_iteration(load_dir, iteration)
+    (tp, pp), files = read_rank_files(load_dir, iteration)
+    args = files[(0, 0)].get("args")
+    if args is None:
+        raise ckpt.CheckpointError(f"{ckpt.checkpoint_dir(load_dir, iteration)} has no 'args': its "
+                                   "model shape is unknown, so it cannot be converted")
+    flat = {}
+    for key, state in files.items():
+        flat[key] = ckpt.from_megatron_model(state["model"])
+        main = ckpt.fp32_main_weights(state)  # mixed precision: the exact fp32 weights
+        if main:
+            flat[key].update({n: v for n, v in main.items() if n in flat[key]})
+    if any(ckpt.fp32_main_weights(state) for state in files.values()):
+        logger.info("mixed-precision checkpoint: reading the fp32 main weights of its optimizer")
+    weights = merge_ranks(args, flat, tp, pp, "weights")
+    result = ModelCheckpoint(args=copy.copy(args), weights=weights, iteration=iteration,
+                             source_layout=(tp, pp),
+                             rng_states={k: s["rng_state"] for k, s in files.items()
+                                         if s.get("rng_state") is not None})
+    if include_optimizer:
+        if ckpt.saved_virtual_pipeline_size(args) > 1:
+            raise ckpt.CheckpointError(
+                f"{ckpt.checkpoint_dir(load_dir, iteration)} was saved with interleaved model "
+                "chunks (--num-layers-per-virtual-pipeline-stage): its weights convert, its "
+                "optimizer states do not; drop --include-optimizer")
+        result.optimizer = _read_optimizer(args, files, tp, pp, load_dir)
+        result.lr_scheduler = files[(0, 0)].get("lr_scheduler")
+        saved = files[(0, 0)].get("optimizer") or {}
+        result.optimizer.grad_scaler = saved.get("grad_scaler") if is_mixed_state(saved) else None
+    return result
+
+
+def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
+           tp: int, pp: int, what: str) -> Dict[str, torch.Tensor]:
+    """Full tensors from per-rank flat dicts; the last stage's tied copy must equal stage 0's."""
+    num_layers = int(args.num_layers)
+    progress = Progress(f"reading {what}")
+    merged: Dict[str, torch.Tensor] = {}
+    # the stage whose file holds each name: contiguous stages, or an interleaved run's chunks
+    holder = {name: stage for (tp_rank, stage), rank_dict in per_rank.items() if tp_rank == 0
+              for name in rank_dict}
+    for name in layout.model_parameter_names(num_layers) + ([layout.TIED_HEAD] if pp > 1 else []):
+        stage = holder.get(name, layout.stage_of(name, num_layers, pp))
+        shards = []
+        for tp_rank in range(tp):
+            rank_dict = per_rank[(tp_rank, stage)]
+            if name not in rank_dict:
+                raise ckpt.CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) has no {name!r}")
+            shards.append(rank_dict[name])
+        merged[name] = layout.merge_shards(shards, name)
+        progress.add(merged[name])
+    known = set(layout.model_parameter_names(num_layers)) | {layout.TIED_HEAD}
+    for (tp_rank, stage), rank_dict in per_rank.items():
+        unknown = sorted(set(rank_dict) - known)
+        if unknown:
+            raise ckpt.CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) holds {unknown[0]!r}, "
+                                       "which the GPT-2 layout cannot map")
+    tied = merged.pop(layout.TIED_HEAD, None)
+    if tied is not None and not torch.equal(tied, merged[layout.WORD_EMBEDDINGS]):
+        logger.warning("the last stage's tied word embeddings differ from the first stage's; "
+                       "using the first stage's")
+    progress.report(final=True)
+    return merged
+
+
+def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[str, Any]],
+                    tp: int, pp: int, load_dir: str) -> OptimizerState:
+    """Adam moments of every rank file, mapped to parameter names and merged like the weights."""
+    per_rank: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {
+        "exp_avg": {}, "exp_avg_sq": {}}
+    steps: Dict[str, torch.Tensor] = {}
+    hparams: Dict[str, Dict[str, Any]] = {}
+    for (tp_rank, stage), state in files.items():
+        opt = state.get("optimizer")
+        if is_mixed_state(opt):  # Megatron's Float16Optimizer layout: AdamW's state inside
+            opt = opt["optimizer"]
+        if opt is None:
+            raise ckpt.CheckpointError(f"--include-optimizer: {load_dir} (tp {tp_rank}, pp {stage}) "
+                                       "has no optimizer state (saved with --no-save-optim?)")
+        names = layout.stage_parameter_names(int(args.num_layers), pp, stage)
+        index_to_name = _index_names(opt, names, f"{load_dir} (tp {tp_rank}, pp {stage})")
+        for kind in per_rank:
+            per_rank[kind][(tp_rank, stage)] = {}
+        for index, name in index_to_name.items():
+            entry = opt["state"].get(index)
+            if not entry:
+                raise ckpt.CheckpointError(f"--include-optimizer: no Adam state for {name!r} in "
+                                           f"{load_dir} (tp {tp_rank}, pp {stage}); was it saved "
+                                           "before the first step?")
+            for kind in per_rank:
+                per_rank[kind][(tp_rank, stage)][name] = entry[kind]
+            steps[name] = entry["step"]
+        for group in opt["param_groups"]:
+            hparams.setdefault(group.get("name", "decay"),
+                               {k: v for k, v in group.items() if k != "params"})
+    merged = {kind: merge_ranks(args, ranks, tp, pp, f"optimizer {kind}")
+              for kind, ranks in per_rank.items()}
+    per_param = {name: {"exp_avg": merged["exp_avg"][name],
+                        "exp_avg_sq": merged["exp_avg_sq"][name], "step": steps[name]}
+                 for name in merged["exp_avg"]}
+    return OptimizerState(per_param=per_param, group_hparams=hparams)
+
+
+def _index_names(opt: Dict[str, Any], names: List[str], where: str) -> Dict[int, str]:
+    """{optimizer index: parameter name} of one stage from its groups' 'params' lists."""
+    groups = layout.optimizer_groups(names)
+    mapping: Dict[int, str] = {}
+    saved = opt.get("param_groups", [])
+    order = [g.get("name", ("decay", "no_decay")[i]) for i, g in enumerate(saved)]
+    for group, group_name in zip(saved, order):
+        wanted = groups.get(group_name)
+        if wanted is None or len(wanted) != len(group["params"]):
+            raise ckpt.CheckpointError(
+                f"--include-optimizer: the optimizer of {where} has a param group {group_name!r} of "
+                f"{len(group['params'])} parameters; the GPT-2 layout expects "
+                f"{len(wanted or [])}: it cannot be mapped to parameter names")
+        mapping.update(zip(group["params"], wanted))
+    return mapping
+
+
+# ---------------------------------------------------------------------------- writing
+
+def target_padded_vocab(args: argparse.Namespace, rows: int, tp: int) -> int:
+    """Padded vocabulary rows for tensor-parallel size `tp` (Megatron's rule when the tokenizer
+    size is known; else the current rows, which must divide by `tp`)."""
+    from app.data import pad_vocab_size
+    vocab = getattr(args, "vocab_size", None)
+    if vocab:
+        multiple = int(getattr(args, "make_vocab_size_divisible_by", 128) or 128)
+        return pad_vocab_size(int(vocab), multiple, tp)
+    if rows % tp:
+        raise layout.LayoutError(f"the checkpoint records no tokenizer vocab_size and its {rows} "
+                                 f"vocabulary rows do not divide by the target TP size {tp}")
+    return rows
+
+
+def target_args(source: ModelCheckpoint, tp: int, pp: int, dtype: torch.dtype,
+                padded_vocab: int, iteration: Iteration) -> argparse.Namespace:
+    """The source's args with the target layout, padded vocabulary, dtype and iteration."""
+    args = copy.copy(source.args)
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.world_size = tp * pp * dp
+    args.padded_vocab_size = padded_vocab
+    args.params_dtype = dtype
+    args.fp16, args.bf16 = dtype == torch.float16, dtype == torch.bfloat16
+    args.iteration = 0 if iteration == "release" else int(iteration)
+    return args
+
+
+def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
+                   dtype_name: Optional[str] = None, iteration: Optional[Iteration] = None,
+                   include_optimizer: bool = False) -> Iteration:
+    """Write `source` as a Megatron checkpoint at TP `tp`, PP `pp` into `save_dir` (which the
+    caller stages); returns the iteration written ('release' unless given)."""
+    num_layers = source.num_layers
+    layout.stage_layer_range(num_layers, pp, 0)  # validates divisibility
+    heads = int(source.args.num_attention_heads)
+    if heads % tp:
+        raise layout.LayoutError(f"num_attention_heads ({heads}) is not divisible by the target "
+                                 f"tensor-parallel size ({tp})")
+    saved_dtype = getattr(source.args, "params_dtype", None)
+    dtype = (torch_dtype(dtype_name) if dtype_name else saved_dtype
+             if isinstance(saved_dtype, torch.dtype) else source.weights[layout.WORD_EMBEDDINGS].dtype)
+    iteration = "release" if iteration is None else iteration
+    rows = target_padded_vocab(source.args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
+    vocab_size = getattr(source.args, "vocab_size", None)
+    weights = dict(source.weights)
+    weights[layout.WORD_EMBEDDINGS] = layout.resize_vocab(
+        weights[layout.WORD_EMBEDDINGS], rows, vocab_size, layout.WORD_EMBEDDINGS)
+    full_precision = dict(weights, **{layout.TIED_HEAD: weights[layout.WORD_EMBEDDINGS]})
+    weights = cast_weights(weights, dtype)
+    weights[layout.TIED_HEAD] = weights[layout.WORD_EMBEDDINGS]
+    opt = source.optimizer if include_optimizer else None
+    if include_optimizer and opt is None:
+        raise ckpt.CheckpointError("--include-optimizer: the source checkpoint has no optimizer state")
+    args = target_args(source, tp, pp, dtype, rows, iteration)
+    total = sum(len(layout.stage_parameter_names(num_layers, pp, st)) for st in range(pp)) * tp
+    progress = Progress("writing", total=total)
+    for stage in range(pp):
+        names = layout.stage_parameter_names(num_layers, pp, stage)
+        for tp_rank in range(tp):
+            flat = {n: layout.split_tensor(weights[n], n, tp)[tp_rank] for n in names}
+            for tensor in flat.values():
+                progress.add(tensor)
+            optimizer = _optimizer_shard(opt, names, tp, tp_rank, rows, vocab_size) if opt else None
+            if optimizer is not None and dtype != torch.float32:  # keep the fp32 main weights
+                optimizer = _mixed_state(optimizer, full_precision, names, tp, tp_rank, opt)
+            state = ckpt.build_checkpoint_dict(
+                iteration, flat, optimizer, source.lr_scheduler if opt else None,
+                _rng_for(source, tp_rank, stage, pp) if opt else None, args)
+            ckpt.save_checkpoint(save_dir, iteration, state, tp_rank=tp_rank, pp_rank=stage,
+                                 pp_size=pp, is_tracker_writer=False)
+    ckpt.write_tracker(save_dir, iteration)
+    progress.report(final=True)
+    return iteration
+
+
+def _optimizer_shard(opt: OptimizerState, names: List[str], tp: int, tp_rank: int, rows: int,
+                     vocab_size: Optional[int]) -> Dict[str, Any]:
+    """torch.optim state dict of one rank: groups decay / no_decay over `names`, as built by
+    app.optim.get_param_groups, with each parameter's moments split like its weight."""
+    groups = layout.optimizer_groups(names)
+    state: Dict[int, Dict[str, torch.Tensor]] = {}
+    param_groups = []
+    index = 0
+    for group_name in ("decay", "no_decay"):
+        members = groups[group_name]
+        if not members:
+            continue
+        indices = []
+        for name in members:
+            source_name = layout.WORD_EMBEDDINGS if name == layout.TIED_HEAD else name
+            entry = opt.per_param.get(source_name)
+            if entry is None:
+                raise ckpt.CheckpointError(f"--include-optimizer: no Adam state for {source_name!r}")
+            moments = {}
+            for kind in ("exp_avg", "exp_avg_sq"):
+                full = entry[kind]
+                if source_name == layout.WORD_EMBEDDINGS:
+                    full = layout.resize_vocab(full, rows, vocab_size, f"{kind} of {source_name}")
+                moments[kind] = layout.split_tensor(full, name, tp)[tp_rank]
+            state[index] = {"step": entry["step"].clone(), **moments}
+            indices.append(index)
+            index += 1
+        hparams = dict(opt.group_hparams.get(group_name, {}))
+        hparams["name"] = group_name
+        param_groups.append({**hparams, "params": indices})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _mixed_state(adam: Dict[str, Any], full: Dict[str, torch.Tensor], names: List[str], tp: int,
+                 tp_rank: int, opt: OptimizerState) -> Dict[str, Any]:
+    """Megatron's Float16Optimizer layout (what a native fp16/bf16 run saves): AdamW's state,
+    the loss scaler's, and the fp32 main weights with their names, per param group."""
+    groups = [g for g in (layout.optimizer_groups(names)[k] for k in ("decay", "no_decay")) if g]
+    mains = [[layout.split_tensor(full[n].float(), n, tp)[tp_rank] for n in group]
+             for group in groups]
+    return {"optimizer": adam, "grad_scaler": opt.grad_scaler, "fp32_from_fp16_params": mains,
+            "param_names": groups}
+
+
+def _rng_for(source: ModelCheckpoint, tp_rank: int, stage: int, pp: int) -> Optional[Any]:
+    """RNG states for a target rank: those of the source rank with the same TP rank (modulo the
+    source TP size) on the stage that held this stage's first layer. Dropout streams of a
+    changed layout cannot continue exactly; every other state does."""
+    if not source.rng_states:
+        return None
+    src_tp, src_pp = source.source_layout
+    first_layer = layout.stage_layer_range(source.num_layers, pp, stage)[0]
+    src_stage = min(first_layer // (source.num_layers // src_pp), src_pp - 1)
+    return source.rng_states.get((tp_rank % src_tp, src_stage))

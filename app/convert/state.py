@@ -1,0 +1,157 @@
+"""The layout-free checkpoint every reader produces and every writer consumes, plus the
+progress report and the write-to-temporary-then-rename discipline of the converter."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, TextIO, Tuple, Union
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Iteration = Union[int, str]
+
+
+@dataclass
+class OptimizerState:
+    """Adam state of the whole model, unsharded: per parameter name its `exp_avg`,
+    `exp_avg_sq` (full shape, fp32) and `step`; the hyper-parameters of the two param groups
+    ('decay', 'no_decay') as the torch optimizer stores them, without their 'params'; and the
+    loss scaler's state when the source trained in fp16/bf16."""
+
+    per_param: Dict[str, Dict[str, torch.Tensor]]
+    group_hparams: Dict[str, Dict[str, Any]]
+    grad_scaler: Optional[Dict[str, Any]] = None
+    """The loss scaler's state of a mixed-precision run (kept for a half-precision target)."""
+
+
+@dataclass
+class ModelCheckpoint:
+    """A whole GPT-2 checkpoint, independent of how it was sharded.
+
+    `weights`: full tensors under our flat names (model_parameter_names order, no tied head
+    copy); the word embeddings keep the padded rows they were stored with. `args`: Megatron's
+    args Namespace (model shape, `vocab_size` = tokenizer size when known, data position).
+    `rng_states`: the source's per-rank RNG states keyed by (tp_rank, pp_rank), when it had them.
+    """
+
+    args: argparse.Namespace
+    weights: Dict[str, torch.Tensor]
+    iteration: Iteration = "release"
+    optimizer: Optional[OptimizerState] = None
+    lr_scheduler: Optional[Dict[str, Any]] = None
+    rng_states: Dict[Tuple[int, int], Any] = field(default_factory=dict)
+    source_layout: Tuple[int, int] = (1, 1)
+    tokenizer_files: Dict[str, str] = field(default_factory=dict)
+    """Tokenizer files that travel with the model ({'vocab.json': path, 'merges.txt': path})."""
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.args.num_layers)
+
+
+class Progress:
+    """Counts tensors and bytes and reports them on stderr at most once per `interval` seconds."""
+
+    def __init__(self, what: str, total: Optional[int] = None, interval: float = 2.0,
+                 stream: Optional[TextIO] = None) -> None:
+        self.what, self.total, self.interval, self.stream = what, total, interval, stream
+        self.tensors = 0
+        self.bytes = 0
+        self.start = self.last = time.perf_counter()
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        now = time.perf_counter()
+        if now - self.last >= self.interval:
+            self.last = now
+            self.report()
+
+    def report(self, final: bool = False) -> None:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        of = f"/{self.total}" if self.total else ""
+        print(f"[convert] {self.what}: {self.tensors}{of} tensors, {self.bytes / 2**20:.1f} MiB "
+              f"in {elapsed:.1f} s ({self.tensors / elapsed:.0f} tensors/s, "
+              f"{self.bytes / 2**20 / elapsed:.1f} MiB/s){' done' if final else ''}",
+              file=self.stream or sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def staged_directory(target: str) -> Iterator[str]:
+    """Yield a temporary sibling of `target` to write into; rename it to `target` on success.
+
+    A failure removes the temporary directory, so `target` is never left half written. An
+    existing non-empty `target` is refused (nothing is overwritten).
+    """
+    target = os.path.abspath(target)
+    if os.path.isdir(target) and os.listdir(target):
+        raise FileExistsError(f"--save {target} exists and is not empty; choose a new directory "
+                              "or remove it first")
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise FileExistsError(f"--save {target} exists and is a file")
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(target):
+        os.rmdir(target)  # empty (checked above)
+    os.replace(tmp, target)
+
+
+def cast_weights(weights: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]
+                 ) -> Dict[str, torch.Tensor]:
+    """`weights` with floating tensors cast to `dtype` (None keeps them)."""
+    if dtype is None:
+        return weights
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def describe(obj: Any, indent: int = 0, out: Optional[List[str]] = None) -> List[str]:
+    """Lines describing a nested checkpoint object: keys, tensor shapes/dtypes, scalars."""
+    out = [] if out is None else out
+    pad = "  " * indent
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if isinstance(value, (dict, list, tuple)) and value and not _is_leaf_list(value):
+                out.append(f"{pad}{key}:")
+                describe(value, indent + 1, out)
+            else:
+                out.append(f"{pad}{key}: {_leaf(value)}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            if isinstance(value, (dict, list, tuple)) and value and not _is_leaf_list(value):
+                out.append(f"{pad}[{i}]:")
+                describe(value, indent + 1, out)
+            else:
+                out.append(f"{pad}[{i}]: {_leaf(value)}")
+    else:
+        out.append(f"{pad}{_leaf(obj)}")
+    return out
+
+
+def _is_leaf_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, float, str, bool)) for v in value)
+
+
+def _leaf(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor {list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, argparse.Namespace):
+        return "Namespace(" + ", ".join(f"{k}={v!r}" for k, v in sorted(vars(value).items())) + ")"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."

@@ -1,0 +1,169 @@
+"""A GPT-2 stage ready for inference on this rank: loaded from a checkpoint, run through the
+pipeline stages without gradients, with full-vocabulary logits on the last stage.
+
+Every rank of a TP x PP world (data-parallel size 1) holds the same token tensors; a forward
+step runs stage 0's embedding and layers, sends the hidden states [b, s, h] stage to stage, and
+gathers the vocab-parallel logits over the tensor-parallel group on the last stage. Decisions
+made there (the next tokens, beam choices) reach every rank through `broadcast_from_last_stage`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from app.config import ModelConfig
+from app.convert import layout
+from app.mpu import collectives
+from app.mpu.parallel_state import ParallelState
+from app.pipeline import p2p
+from app.utils.dtypes import dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """The model stage of this rank, the checkpoint's args and the tokenizer files it names."""
+
+    model: torch.nn.Module
+    args: argparse.Namespace
+    vocab_size: int
+    """Tokenizer vocabulary (logits beyond it are padding and never chosen)."""
+    tokenizer_files: Dict[str, str]
+
+
+def model_config(args: argparse.Namespace, padded_vocab: int) -> ModelConfig:
+    """ModelConfig for inference (dropout 0) from a checkpoint's Megatron args."""
+    dtype = getattr(args, "params_dtype", torch.float32)
+    return ModelConfig(
+        num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
+        num_attention_heads=int(args.num_attention_heads),
+        seq_length=int(getattr(args, "seq_length", args.max_position_embeddings)),
+        max_position_embeddings=int(args.max_position_embeddings), padded_vocab_size=padded_vocab,
+        ffn_hidden_size=int(getattr(args, "ffn_hidden_size", 0) or 4 * int(args.hidden_size)),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        layernorm_epsilon=float(getattr(args, "layernorm_epsilon", 1e-5)),
+        openai_gelu=bool(getattr(args, "openai_gelu", False)),
+        attention_softmax_in_fp32=bool(getattr(args, "attention_softmax_in_fp32", False)),
+        apply_query_key_layer_scaling=bool(getattr(args, "apply_query_key_layer_scaling", False)),
+        params_dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32")
+
+
+def saved_layout_of(load: str) -> Optional[tuple]:
+    """(TP, PP) a Megatron checkpoint was saved with; None for a Hugging Face directory."""
+    if not os.path.isdir(load):
+        raise FileNotFoundError(f"--load {load} does not exist (a checkpoint directory or a "
+                                "Hugging Face model directory)")
+    if os.path.isfile(os.path.join(load, "config.json")):
+        return None
+    from app.convert.megatron import resolve_iteration
+    from app.training import checkpoint as ckpt
+    return ckpt.saved_layout(ckpt.checkpoint_dir(load, resolve_iteration(load, None)))
+
+
+def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
+    """This rank's stage of the model in `load` (Megatron checkpoint or HF directory), eval mode.
+
+    When the layout of `ps` is the checkpoint's, each rank reads only its own file; otherwise
+    the whole checkpoint is read and resharded in memory (app.convert).
+    """
+    from app.convert.megatron import read_megatron, target_padded_vocab
+    from app.model import GPT2Model
+    tp, pp = ps.tensor_model_parallel_size, ps.pipeline_model_parallel_size
+    stage = ps.pipeline_model_parallel_rank
+    saved = saved_layout_of(load)
+    if saved is None:
+        from app.convert.hf_gpt2 import read_hf_dir
+        source = read_hf_dir(load)
+    elif tuple(saved) == (tp, pp) and iteration is None:
+        return _load_own_file(load, ps)
+    else:
+        logger.info("checkpoint %s was saved at TP %d x PP %d; resharding it in memory for TP %d x "
+                    "PP %d", load, saved[0], saved[1], tp, pp)
+        source = read_megatron(load, iteration)
+    args = source.args
+    rows = target_padded_vocab(args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
+    weights = dict(source.weights)
+    weights[layout.WORD_EMBEDDINGS] = layout.resize_vocab(
+        weights[layout.WORD_EMBEDDINGS], rows, getattr(args, "vocab_size", None), layout.WORD_EMBEDDINGS)
+    weights[layout.TIED_HEAD] = weights[layout.WORD_EMBEDDINGS]
+    names = layout.stage_parameter_names(int(args.num_layers), pp, stage)
+    flat = {n: layout.split_tensor(weights[n], n, tp)[ps.tensor_model_parallel_rank] for n in names}
+    model = _build(args, rows, ps)
+    model.load_state_dict(flat, strict=True)
+    return LoadedModel(model.eval(), args, int(getattr(args, "vocab_size", None) or rows),
+                       dict(source.tokenizer_files))
+
+
+def _build(args: argparse.Namespace, rows: int, ps: ParallelState) -> torch.nn.Module:
+    from app.model import GPT2Model
+    pp, stage = ps.pipeline_model_parallel_size, ps.pipeline_model_parallel_rank
+    return GPT2Model(model_config(args, rows), ps, pre_process=stage == 0,
+                     post_process=stage == pp - 1,
+                     layer_range=layout.stage_layer_range(int(args.num_layers), pp, stage))
+
+
+def _load_own_file(load: str, ps: ParallelState) -> LoadedModel:
+    from app.training import checkpoint as ckpt
+    state, iteration = ckpt.load_checkpoint_dict(
+        load, tp_rank=ps.tensor_model_parallel_rank, pp_rank=ps.pipeline_model_parallel_rank,
+        pp_size=ps.pipeline_model_parallel_size, tp_size=ps.tensor_model_parallel_size)
+    where = ckpt.checkpoint_dir(load, iteration)
+    ckpt.check_checkpoint_version(state, where)
+    args = state.get("args")
+    if args is None:
+        raise ckpt.CheckpointError(f"{where} has no 'args': the model shape is unknown")
+    model = _build(args, int(args.padded_vocab_size), ps)
+    try:
+        model.load_state_dict(ckpt.from_megatron_model(state["model"]), strict=True)
+    except RuntimeError as exc:
+        raise ckpt.CheckpointError(f"weights in {where} do not fit the model its args describe: "
+                                   f"{str(exc).splitlines()[0][:300]}") from exc
+    vocab = int(getattr(args, "vocab_size", None) or args.padded_vocab_size)
+    return LoadedModel(model.eval(), args, vocab, {})
+
+
+class PipelineRunner:
+    """Forward steps of one model stage through the pipeline; logits on the last stage."""
+
+    def __init__(self, model: torch.nn.Module, ps: ParallelState, hidden_size: int,
+                 device: torch.device) -> None:
+        self.model, self.ps, self.hidden_size, self.device = model, ps, hidden_size, device
+        self.dtype = next(model.parameters()).dtype
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.ps.is_pipeline_last_stage()
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None, cache=None,
+                labels: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Run this stage on tokens [b, s]. Last stage: fp32 logits [b, s, V_padded] gathered
+        over TP (or, with `labels`, the per-token loss [b, s]); other stages: None."""
+        b, s = tokens.shape
+        if not self.ps.is_pipeline_first_stage():
+            hidden = p2p.recv_forward(self.ps, (b, s, self.hidden_size), self.dtype, self.device)
+            self.model.set_input_tensor(hidden.detach())
+        out = self.model(tokens, positions, attention_mask, labels=labels, inference_cache=cache)
+        if not self.is_last_stage:
+            p2p.send_forward(self.ps, out)
+            return None
+        if labels is not None:
+            return out.float()
+        return collectives.all_gather_last_dim(out, self.ps.tensor_model_parallel_group).float()
+
+    def broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as the last stage's tensor-parallel rank 0 holds it, on every rank (in place;
+        every rank passes a tensor of the same shape and dtype)."""
+        if self.is_last_stage:
+            collectives.broadcast(tensor, self.ps.tensor_model_parallel_src_rank,
+                                  self.ps.tensor_model_parallel_group)
+        collectives.broadcast(tensor, self.ps.pipeline_ranks[-1],
+                              self.ps.pipeline_model_parallel_group)
+        return tensor

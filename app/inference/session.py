@@ -1,0 +1,177 @@
+"""One inference world: the process group, this rank's model stage, the tokenizer, and a request
+loop in which rank 0 leads and every other rank follows.
+
+Rank 0 calls `generate(prompts, params)`; the other ranks call `follow()`, which receives each
+request (prompts + parameters) broadcast by rank 0, runs the same generation, and returns when
+rank 0 calls `stop()`. So a command-line run, an interactive prompt loop and the HTTP server
+all drive every rank one request at a time.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from app.inference.generation import GenerationResult, beam_search, generate
+from app.inference.runner import PipelineRunner, load_model, saved_layout_of
+from app.inference.sampling import SamplingConfig
+from app.mpu import collectives
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationParams:
+    """What one request asks for (validated on construction; messages name the field)."""
+
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    num_beams: int = 1
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
+        s = self.sampling
+        if self.num_beams > 1 and (s.top_k > 1 or s.top_p > 0.0 or s.temperature != 1.0):
+            raise ValueError("beam search does not sample: drop top_k/top_p/temperature or use "
+                             "num_beams 1")
+
+
+def resolve_layout(load: str, world_size: int, tp: Optional[int], pp: Optional[int]):
+    """(TP, PP) to run with: the flags, else the checkpoint's when the world matches it, else 1x1."""
+    saved = saved_layout_of(load)
+    if tp is None and pp is None:
+        if saved and saved[0] * saved[1] == world_size:
+            tp, pp = saved
+        elif world_size == 1:
+            tp, pp = 1, 1
+        else:
+            raise ValueError(f"{world_size} ranks but the checkpoint was saved at TP x PP = "
+                             f"{saved[0] if saved else 1} x {saved[1] if saved else 1}; pass "
+                             "--tensor-model-parallel-size and --pipeline-model-parallel-size")
+    tp, pp = tp or 1, pp or 1
+    if tp * pp != world_size:
+        raise ValueError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} "
+                         f"must equal the number of ranks ({world_size}); inference runs with "
+                         "data-parallel size 1 (torchrun --nproc_per_node TP*PP)")
+    return tp, pp
+
+
+class InferenceSession:
+    """The model of `load` on this world (TP x PP ranks), its tokenizer, and the request loop."""
+
+    def __init__(self, load: str, vocab_file: Optional[str] = None,
+                 merge_file: Optional[str] = None, tensor_model_parallel_size: Optional[int] = None,
+                 pipeline_model_parallel_size: Optional[int] = None,
+                 use_cache: bool = True) -> None:
+        from app.data import build_tokenizer
+        from app.mpu.parallel_state import ParallelState, initialize_model_parallel
+        from app.training.distributed import init_distributed, world_group
+        info = init_distributed()
+        self.rank, self.device = info.rank, info.device
+        tp, pp = resolve_layout(load, info.world_size, tensor_model_parallel_size,
+                                pipeline_model_parallel_size)
+        self.ps = ParallelState.single() if info.world_size == 1 else initialize_model_parallel(tp, pp)
+        self.world = world_group()
+        loaded = load_model(load, self.ps)
+        self.model = loaded.model.to(self.device)
+        self.args, self.vocab_size = loaded.args, loaded.vocab_size
+        vocab_file = vocab_file or loaded.tokenizer_files.get("vocab.json")
+        merge_file = merge_file or loaded.tokenizer_files.get("merges.txt")
+        if not (vocab_file and merge_file):
+            raise ValueError("--vocab-file and --merge-file are required (the tokenizer of the run "
+                             "that trained the checkpoint)")
+        self.tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+        if self.tokenizer.vocab_size != self.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the checkpoint "
+                             f"was trained with {self.vocab_size}; pass the run's --vocab-file/--merge-file")
+        self.max_positions = int(self.args.max_position_embeddings)
+        self.runner = PipelineRunner(self.model, self.ps, int(self.args.hidden_size), self.device)
+        self.use_cache = use_cache
+        logger.info("loaded %s at TP %d x PP %d (%s parameters on rank %d)", load, tp, pp,
+                    sum(p.numel() for p in self.model.parameters()), self.rank)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def generate(self, prompts: List[str], params: GenerationParams) -> Dict[str, Any]:
+        """(Rank 0) generate for every prompt on every rank; returns {'results': [{prompt,
+        generated_text, generated_tokens}], 'prefill_tokens_per_s', 'decode_tokens_per_s'}."""
+        collectives.broadcast_object(("generate", prompts, asdict(params)), 0, self.world)
+        return self._run(prompts, params)
+
+    def follow(self) -> None:
+        """(Ranks > 0) serve rank 0's requests until it calls stop()."""
+        while True:
+            message = collectives.broadcast_object(None, 0, self.world)
+            if message[0] == "stop":
+                return
+            _, prompts, raw = message
+            raw["sampling"] = SamplingConfig(**raw["sampling"])
+            try:
+                self._run(prompts, GenerationParams(**raw))
+            except ValueError:  # every rank raises the same; rank 0 reports it
+                continue
+
+    def stop(self) -> None:
+        """(Rank 0) release the following ranks."""
+        collectives.broadcast_object(("stop",), 0, self.world)
+
+    def _run(self, prompts: List[str], params: GenerationParams) -> Dict[str, Any]:
+        ids = [self.tokenizer.tokenize(p) for p in prompts]
+        eod = self.tokenizer.eod
+        if params.num_beams > 1:
+            results = [beam_search(self.runner, p, params.max_new_tokens, params.num_beams,
+                                   params.length_penalty, eod, self.vocab_size, self.max_positions)
+                       for p in ids]
+            merged = GenerationResult(tokens=[r.tokens[0] for r in results],
+                                      decode_tokens=sum(r.decode_tokens for r in results),
+                                      decode_seconds=sum(r.decode_seconds for r in results))
+        else:
+            merged = generate(self.runner, ids, params.max_new_tokens, params.sampling, eod,
+                              self.vocab_size, self.max_positions, use_cache=self.use_cache)
+        out = []
+        for prompt, tokens in zip(prompts, merged.tokens):
+            text_tokens = [t for t in tokens if t != eod]
+            out.append({"prompt": prompt, "generated_text": self.tokenizer.detokenize(text_tokens),
+                        "generated_tokens": tokens})
+        return {"results": out, "prefill_tokens_per_s": merged.prefill_tokens_per_s,
+                "decode_tokens_per_s": merged.decode_tokens_per_s}
+
+    def close(self) -> None:
+        from app.training.distributed import shutdown_distributed
+        shutdown_distributed(graceful=True)
+
+
+def configure_tool_logging(tag: str) -> None:
+    """stderr logging for an inference tool, prefixed `[tag]`: INFO on rank 0, warnings on the
+    other ranks (stdout stays free for the tool's results)."""
+    import os
+    import sys
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
+    logging.basicConfig(level=level, format=f"[{tag}] %(message)s", stream=sys.stderr)
+
+
+def session_from_flags(flags: Any, use_cache: bool = True) -> InferenceSession:
+    """InferenceSession from a tool's parsed flags (load, vocab_file, merge_file,
+    tensor_model_parallel_size, pipeline_model_parallel_size)."""
+    return InferenceSession(flags.load, flags.vocab_file, flags.merge_file,
+                            flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size,
+                            use_cache=use_cache)
+
+
+def prompt_too_long(session: InferenceSession, prompt: str, max_new_tokens: int) -> Optional[str]:
+    """A message when the prompt plus the new tokens do not fit the model's positions, else None."""
+    n = len(session.tokenizer.tokenize(prompt))
+    if n == 0:
+        return "empty prompt"
+    if n + max_new_tokens > session.max_positions:
+        return (f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"{session.max_positions} positions")
+    return None

@@ -1,0 +1,427 @@
+"""The distributed optimizer (--use-distributed-optimizer): Megatron-LM's ZeRO-1 on the native path.
+
+A sibling of `Float32Optimizer` and `MixedPrecisionOptimizer` with their interface, so the
+engine drives it the same way. The model's parameters become views of one contiguous buffer,
+and their gradients accumulate (post-accumulate-grad hook) into a contiguous gradient buffer of
+the same layout (fp32, or the half dtype without --accumulate-allreduce-grads-in-fp32). Both are
+cut into buckets of whole parameters, in reverse order (roughly the order backward produces
+them), each padded to a multiple of the data-parallel size DP and split into DP equal shards:
+
+    bucket b = [shard of DP rank 0 | shard of rank 1 | ... ]       (flat, elements)
+    this rank owns its shard of every bucket: fp32 main weights (for fp32 models, a view of the
+    weight buffer itself), the fp32 gradient shard, and AdamW's states for those elements
+
+`step`: each bucket's gradients are reduce-scattered over DP (summed, then divided by DP, as the
+all-reduce of the plain path does), fp16 gradients unscaled, non-finite values agreed over the
+world, the norm summed from the shards over the world (each parameter counted once, as
+app.mpu.grads does), gradients clipped, AdamW steps the main shards, the weights are cast back
+and all-gathered over DP. `reduction_grads()` is empty: the engine's all-reduce has nothing to do.
+
+Overlap (gloo and NCCL alike, both run the async collectives in the background):
+- --overlap-grad-reduce: a bucket's reduce-scatter starts from the gradient hook as soon as every
+  parameter in it has received its last micro-batch's gradient, while backward goes on; `step`
+  waits. The bucket holding the tied word embeddings (PP > 1, first and last stage) waits for
+  `step`, since the engine first sums that gradient over the two stages (`embedding_grad`).
+- --overlap-param-gather: the all-gathers of the updated weights are left in flight; each module
+  waits for the buckets of its own weights in a forward pre-hook (and before any state_dict).
+
+Checkpoints are gathered and layout-independent: `state_dict()` returns exactly what the plain
+wrapper of this precision returns for the same model (torch AdamW's state dict, in
+`get_param_groups` order; mixed precision adds Megatron's `fp32_from_fp16_params` and
+`param_names`), so a run resumes at another data-parallel size, or without the flag, and back.
+All ranks must call it (it all-gathers); only data-parallel rank 0 writes the files.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from app.config import OptimizerConfig, PrecisionConfig
+from app.mpu import collectives
+from app.mpu.grads import counts_toward_norm
+from app.optim.grad_scaler import build_loss_scaler
+from app.optim.mixed_precision import (_PARALLEL_ATTRS, StepOutcome, _bytes, _PrecisionOptimizer,
+                                       _state_bytes, is_mixed_state)
+from app.optim.optimizer import build_adamw
+from app.optim.param_groups import get_param_groups
+
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+
+
+@dataclass
+class _Bucket:
+    """A contiguous range [start, end) of the flat buffers and this rank's shard of it."""
+
+    start: int
+    end: int
+    params: List[nn.Parameter]
+    shard_start: int = 0
+    shard_end: int = 0
+    deferred: bool = False
+    """Holds the tied word embeddings: reduced in step(), after the engine's embedding sum."""
+    main: Optional[torch.Tensor] = None
+    """fp32 main weights of the shard [shard] (a view of the weight buffer for fp32 models)."""
+    main_grad: Optional[torch.Tensor] = None
+    """fp32 reduced gradient of the shard [shard] (a view of the gradient buffer for fp32)."""
+    reduced: Optional[torch.Tensor] = None
+    """This rank's shard of the gradient buffer, where the reduce-scatter lands (main_grad
+    itself when the gradient dtype is fp32)."""
+    grad_request: Any = None
+    grad_launched: bool = False
+    param_request: Any = None
+    ready: int = 0
+
+
+@dataclass
+class _Piece:
+    """The part [lo, hi) (flat, within the parameter) of a parameter that this rank's shard holds."""
+
+    param: nn.Parameter
+    name: str
+    main: nn.Parameter
+    lo: int
+    hi: int
+
+
+@dataclass
+class _Layout:
+    buckets: List[_Bucket] = field(default_factory=list)
+    offset: Dict[int, int] = field(default_factory=dict)
+    bucket_of: Dict[int, _Bucket] = field(default_factory=dict)
+
+
+class DistributedOptimizer(_PrecisionOptimizer):
+    """fp32 main weights and AdamW states sharded over data parallel; see the module docstring."""
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig, precision: PrecisionConfig,
+                 parallel_state: Any, num_micro_batches: int) -> None:
+        super().__init__(model)
+        self.ps = parallel_state
+        self.group = parallel_state.data_parallel_group
+        self.dp = parallel_state.data_parallel_size
+        self.dp_rank = parallel_state.data_parallel_rank
+        self.num_micro_batches = num_micro_batches
+        self.overlap_grad_reduce = config.overlap_grad_reduce
+        self.overlap_param_gather = config.overlap_param_gather
+        self.half = precision.fp16 or precision.bf16
+        self.scaler = (build_loss_scaler(precision.fp16, precision.loss_scale,
+                                         *precision.dynamic_scaler_settings())
+                       if self.half else None)
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"the distributed optimizer needs one parameter dtype, got {dtypes}")
+        self.param_dtype = dtypes.pop()
+        self.grad_dtype = (torch.float32 if not self.half or precision.grads_accumulate_in_fp32
+                           else self.param_dtype)
+        self.name_of = {id(p): n for n, p in self.named_params}
+        bucket_size = config.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * self.dp)
+        tied = self._tied_parameter(model)
+        self.layout = self._build_buffers(bucket_size, tied)
+        self.pieces = self._build_shards()
+        self.groups_of_params = [g["params"] for g in get_param_groups(model,
+                                                                        config.weight_decay)]
+        piece_of = {id(piece.param): piece for piece in self.pieces}
+        groups = []
+        for group in get_param_groups(model, config.weight_decay):
+            mains = [piece_of[id(p)].main for p in group["params"] if id(p) in piece_of]
+            groups.append({**group, "params": mains})
+        self.inner = build_adamw(groups, config)
+        self.counts: Dict[int, int] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._install_gather_waits(model, tied)
+
+    # ------------------------------------------------------------------ layout
+
+    def _tied_parameter(self, model: nn.Module) -> Optional[nn.Parameter]:
+        ps = self.ps
+        if ps.pipeline_model_parallel_size == 1:
+            return None
+        if not (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
+            return None
+        return model.word_embeddings_weight()
+
+    def _build_buffers(self, bucket_size: int, tied: Optional[nn.Parameter]) -> _Layout:
+        """Place every parameter (reverse order) in buckets; make the weights views of the
+        weight buffer and give each a `main_grad` view of the gradient buffer."""
+        layout, current, start, offset = _Layout(), [], 0, 0
+
+        def close(end: int) -> int:
+            padded = start + math.ceil((end - start) / self.dp) * self.dp
+            layout.buckets.append(_Bucket(start=start, end=padded, params=list(current)))
+            return padded
+
+        for p in reversed(self.params):
+            layout.offset[id(p)] = offset
+            current.append(p)
+            offset += p.numel()
+            if offset - start >= bucket_size:
+                offset = start = close(offset)
+                current = []
+        if current:
+            offset = close(offset)
+        device = self.params[0].device
+        self.param_buffer = torch.zeros(offset, dtype=self.param_dtype, device=device)
+        self.grad_buffer = torch.zeros(offset, dtype=self.grad_dtype, device=device)
+        for bucket in layout.buckets:
+            for p in bucket.params:
+                layout.bucket_of[id(p)] = bucket
+                begin = layout.offset[id(p)]
+                view = self.param_buffer[begin:begin + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+                p.main_grad = self.grad_buffer[begin:begin + p.numel()].view_as(p)
+            bucket.deferred = tied is not None and any(p is tied for p in bucket.params)
+        return layout
+
+    def _build_shards(self) -> List[_Piece]:
+        """This rank's shard of every bucket: fp32 main weights, gradients, AdamW pieces."""
+        pieces = []
+        for bucket in self.layout.buckets:
+            size = (bucket.end - bucket.start) // self.dp
+            bucket.shard_start = bucket.start + self.dp_rank * size
+            bucket.shard_end = bucket.shard_start + size
+            weights = self.param_buffer[bucket.shard_start:bucket.shard_end]
+            bucket.main = weights if self.param_dtype == torch.float32 else weights.float()
+            # the reduce-scatter writes in place into this rank's shard of the gradient buffer
+            bucket.reduced = self.grad_buffer[bucket.shard_start:bucket.shard_end]
+            bucket.main_grad = (bucket.reduced if self.grad_dtype == torch.float32 else
+                                torch.zeros(size, dtype=torch.float32, device=weights.device))
+            for p in bucket.params:
+                begin = self.layout.offset[id(p)]
+                lo = max(begin, bucket.shard_start)
+                hi = min(begin + p.numel(), bucket.shard_end)
+                if lo >= hi:
+                    continue
+                a, b = lo - bucket.shard_start, hi - bucket.shard_start
+                main = nn.Parameter(bucket.main[a:b])  # shares the shard's storage
+                main.grad = bucket.main_grad[a:b]
+                for attr in _PARALLEL_ATTRS:
+                    if hasattr(p, attr):
+                        setattr(main, attr, getattr(p, attr))
+                pieces.append(_Piece(p, self.name_of[id(p)], main, lo - begin, hi - begin))
+        return pieces
+
+    # ------------------------------------------------------------------ gradients
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero_()
+        self.counts.clear()
+        for p in self.params:
+            p.grad = None
+        for bucket in self.layout.buckets:
+            bucket.ready, bucket.grad_launched, bucket.grad_request = 0, False, None
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: add the gradient into the buffer; with overlap, start the
+        bucket's reduce-scatter once every parameter in it has its last micro-batch's gradient."""
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not self.overlap_grad_reduce:
+            return
+        count = self.counts.get(id(param), 0) + 1
+        self.counts[id(param)] = count
+        if count == self.num_micro_batches:
+            bucket = self.layout.bucket_of[id(param)]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params) and not bucket.deferred:
+                self._launch_reduce(bucket, async_op=True)
+
+    def _launch_reduce(self, bucket: _Bucket, async_op: bool) -> None:
+        bucket.grad_launched = True
+        bucket.grad_request = collectives.reduce_scatter_flat(
+            bucket.reduced, self.grad_buffer[bucket.start:bucket.end], self.group,
+            async_op=async_op)
+
+    def reduction_grads(self) -> List[torch.Tensor]:
+        """Nothing for the engine to all-reduce: `step` reduce-scatters the buckets itself."""
+        return []
+
+    def embedding_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The tied embedding's accumulated, not yet reduced gradient (its bucket waits)."""
+        return param.main_grad
+
+    def _reduced_grads(self) -> List[torch.Tensor]:
+        """Finish every bucket's reduce-scatter; the fp32 gradient shards, averaged over DP."""
+        for bucket in self.layout.buckets:
+            if not bucket.grad_launched:
+                self._launch_reduce(bucket, async_op=False)
+        collectives.wait_all([b.grad_request for b in self.layout.buckets])
+        grads = []
+        for bucket in self.layout.buckets:
+            if bucket.reduced is not bucket.main_grad:
+                bucket.main_grad.copy_(bucket.reduced)
+            if self.dp > 1:
+                bucket.main_grad.div_(self.dp)
+            grads.append(bucket.main_grad)
+        return grads
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, parallel_state: Any, clip_grad: float, world_group: Any,
+             nonfinite_loss: Optional[torch.Tensor] = None) -> StepOutcome:
+        grads = self._reduced_grads()
+        self.last_grad_bytes = _bytes([self.grad_buffer] + [g for b, g in zip(
+            self.layout.buckets, grads) if g is not b.reduced])
+        scale = self.loss_scale  # the scale this step's gradients carry
+        skipped = self._unscale_or_skip(grads, nonfinite_loss, world_group)
+        if skipped is not None:
+            return skipped
+        norm = self._clip(clip_grad, world_group)
+        self.inner.step()
+        self._gather_weights()
+        return StepOutcome(False, norm, False, scale)
+
+    def _clip(self, max_norm: float, world_group: Any) -> float:
+        """Pre-clip global norm from the shards (summed over the world: the shards of the data-
+        parallel ranks make up one replica, the model-parallel ranks the whole model); gradients
+        scaled by min(1, max_norm / norm) exactly as app.mpu.grads.clip_grad_norm does."""
+        tp_rank = self.ps.tensor_model_parallel_rank
+        device = self.grad_buffer.device
+        total = torch.zeros(1, dtype=torch.float32, device=device)
+        for piece in self.pieces:
+            if counts_toward_norm(piece.main, tp_rank):
+                total += piece.main.grad.detach().float().norm(2.0) ** 2.0
+        collectives.all_reduce(total, world_group)
+        norm = float(total.item()) ** 0.5
+        if max_norm > 0:
+            coeff = max_norm / (norm + 1e-6)
+            if coeff < 1.0:
+                for piece in self.pieces:
+                    piece.main.grad.detach().mul_(coeff)
+        return norm
+
+    def _gather_weights(self) -> None:
+        """Cast the updated main shards into the weight buffer and all-gather it over DP (left
+        in flight with --overlap-param-gather)."""
+        for bucket in self.layout.buckets:
+            shard = self.param_buffer[bucket.shard_start:bucket.shard_end]
+            if bucket.main.data_ptr() != shard.data_ptr():
+                shard.copy_(bucket.main)
+            bucket.param_request = collectives.all_gather_flat(  # in place: the shard is a view
+                self.param_buffer[bucket.start:bucket.end], shard, self.group,
+                async_op=self.overlap_param_gather)
+
+    def _install_gather_waits(self, model: nn.Module, tied: Optional[nn.Parameter]) -> None:
+        """Forward and state_dict pre-hooks: a module waits for its weights' buckets. The last
+        stage's tied copy of the embeddings feeds the logits without its module running, so the
+        whole model's forward waits for that bucket."""
+        if tied is not None:
+            bucket = [self.layout.bucket_of[id(tied)]]
+            model.register_forward_pre_hook(lambda _m, _a, b=bucket: self._wait_gather(b))
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self.layout.bucket_of]
+            if not own:
+                continue
+            buckets = list({id(b): b for b in (self.layout.bucket_of[id(p)] for p in own)}
+                           .values())
+            module.register_forward_pre_hook(lambda _m, _a, b=buckets: self._wait_gather(b))
+            module.register_state_dict_pre_hook(
+                lambda *_a, b=buckets, **_k: self._wait_gather(b))
+
+    def _wait_gather(self, buckets: List[_Bucket]) -> None:
+        for bucket in buckets:
+            if bucket.param_request is not None:
+                bucket.param_request.wait()
+                bucket.param_request = None
+
+    def finish_param_gather(self) -> None:
+        """Wait for every weight all-gather still in flight."""
+        self._wait_gather(self.layout.buckets)
+
+    # ------------------------------------------------------------------ state
+
+    def _full(self, per_piece: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """{id(param): full fp32 tensor} from this rank's pieces (by id of their main weight),
+        all-gathered over DP."""
+        flat = torch.zeros(self.param_buffer.numel(), dtype=torch.float32,
+                           device=self.param_buffer.device)
+        shards = {id(b): torch.zeros(b.shard_end - b.shard_start, dtype=torch.float32,
+                                     device=flat.device) for b in self.layout.buckets}
+        for piece in self.pieces:
+            if id(piece.main) in per_piece:
+                bucket = self.layout.bucket_of[id(piece.param)]
+                start = self.layout.offset[id(piece.param)] + piece.lo - bucket.shard_start
+                shards[id(bucket)][start:start + piece.hi - piece.lo] = per_piece[id(piece.main)]
+        for bucket in self.layout.buckets:
+            collectives.all_gather_flat(flat[bucket.start:bucket.end], shards[id(bucket)],
+                                        self.group)
+        return {id(p): flat[self.layout.offset[id(p)]:self.layout.offset[id(p)] + p.numel()]
+                .view_as(p).clone() for p in self.params}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What the plain wrapper of this precision would save for this model (all ranks call)."""
+        self.finish_param_gather()
+        states = {id(piece.main): self.inner.state.get(piece.main, {}) for piece in self.pieces}
+        keys = ("exp_avg", "exp_avg_sq")
+        full = {k: self._full({i: s[k] for i, s in states.items() if k in s}) for k in keys}
+        steps = [float(s["step"]) for s in states.values() if "step" in s]
+        step_max = torch.tensor([max(steps, default=-1.0)], device=self.param_buffer.device)
+        collectives.all_reduce(step_max, self.group, op="max")  # every piece has the same count
+        step = None if step_max.item() < 0 else float(step_max.item())
+        adam_state, groups, index = {}, [], 0
+        for params, group in zip(self.groups_of_params, self.inner.param_groups):
+            ids = list(range(index, index + len(params)))
+            if step is not None:
+                for i, p in zip(ids, params):
+                    adam_state[i] = {"step": torch.tensor(step, dtype=torch.float32),
+                                     **{k: full[k][id(p)] for k in keys}}
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+            index += len(params)
+        adam = {"state": adam_state, "param_groups": groups}
+        if not self.half:
+            return adam
+        mains = self._full({id(piece.main): piece.main.detach() for piece in self.pieces})
+        return {"optimizer": adam,
+                "grad_scaler": None if self.scaler is None else self.scaler.state_dict(),
+                "fp32_from_fp16_params": [[mains[id(p)] for p in g] for g in self.groups_of_params],
+                "param_names": [[self.name_of[id(p)] for p in g] for g in self.groups_of_params]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Take this rank's shard of a gathered state: from a distributed or a plain run of any
+        data-parallel size (fp32 AdamW state, or a mixed-precision one)."""
+        adam = state["optimizer"] if is_mixed_state(state) else state
+        saved_groups = adam["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g) for g in self.groups_of_params]:
+            raise ValueError(f"checkpoint optimizer has parameter groups of "
+                             f"{[len(g['params']) for g in saved_groups]}, this model has "
+                             f"{[len(g) for g in self.groups_of_params]}")
+        by_param: Dict[int, Dict[str, Any]] = {}
+        for params, saved, group in zip(self.groups_of_params, saved_groups,
+                                        self.inner.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for p, index in zip(params, saved["params"]):
+                if index in adam["state"] or str(index) in adam["state"]:
+                    by_param[id(p)] = adam["state"].get(index, adam["state"].get(str(index)))
+        for piece in self.pieces:
+            saved = by_param.get(id(piece.param))
+            if saved is None:
+                self.inner.state.pop(piece.main, None)
+                continue
+            entry = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                entry[key] = saved[key].reshape(-1)[piece.lo:piece.hi].to(
+                    piece.main.device, torch.float32).clone()
+            self.inner.state[piece.main] = entry
+        if is_mixed_state(state):
+            if self.scaler is not None and state.get("grad_scaler"):
+                self.scaler.load_state_dict(state["grad_scaler"])
+            names = [n for g in state["param_names"] for n in g]
+            values = [v for g in state["fp32_from_fp16_params"] for v in g]
+            self.set_main_weights(dict(zip(names, values)))
+
+    def set_main_weights(self, named_fp32: Dict[str, torch.Tensor]) -> None:
+        """Set this rank's fp32 main shards from full fp32 weights by parameter name."""
+        with torch.no_grad():
+            for piece in self.pieces:
+                piece.main.copy_(named_fp32[piece.name].reshape(-1)[piece.lo:piece.hi])
+
+    def state_bytes(self) -> Dict[str, int]:
+        """Weights; the gradient buffer and shards; AdamW states and separate main shards."""
+        separate = ([] if self.param_dtype == torch.float32
+                    else [b.main for b in self.layout.buckets])
+        return {"params": _bytes([self.param_buffer]), "grads": self.last_grad_bytes,
+                "optimizer": _state_bytes(self.inner) + _bytes(separate)}

@@ -1,0 +1,67 @@
+"""Megatron writer and reader of app.convert without training: a whole model with Adam state
+written at TP2 x PP2 in bf16 (Megatron's Float16Optimizer layout, fp32 main weights kept) and
+read back, with the padded vocabulary growing for TP2 and shrinking again for TP1."""
+import argparse
+
+import torch
+
+from app.config import ModelConfig
+from app.convert import layout
+from app.convert.megatron import read_megatron, write_megatron
+from app.convert.state import ModelCheckpoint, OptimizerState
+from app.model import GPT2Model
+from app.training import checkpoint as ckpt
+
+L, H, HEADS, VOCAB, MULTIPLE = 4, 32, 4, 100, 48  # padded: 144 at TP1, 192 at TP2
+
+
+def _source():
+    model = GPT2Model(ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS,
+                                  seq_length=16, max_position_embeddings=16,
+                                  padded_vocab_size=144, seed=2))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    per_param = {n: {"exp_avg": torch.randn(w.shape, generator=gen),
+                     "exp_avg_sq": torch.rand(w.shape, generator=gen), "step": torch.tensor(7.0)}
+                 for n, w in weights.items()}
+    hparams = {g: {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": wd,
+                   "amsgrad": False, "name": g} for g, wd in (("decay", 0.01), ("no_decay", 0.0))}
+    args = argparse.Namespace(num_layers=L, hidden_size=H, num_attention_heads=HEADS,
+                              ffn_hidden_size=4 * H, max_position_embeddings=16, seq_length=16,
+                              vocab_size=VOCAB, make_vocab_size_divisible_by=MULTIPLE,
+                              padded_vocab_size=144, params_dtype=torch.float32,
+                              tokenizer_type="GPT2BPETokenizer", tensor_model_parallel_size=1,
+                              pipeline_model_parallel_size=1, data_parallel_size=1,
+                              consumed_train_samples=56)
+    scaler = {"scale": 1024.0, "growth_tracker": 3}
+    return ModelCheckpoint(args=args, weights=weights, iteration=7,
+                           optimizer=OptimizerState(per_param, hparams, scaler),
+                           lr_scheduler={"num_steps": 7})
+
+
+def test_bf16_tp2pp2_with_optimizer_round_trip(tmp_path):
+    source = _source()
+    write_megatron(source, str(tmp_path / "tp2pp2"), 2, 2, "bf16", None, include_optimizer=False)
+    assert (tmp_path / "tp2pp2" / ckpt.TRACKER_FILENAME).read_text() == "release"
+    write_megatron(source, str(tmp_path / "a"), 2, 2, "bf16", 7, include_optimizer=True)
+    state, _ = ckpt.load_checkpoint_dict(str(tmp_path / "a"), tp_rank=1, pp_rank=1, pp_size=2)
+    flat = ckpt.from_megatron_model(state["model"])
+    assert flat[layout.TIED_HEAD].shape == (96, H) and flat[layout.TIED_HEAD].dtype == torch.bfloat16
+    assert state["args"].padded_vocab_size == 192 and state["args"].tensor_model_parallel_size == 2
+    mains = ckpt.fp32_main_weights(state)
+    assert set(mains) == set(flat) and all(v.dtype == torch.float32 for v in mains.values())
+    assert state["optimizer"]["grad_scaler"] == {"scale": 1024.0, "growth_tracker": 3}
+
+    back = read_megatron(str(tmp_path / "a"), include_optimizer=True)
+    write_megatron(back, str(tmp_path / "b"), 1, 1, "fp32", 7, include_optimizer=True)
+    final = read_megatron(str(tmp_path / "b"), include_optimizer=True)
+    assert final.weights[layout.WORD_EMBEDDINGS].shape == (144, H)
+    for name, value in source.weights.items():  # the fp32 main weights survive bf16 storage
+        assert torch.equal(final.weights[name], value), name
+        for kind in ("exp_avg", "exp_avg_sq"):
+            got, want = final.optimizer.per_param[name][kind], source.optimizer.per_param[name][kind]
+            if name == layout.WORD_EMBEDDINGS:  # rows 144..191 were zero padding at TP2
+                assert torch.count_nonzero(back.optimizer.per_param[name][kind][144:]) == 0
+            assert torch.equal(got, want), (name, kind)
+    assert final.lr_scheduler == {"num_steps": 7} and final.iteration == 7
+    assert final.args.consumed_train_samples == 56

@@ -1,0 +1,111 @@
+"""Plot training metrics from one or several --metrics-file JSONL files into one PNG.
+
+    python tools/plot_metrics.py --metrics-file runs/a/metrics.jsonl [--metrics-file runs/b/metrics.jsonl ...] \
+        [--label a --label b] --output runs/metrics.png
+
+Panels over iterations: loss (train, and valid as markers), learning rate, gradient norm, loss
+scale, tokens/s and MFU; a panel whose metric no file has is left out. Runs are overlaid, one
+colour per file. Prints the path of the PNG.
+"""
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Optional
+
+PANELS = (("lm_loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
+          ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"))
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--metrics-file", action="append", required=True,
+                   help="a metrics JSONL written by pretrain_gpt2.py --metrics-file (repeatable)")
+    p.add_argument("--label", action="append", default=None,
+                   help="legend label per --metrics-file (default: the file's directory name)")
+    p.add_argument("--output", default="metrics.png", help="PNG to write")
+    p.add_argument("--title", default=None)
+    return p.parse_args(argv)
+
+
+def read_rows(path: str) -> List[Dict]:
+    """The JSON objects of a metrics file; a malformed line is an error naming the line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as exc:
+                    raise ValueError(f"{path} line {number} is not JSON: {exc}") from exc
+    return rows
+
+
+def series(rows: List[Dict], kind: str, key: str):
+    """(iterations, values) of `key` in rows of `kind`, skipping rows without it."""
+    points = [(r["iteration"], r[key]) for r in rows
+              if r.get("kind") == kind and r.get(key) is not None and "iteration" in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot(runs: Dict[str, List[Dict]], output: str, title: Optional[str] = None) -> str:
+    """Write the PNG of `runs` ({label: rows}) to `output`; returns its path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    present = [(key, name) for key, name in PANELS
+               if any(series(rows, "train", key)[0] or series(rows, "valid", key)[0]
+                      for rows in runs.values())]
+    if not present:
+        raise ValueError("no plottable metrics (lm_loss, lr, grad_norm, ...) in the given files")
+    cols = 2 if len(present) > 1 else 1
+    nrows = (len(present) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 3.2 * nrows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, name) in zip(axes.flat, present):
+        for i, (label, rows) in enumerate(runs.items()):
+            colour = colours[i % len(colours)]
+            x, y = series(rows, "train", key)
+            if x:
+                ax.plot(x, y, color=colour, label=f"{label} train" if key == "lm_loss" else label)
+            if key == "lm_loss":
+                vx, vy = series(rows, "valid", key)
+                if vx:
+                    ax.plot(vx, vy, "o--", color=colour, label=f"{label} valid")
+        ax.set_title(name)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(present):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return output
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = get_args(argv)
+    labels = a.label or [os.path.basename(os.path.dirname(os.path.abspath(p))) or p
+                         for p in a.metrics_file]
+    if len(labels) != len(a.metrics_file):
+        print(f"error: {len(labels)} --label for {len(a.metrics_file)} --metrics-file", file=sys.stderr)
+        return 2
+    try:
+        runs = {}
+        for label, path in zip(labels, a.metrics_file):
+            if not os.path.isfile(path):
+                raise ValueError(f"--metrics-file {path} does not exist")
+            runs[label if label not in runs else f"{label} ({path})"] = read_rows(path)
+        print(plot(runs, a.output, a.title))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

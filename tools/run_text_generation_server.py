@@ -1,0 +1,64 @@
+"""Serve text generation over HTTP (Megatron-LM's PUT /api JSON interface) from a checkpoint.
+
+    [torchrun --nproc_per_node TP*PP] tools/run_text_generation_server.py --load DIR \
+        --vocab-file F --merge-file F [--tensor-model-parallel-size N --pipeline-model-parallel-size M] \
+        [--host 0.0.0.0] [--port 5000] [--max-batch-size 64]
+
+    curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \
+        -d '{"prompts": ["def main("], "tokens_to_generate": 32, "top_p": 0.9}'
+
+Rank 0 serves HTTP and broadcasts each request to the other ranks. --port 0 picks a free port;
+the address served is printed on stderr ("serving on http://HOST:PORT/api"). See docs/inference.md.
+"""
+import argparse
+import signal
+import sys
+from typing import List, Optional
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint directory or Hugging Face directory")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=None)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--max-batch-size", type=int, default=64, help="most prompts in one request")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from app.inference.session import configure_tool_logging, session_from_flags
+    configure_tool_logging("server")
+    a = get_args(argv)
+    from app.inference.server import create_app
+    from app.training.checkpoint import CheckpointError
+    try:
+        session = session_from_flags(a)
+    except (ValueError, CheckpointError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not session.is_leader:
+        session.follow()
+        session.close()
+        return 0
+    from werkzeug.serving import make_server
+    server = make_server(a.host, a.port, create_app(session, a.max_batch_size), threaded=True)
+    print(f"serving on http://{a.host}:{server.server_port}/api", file=sys.stderr, flush=True)
+    def _terminate(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        session.stop()
+        session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
