@@ -585,6 +585,24 @@ def safe_torch_load(path: str, map_location: Any = "cpu",
                               f"{type(exc).__name__}: {str(exc)[:300]}") from exc
 
 
+def check_pickled_globals(path: str, extra_safe_globals: Sequence[Any] = ()) -> None:
+    """Refuse (UnsafeCheckpointError) a file that pickles anything outside the allow-list,
+    without loading its tensors: for files another library unpickles itself. Zip-format files
+    are scanned; others are loaded once with `safe_torch_load`."""
+    allowed = _safe_globals() + list(extra_safe_globals)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            refused = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - not a zip archive: the full safe load decides
+        safe_torch_load(path, "cpu", extra_safe_globals)
+        return
+    if refused:
+        raise UnsafeCheckpointError(
+            f"checkpoint file {path} pickles a class or function outside the allow-list "
+            f"({', '.join(sorted(refused)[:3])}) and was refused: unpickling it could run "
+            "arbitrary code. Load only checkpoints you trust")
+
+
 def _torch_load(path: str) -> Dict[str, Any]:
     state = safe_torch_load(path)
     if not isinstance(state, dict) or "model" not in state:

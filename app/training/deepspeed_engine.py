@@ -31,6 +31,7 @@ only after every rank's files are complete.
 from __future__ import annotations
 
 import datetime
+import glob
 import logging
 import os
 import re
@@ -377,6 +378,10 @@ class DeepSpeedEngineAdapter(Engine):
             "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
         where = os.path.join(load_dir, tag)
         self._check_loadable(load_dir, plan, where)
+        if universal:  # DeepSpeed reads the fragments itself (weights_only=False): scan first
+            for fragment in sorted(glob.glob(os.path.join(where, "zero", "**", "*.pt"),
+                                             recursive=True)):
+                ckpt.check_pickled_globals(fragment, deepspeed_safe_globals())
         try:
             path, client = self.ds.load_checkpoint(
                 load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,
