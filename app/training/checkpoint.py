@@ -334,6 +334,18 @@ def _sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
+def sidecar_path(path: str, hidden: Optional[bool] = None) -> str:
+    """The SHA-256 sidecar of `path`: `<path>.sha256` (Megatron files), or the hidden
+    `<dir>/.<name>.sha256` (DeepSpeed files: DeepSpeed's own tools pick up every file whose name
+    starts like theirs, `mp_rank_...`, and would try to unpickle a visible sidecar). `hidden`
+    None returns whichever exists (the visible one when neither does)."""
+    directory, name = os.path.split(path)
+    visible, concealed = path + CHECKSUM_SUFFIX, os.path.join(directory, f".{name}{CHECKSUM_SUFFIX}")
+    if hidden is None:
+        hidden = not os.path.exists(visible) and os.path.exists(concealed)
+    return concealed if hidden else visible
+
+
 def _read_checksums(sidecar: str) -> List[str]:
     try:
         with open(sidecar, "r", encoding="ascii", errors="replace") as f:
@@ -342,14 +354,14 @@ def _read_checksums(sidecar: str) -> List[str]:
         return []
 
 
-def _write_checksums(sidecar: str, digests: List[str]) -> None:
-    name = os.path.basename(sidecar[:-len(CHECKSUM_SUFFIX)])
+def _write_checksums(sidecar: str, name: str, digests: List[str]) -> None:
     text = "".join(f"{d}  {name}\n" for d in digests).encode("ascii")
     atomic_write_bytes(sidecar, text, durable=True)
 
 
-def write_checked_file(path: str, write: Callable[[Any], Any]) -> None:
-    """Write `path` with `write(f)` crash-safely, with a `<path>.sha256` sidecar.
+def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: bool = False
+                       ) -> None:
+    """Write `path` with `write(f)` crash-safely, with a SHA-256 sidecar (`sidecar_path`).
 
     tmp file + fsync, checksum sidecar, then atomic rename; safe to crash at any point, and a
     failed write (a full disk) leaves no temporary file. While the data file is being replaced
@@ -363,9 +375,10 @@ def write_checked_file(path: str, write: Callable[[Any], Any]) -> None:
     write_durably(tmp, write)
     try:
         _hook("rank_tmp_written")
-        digest, sidecar = _sha256_file(tmp), path + CHECKSUM_SUFFIX
+        digest, sidecar = _sha256_file(tmp), sidecar_path(path, hidden_sidecar)
+        name = os.path.basename(path)
         old = _read_checksums(sidecar) if os.path.exists(path) else []
-        _write_checksums(sidecar, [digest] + [d for d in old if d != digest])
+        _write_checksums(sidecar, name, [digest] + [d for d in old if d != digest])
         _hook("rank_checksum_committed")
         os.replace(tmp, path)
     except OSError:
@@ -373,7 +386,7 @@ def write_checked_file(path: str, write: Callable[[Any], Any]) -> None:
             os.remove(tmp)
         raise
     if old:
-        _write_checksums(sidecar, [digest])
+        _write_checksums(sidecar, name, [digest])
     fsync_dir(directory)
     _hook("rank_file_committed")
 
@@ -381,7 +394,7 @@ def write_checked_file(path: str, write: Callable[[Any], Any]) -> None:
 def remove_written_file(path: str, stop_at: str) -> None:
     """Delete `path` and its sidecar, then the directories above it up to (and including)
     `stop_at` that are left empty: the undo of a save that did not complete everywhere."""
-    for victim in (path, path + CHECKSUM_SUFFIX):
+    for victim in (path, sidecar_path(path, False), sidecar_path(path, True)):
         with contextlib.suppress(OSError):
             os.remove(victim)
     directory = os.path.dirname(path)
@@ -549,26 +562,28 @@ def _safe_globals() -> List[Any]:
 def verify_checksum(path: str) -> None:
     """CheckpointError when `path`'s SHA-256 is not in its `.sha256` sidecar (no sidecar: no
     check, e.g. files written by Megatron-LM itself)."""
-    expected = _read_checksums(path + CHECKSUM_SUFFIX)
+    sidecar = sidecar_path(path)
+    expected = _read_checksums(sidecar)
     if not expected:
         return
     actual = _sha256_file(path)
     if actual not in expected:
         raise CheckpointError(
             f"checkpoint file {path} is corrupt: its SHA-256 {actual[:16]}... does not match "
-            f"{path + CHECKSUM_SUFFIX}; restore the file or point the tracker at an earlier "
+            f"{sidecar}; restore the file or point the tracker at an earlier "
             "complete iteration")
 
 
 def safe_torch_load(path: str, map_location: Any = "cpu",
-                    extra_safe_globals: Sequence[Any] = ()) -> Any:
+                    extra_safe_globals: Sequence[Any] = (), mmap: bool = False) -> Any:
     """torch.load with weights_only=True: tensors, plain containers and an allow-list of
-    classes (`_safe_globals()` plus `extra_safe_globals`). A file that pickles anything else
+    classes (`_safe_globals()` plus `extra_safe_globals`); `mmap` maps the tensors instead of
+    reading them (zip-format files only). A file that pickles anything else
     (an object whose unpickling would run code) raises UnsafeCheckpointError naming the file
     and the refused global; a damaged file raises CheckpointError."""
     try:
         with torch.serialization.safe_globals(_safe_globals() + list(extra_safe_globals)):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" in str(exc):
             refused = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(exc))

@@ -119,7 +119,7 @@ class CheckedCheckpointEngine:
         existed = os.path.exists(path)
         try:
             ckpt.write_checked_file(path, lambda f: torch.save(
-                state_dict, f, _use_new_zipfile_serialization=zipfile))
+                state_dict, f, _use_new_zipfile_serialization=zipfile), hidden_sidecar=True)
         except OSError as exc:
             self.errors.append((path, exc))
             return

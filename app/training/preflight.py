@@ -184,7 +184,7 @@ def check_data(report: Report, data_path: Sequence[str], split: str, seq_length:
 def _verify_checksums(report: Report, files: Sequence[str]) -> None:
     checked = 0
     for path in files:
-        if os.path.isfile(path + ckpt.CHECKSUM_SUFFIX):
+        if os.path.isfile(ckpt.sidecar_path(path)):
             try:
                 ckpt.verify_checksum(path)
                 checked += 1

@@ -61,7 +61,8 @@ def _rewrite(path, change):
     with torch.serialization.safe_globals(ckpt._safe_globals()):
         state = torch.load(path, map_location="cpu", weights_only=False)
     change(state)
-    ckpt.write_checked_file(path, lambda f: torch.save(state, f))
+    hidden = os.path.exists(ckpt.sidecar_path(path, hidden=True))
+    ckpt.write_checked_file(path, lambda f: torch.save(state, f), hidden_sidecar=hidden)
 
 
 def _first_weight(module_state):
@@ -151,8 +152,9 @@ def test_deepspeed_full_disk_corruption_unsafe_pickle_and_non_finite(tiny_corpus
     assert open(os.path.join(tmp_path, "ck", "latest")).read() == "iter_0000004"  # 2nd run
     code, tracker, files = got["finish"]
     assert code == 0 and tracker == 4
-    assert "mp_rank_00_model_states.pt.sha256" in files  # DeepSpeed's files have sidecars
-    assert all(f + ".sha256" in files for f in files if f.endswith(".pt"))
+    # DeepSpeed's files have sidecars, hidden so that DeepSpeed's tools do not take them for its own
+    assert ".mp_rank_00_model_states.pt.sha256" in files
+    assert all(f".{f}.sha256" in files for f in files if f.endswith(".pt"))
     code, err = got["flipped"]
     assert code == 2 and "is corrupt: its SHA-256" in err and "mp_rank_00_model_states" in err
     code, err, ran = got["evil"]
