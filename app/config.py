@@ -529,9 +529,7 @@ class RunConfig:
         """Ranks that do not build wait for the builder in the first collective after the build
         (app.kernels.agree_across_ranks), so the build must end within the process-group
         timeout. Checked when several ranks run (one rank has no one waiting for it)."""
-        # --distributed-timeout-minutes (ParallelConfig.distributed_timeout_minutes) comes with
-        # issue 14a; until then init_distributed's process group has a fixed 10 minutes
-        minutes = getattr(self.parallel, "distributed_timeout_minutes", 10.0)
+        minutes = self.parallel.distributed_timeout_minutes
         build_s = self.kernels.build_timeout
         if self.parallel.world_size > 1 and build_s >= minutes * 60:
             raise ValueError(f"--kernel-build-timeout ({build_s:g} s) must be below "

@@ -377,11 +377,13 @@ class DeepSpeedEngineAdapter(Engine):
         tag = self._universal_tag(load_dir) if universal else (
             "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
         where = os.path.join(load_dir, tag)
-        self._check_loadable(load_dir, plan, where)
-        if universal:  # DeepSpeed reads the fragments itself (weights_only=False): scan first
+        if universal:  # re-sliced for any layout (args checked below); DeepSpeed reads the
+            # fragments itself with weights_only=False: scan them for unsafe globals first
             for fragment in sorted(glob.glob(os.path.join(where, "zero", "**", "*.pt"),
                                              recursive=True)):
                 ckpt.check_pickled_globals(fragment, deepspeed_safe_globals())
+        else:
+            self._check_loadable(load_dir, plan, where)
         try:
             path, client = self.ds.load_checkpoint(
                 load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,

@@ -265,6 +265,15 @@ def check_checkpoint(report: Report, cfg: RunConfig) -> None:
         else:
             report.error(f"--load {c.load} does not exist; fix the path (or drop --load)")
         return
+    if cfg.deepspeed.universal_checkpoint:
+        latest = os.path.join(c.load, "latest_universal")
+        if os.path.isfile(latest):
+            report.ok(f"--load {c.load} --universal-checkpoint: {latest} names the files "
+                      "DeepSpeed re-slices for this layout")
+        else:
+            report.error(f"--universal-checkpoint: {latest} does not exist; convert first with "
+                         "python -m deepspeed.checkpoint.ds_to_universal")
+        return
     try:
         iteration = ckpt.read_tracker(c.load)
     except ckpt.CheckpointError as exc:

@@ -74,8 +74,10 @@ def _nan_loss_on_one_rank(precision, save_dir, rank):
     from app.training import trainer as trainer_lib
     from app.training.nonfinite import TrainingAborted
     real = trainer_lib.masked_mean_loss
+    # --train-iters within the synthetic data (checked before the loop): the run stops early
     run = _run(PRECISIONS[precision] + ["--save", save_dir, "--save-interval", "1",
-                                        "--max-consecutive-skipped-iterations", "2"], 2)
+                                        "--max-consecutive-skipped-iterations", "2",
+                                        "--train-iters", str(ITERS)], 2)
     trainer = run["trainer"]
 
     def poisoned(per_token, mask):

@@ -111,5 +111,6 @@ def test_resume_tp2_pp2_is_exact(tiny_corpus, tmp_path):
                             *tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--load", str(ck))],
                            capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
     assert other.returncode == 2, other.stderr[-2000:]
-    assert ("saved with tensor_model_parallel_size 2 and pipeline_model_parallel_size 2, "
-            "but this run uses 1 and 1") in other.stderr, other.stderr
+    assert ("saved with tensor-parallel size 2 and pipeline-parallel size 2; this run uses 1 "
+            "and 1") in other.stderr, other.stderr
+    assert "tools/convert_checkpoint.py" in other.stderr, other.stderr

@@ -157,3 +157,7 @@ def test_kernel_flags_and_their_validation():
     with pytest.raises(ValueError, match=r"--kernel-build-timeout \(600 s\) must be below "
                                          r"--distributed-timeout-minutes \(10 min = 600 s\)"):
         arguments.config_from_argv(two + ["--kernel-build-timeout", "600"], 2, 100)
+    longer = two + ["--distributed-timeout-minutes", "20"]
+    assert arguments.config_from_argv(longer + ["--kernel-build-timeout", "900"], 2, 100)
+    with pytest.raises(ValueError, match=r"--distributed-timeout-minutes \(0.5 min = 30 s\)"):
+        arguments.config_from_argv(two + ["--distributed-timeout-minutes", "0.5"], 2, 100)
