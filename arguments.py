@@ -28,7 +28,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig,
                         ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                        RollbackConfig, RunConfig, TrainingConfig)
+                        RollbackConfig, RunConfig, TrainingConfig, default_kernel_build_timeout)
 from app.data.tokenizer import pad_vocab_size
 from app.training.distributed import check_backend, default_backend
 from app.training.ds_config import load_ds_json, reconcile_ds_config
@@ -83,9 +83,10 @@ def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-build-dir", type=str, default=None,
                    help="kernel build cache (default $APP_KERNELS_BUILD_DIR or "
                         "~/.cache/app_kernels)")
-    g.add_argument("--kernel-build-timeout", type=float, default=300.0,
+    g.add_argument("--kernel-build-timeout", type=float, default=None,
                    help="seconds a kernel build may take before falling back to PyTorch "
-                        "(below the process-group timeout)")
+                        "(below the process-group timeout; default 300, or half of "
+                        "--distributed-timeout-minutes when that is shorter)")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -443,7 +444,8 @@ def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
             min_increase=args.spike_min_increase, max_rollbacks=args.max_rollbacks),
         kernels=KernelConfig(
             require_fused_kernels=args.require_fused_kernels, build_dir=args.kernel_build_dir,
-            build_timeout=args.kernel_build_timeout),
+            build_timeout=(default_kernel_build_timeout(args.distributed_timeout_minutes)
+                           if args.kernel_build_timeout is None else args.kernel_build_timeout)),
     )
 
 

@@ -450,6 +450,12 @@ class RollbackConfig:
             raise ValueError(f"--max-rollbacks must be >= 0, got {self.max_rollbacks}")
 
 
+def default_kernel_build_timeout(distributed_timeout_minutes: float) -> float:
+    """Seconds a kernel build may take when --kernel-build-timeout is not given: 300, or half
+    the process-group timeout when that is shorter (the other ranks wait for the build)."""
+    return min(300.0, distributed_timeout_minutes * 30.0)
+
+
 @dataclass
 class KernelConfig:
     """How the csrc/ fused kernels are obtained (built on first use; see docs/kernels.md)."""
@@ -463,7 +469,8 @@ class KernelConfig:
     build_timeout: float = 300.0
     """--kernel-build-timeout: seconds local rank 0 may spend on the build (waiting for another
     node's build included) before the run falls back to PyTorch; must stay below the
-    process-group timeout, since the other ranks wait for it in the first collective."""
+    process-group timeout, since the other ranks wait for it in the first collective. Without
+    the flag: `default_kernel_build_timeout` of --distributed-timeout-minutes."""
 
     def __post_init__(self) -> None:
         _positive(self, (("build_timeout", "--kernel-build-timeout"),))

@@ -11,8 +11,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from app.config import CheckpointConfig
+from app.convert.state import Progress as ConvertProgress
 from app.training import checkpoint as ckpt
 from app.training import resume
 from app.training.distributed import pick_master_port, port_is_free
@@ -298,6 +300,14 @@ def test_progress_reports_rate_and_eta_as_lines_when_not_a_terminal():
                for line in lines)
     assert any("tokenizing:  25%" in line and "B/s" in line and "12 docs/s" in line
                for line in lines)
+    converted = io.StringIO()  # the converter's tensor counter is built on the same helper
+    counter = ConvertProgress("writing", total=2, stream=converted)
+    counter.add(torch.zeros(1 << 18))  # 1 MiB
+    counter.add(torch.zeros(1 << 18))
+    counter.report(final=True)
+    last = converted.getvalue().splitlines()[-1]
+    assert last.startswith("[convert] writing: 100% 2/2") and "ETA" in last, last
+    assert "tensors/s, 2.0 MiB," in last and "MiB/s]" in last, last
 
 
 def test_tmp_path_names_are_recognised():
