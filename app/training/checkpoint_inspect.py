@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from app.training import checkpoint as ckpt
+from app.training import checkpoint_files as ckpt_files
 
 MEGATRON = "megatron"
 DEEPSPEED = "deepspeed"
@@ -188,8 +189,8 @@ def read_saved_state(layout: SavedLayout) -> dict:
     verified: its `args`, `iteration`, `lr_scheduler`. CheckpointError (UnsafeCheckpointError
     for a file that would run code) naming the file otherwise."""
     path = layout.model_files[0]
-    ckpt.verify_checksum(path)
-    state = ckpt.safe_torch_load(path, "cpu", mmap=True)
+    ckpt_files.verify_checksum(path)
+    state = ckpt_files.safe_torch_load(path, "cpu", mmap=True)
     if not isinstance(state, dict):
         raise ckpt.CheckpointError(f"checkpoint file {path} does not hold a dict")
     return state

@@ -44,6 +44,7 @@ import torch
 from app.config import RunConfig
 from app.mpu import collectives
 from app.training import checkpoint as ckpt
+from app.training import checkpoint_files as ckpt_files
 from app.training import ds_config
 from app.training.distributed import all_ranks_ok, world_group
 from app.training.engine import Engine, StepResult, optimizer_state_bytes, tensor_bytes
@@ -87,10 +88,10 @@ def deepspeed_safe_globals() -> List[Any]:
 
 def load_deepspeed_file(path: str, map_location: Any = "cpu") -> Any:
     """Read one DeepSpeed checkpoint file safely: its SHA-256 sidecar verified when present,
-    then weights_only with `deepspeed_safe_globals`. Raises ckpt.UnsafeCheckpointError for a
+    then weights_only with `deepspeed_safe_globals`. Raises UnsafeCheckpointError for a
     file that would run code, ckpt.CheckpointError for a damaged one."""
-    ckpt.verify_checksum(path)
-    return ckpt.safe_torch_load(path, map_location, deepspeed_safe_globals())
+    ckpt_files.verify_checksum(path)
+    return ckpt_files.safe_torch_load(path, map_location, deepspeed_safe_globals())
 
 
 class CheckedCheckpointEngine:
@@ -381,7 +382,7 @@ class DeepSpeedEngineAdapter(Engine):
             # fragments itself with weights_only=False: scan them for unsafe globals first
             for fragment in sorted(glob.glob(os.path.join(where, "zero", "**", "*.pt"),
                                              recursive=True)):
-                ckpt.check_pickled_globals(fragment, deepspeed_safe_globals())
+                ckpt_files.check_pickled_globals(fragment, deepspeed_safe_globals())
         else:
             self._check_loadable(load_dir, plan, where)
         try:

@@ -11,6 +11,7 @@ import torch
 
 from app.testing.distributed import run_distributed
 from app.training import checkpoint as ckpt
+from app.training import checkpoint_files as ckpt_files
 from tests.integration.conftest import tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,10 +59,10 @@ def _temporaries(root):
 def _rewrite(path, change):
     """Load a checkpoint file, change it, and write it back with a valid checksum sidecar (so
     only the content, not the checksum, can stop it)."""
-    with torch.serialization.safe_globals(ckpt._safe_globals()):
+    with torch.serialization.safe_globals(ckpt_files.allowed_globals()):
         state = torch.load(path, map_location="cpu", weights_only=False)
     change(state)
-    hidden = os.path.exists(ckpt.sidecar_path(path, hidden=True))
+    hidden = os.path.exists(ckpt_files.sidecar_path(path, hidden=True))
     ckpt.write_checked_file(path, lambda f: torch.save(state, f), hidden_sidecar=hidden)
 
 
