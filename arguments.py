@@ -28,7 +28,8 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig,
                         ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                        RollbackConfig, RunConfig, TrainingConfig, default_kernel_build_timeout)
+                        RollbackConfig, RunConfig, TrainingConfig, default_kernel_build_timeout,
+                        resolve_recompute_flags)
 from app.data.tokenizer import pad_vocab_size
 from app.training.distributed import check_backend, default_backend
 from app.training.ds_config import load_ds_json, reconcile_ds_config
@@ -54,10 +55,45 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="pad the vocab to a multiple of this x the tensor-parallel size")
     g.add_argument("--openai-gelu", action="store_true",
                    help="tanh-approximated GeLU instead of the exact erf form")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "alibi"],
+                   default="learned_absolute",
+                   help="learned_absolute: GPT-2's position table (needs --max-position-embeddings "
+                        ">= --seq-length); rope: rotary embeddings on queries and keys; alibi: "
+                        "linear attention biases (Press et al.). Hugging Face GPT-2 export "
+                        "needs learned_absolute")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's channels RoPE rotates, in (0, 1] (rope only; "
+                        "the rotated channel count must be even)")
+    g.add_argument("--rotary-base", type=int, default=10000,
+                   help="RoPE base of the rotation frequencies (rope only)")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention: --num-query-groups key/value heads shared by "
+                        "the query heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads with --group-query-attention (default 1: multi-query); "
+                        "must divide --num-attention-heads, and be divisible by the TP size or "
+                        "divide it (then each group's key/value heads are replicated on "
+                        "TP/groups ranks)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate column-parallel output layer (language_model.output_layer) "
+                        "instead of the word embeddings' transpose")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation recompute in backward: full (whole layers, see "
+                        "--recompute-method) or selective (the attention core only: QK^T, "
+                        "softmax, dropout, AV)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="with --recompute-granularity full: uniform recomputes every layer in "
+                        "chunks of --recompute-num-layers (default); block recomputes only the "
+                        "first --recompute-num-layers layers of each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with full recompute: layers per chunk (uniform) or recomputed layers "
+                        "per pipeline stage (block, at most --num-layers / PP); default 1")
     g.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute transformer layers in backward")
-    g.add_argument("--checkpoint-num-layers", type=int, default=1,
-                   help="layers per recomputed chunk")
+                   help="older spelling of --recompute-granularity full --recompute-method "
+                        "uniform")
+    g.add_argument("--checkpoint-num-layers", type=int, default=None,
+                   help="older spelling of --recompute-num-layers (with "
+                        "--checkpoint-activations)")
 
 
 def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +130,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", "--model-parallel-size",
                    dest="tensor_model_parallel_size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split LayerNorm, dropout and residual activations along the sequence "
+                        "over the tensor-parallel ranks (all-gather / reduce-scatter instead of "
+                        "all-reduce); needs --tensor-model-parallel-size > 1 and --seq-length "
+                        "divisible by it")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved 1F1B: each pipeline rank holds (num layers / PP) / N model "
                         "chunks of N layers, assigned round-robin (stage r holds virtual stages r, "
@@ -279,7 +320,9 @@ def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--deepspeed_mpi", action="store_true", default=False,
                             help="discover ranks through mpi4py")
     parser.add_argument("--deepspeed-activation-checkpointing", action="store_true",
-                        help="use deepspeed.checkpointing instead of our recomputation")
+                        help="run the recompute chosen by --recompute-granularity (or "
+                             "--checkpoint-activations) through deepspeed.checkpointing, with "
+                             "the JSON's activation_checkpointing settings; needs --deepspeed")
     parser.add_argument("--universal-checkpoint", action="store_true",
                         help="load a DeepSpeed universal checkpoint (ds_to_universal.py output, "
                              "named by --load's latest_universal) at any DP/TP size")
@@ -377,6 +420,9 @@ def _precision_choice(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]
 
 def _model_config(args: argparse.Namespace, padded_vocab_size: int,
                   precision: PrecisionConfig) -> ModelConfig:
+    granularity, method, recompute_layers = resolve_recompute_flags(
+        args.checkpoint_activations, args.checkpoint_num_layers, args.recompute_granularity,
+        args.recompute_method, args.recompute_num_layers)
     return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
@@ -385,8 +431,14 @@ def _model_config(args: argparse.Namespace, padded_vocab_size: int,
         padded_vocab_size=padded_vocab_size, ffn_hidden_size=args.ffn_hidden_size,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
-        openai_gelu=args.openai_gelu, checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers,
+        openai_gelu=args.openai_gelu, recompute_granularity=granularity,
+        recompute_method=method, recompute_num_layers=recompute_layers,
+        sequence_parallel=args.sequence_parallel,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        group_query_attention=args.group_query_attention,
+        num_query_groups=args.num_query_groups,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
         masked_softmax_fusion=args.masked_softmax_fusion, layernorm_fusion=args.layernorm_fusion,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,

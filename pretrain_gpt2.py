@@ -21,13 +21,14 @@ from app.data import build_tokenizer
 from app.training import preflight as preflight_lib
 from app.training import pretrain as pretrain_lib
 from app.training.distributed import discover_world
+from app.training.loss import LossFunction
 
 
-def _train(args: argparse.Namespace) -> Any:
+def _train(args: argparse.Namespace, loss_function: Optional[LossFunction] = None) -> Any:
     world = discover_world(args.deepspeed_mpi)
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     cfg = arguments.build_run_config(args, world.world_size, tokenizer.vocab_size)
-    return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args))
+    return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args), loss_function)
 
 
 def preflight(args: argparse.Namespace) -> preflight_lib.Report:
@@ -56,25 +57,26 @@ def preflight(args: argparse.Namespace) -> preflight_lib.Report:
         device_memory_gib=args.dry_run_device_memory)
 
 
-def run(argv: Optional[List[str]] = None) -> Any:
+def run(argv: Optional[List[str]] = None, loss_function: Optional[LossFunction] = None) -> Any:
     """Parse `argv`, build the RunConfig and train; returns the Trainer (with --dry-run: the
-    preflight Report, printed)."""
+    preflight Report, printed). `loss_function` (app.training.loss.LossFunction) replaces
+    Megatron's LM loss; see examples/custom_loss.py."""
     args = arguments.parse_args(argv)
     if args.dry_run:
         report = preflight(args)
         if int(os.environ.get("RANK", "0")) == 0:
             print(report.render(), flush=True)
         return report
-    return _train(args)
+    return _train(args, loss_function)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, loss_function: Optional[LossFunction] = None) -> int:
     """Command-line entry: exit code 0, or 2 with one clear line for bad flags, data or
     checkpoints (with --dry-run: 2 when the report has an error)."""
     args = arguments.parse_args(argv)
     if args.dry_run:
         return 2 if run(argv).errors else 0
-    return pretrain_lib.main(lambda: _train(args))
+    return pretrain_lib.main(lambda: _train(args, loss_function))
 
 
 if __name__ == "__main__":

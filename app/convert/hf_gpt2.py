@@ -21,6 +21,7 @@ import torch
 
 from app.convert import layout
 from app.convert.state import ModelCheckpoint, Progress
+from app.model.hf_compat import checkpoint_args_blockers
 
 HF_PREFIX = "transformer."
 _NORMS = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"))
@@ -271,6 +272,10 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, dtype: Optional[torch.dt
     """
     from safetensors.torch import save_file
     args = source.args
+    blockers = checkpoint_args_blockers(args)
+    if blockers:
+        raise layout.LayoutError("cannot export to a Hugging Face GPT-2 model: "
+                                 + "; ".join(blockers))
     vocab_size = getattr(args, "vocab_size", None)
     tensors = to_hf_state(source.weights, source.num_layers, int(args.num_attention_heads),
                           int(vocab_size) if vocab_size else None)

@@ -19,6 +19,7 @@ import torch
 from app.convert import layout
 from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
                                cast_weights)
+from app.model.hf_compat import checkpoint_args_blockers
 from app.optim.mixed_precision import is_mixed_state
 from app.training import checkpoint as ckpt
 from app.utils.dtypes import torch_dtype
@@ -70,6 +71,12 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
     if args is None:
         raise ckpt.CheckpointError(f"{ckpt.checkpoint_dir(load_dir, iteration)} has no 'args': its "
                                    "model shape is unknown, so it cannot be converted")
+    blockers = checkpoint_args_blockers(args)
+    if blockers:
+        raise ckpt.CheckpointError(
+            f"{ckpt.checkpoint_dir(load_dir, iteration)} cannot be converted or resharded: the "
+            "converter maps the GPT-2 parameter layout only, and this model was trained with "
+            + "; ".join(blockers) + ". Load it at the tensor/pipeline layout it was saved with")
     flat = {}
     for key, state in files.items():
         flat[key] = ckpt.from_megatron_model(state["model"])

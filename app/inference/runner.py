@@ -40,6 +40,7 @@ class LoadedModel:
 def model_config(args: argparse.Namespace, padded_vocab: int) -> ModelConfig:
     """ModelConfig for inference (dropout 0) from a checkpoint's Megatron args."""
     dtype = getattr(args, "params_dtype", torch.float32)
+    grouped = bool(getattr(args, "group_query_attention", False))
     return ModelConfig(
         num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
         num_attention_heads=int(args.num_attention_heads),
@@ -51,6 +52,13 @@ def model_config(args: argparse.Namespace, padded_vocab: int) -> ModelConfig:
         openai_gelu=bool(getattr(args, "openai_gelu", False)),
         attention_softmax_in_fp32=bool(getattr(args, "attention_softmax_in_fp32", False)),
         apply_query_key_layer_scaling=bool(getattr(args, "apply_query_key_layer_scaling", False)),
+        position_embedding_type=str(getattr(args, "position_embedding_type", "learned_absolute")),
+        rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
+        rotary_base=int(getattr(args, "rotary_base", 10000)),
+        group_query_attention=grouped,
+        num_query_groups=int(args.num_query_groups) if grouped else None,
+        untie_embeddings_and_output_weights=bool(
+            getattr(args, "untie_embeddings_and_output_weights", False)),
         params_dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32")
 
 

@@ -1,7 +1,8 @@
 """Fused ops of the GPT-2 model; each picks its implementation and says which, once, in the log.
 
     op                 fused implementation (CUDA inputs, flag on)      fallback
-    attention          SDPA (causal; auto/flash) or q k^T + softmax op   -
+    attention          SDPA (causal; auto/flash; ALiBi bias) or          -
+                       q k^T + softmax op
     causal softmax     csrc kernel (s_k <= 16384)                        PyTorch, fp32 arithmetic
     masked softmax     csrc kernel (bool mask [b|1, 1, s_q, s_k])        PyTorch, fp32 arithmetic
     layer_norm         csrc kernel, fp32 statistics                      F.layer_norm
@@ -263,17 +264,19 @@ def _announce_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                  flash_only: bool) -> torch.Tensor:
     _announce_sdpa(q, k, v, dropout_p, flash_only)
+    grouped = k.shape[1] != q.shape[1]  # grouped-query attention: fewer key/value heads
     if flash_only and q.is_cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         try:
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
-                                                      is_causal=True)
+                                                      is_causal=True, enable_gqa=grouped)
         except RuntimeError as err:  # e.g. a head size neither backend takes
             _announce("attention", "SDPA (any backend)", "--use-flash-attn, but flash/efficient "
                       f"refused these inputs: {str(err).splitlines()[0][:160]}")
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                          enable_gqa=grouped)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -281,7 +284,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
               qk_coeff: float = 1.0, softmax_in_fp32: bool = True) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v with dropout on the probabilities. [b, n, s, d] each.
 
-    mask None is causal attention; otherwise bool [b|1, 1, s_q, s_k], True = masked out.
+    mask None is causal attention; otherwise bool [b|1, 1, s_q, s_k], True = masked out, or a
+    float additive bias [b|1, n, s_q, s_k] (ALiBi, the masked positions already at the dtype's
+    minimum), which always runs through SDPA's attn_mask (the softmax kernels take bool masks;
+    app.config refuses ALiBi with the flash and local backends). k and v may have fewer heads
+    than q (grouped-query attention: query head i reads key/value head i // (n_q / n_kv)).
     backend (--attention-backend; --use-flash-attn means "flash"):
       auto  - causal through SDPA (the measured default; see docs/kernels.md), masks "local";
       flash - causal through SDPA restricted to its flash/efficient backends, masks "local";
@@ -295,8 +302,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, "
                          f"got {backend!r}")
+    if mask is not None and mask.is_floating_point():
+        _announce("attention", "SDPA with an additive bias", "ALiBi")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              enable_gqa=k.shape[1] != q.shape[1])
     if mask is None and backend != "local":
         return _sdpa_causal(q, k, v, dropout_p, flash_only=backend == "flash")
+    if k.shape[1] != q.shape[1]:  # each key/value head serves n_q / n_kv consecutive queries
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     if mask is None:
         _announce("attention", "q k^T + causal softmax + @ v", "--attention-backend local")
     scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s_q, s_k]

@@ -1,9 +1,17 @@
 """Megatron-LM's GPT-2, built from the tensor-parallel layers of `app.mpu`.
 
-    ids [b, s] -> word + position embeddings (+ dropout)          [b, s, h]     (first stage)
+    ids [b, s] -> word (+ learned position) embeddings (+ dropout)  [b, s, h]     (first stage)
       -> L pre-LN layers: x + drop(attn(LN(x))); x + drop(mlp(LN(x)))  [b, s, h]
-      -> final LayerNorm -> logits = x @ E^T (tied)                [b, s, V/tp]  (last stage)
+      -> final LayerNorm -> logits = x @ E^T (tied) or output layer  [b, s, V/tp]  (last stage)
       -> vocab-parallel cross-entropy with the labels             [b, s] fp32
+
+With sequence parallelism every [b, s, h] above outside the attention and MLP cores is this
+rank's [b, s/tp, h] slice of the sequence: LayerNorm, dropout and the residual run on 1/tp of
+the tokens; the column-parallel linears all-gather their input along s and the row-parallel
+ones reduce-scatter their output. Dropout there uses the model-parallel RNG stream (each rank
+holds other tokens), and the gradients of the replicated LayerNorm and bias parameters in that
+region are summed over TP. Attention (app.model.attention) takes RoPE tables or an ALiBi bias
+computed once per forward (app.model.positions).
 
 Parameter names are Megatron's with *global* layer indices, so a pipeline stage holding layers
 [start, end) names them exactly as the whole model does. Every parameter's initial value is a
@@ -14,9 +22,10 @@ parallelism lives in the `app.mpu` layers and mappings.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,27 +33,20 @@ from torch import nn
 
 from app.config import ModelConfig
 from app.model import fused
+from app.model.attention import InferenceCache, ParallelAttention
+from app.model.positions import RotaryEmbedding, RotaryTables, alibi_bias, alibi_slopes
 from app.mpu import random as mpu_random
-from app.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from app.mpu.mappings import copy_to_tensor_model_parallel_region
+from app.mpu.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                            column_parallel_linear)
+from app.mpu.mappings import (scatter_to_sequence_parallel_region,
+                              sum_gradient_over_tensor_parallel)
 from app.mpu.parallel_state import ParallelState, get_parallel_state
-from app.mpu.utils import divide
 from app.utils.dtypes import torch_dtype
 
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
+OUTPUT_LAYER = "language_model.output_layer.weight"
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
-
-
-class InferenceCache(Protocol):
-    """Key/value cache for incremental decoding (app.inference.kv_cache.KVCache implements it).
-
-    `append(layer_number, k, v)` stores this step's keys/values [b, nh/tp, s, hd] of a layer
-    after those already cached and returns all of them [b, nh/tp, cached + s, hd].
-    """
-
-    def append(self, layer_number: int, key: torch.Tensor,
-               value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
 # ---- initialisation ----------------------------------------------------------------------------
@@ -83,13 +85,17 @@ class ParamInit:
         return normal_init(self.output_std, self.seed, global_name)
 
 
-def _layer_norm(config: ModelConfig, dtype: torch.dtype) -> nn.LayerNorm:
-    """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks."""
+def _layer_norm(config: ModelConfig, dtype: torch.dtype,
+                parallel_state: ParallelState) -> nn.LayerNorm:
+    """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks (with
+    sequence parallelism each rank normalises other tokens, so the gradients are summed)."""
     norm = fused.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype,
                            use_kernel=config.layernorm_fusion)
     for param in norm.parameters():
         param.tensor_model_parallel = False
         param.partition_dim = -1
+        if config.sequence_parallel:
+            sum_gradient_over_tensor_parallel(param, parallel_state)
     return norm
 
 
@@ -98,108 +104,58 @@ def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return F.dropout(x, p, True) if (training and p > 0.0) else x
 
 
+def _hidden_dropout_rng(sequence_parallel: bool, p: float, training: bool):
+    """Context for dropout on hidden states: the model-parallel RNG stream for sequence-parallel
+    slices (each TP rank holds other tokens), else the default stream (identical on TP ranks)."""
+    if sequence_parallel and training and p > 0.0:
+        return mpu_random.get_rng_tracker().fork()
+    return contextlib.nullcontext()
+
+
 # ---- modules -----------------------------------------------------------------------------------
 class Embedding(nn.Module):
-    """Token + learned position embeddings, then dropout: ids [b, s] -> [b, s, h].
+    """Token (+ learned position) embeddings, then dropout: ids [b, s] -> [b, s, h].
 
-    Word embeddings are vocab-parallel ([V/tp, h] per rank); position embeddings are replicated.
+    Word embeddings are vocab-parallel ([V/tp, h] per rank); the position table (only for
+    learned_absolute positions) is replicated. With sequence parallelism the output is this
+    rank's [b, s/tp, h] slice: word + position embeddings are split along s after the TP
+    all-reduce, or, without a position table, the word embeddings are reduce-scattered directly.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit) -> None:
         super().__init__()
         dtype = torch_dtype(config.params_dtype)
+        self.parallel_state = parallel_state
+        self.sequence_parallel = config.sequence_parallel
+        learned = config.position_embedding_type == "learned_absolute"
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, init_method=init.normal(WORD_EMBEDDINGS),
-            parallel_state=parallel_state, params_dtype=dtype)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                config.hidden_size, dtype=dtype)
-        init.normal(POSITION_EMBEDDINGS)(self.position_embeddings.weight)
-        self.position_embeddings.weight.tensor_model_parallel = False
-        self.position_embeddings.weight.partition_dim = -1
+            parallel_state=parallel_state, params_dtype=dtype,
+            reduce_scatter_embeddings=config.sequence_parallel and not learned)
+        self.position_embeddings: Optional[nn.Embedding] = None
+        if learned:
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                    config.hidden_size, dtype=dtype)
+            init.normal(POSITION_EMBEDDINGS)(self.position_embeddings.weight)
+            self.position_embeddings.weight.tensor_model_parallel = False
+            self.position_embeddings.weight.partition_dim = -1
         self.dropout_p = config.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        words = self.word_embeddings(input_ids)  # [b, s, h]
-        positions = self.position_embeddings(position_ids)  # [b, s, h]
-        return _dropout(words + positions, self.dropout_p, self.training)
-
-
-class ParallelAttention(nn.Module):
-    """Causal self-attention with a fused QKV projection split by heads over tensor parallelism.
-
-    [b, s, h] -> ([b, s, h], dense bias [h]): the output projection's bias is returned, not
-    added, for the caller's bias+dropout+add. The QKV output rows are ordered
-    [heads, (q, k, v), head_dim], so each tensor-parallel rank holds whole heads.
-    `attention_mask` None means plain causal; otherwise a bool mask [b or 1, 1, s, s], True =
-    masked out. `fused.attention` picks SDPA or q k^T + fused softmax (config.attention_impl).
-    Attention dropout runs inside the model-parallel RNG fork, since each rank's heads differ.
-    """
-
-    def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
-                 prefix: str, layer_number: int = 0) -> None:
-        super().__init__()
-        tp = parallel_state.tensor_model_parallel_size
-        self.heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads",
-                                          "tensor_model_parallel_size")
-        self.head_dim = config.head_dim
-        self.dropout_p = config.attention_dropout
-        self.masked_softmax_fusion = config.masked_softmax_fusion
-        self.attention_impl = config.attention_impl
-        # --apply-query-key-layer-scaling: scores / (sqrt(hd) * n), multiplied back by n inside
-        # an fp32 softmax (Megatron's fp16 overflow guard; n = 1-based layer number)
-        self.qk_coeff = float(layer_number + 1) if config.apply_query_key_layer_scaling else 1.0
-        self.softmax_in_fp32 = (config.attention_softmax_in_fp32
-                                or config.apply_query_key_layer_scaling)
-        dtype = torch_dtype(config.params_dtype)
-        h = config.hidden_size
-        self.query_key_value = ColumnParallelLinear(
-            h, 3 * h, gather_output=False,
-            init_method=init.normal(f"{prefix}.query_key_value.weight"),
-            parallel_state=parallel_state, params_dtype=dtype)
-        self.dense = RowParallelLinear(
-            h, h, input_is_parallel=True, init_method=init.scaled_normal(f"{prefix}.dense.weight"),
-            parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True)
-
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                inference_cache: Optional[InferenceCache] = None,
-                layer_number: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-        b, s, _ = x.shape
-        qkv = self.query_key_value(x)  # [b, s, 3h/tp]
-        qkv = qkv.view(b, s, self.heads_per_partition, 3, self.head_dim)
-        # Views, no copy; in backward unbind's stack writes the [b, s, nh/tp, 3, hd] grad directly.
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # 3 x [b, nh/tp, s, hd]
-        if inference_cache is not None:  # keys/values of earlier steps come first
-            k, v = inference_cache.append(layer_number, k, v)  # 2 x [b, nh/tp, past + s, hd]
-        dropout_p = self.dropout_p if self.training else 0.0
-        if dropout_p > 0.0:
-            with mpu_random.get_rng_tracker().fork():
-                context = self._attend(q, k, v, attention_mask, dropout_p)
-        else:
-            context = self._attend(q, k, v, attention_mask, 0.0)  # [b, nh/tp, s, hd]
-        context = context.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
-        return self.dense(context)  # [b, s, h], [h]
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd), masked) v with dropout on the probabilities. [b, n, s_q, hd].
-
-        Without a mask, s_q == s_k is plain causal; queries after cached keys (decoding with an
-        inference cache) get the bottom-right causal mask: query i sees keys 0..s_k - s_q + i.
-        """
-        s_q, s_k = q.shape[2], k.shape[2]
-        if attention_mask is None and s_q != s_k:
-            rows = torch.arange(s_q, device=q.device).unsqueeze(1) + (s_k - s_q)
-            attention_mask = torch.arange(s_k, device=q.device).unsqueeze(0) > rows  # [s_q, s_k]
-            attention_mask = attention_mask.view(1, 1, s_q, s_k)
-        return fused.attention(q, k, v, attention_mask, dropout_p, self.attention_impl,
-                               self.masked_softmax_fusion, qk_coeff=self.qk_coeff,
-                               softmax_in_fp32=self.softmax_in_fp32)
+        hidden = self.word_embeddings(input_ids)  # [b, s, h] ([b, s/tp, h] if reduce-scattered)
+        if self.position_embeddings is not None:
+            hidden = hidden + self.position_embeddings(position_ids)  # [b, s, h]
+            if self.sequence_parallel:
+                hidden = scatter_to_sequence_parallel_region(hidden, self.parallel_state)
+        with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
+            return _dropout(hidden, self.dropout_p, self.training)
 
 
 class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced).
 
-    [b, s, h] -> ([b, s, h], output bias [h]): the last bias is returned for bias+dropout+add.
+    [b, s, h] -> ([b, s, h], output bias [h]): the last bias is returned for bias+dropout+add
+    ([b, s/tp, h] in and out with sequence parallelism).
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
@@ -215,11 +171,12 @@ class ParallelMLP(nn.Module):
             config.hidden_size, config.ffn_hidden_size, gather_output=False,
             init_method=init.normal(f"{prefix}.dense_h_to_4h.weight"),
             parallel_state=parallel_state, params_dtype=dtype,
-            skip_bias_add=self.bias_gelu_fusion)
+            skip_bias_add=self.bias_gelu_fusion, sequence_parallel=config.sequence_parallel)
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
             init_method=init.scaled_normal(f"{prefix}.dense_4h_to_h.weight"),
-            parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True)
+            parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.bias_gelu_fusion:
@@ -232,7 +189,8 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelTransformerLayer(nn.Module):
-    """Pre-LN block: x + drop(attention(LN(x))), then x + drop(mlp(LN(x))). [b,s,h] -> [b,s,h].
+    """Pre-LN block: x + drop(attention(LN(x))), then x + drop(mlp(LN(x))). [b,s,h] -> [b,s,h]
+    ([b, s/tp, h] with sequence parallelism, the dropout then on the model-parallel stream).
 
     Each "x + drop(out + bias)" is `fused.bias_dropout_add` (--bias-dropout-fusion).
     """
@@ -244,30 +202,40 @@ class ParallelTransformerLayer(nn.Module):
         dtype = torch_dtype(config.params_dtype)
         self.layer_number = layer_number
         self.dropout_p = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
         self.bias_dropout_fusion = config.bias_dropout_fusion
-        self.input_layernorm = _layer_norm(config, dtype)
-        self.attention = ParallelAttention(config, parallel_state, init, f"{prefix}.attention",
-                                           layer_number)
-        self.post_attention_layernorm = _layer_norm(config, dtype)
+        self.input_layernorm = _layer_norm(config, dtype, parallel_state)
+        self.attention = ParallelAttention(
+            config, parallel_state, init.normal(f"{prefix}.attention.query_key_value.weight"),
+            init.scaled_normal(f"{prefix}.attention.dense.weight"), layer_number)
+        self.post_attention_layernorm = _layer_norm(config, dtype, parallel_state)
         self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary: Optional[RotaryTables] = None,
                 inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
-        attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask, inference_cache,
-                                         self.layer_number)  # [b, s, h], [h]
-        x = fused.bias_dropout_add(attn, attn_bias, x, self.dropout_p, self.training,
-                                   self.bias_dropout_fusion)  # [b, s, h]
+        attn, attn_bias = self.attention(self.input_layernorm(x), attention_mask, rotary,
+                                         inference_cache)  # [b, s, h], [h]
+        with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
+            x = fused.bias_dropout_add(attn, attn_bias, x, self.dropout_p, self.training,
+                                       self.bias_dropout_fusion)  # [b, s, h]
         mlp, mlp_bias = self.mlp(self.post_attention_layernorm(x))  # [b, s, h], [h]
-        return fused.bias_dropout_add(mlp, mlp_bias, x, self.dropout_p, self.training,
-                                      self.bias_dropout_fusion)
+        with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
+            return fused.bias_dropout_add(mlp, mlp_bias, x, self.dropout_p, self.training,
+                                          self.bias_dropout_fusion)
 
 
 class ParallelTransformer(nn.Module):
     """Layers [start, end) keyed by their global index, plus the final LayerNorm on the last stage.
 
-    With `config.checkpoint_activations` (and grad enabled in training) chunks of
-    `checkpoint_num_layers` layers are recomputed in backward via `app.mpu.random.checkpoint`,
-    which restores the RNG states so dropout masks repeat exactly.
+    With full recompute (in training, grad enabled) layers run through
+    `app.mpu.random.checkpoint`, which recomputes them in backward with the RNG states restored
+    so dropout masks repeat exactly: `uniform` checkpoints chunks of recompute_num_layers layers,
+    `block` checkpoints the first recompute_num_layers layers of this stage one by one and keeps
+    the others' activations. (Selective recompute lives in the attention.) Under sequence
+    parallelism a layer's input is this rank's slice of the sequence, different on each TP
+    rank, so it never goes to DeepSpeed's partitioned checkpointing (which assumes inputs
+    replicated over TP and would rebuild them from the other ranks' slices).
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
@@ -277,44 +245,61 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): ParallelTransformerLayer(config, parallel_state, init, i)
             for i in range(start, end)})
-        self.checkpoint_activations = config.checkpoint_activations
-        self.checkpoint_num_layers = config.checkpoint_num_layers
+        self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method
+        self.recompute_num_layers = config.recompute_num_layers
+        self.inputs_replicated_over_tp = not config.sequence_parallel
         if post_process:
-            self.final_layernorm = _layer_norm(config, torch_dtype(config.params_dtype))
+            self.final_layernorm = _layer_norm(config, torch_dtype(config.params_dtype),
+                                               parallel_state)
         else:
             self.final_layernorm = None
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary: Optional[RotaryTables] = None,
                 inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
-        layers: List[nn.Module] = list(self.layers.values())
-        if (self.checkpoint_activations and self.training and torch.is_grad_enabled()
-                and inference_cache is None):
-            n = self.checkpoint_num_layers
-            for first in range(0, len(layers), n):
-                chunk = _ChunkForward(layers[first:first + n], attention_mask)
-                hidden = mpu_random.checkpoint(chunk, hidden)  # [b, s, h]
-        else:
-            for layer in layers:
-                hidden = layer(hidden, attention_mask, inference_cache)  # [b, s, h]
+        for chunk, recompute in self._chunks(inference_cache is None):
+            run = _ChunkForward(chunk, attention_mask, rotary, inference_cache)
+            if recompute:
+                hidden = mpu_random.checkpoint(  # [b, s, h] ([b, s/tp, h] with SP)
+                    run, hidden, inputs_replicated_over_tp=self.inputs_replicated_over_tp)
+            else:
+                hidden = run(hidden)  # [b, s, h] ([b, s/tp, h] with SP)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden
 
+    def _chunks(self, may_recompute: bool) -> List[Tuple[List[nn.Module], bool]]:
+        """This forward's layers as (consecutive layers, recompute them?) pairs."""
+        layers: List[nn.Module] = list(self.layers.values())
+        if not (may_recompute and self.recompute_full and self.training
+                and torch.is_grad_enabled()):
+            return [(layers, False)]
+        n = self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            return [(layers[i:i + n], True) for i in range(0, len(layers), n)]
+        return [([layer], True) for layer in layers[:n]] + [(layers[n:], False)]
+
 
 class _ChunkForward:
-    """Runs a chunk of layers with a fixed mask: what activation checkpointing recomputes."""
+    """Runs a chunk of layers with a fixed mask, RoPE tables and inference cache: what full
+    recompute reruns (never with a cache)."""
 
-    def __init__(self, layers: Sequence[nn.Module], attention_mask: Optional[torch.Tensor]) -> None:
-        self.layers, self.attention_mask = layers, attention_mask
+    def __init__(self, layers: Sequence[nn.Module], attention_mask: Optional[torch.Tensor],
+                 rotary: Optional[RotaryTables],
+                 inference_cache: Optional[InferenceCache] = None) -> None:
+        self.layers, self.attention_mask, self.rotary = layers, attention_mask, rotary
+        self.inference_cache = inference_cache
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            hidden = layer(hidden, self.attention_mask)
+            hidden = layer(hidden, self.attention_mask, self.rotary, self.inference_cache)
         return hidden
 
 
 class TransformerLanguageModel(nn.Module):
-    """Embedding (first stage) + this stage's transformer layers (+ final LayerNorm, last stage)."""
+    """Embedding (first stage) + this stage's transformer layers (+ final LayerNorm, and with
+    untied embeddings the column-parallel `output_layer`, on the last stage)."""
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  pre_process: bool, post_process: bool, layer_range: Tuple[int, int]) -> None:
@@ -322,6 +307,13 @@ class TransformerLanguageModel(nn.Module):
         self.embedding = Embedding(config, parallel_state, init) if pre_process else None
         self.transformer = ParallelTransformer(config, parallel_state, init, layer_range,
                                                post_process)
+        self.output_layer: Optional[ColumnParallelLinear] = None
+        if post_process and config.untie_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, bias=False,
+                init_method=init.normal(OUTPUT_LAYER), parallel_state=parallel_state,
+                params_dtype=torch_dtype(config.params_dtype),
+                sequence_parallel=config.sequence_parallel)
 
 
 class GPT2Model(nn.Module):
@@ -331,13 +323,16 @@ class GPT2Model(nn.Module):
     inference_cache=None):
     - with `post_process` and `labels`: per-token loss [b, s] fp32 (no reduction, no loss mask);
     - with `post_process`, no labels: logits [b, s, V/tp] (this rank's vocab shard);
-    - without `post_process`: hidden states [b, s, h] for the next stage.
+    - without `post_process`: hidden states [b, s, h] ([b, s/tp, h] with sequence parallelism)
+      for the next stage.
     `parallel_state=None` means `app.mpu.parallel_state.get_parallel_state()` (the one-process
     state unless `initialize_model_parallel` ran). Stages without `pre_process` take their input
-    from `set_input_tensor`. The last stage holds
-    the tied output embedding: the first stage's word embeddings, or, when it has no embedding,
-    its own `word_embeddings.weight` initialised to the same values (flag `shared = True`; the
-    pipeline keeps the two equal by all-reducing their gradients over the embedding group).
+    from `set_input_tensor`; every stage gets `input_ids` or `position_ids` (RoPE and ALiBi need
+    the positions on every stage). Unless `untie_embeddings_and_output_weights`, the last stage
+    holds the tied output embedding: the first stage's word embeddings, or, when it has no
+    embedding, its own `word_embeddings.weight` initialised to the same values (flag
+    `shared = True`; the pipeline keeps the two equal by all-reducing their gradients over the
+    embedding group, see `shared_embedding_weight`).
     With an `inference_cache` (incremental decoding) the inputs are the new tokens only, their
     `position_ids` follow the cached ones, and each layer attends to its cached keys too.
     """
@@ -353,13 +348,25 @@ class GPT2Model(nn.Module):
         init = ParamInit(config)
         self.language_model = TransformerLanguageModel(
             config, self.parallel_state, init, pre_process, post_process, self.layer_range)
+        self.tied = not config.untie_embeddings_and_output_weights
         self.word_embeddings: Optional[VocabParallelEmbedding] = None
-        if post_process and not pre_process:
+        if post_process and not pre_process and self.tied:
             self.word_embeddings = VocabParallelEmbedding(
                 config.padded_vocab_size, config.hidden_size,
                 init_method=init.normal(WORD_EMBEDDINGS), parallel_state=self.parallel_state,
                 params_dtype=torch_dtype(config.params_dtype))
             self.word_embeddings.weight.shared = True
+        self.rotary: Optional[RotaryEmbedding] = None
+        if config.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+        slopes = None
+        if config.position_embedding_type == "alibi":  # this rank's heads' slopes
+            tp = self.parallel_state.tensor_model_parallel_size
+            rank = self.parallel_state.tensor_model_parallel_rank
+            per_rank = config.num_attention_heads // tp
+            slopes = torch.tensor(
+                alibi_slopes(config.num_attention_heads)[rank * per_rank:(rank + 1) * per_rank])
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
         self.input_tensor: Optional[torch.Tensor] = None
 
     def set_input_tensor(self,
@@ -372,39 +379,64 @@ class GPT2Model(nn.Module):
         self.input_tensor = input_tensor
 
     def word_embeddings_weight(self) -> torch.Tensor:
-        """The tied embedding [V/tp, h] used for the logits (and, on stage 0, the lookup)."""
+        """The word embedding [V/tp, h] of this stage: the lookup table on stage 0, the tied
+        output embedding on a last stage without it."""
         if self.pre_process:
             return self.language_model.embedding.word_embeddings.weight
         if self.word_embeddings is None:
             raise RuntimeError("word_embeddings_weight() called on a stage without embeddings")
         return self.word_embeddings.weight
 
+    def shared_embedding_weight(self) -> Optional[torch.Tensor]:
+        """The word-embedding weight whose gradient is summed over the embedding group (the
+        first and last pipeline stage's), or None where there is none: a stage (or model chunk)
+        without the embedding or the output layer, a single stage, and every stage with untied
+        embeddings and output weights."""
+        if not self.tied or self.parallel_state.pipeline_model_parallel_size == 1:
+            return None
+        if self.pre_process or self.post_process:
+            return self.word_embeddings_weight()
+        return None
+
     def forward(self, input_ids: Optional[torch.Tensor],
                 position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
                 inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
+        if position_ids is None and input_ids is not None:
+            seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = seq.unsqueeze(0)  # [1, s], broadcast over the batch
         if self.pre_process:
-            if position_ids is None:
-                seq = torch.arange(input_ids.shape[1], device=input_ids.device)
-                position_ids = seq.unsqueeze(0)  # [1, s], broadcast over the batch
             hidden = self.language_model.embedding(input_ids, position_ids)  # [b, s, h]
         else:
             if self.input_tensor is None:
                 raise RuntimeError(
                     "this pipeline stage has no embedding: call set_input_tensor() first")
             hidden = self.input_tensor
-        hidden = self.language_model.transformer(hidden, attention_mask,
+        rotary = self.rotary(position_ids) if self.rotary is not None else None
+        if self.alibi_slopes is not None:  # the mask folded into one additive bias
+            s_q = position_ids.shape[-1]
+            cached = inference_cache.offset if inference_cache is not None else 0
+            attention_mask = alibi_bias(self.alibi_slopes, s_q, cached + s_q, attention_mask,
+                                        hidden.dtype)  # [b or 1, nh/tp, s_q, s_k]
+        hidden = self.language_model.transformer(hidden, attention_mask, rotary,
                                                  inference_cache)  # [b, s, h]
         if not self.post_process:
             return hidden
-        hidden = copy_to_tensor_model_parallel_region(hidden, self.parallel_state)
-        logits = F.linear(hidden, self.word_embeddings_weight())  # [b, s, V/tp]
+        logits = self._logits(hidden)  # [b, s, V/tp]
         if labels is None:
             return logits.float()  # callers get fp32 logits whatever the weights' dtype
         return lm_loss(logits, labels, self.parallel_state,
                        in_fp32=not self.config.fp16_lm_cross_entropy,
                        fusion=self.config.cross_entropy_loss_fusion)  # [b, s] fp32
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, s, h] (or [b, s/tp, h], gathered along s) -> this rank's logits [b, s, V/tp]."""
+        output_layer = self.language_model.output_layer
+        if output_layer is not None:
+            return output_layer(hidden)
+        return column_parallel_linear(hidden, self.word_embeddings_weight(), None,
+                                      self.parallel_state, self.config.sequence_parallel)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, parallel_state: ParallelState,

@@ -60,22 +60,32 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup) -> List[torch.Tensor]:
     return parts
 
 
-def all_gather_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """[*, n] on each rank -> [*, n * group_size], concatenated in group-rank order."""
+def all_gather_dim(tensor: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """Each rank's `tensor` concatenated along `dim` in group-rank order: n -> n * group_size."""
     if _trivial(group):
         return tensor
-    return torch.cat(all_gather(tensor, group), dim=-1)
+    return torch.cat(all_gather(tensor, group), dim=dim)
+
+
+def split_dim(tensor: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """This rank's contiguous chunk along `dim`: n -> n / group_size (no communication)."""
+    if _trivial(group):
+        return tensor
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tensor.shape[dim] % size:
+        raise ValueError(f"dimension {dim} ({tensor.shape[dim]}) is not divisible by the "
+                         f"group size ({size})")
+    return tensor.chunk(size, dim=dim)[rank].contiguous()
+
+
+def all_gather_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[*, n] on each rank -> [*, n * group_size], concatenated in group-rank order."""
+    return all_gather_dim(tensor, group, -1)
 
 
 def split_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """[*, n] -> this rank's contiguous chunk [*, n / group_size] (no communication)."""
-    if _trivial(group):
-        return tensor
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if tensor.shape[-1] % size:
-        raise ValueError(f"last dimension ({tensor.shape[-1]}) is not divisible by the "
-                         f"group size ({size})")
-    return tensor.chunk(size, dim=-1)[rank].contiguous()
+    return split_dim(tensor, group, -1)
 
 
 def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:

@@ -4,8 +4,11 @@ Counting rule for the norm: a parameter's gradient counts on a rank when the par
 tensor-parallel (each rank holds a different shard) or when the rank is tensor-parallel rank 0
 (replicated LayerNorm weights and row-parallel biases are counted once), and never for a
 parameter marked `param.shared = True` (the last pipeline stage's tied copy of the word
-embeddings, counted on the first stage). The squared sums are then added over the
-model-parallel (TP x PP) group. Data-parallel replicas hold identical (averaged) gradients.
+embeddings, counted on the first stage). A tensor-parallel parameter whose rows [first:] are
+replicated on `r` ranks (`param.replicated_rows = (first, r)`: key/value heads shared under
+grouped-query attention) counts those rows' squares divided by r. The squared sums are then
+added over the model-parallel (TP x PP) group. Data-parallel replicas hold identical (averaged)
+gradients.
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ def grad_norm(parameters: Iterable[torch.Tensor], parallel_state: Optional[Paral
               norm_type: float = 2.0) -> float:
     """Global gradient norm over the model-parallel group, each parameter counted once."""
     state = get_parallel_state() if parallel_state is None else parallel_state
-    grads = [p.grad for p in parameters
+    owned = [p for p in parameters
              if p.grad is not None and counts_toward_norm(p, state.tensor_model_parallel_rank)]
+    grads = [p.grad for p in owned]
     device = grads[0].device if grads else torch.device("cpu")
     if math.isinf(norm_type):
         local = torch.stack([g.detach().abs().max().float() for g in grads]).max() \
@@ -40,10 +44,29 @@ def grad_norm(parameters: Iterable[torch.Tensor], parallel_state: Optional[Paral
         collectives.all_reduce(local, state.model_parallel_group, op="max")
         return float(local.item())
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    for g in grads:
-        total += g.detach().float().norm(norm_type) ** norm_type
+    for p in owned:
+        total += norm_power(p, p.grad, norm_type)
     collectives.all_reduce(total, state.model_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
+
+
+def norm_power(param: torch.Tensor, grad: torch.Tensor, norm_type: float = 2.0,
+               flat_start: Optional[int] = None) -> torch.Tensor:
+    """sum |grad|^p of one parameter for the global norm; rows replicated on r ranks
+    (`param.replicated_rows = (first_row, r)`) count 1/r.
+
+    `grad` is the whole gradient, shaped like `param`, or with `flat_start` the flat slice of it
+    that begins at that element (a distributed-optimizer shard).
+    """
+    g = grad.detach().float()
+    rows = getattr(param, "replicated_rows", None)
+    if rows is None:
+        return g.norm(norm_type) ** norm_type
+    first, replicas = rows
+    cut = first
+    if flat_start is not None:
+        cut = min(max(first * (param.numel() // param.shape[0]) - flat_start, 0), g.numel())
+    return g[:cut].norm(norm_type) ** norm_type + g[cut:].norm(norm_type) ** norm_type / replicas
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,

@@ -175,7 +175,7 @@ class _CheckpointFunction(torch.autograd.Function):
     def forward(ctx, fn, _anchor: torch.Tensor, *args: Any):
         ctx.fn = fn
         ctx.device_states = _get_device_states()
-        ctx.tracker_states = _TRACKER.get_states()
+        ctx.tracker_states = get_rng_tracker().get_states()
         tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.tensor_idx = tensor_idx
         ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
@@ -190,15 +190,16 @@ class _CheckpointFunction(torch.autograd.Function):
         for i, t in zip(ctx.tensor_idx, ctx.saved_tensors):
             args[i] = t
         inputs = _detach_inputs(tuple(args))
-        now_device, now_tracker = _get_device_states(), _TRACKER.get_states()
+        tracker = get_rng_tracker()
+        now_device, now_tracker = _get_device_states(), tracker.get_states()
         _set_device_states(ctx.device_states)
-        _TRACKER.set_states(ctx.tracker_states)
+        tracker.set_states(ctx.tracker_states)
         try:
             with torch.enable_grad():
                 outputs = ctx.fn(*inputs)
         finally:
             _set_device_states(now_device)
-            _TRACKER.set_states(now_tracker)
+            tracker.set_states(now_tracker)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads)
@@ -209,13 +210,18 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, None) + input_grads
 
 
-def checkpoint(fn, *args: Any):
+def checkpoint(fn, *args: Any, inputs_replicated_over_tp: bool = True):
     """fn(*args) without keeping its activations; recomputed in backward with RNG restored.
 
     `fn` returns a tensor or a tuple of tensors. Non-tensor arguments (None masks, flags) are
     passed through. Gradients reach the parameters used by `fn` even when no input requires grad.
+    The implementation set by `set_checkpoint_implementation` (DeepSpeed's) is used only for
+    inputs that are the same on every tensor-parallel rank (`inputs_replicated_over_tp`):
+    DeepSpeed's partition_activations keeps 1/TP of each input and all-gathers it in backward,
+    which would mix the ranks' different tensors (the attention core's heads) otherwise. Either
+    way the active tracker's RNG streams (`get_rng_tracker()`) are saved and restored.
     """
-    if _CHECKPOINT_IMPL is not None:
+    if _CHECKPOINT_IMPL is not None and inputs_replicated_over_tp:
         return _CHECKPOINT_IMPL(fn, *args)
     anchor = torch.empty(0, requires_grad=True)  # keeps the graph alive without grad inputs
     return _CheckpointFunction.apply(fn, anchor, *args)

@@ -42,7 +42,7 @@ from torch import nn
 
 from app.config import OptimizerConfig, PrecisionConfig
 from app.mpu import collectives
-from app.mpu.grads import counts_toward_norm
+from app.mpu.grads import counts_toward_norm, norm_power
 from app.optim.grad_scaler import build_loss_scaler
 from app.optim.mixed_precision import (_PARALLEL_ATTRS, StepOutcome, _bytes, _PrecisionOptimizer,
                                        _state_bytes, is_mixed_state)
@@ -137,12 +137,8 @@ class DistributedOptimizer(_PrecisionOptimizer):
     # ------------------------------------------------------------------ layout
 
     def _tied_parameter(self, model: nn.Module) -> Optional[nn.Parameter]:
-        ps = self.ps
-        if ps.pipeline_model_parallel_size == 1:
-            return None
-        if not (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
-            return None
-        return model.word_embeddings_weight()
+        """The word embedding summed over the embedding group (None: untied, PP 1, middle)."""
+        return model.shared_embedding_weight()
 
     def _build_buffers(self, bucket_size: int, tied: Optional[nn.Parameter]) -> _Layout:
         """Place every parameter (reverse order) in buckets; make the weights views of the
@@ -284,7 +280,7 @@ class DistributedOptimizer(_PrecisionOptimizer):
         total = torch.zeros(1, dtype=torch.float32, device=device)
         for piece in self.pieces:
             if counts_toward_norm(piece.main, tp_rank):
-                total += piece.main.grad.detach().float().norm(2.0) ** 2.0
+                total += norm_power(piece.param, piece.main.grad, 2.0, flat_start=piece.lo)
         collectives.all_reduce(total, world_group)
         norm = float(total.item()) ** 0.5
         if max_norm > 0:

@@ -47,7 +47,8 @@ from app.optim.param_groups import get_param_groups
 
 logger = logging.getLogger(__name__)
 
-_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "shared")
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "shared", "sequence_parallel",
+                   "replicated_rows")
 
 
 @dataclass

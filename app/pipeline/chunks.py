@@ -10,12 +10,13 @@ as one `nn.Module` so the engines, the optimizer and checkpoints see one model:
   no `chunks.<v>.` prefix, so a checkpoint names parameters exactly as a non-interleaved run
   does (the optimizer wrappers record these names too); `load_state_dict` hands each chunk its names back;
 - `word_embeddings_weight()` is the tied embedding of the chunk that holds it (chunk 0 on the
-  first stage, the last chunk on the last stage).
+  first stage, the last chunk on the last stage); `shared_embedding_weight()` the same, or None
+  with untied embeddings.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -55,6 +56,15 @@ class ModelChunks(nn.Module):
                 return chunk.word_embeddings_weight()
         raise RuntimeError("word_embeddings_weight() called on a rank whose chunks hold no "
                            "embedding (a middle pipeline stage)")
+
+    def shared_embedding_weight(self) -> Optional[torch.Tensor]:
+        """The chunks' word embedding summed over the embedding group, or None (untied
+        embeddings, or no chunk holding the embedding or the output layer)."""
+        for chunk in self.chunks:
+            weight = chunk.shared_embedding_weight()
+            if weight is not None:
+                return weight
+        return None
 
     # ---- parameters and state dicts under global names ----------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,

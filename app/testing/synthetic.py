@@ -26,9 +26,11 @@ class RandomTokens:
 
 
 def build_synthetic_run(cfg: RunConfig, num_samples: int,
-                        device: Optional[torch.device] = None) -> Dict[str, Any]:
+                        device: Optional[torch.device] = None, loss_function: Any = None,
+                        return_logits: bool = False) -> Dict[str, Any]:
     """The run of `cfg` built by app.training.run.build_run in this process (torch.distributed
-    already initialised when several ranks run), on `device` (default CPU), over RandomTokens.
+    already initialised when several ranks run), on `device` (default CPU), over RandomTokens;
+    the Trainer gets `loss_function` and `return_logits` (see app.training.trainer.Trainer).
 
     Returns dict(cfg, ps, model, engine, trainer, iterator) with the iterator at sample 0.
     """
@@ -42,7 +44,8 @@ def build_synthetic_run(cfg: RunConfig, num_samples: int,
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     run = build_run(cfg, world, torch.device("cpu") if device is None else torch.device(device))
     data = RandomTokens(num_samples, cfg.model.seq_length, cfg.raw_vocab_size)
-    trainer = run.attach_trainer((data, None, None), eod=0)
+    trainer = run.attach_trainer((data, None, None), eod=0, loss_function=loss_function,
+                                 return_logits=return_logits)
     iterator = build_data_iterator(data, 0, cfg.training.micro_batch_size, run.ps, 0)
     return dict(cfg=cfg, ps=run.ps, model=run.model, engine=run.engine, trainer=trainer,
                 iterator=iterator)

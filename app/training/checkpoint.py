@@ -169,7 +169,9 @@ def from_megatron_model(nested: Dict[str, Any]) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------- args
 
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                      "max_position_embeddings", "padded_vocab_size", "tokenizer_type")
+                      "max_position_embeddings", "padded_vocab_size", "tokenizer_type",
+                      "position_embedding_type", "rotary_percent", "rotary_base",
+                      "num_query_groups", "untie_embeddings_and_output_weights")
 """Fields that must agree between a checkpoint and the run loading it."""
 
 
@@ -199,10 +201,16 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
         fp16_lm_cross_entropy=m.fp16_lm_cross_entropy,
         accumulate_allreduce_grads_in_fp32=cfg.precision.grads_accumulate_in_fp32,
-        position_embedding_type="learned_absolute", add_position_embedding=True,
+        position_embedding_type=m.position_embedding_type,
+        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=m.position_embedding_type == "rope",
+        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
+        group_query_attention=m.group_query_attention, num_query_groups=m.num_kv_heads,
         normalization="LayerNorm", add_bias_linear=True, swiglu=False,
-        untie_embeddings_and_output_weights=False,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=False,
+        sequence_parallel=m.sequence_parallel, recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,

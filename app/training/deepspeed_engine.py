@@ -238,8 +238,8 @@ class DeepSpeedEngineAdapter(Engine):
         """Sum the tied embedding gradient over the first and last stage, then reduce over data
         parallel and step (DeepSpeed's PipelineEngine order: tied, data-parallel, optimizer)."""
         ps = self.ps
-        if ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage():
-            weight = self.ds.module.word_embeddings_weight()
+        weight = self.ds.module.shared_embedding_weight()  # None with untied embeddings
+        if weight is not None:
             opt = self.ds.optimizer
             grad = (opt.get_gradient_for_reduction(weight)
                     if hasattr(opt, "get_gradient_for_reduction") else weight.grad)
@@ -465,6 +465,19 @@ def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[s
             c.PARAMETER_TO_AVERAGE_PATTERNS: [], "original_vocab_size": int(vocab_size)}
 
 
+def _checkpoints_per_forward(cfg: RunConfig) -> int:
+    """Checkpointed regions in one forward of a stage (what DeepSpeed sizes its buffers by):
+    one attention core per layer (selective), the first N layers (block), or the chunks of N
+    layers (uniform)."""
+    m = cfg.model
+    per_stage = m.num_layers // cfg.parallel.pipeline_model_parallel_size
+    if m.recompute_granularity == "selective":
+        return per_stage
+    if m.recompute_method == "block":
+        return min(m.recompute_num_layers, per_stage)
+    return -(-per_stage // m.recompute_num_layers)
+
+
 def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:
     """Route the model's activation checkpointing and RNG tracker through deepspeed.checkpointing.
 
@@ -478,8 +491,7 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     from app.mpu import random as mpu_random
     ds = cfg.deepspeed.config
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")
-    layers_per_stage = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
-    chunks = layers_per_stage // cfg.model.checkpoint_num_layers
+    chunks = _checkpoints_per_forward(cfg)
     deepspeed.checkpointing.configure(parallel_state, deepspeed_config=ds,
                                       num_checkpoints=None if given else chunks)
     deepspeed.checkpointing.model_parallel_cuda_manual_seed(cfg.training.seed)

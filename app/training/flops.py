@@ -11,6 +11,8 @@ Hardware FLOPs add what activation recompute runs again: with full recompute eve
 forward runs twice (the logits are not recomputed), so the transformer term grows by 4/3
 (96 L h^2 (1 + s/(6h)) + 6 h V for f = 4h); with selective recompute (the attention core only)
 the attention-core term 12 s h doubles, Korthikanti et al.'s 72 L h^2 (1 + s/(3h) + V/(12 L h)).
+(--recompute-method block recomputes only L_r of the L layers: the model FLOPs plus a third of
+those layers' fwd+bwd, 24 L_r h^2 (1 + s/(6h)) for f = 4h).
 
 MFU = model FLOP/s per rank / peak; HFU = hardware FLOP/s per rank / peak (equal without
 recompute). Peaks: on CUDA the datasheet's dense tensor-core peak for the run's dtype (fp32 runs
@@ -53,14 +55,21 @@ def model_flops_per_token(m: ModelConfig) -> float:
     return m.num_layers * (dense + core) + 6.0 * m.hidden_size * m.padded_vocab_size
 
 
-def hardware_flops_per_token(m: ModelConfig, recompute: str = "none") -> float:
-    """FLOPs per token the hardware runs, recompute included (see the module docstring)."""
+def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
+                             recomputed_layers: Optional[int] = None) -> float:
+    """FLOPs per token the hardware runs, recompute included (see the module docstring).
+
+    `recomputed_layers` (full recompute only) is how many of the L layers run their forward
+    twice; None means all of them.
+    """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     dense, core = _layer_terms(m)
     logits = 6.0 * m.hidden_size * m.padded_vocab_size
-    if recompute == "full":  # every layer's forward (a third of its fwd+bwd) runs again
-        return m.num_layers * (dense + core) * 4.0 / 3.0 + logits
+    if recompute == "full":  # each recomputed layer's forward (a third of its fwd+bwd) runs again
+        layers = m.num_layers if recomputed_layers is None else min(recomputed_layers,
+                                                                    m.num_layers)
+        return m.num_layers * (dense + core) + layers * (dense + core) / 3.0 + logits
     if recompute == "selective":  # Korthikanti et al.: the attention-core term doubles
         return m.num_layers * (dense + 2.0 * core) + logits
     return model_flops_per_token(m)

@@ -33,9 +33,13 @@ m = 1 byte, 0 when that dropout is off):
                                         dropout; SDPA's fused kernels keep none, so plain
                                         causal attention through SDPA drops this term
 
-which is the paper's s b h (34 + 5 a s / h) for w = 2, t = 1, dropout on. Full recompute
-(--checkpoint-activations, c layers per chunk) keeps only each chunk's input, w s b h, plus
-one chunk's activations while it is recomputed. The first stage adds the embedding output; the
+which is the paper's s b h (34 + 5 a s / h) for w = 2, t = 1, dropout on. Sequence
+parallelism divides the replicated part (the 4 w and the masks, and the embedding output) by
+t as well: the paper's s b h / t (34 + 5 a s / h). Full recompute (--recompute-granularity
+full; uniform: c layers per chunk) keeps only each chunk's input, w s b h (/t with sequence
+parallelism), plus one chunk's activations while it is recomputed; block recomputes only the
+first N layers of the stage; selective recompute drops the attention-core term (kept for one
+layer at a time in backward). The first stage adds the embedding output; the
 last the output layer, (w + 4) s b V / t (logits and the fp32 softmax the loss keeps). The
 1F1B pipeline schedule keeps min(PP - r, micro-batches) micro-batches in flight on stage r, so
 with a pipeline both the first stage (most in flight) and the last (the output layer) are
@@ -48,9 +52,10 @@ fragmentation and temporary buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from app.config import RunConfig
+from app.model.attention import heads_per_partition
 
 FIT_FRACTION = 0.9
 """Fraction of the device memory the estimate may use."""
@@ -59,16 +64,23 @@ DEFAULT_REDUCE_BUCKET = 500_000_000
 
 
 def params_per_rank(cfg: RunConfig) -> int:
-    """Parameters of the largest pipeline stage's tensor-parallel shard (exact for our GPT-2)."""
+    """Parameters of the largest pipeline stage's tensor-parallel shard (exact for our GPT-2,
+    with grouped-query attention, RoPE/ALiBi (no position table) and an untied output layer)."""
     m, p = cfg.model, cfg.parallel
     t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     h, f, V = m.hidden_size, m.ffn_hidden_size, m.padded_vocab_size
-    per_layer = (3 * h * h + 3 * h) // t + h * h // t + h + (h * f + f) // t + f * h // t + h + 4 * h
+    q_heads, kv_heads = heads_per_partition(m.num_attention_heads, m.num_kv_heads, t)
+    qkv_rows = (q_heads + 2 * kv_heads) * m.head_dim  # replicated key/value rows included
+    per_layer = qkv_rows * (h + 1) + h * h // t + h + (h * f + f) // t + f * h // t + h + 4 * h
     layers = (m.num_layers // pp) * per_layer
     embedding = V * h // t
-    first = embedding + m.max_position_embeddings * h + layers
-    last = layers + 2 * h + (embedding if pp > 1 else 0)
-    return max(first + (2 * h if pp == 1 else 0), last)
+    positions = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
+    untied = m.untie_embeddings_and_output_weights
+    head = embedding if (untied or pp > 1) else 0  # output layer, or the last stage's tied copy
+    first = embedding + positions + layers
+    if pp == 1:
+        return first + 2 * h + head
+    return max(first, layers + 2 * h + head)
 
 
 @dataclass(frozen=True)
@@ -204,35 +216,49 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     w = 2 if (cfg.precision.fp16 or cfg.precision.bf16) else 4
     mask_width = 1 if device_type == "cuda" else w
     mask = mask_width if m.hidden_dropout > 0 else 0
-    per_layer = s * h * (w * (4 + 12 / t) + 2 * mask)
-    scores = ""
+    sp = t if m.sequence_parallel else 1  # sequence parallelism splits the replicated part
+    per_layer = s * h * (w * (4 / sp + 12 / t) + 2 * mask / sp)
+    core, scores = 0.0, ""
     if scores_kept(cfg, device_type):
         # the softmax output; with attention dropout also its mask and the dropped copy @ v keeps
         width = 2 * w + mask_width if m.attention_dropout > 0 else w
-        per_layer += a * s * s * width / t
+        core = a * s * s * width / t
         scores = " + a·s²·b(2w + m)/t" if m.attention_dropout > 0 else " + a·s²·b·w/t"
-    layers = m.num_layers // pp
-    recompute = 0.0
-    if m.checkpoint_activations:
-        c = min(m.checkpoint_num_layers, layers)
-        stage = -(-layers // c) * w * s * h
-        recompute = c * per_layer
-        how = f"full recompute: {-(-layers // c)} chunk inputs of w·s·b·h + one chunk of {c} layer(s)"
-    else:
-        stage = layers * per_layer
-        how = f"{layers} layers kept"
+    stage, recompute, how = _kept_and_recomputed(m, m.num_layers // pp, per_layer, core,
+                                                 w * s * h / sp)
     first, last = pipeline_rank == 0, pipeline_rank == pp - 1
-    forward = stage + (s * h * (w + mask) if first else 0.0) + (4 * s * V / t if last else 0.0)
+    forward = (stage + (s * h * (w + mask) / sp if first else 0.0)
+               + (4 * s * V / t if last else 0.0))
     transient = w * s * V / t if last else 0.0
     in_flight = pp - pipeline_rank
     where = ("" if pp == 1 else
              f"stage {pipeline_rank} of {pp}, up to {in_flight} micro-batch(es) in flight: ")
-    note = (f"{where}per layer s·b·h·(w(4 + 12/t) + 2m){scores} with s = {s}, h = {h}, a = {a}, "
-            f"t = {t}, w = {w}, m = {mask}; {how}"
+    split = "/t" if sp > 1 else ""
+    note = (f"{where}per layer s·b·h·(w(4{split} + 12/t) + 2m{split}){scores} with s = {s}, "
+            f"h = {h}, a = {a}, t = {t}, w = {w}, m = {mask}; {how}"
             + (f"; output layer (w + 4)·s·b·V/t with V = {V}" if last else ""))
     return StageActivations(pipeline_rank=pipeline_rank, max_in_flight=in_flight,
                             forward=float(forward), recompute=float(recompute),
                             transient=float(transient), note=note)
+
+
+def _kept_and_recomputed(m: Any, layers: int, per_layer: float, core: float,
+                         layer_input: float) -> Tuple[float, float, str]:
+    """(bytes the stage's layers keep after forward, bytes a recompute adds in backward, how)
+    for the configured recompute; per layer: `per_layer` + the attention `core`."""
+    if m.recompute_granularity == "full" and m.recompute_method == "uniform":
+        c = min(m.recompute_num_layers, layers)
+        return (-(-layers // c) * layer_input, c * (per_layer + core),
+                f"full recompute: {-(-layers // c)} chunk inputs + one chunk of {c} layer(s)")
+    if m.recompute_granularity == "full":  # block: the first N layers keep their input only
+        n = min(m.recompute_num_layers, layers)
+        return (n * layer_input + (layers - n) * (per_layer + core),
+                per_layer + core if n else 0.0,
+                f"block recompute: {n} layer input(s) + {layers - n} layers kept")
+    if m.recompute_granularity == "selective":  # the attention core is recomputed
+        return (layers * per_layer, core,
+                f"{layers} layers kept without the attention core (selective recompute)")
+    return layers * (per_layer + core), 0.0, f"{layers} layers kept"
 
 
 def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,

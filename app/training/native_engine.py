@@ -54,9 +54,7 @@ class NativeEngine(Engine):
         if self.ps.data_parallel_size > 1:
             allreduce_grad_tensors(grads, self.ps.data_parallel_group)
         if self.ps.pipeline_model_parallel_size > 1:
-            stage_has_embedding = (self.ps.is_pipeline_first_stage()
-                                   or self.ps.is_pipeline_last_stage())
-            tied = self.module.word_embeddings_weight() if stage_has_embedding else None
+            tied = self.module.shared_embedding_weight()  # None without a tie to keep
             allreduce_embedding_grad(None if tied is None else self.optimizer.embedding_grad(tied),
                                      self.ps)
 

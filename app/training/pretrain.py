@@ -25,6 +25,7 @@ from app.mpu import collectives
 from app.training.checkpoint import CheckpointError
 from app.training.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
                                       shutdown_distributed, world_group)
+from app.training.loss import LossFunction
 from app.training.nonfinite import TrainingAborted
 from app.training.resume import StartDecision, decide_start, load_on_all_ranks
 from app.training.run import build_run
@@ -128,11 +129,12 @@ def _log_precision(cfg: RunConfig) -> None:
     logger.info("> precision: %s weights (from %s)%s", cfg.model.params_dtype, p.source, detail)
 
 
-def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = ()) -> Trainer:
+def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = (),
+             loss_function: Optional[LossFunction] = None) -> Trainer:
     """Build everything for `cfg` and train; returns the Trainer (for tests and tools).
 
     `tokenizer` gives the end-of-document id; `arguments_listing` (Megatron's "arguments" block)
-    is printed at start.
+    is printed at start; `loss_function` replaces Megatron's LM loss (app.training.loss).
     """
     p = cfg.parallel
     info = init_distributed(p.distributed_backend, cfg.deepspeed.mpi,
@@ -159,7 +161,8 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
         state = _load(run, decision, info.device)
         handler = _signal_handler(cfg)
         trainer = run.attach_trainer(_datasets(cfg, info.rank), tokenizer.eod, state,
-                                     signals=handler, watchdog=watchdog)
+                                     loss_function=loss_function, signals=handler,
+                                     watchdog=watchdog)
         if handler is not None:
             stack.enter_context(handler)
         trainer.train()

@@ -27,6 +27,7 @@ from app.optim.mixed_precision import build_precision_optimizer
 from app.pipeline import ModelChunks, virtual_stage_layer_ranges
 from app.training.distributed import world_group
 from app.training.engine import Engine
+from app.training.loss import LossFunction
 from app.training.trainer import RunState, Trainer
 
 logger = logging.getLogger(__name__)
@@ -115,11 +116,15 @@ class Run:
     trainer: Optional[Trainer] = None
 
     def attach_trainer(self, datasets: Tuple[Any, Any, Any], eod: int,
-                       state: Optional[RunState] = None, **guards: Any) -> Trainer:
-        """Create the Trainer over (train, valid, test) datasets starting at `state`; `guards`
+                       state: Optional[RunState] = None,
+                       loss_function: Optional[LossFunction] = None,
+                       return_logits: bool = False, **guards: Any) -> Trainer:
+        """Create the Trainer over (train, valid, test) datasets starting at `state`, with the
+        training loss `loss_function` (default: Megatron's LM loss; app.training.loss); `guards`
         are its optional `signals` (ExitSignalHandler) and `watchdog` (Watchdog)."""
         self.trainer = Trainer(self.cfg, self.engine, self.ps, datasets, eod, self.device,
-                               state=state, **guards)
+                               state=state, loss_function=loss_function,
+                               return_logits=return_logits, **guards)
         return self.trainer
 
 

@@ -28,6 +28,7 @@ from app.training.distributed import world_group
 from app.training.data_loading import BatchBuilder, build_data_iterator, check_data_suffices
 from app.training.engine import Engine
 from app.training.checkpoint import CheckpointError
+from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
 from app.training.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.rollback import SpikeRollback
 from app.training.signals import ExitSignalHandler, signal_name
@@ -40,12 +41,6 @@ logger = logging.getLogger(__name__)
 LOSS_HOOK: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
 """Test seam: called with (the iteration's first training sample, a micro-batch's loss) and
 returning the loss to use; tests inject a poisoned (non-finite) loss into a data window."""
-
-
-def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the per-token loss `[b, s]` over the tokens whose `loss_mask` is 1."""
-    mask = loss_mask.to(per_token_loss.dtype)
-    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 @dataclass
@@ -68,6 +63,7 @@ class _Interval:
     """Sums over one logging interval."""
 
     losses: List[float] = field(default_factory=list)
+    metrics: Dict[str, List[float]] = field(default_factory=dict)
     skipped: int = 0
     nan: int = 0
     iterations: int = 0
@@ -75,13 +71,23 @@ class _Interval:
 
 
 class Trainer:
-    """Runs training for `cfg.training.train_iters` iterations on the given engine and datasets."""
+    """Runs training for `cfg.training.train_iters` iterations on the given engine and datasets.
+
+    `loss_function` (app.training.loss) is the objective, Megatron's masked-mean LM loss by
+    default; its metrics are averaged and logged. With `return_logits` the results of
+    `train_step` and `eval_step` carry the full-vocabulary logits of every micro-batch on the
+    last pipeline stage (Accelerate's `return_logits`).
+    """
 
     def __init__(self, cfg: RunConfig, engine: Engine, parallel_state: Any, datasets: tuple,
-                 eod: int, device: torch.device, state: Optional[RunState] = None, *,
+                 eod: int, device: torch.device, state: Optional[RunState] = None,
+                 loss_function: Optional[LossFunction] = None,
+                 return_logits: bool = False, *,
                  signals: Optional[ExitSignalHandler] = None,
                  watchdog: Optional[Watchdog] = None) -> None:
         self.cfg, self.engine, self.ps = cfg, engine, parallel_state
+        self.objective = MicroBatchObjective(loss_function or DEFAULT_LOSS, parallel_state,
+                                             return_logits)
         self.signals, self.watchdog = signals, watchdog
         self.stop_signal = 0
         """The signal that stopped training (0 when none did)."""
@@ -96,9 +102,11 @@ class Trainer:
                                     parallel_state, device)
         self.writer = metrics_lib.MetricsWriter(t.tensorboard_dir, t.metrics_file,
                                                 enabled=self.is_logging_rank)
-        self.recompute = "full" if cfg.model.checkpoint_activations else "none"
+        self.recompute = cfg.model.recompute
         self.flops_per_token = flops.model_flops_per_token(cfg.model)
-        self.hardware_flops_per_token = flops.hardware_flops_per_token(cfg.model, self.recompute)
+        self.hardware_flops_per_token = flops.hardware_flops_per_token(
+            cfg.model, self.recompute,
+            recomputed_layers=cfg.model.recomputed_layers(parallel_state.pipeline_model_parallel_size))
         self.peak_flops = float("nan")
         self._warned_over_peak = False
         if self.is_logging_rank:  # only the logging rank reports MFU; measuring takes a moment
@@ -148,38 +156,44 @@ class Trainer:
         """Run all micro-batches of one iteration through the schedule; losses (last stage)."""
         from app.pipeline import get_forward_backward_func
         schedule = get_forward_backward_func(self.ps)
-        model = self.engine.module
-
-        def forward_step(batch):
-            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                        labels=batch["labels"])
-            return out, batch["loss_mask"]
-
+        model, m = self.engine.module, self.cfg.model
+        # sequence parallelism passes [b, s/tp, h] slices between pipeline stages
+        seq = m.seq_length // (self.ps.tensor_model_parallel_size if m.sequence_parallel else 1)
         phase = "evaluation" if forward_only else "forward-backward"
 
         def next_batch():
             self._beat(phase)
             return self.batches.next(iterator)
 
-        return schedule(forward_step_func=forward_step,
+        return schedule(forward_step_func=lambda batch: self.objective.forward_step(model, batch),
                         batch_func=next_batch,
                         model=model, num_microbatches=self.num_micro,
                         loss_func=self._loss_func(forward_only),
                         backward_func=self.engine.backward,
                         output_backward_func=self.engine.backward_output,
                         parallel_state=self.ps, forward_only=forward_only,
-                        tensor_shape=(self.cfg.training.micro_batch_size,
-                                      self.cfg.model.seq_length, self.cfg.model.hidden_size))
+                        tensor_shape=(self.cfg.training.micro_batch_size, seq, m.hidden_size))
+
+    def _mean_metrics_across_dp(self, metrics: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+        """{name: mean over the micro-batches and data-parallel ranks} of the loss's metrics."""
+        if not metrics:
+            return {}
+        names = sorted(metrics[0])
+        means = torch.stack([torch.stack([m[n] for m in metrics]).mean() for n in names])
+        if self.ps.data_parallel_size > 1:
+            collectives.all_reduce(means, self.ps.data_parallel_group, op="avg")
+        return dict(zip(names, means.tolist()))
 
     def _beat(self, phase: str) -> None:
         if self.watchdog is not None:
             self.watchdog.beat(phase, self.state.iteration + 1)
 
     def _loss_func(self, forward_only: bool) -> Callable:
+        """The schedule's loss_func: the objective's, through LOSS_HOOK in training."""
         if LOSS_HOOK is None or forward_only:
-            return masked_mean_loss
+            return self.objective.loss_func
         first_sample = self.state.consumed_train_samples
-        return lambda out, mask: LOSS_HOOK(first_sample, masked_mean_loss(out, mask))
+        return lambda out, batch: LOSS_HOOK(first_sample, self.objective.loss_func(out, batch))
 
     def _mean_loss_across_dp(self, losses: List[torch.Tensor]) -> Optional[float]:
         if not losses:
@@ -201,20 +215,40 @@ class Trainer:
         self.timers("optimizer").start()
         result = self.engine.step()
         self.timers("optimizer").stop()
-        return {"loss": self._mean_loss_across_dp(losses), "grad_norm": result.grad_norm,
-                "skipped": result.skipped, "lr": result.lr, "loss_scale": result.loss_scale,
-                "nonfinite": result.nonfinite, "nonfinite_loss": result.nonfinite_loss}
+        metrics, logits = self.objective.take()
+        out = {"loss": self._mean_loss_across_dp(losses), "grad_norm": result.grad_norm,
+               "skipped": result.skipped, "lr": result.lr, "loss_scale": result.loss_scale,
+               "nonfinite": result.nonfinite, "nonfinite_loss": result.nonfinite_loss,
+               "metrics": self._mean_metrics_across_dp(metrics)}
+        if self.objective.return_logits:
+            out["logits"] = logits
+        return out
 
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
+    def eval_step(self, iterator) -> Dict[str, Any]:
+        """Forward only over one global batch: its mean loss (last stage; None elsewhere) and
+        metrics, plus the micro-batches' logits with `return_logits`."""
+        self.engine.eval()
+        losses = self._forward_backward(iterator, forward_only=True)
+        self.engine.train()
+        metrics, logits = self.objective.take()
+        out = {"loss": self._mean_loss_across_dp(losses),
+               "metrics": self._mean_metrics_across_dp(metrics)}
+        if self.objective.return_logits:
+            out["logits"] = logits
+        return out
+
+    @torch.no_grad()
     def evaluate(self, iterator, num_iters: int) -> Optional[float]:
-        """Mean LM loss over `num_iters` iterations of the global batch (forward only)."""
+        """Mean loss over `num_iters` iterations of the global batch (forward only)."""
         self.engine.eval()
         losses: List[torch.Tensor] = []
         for _ in range(num_iters):
             losses.extend(self._forward_backward(iterator, forward_only=True))
         self.engine.train()
+        self.objective.take()  # evaluation reports the loss only
         return self._mean_loss_across_dp(losses)
 
     def _report_eval(self, kind: str, loss: Optional[float]) -> None:
@@ -246,12 +280,15 @@ class Trainer:
             "ms_per_iteration": per_iter * 1e3, "tokens_per_s": tokens_per_s,
             **self._utilization(tokens_per_s),
         }
+        loss_metrics = {name: sum(v) / len(v) for name, v in acc.metrics.items()}
+        values.update(loss_metrics)
         values.update(metrics_lib.memory_stats(self.device))
         timing = {f"ms_{name.replace('-', '_')}": self.timers.elapsed(name) * 1e3 / max(acc.iterations, 1)
                   for name in ("forward-backward", "optimizer")}
         values.update(timing)
         if self.is_logging_rank:
             self.log(metrics_lib.format_train_log(s.iteration, t.train_iters, values)
+                     + "".join(f" {name}: {value:.6E} |" for name, value in loss_metrics.items())
                      + " time per iteration (ms) | forward-backward: "
                      f"{timing['ms_forward_backward']:.1f} | optimizer: {timing['ms_optimizer']:.1f}")
             self.writer.write("train", s.iteration, values)
@@ -351,8 +388,11 @@ class Trainer:
             if step["skipped"]:
                 acc.skipped += 1
                 s.skipped_iterations += 1
-            elif step["loss"] is not None and math.isfinite(step["loss"]):
-                acc.losses.append(step["loss"])
+            else:
+                if step["loss"] is not None and math.isfinite(step["loss"]):
+                    acc.losses.append(step["loss"])
+                for name, value in step["metrics"].items():
+                    acc.metrics.setdefault(name, []).append(value)
             if acc.iterations == 1 and not hasattr(self, "_reported_state_bytes"):
                 self._report_state_bytes()
             if s.iteration % t.log_interval == 0:

@@ -3,7 +3,8 @@ DeepSpeed's activation checkpointing (partitioned activations), as the seed scri
 tiny GPT-2 trained 6 iterations gives the native PP2 x DP2 losses and grad norms; a run saved
 at iteration 3 through DeepSpeed's checkpoints and resumed gives iterations 4-6 of the straight
 run exactly (loss and grad norm), converts to Megatron's per-stage files, and is refused by a
-TP2 run (as many files); the tied embeddings stay equal on the two stages; ZeRO-2 is refused."""
+TP2 run (as many files); the tied embeddings stay equal on the two stages; ZeRO-2 is refused.
+At TP2 x PP2, sequence parallelism, RoPE, GQA and an untied output layer equal the native run."""
 from __future__ import annotations
 
 import os
@@ -70,6 +71,18 @@ def _rank_main(tmpdir):
             expect_close(tied, first, "word embeddings of the first and last stage", atol=0,
                          rtol=0)
 
+    def model_options_match_native():
+        """TP2 x PP2 (ZeRO-1 over DP 1): sequence-parallel slices between the stages, RoPE,
+        GQA and an untied output layer (no embedding-group sum) train like the native path."""
+        options = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--position-embedding-type", "rope", "--group-query-attention",
+                   "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
+        native = _train(_build(options), 3)
+        for i, (got, want) in enumerate(zip(_train(_build(DS + options), 3), native)):
+            if last:
+                expect_close(got[0], want[0], f"loss at iteration {i + 1}", rtol=1e-6, atol=0)
+            expect_close(got[1], want[1], f"grad norm at iteration {i + 1}", rtol=1e-6, atol=0)
+
     def resume_is_exact():
         resumed = _build(DS + ["--load", tmpdir])
         loaded = resumed["engine"].load_checkpoint(tmpdir)
@@ -126,6 +139,8 @@ def _rank_main(tmpdir):
 
     return run_checks({"DeepSpeed PP2xDP2 == native PP2xDP2": deepspeed_pp2_matches_native_pp2,
                        "DeepSpeed PP2xDP2 resume is exact": resume_is_exact,
+                       "DeepSpeed TP2xPP2 with SP, RoPE, GQA, untied == native":
+                           model_options_match_native,
                        "TP2 cannot load the PP2 files": another_split_is_refused,
                        "ZeRO-2 with PP is refused": zero2_is_refused})
 

@@ -71,9 +71,9 @@ def _inject_inf_skips_everywhere(extra, world, rank):
 def _nan_loss_on_one_rank(precision, save_dir, rank):
     """DP2: from iteration 3 on, rank 1's loss is NaN. Every rank skips the same steps, and
     after 2 in a row every rank stops at the same iteration; no checkpoint of those steps."""
-    from app.training import trainer as trainer_lib
+    from app.training import loss as loss_lib
     from app.training.nonfinite import TrainingAborted
-    real = trainer_lib.masked_mean_loss
+    real = loss_lib.masked_mean_loss
     # --train-iters within the synthetic data (checked before the loop): the run stops early
     run = _run(PRECISIONS[precision] + ["--save", save_dir, "--save-interval", "1",
                                         "--max-consecutive-skipped-iterations", "2",
@@ -84,14 +84,14 @@ def _nan_loss_on_one_rank(precision, save_dir, rank):
         loss = real(per_token, mask)
         return loss * float("nan") if rank == 1 and trainer.state.iteration >= 2 else loss
 
-    trainer_lib.masked_mean_loss = poisoned
+    loss_lib.masked_mean_loss = poisoned
     try:
         trainer.train()
         return {"stopped": None}
     except TrainingAborted as exc:
         return {"stopped": trainer.state.iteration, "message": str(exc)}
     finally:
-        trainer_lib.masked_mean_loss = real
+        loss_lib.masked_mean_loss = real
 
 
 def _two_ranks(tmp):

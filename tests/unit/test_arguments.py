@@ -99,7 +99,8 @@ def test_every_issue_flag_is_accepted_and_converted():
                         cfg.precision)
     assert (m.ffn_hidden_size, m.hidden_dropout, m.attention_dropout) == (128, 0.0, 0.05)
     assert (m.layernorm_epsilon, m.init_method_std, m.openai_gelu) == (1e-6, 0.01, True)
-    assert (m.checkpoint_activations, m.checkpoint_num_layers) == (True, 2)
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == (
+        "full", "uniform", 2)
     assert (m.bias_gelu_fusion, m.masked_softmax_fusion, m.params_dtype) == (False, False,
                                                                              "float32")
     assert cfg.make_vocab_size_divisible_by == 64
@@ -177,7 +178,7 @@ def test_deepspeed_flags(tmp_path, monkeypatch):
     for name in ("ds.json", "old.json"):
         (tmp_path / name).write_text("{}")
     cfg = build(["--deepspeed", "--deepspeed_config", "ds.json", "--deepspeed_mpi",
-                 "--deepspeed-activation-checkpointing"])
+                 "--deepspeed-activation-checkpointing", "--recompute-granularity", "selective"])
     assert cfg.deepspeed.enabled and cfg.deepspeed.config_path == "ds.json"
     assert cfg.deepspeed.mpi and cfg.deepspeed.activation_checkpointing
     cfg = build(["--deepscale", "--deepscale_config", "old.json"])
@@ -219,8 +220,50 @@ def test_deepspeed_flags_without_deepspeed_installed(monkeypatch):
     (["--save-interval", "0"], 1, ["--save-interval", "0"]),
     (["--keep-last-n-checkpoints", "0"], 1, ["--keep-last-n-checkpoints", "0"]),
     (["--micro-batch-size", "0"], 1, ["--micro-batch-size", "0"]),
+    # issue 13: sequence parallelism, recompute, positions, query groups
+    (["--sequence-parallel"], 1, ["--sequence-parallel", "--tensor-model-parallel-size > 1"]),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], 2,
+     ["--seq-length (33)", "--tensor-model-parallel-size (2)"]),
+    (["--recompute-method", "block"], 1, ["--recompute-method", "--recompute-granularity full"]),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "2"], 1,
+     ["--recompute-num-layers", "selective", "--recompute-granularity full"]),
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+     ["--recompute-num-layers (3)", "layers per pipeline stage (2", "--num-layers 4"]),
+    (["--checkpoint-activations", "--recompute-granularity", "selective"], 1,
+     ["--checkpoint-activations", "--recompute-granularity selective"]),
+    (["--checkpoint-activations", "--checkpoint-num-layers", "2", "--recompute-num-layers", "1"],
+     1, ["--checkpoint-activations", "--recompute-num-layers 1"]),
+    (["--deepspeed-activation-checkpointing"], 1, ["--deepspeed-activation-checkpointing",
+                                                   "--deepspeed"]),
+    (["--deepspeed", "--deepspeed_config", DS_JSON, "--deepspeed-activation-checkpointing"], 1,
+     ["--deepspeed-activation-checkpointing", "--recompute-granularity"]),
+    (["--rotary-percent", "0.5"], 1, ["--rotary-percent (0.5)", "learned_absolute",
+                                      "--position-embedding-type rope"]),
+    (["--position-embedding-type", "alibi", "--rotary-base", "500"], 1,
+     ["--rotary-base (500)", "alibi"]),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0.1"], 1,
+     ["--rotary-percent (0.1)", "1 rotated", "even"]),
+    (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], 1,
+     ["--rotary-percent", "(0, 1]"]),
+    (["--position-embedding-type", "alibi", "--use-flash-attn"], 1,
+     ["alibi", "--use-flash-attn", "--attention-backend auto"]),
+    (["--position-embedding-type", "alibi", "--attention-backend", "local"], 1,
+     ["alibi", "--attention-backend local", "--attention-backend auto"]),
+    (["--num-query-groups", "2"], 1, ["--num-query-groups (2)", "--group-query-attention"]),
+    (["--group-query-attention", "--num-query-groups", "3"], 1,
+     ["--num-attention-heads (4)", "--num-query-groups (3)"]),
+    (["--group-query-attention", "--num-query-groups", "2", "--num-attention-heads", "8",
+      "--tensor-model-parallel-size", "8", "--ffn-hidden-size", "256", "--hidden-size", "128"],
+     8, []),  # 2 groups at TP 8: each group replicated on 4 ranks, accepted (checked below)
+    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2",
+      "--deepspeed", "--deepspeed_config", DS_JSON], 2,
+     ["--num-query-groups (1)", "--tensor-model-parallel-size (2)", "--deepspeed"]),
 ])
 def test_cross_flag_rules_name_the_values(extra, world, fragments):
+    if not fragments:
+        build(extra, world_size=world)
+        return
     expect_error(extra, *fragments, world_size=world)
 
 
@@ -249,3 +292,21 @@ def test_only_arguments_py_uses_argparse():
     users = [str(p.relative_to(root)) for p in (root / "app").rglob("*.py")
              if "ArgumentParser" in p.read_text(encoding="utf-8")]
     assert users == [], f"argparse parsers outside arguments.py: {users}"
+
+
+def test_recompute_spellings_and_groups_against_tp():
+    """--checkpoint-activations is --recompute-granularity full --recompute-method uniform;
+    query groups must split over TP or TP over them."""
+    old = build(["--checkpoint-activations", "--checkpoint-num-layers", "2"]).model
+    new = build(["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "2"]).model
+    assert old == new and (old.recompute_granularity, old.recompute_method,
+                           old.recompute_num_layers) == ("full", "uniform", 2)
+    bare = build(["--recompute-granularity", "full"]).model
+    assert (bare.recompute_method, bare.recompute_num_layers) == ("uniform", 1)
+    assert build(["--checkpoint-num-layers", "3"]).model.recompute_granularity is None
+    assert build(["--group-query-attention"]).model.num_kv_heads == 1  # Megatron's default
+    expect_error(["--group-query-attention", "--num-query-groups", "6", "--num-attention-heads",
+                  "12", "--hidden-size", "96", "--tensor-model-parallel-size", "4",
+                  "--ffn-hidden-size", "384"],
+                 "--num-query-groups (6)", "--tensor-model-parallel-size (4)", world_size=4)

@@ -137,3 +137,25 @@ def test_mfu_over_100_percent_warns_once_and_hfu_counts_recompute(caplog):
     warnings = [r for r in caplog.records if "exceeds the peak" in r.getMessage()]
     assert first["mfu"] > 1.0 and len(warnings) == 1
     assert "--peak-flops" in warnings[0].getMessage()
+
+
+def test_hfu_follows_the_configured_recompute():
+    """Selective recompute uses its own formula; block recompute counts only the recomputed
+    layers (24 h^2 (1 + s/(6h)) per token for each)."""
+    tps = 1000.0
+    plain = _trainer(["--peak-flops", "1e15", "--num-layers", "4"])
+    m = plain.cfg.model
+    L, h, s, v = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
+    model_flops = 72 * L * h * h * (1 + s / (6 * h) + v / (12 * L * h))
+    cases = {
+        ("--recompute-granularity", "selective"): 72 * L * h * h * (1 + s / (3 * h) + v / (12 * L * h)),
+        ("--recompute-granularity", "full", "--recompute-method", "block",
+         "--recompute-num-layers", "1"): model_flops + 24 * 1 * h * h * (1 + s / (6 * h)),
+        ("--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "2"): 96 * L * h * h * (1 + s / (6 * h)) + 6 * h * v,
+    }
+    for flags, hardware in cases.items():
+        trainer = _trainer(["--peak-flops", "1e15", "--num-layers", "4", *flags])
+        u = trainer._utilization(tps)
+        assert trainer.recompute == flags[1]
+        assert u["hfu"] / u["mfu"] == pytest.approx(hardware / model_flops), flags

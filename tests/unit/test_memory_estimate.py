@@ -39,9 +39,13 @@ def stage_model(cfg, tp_rank=0, pp_rank=0):
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_params_per_rank_is_the_largest_stage_shard(tp, pp):
+@pytest.mark.parametrize("options", [
+    (), ("--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"),
+    ("--group-query-attention", "--num-query-groups", "1", "--position-embedding-type", "alibi"),
+], ids=["gpt2", "rope-untied", "mqa-alibi"])
+def test_params_per_rank_is_the_largest_stage_shard(tp, pp, options):
     cfg = config("--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                 world=tp * pp)
+                 *options, world=tp * pp)
     counts = [sum(p.numel() for p in stage_model(cfg, t, s).parameters())
               for t in range(tp) for s in range(pp)]
     assert params_per_rank(cfg) == max(counts)
@@ -80,6 +84,10 @@ def saved_activation_bytes(cfg, pp_rank=0):
     ("--reset-attention-mask",),      # explicit mask: probs, dropout mask, dropped probs
     (),                               # SDPA with dropout: its math path keeps them too
     ("--checkpoint-activations", "--checkpoint-num-layers", "2"),  # chunk inputs only
+    ("--recompute-granularity", "full", "--recompute-method", "block",
+     "--recompute-num-layers", "2"),                    # 2 layer inputs + 2 layers kept
+    ("--recompute-granularity", "selective"),           # no attention core kept
+    ("--recompute-granularity", "selective", "--reset-attention-mask"),
 ])
 def test_activation_formula_matches_the_tensors_autograd_keeps(extra, backend):
     cfg = config(*extra, "--attention-backend", backend)

@@ -107,28 +107,49 @@ def test_pipeline_stages_compose_to_the_full_model():
         GPT2Model(cfg, layer_range=(2, 5))
 
 
+RECOMPUTE_MODES = {  # flags -> what app.mpu.random.checkpoint is handed in one forward
+    "full uniform 2": (dict(recompute_granularity="full", recompute_num_layers=2),
+                       lambda calls: [len(fn.layers) for fn in calls] == [2, 1]),
+    "full block 2": (dict(recompute_granularity="full", recompute_method="block",
+                          recompute_num_layers=2),
+                     lambda calls: [len(fn.layers) for fn in calls] == [1, 1]),
+    "selective": (dict(recompute_granularity="selective"),
+                  lambda calls: [fn.func.__name__ for fn in calls] == ["_core"] * 3),
+}
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_activation_checkpointing_gives_identical_grads(dropout, monkeypatch):
+def test_every_recompute_mode_gives_identical_grads(dropout, monkeypatch):
+    """Full (uniform, block) and selective recompute give bit-identical losses and gradients
+    to no recompute, on the SDPA and the explicit-mask paths, with dropout too (RNG restored)."""
     ids, pos, labels = _batch()
+    causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1).view(1, 1, S, S)
     calls = []
     real_checkpoint = mpu_random.checkpoint
-    def counting_checkpoint(fn, *args):
+    def counting_checkpoint(fn, *args, **kwargs):
         calls.append(fn)
-        return real_checkpoint(fn, *args)
+        return real_checkpoint(fn, *args, **kwargs)
     monkeypatch.setattr(mpu_random, "checkpoint", counting_checkpoint)
-    results = []
-    for checkpoint in (False, True):
-        cfg = _config(hidden_dropout=dropout, attention_dropout=dropout,
-                      checkpoint_activations=checkpoint, checkpoint_num_layers=2)
-        model = GPT2Model(cfg).train()
+
+    def run(mask, **flags):
+        model = GPT2Model(_config(hidden_dropout=dropout, attention_dropout=dropout,
+                                  **flags)).train()
         mpu_random.model_parallel_seed(42)
-        results.append(_loss_and_grads(model, ids, pos, None, labels))
-    assert [len(fn.layers) for fn in calls] == [2, 1]  # 3 layers in chunks of 2
-    _assert_same(results[0], results[1], rtol=0, atol=0)
+        return _loss_and_grads(model, ids, pos, mask, labels), model
+
+    for mask in (None, causal):
+        calls.clear()
+        plain, model = run(mask)
+        assert not calls
+        for name, (flags, expected_calls) in RECOMPUTE_MODES.items():
+            calls.clear()
+            recomputed, _ = run(mask, **flags)
+            assert expected_calls(calls), (name, calls)
+            _assert_same(plain, recomputed, rtol=0, atol=0)
     if dropout:
         model.eval()
         with torch.no_grad():
-            assert not torch.allclose(model(ids, pos, labels=labels), results[0][0])
+            assert not torch.allclose(model(ids, pos, labels=labels), plain[0])
 
 
 def test_attention_dropout_on_explicit_path_uses_model_parallel_stream():
@@ -144,3 +165,22 @@ def test_attention_dropout_on_explicit_path_uses_model_parallel_stream():
     assert not torch.equal(a, b)
     mpu_random.model_parallel_seed(5)
     torch.testing.assert_close(model(ids, pos, causal, labels), a, rtol=0, atol=0)
+
+
+def test_hidden_dropout_stream_follows_sequence_parallelism():
+    """Embedding and residual dropout draw from the default stream (the same on TP ranks, which
+    hold the same tokens), but from the model-parallel stream with sequence parallelism (each
+    rank holds other tokens)."""
+    ids, pos, labels = _batch()
+    for sequence_parallel in (False, True):
+        model = GPT2Model(_config(hidden_dropout=0.5,
+                                  sequence_parallel=sequence_parallel)).train()
+        mpu_random.model_parallel_seed(5)
+        default_before = torch.get_rng_state()
+        tracker_before = mpu_random.get_rng_tracker().get_states()
+        model(ids, pos, None, labels)
+        tracker_moved = not torch.equal(
+            tracker_before["model-parallel-rng"]["cpu"],
+            mpu_random.get_rng_tracker().get_states()["model-parallel-rng"]["cpu"])
+        assert torch.equal(default_before, torch.get_rng_state()) == sequence_parallel
+        assert tracker_moved == sequence_parallel

@@ -1,0 +1,51 @@
+"""What a Hugging Face GPT-2 (`GPT2LMHeadModel`) can express of our model's options.
+
+The checkpoint converter (tools/convert_checkpoint.py, app.convert) handles the GPT-2
+parameter layout only: before exporting to Hugging Face, and before reading a Megatron
+checkpoint to reshard it, it asks `gpt2_export_blockers` (a ModelConfig) or
+`checkpoint_args_blockers` (a checkpoint's saved `args`) and refuses with the returned reasons.
+Options that change only how training runs (sequence parallelism, recompute, dropout, fusions)
+do not block.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import List
+
+from app.config import ModelConfig
+
+
+def _blockers(position_embedding_type: str, heads: int, kv_heads: int,
+              untied: bool) -> List[str]:
+    blockers = []
+    if position_embedding_type != "learned_absolute":
+        blockers.append(
+            f"--position-embedding-type {position_embedding_type}: GPT-2 has only a learned "
+            "absolute position table (wpe) and no rotary or ALiBi attention")
+    if kv_heads != heads:
+        blockers.append(
+            f"--group-query-attention --num-query-groups {kv_heads} (with {heads} attention "
+            "heads): GPT-2's attention (c_attn) has one key and value head per query head")
+    if untied:
+        blockers.append("--untie-embeddings-and-output-weights: GPT-2's LM head is the word "
+                        "embedding matrix (wte) transposed")
+    return blockers
+
+
+def gpt2_export_blockers(config: ModelConfig) -> List[str]:
+    """Reasons, one per option, why `config` cannot be written as a Hugging Face GPT-2 model.
+
+    Empty when it can. Each reason names the command-line option that set it.
+    """
+    return _blockers(config.position_embedding_type, config.num_attention_heads,
+                     config.num_kv_heads, config.untie_embeddings_and_output_weights)
+
+
+def checkpoint_args_blockers(args: argparse.Namespace) -> List[str]:
+    """`gpt2_export_blockers` of the model a checkpoint's saved `args` describe (a field an
+    older checkpoint lacks means GPT-2's choice)."""
+    heads = int(args.num_attention_heads)
+    grouped = bool(getattr(args, "group_query_attention", False))
+    kv_heads = int(getattr(args, "num_query_groups", None) or heads) if grouped else heads
+    return _blockers(str(getattr(args, "position_embedding_type", "learned_absolute")), heads,
+                     kv_heads, bool(getattr(args, "untie_embeddings_and_output_weights", False)))

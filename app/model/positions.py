@@ -1,0 +1,94 @@
+"""Position information applied inside attention: rotary embeddings (RoPE) and ALiBi biases.
+
+Both are functions of the token positions only (no parameters), computed once per model
+forward and shared by every layer.
+
+RoPE (Su et al. 2021, "RoFormer"), in Megatron's non-interleaved layout: the first
+`rotary_dim` channels of each query and key head are split into halves (x1, x2); channel pair
+(i, i + rotary_dim/2) is rotated by the angle p * theta_i at position p, with
+theta_i = base^(-2i / rotary_dim):
+
+    x1' = x1 cos(p theta) - x2 sin(p theta),   x2' = x2 cos(p theta) + x1 sin(p theta)
+
+The other head_dim - rotary_dim channels pass through (`--rotary-percent` < 1).
+
+ALiBi (Press et al. 2022, "Train Short, Test Long"): head n adds -m_n * (i - j) to the
+attention score of query index i and key index j, with the slopes m_n a geometric
+sequence starting at 2^(-8/H) for H heads (for H not a power of two: the slopes of the closest
+power of two below H, then every other slope of twice that many).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+RotaryTables = Tuple[torch.Tensor, torch.Tensor]
+"""(cos, sin), each [b or 1, 1, s, rotary_dim] fp32, broadcast over the heads."""
+
+
+class RotaryEmbedding(nn.Module):
+    """positions [b or 1, s] -> (cos, sin) tables [b or 1, 1, s, rotary_dim] in fp32."""
+
+    def __init__(self, rotary_dim: int, base: float) -> None:
+        super().__init__()
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and >= 2, got {rotary_dim}")
+        self.rotary_dim = rotary_dim
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+        inv_freq = (1.0 / (float(base) ** exponents)).float()  # [rotary_dim / 2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> RotaryTables:
+        angles = position_ids.float().unsqueeze(-1) * self.inv_freq  # [b, s, rd/2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [b, 1, s, rd]
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of x [b, heads, s, head_dim]; same shape and dtype."""
+    cos, sin = tables
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    x1, x2 = rot.chunk(2, dim=-1)  # [b, n, s, rd/2] each
+    rotated = rot * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+    return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
+
+
+def alibi_slopes(num_heads: int) -> List[float]:
+    """The ALiBi slope of each of `num_heads` heads (the paper's recipe)."""
+    def power_of_two_slopes(n: int) -> List[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two_slopes(closest)
+    if closest < num_heads:
+        slopes += power_of_two_slopes(2 * closest)[0::2][:num_heads - closest]
+    return slopes
+
+
+def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int,
+               attention_mask: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention bias [b or 1, heads, s_q, s_k]: -m_n (i - j) for query index i and
+    key index j, with masked entries (the causal future, and `attention_mask` True entries when
+    given) at dtype's minimum.
+
+    The queries are the last `query_length` of `key_length` positions (s_q < s_k when decoding
+    after cached keys), so query i sits at index s_k - s_q + i. Distances are sequence offsets,
+    as in the paper (documents split by --reset-attention-mask are masked apart anyway).
+    `slopes` [heads] are this rank's heads' slopes; the bias is computed in fp32 and cast to
+    `dtype` (the attention scores' dtype).
+    """
+    device = slopes.device
+    rows = torch.arange(query_length, device=device) + (key_length - query_length)
+    distance = (rows.unsqueeze(1) - torch.arange(key_length, device=device)).float()  # [s_q, s_k]
+    bias = -slopes.float().view(1, -1, 1, 1) * distance  # [1, n, s_q, s_k]
+    masked = distance < 0  # the future
+    if attention_mask is not None:
+        masked = masked | attention_mask  # [b or 1, 1, s_q, s_k]
+    return bias.masked_fill(masked, torch.finfo(dtype).min).to(dtype)

@@ -1,0 +1,119 @@
+"""The training objective as a Python entry point: a function of the model's output and the batch.
+
+    from app.training.loss import LossFunction
+
+    def z_loss(logits, batch):                       # logits [b, s, V] (full vocabulary)
+        ...
+        return loss, {"z loss": z.detach()}
+
+    pretrain_gpt2.run(argv, loss_function=LossFunction(z_loss, inputs="logits"))
+
+`fn(output, batch) -> (loss, metrics)` runs once per micro-batch on the last pipeline stage:
+- `output` is the per-token cross-entropy [b, s] fp32 (`inputs="per_token_loss"`, the default:
+  the model computes it without materialising full logits), or the logits [b, s, V] over the
+  whole padded vocabulary (`inputs="logits"`; gathered over tensor-parallel ranks, with their
+  gradient flowing back to each rank's shard);
+- `batch` is the micro-batch dict: tokens, labels, loss_mask, attention_mask, position_ids;
+- `loss` is the scalar to minimise (the schedule divides it by the number of micro-batches);
+- `metrics` maps names to scalars (tensors or floats); the trainer averages them over the
+  micro-batches and data-parallel ranks and logs them next to the loss. Every rank must return
+  the same names.
+
+`DEFAULT_LOSS` is Megatron's: the mean of the per-token loss over the tokens whose loss mask is
+1, with no extra metrics; the trainer keeps its fast path for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Tuple, Union
+
+import torch
+
+from app.model.gpt2 import lm_loss
+from app.mpu.mappings import gather_from_tensor_model_parallel_region
+
+Metrics = Mapping[str, Union[torch.Tensor, float]]
+LossFn = Callable[[torch.Tensor, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Metrics]]
+LOSS_INPUTS = ("per_token_loss", "logits")
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the per-token loss `[b, s]` over the tokens whose `loss_mask` is 1."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def language_model_loss(per_token_loss: torch.Tensor,
+                        batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Metrics]:
+    """Megatron's LM loss: the masked mean of the per-token cross-entropy; no extra metrics."""
+    return masked_mean_loss(per_token_loss, batch["loss_mask"]), {}
+
+
+@dataclass(frozen=True)
+class LossFunction:
+    """A training loss `fn(output, batch) -> (loss, metrics)` and which output it takes:
+    "per_token_loss" ([b, s] fp32 cross-entropy) or "logits" ([b, s, V], full vocabulary)."""
+
+    fn: LossFn
+    inputs: str = "per_token_loss"
+
+    def __post_init__(self) -> None:
+        if self.inputs not in LOSS_INPUTS:
+            raise ValueError(f"LossFunction inputs must be one of {', '.join(LOSS_INPUTS)}, got "
+                             f"{self.inputs!r}")
+        if not callable(self.fn):
+            raise TypeError(f"LossFunction fn must be callable, got {type(self.fn).__name__}")
+
+    @property
+    def takes_logits(self) -> bool:
+        return self.inputs == "logits"
+
+
+DEFAULT_LOSS = LossFunction(language_model_loss)
+
+
+class MicroBatchObjective:
+    """The schedules' `forward_step_func` and `loss_func` for one LossFunction.
+
+    `forward_step(model, batch) -> (output, batch)` asks the model for the per-token loss (the
+    default path: labels passed in, no logits kept) or, when the loss takes logits or
+    `return_logits` is on, for this rank's logits [b, s, V/tp]. `loss_func(output, batch)`
+    (last stage) calls the loss function and records its metrics and, with `return_logits`,
+    the detached full-vocabulary logits; `take()` hands both over and starts afresh.
+    """
+
+    def __init__(self, loss_function: LossFunction, parallel_state: object,
+                 return_logits: bool = False) -> None:
+        self.loss_function, self.ps, self.return_logits = loss_function, parallel_state, return_logits
+        self.wants_logits = loss_function.takes_logits or return_logits
+        self.metrics: List[Dict[str, torch.Tensor]] = []
+        self.logits: List[torch.Tensor] = []
+
+    def forward_step(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]
+                     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        labels = None if self.wants_logits else batch["labels"]
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                       labels=labels)
+        return output, batch
+
+    def loss_func(self, output: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.loss_function.takes_logits:  # output: this rank's logits [b, s, V/tp]
+            output = gather_from_tensor_model_parallel_region(output, self.ps)  # [b, s, V]
+            if self.return_logits:
+                self.logits.append(output.detach())
+        elif self.return_logits:
+            with torch.no_grad():
+                full = gather_from_tensor_model_parallel_region(output, self.ps)  # [b, s, V]
+            self.logits.append(full.detach())
+            output = lm_loss(output, batch["labels"], self.ps)  # [b, s] fp32
+        loss, metrics = self.loss_function.fn(output, batch)
+        if metrics:
+            self.metrics.append({name: torch.as_tensor(value).detach().float().reshape(())
+                                 for name, value in metrics.items()})
+        return loss
+
+    def take(self) -> Tuple[List[Dict[str, torch.Tensor]], List[torch.Tensor]]:
+        """The metrics and logits recorded since the last call."""
+        metrics, logits = self.metrics, self.logits
+        self.metrics, self.logits = [], []
+        return metrics, logits

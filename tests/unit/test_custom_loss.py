@@ -1,0 +1,103 @@
+"""The custom-loss entry point (app.training.loss) and return_logits, in one process.
+
+- examples/custom_loss.py's loss equals PyTorch's label-smoothed cross-entropy (an independent
+  implementation) plus the z-loss formula;
+- with no smoothing and no z-loss, training with it (on the logits path) gives the default
+  run's losses and gradient norms, and its metrics come back averaged;
+- the default loss never materialises logits (the fast path is kept);
+- return_logits hands back each micro-batch's full-vocabulary logits, whose masked
+  cross-entropy is the step's loss.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import arguments
+from app.testing.synthetic import build_synthetic_run
+from app.training import loss as loss_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "3", "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--make-vocab-size-divisible-by", "8", "--peak-flops", "1e12",
+        "--distributed-backend", "gloo", "--eod-mask-loss"]
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("custom_loss_example",
+                                                  ROOT / "examples" / "custom_loss.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(loss_function=None, return_logits=False, iters=3):
+    cfg = arguments.config_from_argv(ARGV, 1, 60)
+    run = build_synthetic_run(cfg, 4 * iters, loss_function=loss_function,
+                              return_logits=return_logits)
+    return run, [run["trainer"].train_step(run["iterator"]) for _ in range(iters)]
+
+
+def test_example_loss_is_label_smoothed_cross_entropy_plus_z_loss():
+    example = _example()
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=gen)
+    labels = torch.randint(0, 11, (2, 5), generator=gen)
+    mask = torch.tensor([[1.0, 1, 0, 1, 1], [1, 1, 1, 1, 0]])
+    batch = {"labels": labels, "loss_mask": mask}
+    for eps, z in ((0.0, 0.0), (0.1, 0.0), (0.3, 1e-2)):
+        got, metrics = example.smoothed_loss_with_z_loss(eps, z).fn(logits, batch)
+        per_token = F.cross_entropy(logits.view(-1, 11), labels.view(-1), reduction="none",
+                                    label_smoothing=eps).view(2, 5)
+        z_term = (torch.logsumexp(logits, -1) ** 2 * mask).sum() / mask.sum()
+        want = (per_token * mask).sum() / mask.sum() + z * z_term
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(metrics["z_loss"], z_term)
+    with pytest.raises(ValueError, match="--label-smoothing"):
+        example.smoothed_loss_with_z_loss(1.0, 0.0)
+    with pytest.raises(ValueError, match="inputs"):
+        loss_lib.LossFunction(lambda o, b: (o, {}), inputs="hidden")
+
+
+def test_logits_loss_trains_like_the_default_and_reports_metrics(monkeypatch):
+    _, default = _run()
+    plain = _example().smoothed_loss_with_z_loss(0.0, 0.0)
+    _, custom = _run(plain)
+    for d, c in zip(default, custom):
+        assert c["loss"] == pytest.approx(d["loss"], rel=1e-6)
+        assert c["grad_norm"] == pytest.approx(d["grad_norm"], rel=1e-5)
+        assert d["metrics"] == {}
+        assert set(c["metrics"]) == {"cross entropy", "z_loss"}
+        assert c["metrics"]["cross entropy"] == pytest.approx(d["loss"], rel=1e-6)
+    # the default path asks the model for the per-token loss: no logits, no gather
+    def no_logits(*args, **kwargs):
+        raise AssertionError("the default loss must not take the logits path")
+    monkeypatch.setattr(loss_lib, "gather_from_tensor_model_parallel_region", no_logits)
+    monkeypatch.setattr(loss_lib, "lm_loss", no_logits)
+    _run(iters=1)
+
+
+def test_return_logits_hands_back_each_micro_batch():
+    """Each step's logits [b, s, V] (detached), one per micro-batch, reproduce its loss."""
+    cfg = arguments.config_from_argv(ARGV, 1, 60)
+    run = build_synthetic_run(cfg, 16, return_logits=True)
+    trainer, seen = run["trainer"], []
+    draw = trainer.batches.next
+    trainer.batches.next = lambda iterator: seen.append(draw(iterator)) or seen[-1]
+    vocab = cfg.model.padded_vocab_size
+    for step in (trainer.train_step, trainer.eval_step, trainer.train_step):
+        seen.clear()
+        out = step(run["iterator"])
+        logits = out["logits"]
+        assert len(logits) == 2 == len(seen)
+        assert all(t.shape == (2, 16, vocab) and not t.requires_grad for t in logits)
+        losses = [loss_lib.masked_mean_loss(
+            F.cross_entropy(t.view(-1, vocab), b["labels"].view(-1), reduction="none"),
+            b["loss_mask"].view(-1)) for t, b in zip(logits, seen)]
+        assert out["loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
