@@ -28,7 +28,8 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig,
                         ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                        RollbackConfig, RunConfig, TrainingConfig, resolve_recompute_flags)
+                        RollbackConfig, RunConfig, TrainingConfig, default_kernel_build_timeout,
+                        resolve_recompute_flags)
 from app.data.tokenizer import pad_vocab_size
 from app.training.distributed import check_backend, default_backend
 from app.training.ds_config import load_ds_json, reconcile_ds_config
@@ -118,9 +119,10 @@ def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-build-dir", type=str, default=None,
                    help="kernel build cache (default $APP_KERNELS_BUILD_DIR or "
                         "~/.cache/app_kernels)")
-    g.add_argument("--kernel-build-timeout", type=float, default=300.0,
+    g.add_argument("--kernel-build-timeout", type=float, default=None,
                    help="seconds a kernel build may take before falling back to PyTorch "
-                        "(below the process-group timeout)")
+                        "(below the process-group timeout; default 300, or half of "
+                        "--distributed-timeout-minutes when that is shorter)")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +144,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by launchers (torch.distributed.launch, deepspeed)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective waiting this long for another rank fails, and a rank "
+                        "making no progress for this long (plus a margin) is stopped; "
+                        "fractions allowed")
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -231,6 +237,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="save and exit when the iteration is a multiple of this")
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
+                   help="on SIGTERM/SIGINT/SIGUSR1 save a checkpoint at the end of the "
+                        "iteration and exit 0 (default: on when --save is given)")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -261,6 +270,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="load weights only and start at iteration 0")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="after each save, delete all but the newest N iter_ directories")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="allow training from scratch (or from another --load) into a --save "
+                        "directory that already holds checkpoints")
 
 
 def _add_rollback_args(parser: argparse.ArgumentParser) -> None:
@@ -446,7 +458,8 @@ def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingCon
         tensorboard_dir=args.tensorboard_dir, metrics_file=args.metrics_file,
         peak_flops=args.peak_flops,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
-        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+        exit_signal_handler=args.exit_signal_handler)
 
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
@@ -476,13 +489,15 @@ def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
             save=args.save, save_interval=args.save_interval, load=args.load,
             no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-            finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints),
+            finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints,
+            overwrite_checkpoints=args.overwrite_checkpoints),
         rollback=RollbackConfig(
             enabled=args.rollback_on_spike, window=args.spike_window, zscore=args.spike_zscore,
             min_increase=args.spike_min_increase, max_rollbacks=args.max_rollbacks),
         kernels=KernelConfig(
             require_fused_kernels=args.require_fused_kernels, build_dir=args.kernel_build_dir,
-            build_timeout=args.kernel_build_timeout),
+            build_timeout=(default_kernel_build_timeout(args.distributed_timeout_minutes)
+                           if args.kernel_build_timeout is None else args.kernel_build_timeout)),
     )
 
 
@@ -510,6 +525,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, world_size=world_size,
         distributed_backend=check_backend(args.distributed_backend), local_rank=args.local_rank,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
     ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
     fp16, bf16, source = _precision_choice(args, ds_json, deepspeed.config_path)

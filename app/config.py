@@ -266,6 +266,9 @@ class ParallelConfig:
     """torch.distributed backend: gloo (CPU) or nccl (CUDA); arguments.py defaults it by device."""
     local_rank: Optional[int] = None
     """--local_rank from a launcher; None means read LOCAL_RANK from the environment."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every process group: a collective waiting longer for a peer fails, and the
+    training watchdog stops a rank that makes no progress for this long (plus a margin)."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per model chunk for the interleaved 1F1B schedule; None means one chunk per stage
     (RunConfig checks it against the layer count, the pipeline size and the micro-batches)."""
@@ -273,7 +276,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-                         ("world_size", "world size")))
+                         ("world_size", "world size"),
+                         ("distributed_timeout_minutes", "--distributed-timeout-minutes")))
         _positive(self, (("num_layers_per_virtual_pipeline_stage",
                           "--num-layers-per-virtual-pipeline-stage"),), allow_none=True)
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
@@ -456,6 +460,9 @@ class TrainingConfig:
     metrics_file: Optional[str] = None
     peak_flops: Optional[float] = None
     """Peak FLOP/s per rank used for MFU; None means measured/looked up at start."""
+    exit_signal_handler: Optional[bool] = None
+    """SIGTERM/SIGINT/SIGUSR1 save a checkpoint at the end of the iteration and exit 0;
+    None: on when --save is given (app.training.signals.handler_enabled)."""
     max_consecutive_skipped_iterations: int = 10
     """Stop (non-zero exit, no checkpoint) after this many consecutive non-finite iterations
     (fp16: overflows at the minimum loss scale); 0 disables."""
@@ -509,6 +516,9 @@ class CheckpointConfig:
     finetune: bool = False
     keep_last_n_checkpoints: Optional[int] = None
     """After each committed save, delete all but the newest N iter_ directories; None keeps all."""
+    overwrite_checkpoints: bool = False
+    """Allow training from scratch (or from another --load) into a --save that already holds
+    checkpoints; without it such a run is refused (app.training.resume.decide_start)."""
 
     def __post_init__(self) -> None:
         _positive(self, (("save_interval", "--save-interval"),), allow_none=True)
@@ -572,6 +582,12 @@ class RollbackConfig:
             raise ValueError(f"--max-rollbacks must be >= 0, got {self.max_rollbacks}")
 
 
+def default_kernel_build_timeout(distributed_timeout_minutes: float) -> float:
+    """Seconds a kernel build may take when --kernel-build-timeout is not given: 300, or half
+    the process-group timeout when that is shorter (the other ranks wait for the build)."""
+    return min(300.0, distributed_timeout_minutes * 30.0)
+
+
 @dataclass
 class KernelConfig:
     """How the csrc/ fused kernels are obtained (built on first use; see docs/kernels.md)."""
@@ -585,7 +601,8 @@ class KernelConfig:
     build_timeout: float = 300.0
     """--kernel-build-timeout: seconds local rank 0 may spend on the build (waiting for another
     node's build included) before the run falls back to PyTorch; must stay below the
-    process-group timeout, since the other ranks wait for it in the first collective."""
+    process-group timeout, since the other ranks wait for it in the first collective. Without
+    the flag: `default_kernel_build_timeout` of --distributed-timeout-minutes."""
 
     def __post_init__(self) -> None:
         _positive(self, (("build_timeout", "--kernel-build-timeout"),))
@@ -685,9 +702,7 @@ class RunConfig:
         """Ranks that do not build wait for the builder in the first collective after the build
         (app.kernels.agree_across_ranks), so the build must end within the process-group
         timeout. Checked when several ranks run (one rank has no one waiting for it)."""
-        # --distributed-timeout-minutes (ParallelConfig.distributed_timeout_minutes) comes with
-        # issue 14a; until then init_distributed's process group has a fixed 10 minutes
-        minutes = getattr(self.parallel, "distributed_timeout_minutes", 10.0)
+        minutes = self.parallel.distributed_timeout_minutes
         build_s = self.kernels.build_timeout
         if self.parallel.world_size > 1 and build_s >= minutes * 60:
             raise ValueError(f"--kernel-build-timeout ({build_s:g} s) must be below "

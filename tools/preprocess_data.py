@@ -10,7 +10,8 @@ One output pair per JSON key: `{prefix}_{key}_document.bin/.idx` (`_sentence` wi
 byte for byte whatever --workers is. Output files are written under temporary names and renamed
 into place only when complete. Bad lines stop the run with the file, line number and key (or are
 counted and skipped with --skip-bad-lines); documents with no tokens are skipped and counted.
-Progress goes to stderr. No network access: Punkt sentence splitting is trained on the input.
+Progress (rate, ETA) goes to stderr; temporary files a killed run left for the same output
+prefix are removed at start. No network access: Punkt sentence splitting is trained on the input.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dt
 from app.data.sentences import (SentenceSplitter, load_punkt_params,
                                 save_punkt_params, train_punkt)
 from app.data.tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer
+from app.utils.fileio import remove_temporaries
+from app.utils.progress import progress
 
 Line = Tuple[int, bytes]  # (1-based line number, raw line)
 
@@ -254,31 +257,35 @@ def _encode_in_worker(chunk: List[Line]) -> ChunkResult:
 
 
 class Progress:
-    """Progress lines on stderr every `interval` documents: docs/s, MB/s, tokens/s, ETA."""
+    """Progress on stderr through app.utils.progress: input bytes read with rate and ETA, plus
+    docs/s, MB/s and tokens/s; a line at least every `interval` documents."""
 
     def __init__(self, interval: int, total_bytes: Optional[int], raw) -> None:
-        self.interval, self.total_bytes, self.raw = interval, total_bytes, raw
+        self.interval, self.raw = interval, raw
         self.start = time.perf_counter()
         self.docs = self.bytes = self.tokens = 0
         self.next_report = interval
+        self.bar = progress(total=total_bytes or None, desc="tokenizing", unit="B")
 
     def update(self, result: ChunkResult) -> None:
         self.docs += result.documents
         self.bytes += result.input_bytes
         self.tokens += result.tokens
+        position = self.raw.tell() if not self.raw.closed else self.bar.n
+        self.bar.set_postfix_str(self.rates(), refresh=False)
+        self.bar.update(max(0, position - self.bar.n))
         if self.docs >= self.next_report:
             self.next_report = (self.docs // self.interval + 1) * self.interval
-            print(self.line(), file=sys.stderr, flush=True)
+            self.bar.refresh()
 
-    def line(self) -> str:
+    def rates(self) -> str:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        text = (f"processed {self.docs} documents ({self.docs / elapsed:.1f} docs/s, "
-                f"{self.bytes / elapsed / 1e6:.2f} MB/s, {self.tokens / elapsed:.0f} tokens/s)")
-        if self.total_bytes and not self.raw.closed:
-            done = self.raw.tell() / self.total_bytes
-            if 0 < done < 1:
-                text += f", ETA {elapsed * (1 - done) / done:.0f} s"
-        return text
+        return (f"{self.docs} documents, {self.docs / elapsed:.1f} docs/s, "
+                f"{self.bytes / elapsed / 1e6:.2f} MB/s, {self.tokens / elapsed:.0f} tokens/s")
+
+    def close(self) -> None:
+        self.bar.set_postfix_str(self.rates(), refresh=False)
+        self.bar.close()
 
 
 def output_prefix_for(args: argparse.Namespace, key: str) -> str:
@@ -340,10 +347,12 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
+    for stale in remove_temporaries(out_dir, prefix=os.path.basename(args.output_prefix)):
+        print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
     builders = {k: MMapIndexedDatasetBuilder(data_file_path(output_prefix_for(args, k)), dtype)
                 for k in args.json_keys}
     stream, raw = open_input(args.input)
-    progress = Progress(args.log_interval, os.path.getsize(args.input), raw)
+    meter = Progress(args.log_interval, os.path.getsize(args.input), raw)
     counts = {"documents": 0, "bad_lines": 0, "blank_lines": 0,
               **{f"empty_{k}": 0 for k in args.json_keys}}
     try:
@@ -360,7 +369,7 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
             for key, (tokens, lengths, per_doc, empty) in result.outputs.items():
                 builders[key].add_documents(tokens, lengths, per_doc)
                 counts[f"empty_{key}"] += empty
-            progress.update(result)
+            meter.update(result)
         _check_not_empty(args, counts)
         for key, builder in builders.items():
             builder.finalize(index_file_path(output_prefix_for(args, key)))
@@ -371,7 +380,7 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
     finally:
         stream.close()
         raw.close()
-    print(progress.line(), file=sys.stderr)
+    meter.close()
     print("done: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr)
     return counts
 

@@ -13,8 +13,9 @@ DeepSpeed's layout under `{load}/{tag}/` (tag `iter_0000100`, named by the `late
 Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (the pipeline stages of a
 PP > 1 run; TP from the saved args). For each of them the DP slices of each group are concatenated and cut into parameters in the
 order of `param_shapes` (DeepSpeed's zero_to_fp32 does the same for a single TP rank); then
-the TP shards are merged by app.convert.layout. The files pickle DeepSpeed objects, so they are
-read with weights_only=False: convert only checkpoints you trust.
+the TP shards are merged by app.convert.layout. The files pickle DeepSpeed objects; they are read
+the safe way (app.training.deepspeed_engine.load_deepspeed_file: SHA-256 sidecar verified,
+weights_only with an allow-list of DeepSpeed's classes), so a crafted file is refused, never run.
 """
 from __future__ import annotations
 
@@ -55,12 +56,10 @@ def resolve_tag(load_dir: str, iteration: Optional[Any]) -> str:
 
 
 def load_file(path: str) -> Dict[str, Any]:
-    """torch.load of a DeepSpeed file (weights_only=False: it pickles DeepSpeed objects)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # torch raises several types for damaged archives
-        raise ckpt.CheckpointError(f"DeepSpeed file {path} cannot be read: "
-                                   f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+    """One DeepSpeed file, read safely (checksum, weights_only with DeepSpeed's allow-list);
+    CheckpointError naming the file when it is damaged or would run code."""
+    from app.training.deepspeed_engine import load_deepspeed_file
+    return load_deepspeed_file(path)
 
 
 def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,

@@ -7,12 +7,13 @@ import contextlib
 import logging
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, TextIO, Tuple, Union
 
 import torch
+
+from app.utils.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -58,30 +59,26 @@ class ModelCheckpoint:
 
 
 class Progress:
-    """Counts tensors and bytes and reports them on stderr at most once per `interval` seconds."""
+    """Tensors converted, on stderr through app.utils.progress: the count (of `total` when
+    known) with rate and ETA, plus MiB and MiB/s; `report(final=True)` prints the last line."""
 
-    def __init__(self, what: str, total: Optional[int] = None, interval: float = 2.0,
+    def __init__(self, what: str, total: Optional[int] = None,
                  stream: Optional[TextIO] = None) -> None:
-        self.what, self.total, self.interval, self.stream = what, total, interval, stream
-        self.tensors = 0
         self.bytes = 0
-        self.start = self.last = time.perf_counter()
+        self.start = time.perf_counter()
+        self.bar = progress(total=total, desc=f"[convert] {what}", unit=" tensors", stream=stream)
 
     def add(self, tensor: torch.Tensor) -> None:
-        self.tensors += 1
         self.bytes += tensor.numel() * tensor.element_size()
-        now = time.perf_counter()
-        if now - self.last >= self.interval:
-            self.last = now
-            self.report()
+        mib, elapsed = self.bytes / 2**20, max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{mib:.1f} MiB, {mib / elapsed:.1f} MiB/s", refresh=False)
+        self.bar.update(1)
 
     def report(self, final: bool = False) -> None:
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        of = f"/{self.total}" if self.total else ""
-        print(f"[convert] {self.what}: {self.tensors}{of} tensors, {self.bytes / 2**20:.1f} MiB "
-              f"in {elapsed:.1f} s ({self.tensors / elapsed:.0f} tensors/s, "
-              f"{self.bytes / 2**20 / elapsed:.1f} MiB/s){' done' if final else ''}",
-              file=self.stream or sys.stderr, flush=True)
+        if final:
+            self.bar.close()
+        else:
+            self.bar.refresh()
 
 
 @contextlib.contextmanager

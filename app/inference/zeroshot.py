@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from app.inference.runner import PipelineRunner
+from app.utils.progress import progress
 
 
 def wikitext_detokenize(text: str) -> str:
@@ -87,8 +88,10 @@ def sliding_windows(tokens: Sequence[int], seq_length: int, stride: Optional[int
     return windows
 
 
-def _batches(items: list, size: int):
-    for start in range(0, len(items), size):
+def _batches(items: list, size: int, runner: PipelineRunner, desc: str):
+    """`items` in batches of `size`, with progress (rate, ETA) on global rank 0's stderr."""
+    starts = range(0, len(items), size)
+    for start in progress(starts, desc=desc, unit=" batches", disable=runner.ps.rank != 0):
         yield items[start:start + size]
 
 
@@ -97,7 +100,8 @@ def perplexity(runner: PipelineRunner, tokens: Sequence[int], seq_length: int,
     """(summed loss, scored tokens) of `tokens` with sliding windows; the same on every rank."""
     total = torch.zeros(2, dtype=torch.float64, device=runner.device)
     positions = torch.arange(seq_length, device=runner.device).unsqueeze(0)
-    for batch in _batches(sliding_windows(tokens, seq_length, stride, pad_id), micro_batch_size):
+    windows = sliding_windows(tokens, seq_length, stride, pad_id)
+    for batch in _batches(windows, micro_batch_size, runner, "perplexity"):
         text = torch.tensor([w for w, _ in batch], device=runner.device)  # [b, s+1]
         mask = torch.tensor([m for _, m in batch], dtype=torch.float64, device=runner.device)
         losses = runner.forward(text[:, :-1], positions.expand(len(batch), -1),
@@ -123,7 +127,7 @@ def lambada_accuracy(runner: PipelineRunner, examples: Sequence[Tuple[List[int],
                      vocab_size: int, pad_id: int, micro_batch_size: int = 8) -> Tuple[int, int]:
     """(correct, total): an example is correct when greedy decoding reproduces all its targets."""
     correct = torch.zeros(1, dtype=torch.float64, device=runner.device)
-    for batch in _batches(list(examples), micro_batch_size):
+    for batch in _batches(list(examples), micro_batch_size, runner, "lambada"):
         length = max(len(c) + len(t) for c, t in batch) - 1
         rows = [(c + t)[:-1] + [pad_id] * (length - len(c) - len(t) + 1) for c, t in batch]
         tokens = torch.tensor(rows, device=runner.device)  # [b, length], right-padded

@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from app.utils.fileio import pid_alive
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -223,20 +225,10 @@ def read_failure(marker: Path, since: float) -> Optional[str]:
     return failed.get("error", "unknown error") + (f" (log: {log})" if log else "")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _owner_gone(owner: dict) -> bool:
     """True when `owner` ({host, pid}) names a process on this host that no longer runs."""
     pid = owner.get("pid")
-    return owner.get("host") == _host() and isinstance(pid, int) and not _pid_alive(pid)
+    return owner.get("host") == _host() and isinstance(pid, int) and not pid_alive(pid)
 
 
 def _stale_owner(lock: Path, stale_s: float) -> Optional[dict]:

@@ -14,6 +14,7 @@ passed to DeepSpeed as `mpu=` (it has the `get_model_parallel_*` / `get_data_par
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -197,11 +198,14 @@ def destroy_model_parallel() -> None:
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: int = 1) -> ParallelState:
+                              virtual_pipeline_model_parallel_size: int = 1,
+                              timeout: Optional[datetime.timedelta] = None) -> ParallelState:
     """Create the TP / DP / PP / model / embedding groups of this world; return this rank's state.
 
     Must run on every rank after `torch.distributed.init_process_group` (group creation is
-    collective). The returned state also becomes the default (`get_parallel_state()`).
+    collective). Every collective on these groups fails after `timeout` (torch's default for
+    new groups when None) instead of waiting forever for a stopped rank. The returned state
+    also becomes the default (`get_parallel_state()`).
     `virtual_pipeline_model_parallel_size` (model chunks per pipeline rank) is only recorded.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -220,7 +224,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     for kind in ("tensor", "data", "pipeline", "model", "embedding"):
         mine = None
         for ranks in layout[kind]:
-            group = dist.new_group(ranks)  # collective: every rank creates every group
+            group = dist.new_group(ranks, timeout=timeout)  # collective: every rank, every group
             if rank in ranks:
                 mine = (group, ranks)
         kwargs[kind] = mine

@@ -8,7 +8,8 @@ On disk (exactly Megatron-LM's legacy layout, so its tools read our files)::
 
 Beside each `model_optim_rng.pt` we write `model_optim_rng.pt.sha256` (sha256sum format); the
 reader verifies it when present, so a flipped byte is caught before unpickling. Megatron's
-readers ignore it.
+readers ignore it. Files are unpickled with weights_only=True and a small allow-list
+(`safe_torch_load`, also used for DeepSpeed's files), so a checkpoint cannot run code on load.
 
 Each file holds Megatron's dict: `iteration`, `checkpoint_version` (3.0), `args` (an
 argparse.Namespace with the model shape, the parallel layout and the data position), `model`
@@ -17,28 +18,30 @@ argparse.Namespace with the model shape, the parallel layout and the data positi
 
 Crash safety: every file is written under a temporary name, fsynced and renamed; all ranks pass
 a barrier before one rank replaces the tracker atomically, so the tracker never names an
-iteration with a missing or partial file. Old iterations are rotated away only after that.
+iteration with a missing or partial file. Old iterations are rotated away only after that. A
+save that fails on any rank (a full disk) is undone on every rank (CheckpointSaveError).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
+import errno
 import os
-import pickle
 import re
 import shutil
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-import numpy as np
 import torch
 
 from app.config import RunConfig
+from app.training.checkpoint_files import (CheckpointError, read_checksums, safe_torch_load,
+                                           sha256_file, sidecar_path, verify_checksum,
+                                           write_checksums)
 from app.utils.dtypes import torch_dtype
 from app.utils.fileio import atomic_write_bytes, fsync_dir, tmp_path, write_durably
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
-CHECKSUM_SUFFIX = ".sha256"
 CHECKPOINT_VERSION = 3.0
 """3.0: fused QKV rows ordered [heads, (q, k, v), head_dim]."""
 
@@ -50,14 +53,6 @@ SAVE_STAGES = ("start", "rank_tmp_written", "rank_checksum_committed", "rank_fil
                "before_tracker", "tracker_tmp_written", "tracker_committed", "rotated")
 
 _ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the file and the fix."""
-
-
-class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
-    """The file pickles a class outside the allow-list; refused under weights_only=True."""
 
 
 def _noop() -> None:
@@ -330,47 +325,85 @@ def build_checkpoint_dict(iteration: Iteration, model_flat_state: Dict[str, Any]
 
 # ---------------------------------------------------------------------------- writing
 
-def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: bool = False
+                       ) -> None:
+    """Write `path` with `write(f)` crash-safely, with a SHA-256 sidecar (`sidecar_path`).
 
-
-def _read_checksums(sidecar: str) -> List[str]:
-    try:
-        with open(sidecar, "r", encoding="ascii", errors="replace") as f:
-            return [line.split()[0] for line in f if line.strip()]
-    except OSError:
-        return []
-
-
-def _write_checksums(sidecar: str, digests: List[str]) -> None:
-    text = "".join(f"{d}  {MODEL_FILENAME}\n" for d in digests).encode("ascii")
-    atomic_write_bytes(sidecar, text, durable=True)
-
-
-def _write_rank_file(ckpt_dict: Dict[str, Any], path: str) -> None:
-    """tmp file + fsync, checksum sidecar, then atomic rename; safe to crash at any point.
-
-    While the data file is being replaced the sidecar lists both the old and the new digest,
-    so whichever file is on disk after a crash still verifies.
+    tmp file + fsync, checksum sidecar, then atomic rename; safe to crash at any point, and a
+    failed write (a full disk) leaves no temporary file. While the data file is being replaced
+    the sidecar lists both the old and the new digest, so whichever file is on disk after a
+    crash still verifies. Used for Megatron's files and, through the checkpoint-engine hook of
+    app.training.deepspeed_engine, for DeepSpeed's.
     """
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = tmp_path(path)
-    write_durably(tmp, lambda f: torch.save(ckpt_dict, f))
-    _hook("rank_tmp_written")
-    digest, sidecar = _sha256_file(tmp), path + CHECKSUM_SUFFIX
-    old = _read_checksums(sidecar) if os.path.exists(path) else []
-    _write_checksums(sidecar, [digest] + [d for d in old if d != digest])
-    _hook("rank_checksum_committed")
-    os.replace(tmp, path)
+    write_durably(tmp, write)
+    try:
+        _hook("rank_tmp_written")
+        digest, sidecar = sha256_file(tmp), sidecar_path(path, hidden_sidecar)
+        name = os.path.basename(path)
+        old = read_checksums(sidecar) if os.path.exists(path) else []
+        write_checksums(sidecar, name, [digest] + [d for d in old if d != digest])
+        _hook("rank_checksum_committed")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     if old:
-        _write_checksums(sidecar, [digest])
+        write_checksums(sidecar, name, [digest])
     fsync_dir(directory)
     _hook("rank_file_committed")
+
+
+def remove_written_file(path: str, stop_at: str) -> None:
+    """Delete `path` and its sidecar, then the directories above it up to (and including)
+    `stop_at` that are left empty: the undo of a save that did not complete everywhere."""
+    for victim in (path, sidecar_path(path, False), sidecar_path(path, True)):
+        with contextlib.suppress(OSError):
+            os.remove(victim)
+    directory = os.path.dirname(path)
+    stop_at = os.path.abspath(stop_at)
+    while os.path.abspath(directory).startswith(stop_at):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+        if os.path.abspath(directory) == stop_at:
+            return
+        directory = os.path.dirname(directory)
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written; its partial files were removed and the previous
+    checkpoint stays the latest (the message says which)."""
+
+
+def save_failure(save_dir: str, iteration: Iteration, error: Optional[BaseException],
+                 path: str = "") -> CheckpointSaveError:
+    """The error every rank raises after a failed save: this rank's own cause when it had one
+    (`error`), else that another rank failed; with the free space and the latest checkpoint."""
+    try:
+        latest = read_tracker(save_dir)
+    except CheckpointError:
+        latest = None
+    try:
+        free = f"{shutil.disk_usage(save_dir).free / 2**20:.0f} MiB free there now"
+    except OSError:
+        free = "free space unknown"
+    if error is None:
+        cause = "another rank could not write its part (its message says why)"
+    else:
+        what = getattr(error, "strerror", None) or str(error)
+        code = errno.errorcode.get(getattr(error, "errno", None) or -1, "")
+        cause = f"writing {path or save_dir} failed: {what}{f' ({code})' if code else ''}"
+    still = (f"the latest checkpoint is still iteration {latest}" if latest is not None
+             else "there is no earlier checkpoint")
+    return CheckpointSaveError(
+        f"could not save the checkpoint of iteration {iteration} to {save_dir}: {cause}; "
+        f"{free}. The partial files of this save were removed and {still}. Free space or fix "
+        "the directory, then relaunch to resume.")
 
 
 def write_tracker(save_dir: str, iteration: Iteration) -> None:
@@ -397,28 +430,60 @@ def rotate_checkpoints(save_dir: str, keep_last_n: int, current: int) -> List[in
 def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, Any], *,
                     tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
                     barrier: Callable[[], None] = _noop, is_tracker_writer: bool = True,
-                    keep_last_n: Optional[int] = None) -> str:
+                    keep_last_n: Optional[int] = None,
+                    agree: Optional[Callable[[bool], bool]] = None) -> str:
     """Write this rank's file of `iteration`, then (one rank) commit the tracker. Crash-safe.
 
-    Every writing rank calls this; `barrier` must synchronise all ranks and is called exactly
-    twice (after this rank's file is committed, and after the tracker is committed), so ranks
-    that write no file call barrier() twice themselves. Only `is_tracker_writer` replaces the
-    tracker and, if `keep_last_n` is set, rotates old iterations after the commit. Returns the
-    iteration directory.
+    Every writing rank calls this. Ranks synchronise twice: after this rank's file is committed
+    and after the tracker is committed. `agree(ok)` does it when given (every rank passes
+    whether its part succeeded and gets whether all did, e.g. an all-reduce); else `barrier()`
+    is called (exactly twice) and only this rank's outcome counts. Ranks that write no file
+    synchronise twice themselves. Only `is_tracker_writer` replaces the tracker and, if
+    `keep_last_n` is set, rotates old iterations after the commit. An I/O error (a full disk)
+    on any rank removes this save's new files on every rank and raises CheckpointSaveError; the
+    tracker keeps naming the previous checkpoint. Returns the iteration directory.
     """
+    if agree is None:
+        def agree(ok: bool) -> bool:
+            barrier()
+            return ok
     _hook("start")
-    _write_rank_file(ckpt_dict, checkpoint_path(save_dir, iteration, tp_rank=tp_rank,
-                                                pp_rank=pp_rank, pp_size=pp_size))
-    barrier()  # every rank's file of this iteration is complete
+    path = checkpoint_path(save_dir, iteration, tp_rank=tp_rank, pp_rank=pp_rank,
+                           pp_size=pp_size)
+    directory = checkpoint_dir(save_dir, iteration)
+    existed, fresh = os.path.exists(path), not os.path.isdir(directory)
+    error: Optional[OSError] = None
+    try:
+        write_checked_file(path, lambda f: torch.save(ckpt_dict, f))
+    except OSError as exc:
+        error = exc
+    if not agree(error is None):  # every rank's file of this iteration is complete, or none
+        _undo(path, existed, directory, fresh)
+        raise save_failure(save_dir, iteration, error, path)
     if is_tracker_writer:
         _hook("before_tracker")
-        write_tracker(save_dir, iteration)
-        _hook("tracker_committed")
-        if keep_last_n and iteration != "release":
-            rotate_checkpoints(save_dir, keep_last_n, int(iteration))
-            _hook("rotated")
-    barrier()  # the tracker names this iteration on every rank's return
-    return checkpoint_dir(save_dir, iteration)
+        try:
+            write_tracker(save_dir, iteration)
+        except OSError as exc:
+            error = exc
+        else:
+            _hook("tracker_committed")
+            if keep_last_n and iteration != "release":
+                rotate_checkpoints(save_dir, keep_last_n, int(iteration))
+                _hook("rotated")
+    if not agree(error is None):  # the tracker names this iteration on every rank's return
+        _undo(path, existed, directory, fresh)
+        raise save_failure(save_dir, iteration, error, tracker_path(save_dir))
+    return directory
+
+
+def _undo(path: str, existed: bool, directory: str, fresh: bool) -> None:
+    """Undo this rank's part of a failed save: its new file, and the iteration directory when
+    this save created it (a rank that saw it missing before writing removes it all)."""
+    if not existed:
+        remove_written_file(path, directory)
+    if fresh:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -451,42 +516,8 @@ def read_tracker(load_dir: str) -> Optional[Iteration]:
     return iteration
 
 
-def _safe_globals() -> List[Any]:
-    """Classes our checkpoints pickle besides tensors: Namespace and numpy's RNG-state array."""
-    core = getattr(np, "_core", None) or np.core
-    reconstruct = core.multiarray._reconstruct
-    extra: List[Any] = [argparse.Namespace, reconstruct, np.ndarray, np.dtype,
-                        type(np.dtype(np.uint32))]
-    return extra
-
-
-def _verify_checksum(path: str) -> None:
-    expected = _read_checksums(path + CHECKSUM_SUFFIX)
-    if not expected:
-        return  # written by a tool that stores no checksum (e.g. Megatron-LM itself)
-    actual = _sha256_file(path)
-    if actual not in expected:
-        raise CheckpointError(
-            f"checkpoint file {path} is corrupt: its SHA-256 {actual[:16]}... does not match "
-            f"{path + CHECKSUM_SUFFIX}; restore the file or point the tracker at an earlier "
-            "complete iteration")
-
-
 def _torch_load(path: str) -> Dict[str, Any]:
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "Weights only load failed" in str(exc):
-            raise UnsafeCheckpointError(
-                f"checkpoint file {path} pickles a class outside the allow-list and was refused "
-                f"(weights_only=True); only load checkpoints you trust. Detail: "
-                f"{str(exc).splitlines()[0][:300]}") from exc
-        raise CheckpointError(f"checkpoint file {path} is garbled and cannot be unpickled "
-                              f"({exc}); restore it or use an earlier iteration") from exc
-    except Exception as exc:  # torch raises RuntimeError/EOFError/... for damaged archives
-        raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): "
-                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+    state = safe_torch_load(path)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint file {path} is not a Megatron checkpoint dict "
                               "(no 'model' entry)")
@@ -534,7 +565,7 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
         raise CheckpointError(
             f"checkpoint file {path} does not exist (found {present} in {directory}); was it "
             "saved with a different tensor/pipeline parallel size, or did the save not finish?")
-    _verify_checksum(path)
+    verify_checksum(path)
     state = _torch_load(path)
     saved = state.get("iteration")
     if iteration != "release" and saved is not None and saved != iteration:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from app.training import checkpoint as ckpt
+from app.training import checkpoint_files as ckpt_files
 
 MEGATRON = "megatron"
 DEEPSPEED = "deepspeed"
@@ -184,15 +185,12 @@ def check_loadable(load_dir: str, iteration: ckpt.Iteration, *, deepspeed: bool,
 
 def read_saved_state(layout: SavedLayout) -> dict:
     """The dict stored in the first weight file, memory-mapped (tensors are not read), loaded
-    with weights_only and the checkpoint allow-list: its `args`, `iteration`, `lr_scheduler`."""
-    import torch
+    with weights_only and the checkpoint allow-list after its SHA-256 sidecar (when present) is
+    verified: its `args`, `iteration`, `lr_scheduler`. CheckpointError (UnsafeCheckpointError
+    for a file that would run code) naming the file otherwise."""
     path = layout.model_files[0]
-    try:
-        with torch.serialization.safe_globals(ckpt._safe_globals()):  # noqa: SLF001 (one allow-list)
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001  damaged or unsafe: name the file
-        raise ckpt.CheckpointError(f"checkpoint file {path} cannot be read: "
-                                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
+    ckpt_files.verify_checksum(path)
+    state = ckpt_files.safe_torch_load(path, "cpu", mmap=True)
     if not isinstance(state, dict):
         raise ckpt.CheckpointError(f"checkpoint file {path} does not hold a dict")
     return state

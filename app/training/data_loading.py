@@ -8,6 +8,7 @@ continues with exactly the samples an uninterrupted run would have seen next.
 """
 from __future__ import annotations
 
+import signal
 from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
@@ -21,6 +22,14 @@ from app.mpu import collectives
 def _collate(items: Any) -> Dict[str, torch.Tensor]:
     text = np.stack([np.asarray(item["text"], dtype=np.int64) for item in items])
     return {"text": torch.from_numpy(text)}
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM/SIGINT/SIGUSR1 to the trainer: a scheduler that signals
+    the whole process group must not kill a worker under the rank's feet before the rank has
+    saved its checkpoint (the workers end with the rank)."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def build_data_iterator(dataset: Any, consumed_samples: int, micro_batch_size: int,
@@ -41,7 +50,8 @@ def build_data_iterator(dataset: Any, consumed_samples: int, micro_batch_size: i
     # stream that dropout uses (a resumed run creates its iterators after restoring that stream).
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=_collate,
-        persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(0))
+        persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(0),
+        worker_init_fn=_ignore_stop_signals if num_workers > 0 else None)
     return iter(loader)
 
 

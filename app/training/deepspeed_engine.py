@@ -18,23 +18,38 @@ received output gradient through `engine.backward` too, as the scalar sum(output
 (divided by the loss scale, which `engine.backward` multiplies back), whose gradient with respect
 to the output is exactly the received one. ZeRO-1 only (app.config says why); the last stage's
 tied copy of the embeddings is marked `ds_pipe_replicated` so DeepSpeed's norm counts it once.
+
+DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replaces the engine's
+`checkpoint_engine` (DeepSpeed's hook for checkpoint I/O): every file is written crash-safely
+with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
+verified and with torch.load(weights_only=True) and an allow-list (`deepspeed_safe_globals`),
+where DeepSpeed's own engine unpickles anything (weights_only=False), so a crafted checkpoint
+could run code on --load. `load_deepspeed_file` is the same safe read for tools. A save that
+fails on any rank (a full disk) is undone everywhere; `latest` and our tracker are written
+only after every rank's files are complete.
 """
 from __future__ import annotations
 
+import datetime
+import glob
 import logging
 import os
 import re
+import shutil
 import socket
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
+from app.training import checkpoint as ckpt
+from app.training import checkpoint_files as ckpt_files
 from app.training import ds_config
-from app.training.distributed import world_group
+from app.training.distributed import all_ranks_ok, world_group
 from app.training.engine import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
+from app.utils.fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +60,80 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_distributed(backend: str) -> None:
+def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
     """Register DeepSpeed's communication backend, starting a process group if none exists.
 
-    DeepSpeed needs a group even for one rank; under torchrun or our MPI discovery the group
-    already exists and DeepSpeed adopts it.
+    DeepSpeed needs a group even for one rank (then on a free port); under torchrun or our MPI
+    discovery the group already exists and DeepSpeed adopts it. A group started here gets the
+    `timeout_minutes` timeout.
     """
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def deepspeed_safe_globals() -> List[Any]:
+    """The classes DeepSpeed pickles into its checkpoint files besides tensors and containers
+    (loss scalers, the ZeRO stage enum, ZeRO's fragment addresses): the allow-list for reading
+    them with weights_only=True."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_deepspeed_file(path: str, map_location: Any = "cpu") -> Any:
+    """Read one DeepSpeed checkpoint file safely: its SHA-256 sidecar verified when present,
+    then weights_only with `deepspeed_safe_globals`. Raises UnsafeCheckpointError for a
+    file that would run code, ckpt.CheckpointError for a damaged one."""
+    ckpt_files.verify_checksum(path)
+    return ckpt_files.safe_torch_load(path, map_location, deepspeed_safe_globals())
+
+
+class CheckedCheckpointEngine:
+    """DeepSpeed's TorchCheckpointEngine with crash-safe, checksummed writes and safe reads.
+
+    Installed as `engine.checkpoint_engine`; everything but `save` and `load` is delegated to
+    the original. `save` never raises an I/O error into DeepSpeed (that would leave the other
+    ranks in DeepSpeed's barriers): it records it, and the adapter agrees on the outcome after
+    `save_checkpoint` returns. `written` lists (path, existed before) of this save's files.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.written: List[Tuple[str, bool]] = []
+        self.errors: List[Tuple[str, OSError]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def begin(self) -> None:
+        """Forget the previous save's files and errors."""
+        self.written, self.errors = [], []
+
+    def save(self, state_dict: Any, path: str) -> None:
+        zipfile = getattr(self.inner, "zipfile_serialization", True)
+        existed = os.path.exists(path)
+        try:
+            ckpt.write_checked_file(path, lambda f: torch.save(
+                state_dict, f, _use_new_zipfile_serialization=zipfile), hidden_sidecar=True)
+        except OSError as exc:
+            self.errors.append((path, exc))
+            return
+        self.written.append((path, existed))
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return load_deepspeed_file(path, map_location)
+
+    def undo(self, stop_at: str) -> None:
+        """Remove the files this save created (not those it replaced) and emptied directories."""
+        for path, existed in self.written:
+            if not existed:
+                ckpt.remove_written_file(path, stop_at)
 
 
 class DeepSpeedEngineAdapter(Engine):
@@ -97,6 +174,7 @@ class DeepSpeedEngineAdapter(Engine):
                                  "\"optimizer\" block (type AdamW) to the JSON")
             kwargs.update(optimizer=optimizer, lr_scheduler=lr_scheduler)
         engine, ds_optimizer, _, scheduler = deepspeed.initialize(**kwargs)
+        self.files = self._check_files(engine)
         self.ds = engine
         self.module = engine
         self.optimizer = ds_optimizer
@@ -107,6 +185,20 @@ class DeepSpeedEngineAdapter(Engine):
                     "dtype %s", engine.zero_optimization_stage(),
                     engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu(),
                     next(model.parameters()).dtype)
+
+    @staticmethod
+    def _check_files(engine: Any) -> Optional[CheckedCheckpointEngine]:
+        """Route the engine's checkpoint I/O through CheckedCheckpointEngine (DeepSpeed's
+        default Torch engine only; another engine chosen in the JSON is left alone, warned)."""
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+        inner = getattr(engine, "checkpoint_engine", None)
+        if type(inner) is not TorchCheckpointEngine:
+            logger.warning("DeepSpeed checkpoint engine %s: its files get no checksum sidecars and "
+                           "are read by DeepSpeed itself, which unpickles anything; load only "
+                           "checkpoints you trust", type(inner).__name__)
+            return None
+        engine.checkpoint_engine = CheckedCheckpointEngine(inner)
+        return engine.checkpoint_engine
 
     def zero_grad(self) -> None:
         self._micro = 0  # DeepSpeed clears gradients itself after each boundary step
@@ -206,8 +298,10 @@ class DeepSpeedEngineAdapter(Engine):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
+        """engine.save_checkpoint under tag iter_XXXXXXX, then, once every rank's files are
+        complete, `latest` and our tracker (rank 0) and the rotation; a failed save on any rank
+        is undone on every rank (CheckpointSaveError)."""
         from app.mpu.random import rng_state_dict
-        from app.training import checkpoint as ckpt
         tag = f"iter_{iteration:07d}"
         state = dict(client_state)
         if hasattr(self.lr_scheduler, "num_steps"):  # for --no-load-optim resumes
@@ -217,15 +311,40 @@ class DeepSpeedEngineAdapter(Engine):
             client_state["consumed_valid_samples"], iteration)
         if not self.cfg.checkpoint.no_save_rng:
             state["rng_state"] = rng_state_dict()
-        self.ds.save_checkpoint(save_dir, tag=tag, client_state=state)
-        collectives.barrier(world_group())
-        if self.ps.rank == 0:  # Megatron's tracker too, so both worlds agree on the latest iteration
-            ckpt.write_tracker(save_dir, iteration)
-            keep = self.cfg.checkpoint.keep_last_n_checkpoints
-            if keep:
-                ckpt.rotate_checkpoints(save_dir, keep, iteration)
-        collectives.barrier(world_group())
-        return os.path.join(save_dir, tag)
+        files, directory = self.files, os.path.join(save_dir, tag)
+        device = next(self.ds.module.parameters()).device
+        fresh = not os.path.isdir(directory)  # checked before DeepSpeed's first barrier
+        if files is not None:
+            files.begin()
+        self.ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
+        errors = files.errors if files is not None else []
+        if not all_ranks_ok(not errors, device):
+            self._undo_save(directory, fresh)
+            raise ckpt.save_failure(save_dir, iteration, errors[0][1] if errors else None,
+                                    errors[0][0] if errors else "")
+        error: Optional[OSError] = None
+        if self.ps.rank == 0:  # both worlds' trackers name the iteration only now
+            try:
+                atomic_write_bytes(os.path.join(save_dir, "latest"), tag.encode("ascii"),
+                                   durable=True)
+                ckpt.write_tracker(save_dir, iteration)
+            except OSError as exc:
+                error = exc
+            else:
+                keep = self.cfg.checkpoint.keep_last_n_checkpoints
+                if keep:
+                    ckpt.rotate_checkpoints(save_dir, keep, iteration)
+        if not all_ranks_ok(error is None, device):
+            self._undo_save(directory, fresh)
+            raise ckpt.save_failure(save_dir, iteration, error, ckpt.tracker_path(save_dir))
+        return directory
+
+    def _undo_save(self, directory: str, fresh: bool) -> None:
+        """Remove this save's new files, and its tag directory when the save created it."""
+        if self.files is not None:
+            self.files.undo(directory)
+        if fresh:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _check_loadable(self, load_dir: str, plan: ResumePlan, where: str) -> None:
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, and
@@ -255,18 +374,24 @@ class DeepSpeedEngineAdapter(Engine):
         DeepSpeed's ds_to_universal.py); DeepSpeed then slices every parameter and Adam moment
         for this run's DP and TP sizes, so the saved layout need not match this run's.
         """
-        from app.training import checkpoint as ckpt
         universal = self.cfg.deepspeed.universal_checkpoint
         tag = self._universal_tag(load_dir) if universal else (
             "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
         where = os.path.join(load_dir, tag)
-        if not universal:  # universal files are re-sliced for any layout; args checked below
+        if universal:  # re-sliced for any layout (args checked below); DeepSpeed reads the
+            # fragments itself with weights_only=False: scan them for unsafe globals first
+            for fragment in sorted(glob.glob(os.path.join(where, "zero", "**", "*.pt"),
+                                             recursive=True)):
+                ckpt_files.check_pickled_globals(fragment, deepspeed_safe_globals())
+        else:
             self._check_loadable(load_dir, plan, where)
         try:
             path, client = self.ds.load_checkpoint(
                 load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,
                 load_lr_scheduler_states=plan.load_optimizer,
                 load_module_only=plan.weights_only)
+        except ckpt.CheckpointError:
+            raise  # a corrupt or unsafe file, refused by CheckedCheckpointEngine
         except RuntimeError as exc:  # state-dict names or shapes that do not fit this model
             raise ckpt.CheckpointError(f"DeepSpeed checkpoint {where} does not fit this model: "
                                        f"{str(exc).splitlines()[0][:400]}") from exc

@@ -6,6 +6,12 @@
   RANK is not): ranks are discovered through mpi4py, rank 0's host becomes the master, and the
   same variables are exported before `init_process_group`.
 - A plain `python pretrain_gpt2.py` is a world of one and starts no process group.
+
+Every process group gets `--distributed-timeout-minutes` (Megatron's flag, default 10): the
+default group here, the layout's groups in app.mpu.parallel_state, and (through torch's default
+for `new_group`, which this module sets too) any group DeepSpeed creates. A rendezvous port that
+is taken is reported with the port and how to choose another; where the project picks the port
+itself (mpirun without MASTER_PORT, a one-process DeepSpeed run) it takes a free one.
 """
 from __future__ import annotations
 
@@ -56,11 +62,60 @@ def _discover_mpi() -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    master = comm.bcast(_routable_address() if rank == 0 else None, root=0)
+    chosen = (_routable_address(), pick_master_port()) if rank == 0 else None
+    master, port = comm.bcast(chosen, root=0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local.Get_rank()),
                       LOCAL_WORLD_SIZE=str(local.Get_size()))
     os.environ.setdefault("MASTER_ADDR", master)
-    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+DEFAULT_MASTER_PORT = 29500
+
+
+def port_is_free(port: int, host: str = "") -> bool:
+    """True when a TCP socket can listen on `port` here right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_master_port(preferred: int = DEFAULT_MASTER_PORT) -> int:
+    """`preferred` when it is free on this host, else a free port the OS hands out (for rank 0
+    when the project chooses the rendezvous port itself)."""
+    if port_is_free(preferred):
+        return preferred
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class RendezvousPortInUse(ValueError):
+    """Rank 0 cannot listen on MASTER_PORT; the message names the port and how to change it."""
+
+
+def _port_in_use_error(exc: BaseException) -> Optional[RendezvousPortInUse]:
+    text = str(exc)
+    if "EADDRINUSE" not in text and "ddress already in use" not in text:
+        return None
+    port = os.environ.get("MASTER_PORT", "?")
+    address = os.environ.get("MASTER_ADDR", "?")
+    return RendezvousPortInUse(
+        f"the rendezvous port {port} (MASTER_ADDR {address}, MASTER_PORT {port}) is already in "
+        "use on this host, by another run or program. Choose another port: "
+        "`deepspeed --master_port P ...`, `torchrun --master-port P ...` (or "
+        "`--rdzv-endpoint host:P`), or `export MASTER_PORT=P` before mpirun / a launch script")
+
+
+def set_timeout_default(timeout: datetime.timedelta) -> None:
+    """Make `timeout` torch's default for process groups created without one (DeepSpeed's)."""
+    import torch.distributed.distributed_c10d as c10d
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def default_backend() -> str:
@@ -107,8 +162,10 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
                      timeout_minutes: float = 10.0) -> DistributedInfo:
     """Start the default process group if the launcher made a world of several ranks.
 
-    `backend` None picks `default_backend()`. Returns this rank's info; the device is
-    `cuda:LOCAL_RANK` on GPUs and the CPU otherwise.
+    `backend` None picks `default_backend()`. Every collective of this group, and of groups
+    created later without a timeout, fails after `timeout_minutes` instead of waiting forever
+    for a stopped rank. A taken rendezvous port raises RendezvousPortInUse. Returns this rank's
+    info; the device is `cuda:LOCAL_RANK` on GPUs and the CPU otherwise.
     """
     world = discover_world(use_mpi)
     use_cuda = torch.cuda.is_available()
@@ -118,9 +175,17 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
         keep_freed_memory()
     if use_cuda:
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    set_timeout_default(timeout)
     if world.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        try:
+            dist.init_process_group(backend=backend, rank=world.rank,
+                                    world_size=world.world_size, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - re-raised, clearer when it is the port
+            clash = _port_in_use_error(exc)
+            if clash is not None:
+                raise clash from exc
+            raise
     return DistributedInfo(rank=world.rank, world_size=world.world_size,
                            local_rank=world.local_rank, device=device)
 
@@ -131,6 +196,15 @@ def world_group():
     if dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
+
+
+def all_ranks_ok(ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank (an all-reduce of one flag over the world; also a
+    barrier). `device` holds the flag (NCCL reduces device tensors only)."""
+    from app.mpu import collectives
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    collectives.all_reduce(flag, world_group(), op="max")
+    return flag.item() == 0.0
 
 
 def shutdown_distributed(graceful: bool = True) -> None:

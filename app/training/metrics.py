@@ -157,6 +157,7 @@ _LOG_FIELDS: Tuple[Tuple[str, str, str], ...] = (
     # (key in values, label, format)
     ("consumed_samples", "consumed samples", "{:12d}"),
     ("ms_per_iteration", "elapsed time per iteration (ms)", "{:.1f}"),
+    ("eta_s", "ETA", "{hms}"),
     ("lr", "learning rate", "{:.6E}"),
     ("global_batch_size", "global batch size", "{:5d}"),
     ("lm_loss", "lm loss", "{:.6E}"),
@@ -169,7 +170,19 @@ _LOG_FIELDS: Tuple[Tuple[str, str, str], ...] = (
 )
 
 
+def format_duration(seconds: float) -> str:
+    """3725.2 -> '1:02:05'; days as '2 days, 3:04:05'; '?' when not finite."""
+    if not math.isfinite(seconds):
+        return "?"
+    whole = int(round(max(0.0, seconds)))
+    days, rest = divmod(whole, 86400)
+    text = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days} day{'s' if days != 1 else ''}, {text}" if days else text
+
+
 def _fmt(fmt: str, value: Any) -> str:
+    if fmt == "{hms}":
+        return format_duration(float(value))
     if "d}" in fmt:
         return fmt.format(int(value))
     return fmt.format(float(value))
@@ -179,7 +192,7 @@ def format_train_log(iteration: int, train_iters: int, values: Mapping[str, Any]
     """Megatron's one-line training log, extended with throughput, MFU and memory.
 
     ' iteration       10/     200 | consumed samples:           80 | elapsed time per iteration
-    (ms): 123.4 | learning rate: 1.000000E-04 | lm loss: 5.123456E+00 | loss scale: 1.0 |
+    (ms): 123.4 | ETA: 0:00:23 | learning rate: 1.000000E-04 | lm loss: 5.123456E+00 | loss scale: 1.0 |
     grad norm: 1.234 | number of skipped iterations:   0 | tokens/s: 1234 | TFLOP/s per rank:
     0.123 | MFU: 12.34% | mem RSS/peak (MB): 812/900 |'. Keys absent or None are left out;
     `mfu` is a fraction; memory keys are those of memory_stats().

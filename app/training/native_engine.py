@@ -16,12 +16,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from app.config import RunConfig
-from app.mpu import collectives
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu.random import rng_state_dict
 from app.training import checkpoint as ckpt
 from app.training.checkpoint_inspect import check_loadable
-from app.training.distributed import world_group
+from app.training.distributed import all_ranks_ok, world_group
 from app.training.engine import Engine, StepResult
 from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
 
@@ -97,13 +96,14 @@ class NativeEngine(Engine):
             None if c.no_save_optim else self.optimizer.state_dict(),
             None if c.no_save_optim else self.lr_scheduler.state_dict(),
             rng, args_ns)
-        is_writer = self.ps.data_parallel_rank == 0
-        barrier = lambda: collectives.barrier(world_group())  # noqa: E731
-        if not is_writer:  # only one replica writes; the others wait for the tracker
-            barrier()
-            barrier()
+        device = next(self.module.parameters()).device
+        agree = lambda ok: all_ranks_ok(ok, device)  # noqa: E731
+        if self.ps.data_parallel_rank != 0:  # one replica writes; the others follow its outcome
+            for _ in range(2):
+                if not agree(True):
+                    raise ckpt.save_failure(save_dir, iteration, None)
             return ckpt.checkpoint_dir(save_dir, iteration)
-        return ckpt.save_checkpoint(save_dir, iteration, state, barrier=barrier,
+        return ckpt.save_checkpoint(save_dir, iteration, state, agree=agree,
                                     is_tracker_writer=self.ps.rank == 0,
                                     keep_last_n=c.keep_last_n_checkpoints, **self._rank_kwargs())
 

@@ -20,6 +20,7 @@ from app.data.gpt_dataset import (SPLIT_NAMES, check_token_ids, samples_per_pref
 from app.data.index_builder import compute_num_epochs, split_document_ranges
 from app.data.indexed_dataset import MMapIndexedDataset
 from app.training import checkpoint as ckpt
+from app.training import checkpoint_files as ckpt_files
 from app.training import checkpoint_inspect as inspect
 from app.training.memory import FIT_FRACTION, estimate_memory
 from app.training.resume import plan_resume
@@ -184,9 +185,9 @@ def check_data(report: Report, data_path: Sequence[str], split: str, seq_length:
 def _verify_checksums(report: Report, files: Sequence[str]) -> None:
     checked = 0
     for path in files:
-        if os.path.isfile(path + ckpt.CHECKSUM_SUFFIX):
+        if os.path.isfile(ckpt_files.sidecar_path(path)):
             try:
-                ckpt._verify_checksum(path)  # noqa: SLF001 (the format's own verifier)
+                ckpt_files.verify_checksum(path)
                 checked += 1
             except ckpt.CheckpointError as exc:
                 report.error(str(exc))

@@ -2,26 +2,37 @@
 
 `pretrain_gpt2.py` is the composition root: it parses the flags into a RunConfig once (with
 `arguments.py`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
+start-up checks of --save/--load (all ranks agree: writer lock, writable, no stale temporaries,
+resume or fresh start per app.training.resume.decide_start) -> launcher watch and watchdog ->
 parts of the run (app.training.run) -> checkpoint load (all ranks agree) -> datasets sized for
-the run -> Trainer. `main` turns configuration, data and checkpoint errors into exit code 2 and a run stopped by
-the non-finite policy (app.training.nonfinite) into 3.
+the run -> Trainer, with the exit-signal handler installed while it trains.
+
+`main` maps outcomes to exit codes: 0 for a finished run and for one stopped by a signal after
+its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3 for a run
+stopped by the non-finite policy (app.training.nonfinite); 4 (EXIT_PEER_FAILURE) when another
+rank died, stopped or hung.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from app.config import RunConfig, samples_per_split
 from app.data import build_train_valid_test_datasets
 from app.mpu import collectives
 from app.training.checkpoint import CheckpointError
-from app.training.distributed import init_distributed, shutdown_distributed, world_group
+from app.training.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
+                                      shutdown_distributed, world_group)
 from app.training.loss import LossFunction
 from app.training.nonfinite import TrainingAborted
-from app.training.resume import load_on_all_ranks
+from app.training.resume import StartDecision, decide_start, load_on_all_ranks
 from app.training.run import build_run
+from app.training.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
+from app.training.signals import ExitSignalHandler, LauncherWatch, detect_launcher, handler_enabled
 from app.training.trainer import RunState, Trainer
+from app.training.watchdog import PeerFailure, Watchdog
 from app.utils.rank_logging import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -46,6 +57,64 @@ def _datasets(cfg: RunConfig, rank: int) -> tuple:
     return datasets
 
 
+def _start_checks(cfg: RunConfig, info: DistributedInfo
+                  ) -> Tuple[Optional[SaveDirLock], StartDecision]:
+    """The --save/--load checks every rank runs before anything is built; all ranks agree.
+
+    Rank 0 claims --save (created, writable, writer lock, stale temporaries removed), every
+    other rank checks it can write there too; all apply the resume policy. If any rank fails,
+    every rank raises (the failing one with its own message) and the lock is released.
+    """
+    c = cfg.checkpoint
+    lock: Optional[SaveDirLock] = None
+    decision, error = StartDecision(None), None
+    try:
+        if c.save and info.rank == 0:
+            lock = claim_save_dir(c.save)
+        elif c.save:
+            ensure_writable_dir(c.save)
+        decision = decide_start(c)
+    except (ValueError, CheckpointError) as exc:
+        error = exc
+    if not all_ranks_ok(error is None, info.device):
+        if lock is not None:
+            lock.release()
+        raise error or SaveDirError("another rank failed the start-up checks of --save/--load; "
+                                    "its message says why")
+    return lock, decision
+
+
+def _load(run: Any, decision: StartDecision, device: Any) -> RunState:
+    if decision.note:
+        logger.info(decision.note)
+    if decision.load is None:
+        return RunState()
+    loaded = load_on_all_ranks(run.engine, decision.load, device)
+    if loaded is None:
+        raise CheckpointError(f"--load {decision.load}: its tracker disappeared while starting")
+    logger.info("loaded checkpoint %s: resuming at iteration %d, consumed samples %d",
+                loaded.path, loaded.iteration, loaded.consumed_train_samples)
+    return RunState(loaded.iteration, loaded.consumed_train_samples,
+                    loaded.consumed_valid_samples)
+
+
+def _signal_handler(cfg: RunConfig) -> Optional[ExitSignalHandler]:
+    """The exit-signal handler when --exit-signal-handler is on (by default: with --save)."""
+    c, setting = cfg.checkpoint, cfg.training.exit_signal_handler
+    if c.save_interval and not c.save:
+        logger.warning("--save-interval %d is set but --save is not: no checkpoint will be "
+                       "saved; add --save <directory>", c.save_interval)
+    enabled = handler_enabled(setting, c.save)
+    launcher = detect_launcher()
+    how = "--exit-signal-handler" if setting else "on by default with --save"
+    if enabled:
+        logger.info("exit signal handler (%s%s): SIGTERM, SIGINT and SIGUSR1 stop the run at the "
+                    "end of the iteration%s, exit status 0", how,
+                    f"; launched by {launcher}" if launcher else "",
+                    " with a checkpoint" if c.save else " (no --save: without a checkpoint)")
+    return ExitSignalHandler() if enabled else None
+
+
 def _log_precision(cfg: RunConfig) -> None:
     p = cfg.precision
     detail = ""
@@ -67,7 +136,9 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
     `tokenizer` gives the end-of-document id; `arguments_listing` (Megatron's "arguments" block)
     is printed at start; `loss_function` replaces Megatron's LM loss (app.training.loss).
     """
-    info = init_distributed(cfg.parallel.distributed_backend, cfg.deepspeed.mpi)
+    p = cfg.parallel
+    info = init_distributed(p.distributed_backend, cfg.deepspeed.mpi,
+                            p.distributed_timeout_minutes)
     setup_logging(info.rank, info.world_size)
     if arguments_listing:
         logger.info("------------------------ arguments ------------------------\n%s\n"
@@ -77,30 +148,37 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
                 cfg.raw_vocab_size, cfg.model.padded_vocab_size - cfg.raw_vocab_size,
                 cfg.model.padded_vocab_size)
     _log_precision(cfg)
-    run = build_run(cfg, info.world_size, info.device)
-    state = RunState()
-    if cfg.checkpoint.load:
-        loaded = load_on_all_ranks(run.engine, cfg.checkpoint.load, info.device)
-        if loaded is None:
-            logger.warning("--load %s holds no checkpoint (no latest_checkpointed_iteration.txt); "
-                           "starting from iteration 0", cfg.checkpoint.load)
-        else:
-            state = RunState(loaded.iteration, loaded.consumed_train_samples,
-                             loaded.consumed_valid_samples)
-            logger.info("loaded checkpoint %s: resuming at iteration %d, consumed samples %d",
-                        loaded.path, loaded.iteration, loaded.consumed_train_samples)
-    trainer = run.attach_trainer(_datasets(cfg, info.rank), tokenizer.eod, state,
-                                 loss_function=loss_function)
-    trainer.train()
+    with contextlib.ExitStack() as stack:
+        lock, decision = _start_checks(cfg, info)
+        if lock is not None:
+            stack.callback(lock.release)
+        stack.enter_context(LauncherWatch())
+        timeout_s = p.distributed_timeout_minutes * 60.0
+        watchdog = stack.enter_context(Watchdog(
+            timeout_s + max(30.0, 0.1 * timeout_s), info.rank, info.world_size,
+            on_expire=lock.release if lock is not None else None))
+        run = build_run(cfg, info.world_size, info.device)
+        state = _load(run, decision, info.device)
+        handler = _signal_handler(cfg)
+        trainer = run.attach_trainer(_datasets(cfg, info.rank), tokenizer.eod, state,
+                                     loss_function=loss_function, signals=handler,
+                                     watchdog=watchdog)
+        if handler is not None:
+            stack.enter_context(handler)
+        trainer.train()
     return trainer
 
 
 def main(run: Callable[[], Any]) -> int:
     """Call `run()` (which builds the config and trains) and return the process exit code:
-    configuration, data and checkpoint errors print one clear line and give 2; the process
-    group is torn down either way."""
+    configuration, data and checkpoint errors print one clear line and give 2; the non-finite
+    policy stopping the run gives 3; a dead, stopped or hung peer gives 4 (PeerFailure, without
+    waiting for the other ranks); the process group is torn down otherwise."""
     try:
         run()
+    except PeerFailure as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except (ValueError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         shutdown_distributed(graceful=False)

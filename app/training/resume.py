@@ -12,12 +12,27 @@ what the plan asks for (weights always, optimizer and LR-schedule state when
 - `--no-load-rng`: keep this run's seeds; otherwise the saved RNG states must be present;
 - a checkpoint without `args` can only be loaded weights-only (its shape cannot be checked);
 - every rank loads, then all agree: one rank's failure fails them all, and all must have
-  loaded the same iteration.
+  loaded the same iteration;
+- weights that are not finite are refused (a checkpoint of a diverged or damaged run).
+
+Before anything is loaded, `decide_start` says whether the run resumes, starts fresh or must
+be refused, so that a directory holding checkpoints is never trained into from scratch by
+accident:
+
+- `--load` that does not exist is an error, unless it equals `--save`: then the run starts
+  from iteration 0 (resume-or-start: the same command line resumes once checkpoints exist);
+- `--load` that exists but holds no tracker: an error when it holds checkpoints (iter_*
+  directories, DeepSpeed's `latest`: the tracker was lost, and the message says how to write
+  it); with `--load` = `--save` and no checkpoints at all, a fresh start (logged);
+- `--save` that holds checkpoints while the run does not resume from it (no `--load`, another
+  `--load`, or `--finetune` / a release checkpoint, which start at iteration 0): an error
+  unless `--overwrite-checkpoints` is given.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -71,6 +86,119 @@ class LoadResult:
     path: str
 
 
+@dataclass(frozen=True)
+class StartDecision:
+    """Where the run starts: `load` is the directory to resume from, None for a fresh start;
+    `note` says why, for the log."""
+
+    load: Optional[str]
+    note: str = ""
+
+
+def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def held_checkpoints(directory: str) -> str:
+    """A short description of the checkpoints `directory` holds ("" when none): the tracker's
+    iteration, iter_* directories, DeepSpeed's `latest`, a release checkpoint."""
+    if not directory or not os.path.isdir(directory):
+        return ""
+    parts = []
+    if os.path.isfile(ckpt.tracker_path(directory)):
+        with open(ckpt.tracker_path(directory), encoding="utf-8", errors="replace") as f:
+            parts.append(f"tracker naming {f.read().strip()[:40]!r}")
+    iterations = ckpt.list_checkpoint_iterations(directory)
+    if iterations:
+        shown = ", ".join(os.path.basename(ckpt.checkpoint_dir(directory, i))
+                          for i in iterations[-3:])
+        parts.append(f"{len(iterations)} iteration director{'y' if len(iterations) == 1 else 'ies'}"
+                     f" ({'..., ' if len(iterations) > 3 else ''}{shown})")
+    latest = os.path.join(directory, "latest")
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8", errors="replace") as f:
+            parts.append(f"DeepSpeed 'latest' naming {f.read().strip()[:40]!r}")
+    if os.path.isdir(os.path.join(directory, "release")):
+        parts.append("a release checkpoint")
+    return "; ".join(parts)
+
+
+def _lost_tracker_error(directory: str, held: str, overwrite_hint: bool) -> ckpt.CheckpointError:
+    iterations = ckpt.list_checkpoint_iterations(directory)
+    fix = (f"to resume, write the iteration into it (e.g. `echo {iterations[-1]} > "
+           f"{ckpt.tracker_path(directory)}`, after checking that iteration is complete)"
+           if iterations else f"to resume, write the iteration into {ckpt.tracker_path(directory)}")
+    also = ("; to train from scratch over them, pass --overwrite-checkpoints"
+            if overwrite_hint else "")
+    return ckpt.CheckpointError(f"{directory} holds checkpoints ({held}) but no "
+                                f"{ckpt.TRACKER_FILENAME}, so which one is the latest is not "
+                                f"known: {fix}{also}")
+
+
+def decide_start(c: CheckpointConfig) -> StartDecision:
+    """Resume, start fresh, or refuse (CheckpointError), per the rules in the module doc."""
+    same = _same_dir(c.load, c.save)
+    if c.load:
+        if not os.path.exists(c.load):
+            if not same:
+                raise ckpt.CheckpointError(
+                    f"--load {c.load} does not exist; check the path (drop --load to start "
+                    "from scratch)")
+            return StartDecision(None, f"--load {c.load} does not exist yet: starting from "
+                                       "iteration 0 (it equals --save, so a relaunch resumes)")
+        if not os.path.isdir(c.load):
+            raise ckpt.CheckpointError(f"--load {c.load} is a file, not a checkpoint directory")
+        tracker = ckpt.read_tracker(c.load)
+        if tracker is None:
+            held = held_checkpoints(c.load)
+            if held and not (same and c.overwrite_checkpoints):
+                raise _lost_tracker_error(c.load, held, overwrite_hint=same)
+            if not same:
+                raise ckpt.CheckpointError(
+                    f"--load {c.load} holds no checkpoint (no {ckpt.TRACKER_FILENAME}); check "
+                    "the path (drop --load to start from scratch)")
+            note = (f"--load {c.load} holds no checkpoint yet: starting from iteration 0 (it "
+                    "equals --save, so a relaunch resumes)")
+            if held:
+                note = (f"--overwrite-checkpoints: training from scratch into {c.save}, over "
+                        f"the checkpoints it holds ({held})")
+            return StartDecision(None, note)
+        restart = c.finetune or tracker == "release"
+        if c.save and (restart or not same):
+            _refuse_overwrite(c, "this run starts at iteration 0 (--finetune or a release "
+                                 "checkpoint)" if restart else f"it loads from --load {c.load}")
+        return StartDecision(c.load, "")
+    if c.save:
+        _refuse_overwrite(c, "there is no --load")
+    return StartDecision(None, "")
+
+
+def _refuse_overwrite(c: CheckpointConfig, why: str) -> None:
+    held = held_checkpoints(c.save)
+    if not held:
+        return
+    if c.overwrite_checkpoints:
+        logger.warning("--overwrite-checkpoints: --save %s holds checkpoints (%s); this run "
+                       "writes its own over them", c.save, held)
+        return
+    resume = f"pass --load {c.save} to resume from them, " if why == "there is no --load" else ""
+    raise ckpt.CheckpointError(
+        f"--save {c.save} already holds checkpoints ({held}) and {why}, so they would be "
+        f"overwritten: {resume}choose another --save, or pass --overwrite-checkpoints to "
+        "write over them")
+
+
+def check_finite_weights(module: torch.nn.Module, where: str) -> None:
+    """CheckpointError naming the first parameter with NaN or Inf values after a load."""
+    for name, param in module.named_parameters():
+        if not bool(torch.isfinite(param.detach()).all()):
+            bad = int((~torch.isfinite(param.detach())).sum())
+            raise ckpt.CheckpointError(
+                f"checkpoint {where} holds non-finite weights ({bad} NaN/Inf values in {name}): "
+                "it was saved from a diverged run or is damaged; load an earlier iteration "
+                "(write it into the tracker file)")
+
+
 def plan_resume(c: CheckpointConfig, iteration: ckpt.Iteration) -> ResumePlan:
     """The plan for loading `iteration` under --finetune / --no-load-optim / --no-load-rng."""
     release = iteration == "release"
@@ -114,6 +242,7 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
         return None
     plan = plan_resume(c, iteration)
     contents: CheckpointContents = engine.read_checkpoint(load_dir, plan)
+    check_finite_weights(engine.module, contents.path)
     if plan.weights_only:
         logger.info("loaded weights from %s (%s): starting at iteration 0 with a fresh optimizer",
                     contents.path, plan.reason)

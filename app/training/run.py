@@ -9,6 +9,7 @@ module that chooses between the engines.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -36,13 +37,15 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
     """Tensor/pipeline/data groups for the layout; the one-process state for a world of one
     (DeepSpeed runs always get real groups: DeepSpeed needs a process group even for one rank)."""
     p = cfg.parallel
+    timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
     if cfg.deepspeed.enabled:
         from app.training.deepspeed_engine import ensure_distributed
-        ensure_distributed(p.distributed_backend)
+        ensure_distributed(p.distributed_backend, p.distributed_timeout_minutes)
     elif world_size == 1:
         return ParallelState.single()
     return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                     cfg.virtual_pipeline_model_parallel_size)
+                                     cfg.virtual_pipeline_model_parallel_size,
+                                     timeout=timeout)
 
 
 def set_seeds(seed: int, parallel_state: ParallelState) -> None:
@@ -115,12 +118,13 @@ class Run:
     def attach_trainer(self, datasets: Tuple[Any, Any, Any], eod: int,
                        state: Optional[RunState] = None,
                        loss_function: Optional[LossFunction] = None,
-                       return_logits: bool = False) -> Trainer:
+                       return_logits: bool = False, **guards: Any) -> Trainer:
         """Create the Trainer over (train, valid, test) datasets starting at `state`, with the
-        training loss `loss_function` (default: Megatron's LM loss; app.training.loss)."""
+        training loss `loss_function` (default: Megatron's LM loss; app.training.loss); `guards`
+        are its optional `signals` (ExitSignalHandler) and `watchdog` (Watchdog)."""
         self.trainer = Trainer(self.cfg, self.engine, self.ps, datasets, eod, self.device,
                                state=state, loss_function=loss_function,
-                               return_logits=return_logits)
+                               return_logits=return_logits, **guards)
         return self.trainer
 
 

@@ -4,6 +4,11 @@ The loop talks only to an `Engine` (native or DeepSpeed) and to a forward/backwa
 (no pipelining, or 1F1B when the pipeline has several stages). It keeps the run's position as
 `iteration` and `consumed_train_samples` / `consumed_valid_samples`, which checkpoints carry,
 so a resumed run continues exactly where it stopped.
+
+Faults (docs/reliability.md): at the end of every iteration the ranks agree in one all-reduce
+whether to stop (a signal recorded by `signals`, the `--exit-duration-in-mins` budget), then all
+save and return; the loop reports its phase to `watchdog`, and a collective that fails because
+another rank died or timed out becomes a PeerFailure naming this rank and the phase.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,9 +27,12 @@ from app.training import metrics as metrics_lib
 from app.training.distributed import world_group
 from app.training.data_loading import BatchBuilder, build_data_iterator, check_data_suffices
 from app.training.engine import Engine
+from app.training.checkpoint import CheckpointError
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
 from app.training.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.rollback import SpikeRollback
+from app.training.signals import ExitSignalHandler, signal_name
+from app.training.watchdog import Watchdog, is_peer_failure
 from app.utils.dtypes import torch_dtype
 from app.utils.rank_logging import LAST_RANK
 
@@ -74,10 +82,15 @@ class Trainer:
     def __init__(self, cfg: RunConfig, engine: Engine, parallel_state: Any, datasets: tuple,
                  eod: int, device: torch.device, state: Optional[RunState] = None,
                  loss_function: Optional[LossFunction] = None,
-                 return_logits: bool = False) -> None:
+                 return_logits: bool = False, *,
+                 signals: Optional[ExitSignalHandler] = None,
+                 watchdog: Optional[Watchdog] = None) -> None:
         self.cfg, self.engine, self.ps = cfg, engine, parallel_state
         self.objective = MicroBatchObjective(loss_function or DEFAULT_LOSS, parallel_state,
                                              return_logits)
+        self.signals, self.watchdog = signals, watchdog
+        self.stop_signal = 0
+        """The signal that stopped training (0 when none did)."""
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.device = device
         # Megatron's print_rank_last: the loss lives on the last pipeline stage
@@ -146,8 +159,14 @@ class Trainer:
         model, m = self.engine.module, self.cfg.model
         # sequence parallelism passes [b, s/tp, h] slices between pipeline stages
         seq = m.seq_length // (self.ps.tensor_model_parallel_size if m.sequence_parallel else 1)
+        phase = "evaluation" if forward_only else "forward-backward"
+
+        def next_batch():
+            self._beat(phase)
+            return self.batches.next(iterator)
+
         return schedule(forward_step_func=lambda batch: self.objective.forward_step(model, batch),
-                        batch_func=lambda: self.batches.next(iterator),
+                        batch_func=next_batch,
                         model=model, num_microbatches=self.num_micro,
                         loss_func=self._loss_func(forward_only),
                         backward_func=self.engine.backward,
@@ -164,6 +183,10 @@ class Trainer:
         if self.ps.data_parallel_size > 1:
             collectives.all_reduce(means, self.ps.data_parallel_group, op="avg")
         return dict(zip(names, means.tolist()))
+
+    def _beat(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(phase, self.state.iteration + 1)
 
     def _loss_func(self, forward_only: bool) -> Callable:
         """The schedule's loss_func: the objective's, through LOSS_HOOK in training."""
@@ -188,6 +211,7 @@ class Trainer:
         self.timers("forward-backward").start()
         losses = self._forward_backward(iterator, forward_only=False)
         self.timers("forward-backward").stop()
+        self._beat("optimizer")
         self.timers("optimizer").start()
         result = self.engine.step()
         self.timers("optimizer").stop()
@@ -246,6 +270,7 @@ class Trainer:
                                                       self.cfg.model.seq_length, per_iter)
         values = {
             "consumed_samples": s.consumed_train_samples, "lr": step["lr"],
+            "eta_s": per_iter * max(0, t.train_iters - s.iteration),
             "lm_loss": sum(acc.losses) / len(acc.losses) if acc.losses else float("nan"),
             # Megatron logs the last iteration's norm (None when that step was skipped)
             "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),
@@ -288,22 +313,50 @@ class Trainer:
         save = self.cfg.checkpoint.save
         if not save:
             return
+        self._beat("checkpoint save")
         t0 = time.time()
-        path = self.engine.save_checkpoint(save, self.state.iteration, self.state.client_state())
+        if self.signals is not None:
+            self.signals.saving = True
+        try:
+            path = self.engine.save_checkpoint(save, self.state.iteration,
+                                               self.state.client_state())
+        finally:
+            if self.signals is not None:
+                self.signals.saving = False
         self.log(f"saved checkpoint at iteration {self.state.iteration} to {path} "
                  f"({time.time() - t0:.2f} s)")
 
-    def _should_exit_on_time(self) -> bool:
+    def _stop_request(self) -> Tuple[bool, int]:
+        """(the --exit-duration-in-mins budget is spent, the signal to stop on or 0), the same on
+        every rank: one all-reduce (max) of both, so all ranks stop at the same iteration."""
         limit = self.cfg.training.exit_duration_in_mins
-        if not limit:
-            return False
-        over = torch.tensor([1.0 if (time.time() - self.start_time) / 60.0 > limit else 0.0],
-                            device=self.device)  # NCCL reduces device tensors only
-        collectives.all_reduce(over, world_group(), op="max")  # every rank stops at the same iteration
-        return bool(over.item() > 0)
+        if not limit and self.signals is None:
+            return False, 0
+        self._beat("stop agreement")
+        over = 1.0 if limit and (time.time() - self.start_time) / 60.0 > limit else 0.0
+        signum = float(self.signals.pending()) if self.signals is not None else 0.0
+        flags = torch.tensor([over, signum], device=self.device)  # NCCL reduces device tensors
+        collectives.all_reduce(flags, world_group(), op="max")
+        return bool(flags[0].item() > 0), int(flags[1].item())
 
     def train(self) -> RunState:
-        """Train to `train_iters` (or an exit condition); evaluate and save as configured."""
+        """Train to `train_iters` (or an exit condition); evaluate and save as configured.
+
+        A collective that fails because another rank died or timed out raises PeerFailure
+        (when a watchdog is attached)."""
+        try:
+            return self._train()
+        except (TrainingAborted, CheckpointError):
+            raise
+        except RuntimeError as exc:
+            if self.watchdog is not None and is_peer_failure(exc):
+                raise self.watchdog.failure(exc) from exc
+            raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.idle()
+
+    def _train(self) -> RunState:
         t, s, c = self.cfg.training, self.state, self.cfg.checkpoint
         if s.iteration >= t.train_iters:
             self.log(f"nothing to train: the run is at iteration {s.iteration} and --train-iters "
@@ -348,8 +401,9 @@ class Trainer:
             if t.eval_iters and self.valid_ds is not None and s.iteration % t.eval_interval == 0:
                 self._report_eval("valid", self.evaluate(valid_iter, t.eval_iters))
                 s.consumed_valid_samples += t.eval_iters * t.global_batch_size
+            out_of_time, self.stop_signal = self._stop_request()
             exiting = bool(t.exit_interval and s.iteration % t.exit_interval == 0)
-            exiting = exiting or self._should_exit_on_time()
+            exiting = exiting or out_of_time or bool(self.stop_signal)
             if c.save and ((c.save_interval and s.iteration % c.save_interval == 0) or exiting):
                 if self.nonfinite.in_streak:
                     logger.warning("iteration %d: not saving a checkpoint during a run of "
@@ -357,12 +411,30 @@ class Trainer:
                 else:
                     self._save()
                     last_saved = s.iteration
-        if exiting:
+        if self.stop_signal:
+            self._log_signal_exit(last_saved)
+        elif exiting:
             self.log(f"exiting at iteration {s.iteration} (exit condition reached)")
         else:
             self._finish(valid_iter, last_saved)
         self.writer.close()
         return s
+
+    def _log_signal_exit(self, last_saved: Optional[int]) -> None:
+        c, s = self.cfg.checkpoint, self.state
+        name = signal_name(self.stop_signal)
+        if c.save and last_saved != s.iteration:  # a non-finite streak: no checkpoint of it
+            self.log(f"exiting after {name} at iteration {s.iteration} without a checkpoint of "
+                     "it (its state is not finite); exit status 0. The latest checkpoint in "
+                     f"{c.save} is the one to resume from")
+        elif c.save:
+            from app.training.checkpoint import checkpoint_dir
+            self.log(f"exiting after {name}: saved the checkpoint of iteration {s.iteration} to "
+                     f"{checkpoint_dir(c.save, s.iteration)}; exit status 0. Relaunch with "
+                     f"--load {c.save} to resume")
+        else:
+            self.log(f"exiting after {name} at iteration {s.iteration} without a checkpoint (no "
+                     "--save); exit status 0")
 
     def _check_data_suffices(self) -> None:
         """Every rank alike: the training and validation data hold what the iterations left to

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import IO, Any, Callable, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, List, Optional
 
 TMP_MARKER = ".tmp."
 """Temporary files are named `<final name>.tmp.<pid>` (see `is_temporary` / `tmp_path`)."""
@@ -24,6 +24,45 @@ def is_temporary(name: str) -> bool:
     """True for a name written by `tmp_path` (left behind only by a process that was killed)."""
     head, sep, pid = name.rpartition(TMP_MARKER)
     return bool(head and sep and pid.isdigit())
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this id exists on this host (it may belong to another user)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_temporaries(root: str, *, only_dead: bool = True, prefix: str = "") -> List[str]:
+    """Delete the temporary files (`is_temporary` names) under `root`, recursively; return them.
+
+    They are what a killed writer leaves behind (a save or a preprocess that never reached its
+    rename), and they can be as large as a whole checkpoint. With `only_dead` (the default) a
+    file is removed only when the process named by its pid suffix no longer runs on this host,
+    so a writer that is still at work keeps its file; pass False when the caller owns `root`
+    exclusively (the checkpoint directory under its writer lock). `prefix` limits the search to
+    names starting with it. A file that cannot be removed is skipped.
+    """
+    removed: List[str] = []
+    if not os.path.isdir(root):
+        return removed
+    for directory, _, names in os.walk(root):
+        for name in names:
+            if not (name.startswith(prefix) and is_temporary(name)):
+                continue
+            if only_dead and pid_alive(int(name.rpartition(TMP_MARKER)[2])):
+                continue
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                os.remove(path)
+                removed.append(path)
+    return removed
 
 
 def fsync_dir(path: str) -> None:
@@ -41,11 +80,19 @@ def fsync_dir(path: str) -> None:
 
 
 def write_durably(path: str, write: Callable[[IO[bytes]], Any]) -> None:
-    """Call `write(f)` on a new binary file at `path`, then flush and fsync it (no rename)."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    """Call `write(f)` on a new binary file at `path`, then flush and fsync it (no rename).
+
+    On any failure (a full disk, say) the partial file is removed before the error propagates.
+    """
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
 
 
 @contextlib.contextmanager

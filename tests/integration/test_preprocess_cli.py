@@ -3,6 +3,8 @@ import gzip
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -199,6 +201,26 @@ def test_preprocess_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=root)
     assert out.stdout.strip() == "False"  # workers start fast; torch is only for batches
+
+
+def test_temporaries_left_by_a_killed_run_are_removed(corpus, tmp_path, capsys):
+    """A killed preprocess leaves `<output>.bin.tmp.<pid>`; the next run for that prefix removes
+    it (its writer is dead), and leaves other prefixes' files and live writers' files alone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stale = tmp_path / f"out_content_document.bin.tmp.{dead.pid}"
+    live = tmp_path / f"out_content_document.bin.tmp.{writer.pid}"
+    other = tmp_path / f"another_content_document.bin.tmp.{dead.pid}"
+    for path in (stale, live, other):
+        path.write_bytes(b"\0" * 4096)
+    try:
+        run(corpus, tmp_path / "out")
+    finally:
+        writer.kill()
+        writer.wait()
+    assert not stale.exists() and live.exists() and other.exists()
+    assert f"removed {stale}" in capsys.readouterr().err
 
 
 def test_empty_input_is_an_error_and_writes_nothing(corpus, tmp_path):

@@ -92,8 +92,11 @@ def test_cli_errors_exit_nonzero_with_clear_messages(tiny_corpus, tmp_path):
     assert garbled.returncode == 2 and "latest_checkpointed_iteration.txt" in garbled.stderr
 
     empty = tmp_path / "empty"
-    empty.mkdir()
-    fresh = _cli(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(empty)), tmp_path)
+    empty.mkdir()  # an empty --load is a mistyped path, unless it is also --save (resume-or-start)
+    typo = _cli(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(empty)), tmp_path)
+    assert typo.returncode == 2 and "holds no checkpoint" in typo.stderr, typo.stderr
+    fresh = _cli(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(empty), "--save",
+                               str(empty)), tmp_path)
     assert fresh.returncode == 0 and "starting from iteration 0" in fresh.stdout
 
 

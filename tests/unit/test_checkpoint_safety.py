@@ -18,6 +18,7 @@ def rng_state(tracker=None):
     return state
 
 from app.training import checkpoint as ckpt
+from app.training import checkpoint_files as ckpt_files
 
 H = 4
 
@@ -181,7 +182,7 @@ def test_damaged_file_raises_naming_it(tmp_path, how, keep_checksum):
     save_two_ranks(s, 10)
     path = ckpt.checkpoint_path(s, 10, tp_rank=1)
     if not keep_checksum:
-        os.remove(path + ckpt.CHECKSUM_SUFFIX)
+        os.remove(path + ckpt_files.CHECKSUM_SUFFIX)
     if how == "delete":
         os.remove(path)
     else:
@@ -222,7 +223,7 @@ def test_unexpected_pickled_class_is_refused(tmp_path, obj):
     ckpt.save_checkpoint(s, 10, state)
     with pytest.raises(pickle.UnpicklingError) as info:
         ckpt.load_checkpoint_dict(s)
-    assert isinstance(info.value, ckpt.UnsafeCheckpointError)
+    assert isinstance(info.value, ckpt_files.UnsafeCheckpointError)
     assert ckpt.checkpoint_path(s, 10) in str(info.value)
 
 

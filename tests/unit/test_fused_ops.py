@@ -157,3 +157,9 @@ def test_kernel_flags_and_their_validation():
     with pytest.raises(ValueError, match=r"--kernel-build-timeout \(600 s\) must be below "
                                          r"--distributed-timeout-minutes \(10 min = 600 s\)"):
         arguments.config_from_argv(two + ["--kernel-build-timeout", "600"], 2, 100)
+    longer = two + ["--distributed-timeout-minutes", "20"]
+    assert arguments.config_from_argv(longer + ["--kernel-build-timeout", "900"], 2, 100)
+    short = two + ["--distributed-timeout-minutes", "0.5"]  # without the flag: half of it
+    assert arguments.config_from_argv(short, 2, 100).kernels.build_timeout == 15.0
+    with pytest.raises(ValueError, match=r"--distributed-timeout-minutes \(0.5 min = 30 s\)"):
+        arguments.config_from_argv(short + ["--kernel-build-timeout", "60"], 2, 100)

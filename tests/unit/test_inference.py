@@ -8,7 +8,8 @@ import torch
 
 from app.config import ModelConfig
 from app.convert.hf_gpt2 import hf_config, to_hf_state
-from app.inference.zeroshot import PerplexityResult, count_words, sliding_windows, wikitext_detokenize
+from app.inference.zeroshot import (PerplexityResult, count_words, perplexity, sliding_windows,
+                                   wikitext_detokenize)
 from app.inference.generation import beam_search, generate
 from app.inference.kv_cache import KVCache
 from app.inference.runner import PipelineRunner
@@ -143,6 +144,24 @@ def test_sliding_windows_score_every_target_once():
                               num_original_tokens=51).metrics()
     assert result["loss"] == 0.5 and result["token_ratio"] == 2.0
     assert result["adjusted_ppl"] == pytest.approx(2.718281828, rel=1e-6)
+
+
+def test_perplexity_windows_batches_and_progress(models, capfd):
+    """Summed loss of non-overlapping windows in micro-batches of 2 equals the cross-entropy of
+    one forward of all windows' logits (padded vocabulary, as Megatron scores); the evaluation
+    reports its batches with rate and ETA on stderr."""
+    runner, _ = models
+    tokens = [(7 * i + 3) % V for i in range(3 * 16 + 1)]  # 48 targets: three windows of 16
+    total, scored = perplexity(runner, tokens, 16, None, pad_id=EOD, micro_batch_size=2)
+    with torch.no_grad():
+        windows = torch.tensor(tokens[:-1]).view(3, 16)  # [3, 16]
+        labels = torch.tensor(tokens[1:]).view(3, 16)  # [3, 16]
+        logits = runner.forward(windows, torch.arange(16).expand(3, -1))  # [3, 16, PADDED]
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, PADDED).double(),
+                                                 labels.reshape(-1), reduction="sum")
+    assert scored == 48 and total == pytest.approx(float(want), rel=1e-6)
+    err = capfd.readouterr().err
+    assert "perplexity: 100% 2/2" in err and "ETA" in err and "batches/s" in err
 
 
 def test_wikitext_detokenizer_and_word_count():

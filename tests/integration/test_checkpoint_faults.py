@@ -1,0 +1,198 @@
+"""Checkpoint faults on both paths: a full disk during a save, flipped bytes, a crafted pickle
+that would run a command, non-finite weights. Each must end with a clear error (exit 2),
+nothing executed, no temporary file left and the previous checkpoint still the latest."""
+import contextlib
+import errno
+import io
+import os
+import shutil
+
+import torch
+
+from app.testing.distributed import run_distributed
+from app.training import checkpoint as ckpt
+from app.training import checkpoint_files as ckpt_files
+from tests.integration.conftest import tiny_gpt_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUIET = ["--log-interval", "1", "--eval-iters", "0", "--peak-flops", "1e11"]
+
+
+class RunsACommand:
+    """Unpickling this runs `touch <marker>` (what an attacker would make run anything)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _main(argv):
+    """pretrain_gpt2.main in this process: (exit code, stderr text)."""
+    from pretrain_gpt2 import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def _full_disk(monkeypatch, when):
+    """Writes of files whose path contains `when` put 1 KiB on disk, then fail with ENOSPC."""
+    real = ckpt.write_durably
+
+    def write(path, fn):
+        if when not in path:
+            return real(path, fn)
+
+        def partial(f):
+            f.write(b"\0" * 1024)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(path, partial)
+    monkeypatch.setattr(ckpt, "write_durably", write)
+
+
+def _temporaries(root):
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if ".tmp." in n]
+
+
+def _rewrite(path, change):
+    """Load a checkpoint file, change it, and write it back with a valid checksum sidecar (so
+    only the content, not the checksum, can stop it)."""
+    with torch.serialization.safe_globals(ckpt_files.allowed_globals()):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    change(state)
+    hidden = os.path.exists(ckpt_files.sidecar_path(path, hidden=True))
+    ckpt.write_checked_file(path, lambda f: torch.save(state, f), hidden_sidecar=hidden)
+
+
+def _first_weight(module_state):
+    return next(k for k, v in module_state.items() if torch.is_tensor(v) and v.is_floating_point())
+
+
+def test_native_full_disk_and_non_finite_weights(tiny_corpus, tmp_path, monkeypatch):
+    ck = str(tmp_path / "ck")
+    args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "4", *QUIET, "--save", ck,
+                         "--load", ck, "--save-interval", "2")
+    _full_disk(monkeypatch, "iter_0000004")
+    code, err = _main(args)
+    assert code == 2, err
+    assert "could not save the checkpoint of iteration 4" in err and "ENOSPC" in err
+    assert "latest checkpoint is still iteration 2" in err and "Traceback" not in err
+    assert not os.path.exists(os.path.join(ck, "iter_0000004")) and not _temporaries(ck)
+    assert ckpt.read_tracker(ck) == 2 and not os.path.exists(os.path.join(ck, "writer.lock"))
+    monkeypatch.undo()
+
+    path = ckpt.checkpoint_path(ck, 2)
+    _rewrite(path, lambda s: s["model"]["language_model"]["embedding"]["word_embeddings"]
+             ["weight"].view(-1)[7].fill_(float("nan")))
+    code, err = _main(args)
+    assert code == 2 and "non-finite weights (1 NaN/Inf values in " in err, err
+    assert "word_embeddings.weight" in err and path.rsplit("/", 2)[0] in err
+
+
+def _deepspeed_faults(corpus, tmp):
+    """Runs in a child process (DeepSpeed sets process-wide state); returns what happened."""
+    import pytest as _pytest
+    from tools import convert_checkpoint
+    os.environ.setdefault("LOCAL_RANK", "0")
+    ck, out = os.path.join(tmp, "ck"), {}
+    args = tiny_gpt_args(corpus, _Path(tmp), "--train-iters", "4", *QUIET, "--deepspeed",
+                         "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json"),
+                         "--save", ck, "--load", ck, "--save-interval", "2",
+                         "--lr-decay-iters", "4")
+    with _pytest.MonkeyPatch.context() as mp:
+        _full_disk(mp, "iter_0000004")
+        out["enospc"] = _main(args) + (ckpt.read_tracker(ck), sorted(os.listdir(ck)),
+                                       _temporaries(ck))
+    out["finish"] = _main(args)[0], ckpt.read_tracker(ck), sorted(
+        os.listdir(os.path.join(ck, "iter_0000004")))
+    more = list(args)
+    more[more.index("--train-iters") + 1] = "6"  # more iterations than were saved
+
+    def variant(name, change):
+        copy = os.path.join(tmp, name)
+        shutil.copytree(ck, copy)
+        change(os.path.join(copy, "iter_0000004", "mp_rank_00_model_states.pt"))
+        return _main([a if a != ck else copy for a in more])
+
+    def flip(path):
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 300)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    marker = os.path.join(tmp, "marker")
+    evil = lambda p: _rewrite(p, lambda s: s.update(evil=RunsACommand(marker)))  # noqa: E731
+    out["flipped"] = variant("flipped", flip)
+    out["evil"] = variant("evil", evil) + (os.path.exists(marker),)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = convert_checkpoint.main(["--input-format", "deepspeed", "--load",
+                                        os.path.join(tmp, "evil"), "--save",
+                                        os.path.join(tmp, "converted")])
+    out["converter"] = (code, err.getvalue())
+    out["converter_marker"] = os.path.exists(marker)
+    out["nan"] = variant("nan", lambda p: _rewrite(
+        p, lambda s: s["module"][_first_weight(s["module"])].view(-1)[3].fill_(float("inf"))))
+    return out
+
+
+class _Path(str):
+    def __truediv__(self, other):
+        return os.path.join(self, other)
+
+
+def test_deepspeed_full_disk_corruption_unsafe_pickle_and_non_finite(tiny_corpus, tmp_path):
+    got = run_distributed(_deepspeed_faults, 1, tiny_corpus, str(tmp_path), timeout=600)[0]
+    code, err, tracker, listing, temporaries = got["enospc"]
+    assert code == 2 and "could not save the checkpoint of iteration 4" in err, err
+    assert "ENOSPC" in err and "latest checkpoint is still iteration 2" in err
+    assert tracker == 2 and "iter_0000004" not in listing and not temporaries
+    assert open(os.path.join(tmp_path, "ck", "latest")).read() == "iter_0000004"  # 2nd run
+    code, tracker, files = got["finish"]
+    assert code == 0 and tracker == 4
+    # DeepSpeed's files have sidecars, hidden so that DeepSpeed's tools do not take them for its own
+    assert ".mp_rank_00_model_states.pt.sha256" in files
+    assert all(f".{f}.sha256" in files for f in files if f.endswith(".pt"))
+    code, err = got["flipped"]
+    assert code == 2 and "is corrupt: its SHA-256" in err and "mp_rank_00_model_states" in err
+    code, err, ran = got["evil"]
+    assert code == 2 and not ran, err
+    assert "outside the allow-list (posix.system)" in err and "mp_rank_00_model_states" in err
+    code, err = got["converter"]
+    assert code == 2 and "refused" in err and "posix.system" in err and not got["converter_marker"]
+    code, err = got["nan"]
+    assert code == 2 and "non-finite weights" in err, err
+
+
+def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path, monkeypatch,
+                                                          capfd):
+    """SIGTERM twice while the checkpoint of iteration 3 is being written: that save completes,
+    the run stops after the next iteration with a checkpoint of it, exit 0, and both load."""
+    import signal
+    ck = str(tmp_path / "ck")
+    args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "10", *QUIET, "--save", ck,
+                         "--load", ck, "--save-interval", "3")
+    sent = []
+
+    def hook(stage):
+        if stage == "rank_tmp_written" and not sent:
+            sent.append(stage)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    monkeypatch.setattr(ckpt, "SAVE_HOOK", hook)
+    try:
+        code, err = _main(args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert code == 0 and sent, err
+    assert "received SIGTERM again while the checkpoint is being written" in capfd.readouterr().err
+    assert ckpt.read_tracker(ck) == 4 and ckpt.list_checkpoint_iterations(ck) == [3, 4]
+    for it in (3, 4):
+        state, _ = ckpt.load_checkpoint_dict(ck, iteration=it)  # checksum verified, complete
+        assert state["iteration"] == it
