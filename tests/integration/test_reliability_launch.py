@@ -198,8 +198,12 @@ def test_tensor_parallel_torchrun_sigterm_and_kill9(tiny_corpus, tmp_path):
 
 def test_deepspeed_launcher_runner_sigterm_and_kill9(tiny_corpus, tmp_path):
     """SIGTERM to the `deepspeed` runner: it dies at once and does not forward it; the ranks
-    notice their launcher is gone, save and exit 0, and launch.py exits with them."""
-    args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "30", *QUIET,
+    notice their launcher is gone, save and exit 0, and launch.py exits with them.
+
+    The ranks poll their launcher once a second, so the run must outlast the signal by a few
+    seconds: at ~30 ms per iteration on a quiet CPU, 30 iterations ended before the ranks
+    noticed; 150 leave ~4 s after the latest signal (iteration 10)."""
+    args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "150", *QUIET,
                          "--global-batch-size", "8", "--hidden-dropout", "0",
                          "--attention-dropout", "0", "--deepspeed", "--deepspeed_config",
                          os.path.join(ROOT, "ds_configs", "zero2.json"))
