@@ -81,7 +81,6 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
     the whole checkpoint is read and resharded in memory (app.convert).
     """
     from app.convert.megatron import read_megatron, target_padded_vocab
-    from app.model import GPT2Model
     tp, pp = ps.tensor_model_parallel_size, ps.pipeline_model_parallel_size
     stage = ps.pipeline_model_parallel_rank
     saved = saved_layout_of(load)

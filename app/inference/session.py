@@ -12,8 +12,6 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from app.inference.generation import GenerationResult, beam_search, generate
 from app.inference.runner import PipelineRunner, load_model, saved_layout_of
 from app.inference.sampling import SamplingConfig

@@ -11,7 +11,6 @@ implement it; `app.training.run.build_engine` picks one. Loading follows one pol
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.testing.distributed import run_distributed
-from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import ROOT, assert_close_curves, env, run, torchrun, train_curve
 
 transformers = pytest.importorskip("transformers")

@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 

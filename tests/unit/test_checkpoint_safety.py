@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from app.mpu.random import load_rng_state_dict, rng_state_dict
+from app.mpu.random import rng_state_dict
 
 
 def rng_state(tracker=None):
