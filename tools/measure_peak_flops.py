@@ -6,7 +6,8 @@
 On a CPU the peak is the best n x n matmul throughput at the run's dtype and thread count,
 measured once and cached per machine (CPU model, threads, dtype, torch version) in
 $GPT2_PEAK_FLOPS_CACHE or ~/.cache/gpt2-megatron/peak_flops.json, so every run and every rank
-uses the same number. `--force` re-measures (do it on an idle machine). On a GPU the peak is the
+uses the same number. `--force` re-measures on an idle machine; the cache keeps the best
+measurement (a busy machine only lowers it), `--reset` forgets the cached value first. On a GPU the peak is the
 datasheet's dense peak for the dtype (see docs/metrics.md); nothing is measured.
 """
 from __future__ import annotations
@@ -26,7 +27,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (the run's weights)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: torch's current setting)")
-    p.add_argument("--force", action="store_true", help="re-measure even if a value is cached")
+    p.add_argument("--force", action="store_true",
+                   help="re-measure even if a value is cached (the cache keeps the best)")
+    p.add_argument("--reset", action="store_true",
+                   help="forget the cached value, then measure (after a hardware change)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     try:
@@ -38,7 +42,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if device.type == "cuda":
         value, desc = flops.peak_flops(device, dtype)
     else:
-        value, desc = flops.cached_cpu_peak(dtype, a.threads, remeasure=a.force)
+        value, desc = flops.cached_cpu_peak(dtype, a.threads, remeasure=a.force, reset=a.reset)
     print(f"{value / 1e12:.4f} TFLOP/s  ({desc})")
     return 0
 

@@ -19,7 +19,7 @@ recompute). Peaks: on CUDA the datasheet's dense tensor-core peak for the run's 
 use the TF32 peak when torch allows TF32 matmuls, else plain FP32), or an "unknown GPU: pass
 --peak-flops" answer; on the CPU the best n x n matmul throughput measured at the run's dtype and
 thread count, cached per machine in a small JSON file so every run and rank uses the same number
-(`tools/measure_peak_flops.py --force` re-measures). `--peak-flops` overrides both.
+(`tools/measure_peak_flops.py --force` re-measures, keeping the best measurement). `--peak-flops` overrides both.
 """
 from __future__ import annotations
 
@@ -202,15 +202,23 @@ def _read_cache(path: str) -> Dict[str, float]:
 
 
 def cached_cpu_peak(dtype: torch.dtype, threads: Optional[int] = None, remeasure: bool = False,
-                    cache_path: Optional[str] = None) -> Tuple[float, str]:
+                    cache_path: Optional[str] = None, reset: bool = False) -> Tuple[float, str]:
     """(CPU peak FLOP/s at `dtype` and `threads`, description): read from the cache, or measured
-    once (with `threads` torch threads) and written to it. `remeasure` ignores the cached value."""
+    (with `threads` torch threads) and written to it.
+
+    The cache keeps the best measurement ever taken for its key: other work on the machine can
+    only slow a matmul down, so a lower re-measurement (`remeasure`) never replaces a higher
+    one, and one measurement taken on a busy machine cannot pin MFU above 100 % for good (the
+    description names the load average when it was above 0.5). `reset` drops the cached value
+    first (after a hardware or BIOS change that really lowered the peak).
+    """
     threads = threads or torch.get_num_threads()
     path = cache_path or cpu_peak_cache_path()
     key = cpu_peak_key(dtype, threads)
     cache = _read_cache(path)
-    if key in cache and not remeasure:
+    if key in cache and not (remeasure or reset):
         return cache[key], f"cached CPU {dtype_name(dtype)} matmul peak ({key}; {path})"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -218,14 +226,25 @@ def cached_cpu_peak(dtype: torch.dtype, threads: Optional[int] = None, remeasure
     finally:
         torch.set_num_threads(before)
     cache = _read_cache(path)  # another process may have written meanwhile
-    cache[key] = value
+    if reset:
+        cache.pop(key, None)
+    kept = cache.get(key, 0.0)
+    best = max(kept, value)
+    note = ""
+    if kept > value:
+        note = (f"; this measurement gave {value / 1e12:.4f} TFLOP/s, below the "
+                f"{kept / 1e12:.4f} cached (kept: the best measurement is the peak)")
+    if load > 0.5:
+        note += (f"; measured while the 1-minute load average was {load:.1f}, so it may be low: "
+                 "re-measure on an idle machine with tools/measure_peak_flops.py --force")
+    cache[key] = best
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         atomic_write_bytes(path, json.dumps(cache, indent=1, sort_keys=True).encode())
         where = f"written to {path}"
     except OSError as exc:
         where = f"not cached: {exc}"
-    return value, f"measured CPU {dtype_name(dtype)} matmul peak ({key}; {where})"
+    return best, f"measured CPU {dtype_name(dtype)} matmul peak ({key}; {where}{note})"
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype,

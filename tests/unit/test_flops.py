@@ -101,6 +101,15 @@ def test_cpu_peak_is_cached_read_by_another_process_and_remeasured(tmp_path, mon
     # another dtype or thread count is another entry
     flops.cached_cpu_peak(torch.bfloat16, threads=1)
     assert len(json.loads(cache.read_text())) == 2
+    # a re-measurement on a busy machine (lower) keeps the best; a higher one replaces it;
+    # reset forgets the cached value
+    measured = iter([100e9, 130e9, 90e9])
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda *a, **k: next(measured))
+    low, desc4 = flops.cached_cpu_peak(torch.float32, remeasure=True)
+    assert low == 123.25e9 and "below the" in desc4
+    assert flops.cached_cpu_peak(torch.float32, remeasure=True)[0] == 130e9
+    assert flops.cached_cpu_peak(torch.float32, reset=True)[0] == 90e9
+    assert json.loads(cache.read_text())[key] == 90e9
 
 
 def test_real_cpu_measurement_is_positive_and_best_of():
