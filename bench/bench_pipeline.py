@@ -54,7 +54,7 @@ class _Clock:
 def _iteration(run: Dict[str, Any]) -> Dict[str, float]:
     """One training iteration through the schedule; (wall, work) seconds of the schedule."""
     from app.pipeline import get_forward_backward_func
-    from app.training.trainer import masked_mean_loss
+    from app.training.loss import masked_mean_loss
     cfg, ps, engine, trainer = run["cfg"], run["ps"], run["engine"], run["trainer"]
     model, clock = engine.module, _Clock()
 

@@ -122,3 +122,28 @@ def test_no_import_circle():
         if node not in state:
             visit(node)
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_app_name_that_tools_and_benchmarks_import_exists():
+    """tools/, bench/, examples/ and the top-level scripts import from app/ (also inside
+    functions, which only run in a benchmark or a CLI); each imported name must still exist, so
+    moving a function inside app/ cannot silently break a script that no test runs."""
+    import importlib
+    missing = []
+    files = [p for d in ("tools", "bench", "examples") for p in (ROOT / d).rglob("*.py")]
+    files += [ROOT / "arguments.py", ROOT / "pretrain_gpt2.py"]
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.split(".")[0] == "app" and not node.level):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: "
+                                       f"{node.module}.{alias.name}")
+    assert not missing, "names imported from app/ that do not exist:\n" + "\n".join(missing)
