@@ -194,3 +194,16 @@ def read_saved_state(layout: SavedLayout) -> dict:
     if not isinstance(state, dict):
         raise ckpt.CheckpointError(f"checkpoint file {path} does not hold a dict")
     return state
+
+
+def universal_tag(load_dir: str) -> str:
+    """The tag `{load_dir}/latest_universal` names (written by DeepSpeed's ds_to_universal.py),
+    which --universal-checkpoint loads; CheckpointError with the conversion command if absent."""
+    latest = os.path.join(load_dir, "latest_universal")
+    if not os.path.isfile(latest):
+        raise ckpt.CheckpointError(
+            f"--universal-checkpoint: {latest} does not exist; convert first with "
+            f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {load_dir}/iter_N "
+            f"--output_folder {load_dir}/iter_N_universal")
+    with open(latest, encoding="utf-8") as f:
+        return f.read().strip()

@@ -45,6 +45,7 @@ from app.config import RunConfig
 from app.mpu import collectives
 from app.training import checkpoint as ckpt
 from app.training import checkpoint_files as ckpt_files
+from app.training import checkpoint_inspect as inspect
 from app.training import ds_config
 from app.training.distributed import all_ranks_ok, world_group
 from app.training.engine import Engine, StepResult, optimizer_state_bytes, tensor_bytes
@@ -350,7 +351,6 @@ class DeepSpeedEngineAdapter(Engine):
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, and
         ZeRO partitions of another data-parallel size (after the model shape, the more basic
         mismatch, which DeepSpeed would otherwise report first)."""
-        from app.training import checkpoint_inspect as inspect
         layout = inspect.check_loadable(
             load_dir, plan.iteration, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
@@ -375,7 +375,7 @@ class DeepSpeedEngineAdapter(Engine):
         for this run's DP and TP sizes, so the saved layout need not match this run's.
         """
         universal = self.cfg.deepspeed.universal_checkpoint
-        tag = self._universal_tag(load_dir) if universal else (
+        tag = inspect.universal_tag(load_dir) if universal else (
             "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
         where = os.path.join(load_dir, tag)
         if universal:  # re-sliced for any layout (args checked below); DeepSpeed reads the
@@ -407,18 +407,6 @@ class DeepSpeedEngineAdapter(Engine):
         return CheckpointContents(path=path, iteration=plan.iteration, args=args,
                                   client_state=client, rng_state=rng,
                                   scheduler_state=client.get("scheduler_steps"))
-
-    @staticmethod
-    def _universal_tag(load_dir: str) -> str:
-        from app.training import checkpoint as ckpt
-        latest = os.path.join(load_dir, "latest_universal")
-        if not os.path.isfile(latest):
-            raise ckpt.CheckpointError(
-                f"--universal-checkpoint: {latest} does not exist; convert first with "
-                f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {load_dir}/iter_N "
-                f"--output_folder {load_dir}/iter_N_universal")
-        with open(latest, encoding="utf-8") as f:
-            return f.read().strip()
 
     def _universal_adjust(self, args: Any, rng: Any) -> Tuple[Any, Any]:
         """The saved args with this run's layout (DeepSpeed re-slices the tensors), and the

@@ -267,13 +267,13 @@ def check_checkpoint(report: Report, cfg: RunConfig) -> None:
             report.error(f"--load {c.load} does not exist; fix the path (or drop --load)")
         return
     if cfg.deepspeed.universal_checkpoint:
-        latest = os.path.join(c.load, "latest_universal")
-        if os.path.isfile(latest):
-            report.ok(f"--load {c.load} --universal-checkpoint: {latest} names the files "
-                      "DeepSpeed re-slices for this layout")
-        else:
-            report.error(f"--universal-checkpoint: {latest} does not exist; convert first with "
-                         "python -m deepspeed.checkpoint.ds_to_universal")
+        try:
+            tag = inspect.universal_tag(c.load)
+        except ckpt.CheckpointError as exc:
+            report.error(str(exc))
+            return
+        report.ok(f"--load {c.load} --universal-checkpoint: tag {tag} (latest_universal), which "
+                  "DeepSpeed re-slices for this layout")
         return
     try:
         iteration = ckpt.read_tracker(c.load)

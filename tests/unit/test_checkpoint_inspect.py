@@ -103,3 +103,13 @@ def test_deepspeed_dp2_to_tp2_names_the_tensor_parallel_change(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="DeepSpeed cannot change"):
         check_loadable(root, 10, deepspeed=True, tensor_model_parallel_size=2,
                        pipeline_model_parallel_size=1, data_parallel_size=1, load_optimizer=True)
+
+
+def test_universal_tag_is_read_from_latest_universal_or_refused_with_the_command(tmp_path):
+    from app.training.checkpoint_inspect import universal_tag
+    with pytest.raises(ckpt.CheckpointError) as exc:
+        universal_tag(str(tmp_path))
+    assert f"{tmp_path}/latest_universal does not exist" in str(exc.value)
+    assert "deepspeed.checkpoint.ds_to_universal --input_folder" in str(exc.value)
+    (tmp_path / "latest_universal").write_text("iter_0000006_universal\n")
+    assert universal_tag(str(tmp_path)) == "iter_0000006_universal"
