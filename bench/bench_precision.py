@@ -63,7 +63,8 @@ def measure(argv: List[str], raw_vocab: int, steps: int, warmup: int,
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        skipped += bool(out["skipped"]) and i >= warmup
+        if i >= warmup and out["skipped"]:
+            skipped += 1
     step = statistics.median(times[warmup:])
     tokens = cfg.training.global_batch_size * cfg.model.seq_length / step
     peak, _ = peak_flops(device, torch_dtype(cfg.model.params_dtype))
