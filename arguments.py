@@ -31,8 +31,8 @@ from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, KernelCon
                         RollbackConfig, RunConfig, TrainingConfig, default_kernel_build_timeout,
                         resolve_recompute_flags)
 from app.data.tokenizer import pad_vocab_size
-from app.training.distributed import check_backend, default_backend
-from app.training.ds_config import load_ds_json, reconcile_ds_config
+from app.launch.distributed import check_backend, default_backend
+from app.training.engines.ds_config import load_ds_json, reconcile_ds_config
 
 
 # ---------------------------------------------------------------------------- flag groups

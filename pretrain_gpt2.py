@@ -6,7 +6,7 @@
     python pretrain_gpt2.py ... --dry-run [--dry-run-world-size 8 --dry-run-device-memory 80]
 
 The composition root: flags -> RunConfig (once, arguments.py) -> app.training.pretrain.pretrain,
-or with --dry-run the preflight report (app.training.preflight) instead of training.
+or with --dry-run the preflight report (app.training.planning.preflight) instead of training.
 See README.md and docs/ for every flag.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, List, Optional
 
 import arguments
 from app.data import build_tokenizer
-from app.training import preflight as preflight_lib
+from app.training.planning import preflight as preflight_lib
 from app.training import pretrain as pretrain_lib
-from app.training.distributed import discover_world
+from app.launch.distributed import discover_world
 from app.training.loss import LossFunction
 
 
@@ -33,7 +33,7 @@ def _train(args: argparse.Namespace, loss_function: Optional[LossFunction] = Non
 
 def preflight(args: argparse.Namespace) -> preflight_lib.Report:
     """--dry-run: the tokenizer, the RunConfig the run would build (for --dry-run-world-size
-    ranks) and every check of app.training.preflight, gathered in one report; nothing trains
+    ranks) and every check of app.training.planning.preflight, gathered in one report; nothing trains
     and no process group starts."""
     report = preflight_lib.Report()
     report.section("tokenizer")

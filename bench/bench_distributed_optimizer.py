@@ -5,7 +5,7 @@
 The bench_parallel model (L=6, h=384, seq=256, vocab 50304, micro-batch 8, global batch 16,
 dropout 0) trained through the real engine on DP gloo ranks, in fp32 and in bf16, without and
 with the distributed optimizer (and with both overlaps). Bytes are measured from the tensors each
-rank holds after the first steps (app.training.engine state_bytes): weights, gradients (the
+rank holds after the first steps (app.training.engines.base state_bytes): weights, gradients (the
 full gradient buffer, which the distributed optimizer keeps as Megatron's does), optimizer
 states (AdamW's moments, plus the fp32 main weights of a bf16 run). The goal is optimizer
 bytes / DP; weights and gradients are not sharded (ZeRO-1).

@@ -37,7 +37,7 @@ def measure(argv: List[str], steps: int, warmup: int, threads: int) -> Dict[str,
 
     import arguments
     from app.testing.synthetic import build_synthetic_run
-    from app.training.flops import cached_cpu_peak, model_flops_per_token
+    from app.training.telemetry.flops import cached_cpu_peak, model_flops_per_token
     from app.utils.dtypes import torch_dtype
     from common import keep_freed_memory
 

@@ -5,7 +5,7 @@
 
 Every row trains the same model on the same synthetic tokens through the real engine and
 Trainer.train_step and reports tokens/s (median step), MFU against the peak of that row's dtype
-(app.training.flops: the datasheet on GPUs, the cached measured matmul peak on CPUs), the
+(app.training.telemetry.flops: the datasheet on GPUs, the cached measured matmul peak on CPUs), the
 ratio to native fp32, and the per-rank state bytes per parameter (weights + gradients +
 optimizer states, fp32 main weights counted as optimizer state) beside the mixed-precision
 model: fp32 4 + 4 + 8 = 16; mixed 2 + 4 (fp32 gradients) + 4 (main weights) + 8 (Adam) = 18.
@@ -23,7 +23,7 @@ import torch
 
 import arguments
 from app.testing.synthetic import build_synthetic_run
-from app.training.flops import model_flops_per_token, peak_flops
+from app.training.telemetry.flops import model_flops_per_token, peak_flops
 from app.utils.dtypes import torch_dtype
 from common import format_table, keep_freed_memory
 

@@ -4,7 +4,7 @@ One process, fp32, dropout 0, the same shapes, data and optimizer (AdamW, decay 
 and LayerNorm, torch's fused implementation where supported) for every implementation. A step is
 forward + loss + backward + optimizer step (+ LR schedule for ours). Steps are interleaved across
 implementations (and the order rotated every step) so that load from other processes on the
-machine affects all of them alike. MFU = model FLOP/s (app.training.flops.model_flops_per_token) over
+machine affects all of them alike. MFU = model FLOP/s (app.training.telemetry.flops.model_flops_per_token) over
 this machine's measured fp32 matmul peak.
 
     python bench/bench_train.py                 # 3 warm-up + 10 timed steps each
@@ -35,7 +35,7 @@ from torch import nn
 
 
 from app.config import ModelConfig, OptimizerConfig
-from app.training.flops import model_flops_per_token
+from app.training.telemetry.flops import model_flops_per_token
 from app.model import GPT2Model, fused
 from app.optim import OptimizerParamScheduler, build_optimizer
 from common import (format_table, keep_freed_memory, measure_matmul_peak,

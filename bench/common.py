@@ -2,7 +2,7 @@
 
 MFU in our benchmarks is always "model FLOPs per second / measured peak of the same dtype on
 this machine" (performance-anchors.md section 8.1: MFU_measured), with model FLOPs per token
-from `app.training.flops.model_flops_per_token`.
+from `app.training.telemetry.flops.model_flops_per_token`.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from app.training.distributed import keep_freed_memory  # noqa: F401  (re-exported for the benches)
-from app.training.flops import matmul_flops_by_size
+from app.launch.distributed import keep_freed_memory  # noqa: F401  (re-exported for the benches)
+from app.training.telemetry.flops import matmul_flops_by_size
 
 
 @dataclass
@@ -36,7 +36,7 @@ def measure_matmul_peak(sizes: Sequence[int] = (512, 1024, 1536, 2048), repeats:
                         dtype: torch.dtype = torch.float32,
                         device: torch.device = torch.device("cpu")) -> PeakResult:
     """max over n of 2 n^3 / t for an n x n @ n x n matmul, best of `repeats` timings per n
-    (app.training.flops.matmul_flops_by_size, the measurement training uses too)."""
+    (app.training.telemetry.flops.matmul_flops_by_size, the measurement training uses too)."""
     by_n = matmul_flops_by_size(device, dtype, sizes, repeats)
     best_n = max(by_n, key=by_n.get)
     return PeakResult(flops=by_n[best_n], best_n=best_n, by_n=by_n)

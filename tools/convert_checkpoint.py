@@ -61,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from app.convert import ConvertOptions, convert, print_structure
     from app.convert.hf_gpt2 import HFConversionError
     from app.convert.layout import LayoutError
-    from app.training.checkpoint import CheckpointError
+    from app.checkpointing.megatron import CheckpointError
     try:
         opts = ConvertOptions(**{k: v for k, v in vars(a).items()})
         if opts.print_checkpoint_structure:

@@ -90,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from app.inference.session import configure_tool_logging, session_from_flags
     configure_tool_logging("generate")
     a = get_args(argv)
-    from app.training.checkpoint import CheckpointError
+    from app.checkpointing.megatron import CheckpointError
     try:
         params = _params(a)
         session = session_from_flags(a, use_cache=not a.no_kv_cache)

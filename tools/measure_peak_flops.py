@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import torch
 
-from app.training import flops
+from app.training.telemetry import flops
 from app.utils.dtypes import torch_dtype
 
 

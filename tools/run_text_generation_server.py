@@ -34,7 +34,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     configure_tool_logging("server")
     a = get_args(argv)
     from app.inference.server import create_app
-    from app.training.checkpoint import CheckpointError
+    from app.checkpointing.megatron import CheckpointError
     try:
         session = session_from_flags(a)
     except (ValueError, CheckpointError, FileNotFoundError) as exc:

@@ -228,7 +228,7 @@ class TrainingConfig:
     """Peak FLOP/s per rank used for MFU; None means measured/looked up at start."""
     exit_signal_handler: Optional[bool] = None
     """SIGTERM/SIGINT/SIGUSR1 save a checkpoint at the end of the iteration and exit 0;
-    None: on when --save is given (app.training.signals.handler_enabled)."""
+    None: on when --save is given (app.training.resilience.signals.handler_enabled)."""
     max_consecutive_skipped_iterations: int = 10
     """Stop (non-zero exit, no checkpoint) after this many consecutive non-finite iterations
     (fp16: overflows at the minimum loss scale); 0 disables."""
@@ -284,7 +284,7 @@ class CheckpointConfig:
     """After each committed save, delete all but the newest N iter_ directories; None keeps all."""
     overwrite_checkpoints: bool = False
     """Allow training from scratch (or from another --load) into a --save that already holds
-    checkpoints; without it such a run is refused (app.training.resume.decide_start)."""
+    checkpoints; without it such a run is refused (app.training.resilience.resume.decide_start)."""
 
     def __post_init__(self) -> None:
         positive(self, (("save_interval", "--save-interval"),), allow_none=True)
@@ -303,7 +303,7 @@ class DeepSpeedConfig:
     config_path: Optional[str] = None
     config: Optional[Dict[str, Any]] = None
     """The JSON at config_path, read once and reconciled with the command line
-    (app.training.ds_config.reconcile_ds_config); what deepspeed.initialize receives."""
+    (app.training.engines.ds_config.reconcile_ds_config); what deepspeed.initialize receives."""
     activation_checkpointing: bool = False
     """--deepspeed-activation-checkpointing: use deepspeed.checkpointing instead of ours."""
     mpi: bool = False

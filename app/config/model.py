@@ -214,7 +214,7 @@ class ModelConfig:
 
     @property
     def recompute(self) -> str:
-        """The recompute mode as app.training.flops names it: none, selective or full."""
+        """The recompute mode as app.training.telemetry.flops names it: none, selective or full."""
         return self.recompute_granularity or "none"
 
     def recomputed_layers(self, pipeline_model_parallel_size: int) -> int:

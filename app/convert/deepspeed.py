@@ -14,7 +14,7 @@ Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (the pipel
 PP > 1 run; TP from the saved args). For each of them the DP slices of each group are concatenated and cut into parameters in the
 order of `param_shapes` (DeepSpeed's zero_to_fp32 does the same for a single TP rank); then
 the TP shards are merged by app.convert.layout. The files pickle DeepSpeed objects; they are read
-the safe way (app.training.deepspeed_engine.load_deepspeed_file: SHA-256 sidecar verified,
+the safe way (app.checkpointing.deepspeed_files.load_deepspeed_file: SHA-256 sidecar verified,
 weights_only with an allow-list of DeepSpeed's classes), so a crafted file is refused, never run.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from app.convert import layout
 from app.convert.state import ModelCheckpoint, OptimizerState, Progress
-from app.training import checkpoint as ckpt
+from app.checkpointing import megatron as ckpt
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def resolve_tag(load_dir: str, iteration: Optional[Any]) -> str:
 def load_file(path: str) -> Dict[str, Any]:
     """One DeepSpeed file, read safely (checksum, weights_only with DeepSpeed's allow-list);
     CheckpointError naming the file when it is damaged or would run code."""
-    from app.training.deepspeed_engine import load_deepspeed_file
+    from app.checkpointing.deepspeed_files import load_deepspeed_file
     return load_deepspeed_file(path)
 
 

@@ -1,5 +1,5 @@
 """Read a Megatron-layout checkpoint at any TP/PP into a ModelCheckpoint, and write one at any
-target TP/PP/dtype (the files app.training.checkpoint reads and writes; see docs/checkpoints.md).
+target TP/PP/dtype (the files app.checkpointing.megatron reads and writes; see docs/checkpoints.md).
 
 Reading merges every rank's shard of every parameter (and, when present, of its Adam moments)
 into full tensors; writing splits them for the target layout. The padded vocabulary is
@@ -21,7 +21,7 @@ from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progr
                                cast_weights)
 from app.model.hf_compat import checkpoint_args_blockers
 from app.optim.mixed_precision import is_mixed_state
-from app.training import checkpoint as ckpt
+from app.checkpointing import megatron as ckpt
 from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)

@@ -70,7 +70,7 @@ def saved_layout_of(load: str) -> Optional[tuple]:
     if os.path.isfile(os.path.join(load, "config.json")):
         return None
     from app.convert.megatron import resolve_iteration
-    from app.training import checkpoint as ckpt
+    from app.checkpointing import megatron as ckpt
     return ckpt.saved_layout(ckpt.checkpoint_dir(load, resolve_iteration(load, None)))
 
 
@@ -116,7 +116,7 @@ def _build(args: argparse.Namespace, rows: int, ps: ParallelState) -> torch.nn.M
 
 
 def _load_own_file(load: str, ps: ParallelState) -> LoadedModel:
-    from app.training import checkpoint as ckpt
+    from app.checkpointing import megatron as ckpt
     state, iteration = ckpt.load_checkpoint_dict(
         load, tp_rank=ps.tensor_model_parallel_rank, pp_rank=ps.pipeline_model_parallel_rank,
         pp_size=ps.pipeline_model_parallel_size, tp_size=ps.tensor_model_parallel_size)

@@ -69,7 +69,7 @@ class InferenceSession:
                  use_cache: bool = True) -> None:
         from app.data import build_tokenizer
         from app.mpu.parallel_state import ParallelState, initialize_model_parallel
-        from app.training.distributed import init_distributed, world_group
+        from app.launch.distributed import init_distributed, world_group
         info = init_distributed()
         self.rank, self.device = info.rank, info.device
         tp, pp = resolve_layout(load, info.world_size, tensor_model_parallel_size,
@@ -143,7 +143,7 @@ class InferenceSession:
                 "decode_tokens_per_s": merged.decode_tokens_per_s}
 
     def close(self) -> None:
-        from app.training.distributed import shutdown_distributed
+        from app.launch.distributed import shutdown_distributed
         shutdown_distributed(graceful=True)
 
 

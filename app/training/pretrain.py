@@ -3,13 +3,13 @@
 `pretrain_gpt2.py` is the composition root: it parses the flags into a RunConfig once (with
 `arguments.py`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
 start-up checks of --save/--load (all ranks agree: writer lock, writable, no stale temporaries,
-resume or fresh start per app.training.resume.decide_start) -> launcher watch and watchdog ->
+resume or fresh start per app.training.resilience.resume.decide_start) -> launcher watch and watchdog ->
 parts of the run (app.training.run) -> checkpoint load (all ranks agree) -> datasets sized for
 the run -> Trainer, with the exit-signal handler installed while it trains.
 
 `main` maps outcomes to exit codes: 0 for a finished run and for one stopped by a signal after
 its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3 for a run
-stopped by the non-finite policy (app.training.nonfinite); 4 (EXIT_PEER_FAILURE) when another
+stopped by the non-finite policy (app.training.resilience.nonfinite); 4 (EXIT_PEER_FAILURE) when another
 rank died, stopped or hung.
 """
 from __future__ import annotations
@@ -22,17 +22,17 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 from app.config import RunConfig, samples_per_split
 from app.data import build_train_valid_test_datasets
 from app.mpu import collectives
-from app.training.checkpoint import CheckpointError
-from app.training.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
+from app.checkpointing.megatron import CheckpointError
+from app.launch.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
                                       shutdown_distributed, world_group)
 from app.training.loss import LossFunction
-from app.training.nonfinite import TrainingAborted
-from app.training.resume import StartDecision, decide_start, load_on_all_ranks
+from app.training.resilience.nonfinite import TrainingAborted
+from app.training.resilience.resume import StartDecision, decide_start, load_on_all_ranks
 from app.training.run import build_run
-from app.training.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
-from app.training.signals import ExitSignalHandler, LauncherWatch, detect_launcher, handler_enabled
+from app.training.resilience.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
+from app.training.resilience.signals import ExitSignalHandler, LauncherWatch, detect_launcher, handler_enabled
 from app.training.trainer import RunState, Trainer
-from app.training.watchdog import PeerFailure, Watchdog
+from app.training.resilience.watchdog import PeerFailure, Watchdog
 from app.utils.rank_logging import setup_logging
 
 logger = logging.getLogger(__name__)

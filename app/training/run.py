@@ -25,8 +25,8 @@ from app.optim import OptimizerParamScheduler, build_optimizer
 from app.optim.distributed_optimizer import DistributedOptimizer
 from app.optim.mixed_precision import build_precision_optimizer
 from app.pipeline import ModelChunks, virtual_stage_layer_ranges
-from app.training.distributed import world_group
-from app.training.engine import Engine
+from app.launch.distributed import world_group
+from app.training.engines.base import Engine
 from app.training.loss import LossFunction
 from app.training.trainer import RunState, Trainer
 
@@ -39,7 +39,7 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
     p = cfg.parallel
     timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
     if cfg.deepspeed.enabled:
-        from app.training.deepspeed_engine import ensure_distributed
+        from app.training.engines.deepspeed import ensure_distributed
         ensure_distributed(p.distributed_backend, p.distributed_timeout_minutes)
     elif world_size == 1:
         return ParallelState.single()
@@ -86,14 +86,14 @@ def build_model(cfg: RunConfig, parallel_state: ParallelState) -> torch.nn.Modul
 def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: ParallelState) -> Engine:
     """The engine this run asks for: DeepSpeed's with --deepspeed, else the native one.
 
-    DeepSpeed is imported only when asked for, inside app.training.deepspeed_engine.
+    DeepSpeed is imported only when asked for, inside app.training.engines.deepspeed.
     """
     if cfg.deepspeed.enabled:  # DeepSpeed brings its own fp16/bf16 optimizer wrapping ours
-        from app.training.deepspeed_engine import DeepSpeedEngineAdapter
+        from app.training.engines.deepspeed import DeepSpeedEngineAdapter
         optimizer = build_optimizer(model, cfg.optimizer)
         scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
         return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state)
-    from app.training.native_engine import NativeEngine
+    from app.training.engines.native import NativeEngine
     if cfg.optimizer.use_distributed_optimizer:  # a sibling wrapper with the same interface
         wrapper = DistributedOptimizer(
             model, cfg.optimizer, cfg.precision, parallel_state,
@@ -136,7 +136,7 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
     ps = build_parallel_state(cfg, world_size)
     set_seeds(cfg.training.seed, ps)
     if cfg.deepspeed.enabled and cfg.deepspeed.activation_checkpointing:
-        from app.training.deepspeed_engine import configure_activation_checkpointing
+        from app.training.engines.deepspeed import configure_activation_checkpointing
         configure_activation_checkpointing(cfg, ps)
         logger.info("activation checkpointing through deepspeed.checkpointing (settings from "
                     "the JSON's activation_checkpointing block)")

@@ -22,17 +22,17 @@ import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
-from app.training import flops
-from app.training import metrics as metrics_lib
-from app.training.distributed import world_group
+from app.training.telemetry import flops
+from app.training.telemetry import metrics as metrics_lib
+from app.launch.distributed import world_group
 from app.training.data_loading import BatchBuilder, build_data_iterator, check_data_suffices
-from app.training.engine import Engine
-from app.training.checkpoint import CheckpointError
+from app.training.engines.base import Engine
+from app.checkpointing.megatron import CheckpointError
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
-from app.training.nonfinite import NonFinitePolicy, TrainingAborted
-from app.training.rollback import SpikeRollback
-from app.training.signals import ExitSignalHandler, signal_name
-from app.training.watchdog import Watchdog, is_peer_failure
+from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
+from app.training.resilience.rollback import SpikeRollback
+from app.training.resilience.signals import ExitSignalHandler, signal_name
+from app.training.resilience.watchdog import Watchdog, is_peer_failure
 from app.utils.dtypes import torch_dtype
 from app.utils.rank_logging import LAST_RANK
 
@@ -428,7 +428,7 @@ class Trainer:
                      "it (its state is not finite); exit status 0. The latest checkpoint in "
                      f"{c.save} is the one to resume from")
         elif c.save:
-            from app.training.checkpoint import checkpoint_dir
+            from app.checkpointing.megatron import checkpoint_dir
             self.log(f"exiting after {name}: saved the checkpoint of iteration {s.iteration} to "
                      f"{checkpoint_dir(c.save, s.iteration)}; exit status 0. Relaunch with "
                      f"--load {c.save} to resume")

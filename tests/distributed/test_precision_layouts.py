@@ -72,7 +72,7 @@ def _nan_loss_on_one_rank(precision, save_dir, rank):
     """DP2: from iteration 3 on, rank 1's loss is NaN. Every rank skips the same steps, and
     after 2 in a row every rank stops at the same iteration; no checkpoint of those steps."""
     from app.training import loss as loss_lib
-    from app.training.nonfinite import TrainingAborted
+    from app.training.resilience.nonfinite import TrainingAborted
     real = loss_lib.masked_mean_loss
     # --train-iters within the synthetic data (checked before the loop): the run stops early
     run = _run(PRECISIONS[precision] + ["--save", save_dir, "--save-interval", "1",
@@ -154,7 +154,7 @@ def test_two_rank_layouts_injected_overflow_and_nan_loss(one_process, tmp_path):
             got = r[(layout, "inject")]
             assert got["skipped"] and got["unchanged"], (layout, rank, got)
             assert got["scale"] == (4096.0, 2048.0), (layout, rank, got)
-    from app.training import checkpoint as ckpt
+    from app.checkpointing import megatron as ckpt
     for precision in ("fp32", "bf16"):
         stops = [r[("DP2", precision, "nan")] for r in results]
         assert stops[0]["stopped"] == stops[1]["stopped"] == 4, stops  # iterations 3, 4 skipped

@@ -10,8 +10,8 @@ import shutil
 import torch
 
 from app.testing.distributed import run_distributed
-from app.training import checkpoint as ckpt
-from app.training import checkpoint_files as ckpt_files
+from app.checkpointing import megatron as ckpt
+from app.checkpointing import files as ckpt_files
 from tests.integration.conftest import tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -203,7 +203,7 @@ def test_tools_generate_jsonl_at_tp2_equals_hf_greedy(runs):
 def test_resharding_round_trip_is_bit_exact_with_optimizer(runs):
     """TP1 -> TP2xPP2 -> TP4 -> TP1 (--include-optimizer): every weight, Adam moment, step,
     LR-scheduler state and RNG state comes back bit for bit."""
-    from app.training import checkpoint as ckpt
+    from app.checkpointing import megatron as ckpt
     root = runs["root"]
     hops = [("tp1", None), ("rt_tp2pp2", (2, 2)), ("rt_tp4", (4, 1)), ("rt_tp1", (1, 1))]
     for (src, _), (dst, (tp, pp)) in zip(hops, hops[1:]):

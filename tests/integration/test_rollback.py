@@ -16,11 +16,11 @@ import pretrain_gpt2
 from app.config import samples_per_split
 from app.testing.distributed import run_distributed
 from app.testing.synthetic import RandomTokens
-from app.training import checkpoint as ckpt
+from app.checkpointing import megatron as ckpt
 from app.training import trainer as trainer_lib
-from app.training.resume import load_on_all_ranks
-from app.training.nonfinite import TrainingAborted
-from app.training.rollback import SpikeDetector
+from app.training.resilience.resume import load_on_all_ranks
+from app.training.resilience.nonfinite import TrainingAborted
+from app.training.resilience.rollback import SpikeDetector
 from app.training.run import build_run
 from app.training.trainer import RunState
 from tests.integration.conftest import read_metrics, tiny_gpt_args

@@ -20,7 +20,7 @@ def rng_state(tracker=None):
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
-from app.training import checkpoint as ckpt
+from app.checkpointing import megatron as ckpt
 
 LAYER_PARAMS = {  # name -> shape as a function of h (PyTorch [out, in])
     "input_layernorm.weight": lambda h: (h,), "input_layernorm.bias": lambda h: (h,),

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from app.training import checkpoint as ckpt
-from app.training.checkpoint_inspect import (DEEPSPEED, MEGATRON, check_loadable,
+from app.checkpointing import megatron as ckpt
+from app.checkpointing.layouts import (DEEPSPEED, MEGATRON, check_loadable,
                                              inspect_directory, loadable_problem)
 
 
@@ -106,7 +106,7 @@ def test_deepspeed_dp2_to_tp2_names_the_tensor_parallel_change(tmp_path):
 
 
 def test_universal_tag_is_read_from_latest_universal_or_refused_with_the_command(tmp_path):
-    from app.training.checkpoint_inspect import universal_tag
+    from app.checkpointing.layouts import universal_tag
     with pytest.raises(ckpt.CheckpointError) as exc:
         universal_tag(str(tmp_path))
     assert f"{tmp_path}/latest_universal does not exist" in str(exc.value)

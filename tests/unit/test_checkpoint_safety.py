@@ -17,8 +17,8 @@ def rng_state(tracker=None):
     state["rng_tracker_states"] = dict(tracker or {})
     return state
 
-from app.training import checkpoint as ckpt
-from app.training import checkpoint_files as ckpt_files
+from app.checkpointing import megatron as ckpt
+from app.checkpointing import files as ckpt_files
 
 H = 4
 

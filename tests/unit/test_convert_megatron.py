@@ -10,7 +10,7 @@ from app.convert import layout
 from app.convert.megatron import read_megatron, write_megatron
 from app.convert.state import ModelCheckpoint, OptimizerState
 from app.model import GPT2Model
-from app.training import checkpoint as ckpt
+from app.checkpointing import megatron as ckpt
 
 L, H, HEADS, VOCAB, MULTIPLE = 4, 32, 4, 100, 48  # padded: 144 at TP1, 192 at TP2
 

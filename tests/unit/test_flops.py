@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.training import flops
+from app.training.telemetry import flops
 
 L, H, S, V = 6, 384, 256, 50304
 
@@ -89,7 +89,7 @@ def test_cpu_peak_is_cached_read_by_another_process_and_remeasured(tmp_path, mon
     key = flops.cpu_peak_key(torch.float32, torch.get_num_threads())
     assert json.loads(cache.read_text()) == {key: 123.25e9}
     assert flops.peak_flops("cpu", torch.float32)[0] == 123.25e9 and len(calls) == 1
-    code = ("import torch; from app.training import flops; "
+    code = ("import torch; from app.training.telemetry import flops; "
             f"torch.set_num_threads({torch.get_num_threads()}); "
             "print(repr(flops.peak_flops('cpu', torch.float32)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

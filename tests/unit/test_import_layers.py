@@ -13,16 +13,12 @@ LAYERS = [
     ["app.utils"],
     ["app.config"],
     ["app.mpu"],
-    ["app.data", "app.optim", "app.kernels"],
+    ["app.data", "app.optim", "app.kernels", "app.checkpointing", "app.launch"],
     ["app.model", "app.pipeline"],
-    ["app.training.distributed", "app.training.flops", "app.training.metrics",
-     "app.training.ds_config", "app.training.checkpoint", "app.training.checkpoint_files",
-     "app.training.checkpoint_inspect", "app.training.data_loading", "app.training.memory",
-     "app.training.nonfinite", "app.training.loss", "app.training.save_dir",
-     "app.training.signals", "app.training.watchdog"],
-    ["app.training.resume", "app.training.preflight"],
-    ["app.training.engine", "app.training.rollback"],
-    ["app.training.native_engine", "app.training.deepspeed_engine", "app.training.trainer"],
+    ["app.training.telemetry", "app.training.loss", "app.training.data_loading"],
+    ["app.training.resilience"],
+    ["app.training.planning", "app.training.engines"],
+    ["app.training.trainer"],
     ["app.training.run", "app.convert", "app.inference"],
     ["app.training.pretrain", "app.testing"],
 ]
@@ -86,6 +82,16 @@ def test_library_never_imports_the_command_line():
     bad = {m: sorted(t for t in ts if t.split(".")[0] in ("arguments", "pretrain_gpt2"))
            for m, ts in graph().items()}
     assert not {m: t for m, t in bad.items() if t}
+
+
+def test_conversion_and_inference_do_not_import_training():
+    """The checkpoint format lives in app.checkpointing and process start-up in app.launch, so
+    converting, generating and serving never pull in the training loop or its engines."""
+    leaks = sorted(f"{m} imports {t}" for m, ts in graph().items() for t in ts
+                   if m.split(".")[:2] in (["app", "convert"], ["app", "inference"],
+                                           ["app", "checkpointing"], ["app", "launch"])
+                   and t.startswith("app.training"))
+    assert not leaks, "\n".join(leaks)
 
 
 def test_no_import_runs_up_the_layers():

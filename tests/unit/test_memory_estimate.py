@@ -1,4 +1,4 @@
-"""The per-rank memory estimate (app.training.memory) against what a run really holds.
+"""The per-rank memory estimate (app.training.planning.memory) against what a run really holds.
 
 Parameters per rank against the model stages built at TP2 / PP2; activation bytes against the
 tensors autograd saves in a real forward pass (counted by storage through saved-tensor hooks,
@@ -14,7 +14,7 @@ import arguments
 from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState
 from app.mpu.random import model_parallel_seed
-from app.training.memory import (FIT_FRACTION, estimate_memory, params_per_rank,
+from app.training.planning.memory import (FIT_FRACTION, estimate_memory, params_per_rank,
                                  stage_activations)
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.training import metrics
-from app.training.flops import model_flops_per_token
+from app.training.telemetry import metrics
+from app.training.telemetry.flops import model_flops_per_token
 
 
 def test_timers_accumulate_and_reset():

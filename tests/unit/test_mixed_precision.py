@@ -12,7 +12,7 @@ from app.optim.mixed_precision import (Float32Optimizer, MixedPrecisionOptimizer
                                        build_precision_optimizer)
 from app.optim.optimizer import build_adamw
 from app.optim.param_groups import get_param_groups
-from app.training.nonfinite import NonFinitePolicy, TrainingAborted
+from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, lr_decay_iters=10)
 PS = ParallelState.single()

@@ -8,7 +8,7 @@ import pytest
 import arguments
 from app.model.hf_compat import gpt2_export_blockers
 from app.testing.synthetic import build_synthetic_run
-from app.training import checkpoint as ckpt
+from app.checkpointing import megatron as ckpt
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",

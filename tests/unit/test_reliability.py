@@ -15,14 +15,14 @@ import torch
 
 from app.config import CheckpointConfig
 from app.convert.state import Progress as ConvertProgress
-from app.training import checkpoint as ckpt
-from app.training import resume
-from app.training.distributed import pick_master_port, port_is_free
-from app.training.metrics import format_duration, format_train_log
-from app.training.save_dir import (LOCK_FILENAME, SaveDirError, SaveDirLock, SaveDirLocked,
+from app.checkpointing import megatron as ckpt
+from app.training.resilience import resume
+from app.launch.distributed import pick_master_port, port_is_free
+from app.training.telemetry.metrics import format_duration, format_train_log
+from app.training.resilience.save_dir import (LOCK_FILENAME, SaveDirError, SaveDirLock, SaveDirLocked,
                                    claim_save_dir, ensure_writable_dir)
-from app.training.signals import ExitSignalHandler, LauncherWatch, _Process, handler_enabled
-from app.training.watchdog import EXIT_PEER_FAILURE, Watchdog, is_peer_failure
+from app.training.resilience.signals import ExitSignalHandler, LauncherWatch, _Process, handler_enabled
+from app.training.resilience.watchdog import EXIT_PEER_FAILURE, Watchdog, is_peer_failure
 from app.utils.fileio import remove_temporaries, tmp_path
 from app.utils.progress import progress
 
@@ -264,7 +264,7 @@ def test_rendezvous_port_in_use_is_named_and_a_free_one_is_picked(monkeypatch):
         assert not port_is_free(port)
         other = pick_master_port(port)
         assert other != port and port_is_free(other)
-        code = ("from app.training.distributed import init_distributed\n"
+        code = ("from app.launch.distributed import init_distributed\n"
                 "try:\n    init_distributed('gloo', timeout_minutes=0.2)\n"
                 "except ValueError as e:\n    print('ERR', type(e).__name__, e)\n")
         env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",

@@ -5,7 +5,7 @@ a hidden `.f.sha256` beside DeepSpeed's (`sidecar_path`). `verify_checksum` comp
 with its sidecar before anything unpickles it; `safe_torch_load` unpickles with
 weights_only=True and an allow-list (`allowed_globals` plus the caller's), and
 `check_pickled_globals` scans a file that another library will unpickle itself. Errors name
-the file and the fix. The crash-safe writer using these is app.training.checkpoint.
+the file and the fix. The crash-safe writer using these is app.checkpointing.megatron.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replace
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
 verified and with torch.load(weights_only=True) and an allow-list (`deepspeed_safe_globals`),
 where DeepSpeed's own engine unpickles anything (weights_only=False), so a crafted checkpoint
-could run code on --load. `load_deepspeed_file` is the same safe read for tools. A save that
+could run code on --load. `app.checkpointing.deepspeed_files` holds the same safe read for tools. A save that
 fails on any rank (a full disk) is undone everywhere; `latest` and our tracker are written
 only after every rank's files are complete.
 """
@@ -43,13 +43,14 @@ import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
-from app.training import checkpoint as ckpt
-from app.training import checkpoint_files as ckpt_files
-from app.training import checkpoint_inspect as inspect
-from app.training import ds_config
-from app.training.distributed import all_ranks_ok, world_group
-from app.training.engine import Engine, StepResult, optimizer_state_bytes, tensor_bytes
-from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
+from app.checkpointing import megatron as ckpt
+from app.checkpointing import files as ckpt_files
+from app.checkpointing import layouts
+from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
+from app.training.engines import ds_config
+from app.launch.distributed import all_ranks_ok, world_group
+from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
+from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
 from app.utils.fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
@@ -75,24 +76,6 @@ def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
                           MASTER_PORT=str(_free_port()))
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))
-
-
-def deepspeed_safe_globals() -> List[Any]:
-    """The classes DeepSpeed pickles into its checkpoint files besides tensors and containers
-    (loss scalers, the ZeRO stage enum, ZeRO's fragment addresses): the allow-list for reading
-    them with weights_only=True."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def load_deepspeed_file(path: str, map_location: Any = "cpu") -> Any:
-    """Read one DeepSpeed checkpoint file safely: its SHA-256 sidecar verified when present,
-    then weights_only with `deepspeed_safe_globals`. Raises UnsafeCheckpointError for a
-    file that would run code, ckpt.CheckpointError for a damaged one."""
-    ckpt_files.verify_checksum(path)
-    return ckpt_files.safe_torch_load(path, map_location, deepspeed_safe_globals())
 
 
 class CheckedCheckpointEngine:
@@ -261,7 +244,7 @@ class DeepSpeedEngineAdapter(Engine):
         norm = float(norm) if norm is not None else None
         skipped = not self.ds.was_step_applied()
         # DeepSpeed skips fp16 overflows itself; a non-finite loss in any precision is agreed
-        # over the world for the non-finite policy (app.training.nonfinite)
+        # over the world for the non-finite policy (app.training.resilience.nonfinite)
         device = next(self.ds.module.parameters()).device
         bad = getattr(self, "_bad_loss", torch.zeros(())).reshape(1).to(device)
         collectives.all_reduce(bad, world_group(), op="max")
@@ -351,19 +334,19 @@ class DeepSpeedEngineAdapter(Engine):
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, and
         ZeRO partitions of another data-parallel size (after the model shape, the more basic
         mismatch, which DeepSpeed would otherwise report first)."""
-        layout = inspect.check_loadable(
+        layout = layouts.check_loadable(
             load_dir, plan.iteration, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.ps.data_parallel_size, load_optimizer=False)
         if layout is not None:  # the file names give TP x PP ranks, the args their split
-            saved = inspect.read_saved_state(layout).get("args")
+            saved = layouts.read_saved_state(layout).get("args")
             if saved is not None:
                 check_saved_args(plan, saved, self.cfg, where)
-        problem = (inspect.partition_problem(layout, self.ps.data_parallel_size)
+        problem = (layouts.partition_problem(layout, self.ps.data_parallel_size)
                    if layout is not None and plan.load_optimizer else None)
         if problem:
-            from app.training.checkpoint import CheckpointError
+            from app.checkpointing.megatron import CheckpointError
             raise CheckpointError(problem)
 
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
@@ -375,7 +358,7 @@ class DeepSpeedEngineAdapter(Engine):
         for this run's DP and TP sizes, so the saved layout need not match this run's.
         """
         universal = self.cfg.deepspeed.universal_checkpoint
-        tag = inspect.universal_tag(load_dir) if universal else (
+        tag = layouts.universal_tag(load_dir) if universal else (
             "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
         where = os.path.join(load_dir, tag)
         if universal:  # re-sliced for any layout (args checked below); DeepSpeed reads the

@@ -1,7 +1,7 @@
 """What a checkpoint directory holds, read from file names alone, and whether a run can load it.
 
 Both engines call `check_loadable` before they read a single file, and the preflight check
-(`app.training.preflight`) uses the same functions, so a checkpoint that cannot be loaded is
+(`app.training.planning.preflight`) uses the same functions, so a checkpoint that cannot be loaded is
 refused with one message naming the directory, both layouts and the fix (the conversion
 command), instead of an error from deep inside DeepSpeed or torch.
 
@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from app.training import checkpoint as ckpt
-from app.training import checkpoint_files as ckpt_files
+from app.checkpointing import megatron as ckpt
+from app.checkpointing import files as ckpt_files
 
 MEGATRON = "megatron"
 DEEPSPEED = "deepspeed"

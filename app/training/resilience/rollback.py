@@ -7,7 +7,7 @@ Triggers, checked after every iteration:
   with mean and std over the last `window` finite losses (no spike is called before the
   window is full; a spike is never added to the history);
 - the non-finite limit: --max-consecutive-skipped-iterations consecutive non-finite steps
-  (app.training.nonfinite), which would otherwise stop the run.
+  (app.training.resilience.nonfinite), which would otherwise stop the run.
 
 All ranks agree on a trigger (one max all-reduce per iteration: the loss lives on the last
 pipeline stage), then every rank reloads the latest checkpoint under --save with everything in
@@ -38,10 +38,10 @@ import torch
 
 from app.config import RollbackConfig, RunConfig
 from app.mpu import collectives
-from app.training import checkpoint as ckpt
-from app.training.distributed import world_group
-from app.training.nonfinite import TrainingAborted
-from app.training.resume import load_on_all_ranks
+from app.checkpointing import megatron as ckpt
+from app.launch.distributed import world_group
+from app.training.resilience.nonfinite import TrainingAborted
+from app.training.resilience.resume import load_on_all_ranks
 from app.utils.rank_logging import LAST_RANK
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The resume policy, shared by both engines: what a checkpoint restores and how ranks agree.
 
-Format and policy are apart. `app.training.checkpoint` reads and writes Megatron's files; each
+Format and policy are apart. `app.checkpointing.megatron` reads and writes Megatron's files; each
 engine implements only `read_checkpoint(load_dir, plan)`, which reads its own files and applies
 what the plan asks for (weights always, optimizer and LR-schedule state when
 `plan.load_optimizer`). Everything else is decided here, once:
@@ -41,8 +41,8 @@ import torch
 from app.config import CheckpointConfig, RunConfig
 from app.mpu import collectives
 from app.mpu.random import load_rng_state_dict
-from app.training import checkpoint as ckpt
-from app.training.distributed import world_group
+from app.checkpointing import megatron as ckpt
+from app.launch.distributed import world_group
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the native path and DeepSpeed (gradient synchronisation, clipping, loss scaling,
 and LR-schedule step, checkpoint files) lives behind this interface, so the loop never asks
 which engine it has. `native_engine.NativeEngine` and `deepspeed_engine.DeepSpeedEngineAdapter`
 implement it; `app.training.run.build_engine` picks one. Loading follows one policy for both
-(`app.training.resume`); an engine only reads its own files.
+(`app.training.resilience.resume`); an engine only reads its own files.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from app.config import RunConfig
-from app.training.resume import (CheckpointContents, LoadResult, ResumePlan,
+from app.training.resilience.resume import (CheckpointContents, LoadResult, ResumePlan,
                                  resume_from_checkpoint)
 
 
@@ -80,7 +80,7 @@ class Engine(abc.ABC):
 
     def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
         """Restore from the latest checkpoint under `load_dir` with the shared resume policy
-        (app.training.resume); None when the directory holds none."""
+        (app.training.resilience.resume); None when the directory holds none."""
         return resume_from_checkpoint(self, self.cfg.checkpoint, load_dir)
 
     def train(self) -> None:

@@ -4,7 +4,7 @@ The trainer computes the numbers; this module formats and writes them. `MetricsW
 the same values to TensorBoard (`--tensorboard-dir`, tags `{kind}/{name}`) and to
 `--metrics-file` (one JSON object per line with "kind", "iteration" and the values).
 MFU = achieved model FLOP/s per rank / peak FLOP/s per rank, with the FLOP formulas and the
-peaks of `app.training.flops`.
+peaks of `app.training.telemetry.flops`.
 """
 from __future__ import annotations
 

@@ -19,11 +19,11 @@ from app.data.gpt_dataset import (SPLIT_NAMES, check_token_ids, samples_per_pref
                                   token_id_range)
 from app.data.index_builder import compute_num_epochs, split_document_ranges
 from app.data.indexed_dataset import MMapIndexedDataset
-from app.training import checkpoint as ckpt
-from app.training import checkpoint_files as ckpt_files
-from app.training import checkpoint_inspect as inspect
-from app.training.memory import FIT_FRACTION, estimate_memory
-from app.training.resume import plan_resume
+from app.checkpointing import megatron as ckpt
+from app.checkpointing import files as ckpt_files
+from app.checkpointing import layouts
+from app.training.planning.memory import FIT_FRACTION, estimate_memory
+from app.training.resilience.resume import plan_resume
 
 GIB = float(1 << 30)
 LEVELS = ("ok", "note", "warn", "ERROR")
@@ -212,10 +212,10 @@ def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> No
         report.error(str(exc))
 
 
-def _check_saved_state(report: Report, cfg: RunConfig, layout: inspect.SavedLayout,
+def _check_saved_state(report: Report, cfg: RunConfig, layout: layouts.SavedLayout,
                        load_optimizer: bool) -> None:
     try:
-        state = inspect.read_saved_state(layout)
+        state = layouts.read_saved_state(layout)
     except ckpt.CheckpointError as exc:
         report.error(str(exc))
         return
@@ -234,7 +234,7 @@ def _check_saved_state(report: Report, cfg: RunConfig, layout: inspect.SavedLayo
     if saved_dtype and saved_dtype != cfg.model.params_dtype:
         report.warn(f"weights were saved as {saved_dtype} and this run trains "
                     f"{cfg.model.params_dtype}: they are cast on load (python "
-                    f"{inspect.CONVERTER} --target-params-dtype converts a copy)")
+                    f"{layouts.CONVERTER} --target-params-dtype converts a copy)")
     if not load_optimizer:
         report.ok("weights only (--finetune, --no-load-optim or a release checkpoint)")
         return
@@ -268,7 +268,7 @@ def check_checkpoint(report: Report, cfg: RunConfig) -> None:
         return
     if cfg.deepspeed.universal_checkpoint:
         try:
-            tag = inspect.universal_tag(c.load)
+            tag = layouts.universal_tag(c.load)
         except ckpt.CheckpointError as exc:
             report.error(str(exc))
             return
@@ -288,14 +288,14 @@ def check_checkpoint(report: Report, cfg: RunConfig) -> None:
         else:
             report.ok(f"--load {c.load} holds no checkpoint yet: the run starts at iteration 0")
         return
-    layout = inspect.inspect_directory(ckpt.checkpoint_dir(c.load, iteration))
+    layout = layouts.inspect_directory(ckpt.checkpoint_dir(c.load, iteration))
     if layout is None:
         report.error(f"{ckpt.checkpoint_dir(c.load, iteration)} (named by the tracker) holds no "
                      "Megatron or DeepSpeed checkpoint files")
         return
     report.ok(f"--load {c.load}: iteration {iteration}, {layout.describe()}")
     plan = plan_resume(c, iteration)
-    problem = inspect.loadable_problem(
+    problem = layouts.loadable_problem(
         layout, c.load, deepspeed=cfg.deepspeed.enabled,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
@@ -336,7 +336,7 @@ def device_memory(override_gib: Optional[float]) -> Tuple[Optional[float], str, 
 
 
 def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) -> None:
-    """Per-rank estimate (formulas in app.training.memory) against the device memory, and the
+    """Per-rank estimate (formulas in app.training.planning.memory) against the device memory, and the
     largest micro-batch that fits."""
     report.section("memory (per rank)")
     total_bytes, desc, device_type = device_memory(override_gib)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from app.config import RunConfig
-from app.training.checkpoint_files import (CheckpointError, read_checksums, safe_torch_load,
+from app.checkpointing.files import (CheckpointError, read_checksums, safe_torch_load,
                                            sha256_file, sidecar_path, verify_checksum,
                                            write_checksums)
 from app.utils.dtypes import torch_dtype
@@ -333,7 +333,7 @@ def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: b
     failed write (a full disk) leaves no temporary file. While the data file is being replaced
     the sidecar lists both the old and the new digest, so whichever file is on disk after a
     crash still verifies. Used for Megatron's files and, through the checkpoint-engine hook of
-    app.training.deepspeed_engine, for DeepSpeed's.
+    app.training.engines.deepspeed, for DeepSpeed's.
     """
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Two mechanisms bound the time a rank spends waiting for another one:
 
-1. Every process group carries `--distributed-timeout-minutes` (app.training.distributed,
+1. Every process group carries `--distributed-timeout-minutes` (app.launch.distributed,
    app.mpu.parallel_state), so a collective whose peer is stopped (SIGSTOP, a hung node) fails
    after that time, and one whose peer died (kill -9, a lost node) fails at once. The trainer
    turns such an error into `PeerFailure` (`is_peer_failure` recognises it), whose message names

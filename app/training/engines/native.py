@@ -18,11 +18,11 @@ import torch
 from app.config import RunConfig
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu.random import rng_state_dict
-from app.training import checkpoint as ckpt
-from app.training.checkpoint_inspect import check_loadable
-from app.training.distributed import all_ranks_ok, world_group
-from app.training.engine import Engine, StepResult
-from app.training.resume import CheckpointContents, ResumePlan, check_saved_args
+from app.checkpointing import megatron as ckpt
+from app.checkpointing.layouts import check_loadable
+from app.launch.distributed import all_ranks_ok, world_group
+from app.training.engines.base import Engine, StepResult
+from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
 
 logger = logging.getLogger(__name__)
 

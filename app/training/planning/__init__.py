@@ -1,0 +1,1 @@
+"""Before a run: the --dry-run report (preflight) and the per-rank memory estimate."""
