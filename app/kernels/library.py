@@ -97,18 +97,18 @@ def status() -> Status:
 def agree_across_ranks(group: object, device: torch.device) -> Status:
     """Kernels on every rank of `group` or on none; returns the status now in effect here.
 
-    One MIN all-reduce of a [group size] vector holding each rank's availability (collectives
-    need the tensor on `device`: the CUDA device under NCCL). If some ranks lack the kernels,
+    One agreement (min) over a [group size] vector holding each rank's availability (on
+    `device`: the CUDA device under NCCL). If some ranks lack the kernels,
     each of them logs its reason (printed whatever its rank), rank 0 logs which ranks they are,
     and the ranks that have them switch to the PyTorch implementations for good.
     """
     global _STATUS
     mine = status()
     size, rank = collectives.group_size(group), collectives.group_rank(group)
-    flags = torch.ones(size, dtype=torch.int32, device=device)  # [size], 1 = has the kernels
-    flags[rank] = int(mine.available)
-    collectives.all_reduce(flags, group, op="min")
-    lacking = [r for r, have in enumerate(flags.tolist()) if not have]
+    mine_only = [1.0] * size  # [size], 1 = has the kernels; each rank fills in its own slot
+    mine_only[rank] = float(mine.available)
+    flags = collectives.agree(mine_only, group, device, op="min")
+    lacking = [r for r, have in enumerate(flags) if not have]
     if not lacking or len(lacking) == size:  # all agree already
         return mine
     if not mine.available:

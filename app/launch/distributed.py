@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from app.launch.ports import pick_master_port
+
 
 @dataclass
 class DistributedInfo:
@@ -68,29 +70,6 @@ def _discover_mpi() -> None:
                       LOCAL_WORLD_SIZE=str(local.Get_size()))
     os.environ.setdefault("MASTER_ADDR", master)
     os.environ.setdefault("MASTER_PORT", str(port))
-
-
-DEFAULT_MASTER_PORT = 29500
-
-
-def port_is_free(port: int, host: str = "") -> bool:
-    """True when a TCP socket can listen on `port` here right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def pick_master_port(preferred: int = DEFAULT_MASTER_PORT) -> int:
-    """`preferred` when it is free on this host, else a free port the OS hands out (for rank 0
-    when the project chooses the rendezvous port itself)."""
-    if port_is_free(preferred):
-        return preferred
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class RendezvousPortInUse(ValueError):
@@ -202,9 +181,7 @@ def all_ranks_ok(ok: bool, device: torch.device) -> bool:
     """Whether `ok` holds on every rank (an all-reduce of one flag over the world; also a
     barrier). `device` holds the flag (NCCL reduces device tensors only)."""
     from app.mpu import collectives
-    flag = torch.tensor([0.0 if ok else 1.0], device=device)
-    collectives.all_reduce(flag, world_group(), op="max")
-    return flag.item() == 0.0
+    return collectives.agree([not ok], world_group(), device)[0] == 0.0
 
 
 def shutdown_distributed(graceful: bool = True) -> None:

@@ -50,6 +50,21 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") -> to
     return tensor
 
 
+def agree(values: Sequence[Any], group: ProcessGroup, device: Any, op: str = "max"
+          ) -> List[float]:
+    """The one way ranks decide together: `values` (bools, numbers or 0-dim tensors) combined
+    element-wise over `group` by `op` ("max": set on any rank; "min": set on every rank; "sum"),
+    returned as Python floats that are the same on every rank of the group.
+
+    One all-reduce of a float64 vector on `device` (NCCL reduces device tensors only), so
+    iteration numbers stay exact; it is also a barrier. No communication for a one-rank group.
+    """
+    flags = torch.stack([torch.as_tensor(v, device=device).detach().reshape(())
+                         .to(torch.float64) for v in values])  # [len(values)]
+    all_reduce(flags, group, op=op)
+    return flags.tolist()
+
+
 def all_gather(tensor: torch.Tensor, group: ProcessGroup) -> List[torch.Tensor]:
     """Each rank's `tensor` (same shape everywhere), in group-rank order."""
     if _trivial(group):

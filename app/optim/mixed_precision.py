@@ -113,9 +113,8 @@ class _PrecisionOptimizer:
         device = grads[0].device if grads else torch.device("cpu")
         loss_bad = (torch.zeros(()) if nonfinite_loss is None
                     else (nonfinite_loss.detach().float() > 0).float())
-        flags = torch.stack([_any_nonfinite(grads).to(device), loss_bad.to(device)])
-        collectives.all_reduce(flags, world_group, op="max")
-        grad_bad, loss_bad_any = (bool(v > 0) for v in flags.tolist())
+        flags = collectives.agree([_any_nonfinite(grads), loss_bad], world_group, device)
+        grad_bad, loss_bad_any = (v > 0 for v in flags)
         return grad_bad or loss_bad_any, loss_bad_any
 
     def _unscale_or_skip(self, grads: List[torch.Tensor], nonfinite_loss: Optional[torch.Tensor],

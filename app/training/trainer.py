@@ -335,9 +335,8 @@ class Trainer:
         self._beat("stop agreement")
         over = 1.0 if limit and (time.time() - self.start_time) / 60.0 > limit else 0.0
         signum = float(self.signals.pending()) if self.signals is not None else 0.0
-        flags = torch.tensor([over, signum], device=self.device)  # NCCL reduces device tensors
-        collectives.all_reduce(flags, world_group(), op="max")
-        return bool(flags[0].item() > 0), int(flags[1].item())
+        over, signum = collectives.agree([over, signum], world_group(), self.device)
+        return over > 0, int(signum)
 
     def train(self) -> RunState:
         """Train to `train_iters` (or an exit condition); evaluate and save as configured.

@@ -1,13 +1,13 @@
 """The DeepSpeed path end to end on CPU (gloo, fp32): ZeRO-1/2 parity with the native path,
 TP + ZeRO-2, exact resume through DeepSpeed checkpoints, zero_to_fp32, and the launchers."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from app.launch.ports import free_port
 from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import (BIN, ROOT, assert_close_curves, env, run, torchrun,
                                             train_curve)
@@ -21,15 +21,9 @@ def ds_args(stage: int):
     return ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", f"zero{stage}.json")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def deepspeed_launch(nproc: int, args, cwd, extra_launcher=()):
     return run([os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port",
-                str(free_port()), *extra_launcher, os.path.join(ROOT, "pretrain_gpt2.py"), *args], cwd)
+                str(free_port("127.0.0.1")), *extra_launcher, os.path.join(ROOT, "pretrain_gpt2.py"), *args], cwd)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +166,7 @@ def assert_one_dp2_run(metrics_file, native_dp2):
 
 def test_two_node_launch_on_one_machine(tiny_corpus, native_dp2, tmp_path):
     """Two `deepspeed` launcher processes, --num_nodes 2, node ranks 0 and 1 (one rank each)."""
-    port = str(free_port())
+    port = str(free_port("127.0.0.1"))
     hostfile = tmp_path / "hostfile"  # two "nodes" that are both this machine
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     args = tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2),
@@ -198,7 +192,7 @@ def test_mpirun_with_deepspeed_mpi(tiny_corpus, native_dp2, tmp_path):
     args = tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2), "--deepspeed_mpi",
                          "--metrics-file", str(tmp_path / "m.jsonl"))
     run([mpirun, "-np", "2", *flags, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "PATH",
-         "-x", f"MASTER_PORT={free_port()}", sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"),
+         "-x", f"MASTER_PORT={free_port('127.0.0.1')}", sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"),
          *args], tmp_path)
     assert_one_dp2_run(tmp_path / "m.jsonl", native_dp2)
 

@@ -101,10 +101,8 @@ def torchrun_cmd(nproc, args):
 
 
 def deepspeed_cmd(nproc, args):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from app.launch.ports import free_port
+    port = free_port("127.0.0.1")
     return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port),
             SCRIPT, *args]
 

@@ -17,7 +17,7 @@ from app.config import CheckpointConfig
 from app.convert.state import Progress as ConvertProgress
 from app.checkpointing import megatron as ckpt
 from app.training.resilience import resume
-from app.launch.distributed import pick_master_port, port_is_free
+from app.launch.ports import pick_master_port, port_is_free
 from app.training.telemetry.metrics import format_duration, format_train_log
 from app.training.resilience.save_dir import (LOCK_FILENAME, SaveDirError, SaveDirLock, SaveDirLocked,
                                    claim_save_dir, ensure_writable_dir)

@@ -36,7 +36,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -49,17 +48,12 @@ from app.checkpointing import layouts
 from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
 from app.training.engines import ds_config
 from app.launch.distributed import all_ranks_ok, world_group
+from app.launch.ports import free_port
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
 from app.utils.fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
@@ -73,7 +67,7 @@ def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
     import torch.distributed as dist
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port("127.0.0.1")))
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))
 
@@ -143,6 +137,8 @@ class DeepSpeedEngineAdapter(Engine):
         setattr(model, UNIVERSAL_CHECKPOINT_INFO,
                 universal_checkpoint_info(model, cfg.raw_vocab_size or cfg.model.padded_vocab_size))
         self.pipelined = parallel_state.pipeline_model_parallel_size > 1
+        self._micro, self._grad_bytes = 0, 0
+        self._bad_loss = torch.zeros(())  # micro-batches with a non-finite loss this iteration
         for param in model.parameters():  # DeepSpeed's mark for a pipeline-replicated weight
             if getattr(param, "shared", False):
                 param.ds_pipe_replicated = True
@@ -211,7 +207,7 @@ class DeepSpeedEngineAdapter(Engine):
         self._lr_used = self._current_lr()  # the boundary step advances the schedule
         # peak over the accumulation: ZeRO-1 holds full gradients between boundaries, ZeRO-2 only
         # its partition; the boundary step frees them
-        self._grad_bytes = max(getattr(self, "_grad_bytes", 0), self._gradient_bytes())
+        self._grad_bytes = max(self._grad_bytes, self._gradient_bytes())
         self._micro += 1
         if not self.pipelined:
             self.ds.step()  # an update only at the accumulation boundary
@@ -246,9 +242,7 @@ class DeepSpeedEngineAdapter(Engine):
         # DeepSpeed skips fp16 overflows itself; a non-finite loss in any precision is agreed
         # over the world for the non-finite policy (app.training.resilience.nonfinite)
         device = next(self.ds.module.parameters()).device
-        bad = getattr(self, "_bad_loss", torch.zeros(())).reshape(1).to(device)
-        collectives.all_reduce(bad, world_group(), op="max")
-        bad_loss = bool(bad.item() > 0)
+        bad_loss = collectives.agree([self._bad_loss], world_group(), device)[0] > 0
         return StepResult(grad_norm=norm, skipped=skipped, lr=self._lr_used,
                           loss_scale=self.loss_scale, nonfinite=bad_loss, nonfinite_loss=bad_loss)
 
@@ -267,7 +261,7 @@ class DeepSpeedEngineAdapter(Engine):
         base = getattr(opt, "optimizer", opt)
         masters = sum(tensor_bytes(t) for t in getattr(opt, "single_partition_of_fp32_groups", []))
         return {"params": sum(tensor_bytes(p) for p in self.ds.module.parameters()),
-                "grads": getattr(self, "_grad_bytes", 0),
+                "grads": self._grad_bytes,
                 "optimizer": optimizer_state_bytes(base) + masters}
 
     @property

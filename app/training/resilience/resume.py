@@ -276,15 +276,15 @@ def load_on_all_ranks(engine: Any, load_dir: str, device: torch.device,
     except Exception as exc:  # noqa: BLE001  re-raised below, after the other ranks know
         error = exc
     iteration = -1.0 if loaded is None else float(loaded.iteration)
-    flags = torch.tensor([1.0 if error else 0.0, iteration, -iteration], device=device)
-    collectives.all_reduce(flags, world_group(), op="max")  # NCCL needs a device tensor
+    failed, highest, minus_lowest = collectives.agree(
+        [error is not None, iteration, -iteration], world_group(), device)
     if error is not None:
         raise error
-    if flags[0].item() > 0:
+    if failed > 0:
         raise ckpt.CheckpointError(f"another rank could not load the checkpoint in {load_dir}; "
                                    "its message says why")
-    if flags[1].item() != -flags[2].item():
+    if highest != -minus_lowest:
         raise ckpt.CheckpointError(
-            f"ranks loaded different iterations from {load_dir} (from {-flags[2].item():.0f} "
-            f"to {flags[1].item():.0f}; -1 = none): is --load on a disk every node sees?")
+            f"ranks loaded different iterations from {load_dir} (from {-minus_lowest:.0f} "
+            f"to {highest:.0f}; -1 = none): is --load on a disk every node sees?")
     return loaded

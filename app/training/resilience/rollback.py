@@ -93,9 +93,7 @@ class SpikeRollback:
                                                no_load_optim=False, no_load_rng=False)
 
     def _agree(self, triggered: bool) -> bool:
-        flag = torch.tensor([1.0 if triggered else 0.0], device=self.device)
-        collectives.all_reduce(flag, world_group(), op="max")
-        return bool(flag.item() > 0)
+        return collectives.agree([triggered], world_group(), self.device)[0] > 0
 
     def check(self, state: Any, loss: Optional[float],
               nonfinite_stop: Optional[TrainingAborted]) -> bool:
