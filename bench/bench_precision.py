@@ -63,7 +63,7 @@ def measure(argv: List[str], raw_vocab: int, steps: int, warmup: int,
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        if i >= warmup and out["skipped"]:
+        if i >= warmup and out.skipped:
             skipped += 1
     step = statistics.median(times[warmup:])
     tokens = cfg.training.global_batch_size * cfg.model.seq_length / step
@@ -73,7 +73,7 @@ def measure(argv: List[str], raw_vocab: int, steps: int, warmup: int,
     return {"tokens_per_s": tokens, "mfu": tokens * model_flops_per_token(cfg.model) / peak,
             "bytes_per_param": (b["params"] + b["grads"] + b["optimizer"]) / n,
             "split": (b["params"] / n, b["grads"] / n, b["optimizer"] / n),
-            "loss": out["loss"], "skipped": skipped}
+            "loss": out.loss, "skipped": skipped}
 
 
 def main() -> None:

@@ -59,6 +59,26 @@ class RunState:
 
 
 @dataclass
+class StepOutput:
+    """What one training iteration (`Trainer.train_step`) or one evaluation batch
+    (`Trainer.eval_step`) produced. `loss` is the mean over micro-batches and data-parallel ranks
+    (None off the last pipeline stage); `metrics` the loss function's extra metrics averaged the
+    same way; `logits` every micro-batch's full-vocabulary logits with `return_logits`. The
+    engine's fields (`grad_norm` .. `nonfinite_loss`, see app.training.engines.base.StepResult)
+    are left at their defaults by evaluation."""
+
+    loss: Optional[float]
+    metrics: Dict[str, float] = field(default_factory=dict)
+    logits: Optional[List[torch.Tensor]] = None
+    grad_norm: Optional[float] = None
+    skipped: bool = False
+    lr: float = float("nan")
+    loss_scale: Optional[float] = None
+    nonfinite: bool = False
+    nonfinite_loss: bool = False
+
+
+@dataclass
 class _Interval:
     """Sums over one logging interval."""
 
@@ -109,6 +129,7 @@ class Trainer:
             recomputed_layers=cfg.model.recomputed_layers(parallel_state.pipeline_model_parallel_size))
         self.peak_flops = float("nan")
         self._warned_over_peak = False
+        self._state_bytes_reported = False
         if self.is_logging_rank:  # only the logging rank reports MFU; measuring takes a moment
             self.peak_flops, peak_desc = self._peak_flops()
             self.log(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s per rank ({peak_desc}); "
@@ -204,7 +225,7 @@ class Trainer:
             loss = loss / self.ps.data_parallel_size
         return float(loss)
 
-    def train_step(self, iterator) -> Dict[str, Any]:
+    def train_step(self, iterator) -> StepOutput:
         """One iteration: zero grads, accumulate all micro-batches, step. Returns its numbers."""
         self.engine.train()
         self.engine.zero_grad()
@@ -216,29 +237,26 @@ class Trainer:
         result = self.engine.step()
         self.timers("optimizer").stop()
         metrics, logits = self.objective.take()
-        out = {"loss": self._mean_loss_across_dp(losses), "grad_norm": result.grad_norm,
-               "skipped": result.skipped, "lr": result.lr, "loss_scale": result.loss_scale,
-               "nonfinite": result.nonfinite, "nonfinite_loss": result.nonfinite_loss,
-               "metrics": self._mean_metrics_across_dp(metrics)}
-        if self.objective.return_logits:
-            out["logits"] = logits
-        return out
+        return StepOutput(loss=self._mean_loss_across_dp(losses),
+                          metrics=self._mean_metrics_across_dp(metrics),
+                          logits=logits if self.objective.return_logits else None,
+                          grad_norm=result.grad_norm, skipped=result.skipped, lr=result.lr,
+                          loss_scale=result.loss_scale, nonfinite=result.nonfinite,
+                          nonfinite_loss=result.nonfinite_loss)
 
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def eval_step(self, iterator) -> Dict[str, Any]:
+    def eval_step(self, iterator) -> StepOutput:
         """Forward only over one global batch: its mean loss (last stage; None elsewhere) and
         metrics, plus the micro-batches' logits with `return_logits`."""
         self.engine.eval()
         losses = self._forward_backward(iterator, forward_only=True)
         self.engine.train()
         metrics, logits = self.objective.take()
-        out = {"loss": self._mean_loss_across_dp(losses),
-               "metrics": self._mean_metrics_across_dp(metrics)}
-        if self.objective.return_logits:
-            out["logits"] = logits
-        return out
+        return StepOutput(loss=self._mean_loss_across_dp(losses),
+                          metrics=self._mean_metrics_across_dp(metrics),
+                          logits=logits if self.objective.return_logits else None)
 
     @torch.no_grad()
     def evaluate(self, iterator, num_iters: int) -> Optional[float]:
@@ -263,18 +281,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging
 
-    def _log_interval(self, acc: _Interval, step: Dict[str, Any]) -> None:
+    def _log_interval(self, acc: _Interval, step: StepOutput) -> None:
         t, s = self.cfg.training, self.state
         per_iter = acc.seconds / max(acc.iterations, 1)
         tokens_per_s = metrics_lib.tokens_per_second(t.global_batch_size,
                                                       self.cfg.model.seq_length, per_iter)
         values = {
-            "consumed_samples": s.consumed_train_samples, "lr": step["lr"],
+            "consumed_samples": s.consumed_train_samples, "lr": step.lr,
             "eta_s": per_iter * max(0, t.train_iters - s.iteration),
             "lm_loss": sum(acc.losses) / len(acc.losses) if acc.losses else float("nan"),
             # Megatron logs the last iteration's norm (None when that step was skipped)
-            "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),
-            "loss_scale": step["loss_scale"], "skipped_iterations": acc.skipped,
+            "grad_norm": step.grad_norm if step.grad_norm is not None else float("nan"),
+            "loss_scale": step.loss_scale, "skipped_iterations": acc.skipped,
             "nan_iterations": acc.nan,
             "total_skipped_iterations": s.skipped_iterations,
             "ms_per_iteration": per_iter * 1e3, "tokens_per_s": tokens_per_s,
@@ -296,7 +314,8 @@ class Trainer:
     def _report_state_bytes(self) -> None:
         """Bytes of parameters, gradients and optimizer states of every rank, after the first
         step (when optimizer states exist); shows how ZeRO partitions them."""
-        b = self._reported_state_bytes = self.engine.state_bytes()
+        self._state_bytes_reported = True
+        b = self.engine.state_bytes()
         mine = torch.tensor([float(b["params"]), float(b["grads"]), float(b["optimizer"])],
                             dtype=torch.float64, device=self.device)
         every = [x.cpu().tolist() for x in collectives.all_gather(mine, world_group())]
@@ -356,68 +375,98 @@ class Trainer:
                 self.watchdog.idle()
 
     def _train(self) -> RunState:
-        t, s, c = self.cfg.training, self.state, self.cfg.checkpoint
+        """The loop: one iteration, then what follows it (observe, account, log, evaluate,
+        agree on stopping, save), each a small method below."""
+        t, s = self.cfg.training, self.state
         if s.iteration >= t.train_iters:
             self.log(f"nothing to train: the run is at iteration {s.iteration} and --train-iters "
                      f"is {t.train_iters}; raise --train-iters to continue")
             self.writer.close()
             return s
         self._check_data_suffices()
-        train_iter = build_data_iterator(self.train_ds, s.consumed_train_samples,
-                                         t.micro_batch_size, self.ps, self.cfg.data.num_workers)
-        valid_iter = build_data_iterator(self.valid_ds, s.consumed_valid_samples,
-                                         t.micro_batch_size, self.ps, 0)
-        acc, last_saved, exiting = _Interval(), None, False
-        while s.iteration < t.train_iters and not exiting:
+        loop = _Loop(*self._data_iterators())
+        while s.iteration < t.train_iters and not loop.exiting:
             t0 = time.time()
-            step = self.train_step(train_iter)
-            acc.seconds += time.time() - t0
+            step = self.train_step(loop.train_iter)
+            loop.interval.seconds += time.time() - t0
             s.iteration += 1
             s.consumed_train_samples += t.global_batch_size
-            acc.iterations += 1
+            loop.interval.iterations += 1
             if self._observe(step):  # rolled back: new position, fresh iterators and sums
-                train_iter = build_data_iterator(self.train_ds, s.consumed_train_samples,
-                                                 t.micro_batch_size, self.ps,
-                                                 self.cfg.data.num_workers)
-                valid_iter = build_data_iterator(self.valid_ds, s.consumed_valid_samples,
-                                                 t.micro_batch_size, self.ps, 0)
-                acc = _Interval()
+                loop.train_iter, loop.valid_iter = self._data_iterators()
+                loop.interval = _Interval()
                 continue
-            acc.nan += int(step["nonfinite"] or step["nonfinite_loss"])
-            if step["skipped"]:
-                acc.skipped += 1
-                s.skipped_iterations += 1
-            else:
-                if step["loss"] is not None and math.isfinite(step["loss"]):
-                    acc.losses.append(step["loss"])
-                for name, value in step["metrics"].items():
-                    acc.metrics.setdefault(name, []).append(value)
-            if acc.iterations == 1 and not hasattr(self, "_reported_state_bytes"):
-                self._report_state_bytes()
-            if s.iteration % t.log_interval == 0:
-                self._log_interval(acc, step)
-                acc = _Interval()
-            if t.eval_iters and self.valid_ds is not None and s.iteration % t.eval_interval == 0:
-                self._report_eval("valid", self.evaluate(valid_iter, t.eval_iters))
-                s.consumed_valid_samples += t.eval_iters * t.global_batch_size
-            out_of_time, self.stop_signal = self._stop_request()
-            exiting = bool(t.exit_interval and s.iteration % t.exit_interval == 0)
-            exiting = exiting or out_of_time or bool(self.stop_signal)
-            if c.save and ((c.save_interval and s.iteration % c.save_interval == 0) or exiting):
-                if self.nonfinite.in_streak:
-                    logger.warning("iteration %d: not saving a checkpoint during a run of "
-                                   "non-finite iterations", s.iteration, extra=LAST_RANK)
-                else:
-                    self._save()
-                    last_saved = s.iteration
+            self._account(loop.interval, step)
+            self._maybe_log(loop, step)
+            self._maybe_evaluate(loop)
+            loop.exiting = self._should_exit()
+            self._maybe_save(loop)
         if self.stop_signal:
-            self._log_signal_exit(last_saved)
-        elif exiting:
+            self._log_signal_exit(loop.last_saved)
+        elif loop.exiting:
             self.log(f"exiting at iteration {s.iteration} (exit condition reached)")
         else:
-            self._finish(valid_iter, last_saved)
+            self._finish(loop.valid_iter, loop.last_saved)
         self.writer.close()
         return s
+
+    def _data_iterators(self) -> Tuple[Any, Any]:
+        """Training and validation iterators from the run's consumed-sample positions."""
+        t, s = self.cfg.training, self.state
+        return (build_data_iterator(self.train_ds, s.consumed_train_samples, t.micro_batch_size,
+                                    self.ps, self.cfg.data.num_workers),
+                build_data_iterator(self.valid_ds, s.consumed_valid_samples, t.micro_batch_size,
+                                    self.ps, 0))
+
+    def _account(self, acc: _Interval, step: StepOutput) -> None:
+        """Add an (un-rolled-back) iteration to the interval's sums and the skip count."""
+        acc.nan += int(step.nonfinite or step.nonfinite_loss)
+        if step.skipped:
+            acc.skipped += 1
+            self.state.skipped_iterations += 1
+            return
+        if step.loss is not None and math.isfinite(step.loss):
+            acc.losses.append(step.loss)
+        for name, value in step.metrics.items():
+            acc.metrics.setdefault(name, []).append(value)
+
+    def _maybe_log(self, loop: "_Loop", step: StepOutput) -> None:
+        """The state-bytes report after the first iteration; the log line every
+        --log-interval iterations (then a fresh interval)."""
+        if not self._state_bytes_reported:
+            self._report_state_bytes()
+        if self.state.iteration % self.cfg.training.log_interval == 0:
+            self._log_interval(loop.interval, step)
+            loop.interval = _Interval()
+
+    def _maybe_evaluate(self, loop: "_Loop") -> None:
+        """Validation every --eval-interval iterations (when there is validation data)."""
+        t, s = self.cfg.training, self.state
+        if t.eval_iters and self.valid_ds is not None and s.iteration % t.eval_interval == 0:
+            self._report_eval("valid", self.evaluate(loop.valid_iter, t.eval_iters))
+            s.consumed_valid_samples += t.eval_iters * t.global_batch_size
+
+    def _should_exit(self) -> bool:
+        """Whether every rank stops after this iteration: --exit-interval, the
+        --exit-duration-in-mins budget, or an exit signal (agreed by all ranks)."""
+        t = self.cfg.training
+        out_of_time, self.stop_signal = self._stop_request()
+        at_interval = bool(t.exit_interval and self.state.iteration % t.exit_interval == 0)
+        return at_interval or out_of_time or bool(self.stop_signal)
+
+    def _maybe_save(self, loop: "_Loop") -> None:
+        """A checkpoint every --save-interval iterations and before exiting, except during a
+        run of non-finite iterations (the previous checkpoint stays the one to resume from)."""
+        c, s = self.cfg.checkpoint, self.state
+        if not c.save or not ((c.save_interval and s.iteration % c.save_interval == 0)
+                              or loop.exiting):
+            return
+        if self.nonfinite.in_streak:
+            logger.warning("iteration %d: not saving a checkpoint during a run of non-finite "
+                           "iterations", s.iteration, extra=LAST_RANK)
+            return
+        self._save()
+        loop.last_saved = s.iteration
 
     def _log_signal_exit(self, last_saved: Optional[int]) -> None:
         c, s = self.cfg.checkpoint, self.state
@@ -447,19 +496,19 @@ class Trainer:
             check_data_suffices(self.valid_ds, "validation", s.consumed_valid_samples,
                                 evals * t.eval_iters, t.global_batch_size)
 
-    def _observe(self, step: Dict[str, Any]) -> bool:
+    def _observe(self, step: StepOutput) -> bool:
         """The non-finite policy, then (with --rollback-on-spike) the spike check, which turns
         the policy's stop into a rollback while the budget lasts. True when rolled back."""
         s = self.state
         try:
-            self.nonfinite.observe(s.iteration, step["nonfinite"], step["nonfinite_loss"],
-                                   step["skipped"])
+            self.nonfinite.observe(s.iteration, step.nonfinite, step.nonfinite_loss,
+                                   step.skipped)
             stop = None
         except TrainingAborted as exc:
             if self.rollback is None:
                 raise
             stop = exc
-        if self.rollback is None or not self.rollback.check(s, step["loss"], stop):
+        if self.rollback is None or not self.rollback.check(s, step.loss, stop):
             return False
         self.nonfinite.streak = 0
         return True
@@ -474,6 +523,18 @@ class Trainer:
         if t.eval_iters and self.test_ds is not None:
             test_iter = build_data_iterator(self.test_ds, 0, t.micro_batch_size, self.ps, 0)
             self._report_eval("test", self.evaluate(test_iter, t.eval_iters))
+
+
+@dataclass
+class _Loop:
+    """The training loop's own state: its iterators, the logging interval's sums, the last
+    saved iteration, and whether the ranks agreed to exit after this iteration."""
+
+    train_iter: Any
+    valid_iter: Any
+    interval: _Interval = field(default_factory=_Interval)
+    last_saved: Optional[int] = None
+    exiting: bool = False
 
 
 def _length(dataset: Any) -> Optional[int]:

@@ -46,7 +46,7 @@ def _lr_trace(config_path):
         out = trainer.train_step(run["iterator"])
         moved = max((p.detach() - w).abs().max().item()
                     for p, w in zip(engine.ds.module.parameters(), weights))
-        trace.append((out["lr"], base.param_groups[0]["lr"], moved))
+        trace.append((out.lr, base.param_groups[0]["lr"], moved))
     return attached, trace
 
 
@@ -115,7 +115,7 @@ def _recompute_curves(config_path):
             extra = extra + ["--deepspeed-activation-checkpointing"]
         cfg = arguments.config_from_argv(argv + extra, dist.get_world_size(), 64)
         run = build_synthetic_run(cfg, 16)
-        curves[name] = [(o["loss"], o["grad_norm"]) for o in
+        curves[name] = [(o.loss, o.grad_norm) for o in
                         (run["trainer"].train_step(run["iterator"]) for _ in range(4))]
     mpu_random.set_checkpoint_implementation(None)
     return curves

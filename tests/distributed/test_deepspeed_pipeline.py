@@ -39,7 +39,7 @@ def _build(flags):
 
 def _train(run, iterations, iterator=None):
     iterator = run["iterator"] if iterator is None else iterator
-    return [(s["loss"], s["grad_norm"]) for s in
+    return [(s.loss, s.grad_norm) for s in
             (run["trainer"].train_step(iterator) for _ in range(iterations))]
 
 

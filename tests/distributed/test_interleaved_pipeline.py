@@ -43,7 +43,7 @@ def _train(run):
     trainer, curve = run["trainer"], []
     for _ in range(ITERS):
         step = trainer.train_step(run["iterator"])
-        curve.append((step["loss"], step["grad_norm"]))
+        curve.append((step.loss, step.grad_norm))
     return curve, trainer.evaluate(run["iterator"], 1)
 
 

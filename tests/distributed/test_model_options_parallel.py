@@ -102,8 +102,8 @@ def _train(flags: List[str], custom_loss: bool, world: int) -> Dict[str, object]
     curve, metrics = {}, []
     for it in range(1, ITERS + 1):
         out = run["trainer"].train_step(run["iterator"])
-        curve[it] = (out["loss"], out["grad_norm"])
-        metrics.append(out["metrics"])
+        curve[it] = (out.loss, out.grad_norm)
+        metrics.append(out.metrics)
     # numpy copies: tensors would travel back from a rank through shared memory that is gone
     # once the rank exits
     params = {name: (p.detach().float().numpy().copy(), getattr(p, "partition_dim", -1))

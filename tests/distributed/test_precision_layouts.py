@@ -40,7 +40,7 @@ def _run(extra, world):
 
 def _curve(extra, world):
     run = _run(extra, world)
-    return [run["trainer"].train_step(run["iterator"])["loss"] for _ in range(ITERS)]
+    return [run["trainer"].train_step(run["iterator"]).loss for _ in range(ITERS)]
 
 
 def _inject_inf_skips_everywhere(extra, world, rank):
@@ -49,7 +49,7 @@ def _inject_inf_skips_everywhere(extra, world, rank):
     run = _run(extra + ["--hysteresis", "1"], world)
     engine, trainer = run["engine"], run["trainer"]
     for _ in range(3):
-        assert not trainer.train_step(run["iterator"])["skipped"]
+        assert not trainer.train_step(run["iterator"]).skipped
     wrapper = engine.optimizer
     weights = [p.detach().clone() for p in engine.module.parameters()]
     mains = [m.detach().clone() for m in wrapper.main_params]

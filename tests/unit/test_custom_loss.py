@@ -70,11 +70,11 @@ def test_logits_loss_trains_like_the_default_and_reports_metrics(monkeypatch):
     plain = _example().smoothed_loss_with_z_loss(0.0, 0.0)
     _, custom = _run(plain)
     for d, c in zip(default, custom):
-        assert c["loss"] == pytest.approx(d["loss"], rel=1e-6)
-        assert c["grad_norm"] == pytest.approx(d["grad_norm"], rel=1e-5)
-        assert d["metrics"] == {}
-        assert set(c["metrics"]) == {"cross entropy", "z_loss"}
-        assert c["metrics"]["cross entropy"] == pytest.approx(d["loss"], rel=1e-6)
+        assert c.loss == pytest.approx(d.loss, rel=1e-6)
+        assert c.grad_norm == pytest.approx(d.grad_norm, rel=1e-5)
+        assert d.metrics == {}
+        assert set(c.metrics) == {"cross entropy", "z_loss"}
+        assert c.metrics["cross entropy"] == pytest.approx(d.loss, rel=1e-6)
     # the default path asks the model for the per-token loss: no logits, no gather
     def no_logits(*args, **kwargs):
         raise AssertionError("the default loss must not take the logits path")
@@ -94,10 +94,10 @@ def test_return_logits_hands_back_each_micro_batch():
     for step in (trainer.train_step, trainer.eval_step, trainer.train_step):
         seen.clear()
         out = step(run["iterator"])
-        logits = out["logits"]
+        logits = out.logits
         assert len(logits) == 2 == len(seen)
         assert all(t.shape == (2, 16, vocab) and not t.requires_grad for t in logits)
         losses = [loss_lib.masked_mean_loss(
             F.cross_entropy(t.view(-1, vocab), b["labels"].view(-1), reduction="none"),
             b["loss_mask"].view(-1)) for t, b in zip(logits, seen)]
-        assert out["loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
+        assert out.loss == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
