@@ -1,0 +1,62 @@
+"""A checkpoint written by an earlier version of the code resumes and gives the same next losses.
+
+tests/data/old_checkpoints holds checkpoints of iteration 2 of three 4-iteration runs (native fp32,
+native fp16 with its dynamic loss scale, DeepSpeed ZeRO-1), the tokenizer and data they trained
+on, their command lines (commands.json) and the train rows of iterations 3 and 4 of the runs
+that wrote them, uninterrupted (expected.json); make_fixtures.py shows how they were made. Each
+checkpoint is resumed here through the command line, as a user would, to iteration 4.
+
+The numbers are bitwise equal in the environment they were recorded in (expected.json's
+"environment": torch version and CPU kernel family); elsewhere kernels may round differently, so
+there they only have to agree to 1e-3 and the test still checks that every checkpoint loads.
+"""
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.integration.conftest import read_metrics
+from tests.integration.launch_utils import ROOT, run
+
+FIXTURES = os.path.join(ROOT, "tests", "data", "old_checkpoints")
+
+
+def _load(name):
+    with open(os.path.join(FIXTURES, name)) as f:
+        return json.load(f)
+
+
+COMMANDS, EXPECTED = _load("commands.json"), _load("expected.json")
+
+
+def command(name, work):
+    """pretrain_gpt2.py's arguments for checkpoint `name`, as make_fixtures.py ran them."""
+    args = COMMANDS["common"] + COMMANDS["checkpoints"][name]
+    return [a.replace("{fixtures}", FIXTURES).replace("{work}", str(work)) for a in args]
+
+
+def same_environment():
+    """Whether this is the environment expected.json was recorded in."""
+    return EXPECTED["environment"] == (f"torch {torch.__version__}, cpu "
+                                       f"{torch.backends.cpu.get_cpu_capability()}")
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS["checkpoints"]))
+def test_old_checkpoint_resumes_with_the_same_losses(name, tmp_path):
+    ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    shutil.copytree(os.path.join(FIXTURES, name), ck)
+    run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *command(name, tmp_path),
+         "--load", str(ck), "--metrics-file", str(metrics)], tmp_path)
+    rows = {str(r["iteration"]): r for r in read_metrics(metrics) if r["kind"] == "train"}
+    want = EXPECTED["checkpoints"][name]
+    assert sorted(rows) == sorted(want), (name, sorted(rows))
+    for it, values in want.items():
+        for key, value in values.items():
+            got = rows[it][key]
+            if same_environment() or not isinstance(value, float):
+                assert got == value, f"{name} iteration {it} {key}: {got!r}, recorded {value!r}"
+            else:
+                assert got == pytest.approx(value, rel=1e-3), (name, it, key)
