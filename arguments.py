@@ -26,9 +26,11 @@ import dataclasses
 import sys
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig,
-                        ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                        RollbackConfig, RunConfig, TrainingConfig, default_kernel_build_timeout,
+from app.config import (ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES,
+                        POSITION_EMBEDDING_TYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
+                        CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig, ModelConfig,
+                        OptimizerConfig, ParallelConfig, PrecisionConfig, RollbackConfig,
+                        RunConfig, TrainingConfig, default_kernel_build_timeout,
                         resolve_recompute_flags)
 from app.data.tokenizer import pad_vocab_size
 from app.launch.distributed import check_backend, default_backend
@@ -55,7 +57,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="pad the vocab to a multiple of this x the tensor-parallel size")
     g.add_argument("--openai-gelu", action="store_true",
                    help="tanh-approximated GeLU instead of the exact erf form")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "alibi"],
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
                    default="learned_absolute",
                    help="learned_absolute: GPT-2's position table (needs --max-position-embeddings "
                         ">= --seq-length); rope: rotary embeddings on queries and keys; alibi: "
@@ -77,11 +79,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate column-parallel output layer (language_model.output_layer) "
                         "instead of the word embeddings' transpose")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
                    help="activation recompute in backward: full (whole layers, see "
                         "--recompute-method) or selective (the attention core only: QK^T, "
                         "softmax, dropout, AV)")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
                    help="with --recompute-granularity full: uniform recomputes every layer in "
                         "chunks of --recompute-num-layers (default); block recomputes only the "
                         "first --recompute-num-layers layers of each pipeline stage")
@@ -110,7 +112,7 @@ def _add_kernel_args(parser: argparse.ArgumentParser) -> None:
                    help="csrc/ cross-entropy kernels, no fp32 copy of the logits (CUDA)")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="causal attention through SDPA's flash/efficient backends only")
-    g.add_argument("--attention-backend", choices=["auto", "flash", "local"], default="auto",
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: SDPA for causal (measured default); flash: = --use-flash-attn; "
                         "local: q k^T + fused softmax + @ v (Megatron's core attention)")
     g.add_argument("--require-fused-kernels", action="store_true",
@@ -140,7 +142,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                         "chunks of N layers, assigned round-robin (stage r holds virtual stages r, "
                         "r+PP, ...); needs PP > 1, N dividing the layers per stage and the "
                         "micro-batches per iteration a multiple of PP; native path only")
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+    g.add_argument("--distributed-backend", choices=DISTRIBUTED_BACKENDS, default=None,
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by launchers (torch.distributed.launch, deepspeed)")
@@ -185,8 +187,8 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("optimizer", "AdamW, clipping and the LR schedule")
     g.add_argument("--lr", type=float, default=1.5e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "exponential"],
-                   default="linear")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
+                   help="LR decay after the warmup, from --lr to --min-lr over --lr-decay-iters")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-warmup-fraction", "--warmup", dest="lr_warmup_fraction", type=float,
                    default=None, help="warmup as a fraction of --lr-decay-iters")

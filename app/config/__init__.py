@@ -16,9 +16,23 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 # the model half and the shared rules live in submodules; `app.config` names them all
-from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,  # noqa: F401
-                              RECOMPUTE_GRANULARITIES, ModelConfig, resolve_recompute_flags)
-from app.config.rules import divisible, positive, split_weights  # noqa: F401
+from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
+                              RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ModelConfig,
+                              RecomputePlan, recompute_plan, resolve_recompute_flags)
+from app.config.rules import divisible, positive, split_weights
+
+__all__ = [
+    "ATTENTION_BACKENDS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
+    "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
+    "DeepSpeedConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
+    "PrecisionConfig", "RecomputePlan", "RollbackConfig", "RunConfig", "TrainingConfig",
+    "default_kernel_build_timeout", "divisible", "positive", "recompute_plan",
+    "resolve_recompute_flags", "samples_per_split", "split_weights"]
+
+DISTRIBUTED_BACKENDS = ("gloo", "nccl")
+"""torch.distributed backends a run may use (--distributed-backend)."""
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "exponential")
+"""Megatron's LR decay styles (--lr-decay-style)."""
 
 
 @dataclass
@@ -52,9 +66,9 @@ class ParallelConfig:
                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size "
                 f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
                 f"({self.pipeline_model_parallel_size}); launch a multiple of their product")
-        if self.distributed_backend not in ("gloo", "nccl"):
-            raise ValueError(f"--distributed-backend must be gloo or nccl, got "
-                             f"{self.distributed_backend!r}")
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"--distributed-backend must be one of "
+                             f"{', '.join(DISTRIBUTED_BACKENDS)}, got {self.distributed_backend!r}")
 
     @property
     def data_parallel_size(self) -> int:
@@ -67,8 +81,8 @@ class OptimizerConfig:
 
     lr: float = 1.5e-4
     min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
-    """constant | linear | cosine | exponential."""
+    lr_decay_style: str = "linear"
+    """One of LR_DECAY_STYLES; linear is Megatron-LM's default."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which the LR decays to min_lr; None means train_iters (filled by arguments.py)."""
     lr_warmup_iters: int = 0
@@ -96,9 +110,9 @@ class OptimizerConfig:
     """Elements per gradient bucket of the distributed optimizer; None: max(40M, 1M x DP)."""
 
     def __post_init__(self) -> None:
-        if self.lr_decay_style not in ("constant", "linear", "cosine", "exponential"):
-            raise ValueError(f"lr_decay_style (--lr-decay-style) must be constant, linear, cosine "
-                             f"or exponential, got {self.lr_decay_style!r}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style (--lr-decay-style) must be one of "
+                             f"{', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}")
         if self.lr < 0 or not 0.0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr})")
         if self.lr_warmup_iters < 0:
@@ -249,13 +263,15 @@ class TrainingConfig:
             raise ValueError(f"--max-consecutive-skipped-iterations must be >= 0 (0 disables), "
                              f"got {self.max_consecutive_skipped_iterations}")
 
-    def samples_per_split(self) -> Tuple[int, int, int]:
-        """Samples the run reads from (train, valid, test): every iteration's global batch,
-        eval_iters global batches per evaluation (every eval_interval, plus one at the end),
-        and eval_iters global batches of test."""
-        evals = (self.train_iters // self.eval_interval + 1) * self.eval_iters
-        return (self.train_iters * self.global_batch_size, evals * self.global_batch_size,
-                self.eval_iters * self.global_batch_size)
+    def evaluations(self, from_iteration: int = 0) -> int:
+        """Validation evaluations the trainer runs after iteration `from_iteration` until
+        train_iters: one at every multiple of eval_interval, and one at the end when train_iters
+        is not a multiple (the last iteration has not just evaluated); 0 with eval_iters 0."""
+        if not self.eval_iters:
+            return 0
+        final = 1 if self.train_iters % self.eval_interval else 0
+        return max(0, self.train_iters // self.eval_interval
+                   - from_iteration // self.eval_interval + final)
 
     def num_micro_batches(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per iteration: global / (micro x DP), validated exactly."""
@@ -476,6 +492,13 @@ class RunConfig:
                              f"{minutes * 60:g} s): the other ranks wait for the kernel build in "
                              "a collective; lower the first or raise the second")
 
+    def recompute_plan(self) -> RecomputePlan:
+        """What each model chunk recomputes (`app.config.recompute_plan`): a chunk is a pipeline
+        stage's num_layers / PP layers, or a virtual stage's with interleaving."""
+        chunks = (self.parallel.pipeline_model_parallel_size
+                  * self.virtual_pipeline_model_parallel_size)
+        return recompute_plan(self.model, self.model.num_layers // chunks)
+
     @property
     def virtual_pipeline_model_parallel_size(self) -> int:
         """Model chunks per pipeline rank: (layers / PP) / --num-layers-per-virtual-pipeline-stage,
@@ -536,16 +559,18 @@ class RunConfig:
 
 
 def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
-    """Samples the datasets must hold: TrainingConfig.samples_per_split, plus, with
-    --rollback-on-spike, the training samples the rollbacks may skip: --save-interval +
-    --max-consecutive-skipped-iterations iterations per rollback, since no checkpoint is saved
-    while a run of non-finite iterations lasts (one streak can hide a save point and then
-    reach the limit). Longer skips are possible (several streaks over several save points, or
-    the limit off); the rollback then checks the data left and stops if it is short."""
-    t = cfg.training
-    train, valid, test = t.samples_per_split()
-    r = cfg.rollback
+    """Samples the (train, valid, test) datasets must hold: every iteration's global batch,
+    eval_iters global batches per evaluation (`TrainingConfig.evaluations`) and eval_iters global
+    batches of test. With --rollback-on-spike the training split also holds the samples the
+    rollbacks may skip: --save-interval + --max-consecutive-skipped-iterations iterations per
+    rollback, since no checkpoint is saved while a run of non-finite iterations lasts (one
+    streak can hide a save point and then reach the limit). Longer skips are possible (several
+    streaks over several save points, or the limit off); the rollback then checks the data left
+    and stops if it is short."""
+    t, r = cfg.training, cfg.rollback
+    train = t.train_iters * t.global_batch_size
     if r.enabled:
         window = cfg.checkpoint.save_interval + t.max_consecutive_skipped_iterations
         train += r.max_rollbacks * window * t.global_batch_size
-    return train, valid, test
+    valid = t.evaluations() * t.eval_iters * t.global_batch_size
+    return train, valid, t.eval_iters * t.global_batch_size

@@ -1,4 +1,5 @@
-"""The GPT-2 model's configuration (`ModelConfig`) and the activation-recompute flag spellings.
+"""The GPT-2 model's configuration (`ModelConfig`), its parameter count, the activation-recompute
+plan (`recompute_plan`) and the recompute flag spellings.
 
 Part of `app.config` (import from there); its rules follow the package's contract: checked
 once in `__post_init__`, messages naming the flag and the fix.
@@ -12,8 +13,13 @@ from app.config.rules import divisible, positive
 from app.utils.dtypes import DTYPE_NAMES
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi")
-RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+"""--position-embedding-type values."""
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+"""--recompute-granularity values (unset: no recompute)."""
+RECOMPUTE_METHODS = ("uniform", "block")
+"""--recompute-method values (with full recompute)."""
 ATTENTION_BACKENDS = ("auto", "flash", "local")
+"""--attention-backend values."""
 
 
 @dataclass
@@ -133,12 +139,13 @@ class ModelConfig:
 
     def _check_recompute(self) -> None:
         """--recompute-granularity / --recompute-method / --recompute-num-layers agree."""
-        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"--recompute-granularity must be full or selective, got "
+        if self.recompute_granularity not in (None,) + RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"--recompute-granularity must be one of "
+                             f"{', '.join(RECOMPUTE_GRANULARITIES)}, got "
                              f"{self.recompute_granularity!r}")
-        if self.recompute_method not in (None, "uniform", "block"):
-            raise ValueError(f"--recompute-method must be uniform or block, got "
-                             f"{self.recompute_method!r}")
+        if self.recompute_method not in (None,) + RECOMPUTE_METHODS:
+            raise ValueError(f"--recompute-method must be one of {', '.join(RECOMPUTE_METHODS)}, "
+                             f"got {self.recompute_method!r}")
         if self.recompute_granularity == "full":  # construction defaults, as ffn_hidden_size
             self.recompute_method = self.recompute_method or "uniform"
             self.recompute_num_layers = self.recompute_num_layers or 1
@@ -217,15 +224,13 @@ class ModelConfig:
         """The recompute mode as app.training.telemetry.flops names it: none, selective or full."""
         return self.recompute_granularity or "none"
 
-    def recomputed_layers(self, pipeline_model_parallel_size: int) -> int:
-        """Layers whose forward runs twice under full recompute (all with uniform, the first
-        recompute_num_layers of each pipeline stage with block); 0 otherwise."""
-        if self.recompute_granularity != "full":
-            return 0
-        if self.recompute_method == "uniform":
-            return self.num_layers
-        per_stage = self.num_layers // pipeline_model_parallel_size
-        return min(self.recompute_num_layers, per_stage) * pipeline_model_parallel_size
+    def recomputed_layers(self, pipeline_model_parallel_size: int,
+                          virtual_pipeline_model_parallel_size: int = 1) -> int:
+        """Layers of the whole model whose forward runs twice under full recompute (0 otherwise):
+        `recompute_plan` of each model chunk (a pipeline stage, or a virtual stage with
+        interleaving), times the chunks."""
+        chunks = pipeline_model_parallel_size * virtual_pipeline_model_parallel_size
+        return recompute_plan(self, self.num_layers // chunks).recomputed_layers * chunks
 
     @property
     def attention_impl(self) -> str:
@@ -233,19 +238,82 @@ class ModelConfig:
         return "flash" if self.use_flash_attn else self.attention_backend
 
     def num_parameters(self) -> int:
-        """Total parameters of the model: 12Lh^2 + 13Lh + Vh + sh + 2h for the default GPT-2
-        (4h MLP, learned positions, tied output layer); GQA shrinks the QKV projection, RoPE and
-        ALiBi drop the s x h position table, untying adds a V x h output layer."""
-        h, L, f = self.hidden_size, self.num_layers, self.ffn_hidden_size
-        qkv_rows = (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_layer = (qkv_rows * (h + 1) + h * h + h  # qkv + dense
-                     + 2 * h * f + f + h + 4 * h)  # mlp, 2 LayerNorms
-        total = L * per_layer + self.padded_vocab_size * h + 2 * h
-        if self.position_embedding_type == "learned_absolute":
-            total += self.max_position_embeddings * h
-        if self.untie_embeddings_and_output_weights:
-            total += self.padded_vocab_size * h
+        """Parameters of the whole model: 12Lh^2 + 13Lh + Vh + sh + 2h for the default GPT-2
+        (4h MLP, learned positions, tied output layer); see `parameters_per_rank`."""
+        return self.parameters_per_rank()
+
+    def parameters_per_rank(self, tensor_model_parallel_size: int = 1,
+                            pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0) -> int:
+        """Parameters one rank of pipeline stage `pipeline_rank` holds (the whole model with the
+        defaults): its tensor-parallel shard of the stage's layers, plus the word embeddings
+        (and the learned position table, replicated over TP) on the first stage, and the final
+        LayerNorm and the output layer (untied, or the last stage's copy of the tied word
+        embeddings) on the last. GQA shrinks the QKV projection (key/value heads replicated
+        when there are fewer groups than TP ranks); RoPE and ALiBi have no position table."""
+        t, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        h, f, V = self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size
+        kv_heads = max(1, self.num_kv_heads // t)  # fewer groups than TP: one group per rank
+        qkv_rows = (self.num_attention_heads // t + 2 * kv_heads) * self.head_dim
+        per_layer = (qkv_rows * (h + 1) + h * h // t + h  # QKV (column), dense (row: whole bias)
+                     + (h * f + f) // t + f * h // t + h  # MLP h->f (column), f->h (row)
+                     + 4 * h)  # two LayerNorms
+        total = self.num_layers // pp * per_layer
+        first, last = pipeline_rank == 0, pipeline_rank == pp - 1
+        embedding = V * h // t
+        if first:
+            total += embedding
+            if self.position_embedding_type == "learned_absolute":
+                total += self.max_position_embeddings * h
+        if last:
+            total += 2 * h  # final LayerNorm
+            if self.untie_embeddings_and_output_weights or not first:
+                total += embedding
         return total
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """What one model chunk's forward (its consecutive layers) recomputes in backward."""
+
+    granularity: str
+    """none, selective (every layer's attention core) or full (the chunks marked below)."""
+    chunks: Tuple[Tuple[int, bool], ...]
+    """The chunk's layers in order, as (consecutive layers, run through one checkpoint?)."""
+
+    @property
+    def recomputed_layers(self) -> int:
+        """Layers whose whole forward runs twice (full recompute)."""
+        return sum(n for n, recomputed in self.chunks if recomputed)
+
+    @property
+    def largest_recomputed_chunk(self) -> int:
+        """Layers rerun at once in backward (their activations live together); 0 without."""
+        return max((n for n, recomputed in self.chunks if recomputed), default=0)
+
+    @property
+    def checkpointed_regions(self) -> int:
+        """Checkpoint calls in one forward: one attention core per layer (selective), one per
+        recomputed chunk (full), 0 without recompute."""
+        if self.granularity == "selective":
+            return sum(n for n, _ in self.chunks)
+        return sum(1 for _, recomputed in self.chunks if recomputed)
+
+
+def recompute_plan(config: ModelConfig, layers: int) -> RecomputePlan:
+    """The recompute of a model chunk of `layers` consecutive layers (a pipeline stage, or one
+    virtual stage with interleaving), as Megatron-LM does it: full uniform checkpoints chunks
+    of recompute_num_layers layers (the last may be shorter); full block checkpoints the first
+    recompute_num_layers layers one by one and keeps the others; selective recomputes every
+    layer's attention core and checkpoints no whole layer."""
+    if config.recompute_granularity != "full":
+        return RecomputePlan(config.recompute, ((layers, False),) if layers else ())
+    n = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        chunks = tuple((min(n, layers - i), True) for i in range(0, layers, n))
+    else:
+        block = min(n, layers)
+        chunks = ((1, True),) * block + (((layers - block, False),) if layers > block else ())
+    return RecomputePlan("full", chunks)
 
 
 def resolve_recompute_flags(checkpoint_activations: bool, checkpoint_num_layers: Optional[int],

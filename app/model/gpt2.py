@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.config import ModelConfig
+from app.config import ModelConfig, recompute_plan
 from app.model import fused
 from app.model.attention import InferenceCache, ParallelAttention
 from app.model.positions import RotaryEmbedding, RotaryTables, alibi_bias, alibi_slopes
@@ -230,9 +230,10 @@ class ParallelTransformer(nn.Module):
 
     With full recompute (in training, grad enabled) layers run through
     `app.mpu.random.checkpoint`, which recomputes them in backward with the RNG states restored
-    so dropout masks repeat exactly: `uniform` checkpoints chunks of recompute_num_layers layers,
-    `block` checkpoints the first recompute_num_layers layers of this stage one by one and keeps
-    the others' activations. (Selective recompute lives in the attention.) Under sequence
+    so dropout masks repeat exactly, in the chunks `app.config.recompute_plan` gives for these
+    layers (uniform: chunks of recompute_num_layers layers; block: the first
+    recompute_num_layers layers one by one, the others kept). (Selective recompute lives in the
+    attention.) Under sequence
     parallelism a layer's input is this rank's slice of the sequence, different on each TP
     rank, so it never goes to DeepSpeed's partitioned checkpointing (which assumes inputs
     replicated over TP and would rebuild them from the other ranks' slices).
@@ -245,9 +246,7 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): ParallelTransformerLayer(config, parallel_state, init, i)
             for i in range(start, end)})
-        self.recompute_full = config.recompute_granularity == "full"
-        self.recompute_method = config.recompute_method
-        self.recompute_num_layers = config.recompute_num_layers
+        self.recompute_plan = recompute_plan(config, end - start)
         self.inputs_replicated_over_tp = not config.sequence_parallel
         if post_process:
             self.final_layernorm = _layer_norm(config, torch_dtype(config.params_dtype),
@@ -272,13 +271,14 @@ class ParallelTransformer(nn.Module):
     def _chunks(self, may_recompute: bool) -> List[Tuple[List[nn.Module], bool]]:
         """This forward's layers as (consecutive layers, recompute them?) pairs."""
         layers: List[nn.Module] = list(self.layers.values())
-        if not (may_recompute and self.recompute_full and self.training
+        if not (may_recompute and self.recompute_plan.recomputed_layers and self.training
                 and torch.is_grad_enabled()):
             return [(layers, False)]
-        n = self.recompute_num_layers
-        if self.recompute_method == "uniform":
-            return [(layers[i:i + n], True) for i in range(0, len(layers), n)]
-        return [([layer], True) for layer in layers[:n]] + [(layers[n:], False)]
+        chunks, start = [], 0
+        for count, recompute in self.recompute_plan.chunks:
+            chunks.append((layers[start:start + count], recompute))
+            start += count
+        return chunks
 
 
 class _ChunkForward:

@@ -491,8 +491,7 @@ class Trainer:
         check_data_suffices(self.train_ds, "training", s.consumed_train_samples,
                             t.train_iters - s.iteration, t.global_batch_size)
         if t.eval_iters:
-            evals = (t.train_iters // t.eval_interval - s.iteration // t.eval_interval
-                     + (1 if t.train_iters % t.eval_interval else 0))
+            evals = t.evaluations(s.iteration)
             check_data_suffices(self.valid_ds, "validation", s.consumed_valid_samples,
                                 evals * t.eval_iters, t.global_batch_size)
 

@@ -1,4 +1,4 @@
-"""Issue 13's model options at parallel layouts equal one process: sequence parallelism, RoPE,
+"""Model options at parallel layouts equal one process: sequence parallelism, RoPE,
 ALiBi, GQA, MQA (key/value heads replicated over TP), untied output layer, recompute and a
 custom logits loss, alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
 one combination each also in native bf16 and fp16 (to their round-off), one under interleaved 1F1B (TP2xPP2,
@@ -55,7 +55,7 @@ OPTIONS = {
                                           + ["--recompute-granularity", "selective"], False),
     "fp16 sp+alibi+gqa2+untied": (["--fp16", "--initial-loss-scale", "1024"] + SP + ALIBI
                                   + GQA2 + UNTIE, False),
-    # with issue 13's other half: interleaved 1F1B and the distributed optimizer
+    # combined with interleaved 1F1B and with the distributed optimizer
     "interleaved sp+rope+untied": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                                     "1"] + SP + ROPE + UNTIE, False),
     "distributed optimizer sp+mqa": (["--use-distributed-optimizer"] + SP + MQA, False),
@@ -147,16 +147,31 @@ def _query_groups(flags: List[str]) -> int:
     return int(flags[flags.index("--num-query-groups") + 1]) if "--num-query-groups" in flags else 4
 
 
+def _qkv_rows_of_rank(full: torch.Tensor, tp: int, tp_rank: int, groups: int, heads: int = 4,
+                      head_dim: int = 8) -> torch.Tensor:
+    """The rows of the dense fused-QKV parameter a TP rank holds when there are fewer key/value
+    groups than TP ranks: its heads / TP query heads, then the key and value of their group.
+    The dense layout (Megatron's) is, per group, its query heads, its key, its value, each
+    head_dim rows."""
+    per_group = heads // groups
+    block = per_group + 2  # head blocks of one group: queries, key, value
+
+    def rows(index):  # head block `index` of the dense layout
+        return full[index * head_dim:(index + 1) * head_dim]
+
+    first = tp_rank * (heads // tp)
+    queries = [rows(q // per_group * block + q % per_group)
+               for q in range(first, first + heads // tp)]
+    key = first // per_group * block + per_group  # the key, then the value, of their group
+    return torch.cat(queries + [rows(key), rows(key + 1)])
+
+
 def _expected_shard(name: str, full: torch.Tensor, dim: int, tp: int, tp_rank: int,
                     groups: int) -> torch.Tensor:
     """This rank's part of a single-process parameter: replicated, a contiguous TP slice, or
-    (fewer key/value groups than TP ranks) its rows of the stacked fused-QKV layout."""
+    (fewer key/value groups than TP ranks) its query heads and their group's key and value."""
     if "query_key_value" in name and groups < tp:
-        from app.model.attention import replicated_kv_init
-        full_2d = full.view(full.shape[0], -1)  # the bias's rows follow the weight's
-        stacked = torch.empty(((4 + 2 * tp) * 8, full_2d.shape[1]))
-        replicated_kv_init(lambda t: t.copy_(full_2d), 4, groups, 8, tp)(stacked)
-        return stacked.chunk(tp, dim=0)[tp_rank].view(-1, *full.shape[1:])
+        return _qkv_rows_of_rank(full, tp, tp_rank, groups)
     return full if dim == -1 else full.chunk(tp, dim=dim)[tp_rank]
 
 

@@ -116,8 +116,8 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, t
         bad.stderr[-2000:]
     assert "Traceback" not in bad.stderr
 
-    # DP2 -> TP2 (issue 14, defect 7): the tensor-parallel change is named, not DeepSpeed's
-    # "DP world size" error about the ZeRO partitions
+    # DP2 -> TP2: the error names the tensor-parallel change, not DeepSpeed's "DP world
+    # size" error about the ZeRO partitions
     tp2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node=2", os.path.join(ROOT, "pretrain_gpt2.py"),
                           *tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck),

@@ -154,7 +154,7 @@ def run_chain(tmp_path, launch, args, *, signal_to, kill_rank):
 
 
 def test_native_one_process_sigterm_and_the_writer_lock(tiny_corpus, tmp_path):
-    """SIGTERM to a plain `python pretrain_gpt2.py` (it used to die with 143 and no checkpoint);
+    """SIGTERM to a plain `python pretrain_gpt2.py` saves a checkpoint and exits 0 (not 143);
     while it is frozen mid-run, a second run on its --save fails at start naming it."""
     from pretrain_gpt2 import run
     args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "60", *QUIET)
@@ -213,7 +213,7 @@ def test_deepspeed_launcher_runner_sigterm_and_kill9(tiny_corpus, tmp_path):
 
 
 def test_stopped_rank_does_not_hang_the_other(tiny_corpus, tmp_path):
-    """SIGSTOP of rank 1 (it used to hang rank 0 for the full default timeout): rank 0 stops
+    """SIGSTOP of rank 1 does not hang rank 0 for the default timeout: rank 0 stops
     after --distributed-timeout-minutes (0.2 = 12 s) with exit code 4, naming the phase and what
     rank 1 last reported; the checkpoint it had is still the latest. (The launcher then kills
     the stopped rank after its own grace period, 30 s for torchrun; the test does it at once.)"""

@@ -1,7 +1,7 @@
 """Self-healing (--rollback-on-spike): a poisoned batch triggers one rollback to the last
 checkpoint, its data window is skipped and the run finishes; a failure past the retry limit
-stops with exit code 3 and no checkpoint from the poisoned state. Also the diverged run of
-issue 14's defect 2 (exit non-zero, no checkpoint of NaN state, perplexity NaN)."""
+stops with exit code 3 and no checkpoint from the poisoned state. A diverged run exits
+non-zero, saves no checkpoint of a non-finite state and reports its perplexity as NaN."""
 import logging
 import math
 import os
@@ -185,8 +185,8 @@ def _tp2_data_running_out(save_dir):
 
 
 def test_running_out_of_training_data_stops_every_tensor_parallel_rank(tmp_path):
-    """Both failures raise on both TP ranks (they used to stop rank 0 with StopIteration and
-    leave rank 1 in the broadcast until the process-group timeout)."""
+    """Both failures raise on both TP ranks: rank 0 (the reader) does not stop alone and
+    leave rank 1 waiting in the batch broadcast until the process-group timeout."""
     ck = tmp_path / "ck"
     ranks = run_distributed(_tp2_data_running_out, 2, str(ck), timeout=180)
     assert ranks[0] == ranks[1], ranks
@@ -236,7 +236,8 @@ def test_failure_past_the_retry_limit_stops_without_a_new_checkpoint(tiny_corpus
 
 def test_diverged_run_exits_nonzero_without_nan_checkpoint_and_nan_perplexity(
         tiny_corpus, tmp_path, capsys):
-    """Defect 2 (issue 14): --lr 1e6 saved NaN checkpoints, printed PPL 4.85E+08 and exited 0."""
+    """--lr 1e6 diverges: the run exits non-zero, writes no checkpoint of the NaN state and
+    prints the perplexity as NaN, not as a finite overflowed number."""
     ck = tmp_path / "ck"
     code = pretrain_gpt2.main(tiny_gpt_args(
         tiny_corpus, tmp_path, "--train-iters", "30", "--lr", "1e6", "--lr-warmup-iters", "0",

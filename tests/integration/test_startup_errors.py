@@ -1,7 +1,10 @@
 """Bad inputs found at start-up: exit code 2 and one line naming the flag or file and the fix,
-where the project used to raise a raw internal error (issue 14, defects 7 and 9)."""
+never a traceback; and the quickstart banner names the sizes that train."""
 import os
+import shutil
+import stat
 import subprocess
+import sys
 
 import numpy as np
 
@@ -66,14 +69,58 @@ def test_empty_or_garbage_vocab_and_empty_merges(tiny_corpus, tmp_path, capsys):
     assert "holds no merges" in fails(capsys, argv)
 
 
-def test_quickstart_banner_shows_the_sizes_that_train():
-    """Defect 9: the banner printed fixed sizes; it now reads the flags the launch script builds."""
+def test_model_summary_names_the_flags_gpt2_args_builds():
     env = dict(os.environ, NUM_LAYERS="6", HIDDEN="128", HEADS="8", SEQ="64", MICRO_BATCH="4")
     out = subprocess.run(["bash", "-c", "source scripts/lib/gpt2_args.sh && gpt2_args 8 ck && "
                           "model_summary && echo \"${GPT2_ARGS[*]}\""], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "6 layers, hidden 128, heads 8, seq 64, micro-batch 4, global batch 8"
     assert "--num-layers 6 --hidden-size 128 --num-attention-heads 8 --seq-length 64" in out[1]
-    with open(os.path.join(ROOT, "scripts", "quickstart.sh")) as f:
-        script = f.read()
-    assert "model_summary" in script and "4 layers, hidden 256" not in script
+
+
+QUICKSTART_ENV = ("VENV_BIN", "PYTHON", "DATA", "VOCAB", "MERGES", "CHECKPOINT_PATH", "LOAD_PATH",
+                  "MICRO_BATCH", "GLOBAL_BATCH", "TRAIN_ITERS", "NUM_GPUS", "DS_CONFIG",
+                  "PRECISION", "DATA_DIR", "RUN_DIR", "CKPT", "QUICKSTART_FRESH")
+"""Settings of the scripts that the test's own environment must not leak into them."""
+
+
+def _executable(path, text):
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def test_quickstart_banner_names_the_sizes_its_launch_trains(tmp_path):
+    """scripts/quickstart.sh in a copy of the scripts, with the environment set-up stubbed, the
+    data steps already done and `deepspeed` replaced by a recorder of its arguments that stops
+    the script: the "== 4/5 training GPT-2 (...)" banner names the model and batch sizes of the
+    flags that ds_pretrain_gpt2.sh hands to pretrain_gpt2.py, also when the sizes come from
+    the environment."""
+    root = tmp_path / "repo"
+    (root / "scripts" / "lib").mkdir(parents=True)
+    for name in ("quickstart.sh", "ds_pretrain_gpt2.sh", os.path.join("lib", "gpt2_args.sh")):
+        shutil.copy(os.path.join(ROOT, "scripts", name), root / "scripts" / name)
+    (root / "scripts" / "setup_env.sh").write_text("true\n")
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    _executable(bin_dir / "python", f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    _executable(bin_dir / "deepspeed", '#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_FILE"\nexit 1\n')
+    (root / "data" / "tokenizer").mkdir(parents=True)
+    for name in ("stdlib.jsonl", "tokenizer/merges.txt", "stdlib_content_document.idx"):
+        (root / "data" / name).write_text("done\n")  # steps 1-3 run only without these
+    args_file = tmp_path / "launch_args.txt"
+    env = {k: v for k, v in os.environ.items() if k not in QUICKSTART_ENV}
+    env.update(ARGS_FILE=str(args_file), NUM_LAYERS="6", HIDDEN="128", HEADS="8", SEQ="64")
+    out = subprocess.run(["bash", str(root / "scripts" / "quickstart.sh")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    banner = [line for line in out.stdout.splitlines() if line.startswith("== 4/5")]
+    assert len(banner) == 1 and args_file.exists(), out.stdout + out.stderr
+    argv = args_file.read_text().splitlines()
+
+    def flag(name):
+        return argv[argv.index(name) + 1]
+
+    trained = (f"{flag('--num-layers')} layers, hidden {flag('--hidden-size')}, heads "
+               f"{flag('--num-attention-heads')}, seq {flag('--seq-length')}, micro-batch "
+               f"{flag('--micro-batch-size')}, global batch {flag('--global-batch-size')}")
+    assert trained == "6 layers, hidden 128, heads 8, seq 64, micro-batch 4, global batch 8"
+    assert banner[0].startswith(f"== 4/5 training GPT-2 ({trained}) for ")

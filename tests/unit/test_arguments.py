@@ -73,7 +73,7 @@ def test_derived_defaults():
     assert cfg.parallel.distributed_backend in ("gloo", "nccl")
 
 
-def test_every_issue_flag_is_accepted_and_converted():
+def test_every_model_and_training_flag_is_accepted_and_converted():
     argv = BASE + [
         "--ffn-hidden-size", "128", "--hidden-dropout", "0.0", "--attention-dropout", "0.05",
         "--layernorm-epsilon", "1e-6", "--init-method-std", "0.01",
@@ -220,7 +220,7 @@ def test_deepspeed_flags_without_deepspeed_installed(monkeypatch):
     (["--save-interval", "0"], 1, ["--save-interval", "0"]),
     (["--keep-last-n-checkpoints", "0"], 1, ["--keep-last-n-checkpoints", "0"]),
     (["--micro-batch-size", "0"], 1, ["--micro-batch-size", "0"]),
-    # issue 13: sequence parallelism, recompute, positions, query groups
+    # sequence parallelism, recompute, positions, query groups
     (["--sequence-parallel"], 1, ["--sequence-parallel", "--tensor-model-parallel-size > 1"]),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], 2,
      ["--seq-length (33)", "--tensor-model-parallel-size (2)"]),

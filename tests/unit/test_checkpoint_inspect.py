@@ -67,7 +67,8 @@ def test_a_missing_rank_file_makes_the_checkpoint_incomplete(tmp_path):
 
 
 def test_native_checkpoint_under_deepspeed_and_back(tmp_path):
-    """Defect: a DeepSpeed run loading a native checkpoint died with a bare AssertionError."""
+    """A DeepSpeed run loading a native checkpoint (and a native run loading a DeepSpeed one)
+    is refused with a message naming the format and the fix, not a bare AssertionError."""
     meg_root, ds_root = str(tmp_path / "m"), str(tmp_path / "d")
     meg = inspect_directory(megatron_dir(meg_root, tp=1, pp=1))
     message = problem(meg, meg_root, deepspeed=True)
@@ -90,7 +91,8 @@ def test_megatron_layout_change_names_the_converter(tmp_path):
 
 
 def test_deepspeed_dp2_to_tp2_names_the_tensor_parallel_change(tmp_path):
-    """Defect: DP2 -> TP2 under DeepSpeed raised its 'DP world size' error, hiding the TP change."""
+    """DP2 -> TP2 under DeepSpeed is refused naming the tensor-parallel change, not with
+    DeepSpeed's 'DP world size' error."""
     root = str(tmp_path)
     layout = inspect_directory(deepspeed_dir(root, tp=1, dp=2))
     message = problem(layout, root, deepspeed=True, tp=2, dp=1)

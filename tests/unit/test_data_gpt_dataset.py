@@ -159,8 +159,8 @@ def test_token_id_error_names_the_first_offending_document(tmp_path, lengths):
 
 
 def test_a_new_cache_path_caches_the_token_range_without_a_warning(tmp_path, lengths, caplog):
-    """Issue 14: the first run with a new --data-cache-path warned 'could not cache token range
-    ... No such file or directory'; the directory is now created and the range cached."""
+    """A --data-cache-path that does not exist yet is created and the token range cached
+    there, without a 'could not cache token range' warning."""
     prefix = write_dataset(str(tmp_path / "d"), lengths)
     cache = tmp_path / "new" / "nested" / "cache"
     with caplog.at_level("WARNING"):

@@ -1,4 +1,4 @@
-"""Issue 13's model options in checkpoints and exports: what the Hugging Face GPT-2 export
+"""Model options in checkpoints and exports: what the Hugging Face GPT-2 export
 refuses (app.model.hf_compat), what a checkpoint's `args` records, and a resume with other
 options refused with the option named (native engine, one process)."""
 from __future__ import annotations

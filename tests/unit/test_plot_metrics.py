@@ -11,9 +11,28 @@ def _write(path, rows):
     return str(path)
 
 
-def test_two_runs_overlaid_and_errors(tmp_path, capsys):
+def _capture_figures(monkeypatch):
+    """The figures the tool saves, kept for inspection after it closes them."""
+    from matplotlib.figure import Figure
+    saved, real_savefig = [], Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        saved.append(fig)
+        return real_savefig(fig, *args, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def _lines(ax):
+    """{legend label: (x, y)} of the lines drawn on `ax`."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for line in ax.get_lines()}
+
+
+def test_two_runs_overlaid_and_errors(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
     tool = load_tool("plot_metrics")
+    figures = _capture_figures(monkeypatch)
     train = [{"kind": "train", "iteration": i, "lm_loss": 9.0 - i, "lr": 1e-3, "grad_norm": 1.0,
               "tokens_per_s": 100.0, "mfu": 0.2} for i in (1, 2, 3)]
     a = _write(tmp_path / "a.jsonl", train + [{"kind": "valid", "iteration": 3, "lm_loss": 6.5}])
@@ -23,10 +42,18 @@ def test_two_runs_overlaid_and_errors(tmp_path, capsys):
                       "--output", str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    runs = {"a": tool.read_rows(a), "b": tool.read_rows(b)}
-    present = [k for k, _ in tool.PANELS if any(tool.series(r, "train", k)[0] for r in runs.values())]
-    assert present == ["lm_loss", "lr", "grad_norm", "tokens_per_s", "mfu"]  # no loss_scale
-    assert tool.series(runs["a"], "valid", "lm_loss") == ([3], [6.5])
+    (fig,) = figures
+    drawn = [ax for ax in fig.axes if ax.axison]
+    # one panel per metric present in some file: no loss scale in either
+    assert [ax.get_title() for ax in drawn] == ["loss", "learning rate", "grad norm", "tokens/s",
+                                                "MFU"]
+    loss = _lines(drawn[0])
+    assert loss.keys() == {"a train", "a valid", "b train"}
+    assert loss["a train"] == ([1, 2, 3], [8.0, 7.0, 6.0])
+    assert loss["a valid"] == ([3], [6.5])
+    assert loss["b train"][0] == [1, 2, 3]
+    assert loss["b train"][1] == pytest.approx([8.1, 7.1, 6.1])
+    assert _lines(drawn[4]) == {"a": ([1, 2, 3], [0.2] * 3), "b": ([1, 2, 3], [0.2] * 3)}
     (tmp_path / "bad.jsonl").write_text('{"kind": "train"}\nnot json\n')
     assert tool.main(["--metrics-file", str(tmp_path / "bad.jsonl"), "--output", str(out)]) == 2
     assert "line 2" in capsys.readouterr().err

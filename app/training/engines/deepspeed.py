@@ -430,19 +430,6 @@ def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[s
             c.PARAMETER_TO_AVERAGE_PATTERNS: [], "original_vocab_size": int(vocab_size)}
 
 
-def _checkpoints_per_forward(cfg: RunConfig) -> int:
-    """Checkpointed regions in one forward of a stage (what DeepSpeed sizes its buffers by):
-    one attention core per layer (selective), the first N layers (block), or the chunks of N
-    layers (uniform)."""
-    m = cfg.model
-    per_stage = m.num_layers // cfg.parallel.pipeline_model_parallel_size
-    if m.recompute_granularity == "selective":
-        return per_stage
-    if m.recompute_method == "block":
-        return min(m.recompute_num_layers, per_stage)
-    return -(-per_stage // m.recompute_num_layers)
-
-
 def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:
     """Route the model's activation checkpointing and RNG tracker through deepspeed.checkpointing.
 
@@ -456,7 +443,7 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> N
     from app.mpu import random as mpu_random
     ds = cfg.deepspeed.config
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")
-    chunks = _checkpoints_per_forward(cfg)
+    chunks = cfg.recompute_plan().checkpointed_regions  # what DeepSpeed sizes its buffers by
     deepspeed.checkpointing.configure(parallel_state, deepspeed_config=ds,
                                       num_checkpoints=None if given else chunks)
     deepspeed.checkpointing.model_parallel_cuda_manual_seed(cfg.training.seed)

@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from app.config import RunConfig
-from app.model.attention import heads_per_partition
 
 FIT_FRACTION = 0.9
 """Fraction of the device memory the estimate may use."""
@@ -64,23 +63,11 @@ DEFAULT_REDUCE_BUCKET = 500_000_000
 
 
 def params_per_rank(cfg: RunConfig) -> int:
-    """Parameters of the largest pipeline stage's tensor-parallel shard (exact for our GPT-2,
-    with grouped-query attention, RoPE/ALiBi (no position table) and an untied output layer)."""
-    m, p = cfg.model, cfg.parallel
+    """Parameters of the largest pipeline stage's tensor-parallel shard (the first or the last
+    stage; ModelConfig.parameters_per_rank counts each)."""
+    p = cfg.parallel
     t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    h, f, V = m.hidden_size, m.ffn_hidden_size, m.padded_vocab_size
-    q_heads, kv_heads = heads_per_partition(m.num_attention_heads, m.num_kv_heads, t)
-    qkv_rows = (q_heads + 2 * kv_heads) * m.head_dim  # replicated key/value rows included
-    per_layer = qkv_rows * (h + 1) + h * h // t + h + (h * f + f) // t + f * h // t + h + 4 * h
-    layers = (m.num_layers // pp) * per_layer
-    embedding = V * h // t
-    positions = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
-    untied = m.untie_embeddings_and_output_weights
-    head = embedding if (untied or pp > 1) else 0  # output layer, or the last stage's tied copy
-    first = embedding + positions + layers
-    if pp == 1:
-        return first + 2 * h + head
-    return max(first, layers + 2 * h + head)
+    return max(cfg.model.parameters_per_rank(t, pp, rank) for rank in {0, pp - 1})
 
 
 @dataclass(frozen=True)
@@ -224,8 +211,7 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
         width = 2 * w + mask_width if m.attention_dropout > 0 else w
         core = a * s * s * width / t
         scores = " + a·s²·b(2w + m)/t" if m.attention_dropout > 0 else " + a·s²·b·w/t"
-    stage, recompute, how = _kept_and_recomputed(m, m.num_layers // pp, per_layer, core,
-                                                 w * s * h / sp)
+    stage, recompute, how = _kept_and_recomputed(cfg, per_layer, core, w * s * h / sp)
     first, last = pipeline_rank == 0, pipeline_rank == pp - 1
     forward = (stage + (s * h * (w + mask) / sp if first else 0.0)
                + (4 * s * V / t if last else 0.0))
@@ -242,23 +228,26 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
                             transient=float(transient), note=note)
 
 
-def _kept_and_recomputed(m: Any, layers: int, per_layer: float, core: float,
+def _kept_and_recomputed(cfg: RunConfig, per_layer: float, core: float,
                          layer_input: float) -> Tuple[float, float, str]:
-    """(bytes the stage's layers keep after forward, bytes a recompute adds in backward, how)
-    for the configured recompute; per layer: `per_layer` + the attention `core`."""
-    if m.recompute_granularity == "full" and m.recompute_method == "uniform":
-        c = min(m.recompute_num_layers, layers)
-        return (-(-layers // c) * layer_input, c * (per_layer + core),
-                f"full recompute: {-(-layers // c)} chunk inputs + one chunk of {c} layer(s)")
-    if m.recompute_granularity == "full":  # block: the first N layers keep their input only
-        n = min(m.recompute_num_layers, layers)
-        return (n * layer_input + (layers - n) * (per_layer + core),
-                per_layer + core if n else 0.0,
-                f"block recompute: {n} layer input(s) + {layers - n} layers kept")
-    if m.recompute_granularity == "selective":  # the attention core is recomputed
-        return (layers * per_layer, core,
-                f"{layers} layers kept without the attention core (selective recompute)")
-    return layers * (per_layer + core), 0.0, f"{layers} layers kept"
+    """(bytes a pipeline stage's layers keep after forward, bytes a recompute adds in backward,
+    how) under `cfg.recompute_plan()` for each of the stage's model chunks; per layer:
+    `per_layer` + the attention `core`. A checkpointed chunk keeps its input only and, in
+    backward, the activations of its layers while they are recomputed."""
+    plan, chunks = cfg.recompute_plan(), cfg.virtual_pipeline_model_parallel_size
+    layers = sum(n for n, _ in plan.chunks)
+    if plan.granularity == "selective":  # the attention core is recomputed, a layer at a time
+        return (chunks * layers * per_layer, core,
+                f"{chunks * layers} layers kept without the attention core (selective recompute)")
+    checkpointed = plan.checkpointed_regions  # chunks that keep their input only
+    whole = layers - plan.recomputed_layers
+    kept = chunks * (checkpointed * layer_input + whole * (per_layer + core))
+    rerun = plan.largest_recomputed_chunk * (per_layer + core)
+    if plan.granularity == "none":
+        return kept, rerun, f"{chunks * layers} layers kept"
+    return (kept, rerun, f"{cfg.model.recompute_method} recompute: {chunks * checkpointed} "
+                         f"chunk input(s) + {chunks * whole} layers kept + one chunk of "
+                         f"{plan.largest_recomputed_chunk} layer(s) rerun")
 
 
 def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,
