@@ -126,7 +126,9 @@ class Trainer:
         self.flops_per_token = flops.model_flops_per_token(cfg.model)
         self.hardware_flops_per_token = flops.hardware_flops_per_token(
             cfg.model, self.recompute,
-            recomputed_layers=cfg.model.recomputed_layers(parallel_state.pipeline_model_parallel_size))
+            recomputed_layers=cfg.model.recomputed_layers(
+                parallel_state.pipeline_model_parallel_size,
+                cfg.virtual_pipeline_model_parallel_size))
         self.peak_flops = float("nan")
         self._warned_over_peak = False
         self._state_bytes_reported = False
