@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, TextIO, Tuple, Union
 
 import torch
 
+from app.utils.fileio import tmp_path
 from app.utils.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class Progress:
 
 @contextlib.contextmanager
 def staged_directory(target: str) -> Iterator[str]:
-    """Yield a temporary sibling of `target` to write into; rename it to `target` on success.
+    """Yield a temporary sibling of `target` (`.<name>` under `fileio.tmp_path`'s scheme) to
+    write into; rename it to `target` on success.
 
     A failure removes the temporary directory, so `target` is never left half written. An
     existing non-empty `target` is refused (nothing is overwritten).
@@ -96,8 +98,8 @@ def staged_directory(target: str) -> Iterator[str]:
         raise FileExistsError(f"--save {target} exists and is a file")
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(target)}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = tmp_path(os.path.join(parent, "." + os.path.basename(target)))
+    shutil.rmtree(tmp, ignore_errors=True)  # a dead process's with our pid
     os.makedirs(tmp)
     try:
         yield tmp

@@ -67,8 +67,9 @@ class DatasetFormatError(ValueError):
 class MMapIndexedDatasetBuilder:
     """Writes `.bin` while sequences are added and the `.idx` at `finalize(idx_path)`.
 
-    Data goes to a temporary `<bin_path>.tmp.<pid>` first; `finalize` writes the index to a temporary name and
-    renames both into place, the `.idx` last, so an interrupted run never leaves a valid-looking pair.
+    Data goes to a temporary `fileio.tmp_path(bin_path)` first; `finalize` writes the index to a
+    temporary name and renames both into place, the `.idx` last, so an interrupted run never
+    leaves a valid-looking pair.
     """
 
     def __init__(self, bin_path: str, dtype: Union[type, np.dtype] = np.int32) -> None:

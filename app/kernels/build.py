@@ -2,17 +2,19 @@
 
 Layout of one cache entry, `<build_root>/<name>-torch<v>-cuda<v>-sm<arch>-<hash>/`:
 
-    .lock      held by the one process building; JSON {host, pid, token, started}; its mtime is
-               a heartbeat refreshed every few seconds, so a lock whose owner died (same host:
-               pid gone; any host: heartbeat older than `stale_s`) is broken and the build
-               redone. The heartbeat's age is measured against the file system's own clock (a
-               probe file's mtime), so clock skew between nodes sharing it over NFS does not
-               matter. The owner removes the lock only while it still holds its token.
-    build.tmp-<token>/  one owner's torch.utils.cpp_extension (ninja) directory: new for every
-               build and touched by no one else, so breaking a lock never disturbs a live
-               build, and a half-written directory (with torch's own `lock` file) is never
-               reused; left behind by a dead owner, it is removed by the next build on its host
-    build/     the last good build, renamed into place from its build.tmp-* directory
+    .lock      held by the one process building: a lease (app.utils.lease) whose record names
+               the owner (host, pid, process start, token, since when) and whose mtime is a
+               heartbeat refreshed every few seconds, so a lock whose owner died (same host: pid
+               gone or reused; any host: heartbeat older than `stale_s`) is taken over and the
+               build redone. The heartbeat's age is measured against the file system's own
+               clock (a probe file's mtime), so clock skew between nodes sharing it over NFS
+               does not matter. The owner removes the lock only while it still holds its token.
+    build.tmp.<host>.<pid>.<thread>/  one owner's torch.utils.cpp_extension (ninja) directory,
+               named by `app.utils.fileio.tmp_path`: new for every build and touched by no one
+               else, so breaking a lock never disturbs a live build, and a half-written directory
+               (with torch's own `lock` file) is never reused; left behind by a dead owner, it is
+               removed by the next build on its host (`remove_temporaries`)
+    build/     the last good build, renamed into place from its build.tmp.* directory
     READY      written atomically once the library built, loaded in the build process and was
                renamed into place; names the library and its size, so a truncated file is rebuilt
     FAILED     the first error line of the last failed build, and the log's path
@@ -37,18 +39,19 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from app.utils.fileio import pid_alive
+from app.utils.fileio import TMP_MARKER, atomic_write_bytes, fs_now, remove_temporaries, tmp_path
+from app.utils.lease import Lease, LeaseOwner, LeaseState
+from app.utils.processes import process_gone
+from app.utils.rank_logging import ALL_RANKS
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +152,11 @@ def first_error_line(log: str) -> str:
 
 
 # ---- the cache entry: READY / FAILED markers and the lock --------------------------------------
+LOCK_NAME = ".lock"
+
+
 def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    atomic_write_bytes(str(path), json.dumps(payload).encode("utf-8"))
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -172,24 +176,13 @@ def _read_with_mtime(path: Path) -> Optional[Tuple[dict, float]]:
         return None
     try:
         content = json.loads(text)
-    except ValueError:  # being written (the lock is created empty, then filled)
+    except ValueError:  # being written
         content = None
     return (content if isinstance(content, dict) else {}), mtime
 
 
 def _host() -> str:
     return socket.gethostname()
-
-
-def fs_now(directory: Path) -> float:
-    """The current time of the file system holding `directory`: the mtime of a probe file
-    touched now (on NFS the server's clock, the one that stamps the lock's heartbeat)."""
-    probe = directory / f".clock-{_host()}-{os.getpid()}-{threading.get_ident()}"
-    probe.touch()
-    try:
-        return probe.stat().st_mtime
-    finally:
-        probe.unlink(missing_ok=True)
 
 
 def read_ready(entry: Path) -> Optional[str]:
@@ -225,82 +218,54 @@ def read_failure(marker: Path, since: float) -> Optional[str]:
     return failed.get("error", "unknown error") + (f" (log: {log})" if log else "")
 
 
-def _owner_gone(owner: dict) -> bool:
-    """True when `owner` ({host, pid}) names a process on this host that no longer runs."""
-    pid = owner.get("pid")
-    return owner.get("host") == _host() and isinstance(pid, int) and not pid_alive(pid)
+def _lock_lease(lock: Path, stale_s: float, notice_after_s: float = 5.0,
+                heartbeat_s: Optional[float] = None) -> Lease:
+    """The lease on an entry's build lock. Unlike the --save lock, a live owner on this host
+    that stopped beating for `stale_s` loses it too: its build runs in a directory of its own,
+    so a second build disturbs nothing, and the caller's timeout bounds the wait."""
+    return Lease(str(lock), stale_s=stale_s, heartbeat_s=heartbeat_s or max(stale_s / 6, 0.5),
+                 what="kernel build lock", trust_local_pid=False,
+                 notice_after_s=notice_after_s, thread_name="kernel-build-heartbeat")
 
 
-def _stale_owner(lock: Path, stale_s: float) -> Optional[dict]:
-    """The lock's owner record when the owner is gone (dead pid on this host, or no heartbeat
-    for stale_s by the file system's clock); None when the lock is live or absent."""
-    found = _read_with_mtime(lock)
-    if found is None:
-        return None
-    owner, mtime = found
-    if _owner_gone(owner) or fs_now(lock.parent) - mtime > stale_s:
-        return owner
-    return None
+def _stale_owner(lease: Lease) -> Tuple[Optional[LeaseState], Optional[str]]:
+    """The lock's state (None: no lock) and why its owner is gone (dead or reused pid on this
+    host, or no heartbeat for stale_s by the file system's clock); the reason is None when
+    the owner may be alive."""
+    state = lease.look()
+    return state, (lease.stale_reason(state) if state is not None else None)
 
 
 def lock_is_stale(lock: Path, stale_s: float) -> bool:
     """True when the lock's owner is gone: a dead pid on this host, or no heartbeat for stale_s."""
-    return _stale_owner(lock, stale_s) is not None
+    return _stale_owner(_lock_lease(lock, stale_s))[1] is not None
 
 
-def _break_lock(lock: Path, owner: dict) -> None:
-    """Remove the stale lock of `owner`; a rename first, so only one of several breakers
-    succeeds, and a lock that changed hands meanwhile is put back."""
-    grave = lock.with_name(f"{lock.name}.stale-{_host()}-{os.getpid()}-{threading.get_ident()}")
-    try:
-        os.rename(lock, grave)
-    except FileNotFoundError:
-        return
-    taken = _read_json(grave) or {}
-    if taken.get("token") != owner.get("token"):  # a new owner took it since we judged it
-        with contextlib.suppress(OSError):
-            os.link(grave, lock)  # back, unless yet another owner exists now
-        grave.unlink(missing_ok=True)
-        return
-    logger.warning("removed a stale kernel build lock %s (owner %s)", lock, taken)
-    grave.unlink(missing_ok=True)
-
-
-def _lock_token(lock: Path) -> Optional[str]:
-    return (_read_json(lock) or {}).get("token")
+def _break_lock(lock: Path, owner: dict, reason: str = "its owner is gone") -> bool:
+    """Remove the stale lock of `owner` (the record judged stale); a rename first, so only one
+    of several breakers succeeds, and a lock that changed hands meanwhile is put back. True
+    when this call removed it."""
+    lease = _lock_lease(lock, stale_s=0.0)
+    state = lease.look()
+    if state is None:
+        return False
+    judged = LeaseState(LeaseOwner.from_json(owner), state.mtime, state.age_s)
+    return lease.take_over(judged, reason)
 
 
 @contextlib.contextmanager
 def _held_lock(lock: Path, heartbeat_s: float) -> Iterator[Optional[str]]:
-    """Yields a token with `lock` created by us (mtime refreshed while it holds that token),
-    None if the lock exists. On exit the lock is removed only if it still holds our token: a
-    peer that judged it stale may have broken it and taken it since."""
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
+    """Yields a token with `lock` created by us (refreshed every heartbeat_s while it holds that
+    token), None if the lock exists. On exit the lock is removed only if it still holds our
+    token: a peer that judged it stale may have broken it and taken it since."""
+    lease = _lock_lease(lock, stale_s=6 * heartbeat_s, heartbeat_s=heartbeat_s)
+    if not lease.try_acquire():
         yield None
         return
-    token = secrets.token_hex(8)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"host": _host(), "pid": os.getpid(), "token": token,
-                   "started": time.time()}, f)
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(heartbeat_s):
-            if _lock_token(lock) == token:
-                with contextlib.suppress(OSError):
-                    os.utime(lock)
-
-    thread = threading.Thread(target=beat, name="kernel-build-heartbeat", daemon=True)
-    thread.start()
     try:
-        yield token
+        yield lease.token
     finally:
-        stop.set()
-        thread.join()
-        if _lock_token(lock) == token:
-            lock.unlink(missing_ok=True)
+        lease.release()
 
 
 # ---- building ----------------------------------------------------------------------------------
@@ -311,25 +276,31 @@ def _child_command(spec: BuildSpec, build_dir: Path) -> List[str]:
 
 
 def _remove_dead_builds(entry: Path) -> None:
-    """Delete build.tmp-* directories whose owner was on this host and is gone, and the old
-    build/ directories left by a replacement; other hosts' may belong to live builds."""
-    for work in entry.glob("build.tmp-*"):
-        if _owner_gone(_read_json(work / "owner.json") or {}):
-            shutil.rmtree(work, ignore_errors=True)
-    for old in entry.glob("build.old-*"):
+    """Delete what builders on this host that are gone left in `entry` (their build directories,
+    lock asides and probes: `remove_temporaries`; other hosts' may belong to live builds), the
+    replaced build/ directories (garbage once renamed aside), and the build directories of
+    older versions (`build.tmp-<token>` with an owner.json naming host and pid)."""
+    remove_temporaries(str(entry))
+    for old in entry.glob("build.old" + TMP_MARKER + "*"):
         shutil.rmtree(old, ignore_errors=True)
+    for legacy in entry.glob("build.tmp-*"):
+        owner = _read_json(legacy / "owner.json") or {}
+        pid = owner.get("pid")
+        if isinstance(pid, int) and process_gone(str(owner.get("host")), pid) is not None:
+            shutil.rmtree(legacy, ignore_errors=True)
 
 
-def _install(entry: Path, work: Path, library: str, token: str) -> str:
+def _install(entry: Path, work: Path, library: str) -> str:
     """Rename the finished build directory `work` to entry/build and return the library's path
     there; if another owner's build is already in place (READY), keep that one instead."""
     final = entry / "build"
+    old = Path(tmp_path(str(entry / "build.old"), unique=True))
     try:
         if read_ready(entry) is None:
             with contextlib.suppress(FileNotFoundError):
-                os.rename(final, entry / f"build.old-{token}")
+                os.rename(final, old)
             os.rename(work, final)
-            shutil.rmtree(entry / f"build.old-{token}", ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
             return str(final / Path(library).relative_to(work))
     except OSError:  # another owner renamed its build into place first
         pass
@@ -340,14 +311,13 @@ def _install(entry: Path, work: Path, library: str, token: str) -> str:
     return library
 
 
-def _run_build(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s: float,
-               token: str) -> str:
+def _run_build(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s: float) -> str:
     """Compile in a child process, in a directory of our own, with a hard timeout; put the
     result in place and return the library's path, or raise BuildError."""
     timeout_s = max(timeout_s, 0.0)  # what is left of local rank 0's budget
-    work = entry / f"build.tmp-{token}"
+    work = Path(tmp_path(str(entry / "build"), unique=True))
+    shutil.rmtree(work, ignore_errors=True)  # a dead process's with our pid and thread id
     work.mkdir()
-    _write_json_atomic(work / "owner.json", {"host": _host(), "pid": os.getpid()})
     log_path, own_log = entry / "build.log", work / "build.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -378,13 +348,13 @@ def _run_build(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s
         shutil.rmtree(work, ignore_errors=True)
         raise
     shutil.copyfile(own_log, log_path)
-    library = _install(entry, work, libraries[-1], token)
+    library = _install(entry, work, libraries[-1])
     logger.info("built %s in %.0f s: %s", spec.name, time.monotonic() - started, library)
     return library
 
 
-def _build_locked(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s: float,
-                  token: str) -> str:
+def _build_locked(spec: BuildSpec, entry: Path, cuda_home: Optional[str],
+                  timeout_s: float) -> str:
     """The build itself, with the lock held: READY on success, FAILED on failure."""
     library = read_ready(entry)
     if library:
@@ -392,7 +362,7 @@ def _build_locked(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeou
     (entry / "FAILED").unlink(missing_ok=True)
     _remove_dead_builds(entry)
     try:
-        library = _run_build(spec, entry, cuda_home, timeout_s, token)
+        library = _run_build(spec, entry, cuda_home, timeout_s)
     except BuildError as err:
         _write_failure(entry / "FAILED", str(err).split(" (log: ")[0], str(entry / "build.log"))
         raise
@@ -402,10 +372,13 @@ def _build_locked(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeou
 
 
 def _build_as_owner(spec: BuildSpec, entry: Path, cuda_home: Optional[str], timeout_s: float,
-                    stale_s: float, poll_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
+                    stale_s: float, poll_s: float, notice_s: float) -> str:
+    """Take the entry's lock and build (the lock of an owner that is gone is taken over), or
+    wait while a live owner holds it, up to `timeout_s`; BuildError when time runs out."""
+    begun = time.monotonic()
     since = fs_now(entry)
-    lock = entry / ".lock"
+    lock = entry / LOCK_NAME
+    lease = _lock_lease(lock, stale_s, notice_after_s=notice_s)
     while True:
         library = read_ready(entry)
         if library:
@@ -413,43 +386,67 @@ def _build_as_owner(spec: BuildSpec, entry: Path, cuda_home: Optional[str], time
         failure = read_failure(entry / "FAILED", since)
         if failure:  # another node built the same sources for the same arch and failed
             raise BuildError(failure)
-        with _held_lock(lock, heartbeat_s=max(stale_s / 6, 0.5)) as token:
+        with _held_lock(lock, heartbeat_s=lease.heartbeat_s) as token:
             if token is not None:
-                return _build_locked(spec, entry, cuda_home, deadline - time.monotonic(), token)
-        owner = _stale_owner(lock, stale_s)
-        if owner is not None:
-            _break_lock(lock, owner)
-            continue
-        if time.monotonic() > deadline:
+                return _build_locked(spec, entry, cuda_home, begun + timeout_s - time.monotonic())
+        state, reason = _stale_owner(lease)
+        if reason is not None and state is not None:
+            record = state.owner.to_json() if state.owner is not None else {}
+            if _break_lock(lock, record, reason):
+                continue
+        waited = time.monotonic() - begun
+        if waited > timeout_s:
+            holder = state.describe() if state is not None else "no one any more"
             raise BuildError(f"timed out after {timeout_s:.0f} s waiting for the build lock "
-                             f"held by {_read_json(lock)} in {entry}")
+                             f"held by {holder} in {entry}")
+        lease.notice_wait(state, waited)
         time.sleep(poll_s)
 
 
-def _wait_for_owner(entry: Path, wait_s: float, poll_s: float) -> str:
-    deadline = time.monotonic() + wait_s
+def _wait_for_owner(entry: Path, local_rank: int, wait_s: float, poll_s: float,
+                    notice_s: float) -> str:
+    """Wait for local rank 0's build (READY) or its reason for giving up (FAILED.<host>); after
+    `notice_s` say once what is awaited and who holds the build lock."""
+    begun = time.monotonic()
     marker = host_failure_marker(entry)
     since = fs_now(entry) - 30.0  # local rank 0 may fail fast, just before we started
-    while time.monotonic() < deadline:
+    noticed = False
+    while time.monotonic() < begun + wait_s:
         library = read_ready(entry)
         if library:
             return library
         failure = read_failure(marker, since)
         if failure:
             raise BuildError(f"local rank 0 gave up: {failure}")
+        if not noticed and time.monotonic() - begun >= notice_s:
+            noticed = True
+            _log_rank_wait(entry, local_rank, time.monotonic() - begun, marker)
         time.sleep(poll_s)
     raise BuildError(f"timed out after {wait_s:.0f} s waiting for local rank 0 to build in {entry}")
+
+
+def _log_rank_wait(entry: Path, local_rank: int, waited_s: float, marker: Path) -> None:
+    lock = entry / LOCK_NAME
+    state = _lock_lease(lock, stale_s=0.0).look()
+    holder = (f"its build lock {lock} is held by {state.describe()}; if that process is gone "
+              f"for good, delete {lock}" if state is not None else
+              f"no one holds its build lock {lock} at the moment")
+    logger.warning("local rank %d has waited %.0f s for local rank 0's kernel build in %s: %s. "
+                   "It ends with READY there, or with local rank 0's reason in %s",
+                   local_rank, waited_s, entry, holder, marker.name, extra=ALL_RANKS)
 
 
 def ensure_built(spec: BuildSpec, build_root: Path, *, local_rank: int, timeout_s: float,
                  cuda_home: Optional[str] = None, torch_version: Optional[str] = None,
                  cuda_version: Optional[str] = None, stale_s: float = 60.0,
-                 poll_s: float = 1.0) -> str:
+                 poll_s: float = 1.0, notice_s: float = 5.0) -> str:
     """Path of `spec`'s library in the cache under `build_root`; builds or waits as needed.
 
     Local rank 0 builds (after taking the entry's lock), within `timeout_s` in all; when it
     gives up it says why in FAILED.<host>, and the other local ranks, which otherwise wait up
-    to `timeout_s + stale_s` for it, stop at once. Raises BuildError with a one-line reason.
+    to `timeout_s + stale_s` for it, stop at once. A wait longer than `notice_s` (for another
+    process's lock, or for local rank 0) logs once what it waits for and how to clear a lock
+    left by a process that is gone. Raises BuildError with a one-line reason.
     """
     import torch
 
@@ -461,11 +458,11 @@ def ensure_built(spec: BuildSpec, build_root: Path, *, local_rank: int, timeout_
     if library:
         return library
     if local_rank != 0:
-        return _wait_for_owner(entry, timeout_s + stale_s, poll_s)
+        return _wait_for_owner(entry, local_rank, timeout_s + stale_s, poll_s, notice_s)
     marker = host_failure_marker(entry)
     marker.unlink(missing_ok=True)  # a previous run's
     try:
-        return _build_as_owner(spec, entry, cuda_home, timeout_s, stale_s, poll_s)
+        return _build_as_owner(spec, entry, cuda_home, timeout_s, stale_s, poll_s, notice_s)
     except (BuildError, OSError) as err:
         with contextlib.suppress(OSError):
             _write_failure(marker, str(err), None)

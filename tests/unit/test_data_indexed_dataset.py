@@ -85,7 +85,7 @@ def test_round_trip_and_independent_reader(tmp_path, dtype, code):
     assert ds.get(3, offset=1, length=2).tolist() == [4, 4]
     assert ds.document_token_ranges().tolist() == [[0, 3], [3, 7], [10, 2], [12, 3]]
     assert ds.token_id_range() == (0, 65000)
-    assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]  # no temporary left behind
 
 
 def test_add_documents_equals_add_item(tmp_path):

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from app.kernels import build, library
+from app.utils.fileio import is_temporary
 
 GOOD = 'extern "C" int app_kernels_probe() { return 7; }\n'
 BROKEN = "int broken( { return 1; }\n"
@@ -134,6 +135,32 @@ def test_live_lock_is_waited_on_until_the_timeout(tmp_path):
         build.ensure_built(spec, root, local_rank=1, timeout_s=0.5, stale_s=0.5, poll_s=0.1)
 
 
+def test_a_long_wait_says_what_it_waits_for(tmp_path, caplog):
+    """Local rank 0 waiting for another node's lock, and a local peer waiting for local rank 0,
+    each log once, after notice_s, which lock, who holds it since when, and how to clear it."""
+    spec, root = _spec(tmp_path, "probe", GOOD), tmp_path / "cache"
+    entry = _entry(root, spec)
+    entry.mkdir(parents=True)
+    lock = entry / ".lock"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 4242, "started": time.time() - 90}))
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(build.BuildError, match="timed out after 1 s waiting for the build "
+                                                   "lock held by host elsewhere, pid 4242"):
+            build.ensure_built(spec, root, local_rank=0, timeout_s=1.0, stale_s=600,
+                               poll_s=0.05, notice_s=0.2)
+        build.host_failure_marker(entry).unlink()
+        with pytest.raises(build.BuildError, match="waiting for local rank 0"):
+            build.ensure_built(spec, root, local_rank=1, timeout_s=0.5, stale_s=0.5,
+                               poll_s=0.05, notice_s=0.2)
+    notes = [r.getMessage() for r in caplog.records if "wait" in r.getMessage()]
+    assert len(notes) == 2, notes
+    for note in notes:
+        assert str(lock) in note and "host elsewhere, pid 4242 (since " in note, note
+        assert f"delete {lock}" in note, note
+    assert notes[0].startswith("waiting for the kernel build lock")
+    assert notes[1].startswith("local rank 1 has waited")
+
+
 def test_lock_staleness_uses_the_file_systems_clock(tmp_path, monkeypatch):
     """Another node's lock is judged by its heartbeat's age on the file system's clock, so a
     local clock an hour off (NFS clients with skewed clocks) neither breaks a live lock nor
@@ -236,6 +263,7 @@ def test_breaking_a_live_owners_lock_never_disturbs_its_build(tmp_path, monkeypa
     assert build.read_ready(entry) == library
     assert not (entry / ".lock").exists() and not (entry / "FAILED").exists()
     assert not list(entry.glob("build.tmp-*")) and not list(entry.glob("build.old-*"))
+    assert not [name for name in os.listdir(entry) if is_temporary(name)]
 
 
 def test_build_over_the_timeout_is_killed(tmp_path):

@@ -23,7 +23,7 @@ from app.training.resilience.save_dir import (LOCK_FILENAME, SaveDirError, SaveD
                                    claim_save_dir, ensure_writable_dir)
 from app.training.resilience.signals import ExitSignalHandler, LauncherWatch, _Process, handler_enabled
 from app.training.resilience.watchdog import EXIT_PEER_FAILURE, Watchdog, is_peer_failure
-from app.utils.fileio import remove_temporaries, tmp_path
+from app.utils.fileio import is_temporary, remove_temporaries, temporary_owner, tmp_path
 from app.utils.progress import progress
 
 
@@ -311,4 +311,6 @@ def test_progress_reports_rate_and_eta_as_lines_when_not_a_terminal():
 
 
 def test_tmp_path_names_are_recognised():
-    assert tmp_path("/a/b.pt").endswith(f".tmp.{os.getpid()}")
+    name = tmp_path("/a/b.pt")
+    assert name.startswith("/a/b.pt.tmp.") and name.endswith(f".{os.getpid()}")
+    assert is_temporary(name) and temporary_owner(name).pid == os.getpid()
