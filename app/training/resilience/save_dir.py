@@ -241,6 +241,31 @@ class SaveDirLock:
         self.release()
 
 
+def held_by_live_run(directory: str, stale_after_s: float = 120.0) -> Optional[str]:
+    """Why a run starting now could not take the writer lock of `directory` (the live holder,
+    or an unreadable lock file younger than `stale_after_s`), or None when the lock is free or
+    stale and would be taken over. Only reads: the lock is never taken, broken or waited for.
+    A holder on this host is judged as `acquire` judges it; one on another host counts as live
+    while its heartbeat is younger than `stale_after_s` (a starting run would watch it for up
+    to that long, and take the lock over if it stopped)."""
+    lock = SaveDirLock(directory, stale_after_s=stale_after_s)
+    if not os.path.isfile(lock.path):
+        return None
+    holder = _read(lock.path)
+    if holder is None:
+        age = time.time() - _mtime(lock.path)
+        return None if age > stale_after_s else (
+            f"--save {directory} has an unreadable writer lock {lock.path} written {age:.0f} s "
+            "ago; if no other run uses this directory, delete the file")
+    if holder.host == socket.gethostname():
+        live = lock._stale_reason(holder) is None
+    else:
+        live = time.time() - holder.heartbeat <= stale_after_s
+    return (f"--save {directory} is in use by another run ({holder.describe()}); wait for it to "
+            f"finish, stop it, or choose another --save (if it is gone for good, delete "
+            f"{lock.path})") if live else None
+
+
 def _mtime(path: str) -> float:
     try:
         return os.path.getmtime(path)
@@ -250,13 +275,34 @@ def _mtime(path: str) -> float:
 
 # ---------------------------------------------------------------------------- the directory
 
+def save_dir_problem(directory: str, flag: str = "--save") -> Optional[str]:
+    """Why `directory` cannot be created or written, judged without writing anything: an
+    existing file, a path under a file, no permission on it or on its nearest existing parent;
+    None when nothing stands in the way. The message names the flag, the path and the fix."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{flag} {directory} is an existing file, not a directory; choose a directory path"
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return (f"{flag} {directory} cannot be created: {existing} is a file, not a directory; "
+                "choose a path you can write")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == os.path.abspath(directory) else \
+            f"cannot be created: {existing} is not writable"
+        return (f"{flag} {directory} {what}; choose a directory you can write (and with room "
+                "for checkpoints)")
+    return None
+
+
 def ensure_writable_dir(directory: str, flag: str = "--save") -> None:
     """Create `directory` if needed and prove a file can be written in it; SaveDirError naming
-    the flag, the path and the reason otherwise (an existing file, a path under a file, no
-    permission, a read-only or full file system)."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise SaveDirError(f"{flag} {directory} is an existing file, not a directory; choose a "
-                           "directory path")
+    the flag, the path and the reason otherwise: what `save_dir_problem` finds (an existing
+    file, a path under a file, no permission), or what only trying finds (a read-only or full
+    file system)."""
+    problem = save_dir_problem(directory, flag)
+    if problem:
+        raise SaveDirError(problem)
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
@@ -291,4 +337,4 @@ def claim_save_dir(directory: str, **lock_kwargs) -> SaveDirLock:
 
 
 __all__ = ["LOCK_FILENAME", "LockRecord", "SaveDirError", "SaveDirLock", "SaveDirLocked",
-           "claim_save_dir", "ensure_writable_dir"]
+           "claim_save_dir", "ensure_writable_dir", "held_by_live_run", "save_dir_problem"]
