@@ -5,9 +5,10 @@
         [--dry-run-world-size 8] [--dry-run-device-memory 80]
 
 Equivalent to `python pretrain_gpt2.py <flags> --dry-run` (see docs/reliability.md): the flags
-and the DeepSpeed JSON, the tokenizer and data files, the checkpoint to load and a per-rank
-memory estimate are checked in seconds, without a process group; the exit code is 0 when
-nothing is wrong and 2 when the report holds an error.
+and the DeepSpeed JSON, the tokenizer and data files, the run's start-up decisions for --save
+and --load (made by the functions the run itself calls, without writing anything) and a
+per-rank memory estimate are checked in seconds, without a process group; the exit code is 0
+when nothing is wrong and 2 when the report holds an error, as the real run's start-up would.
 """
 from __future__ import annotations
 

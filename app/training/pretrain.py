@@ -2,10 +2,12 @@
 
 `pretrain_gpt2.py` is the composition root: it parses the flags into a RunConfig once (with
 `arguments.py`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
-start-up checks of --save/--load (all ranks agree: writer lock, writable, no stale temporaries,
-resume or fresh start per app.training.resilience.resume.decide_start) -> launcher watch and watchdog ->
-parts of the run (app.training.run) -> checkpoint load (all ranks agree) -> datasets sized for
-the run -> Trainer, with the exit-signal handler installed while it trains.
+start-up checks of --save/--load (all ranks agree: --save writable, its writer lock, no stale
+temporaries; resume or fresh start per app.training.resilience.resume.decide_start; the saved
+layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts of the run
+(app.training.run) -> checkpoint load (all ranks agree) -> datasets sized for the run ->
+Trainer, with the exit-signal handler installed while it trains. `--dry-run`
+(app.training.planning.preflight) calls the same decision functions in the same order.
 
 `main` maps outcomes to exit codes: 0 for a finished run and for one stopped by a signal after
 its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3 for a run
@@ -27,7 +29,8 @@ from app.launch.distributed import (DistributedInfo, all_ranks_ok, init_distribu
                                       shutdown_distributed, world_group)
 from app.training.loss import LossFunction
 from app.training.resilience.nonfinite import TrainingAborted
-from app.training.resilience.resume import StartDecision, decide_start, load_on_all_ranks
+from app.training.resilience.resume import (StartDecision, check_resume, decide_start,
+                                            load_on_all_ranks)
 from app.training.run import build_run
 from app.training.resilience.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
 from app.training.resilience.signals import ExitSignalHandler, LauncherWatch, detect_launcher, handler_enabled
@@ -62,8 +65,10 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo
     """The --save/--load checks every rank runs before anything is built; all ranks agree.
 
     Rank 0 claims --save (created, writable, writer lock, stale temporaries removed), every
-    other rank checks it can write there too; all apply the resume policy. If any rank fails,
-    every rank raises (the failing one with its own message) and the lock is released.
+    other rank checks it can write there too; all apply the resume policy and, when resuming,
+    check that the saved layout can be loaded. If any rank fails, every rank raises (the
+    failing one with its own message) and the lock is released. `--dry-run` makes the same
+    decisions, without writing (app.training.planning.preflight.check_checkpoint).
     """
     c = cfg.checkpoint
     lock: Optional[SaveDirLock] = None
@@ -74,6 +79,10 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo
         elif c.save:
             ensure_writable_dir(c.save)
         decision = decide_start(c)
+        if decision.warning:
+            logger.warning(decision.warning)
+        if decision.load is not None:
+            check_resume(cfg, decision.load)
     except (ValueError, CheckpointError) as exc:
         error = exc
     if not all_ranks_ok(error is None, info.device):

@@ -186,14 +186,18 @@ class Lease:
 
     # ------------------------------------------------------------------ looking
 
-    def _fs_age(self, mtime: float) -> float:
+    def _fs_age(self, mtime: float, read_only: bool = False) -> float:
+        if read_only:  # this host's clock: judging the file system's writes a probe file
+            return time.time() - mtime
         try:
             return fs_now(self.directory) - mtime
         except OSError:  # nothing can be written here: fall back on this host's clock
             return time.time() - mtime
 
-    def look(self) -> Optional[LeaseState]:
-        """The lock file's owner, mtime and heartbeat age now; None when there is no lock file."""
+    def look(self, read_only: bool = False) -> Optional[LeaseState]:
+        """The lock file's owner, mtime and heartbeat age now; None when there is no lock file.
+        `read_only` writes nothing (the age is then on this host's clock, not the file
+        system's)."""
         try:
             with open(self.path, "rb") as f:  # open() revalidates NFS's cached attributes
                 mtime = os.fstat(f.fileno()).st_mtime
@@ -204,7 +208,7 @@ class Lease:
             owner = LeaseOwner.from_json(json.loads(text))
         except ValueError:
             owner = None
-        return LeaseState(owner, mtime, self._fs_age(mtime))
+        return LeaseState(owner, mtime, self._fs_age(mtime, read_only))
 
     def stale_reason(self, state: LeaseState, *, watch: bool = False) -> Optional[str]:
         """Why the holder seen in `state` cannot be running any more, or None when it may be.

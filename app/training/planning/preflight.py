@@ -6,6 +6,10 @@ process group is started, no model is built and nothing is written except the to
 cache a real run would write too; a run of any size is planned from one process
 (`--dry-run-world-size`). A check that fails is an error naming the flag or file and the fix;
 the command exits non-zero when there is any error.
+
+The checkpoint section has no policy of its own: it calls the decision functions the real
+start-up calls (app.training.resilience.save_dir, resume.decide_start, resume.check_resume), in
+the same order, so a dry run passes exactly when the run would get past its start-up checks.
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ from app.checkpointing import megatron as ckpt
 from app.checkpointing import files as ckpt_files
 from app.checkpointing import layouts
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
-from app.training.resilience.resume import plan_resume
+from app.training.resilience.resume import (ResumeTarget, check_resume, check_saved_args,
+                                            decide_start, require_rng_state)
+from app.training.resilience.save_dir import held_by_live_run, save_dir_problem
 
 GIB = float(1 << 30)
 LEVELS = ("ok", "note", "warn", "ERROR")
@@ -182,7 +188,8 @@ def check_data(report: Report, data_path: Sequence[str], split: str, seq_length:
 
 # ---------------------------------------------------------------------------- checkpoint
 
-def _verify_checksums(report: Report, files: Sequence[str]) -> None:
+def _verify_checksums(report: Report, files: Sequence[str]) -> bool:
+    """Every file against its SHA-256 sidecar, as loading verifies it; False after an error."""
     checked = 0
     for path in files:
         if os.path.isfile(ckpt_files.sidecar_path(path)):
@@ -191,12 +198,13 @@ def _verify_checksums(report: Report, files: Sequence[str]) -> None:
                 checked += 1
             except ckpt.CheckpointError as exc:
                 report.error(str(exc))
-                return
+                return False
     if checked == len(files):
         report.ok(f"all {checked} checkpoint file(s) match their SHA-256 sidecars")
     else:
         report.note(f"{len(files) - checked} of {len(files)} checkpoint file(s) have no SHA-256 "
                     "sidecar to verify")
+    return True
 
 
 def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> None:
@@ -212,22 +220,30 @@ def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> No
         report.error(str(exc))
 
 
-def _check_saved_state(report: Report, cfg: RunConfig, layout: layouts.SavedLayout,
-                       load_optimizer: bool) -> None:
+def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget) -> None:
+    """What loading will check in the saved state, read without its tensors: the model shape
+    (`check_saved_args`, as the engines call it), the RNG states the plan restores, the LR
+    schedule under these flags, and where the run resumes."""
+    layout, plan = target.layout, target.plan
     try:
         state = layouts.read_saved_state(layout)
     except ckpt.CheckpointError as exc:
         report.error(str(exc))
         return
     saved = state.get("args")
-    if saved is None:
-        report.warn("the checkpoint stores no 'args': its model shape cannot be checked "
-                    "(a run loads it only with --finetune)")
-        return
     try:
-        ckpt.check_checkpoint_args(saved, ckpt.checkpoint_args_namespace(cfg, 0, 0, 0))
+        if saved is not None or not cfg.deepspeed.enabled:  # DeepSpeed's reader skips no args
+            check_saved_args(plan, saved, cfg, layout.directory)
     except ckpt.CheckpointError as exc:
         report.error(f"{layout.directory}: {exc}")
+        return
+    try:
+        require_rng_state(plan, state.get("rng_state"), layout.directory)
+    except ckpt.CheckpointError as exc:
+        report.error(str(exc))
+        return
+    if saved is None:
+        report.warn("the checkpoint stores no 'args': its model shape cannot be checked")
         return
     report.ok(f"model shape matches ({', '.join(ckpt.MODEL_SHAPE_FIELDS[:-1])})")
     saved_dtype = str(getattr(saved, "params_dtype", "")).replace("torch.", "")
@@ -235,7 +251,7 @@ def _check_saved_state(report: Report, cfg: RunConfig, layout: layouts.SavedLayo
         report.warn(f"weights were saved as {saved_dtype} and this run trains "
                     f"{cfg.model.params_dtype}: they are cast on load (python "
                     f"{layouts.CONVERTER} --target-params-dtype converts a copy)")
-    if not load_optimizer:
+    if not plan.load_optimizer:
         report.ok("weights only (--finetune, --no-load-optim or a release checkpoint)")
         return
     if "scheduler" not in (cfg.deepspeed.config or {}):  # else DeepSpeed's own schedule
@@ -250,75 +266,39 @@ def _check_saved_state(report: Report, cfg: RunConfig, layout: layouts.SavedLayo
 
 
 def check_checkpoint(report: Report, cfg: RunConfig) -> None:
-    """--load exists, its tracker names a complete iteration of the format and layout this run
-    reads, the files match their checksums and the saved model shape matches; --save can be
-    written."""
+    """The start-up decisions of a real run (app.training.pretrain), made by the same functions
+    in the same order but without writing anything: --save can be created and written
+    (`save_dir_problem`) and no live run holds its writer lock (`held_by_live_run`; the lock is
+    not taken); resume, fresh start or refusal (`decide_start`, with --overwrite-checkpoints,
+    --finetune, --no-load-*); the saved layout against this run's engine and TP/PP/DP
+    (`check_resume`). Then what loading would find: checksums, model shape, RNG, LR schedule."""
     report.section("checkpoint")
-    c, p = cfg.checkpoint, cfg.parallel
-    _check_save_dir(report, c.save)
-    if not c.load:
-        report.ok("no --load: training starts from randomly initialised weights")
-        return
-    if not os.path.isdir(c.load):
-        if c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
-            report.ok(f"--load {c.load} (= --save) does not exist yet: the run starts at "
-                      "iteration 0 and later runs resume from it")
-        else:
-            report.error(f"--load {c.load} does not exist; fix the path (or drop --load)")
-        return
-    if cfg.deepspeed.universal_checkpoint:
-        try:
-            tag = layouts.universal_tag(c.load)
-        except ckpt.CheckpointError as exc:
-            report.error(str(exc))
-            return
-        report.ok(f"--load {c.load} --universal-checkpoint: tag {tag} (latest_universal), which "
-                  "DeepSpeed re-slices for this layout")
-        return
+    c = cfg.checkpoint
+    if c.save:
+        problem = save_dir_problem(c.save) or held_by_live_run(c.save)
+        (report.error(problem) if problem else
+         report.ok(f"--save {c.save} is writable and no other run holds its writer lock"))
+    else:
+        report.note("no --save: no checkpoint will be written")
     try:
-        iteration = ckpt.read_tracker(c.load)
+        decision = decide_start(c)
+        if decision.warning:
+            report.warn(decision.warning)
+        if decision.load is None:
+            report.ok(decision.note or "no --load: training starts from randomly initialised "
+                                       "weights")
+            return
+        target = check_resume(cfg, decision.load)
     except ckpt.CheckpointError as exc:
         report.error(str(exc))
         return
-    if iteration is None:
-        found = ckpt.list_checkpoint_iterations(c.load)
-        if found:
-            report.error(f"--load {c.load} holds iter_ directories {found[-3:]} but no "
-                         f"{ckpt.TRACKER_FILENAME}: write the iteration to resume into it")
-        else:
-            report.ok(f"--load {c.load} holds no checkpoint yet: the run starts at iteration 0")
+    if target.layout is None:
+        report.ok(f"--load {c.load} --universal-checkpoint: tag {target.universal_tag} "
+                  "(latest_universal), which DeepSpeed re-slices for this layout")
         return
-    layout = layouts.inspect_directory(ckpt.checkpoint_dir(c.load, iteration))
-    if layout is None:
-        report.error(f"{ckpt.checkpoint_dir(c.load, iteration)} (named by the tracker) holds no "
-                     "Megatron or DeepSpeed checkpoint files")
-        return
-    report.ok(f"--load {c.load}: iteration {iteration}, {layout.describe()}")
-    plan = plan_resume(c, iteration)
-    problem = layouts.loadable_problem(
-        layout, c.load, deepspeed=cfg.deepspeed.enabled,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        data_parallel_size=p.data_parallel_size, load_optimizer=plan.load_optimizer)
-    if problem:
-        report.error(problem)
-        return
-    _verify_checksums(report, layout.model_files + layout.optimizer_files)
-    _check_saved_state(report, cfg, layout, plan.load_optimizer)
-
-
-def _check_save_dir(report: Report, save: Optional[str]) -> None:
-    if not save:
-        report.note("no --save: no checkpoint will be written")
-        return
-    existing = os.path.abspath(save)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        report.error(f"--save {save} cannot be written ({existing} is not a writable "
-                     "directory); choose another path")
-    else:
-        report.ok(f"--save {save} is writable")
+    report.ok(f"--load {c.load}: iteration {target.plan.iteration}, {target.layout.describe()}")
+    if _verify_checksums(report, target.layout.model_files + target.layout.optimizer_files):
+        _check_saved_state(report, cfg, target)
 
 
 # ---------------------------------------------------------------------------- memory

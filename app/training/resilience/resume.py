@@ -26,7 +26,16 @@ accident:
   it); with `--load` = `--save` and no checkpoints at all, a fresh start (logged);
 - `--save` that holds checkpoints while the run does not resume from it (no `--load`, another
   `--load`, or `--finetune` / a release checkpoint, which start at iteration 0): an error
-  unless `--overwrite-checkpoints` is given.
+  unless `--overwrite-checkpoints` is given (then a warning in the decision).
+
+When it resumes, `check_resume` then judges the checkpoint from its tracker and file names
+alone (no checkpoint file is opened): the tracker's iteration, the plan, and whether this
+run's engine and tensor/pipeline/data-parallel sizes can load the saved layout (or, with
+`--universal-checkpoint`, the tag `latest_universal` names).
+
+These decisions only read the file system. `app.training.pretrain` calls them at start-up and
+`--dry-run` (app.training.planning.preflight) calls the same functions in the same order, so the
+two cannot disagree.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ import torch
 from app.config import CheckpointConfig, RunConfig
 from app.mpu import collectives
 from app.mpu.random import load_rng_state_dict
+from app.checkpointing import layouts
 from app.checkpointing import megatron as ckpt
 from app.launch.distributed import world_group
 
@@ -89,10 +99,21 @@ class LoadResult:
 @dataclass(frozen=True)
 class StartDecision:
     """Where the run starts: `load` is the directory to resume from, None for a fresh start;
-    `note` says why, for the log."""
+    `note` says why, for the log; `warning` what --overwrite-checkpoints lets it write over."""
 
     load: Optional[str]
     note: str = ""
+    warning: str = ""
+
+
+@dataclass(frozen=True)
+class ResumeTarget:
+    """What a resume will read: the plan for the tracker's iteration and the saved layout
+    (None with --universal-checkpoint, where `universal_tag` names the tag)."""
+
+    plan: ResumePlan
+    layout: Optional[layouts.SavedLayout]
+    universal_tag: str = ""
 
 
 def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
@@ -164,28 +185,64 @@ def decide_start(c: CheckpointConfig) -> StartDecision:
                         f"the checkpoints it holds ({held})")
             return StartDecision(None, note)
         restart = c.finetune or tracker == "release"
+        warning = ""
         if c.save and (restart or not same):
-            _refuse_overwrite(c, "this run starts at iteration 0 (--finetune or a release "
-                                 "checkpoint)" if restart else f"it loads from --load {c.load}")
-        return StartDecision(c.load, "")
-    if c.save:
-        _refuse_overwrite(c, "there is no --load")
-    return StartDecision(None, "")
+            warning = _refuse_overwrite(
+                c, "this run starts at iteration 0 (--finetune or a release checkpoint)"
+                if restart else f"it loads from --load {c.load}")
+        return StartDecision(c.load, "", warning)
+    return StartDecision(None, "", _refuse_overwrite(c, "there is no --load") if c.save else "")
 
 
-def _refuse_overwrite(c: CheckpointConfig, why: str) -> None:
+def _refuse_overwrite(c: CheckpointConfig, why: str) -> str:
+    """CheckpointError when --save holds checkpoints this run would write over; the warning
+    to log when --overwrite-checkpoints allows it; an empty string when it holds none."""
     held = held_checkpoints(c.save)
     if not held:
-        return
+        return ""
     if c.overwrite_checkpoints:
-        logger.warning("--overwrite-checkpoints: --save %s holds checkpoints (%s); this run "
-                       "writes its own over them", c.save, held)
-        return
+        return (f"--overwrite-checkpoints: --save {c.save} holds checkpoints ({held}); this run "
+                "writes its own over them")
     resume = f"pass --load {c.save} to resume from them, " if why == "there is no --load" else ""
     raise ckpt.CheckpointError(
         f"--save {c.save} already holds checkpoints ({held}) and {why}, so they would be "
         f"overwritten: {resume}choose another --save, or pass --overwrite-checkpoints to "
         "write over them")
+
+
+def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
+    """The checkpoint a resume from `load_dir` reads, judged from its tracker and file names:
+    CheckpointError, naming the directory and the fix, when the tracker's iteration holds no
+    checkpoint files, is incomplete, or has a format or tensor/pipeline/data-parallel layout
+    this run's engine cannot load (`layouts.loadable_problem`); with --universal-checkpoint,
+    when `latest_universal` is missing."""
+    c, p = cfg.checkpoint, cfg.parallel
+    iteration = ckpt.read_tracker(load_dir)
+    if iteration is None:
+        raise ckpt.CheckpointError(f"--load {load_dir} holds no {ckpt.TRACKER_FILENAME}; check "
+                                   "the path (drop --load to start from scratch)")
+    plan = plan_resume(c, iteration)
+    if cfg.deepspeed.universal_checkpoint:  # DeepSpeed re-slices it for any layout
+        return ResumeTarget(plan, None, layouts.universal_tag(load_dir))
+    layout = layouts.check_loadable(
+        load_dir, iteration, deepspeed=cfg.deepspeed.enabled,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        data_parallel_size=p.data_parallel_size, load_optimizer=plan.load_optimizer)
+    if layout is None:
+        raise ckpt.CheckpointError(
+            f"{ckpt.checkpoint_dir(load_dir, iteration)} (named by "
+            f"{ckpt.tracker_path(load_dir)}) holds no Megatron or DeepSpeed checkpoint files; "
+            "restore them, or write an earlier complete iteration into the tracker")
+    return ResumeTarget(plan, layout)
+
+
+def require_rng_state(plan: ResumePlan, rng_state: Any, where: str) -> None:
+    """CheckpointError when the plan restores RNG states and the checkpoint has none."""
+    if plan.load_rng and rng_state is None:
+        raise ckpt.CheckpointError(
+            f"checkpoint {where} has no RNG state (saved with --no-save-rng); pass "
+            "--no-load-rng to resume without it")
 
 
 def check_finite_weights(module: torch.nn.Module, where: str) -> None:
@@ -252,10 +309,7 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
         engine.lr_scheduler.step(scheduler_steps(contents.scheduler_state, saved_iteration))
         logger.info("--no-load-optim: optimizer states start fresh; the LR schedule continues")
     if plan.load_rng:
-        if contents.rng_state is None:
-            raise ckpt.CheckpointError(
-                f"checkpoint {contents.path} has no RNG state (saved with --no-save-rng); pass "
-                "--no-load-rng to resume without it")
+        require_rng_state(plan, contents.rng_state, contents.path)
         ckpt.apply_rng_state(contents.rng_state, load_rng_state_dict)
     position = contents.client_state
     return LoadResult(saved_iteration, int(position.get("consumed_train_samples", 0)),

@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from app.utils.fileio import remove_temporaries, tmp_path
 from app.utils.lease import Lease, LeaseHeld
@@ -81,6 +81,14 @@ class SaveDirLock:
                 "checkpoints: wait for that run to finish or stop it, or choose another "
                 f"--save. If that run is gone for good, delete {self.path}.")
 
+    def live_holder(self) -> Optional[str]:
+        """The message `acquire` would fail with if a live run holds the lock now, else None;
+        reads only (a holder on another host is not watched)."""
+        state = self._lease.look(read_only=True)
+        if state is None or self._lease.stale_reason(state) is not None:
+            return None
+        return self._held_message(LeaseHeld(self.path, state))
+
     def release(self) -> None:
         """Stop the heartbeat and delete the lock file if it still names this process."""
         self._lease.release()
@@ -93,15 +101,45 @@ class SaveDirLock:
         self.release()
 
 
+def held_by_live_run(directory: str, stale_after_s: float = 120.0) -> Optional[str]:
+    """Why a run starting now could not take the writer lock of `directory` (the message
+    `SaveDirLock.acquire` would raise), or None when the lock is free or stale and would be taken
+    over. Only reads: the lock is never taken, broken or waited for. A holder is judged by the
+    lease's own rule (`Lease.stale_reason`) without watching: one on another host counts as live
+    while its heartbeat is younger than `stale_after_s`."""
+    return SaveDirLock(directory, stale_after_s=stale_after_s).live_holder()
+
+
 # ---------------------------------------------------------------------------- the directory
+
+def save_dir_problem(directory: str, flag: str = "--save") -> Optional[str]:
+    """Why `directory` cannot be created or written, judged without writing anything: an
+    existing file, a path under a file, no permission on it or on its nearest existing parent;
+    None when nothing stands in the way. The message names the flag, the path and the fix."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{flag} {directory} is an existing file, not a directory; choose a directory path"
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return (f"{flag} {directory} cannot be created: {existing} is a file, not a directory; "
+                "choose a path you can write")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == os.path.abspath(directory) else \
+            f"cannot be created: {existing} is not writable"
+        return (f"{flag} {directory} {what}; choose a directory you can write (and with room "
+                "for checkpoints)")
+    return None
+
 
 def ensure_writable_dir(directory: str, flag: str = "--save") -> None:
     """Create `directory` if needed and prove a file can be written in it; SaveDirError naming
-    the flag, the path and the reason otherwise (an existing file, a path under a file, no
-    permission, a read-only or full file system)."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise SaveDirError(f"{flag} {directory} is an existing file, not a directory; choose a "
-                           "directory path")
+    the flag, the path and the reason otherwise: what `save_dir_problem` finds (an existing
+    file, a path under a file, no permission), or what only trying finds (a read-only or full
+    file system)."""
+    problem = save_dir_problem(directory, flag)
+    if problem:
+        raise SaveDirError(problem)
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
@@ -136,4 +174,4 @@ def claim_save_dir(directory: str, **lock_kwargs) -> SaveDirLock:
 
 
 __all__ = ["LOCK_FILENAME", "SaveDirError", "SaveDirLock", "SaveDirLocked",
-           "claim_save_dir", "ensure_writable_dir"]
+           "claim_save_dir", "ensure_writable_dir", "held_by_live_run", "save_dir_problem"]
