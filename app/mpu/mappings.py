@@ -28,10 +28,10 @@ SEQUENCE_DIM = 1
 import torch
 
 from app.mpu import collectives
-from app.mpu.parallel_state import get_parallel_state
+from app.mpu.parallel_state import ParallelState, get_parallel_state
 
 
-def tensor_parallel_group(parallel_state: Any = None) -> Optional[object]:
+def tensor_parallel_group(parallel_state: Optional[ParallelState] = None) -> Optional[object]:
     """The tensor-parallel group of a ParallelState, a process group as is, or the default's."""
     if parallel_state is None:
         return get_parallel_state().tensor_model_parallel_group
@@ -54,7 +54,7 @@ class _ConjugateMapping(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-def _map(input_: torch.Tensor, parallel_state: Any, forward_op: Callable,
+def _map(input_: torch.Tensor, parallel_state: ParallelState, forward_op: Callable,
          backward_op: Callable) -> torch.Tensor:
     """input_ itself on one TP rank, else the conjugate pair applied over the TP group."""
     group = tensor_parallel_group(parallel_state)
@@ -84,45 +84,45 @@ def _reduce_scatter_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor,
-                                         parallel_state: Any = None) -> torch.Tensor:
+                                         parallel_state: Optional[ParallelState] = None) -> torch.Tensor:
     """Identity forward; all-reduce (sum) of the gradient over TP in backward. [*] -> [*]."""
     return _map(input_, parallel_state, _identity, _all_reduce)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor,
-                                             parallel_state: Any = None) -> torch.Tensor:
+                                             parallel_state: Optional[ParallelState] = None) -> torch.Tensor:
     """All-reduce (sum) over TP forward; identity backward. [*] -> [*]."""
     return _map(input_, parallel_state, _all_reduce, _identity)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor,
-                                            parallel_state: Any = None) -> torch.Tensor:
+                                            parallel_state: Optional[ParallelState] = None) -> torch.Tensor:
     """Keep this rank's chunk of the last dim; all-gather in backward. [*, n] -> [*, n/tp]."""
     return _map(input_, parallel_state, collectives.split_last_dim,
                 collectives.all_gather_last_dim)
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor,
-                                             parallel_state: Any = None) -> torch.Tensor:
+                                             parallel_state: Optional[ParallelState] = None) -> torch.Tensor:
     """All-gather the last dim over TP; split in backward. [*, n/tp] -> [*, n]."""
     return _map(input_, parallel_state, collectives.all_gather_last_dim,
                 collectives.split_last_dim)
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor,
-                                        parallel_state: Any = None) -> torch.Tensor:
+                                        parallel_state: Optional[ParallelState] = None) -> torch.Tensor:
     """Keep this rank's slice of the sequence; all-gather in backward. [b, s, h] -> [b, s/tp, h]."""
     return _map(input_, parallel_state, _split_sequence, _gather_sequence)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor,
-                                               parallel_state: Any = None) -> torch.Tensor:
+                                               parallel_state: Optional[ParallelState] = None) -> torch.Tensor:
     """Sum over TP and keep this rank's slice of the sequence; all-gather in backward.
     [b, s, h] partial sums -> [b, s/tp, h]."""
     return _map(input_, parallel_state, _reduce_scatter_sequence, _gather_sequence)
 
 
-def sum_gradient_over_tensor_parallel(param: torch.Tensor, parallel_state: Any = None, *,
+def sum_gradient_over_tensor_parallel(param: torch.Tensor, parallel_state: Optional[ParallelState] = None, *,
                                       first_row: int = 0, replica_set: int = 0,
                                       num_replica_sets: int = 1) -> None:
     """Make backward sum `param`'s gradient rows [first_row:] over the TP ranks sharing them.

@@ -17,6 +17,7 @@ import torch
 from app.config import DataConfig
 from app.data import MegatronPretrainingSampler, get_batch
 from app.mpu import collectives
+from app.mpu.parallel_state import ParallelState
 
 
 def _collate(items: Any) -> Dict[str, torch.Tensor]:
@@ -33,7 +34,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
 
 
 def build_data_iterator(dataset: Any, consumed_samples: int, micro_batch_size: int,
-                        parallel_state: Any, num_workers: int) -> Optional[Iterator]:
+                        parallel_state: ParallelState, num_workers: int) -> Optional[Iterator]:
     """An endless-enough iterator of `{"text": [b, s+1]}` micro-batches for this DP rank.
 
     Returns None on TP ranks other than 0 (they receive batches by broadcast) and when there
@@ -81,7 +82,7 @@ class BatchBuilder:
     """Turns the next micro-batch of an iterator into model inputs on every TP rank."""
 
     def __init__(self, data_cfg: DataConfig, eod: int, micro_batch_size: int, seq_length: int,
-                 parallel_state: Any, device: torch.device) -> None:
+                 parallel_state: ParallelState, device: torch.device) -> None:
         self.cfg = data_cfg
         self.eod = eod
         self.shape = (micro_batch_size, seq_length + 1)

@@ -22,6 +22,7 @@ import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
+from app.mpu.parallel_state import ParallelState
 from app.training.telemetry import flops
 from app.training.telemetry import metrics as metrics_lib
 from app.launch.distributed import world_group
@@ -99,7 +100,7 @@ class Trainer:
     last pipeline stage (Accelerate's `return_logits`).
     """
 
-    def __init__(self, cfg: RunConfig, engine: Engine, parallel_state: Any, datasets: tuple,
+    def __init__(self, cfg: RunConfig, engine: Engine, parallel_state: ParallelState, datasets: tuple,
                  eod: int, device: torch.device, state: Optional[RunState] = None,
                  loss_function: Optional[LossFunction] = None,
                  return_logits: bool = False, *,
