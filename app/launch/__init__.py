@@ -1,2 +1,3 @@
 """Process start-up and teardown for every launcher (torchrun, deepspeed, mpirun, plain python):
-world discovery, the default process group and its timeout, rendezvous ports."""
+world discovery, the default process group and its timeout (its keys per torchrun attempt),
+rendezvous ports, start-up waits that report themselves (waits.py), NCCL diagnostics."""

@@ -12,21 +12,41 @@ default group here, the layout's groups in app.mpu.parallel_state, and (through 
 for `new_group`, which this module sets too) any group DeepSpeed creates. A rendezvous port that
 is taken is reported with the port and how to choose another; where the project picks the port
 itself (mpirun without MASTER_PORT, a one-process DeepSpeed run) it takes a free one.
+
+Restarts (`torchrun --max-restarts N`): torchrun's agent keeps one key-value store for the whole
+job (TORCHELASTIC_USE_AGENT_STORE=True) and restarts every worker after a failure. The keys a
+dead attempt left there (each rank's address for gloo's full-mesh connect, NCCL's unique id,
+the watchdog's heartbeats) are read by the next attempt as if they were new, and its groups
+then connect to the dead processes (`Gloo connectFullMesh failed ... Connection refused`). The
+default group here, every group created later (`new_group` names groups by their ranks, the
+same in every attempt) and the heartbeats therefore use the agent's store under a prefix per
+attempt, `torchrun_restart_<TORCHELASTIC_RESTART_COUNT>/`. Without the agent's store (the
+deepspeed launcher, mpirun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) rank 0 hosts a new store per
+start and no prefix is needed. `restart_note` gives the line a restarted run logs.
+
+The rendezvous reports itself after `app.launch.waits.report_after_s()` (30 s): what it waits
+for (rank 0's store, or the other ranks), since when, and what to check. With the NCCL backend,
+PyTorch's flight recorder and error handling are configured unless the user set them
+(`nccl_diagnostics_environment`).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import datetime
+import logging
 import os
 import socket
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from app.launch.ports import pick_master_port
+from app.launch.waits import WaitReport
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +57,8 @@ class DistributedInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    nccl_environment: Dict[str, str] = field(default_factory=dict)
+    """The NCCL diagnostics variables start-up exported (nccl_diagnostics_environment)."""
 
 
 def _routable_address() -> str:
@@ -137,14 +159,118 @@ def discover_world(use_mpi: bool = False) -> WorldInfo:
                      local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def torchrun_restart(environ: Mapping[str, str] = os.environ) -> Optional[Tuple[int, int]]:
+    """(this attempt's restart number, --max-restarts) under torchrun, from its environment
+    (TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS); None under other launchers. The
+    first attempt is restart 0."""
+    if not environ.get("TORCHELASTIC_RESTART_COUNT"):
+        return None
+    return (int(environ["TORCHELASTIC_RESTART_COUNT"]),
+            int(environ.get("TORCHELASTIC_MAX_RESTARTS") or "0"))
+
+
+def restart_note(resumed_from: Optional[int],
+                 environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The start-up line of a restarted attempt ("restart 1 of torchrun's --max-restarts 2:
+    resuming from iteration 8"); `resumed_from` is the loaded checkpoint's iteration, None when
+    nothing was loaded. None on a first attempt and outside torchrun."""
+    restart = torchrun_restart(environ)
+    if restart is None or restart[0] == 0:
+        return None
+    head = f"restart {restart[0]} of torchrun's --max-restarts {restart[1]}"
+    if resumed_from is not None:
+        return f"{head}: resuming from iteration {resumed_from}"
+    return (f"{head}: no checkpoint to resume from, training starts again at iteration 0 (give "
+            "--save DIR --load DIR so that a restart resumes from the last checkpoint)")
+
+
+def _uses_agent_store(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def attempt_prefix(environ: Mapping[str, str] = os.environ) -> str:
+    """The key prefix of this attempt in torchrun's agent store ("torchrun_restart_N/"), or ""
+    when the store is not the agent's (then it is new for every start)."""
+    restart = torchrun_restart(environ)
+    if not _uses_agent_store(environ) or restart is None:
+        return ""
+    return f"torchrun_restart_{restart[0]}/"
+
+
+class _Rendezvous:
+    """This attempt's rendezvous: its store, and how far it got (for its wait report)."""
+
+    _RESTART_KEY = "app/torchrun_attempt/rank_{rank}"
+
+    def __init__(self, world: WorldInfo, timeout: datetime.timedelta) -> None:
+        self.world, self.timeout = world, timeout
+        self.address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        self.prefix = attempt_prefix()
+        self.shared = None
+        """torchrun's agent store, once connected (only when the store is the agent's)."""
+        self.joining = False
+        """The store answered; the ranks are joining the default group."""
+
+    def store(self):
+        """torch's env:// store (torchrun's agent store, or rank 0's TCPStore), under
+        `attempt_prefix()` when it is the agent's."""
+        store, _, _ = next(dist.rendezvous("env://", rank=self.world.rank,
+                                           world_size=self.world.world_size,
+                                           timeout=self.timeout))
+        store.set_timeout(self.timeout)
+        self.joining = True
+        if self.prefix:
+            # outside the prefix, so that a rank left waiting can see rank 0's attempt
+            store.set(self._RESTART_KEY.format(rank=self.world.rank), self.prefix)
+            self.shared = store
+        # "default_pg" as torch's own env:// start-up prefixes it
+        return dist.PrefixStore(f"{self.prefix}default_pg", store)
+
+    def _rank0_attempt(self) -> Optional[str]:
+        key = self._RESTART_KEY.format(rank=0)
+        try:
+            return self.shared.get(key).decode() if self.shared.check([key]) else None
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            return None
+
+    def details(self, timeout_minutes: float) -> str:
+        """What a slow rendezvous waits for now, and what to check."""
+        limit = f"torch gives up after --distributed-timeout-minutes ({timeout_minutes:g})"
+        started = (f"check that every rank was started (WORLD_SIZE {self.world.world_size}; on "
+                   "several nodes each launcher with the same --nnodes, --master-addr and "
+                   f"--master-port) and that the nodes reach each other; {limit}")
+        agent = _uses_agent_store()
+        if not self.joining and (agent or self.world.rank > 0):
+            host = "torchrun's agent" if agent else "rank 0"
+            return (f"waiting for {host} at {self.address}, which does not answer: check that "
+                    f"{host} is running and that MASTER_ADDR/MASTER_PORT ({self.address}) name "
+                    f"its host and a port reachable from here (firewall); {limit}")
+        if not self.joining:
+            return (f"waiting for the other {self.world.world_size - 1} ranks to connect to "
+                    f"this rank's store at {self.address}: {started}")
+        text = (f"waiting for all {self.world.world_size} ranks to join the process group: "
+                f"{started}")
+        theirs = self._rank0_attempt() if self.shared is not None else None
+        if theirs is not None and theirs != self.prefix:
+            text += (f". Rank 0 last announced torchrun attempt {theirs!r} and this rank is in "
+                     f"{self.prefix!r}: torchrun's restart counts differ between nodes (a node "
+                     "restarted without a failure of its own); relaunch with "
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exported for every torchrun")
+        return text
+
+
 def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
-                     timeout_minutes: float = 10.0) -> DistributedInfo:
+                     timeout_minutes: float = 10.0,
+                     trace_dir: Optional[str] = None) -> DistributedInfo:
     """Start the default process group if the launcher made a world of several ranks.
 
     `backend` None picks `default_backend()`. Every collective of this group, and of groups
     created later without a timeout, fails after `timeout_minutes` instead of waiting forever
-    for a stopped rank. A taken rendezvous port raises RendezvousPortInUse. Returns this rank's
-    info; the device is `cuda:LOCAL_RANK` on GPUs and the CPU otherwise.
+    for a stopped rank. Under torchrun the groups' keys are this attempt's own (module doc). A
+    rendezvous slower than `report_after_s()` is reported while it lasts. With NCCL, PyTorch's
+    flight recorder dumps to `trace_dir` (nccl_trace_dir) unless the user configured it.
+    A taken rendezvous port raises RendezvousPortInUse. Returns this rank's info; the device is
+    `cuda:LOCAL_RANK` on GPUs and the CPU otherwise.
     """
     world = discover_world(use_mpi)
     use_cuda = torch.cuda.is_available()
@@ -156,17 +282,94 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     set_timeout_default(timeout)
+    nccl: Dict[str, str] = {}
     if world.world_size > 1 and not dist.is_initialized():
+        nccl = apply_nccl_diagnostics(backend, trace_dir)
+        rendezvous = _Rendezvous(world, timeout)
         try:
-            dist.init_process_group(backend=backend, rank=world.rank,
-                                    world_size=world.world_size, timeout=timeout)
+            with WaitReport(f"the rendezvous at {rendezvous.address} (rank {world.rank} of "
+                            f"{world.world_size})", lambda: rendezvous.details(timeout_minutes)):
+                dist.init_process_group(backend=backend, store=rendezvous.store(),
+                                        rank=world.rank, world_size=world.world_size,
+                                        timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - re-raised, clearer when it is the port
             clash = _port_in_use_error(exc)
             if clash is not None:
                 raise clash from exc
             raise
     return DistributedInfo(rank=world.rank, world_size=world.world_size,
-                           local_rank=world.local_rank, device=device)
+                           local_rank=world.local_rank, device=device, nccl_environment=nccl)
+
+
+def log_launch_notes(info: DistributedInfo, resumed_from: Optional[int]) -> None:
+    """Log what start-up set up for this launch (rank 0): on a restarted torchrun attempt the
+    `restart_note` (a warning), and the NCCL settings it exported."""
+    note = restart_note(resumed_from)
+    if note:
+        logger.warning(note)
+    if info.nccl_environment:
+        logger.info("NCCL flight recorder and error handling (unset variables only): %s",
+                    " ".join(f"{k}={v}" for k, v in sorted(info.nccl_environment.items())))
+
+
+# ---------------------------------------------------------------------------- NCCL diagnostics
+
+NCCL_TRACE_BUFFER_SIZE = 20000
+"""Flight-recorder entries per rank (torchtitan's default; PyTorch's own is 2000)."""
+
+_NCCL_ALIASES = {  # each variable we set, with the names PyTorch also reads for it
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": ("TORCH_FR_BUFFER_SIZE",),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": (),
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("NCCL_ASYNC_ERROR_HANDLING",),
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": ("TORCH_FR_DUMP_TEMP_FILE",),
+}
+
+
+def nccl_trace_dir(save: Optional[str]) -> Optional[str]:
+    """Where flight-recorder dumps go for a run saving to `save`: the directory `<save>-nccl-
+    traces` beside it (not inside: checkpoint tools read every file there); None without."""
+    if not save:
+        return None
+    save = os.path.abspath(save).rstrip(os.sep)
+    return f"{save}-nccl-traces"
+
+
+def nccl_diagnostics_environment(environ: Mapping[str, str], backend: str,
+                                 trace_dir: Optional[str]) -> Dict[str, str]:
+    """The variables to add to `environ` before an NCCL process group starts (empty for other
+    backends), never one the user set under any of its names:
+
+    - TORCH_NCCL_TRACE_BUFFER_SIZE=20000: PyTorch's flight recorder keeps the last collectives
+      of every group (kept off when the user set the size to 0);
+    - TORCH_NCCL_DUMP_ON_TIMEOUT=1: a collective timeout writes that record, per rank, to
+    - TORCH_NCCL_DEBUG_INFO_TEMP_FILE=<trace_dir>/rank_ (PyTorch's default, /tmp/nccl_trace_rank_,
+      when `trace_dir` is None);
+    - TORCH_NCCL_ASYNC_ERROR_HANDLING=1: a failed or timed-out collective aborts the
+      communicators and ends the process instead of leaving it hanging (torchrun sets the same).
+    """
+    if backend != "nccl":
+        return {}
+    size = next((environ[name] for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE",
+                                            "TORCH_FR_BUFFER_SIZE") if environ.get(name)),
+                str(NCCL_TRACE_BUFFER_SIZE))
+    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_BUFFER_SIZE),
+              "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    if size.strip() not in ("0", ""):
+        wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        if trace_dir:
+            wanted["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(trace_dir, "rank_")
+    return {name: value for name, value in wanted.items()
+            if not any(environ.get(n) for n in (name, *_NCCL_ALIASES[name]))}
+
+
+def apply_nccl_diagnostics(backend: str, trace_dir: Optional[str]) -> Dict[str, str]:
+    """Export `nccl_diagnostics_environment` (creating the dump directory); returns what was
+    set."""
+    added = nccl_diagnostics_environment(os.environ, backend, trace_dir)
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in added and trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+    os.environ.update(added)
+    return added
 
 
 def world_group():

@@ -26,7 +26,8 @@ from app.data import build_train_valid_test_datasets
 from app.mpu import collectives
 from app.checkpointing.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
-                                      shutdown_distributed, world_group)
+                                      log_launch_notes, nccl_trace_dir, shutdown_distributed,
+                                      world_group)
 from app.training.loss import LossFunction
 from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.resume import (StartDecision, check_resume, decide_start,
@@ -147,7 +148,7 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
     """
     p = cfg.parallel
     info = init_distributed(p.distributed_backend, cfg.deepspeed.mpi,
-                            p.distributed_timeout_minutes)
+                            p.distributed_timeout_minutes, nccl_trace_dir(cfg.checkpoint.save))
     setup_logging(info.rank, info.world_size)
     if arguments_listing:
         logger.info("------------------------ arguments ------------------------\n%s\n"
@@ -168,6 +169,7 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
             on_expire=lock.release if lock is not None else None))
         run = build_run(cfg, info.world_size, info.device)
         state = _load(run, decision, info.device)
+        log_launch_notes(info, state.iteration if decision.load is not None else None)
         handler = _signal_handler(cfg)
         trainer = run.attach_trainer(_datasets(cfg, info.rank), tokenizer.eod, state,
                                      loss_function=loss_function, signals=handler,

@@ -48,6 +48,7 @@ from app.checkpointing import layouts
 from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
 from app.training.engines import ds_config
 from app.launch.distributed import all_ranks_ok, world_group
+from app.launch import waits
 from app.launch.ports import free_port
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
@@ -61,15 +62,24 @@ def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
 
     DeepSpeed needs a group even for one rank (then on a free port); under torchrun or our MPI
     discovery the group already exists and DeepSpeed adopts it. A group started here gets the
-    `timeout_minutes` timeout.
+    `timeout_minutes` timeout. DeepSpeed may build or load an op here (its CPU communication op,
+    through torch's extension builder), which waits without a word for a build lock that a
+    killed build left behind: such stale locks are reported first (once per host), and a start
+    slower than app.launch.waits.report_after_s() reports the build locks it may be waiting for.
     """
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port("127.0.0.1")))
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(minutes=timeout_minutes))
+    root = waits.extension_build_root()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        waits.warn_stale_build_locks(root)
+    with waits.WaitReport("deepspeed.init_distributed (it may build or load DeepSpeed's "
+                          f"communication op under {root})",
+                          lambda: waits.describe_build_locks(root)):
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                                   timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 class CheckedCheckpointEngine:
