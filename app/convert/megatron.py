@@ -22,6 +22,8 @@ from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progr
 from app.model.hf_compat import checkpoint_args_blockers
 from app.optim.mixed_precision import is_mixed_state
 from app.checkpointing import megatron as ckpt
+from app.checkpointing.names import (TRACKER_FILENAME, list_checkpoint_iterations, read_tracker,
+                                     write_tracker)
 from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -34,11 +36,11 @@ def resolve_iteration(load_dir: str, iteration: Optional[Iteration]) -> Iteratio
         directory = ckpt.checkpoint_dir(load_dir, iteration)
         if not os.path.isdir(directory):
             raise ckpt.CheckpointError(f"--iteration {iteration}: {directory} does not exist "
-                                       f"(iterations present: {ckpt.list_checkpoint_iterations(load_dir)})")
+                                       f"(iterations present: {list_checkpoint_iterations(load_dir)})")
         return iteration
-    found = ckpt.read_tracker(load_dir)
+    found = read_tracker(load_dir)
     if found is None:
-        raise ckpt.CheckpointError(f"--load {load_dir} has no {ckpt.TRACKER_FILENAME}; pass "
+        raise ckpt.CheckpointError(f"--load {load_dir} has no {TRACKER_FILENAME}; pass "
                                    "--iteration N (or release) or point --load at a Megatron checkpoint")
     return found
 
@@ -264,7 +266,7 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
                 _rng_for(source, tp_rank, stage, pp) if opt else None, args)
             ckpt.save_checkpoint(save_dir, iteration, state, tp_rank=tp_rank, pp_rank=stage,
                                  pp_size=pp, is_tracker_writer=False)
-    ckpt.write_tracker(save_dir, iteration)
+    write_tracker(save_dir, iteration)
     progress.report(final=True)
     return iteration
 

@@ -16,12 +16,11 @@ from typing import Dict, Optional
 
 import torch
 
-from app.config import ModelConfig
+from app.checkpointing.model_args import model_config_from_args
 from app.convert import layout
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 from app.pipeline import p2p
-from app.utils.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -35,31 +34,6 @@ class LoadedModel:
     vocab_size: int
     """Tokenizer vocabulary (logits beyond it are padding and never chosen)."""
     tokenizer_files: Dict[str, str]
-
-
-def model_config(args: argparse.Namespace, padded_vocab: int) -> ModelConfig:
-    """ModelConfig for inference (dropout 0) from a checkpoint's Megatron args."""
-    dtype = getattr(args, "params_dtype", torch.float32)
-    grouped = bool(getattr(args, "group_query_attention", False))
-    return ModelConfig(
-        num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
-        num_attention_heads=int(args.num_attention_heads),
-        seq_length=int(getattr(args, "seq_length", args.max_position_embeddings)),
-        max_position_embeddings=int(args.max_position_embeddings), padded_vocab_size=padded_vocab,
-        ffn_hidden_size=int(getattr(args, "ffn_hidden_size", 0) or 4 * int(args.hidden_size)),
-        hidden_dropout=0.0, attention_dropout=0.0,
-        layernorm_epsilon=float(getattr(args, "layernorm_epsilon", 1e-5)),
-        openai_gelu=bool(getattr(args, "openai_gelu", False)),
-        attention_softmax_in_fp32=bool(getattr(args, "attention_softmax_in_fp32", False)),
-        apply_query_key_layer_scaling=bool(getattr(args, "apply_query_key_layer_scaling", False)),
-        position_embedding_type=str(getattr(args, "position_embedding_type", "learned_absolute")),
-        rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
-        rotary_base=int(getattr(args, "rotary_base", 10000)),
-        group_query_attention=grouped,
-        num_query_groups=int(args.num_query_groups) if grouped else None,
-        untie_embeddings_and_output_weights=bool(
-            getattr(args, "untie_embeddings_and_output_weights", False)),
-        params_dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32")
 
 
 def saved_layout_of(load: str) -> Optional[tuple]:
@@ -110,7 +84,8 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
 def _build(args: argparse.Namespace, rows: int, ps: ParallelState) -> torch.nn.Module:
     from app.model import GPT2Model
     pp, stage = ps.pipeline_model_parallel_size, ps.pipeline_model_parallel_rank
-    return GPT2Model(model_config(args, rows), ps, pre_process=stage == 0,
+    config = model_config_from_args(args, rows, for_inference=True)
+    return GPT2Model(config, ps, pre_process=stage == 0,
                      post_process=stage == pp - 1,
                      layer_range=layout.stage_layer_range(int(args.num_layers), pp, stage))
 

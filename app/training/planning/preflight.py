@@ -21,7 +21,7 @@ from app.data.index_builder import compute_num_epochs, split_document_ranges
 from app.data.indexed_dataset import MMapIndexedDataset
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import files as ckpt_files
-from app.checkpointing import layouts
+from app.checkpointing import layouts, model_args, names
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
 from app.training.resilience.resume import plan_resume
 
@@ -225,11 +225,11 @@ def _check_saved_state(report: Report, cfg: RunConfig, layout: layouts.SavedLayo
                     "(a run loads it only with --finetune)")
         return
     try:
-        ckpt.check_checkpoint_args(saved, ckpt.checkpoint_args_namespace(cfg, 0, 0, 0))
+        model_args.check_checkpoint_args(saved, model_args.checkpoint_args_namespace(cfg, 0, 0, 0))
     except ckpt.CheckpointError as exc:
         report.error(f"{layout.directory}: {exc}")
         return
-    report.ok(f"model shape matches ({', '.join(ckpt.MODEL_SHAPE_FIELDS[:-1])})")
+    report.ok(f"model shape matches ({', '.join(model_args.MODEL_SHAPE_FIELDS[:-1])})")
     saved_dtype = str(getattr(saved, "params_dtype", "")).replace("torch.", "")
     if saved_dtype and saved_dtype != cfg.model.params_dtype:
         report.warn(f"weights were saved as {saved_dtype} and this run trains "
@@ -281,10 +281,10 @@ def check_checkpoint(report: Report, cfg: RunConfig) -> None:
         report.error(str(exc))
         return
     if iteration is None:
-        found = ckpt.list_checkpoint_iterations(c.load)
+        found = names.list_checkpoint_iterations(c.load)
         if found:
             report.error(f"--load {c.load} holds iter_ directories {found[-3:]} but no "
-                         f"{ckpt.TRACKER_FILENAME}: write the iteration to resume into it")
+                         f"{names.TRACKER_FILENAME}: write the iteration to resume into it")
         else:
             report.ok(f"--load {c.load} holds no checkpoint yet: the run starts at iteration 0")
         return
