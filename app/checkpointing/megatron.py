@@ -29,11 +29,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from app.checkpointing import CheckpointError
+from app.checkpointing import CheckpointError, layouts
 from app.checkpointing.commit import commit_save, remove_written_file, write_checked_file
 from app.checkpointing.files import safe_torch_load, verify_checksum
-from app.checkpointing.names import (Iteration, checkpoint_dir, checkpoint_path, parse_rank_dir,
-                                     read_tracker)
+from app.checkpointing.names import Iteration, checkpoint_dir, checkpoint_path, read_tracker
 
 CHECKPOINT_VERSION = 3.0
 """3.0: fused QKV rows ordered [heads, (q, k, v), head_dim]."""
@@ -230,14 +229,13 @@ def _torch_load(path: str) -> Dict[str, Any]:
 
 
 def saved_layout(directory: str) -> Optional[Tuple[int, int]]:
-    """(tensor, pipeline) parallel sizes of the checkpoint in `directory`, read from the names
-    of its mp_rank_XX / mp_rank_XX_YYY folders; None when it holds none."""
-    ranks = [parse_rank_dir(name) for name in (os.listdir(directory)
-                                               if os.path.isdir(directory) else [])]
-    ranks = [r for r in ranks if r is not None]
-    if not ranks:
+    """(tensor, pipeline) parallel sizes of the Megatron-layout checkpoint in `directory`, read
+    from the names of its mp_rank_XX / mp_rank_XX_YYY folders (app.checkpointing.layouts);
+    None when it holds none."""
+    layout = layouts.inspect_directory(directory)
+    if layout is None or layout.format != layouts.MEGATRON:
         return None
-    return len({tp for tp, _ in ranks}), len({pp for _, pp in ranks})
+    return layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
 
 
 def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,

@@ -289,7 +289,7 @@ class DeepSpeedEngineAdapter(Engine):
             client_state["consumed_valid_samples"], iteration)
         if not self.cfg.checkpoint.no_save_rng:
             state["rng_state"] = rng_state_dict()
-        files, directory = self.files, os.path.join(save_dir, tag)
+        files, directory = self.files, names.checkpoint_dir(save_dir, iteration)
 
         def write() -> Optional[Tuple[str, OSError]]:
             if files is not None:
