@@ -1,4 +1,13 @@
-"""The checkpoint *format*, shared by training, conversion, inference and the tools: file names
-and tags, the Megatron state dict and its `args`, checksum sidecars and safe (allow-listed) reads,
-DeepSpeed's files read the same way, and saved layouts read from file names. No policy lives
-here: when to save, what to resume and what to refuse are app.training.resilience's."""
+"""The checkpoint *format*, shared by training, conversion, inference and the tools.
+
+`names` says where every file of a checkpoint lives and reads and writes the pointer files
+(our tracker, DeepSpeed's `latest`); `files` checksums and reads files safely; `commit` writes
+them crash-safely and makes a save the latest one on every rank or on none; `megatron` is the
+Megatron state dict; `model_args` its `args` <-> ModelConfig; `layouts` reads a saved layout
+from file names; `deepspeed_files` reads DeepSpeed's files the same safe way. No policy lives
+here: when to save, what to resume and what to refuse are app.training.resilience's.
+"""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the fix."""

@@ -17,19 +17,14 @@ Two formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from app.checkpointing import megatron as ckpt
+from app.checkpointing import CheckpointError, names
 from app.checkpointing import files as ckpt_files
 
 MEGATRON = "megatron"
 DEEPSPEED = "deepspeed"
-
-_MEGATRON_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-_DS_MODEL = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
-_DS_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
 
 CONVERTER = "tools/convert_checkpoint.py"
 
@@ -59,12 +54,12 @@ class SavedLayout:
                 f"pipeline-parallel size {self.pipeline_model_parallel_size}{dp}")
 
 
-def _megatron_layout(directory: str, names: List[str]) -> Optional[SavedLayout]:
+def _megatron_layout(directory: str, entries: List[str]) -> Optional[SavedLayout]:
     ranks: Dict[Tuple[int, int], str] = {}
-    for name in names:
-        m = _MEGATRON_RANK_DIR.match(name)
-        if m and os.path.isdir(os.path.join(directory, name)):
-            ranks[(int(m.group(1)), int(m.group(2) or 0))] = name
+    for name in entries:
+        rank = names.parse_rank_dir(name)
+        if rank is not None and os.path.isdir(os.path.join(directory, name)):
+            ranks[rank] = name
     if not ranks:
         return None
     tp = max(t for t, _ in ranks) + 1
@@ -72,24 +67,24 @@ def _megatron_layout(directory: str, names: List[str]) -> Optional[SavedLayout]:
     present, missing = [], []
     for t in range(tp):
         for p in range(pp):
-            path = os.path.join(directory, ckpt.rank_dir_name(t, p, pp), ckpt.MODEL_FILENAME)
+            path = os.path.join(directory, names.rank_dir_name(t, p, pp), names.MODEL_FILENAME)
             (present if os.path.isfile(path) else missing).append(path)
     return SavedLayout(directory, MEGATRON, tp, pp, None, present, [], missing)
 
 
-def _deepspeed_layout(directory: str, names: List[str]) -> Optional[SavedLayout]:
-    model = {int(m.group(1)): n for n in names for m in [_DS_MODEL.match(n)] if m}
-    optim = {(int(m.group(1)), int(m.group(2))): n for n in names
-             for m in [_DS_OPTIM.match(n)] if m}
+def _deepspeed_layout(directory: str, entries: List[str]) -> Optional[SavedLayout]:
+    model = {r: n for n in entries for r in [names.parse_deepspeed_model_file(n)] if r is not None}
+    parsed = {n: names.parse_deepspeed_optim_file(n) for n in entries}
+    optim = {found[:2]: n for n, found in parsed.items() if found is not None}
     if not model and not optim:
         return None
     tp = max(list(model) + [t for _, t in optim]) + 1
     dp = max(d for d, _ in optim) + 1 if optim else None
-    missing = [os.path.join(directory, f"mp_rank_{t:02d}_model_states.pt")
+    missing = [os.path.join(directory, names.deepspeed_model_file(t))
                for t in range(tp) if t not in model]
     if dp:
-        prefix = "bf16_" if any(n.startswith("bf16_") for n in optim.values()) else ""
-        missing += [os.path.join(directory, f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")
+        bf16 = any(found[2] for found in parsed.values() if found is not None)
+        missing += [os.path.join(directory, names.deepspeed_optim_file(d, t, bf16))
                     for d in range(dp) for t in range(tp) if (d, t) not in optim]
     return SavedLayout(directory, DEEPSPEED, tp, 1, dp,
                        [os.path.join(directory, model[t]) for t in sorted(model)],
@@ -101,8 +96,8 @@ def inspect_directory(directory: str) -> Optional[SavedLayout]:
     when it holds neither format's files."""
     if not os.path.isdir(directory):
         return None
-    names = sorted(os.listdir(directory))
-    return _megatron_layout(directory, names) or _deepspeed_layout(directory, names)
+    entries = sorted(os.listdir(directory))
+    return _megatron_layout(directory, entries) or _deepspeed_layout(directory, entries)
 
 
 def load_command_hint(load_dir: str, target_tp: int, target_pp: int, source_format: str) -> str:
@@ -125,7 +120,7 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
         more = f" and {len(layout.missing) - 4} more" if len(layout.missing) > 4 else ""
         return (f"checkpoint {where} is incomplete ({layout.describe()}): missing {shown}{more}; "
                 "the save did not finish or files were lost: restore them, or write an earlier "
-                f"complete iteration into {ckpt.tracker_path(load_dir)}")
+                f"complete iteration into {names.tracker_path(load_dir)}")
     if deepspeed and layout.format == MEGATRON:
         return (f"checkpoint {where} is a Megatron-layout checkpoint of the native path "
                 "(mp_rank_XX/model_optim_rng.pt), but this is a --deepspeed run, which reads "
@@ -167,19 +162,19 @@ def partition_problem(layout: SavedLayout, data_parallel_size: int) -> Optional[
             "optimizer states")
 
 
-def check_loadable(load_dir: str, iteration: ckpt.Iteration, *, deepspeed: bool,
+def check_loadable(load_dir: str, iteration: names.Iteration, *, deepspeed: bool,
                    tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
                    data_parallel_size: int, load_optimizer: bool) -> Optional[SavedLayout]:
     """Raise CheckpointError (see `loadable_problem`) when this run cannot load `iteration`
     under `load_dir`; return its layout (None when the directory holds no known files)."""
-    layout = inspect_directory(ckpt.checkpoint_dir(load_dir, iteration))
+    layout = inspect_directory(names.checkpoint_dir(load_dir, iteration))
     problem = loadable_problem(
         layout, load_dir, deepspeed=deepspeed,
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         data_parallel_size=data_parallel_size, load_optimizer=load_optimizer)
     if problem:
-        raise ckpt.CheckpointError(problem)
+        raise CheckpointError(problem)
     return layout
 
 
@@ -192,18 +187,18 @@ def read_saved_state(layout: SavedLayout) -> dict:
     ckpt_files.verify_checksum(path)
     state = ckpt_files.safe_torch_load(path, "cpu", mmap=True)
     if not isinstance(state, dict):
-        raise ckpt.CheckpointError(f"checkpoint file {path} does not hold a dict")
+        raise CheckpointError(f"checkpoint file {path} does not hold a dict")
     return state
 
 
 def universal_tag(load_dir: str) -> str:
     """The tag `{load_dir}/latest_universal` names (written by DeepSpeed's ds_to_universal.py),
     which --universal-checkpoint loads; CheckpointError with the conversion command if absent."""
-    latest = os.path.join(load_dir, "latest_universal")
-    if not os.path.isfile(latest):
-        raise ckpt.CheckpointError(
+    tag = names.read_latest_tag(load_dir, names.LATEST_UNIVERSAL_FILENAME)
+    if tag is None:
+        latest = os.path.join(load_dir, names.LATEST_UNIVERSAL_FILENAME)
+        raise CheckpointError(
             f"--universal-checkpoint: {latest} does not exist; convert first with "
             f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {load_dir}/iter_N "
             f"--output_folder {load_dir}/iter_N_universal")
-    with open(latest, encoding="utf-8") as f:
-        return f.read().strip()
+    return tag

@@ -20,11 +20,9 @@ weights_only with an allow-list of DeepSpeed's classes), so a crafted file is re
 from __future__ import annotations
 
 import argparse
-import glob
 import logging
 import math
 import os
-import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -32,24 +30,21 @@ import torch
 from app.convert import layout
 from app.convert.state import ModelCheckpoint, OptimizerState, Progress
 from app.checkpointing import megatron as ckpt
+from app.checkpointing.names import (iteration_tag, parse_deepspeed_model_file,
+                                     parse_deepspeed_optim_file, read_latest_tag)
 
 logger = logging.getLogger(__name__)
-
-_MODEL_FILE_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_OPTIM_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 def resolve_tag(load_dir: str, iteration: Optional[Any]) -> str:
     """`iter_{n:07d}` for --iteration n, else the tag named by DeepSpeed's `latest` file."""
     if iteration is not None:
-        tag = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+        tag: Optional[str] = iteration_tag(iteration)
     else:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            raise ckpt.CheckpointError(f"--load {load_dir} has no DeepSpeed 'latest' file; pass "
-                                       "--iteration N, or is it a Megatron checkpoint (--input-format megatron)?")
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
+        tag = read_latest_tag(load_dir)
+    if tag is None:
+        raise ckpt.CheckpointError(f"--load {load_dir} has no DeepSpeed 'latest' file; pass "
+                                   "--iteration N, or is it a Megatron checkpoint (--input-format megatron)?")
     if not os.path.isdir(os.path.join(load_dir, tag)):
         raise ckpt.CheckpointError(f"DeepSpeed checkpoint {os.path.join(load_dir, tag)} does not exist")
     return tag
@@ -67,8 +62,9 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
     """The whole model of a DeepSpeed checkpoint of ours (fp32 masters), any DP and TP size."""
     tag = resolve_tag(load_dir, iteration)
     directory = os.path.join(load_dir, tag)
-    model_files = sorted((int(m.group(1)), name) for name in os.listdir(directory)
-                         for m in [_MODEL_FILE_RE.match(name)] if m)
+    model_files = sorted((mp_rank, name) for name in os.listdir(directory)
+                         for mp_rank in [parse_deepspeed_model_file(name)]
+                         if mp_rank is not None)
     if not model_files:
         raise ckpt.CheckpointError(f"{directory} has no mp_rank_XX_model_states.pt: not a DeepSpeed "
                                    "checkpoint")
@@ -100,8 +96,9 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
             moments_per_rank[kind][(tp_rank, pp_rank)] = values
     args = first.get("args")
     if not isinstance(args, argparse.Namespace):
-        raise ckpt.CheckpointError(f"{directory}/mp_rank_00_model_states.pt has no 'args' (not written "
-                                   "by pretrain_gpt2.py --deepspeed?): its model shape is unknown")
+        first_file = os.path.join(directory, model_files[0][1])
+        raise ckpt.CheckpointError(f"{first_file} has no 'args' (not written by pretrain_gpt2.py "
+                                   "--deepspeed?): its model shape is unknown")
     from app.convert.megatron import merge_ranks
     result = ModelCheckpoint(args=argparse.Namespace(**vars(args)),
                              weights=merge_ranks(args, weights_per_rank, tp, pp, "weights"),
@@ -120,13 +117,13 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
     return result
 
 
-def _optim_files(directory: str, tp_rank: int) -> List[str]:
-    """This TP rank's ZeRO files, ordered by data-parallel rank."""
+def _optim_files(directory: str, mp_rank: int) -> List[str]:
+    """This model-parallel rank's ZeRO files, ordered by data-parallel rank."""
     found = []
-    for path in glob.glob(os.path.join(directory, "*optim_states.pt")):
-        match = _OPTIM_FILE_RE.search(os.path.basename(path))
-        if match and int(match.group(2)) == tp_rank:
-            found.append((int(match.group(1)), path))
+    for name in os.listdir(directory):
+        parsed = parse_deepspeed_optim_file(name)
+        if parsed is not None and parsed[1] == mp_rank:
+            found.append((parsed[0], os.path.join(directory, name)))
     return [path for _, path in sorted(found)]
 
 

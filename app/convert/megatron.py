@@ -22,6 +22,9 @@ from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progr
 from app.model.hf_compat import checkpoint_args_blockers
 from app.optim.mixed_precision import is_mixed_state
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import names
+from app.checkpointing.names import (TRACKER_FILENAME, list_checkpoint_iterations, read_tracker,
+                                     write_tracker)
 from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -31,14 +34,14 @@ logger = logging.getLogger(__name__)
 def resolve_iteration(load_dir: str, iteration: Optional[Iteration]) -> Iteration:
     """The iteration to read: `iteration` if given (int or 'release'), else the tracker's."""
     if iteration is not None:
-        directory = ckpt.checkpoint_dir(load_dir, iteration)
+        directory = names.checkpoint_dir(load_dir, iteration)
         if not os.path.isdir(directory):
             raise ckpt.CheckpointError(f"--iteration {iteration}: {directory} does not exist "
-                                       f"(iterations present: {ckpt.list_checkpoint_iterations(load_dir)})")
+                                       f"(iterations present: {list_checkpoint_iterations(load_dir)})")
         return iteration
-    found = ckpt.read_tracker(load_dir)
+    found = read_tracker(load_dir)
     if found is None:
-        raise ckpt.CheckpointError(f"--load {load_dir} has no {ckpt.TRACKER_FILENAME}; pass "
+        raise ckpt.CheckpointError(f"--load {load_dir} has no {TRACKER_FILENAME}; pass "
                                    "--iteration N (or release) or point --load at a Megatron checkpoint")
     return found
 
@@ -46,7 +49,7 @@ def resolve_iteration(load_dir: str, iteration: Optional[Iteration]) -> Iteratio
 def read_rank_files(load_dir: str, iteration: Iteration
                     ) -> Tuple[Tuple[int, int], Dict[Tuple[int, int], Dict[str, Any]]]:
     """((tp, pp), {(tp_rank, pp_rank): checkpoint dict}) of every rank file of `iteration`."""
-    directory = ckpt.checkpoint_dir(load_dir, iteration)
+    directory = names.checkpoint_dir(load_dir, iteration)
     found = ckpt.saved_layout(directory)
     if found is None:
         raise ckpt.CheckpointError(f"{directory} holds no mp_rank_XX folders: not a Megatron-layout "
@@ -69,12 +72,12 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
     (tp, pp), files = read_rank_files(load_dir, iteration)
     args = files[(0, 0)].get("args")
     if args is None:
-        raise ckpt.CheckpointError(f"{ckpt.checkpoint_dir(load_dir, iteration)} has no 'args': its "
+        raise ckpt.CheckpointError(f"{names.checkpoint_dir(load_dir, iteration)} has no 'args': its "
                                    "model shape is unknown, so it cannot be converted")
     blockers = checkpoint_args_blockers(args)
     if blockers:
         raise ckpt.CheckpointError(
-            f"{ckpt.checkpoint_dir(load_dir, iteration)} cannot be converted or resharded: the "
+            f"{names.checkpoint_dir(load_dir, iteration)} cannot be converted or resharded: the "
             "converter maps the GPT-2 parameter layout only, and this model was trained with "
             + "; ".join(blockers) + ". Load it at the tensor/pipeline layout it was saved with")
     flat = {}
@@ -93,7 +96,7 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
     if include_optimizer:
         if ckpt.saved_virtual_pipeline_size(args) > 1:
             raise ckpt.CheckpointError(
-                f"{ckpt.checkpoint_dir(load_dir, iteration)} was saved with interleaved model "
+                f"{names.checkpoint_dir(load_dir, iteration)} was saved with interleaved model "
                 "chunks (--num-layers-per-virtual-pipeline-stage): its weights convert, its "
                 "optimizer states do not; drop --include-optimizer")
         result.optimizer = _read_optimizer(args, files, tp, pp, load_dir)
@@ -264,7 +267,7 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
                 _rng_for(source, tp_rank, stage, pp) if opt else None, args)
             ckpt.save_checkpoint(save_dir, iteration, state, tp_rank=tp_rank, pp_rank=stage,
                                  pp_size=pp, is_tracker_writer=False)
-    ckpt.write_tracker(save_dir, iteration)
+    write_tracker(save_dir, iteration)
     progress.report(final=True)
     return iteration
 

@@ -16,12 +16,12 @@ from typing import Dict, Optional
 
 import torch
 
-from app.config import ModelConfig
+from app.checkpointing import names
+from app.checkpointing.model_args import model_config_from_args
 from app.convert import layout
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 from app.pipeline import p2p
-from app.utils.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -37,31 +37,6 @@ class LoadedModel:
     tokenizer_files: Dict[str, str]
 
 
-def model_config(args: argparse.Namespace, padded_vocab: int) -> ModelConfig:
-    """ModelConfig for inference (dropout 0) from a checkpoint's Megatron args."""
-    dtype = getattr(args, "params_dtype", torch.float32)
-    grouped = bool(getattr(args, "group_query_attention", False))
-    return ModelConfig(
-        num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
-        num_attention_heads=int(args.num_attention_heads),
-        seq_length=int(getattr(args, "seq_length", args.max_position_embeddings)),
-        max_position_embeddings=int(args.max_position_embeddings), padded_vocab_size=padded_vocab,
-        ffn_hidden_size=int(getattr(args, "ffn_hidden_size", 0) or 4 * int(args.hidden_size)),
-        hidden_dropout=0.0, attention_dropout=0.0,
-        layernorm_epsilon=float(getattr(args, "layernorm_epsilon", 1e-5)),
-        openai_gelu=bool(getattr(args, "openai_gelu", False)),
-        attention_softmax_in_fp32=bool(getattr(args, "attention_softmax_in_fp32", False)),
-        apply_query_key_layer_scaling=bool(getattr(args, "apply_query_key_layer_scaling", False)),
-        position_embedding_type=str(getattr(args, "position_embedding_type", "learned_absolute")),
-        rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
-        rotary_base=int(getattr(args, "rotary_base", 10000)),
-        group_query_attention=grouped,
-        num_query_groups=int(args.num_query_groups) if grouped else None,
-        untie_embeddings_and_output_weights=bool(
-            getattr(args, "untie_embeddings_and_output_weights", False)),
-        params_dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32")
-
-
 def saved_layout_of(load: str) -> Optional[tuple]:
     """(TP, PP) a Megatron checkpoint was saved with; None for a Hugging Face directory."""
     if not os.path.isdir(load):
@@ -71,7 +46,7 @@ def saved_layout_of(load: str) -> Optional[tuple]:
         return None
     from app.convert.megatron import resolve_iteration
     from app.checkpointing import megatron as ckpt
-    return ckpt.saved_layout(ckpt.checkpoint_dir(load, resolve_iteration(load, None)))
+    return ckpt.saved_layout(names.checkpoint_dir(load, resolve_iteration(load, None)))
 
 
 def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
@@ -110,7 +85,8 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
 def _build(args: argparse.Namespace, rows: int, ps: ParallelState) -> torch.nn.Module:
     from app.model import GPT2Model
     pp, stage = ps.pipeline_model_parallel_size, ps.pipeline_model_parallel_rank
-    return GPT2Model(model_config(args, rows), ps, pre_process=stage == 0,
+    config = model_config_from_args(args, rows, for_inference=True)
+    return GPT2Model(config, ps, pre_process=stage == 0,
                      post_process=stage == pp - 1,
                      layer_range=layout.stage_layer_range(int(args.num_layers), pp, stage))
 
@@ -120,7 +96,7 @@ def _load_own_file(load: str, ps: ParallelState) -> LoadedModel:
     state, iteration = ckpt.load_checkpoint_dict(
         load, tp_rank=ps.tensor_model_parallel_rank, pp_rank=ps.pipeline_model_parallel_rank,
         pp_size=ps.pipeline_model_parallel_size, tp_size=ps.tensor_model_parallel_size)
-    where = ckpt.checkpoint_dir(load, iteration)
+    where = names.checkpoint_dir(load, iteration)
     ckpt.check_checkpoint_version(state, where)
     args = state.get("args")
     if args is None:

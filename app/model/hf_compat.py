@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import List
 
+from app.checkpointing.model_args import model_config_from_args
 from app.config import ModelConfig
 
 
@@ -42,10 +43,6 @@ def gpt2_export_blockers(config: ModelConfig) -> List[str]:
 
 
 def checkpoint_args_blockers(args: argparse.Namespace) -> List[str]:
-    """`gpt2_export_blockers` of the model a checkpoint's saved `args` describe (a field an
-    older checkpoint lacks means GPT-2's choice)."""
-    heads = int(args.num_attention_heads)
-    grouped = bool(getattr(args, "group_query_attention", False))
-    kv_heads = int(getattr(args, "num_query_groups", None) or heads) if grouped else heads
-    return _blockers(str(getattr(args, "position_embedding_type", "learned_absolute")), heads,
-                     kv_heads, bool(getattr(args, "untie_embeddings_and_output_weights", False)))
+    """`gpt2_export_blockers` of the model a checkpoint's saved `args` describe (read by
+    app.checkpointing.model_args; a field an older checkpoint lacks means GPT-2's choice)."""
+    return gpt2_export_blockers(model_config_from_args(args, for_inference=True))

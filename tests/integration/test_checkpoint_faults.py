@@ -11,6 +11,7 @@ import torch
 
 from app.testing.distributed import run_distributed
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import commit, names
 from app.checkpointing import files as ckpt_files
 from tests.integration.conftest import tiny_gpt_args
 
@@ -39,7 +40,7 @@ def _main(argv):
 
 def _full_disk(monkeypatch, when):
     """Writes of files whose path contains `when` put 1 KiB on disk, then fail with ENOSPC."""
-    real = ckpt.write_durably
+    real = commit.write_durably
 
     def write(path, fn):
         if when not in path:
@@ -49,11 +50,11 @@ def _full_disk(monkeypatch, when):
             f.write(b"\0" * 1024)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         return real(path, partial)
-    monkeypatch.setattr(ckpt, "write_durably", write)
+    monkeypatch.setattr(commit, "write_durably", write)
 
 
 def _temporaries(root):
-    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if ".tmp." in n]
+    return [os.path.join(d, n) for d, _, entries in os.walk(root) for n in entries if ".tmp." in n]
 
 
 def _rewrite(path, change):
@@ -63,7 +64,7 @@ def _rewrite(path, change):
         state = torch.load(path, map_location="cpu", weights_only=False)
     change(state)
     hidden = os.path.exists(ckpt_files.sidecar_path(path, hidden=True))
-    ckpt.write_checked_file(path, lambda f: torch.save(state, f), hidden_sidecar=hidden)
+    commit.write_checked_file(path, lambda f: torch.save(state, f), hidden_sidecar=hidden)
 
 
 def _first_weight(module_state):
@@ -184,7 +185,7 @@ def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path,
             os.kill(os.getpid(), signal.SIGTERM)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    monkeypatch.setattr(ckpt, "SAVE_HOOK", hook)
+    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
     try:
         code, err = _main(args)
     finally:
@@ -192,7 +193,7 @@ def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path,
             signal.signal(signum, handler)
     assert code == 0 and sent, err
     assert "received SIGTERM again while the checkpoint is being written" in capfd.readouterr().err
-    assert ckpt.read_tracker(ck) == 4 and ckpt.list_checkpoint_iterations(ck) == [3, 4]
+    assert ckpt.read_tracker(ck) == 4 and names.list_checkpoint_iterations(ck) == [3, 4]
     for it in (3, 4):
         state, _ = ckpt.load_checkpoint_dict(ck, iteration=it)  # checksum verified, complete
         assert state["iteration"] == it

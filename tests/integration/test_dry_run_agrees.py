@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import pytest
 
-from app.checkpointing import megatron as ckpt
+from app.checkpointing import names
 from app.data import MMapIndexedDatasetBuilder
 from app.training.resilience.save_dir import LOCK_FILENAME
 from tests.integration.conftest import tiny_gpt_args
@@ -70,7 +70,7 @@ def _copy(ck: Path, where: Path) -> Path:
 
 def _damaged(ck: Path, where: Path) -> Path:
     copy = _copy(ck, where)
-    data = copy / "iter_0000001" / "mp_rank_00" / ckpt.MODEL_FILENAME
+    data = copy / "iter_0000001" / "mp_rank_00" / names.MODEL_FILENAME
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     data.write_bytes(bytes(blob))
@@ -85,13 +85,13 @@ def _other_tensor_parallel_size(ck: Path, where: Path) -> Path:
 
 def _without_tracker(ck: Path, where: Path) -> Path:
     copy = _copy(ck, where)
-    os.remove(ckpt.tracker_path(str(copy)))
+    os.remove(names.tracker_path(str(copy)))
     return copy
 
 
 def _tracker_naming_a_missing_iteration(ck: Path, where: Path) -> Path:
     copy = _copy(ck, where)
-    Path(ckpt.tracker_path(str(copy))).write_text("7\n")
+    Path(names.tracker_path(str(copy))).write_text("7\n")
     return copy
 
 
@@ -114,7 +114,7 @@ def _left_by_a_killed_run(ck: Path, where: Path) -> Path:
     (copy / LOCK_FILENAME).write_text(json.dumps(
         {"host": socket.gethostname(), "pid": dead.pid, "process_start": 1.0,
          "heartbeat": time.time(), "command": "a killed run"}))
-    (copy / f"{ckpt.TRACKER_FILENAME}.tmp.{dead.pid}").write_text("2")
+    (copy / f"{names.TRACKER_FILENAME}.tmp.{dead.pid}").write_text("2")
     return copy
 
 
@@ -176,13 +176,13 @@ CASES = [
     Case("tracker naming an iteration that is not there",
          lambda w, ck: ["--load", str(_tracker_naming_a_missing_iteration(ck, w)),
                         "--save", str(w / "ck")], 2,
-         lambda w: ckpt.tracker_path(str(w / "ck"))),
+         lambda w: names.tracker_path(str(w / "ck"))),
     Case("checkpoint saved at another tensor-parallel size",
          lambda w, ck: ["--load", str(_other_tensor_parallel_size(ck, w))], 2,
          lambda w: str(w / "ck" / "iter_0000001")),
     Case("checkpoint file that does not match its checksum",
          lambda w, ck: ["--load", str(_damaged(ck, w))], 2,
-         lambda w: str(w / "ck" / "iter_0000001" / "mp_rank_00" / ckpt.MODEL_FILENAME)),
+         lambda w: str(w / "ck" / "iter_0000001" / "mp_rank_00" / names.MODEL_FILENAME)),
     Case("--finetune from --load into the same --save",
          lambda w, ck: ["--load", str(_copy(ck, w)), "--save", str(w / "ck"), "--finetune"], 2,
          lambda w: f"--save {w / 'ck'}"),
@@ -259,7 +259,7 @@ def _both_ways(case: Case, argv: List[str], where: Path) -> Optional[str]:
             problems.append(f"the dry-run report lacks {named!r}")
         if "--save" in argv:  # the real run trained to the end and saved there
             save = argv[argv.index("--save") + 1]
-            if real_code == 0 and ckpt.read_tracker(save) != 2:
+            if real_code == 0 and names.read_tracker(save) != 2:
                 problems.append(f"the real run did not save iteration 2 into {save}")
     else:
         if len(real_errors) != 1 or named not in real_errors[0]:

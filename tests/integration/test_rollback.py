@@ -17,6 +17,7 @@ from app.config import samples_per_split
 from app.testing.distributed import run_distributed
 from app.testing.synthetic import RandomTokens
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import names
 from app.training import trainer as trainer_lib
 from app.training.resilience.resume import load_on_all_ranks
 from app.training.resilience.nonfinite import TrainingAborted
@@ -110,7 +111,7 @@ def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, 
     shutil.copytree(ck / "iter_0000015", reference / "iter_0000015")
     if engine:
         (reference / "latest").write_text("iter_0000015")
-    ckpt.write_tracker(str(reference), 15)
+    names.write_tracker(str(reference), 15)
     again = _run(arguments.config_from_argv([*SPIKE_ARGS, *engine, "--save", str(other)], 1,
                                             VOCAB),
                  (RandomTokens(400, 16, VOCAB, seed=3), None, None),
@@ -229,7 +230,7 @@ def test_failure_past_the_retry_limit_stops_without_a_new_checkpoint(tiny_corpus
     stop = [line for line in out.err.splitlines() if line.startswith("error:")]
     assert len(stop) == 1 and "1 rollback(s) already made (--max-rollbacks)" in stop[0], out.err
     assert "iteration 24: the non-finite limit was reached (2 consecutive iterations" in stop[0]
-    assert ckpt.read_tracker(str(ck)) == 20 and ckpt.list_checkpoint_iterations(str(ck))[-1] == 20
+    assert ckpt.read_tracker(str(ck)) == 20 and names.list_checkpoint_iterations(str(ck))[-1] == 20
     rows = [r for r in read_metrics(tmp_path / "m.jsonl") if r["kind"] == "train"]
     assert all(math.isfinite(r["lm_loss"]) for r in rows if r["lm_loss"] is not None)
 

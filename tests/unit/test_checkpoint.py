@@ -21,6 +21,8 @@ from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConf
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import commit, names
+from app.checkpointing.model_args import check_checkpoint_args, checkpoint_args_namespace
 
 LAYER_PARAMS = {  # name -> shape as a function of h (PyTorch [out, in])
     "input_layernorm.weight": lambda h: (h,), "input_layernorm.bias": lambda h: (h,),
@@ -69,7 +71,7 @@ def make_full_dict(iteration, seed=0, tracker=None):
     sum(p.sum() for p in params).backward()
     opt.step()
     sched = {"num_steps": iteration, "max_lr": 1e-3}
-    args = ckpt.checkpoint_args_namespace(make_cfg(), 8 * iteration, 2, iteration)
+    args = checkpoint_args_namespace(make_cfg(), 8 * iteration, 2, iteration)
     return ckpt.build_checkpoint_dict(iteration, flat, opt.state_dict(), sched,
                                       rng_state(tracker), args)
 
@@ -81,7 +83,7 @@ def test_paths_follow_megatron_layout(tmp_path):
     assert ckpt.checkpoint_path(s, 1234567, tp_rank=1, pp_rank=2, pp_size=4) == os.path.join(
         s, "iter_1234567", "mp_rank_01_002", "model_optim_rng.pt")
     assert ckpt.checkpoint_dir(s, "release") == os.path.join(s, "release")
-    assert ckpt.tracker_path(s) == os.path.join(s, "latest_checkpointed_iteration.txt")
+    assert names.tracker_path(s) == os.path.join(s, "latest_checkpointed_iteration.txt")
 
 
 def test_model_layout_conversion_is_an_exact_inverse():
@@ -107,7 +109,7 @@ def test_save_load_round_trip(tmp_path):
     state = make_full_dict(10, tracker={"model-parallel-rng": torch.get_rng_state()})
     out = ckpt.save_checkpoint(s, 10, state)
     assert out == ckpt.checkpoint_dir(s, 10)
-    with open(ckpt.tracker_path(s)) as f:
+    with open(names.tracker_path(s)) as f:
         assert f.read() == "10"
     loaded, iteration = ckpt.load_checkpoint_dict(s)
     assert iteration == 10 and loaded["iteration"] == 10
@@ -129,7 +131,7 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_optional_parts_are_left_out(tmp_path):
-    args = ckpt.checkpoint_args_namespace(make_cfg(), 0, 0, 3)
+    args = checkpoint_args_namespace(make_cfg(), 0, 0, 3)
     state = ckpt.build_checkpoint_dict(3, make_flat_state(), None, None, None, args)
     assert set(state) == {"args", "checkpoint_version", "iteration", "model"}
     ckpt.save_checkpoint(str(tmp_path), 3, state)
@@ -190,7 +192,7 @@ def test_megatron_structure_reader_reads_our_file(tmp_path):
 
 def test_megatron_reader_pipeline_names_and_release(tmp_path):
     s = str(tmp_path)
-    args = ckpt.checkpoint_args_namespace(make_cfg(tp=2, pp=2), 0, 0, 5)
+    args = checkpoint_args_namespace(make_cfg(tp=2, pp=2), 0, 0, 5)
     for tp in range(2):
         for pp in range(2):
             state = ckpt.build_checkpoint_dict(5, make_flat_state(head_copy=pp == 1), None, None,
@@ -231,21 +233,19 @@ def test_rng_state_round_trip_through_a_file(tmp_path):
 
 
 def test_check_checkpoint_args_names_field_and_values():
-    saved = ckpt.checkpoint_args_namespace(make_cfg(), 0, 0, 0)
-    ckpt.check_checkpoint_args(saved, ckpt.checkpoint_args_namespace(make_cfg(), 5, 5, 5))
-    ckpt.check_checkpoint_args(None, saved)
+    saved = checkpoint_args_namespace(make_cfg(), 0, 0, 0)
+    check_checkpoint_args(saved, checkpoint_args_namespace(make_cfg(), 5, 5, 5))
+    check_checkpoint_args(None, saved)
     with pytest.raises(ckpt.CheckpointError, match=r"hidden_size 8 but this run uses 16"):
-        ckpt.check_checkpoint_args(saved, ckpt.checkpoint_args_namespace(make_cfg(hidden=16),
-                                                                         0, 0, 0))
+        check_checkpoint_args(saved, checkpoint_args_namespace(make_cfg(hidden=16), 0, 0, 0))
     with pytest.raises(ckpt.CheckpointError, match=r"num_layers 2 but this run uses 4"):
-        ckpt.check_checkpoint_args(saved, ckpt.checkpoint_args_namespace(make_cfg(layers=4),
-                                                                         0, 0, 0))
+        check_checkpoint_args(saved, checkpoint_args_namespace(make_cfg(layers=4), 0, 0, 0))
     other = argparse.Namespace(**{**vars(saved), "tokenizer_type": "HFTokenizer"})
     with pytest.raises(ckpt.CheckpointError, match="tokenizer_type GPT2BPETokenizer"):
-        ckpt.check_checkpoint_args(saved, other)
-    tp2 = ckpt.checkpoint_args_namespace(make_cfg(tp=2), 0, 0, 0)
+        check_checkpoint_args(saved, other)
+    tp2 = checkpoint_args_namespace(make_cfg(tp=2), 0, 0, 0)
     with pytest.raises(ckpt.CheckpointError) as info:
-        ckpt.check_checkpoint_args(tp2, saved)
+        check_checkpoint_args(tp2, saved)
     assert str(info.value).startswith("checkpoint was saved with tensor_model_parallel_size 2 but "
                                       "this run uses 1; reshard it first: tools/convert_checkpoint.py")
 
@@ -256,7 +256,7 @@ def test_keep_last_n_rotation(tmp_path):
     for it in range(1, 6):
         ckpt.save_checkpoint(s, it, make_full_dict(it), keep_last_n=2)
         assert ckpt.read_tracker(s) == it
-    assert ckpt.list_checkpoint_iterations(s) == [4, 5, 99]
+    assert names.list_checkpoint_iterations(s) == [4, 5, 99]
     assert ckpt.load_checkpoint_dict(s, iteration=4)[0]["iteration"] == 4
 
 
@@ -267,14 +267,14 @@ def test_rotation_happens_only_after_the_tracker_commit(tmp_path, monkeypatch):
     seen = []
 
     def hook(stage):
-        seen.append((stage, ckpt.list_checkpoint_iterations(s), ckpt.read_tracker(s)))
+        seen.append((stage, names.list_checkpoint_iterations(s), ckpt.read_tracker(s)))
 
-    monkeypatch.setattr(ckpt, "SAVE_HOOK", hook)
+    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
     ckpt.save_checkpoint(s, 3, make_full_dict(3), keep_last_n=1)
     for stage, present, tracker in seen:
         assert tracker in present, (stage, present, tracker)
     assert seen[-1][1:] == ([3], 3)
-    assert [x[0] for x in seen] == list(ckpt.SAVE_STAGES)
+    assert [x[0] for x in seen] == list(commit.SAVE_STAGES)
 
 
 def test_no_tracker_means_fresh_start(tmp_path):

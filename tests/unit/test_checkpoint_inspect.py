@@ -10,6 +10,7 @@ import os
 import pytest
 
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import names
 from app.checkpointing.layouts import (DEEPSPEED, MEGATRON, check_loadable,
                                              inspect_directory, loadable_problem)
 
@@ -28,7 +29,7 @@ def megatron_dir(root, tp, pp, skip=()):
                 touch(os.path.join(iter_dir, name, "model_optim_rng.pt"))
             else:
                 os.makedirs(os.path.join(iter_dir, name), exist_ok=True)
-    ckpt.write_tracker(root, 10)
+    names.write_tracker(root, 10)
     return iter_dir
 
 
@@ -38,7 +39,7 @@ def deepspeed_dir(root, tp, dp, prefix=""):
         touch(os.path.join(iter_dir, f"mp_rank_{t:02d}_model_states.pt"))
         for d in range(dp):
             touch(os.path.join(iter_dir, f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"))
-    ckpt.write_tracker(root, 10)
+    names.write_tracker(root, 10)
     return iter_dir
 
 
@@ -63,7 +64,8 @@ def test_a_missing_rank_file_makes_the_checkpoint_incomplete(tmp_path):
     layout = inspect_directory(megatron_dir(root, tp=2, pp=2, skip={(1, 1)}))
     assert layout.missing == [os.path.join(layout.directory, "mp_rank_01_001", "model_optim_rng.pt")]
     message = problem(layout, root, deepspeed=False, tp=2, pp=2)
-    assert "incomplete" in message and "mp_rank_01_001" in message and ckpt.TRACKER_FILENAME in message
+    assert "incomplete" in message and "mp_rank_01_001" in message
+    assert names.TRACKER_FILENAME in message
 
 
 def test_native_checkpoint_under_deepspeed_and_back(tmp_path):

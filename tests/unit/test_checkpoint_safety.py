@@ -18,6 +18,7 @@ def rng_state(tracker=None):
     return state
 
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import commit, names
 from app.checkpointing import files as ckpt_files
 
 H = 4
@@ -73,13 +74,13 @@ def test_exception_at_any_save_stage_keeps_previous_checkpoint(tmp_path, monkeyp
         if name == stage and state["rank"] == crashing_rank:
             raise Crash(name)
 
-    monkeypatch.setattr(ckpt, "SAVE_HOOK", hook)
+    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
     with pytest.raises(Crash):
         for rank in (1, 0):
             state["rank"] = rank
             ckpt.save_checkpoint(s, 20, small_dict(20, 20 + rank), tp_rank=rank,
                                  is_tracker_writer=rank == 0)
-    monkeypatch.setattr(ckpt, "SAVE_HOOK", None)
+    monkeypatch.setattr(commit, "SAVE_HOOK", None)
     got = assert_tracker_names_complete_checkpoint(s, tp_size=2)
     committed = crashing_rank == 0 and stage == "tracker_committed"
     assert got == (20 if committed else 10)
@@ -93,7 +94,7 @@ def _fork_and_kill_at(stage, target):
             def hook(name):
                 if name == stage:
                     os.kill(os.getpid(), signal.SIGKILL)
-            ckpt.SAVE_HOOK = hook
+            commit.SAVE_HOOK = hook
             target()
         finally:
             os._exit(0)
@@ -109,7 +110,7 @@ def _fork_and_kill_at(stage, target):
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("stage", ckpt.SAVE_STAGES)
+@pytest.mark.parametrize("stage", commit.SAVE_STAGES)
 def test_sigkill_at_any_save_stage_keeps_a_loadable_checkpoint(tmp_path, stage):
     s = str(tmp_path)
     save_two_ranks(s, 10)
@@ -124,7 +125,7 @@ def test_sigkill_at_any_save_stage_keeps_a_loadable_checkpoint(tmp_path, stage):
     tp_size = 1 if iteration == 30 else 2
     assert_tracker_names_complete_checkpoint(s, tp_size=tp_size, allowed=(10, 20, 30))
     if iteration == 30:
-        assert ckpt.list_checkpoint_iterations(s)[-1] == 30
+        assert names.list_checkpoint_iterations(s)[-1] == 30
 
 
 def test_sigkill_while_rewriting_the_tracked_iteration(tmp_path):
@@ -145,19 +146,19 @@ def test_sigkill_while_rewriting_the_tracked_iteration(tmp_path):
 def test_tracker_corruption_raises_naming_the_file(tmp_path, content, fragment):
     s = str(tmp_path)
     save_two_ranks(s, 10)
-    with open(ckpt.tracker_path(s), "w") as f:
+    with open(names.tracker_path(s), "w") as f:
         f.write(content)
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.load_checkpoint_dict(s)
     message = str(info.value)
-    assert ckpt.tracker_path(s) in message and fragment in message
+    assert names.tracker_path(s) in message and fragment in message
     assert "[10]" in message  # says which iterations exist
 
 
 def test_tracker_naming_a_missing_directory(tmp_path):
     s = str(tmp_path)
     save_two_ranks(s, 10)
-    ckpt.write_tracker(s, 20)
+    names.write_tracker(s, 20)
     with pytest.raises(ckpt.CheckpointError, match="iter_0000020 does not exist"):
         ckpt.read_tracker(s)
 
@@ -241,6 +242,6 @@ def test_iteration_in_file_must_match_directory(tmp_path):
     s = str(tmp_path)
     ckpt.save_checkpoint(s, 10, small_dict(10, 10))
     os.rename(os.path.join(s, "iter_0000010"), os.path.join(s, "iter_0000011"))
-    ckpt.write_tracker(s, 11)
+    names.write_tracker(s, 11)
     with pytest.raises(ckpt.CheckpointError, match="says iteration 10"):
         ckpt.load_checkpoint_dict(s)

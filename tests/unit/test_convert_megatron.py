@@ -11,6 +11,7 @@ from app.convert.megatron import read_megatron, write_megatron
 from app.convert.state import ModelCheckpoint, OptimizerState
 from app.model import GPT2Model
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import names
 
 L, H, HEADS, VOCAB, MULTIPLE = 4, 32, 4, 100, 48  # padded: 144 at TP1, 192 at TP2
 
@@ -42,7 +43,7 @@ def _source():
 def test_bf16_tp2pp2_with_optimizer_round_trip(tmp_path):
     source = _source()
     write_megatron(source, str(tmp_path / "tp2pp2"), 2, 2, "bf16", None, include_optimizer=False)
-    assert (tmp_path / "tp2pp2" / ckpt.TRACKER_FILENAME).read_text() == "release"
+    assert (tmp_path / "tp2pp2" / names.TRACKER_FILENAME).read_text() == "release"
     write_megatron(source, str(tmp_path / "a"), 2, 2, "bf16", 7, include_optimizer=True)
     state, _ = ckpt.load_checkpoint_dict(str(tmp_path / "a"), tp_rank=1, pp_rank=1, pp_size=2)
     flat = ckpt.from_megatron_model(state["model"])

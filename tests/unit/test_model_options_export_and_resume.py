@@ -9,6 +9,7 @@ import arguments
 from app.model.hf_compat import gpt2_export_blockers
 from app.testing.synthetic import build_synthetic_run
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import model_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
@@ -43,7 +44,7 @@ def test_checkpoint_args_record_the_options():
     cfg = _cfg("--position-embedding-type", "rope", "--rotary-percent", "0.5",
                "--rotary-base", "500", "--group-query-attention", "--num-query-groups", "2",
                "--untie-embeddings-and-output-weights", "--recompute-granularity", "full")
-    ns = ckpt.checkpoint_args_namespace(cfg, 0, 0, 0)
+    ns = model_args.checkpoint_args_namespace(cfg, 0, 0, 0)
     assert (ns.position_embedding_type, ns.add_position_embedding,
             ns.use_rotary_position_embeddings) == ("rope", False, True)
     assert (ns.rotary_percent, ns.rotary_base) == (0.5, 500)
@@ -51,7 +52,7 @@ def test_checkpoint_args_record_the_options():
     assert ns.untie_embeddings_and_output_weights is True
     assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == (
         "full", "uniform", 1)
-    plain = ckpt.checkpoint_args_namespace(_cfg(), 0, 0, 0)
+    plain = model_args.checkpoint_args_namespace(_cfg(), 0, 0, 0)
     assert (plain.position_embedding_type, plain.num_query_groups, plain.add_position_embedding,
             plain.untie_embeddings_and_output_weights) == ("learned_absolute", 4, True, False)
 
@@ -91,9 +92,9 @@ def test_saved_args_give_the_same_blockers_and_the_converter_refuses(tmp_path):
     from app.model.hf_compat import checkpoint_args_blockers
     from app.mpu.parallel_state import ParallelState
     cfg = _cfg(*OPTIONS)
-    args = ckpt.checkpoint_args_namespace(cfg, 0, 0, 0)
+    args = model_args.checkpoint_args_namespace(cfg, 0, 0, 0)
     assert checkpoint_args_blockers(args) == gpt2_export_blockers(cfg.model)
-    plain = ckpt.checkpoint_args_namespace(_cfg(), 0, 0, 0)
+    plain = model_args.checkpoint_args_namespace(_cfg(), 0, 0, 0)
     assert checkpoint_args_blockers(plain) == []
     run = build_synthetic_run(cfg, 8)
     run["engine"].save_checkpoint(str(tmp_path), 1, {"iteration": 1, "consumed_train_samples": 2,

@@ -16,6 +16,7 @@ import torch
 from app.config import CheckpointConfig
 from app.convert.state import Progress as ConvertProgress
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import names
 from app.training.resilience import resume
 from app.launch.ports import pick_master_port, port_is_free
 from app.training.telemetry.metrics import format_duration, format_train_log
@@ -133,7 +134,7 @@ def _ckpt_dir(root, iterations=(), tracker=None, latest=None):
     for it in iterations:
         os.makedirs(ckpt.checkpoint_dir(root, it), exist_ok=True)
     if tracker is not None:
-        ckpt.write_tracker(root, tracker)
+        names.write_tracker(root, tracker)
     if latest is not None:
         with open(os.path.join(root, "latest"), "w") as f:
             f.write(latest)

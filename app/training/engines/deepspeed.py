@@ -24,9 +24,10 @@ DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replace
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
 verified and with torch.load(weights_only=True) and an allow-list (`deepspeed_safe_globals`),
 where DeepSpeed's own engine unpickles anything (weights_only=False), so a crafted checkpoint
-could run code on --load. `app.checkpointing.deepspeed_files` holds the same safe read for tools. A save that
-fails on any rank (a full disk) is undone everywhere; `latest` and our tracker are written
-only after every rank's files are complete.
+could run code on --load. `app.checkpointing.deepspeed_files` holds the same safe read for
+tools. Saves go through the same two-phase commit as the native engine's
+(app.checkpointing.commit): a save that fails on any rank (a full disk) is undone everywhere;
+`latest` and our tracker are written only after every rank's files are complete.
 """
 from __future__ import annotations
 
@@ -35,24 +36,22 @@ import glob
 import logging
 import os
 import re
-import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
-from app.checkpointing import megatron as ckpt
+from app.checkpointing import CheckpointError, commit, layouts, names
 from app.checkpointing import files as ckpt_files
-from app.checkpointing import layouts
 from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
+from app.checkpointing.model_args import checkpoint_args_namespace
 from app.training.engines import ds_config
-from app.launch.distributed import all_ranks_ok, world_group
+from app.launch.distributed import world_group
 from app.launch import waits
 from app.launch.ports import free_port
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
-from app.utils.fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +86,8 @@ class CheckedCheckpointEngine:
 
     Installed as `engine.checkpoint_engine`; everything but `save` and `load` is delegated to
     the original. `save` never raises an I/O error into DeepSpeed (that would leave the other
-    ranks in DeepSpeed's barriers): it records it, and the adapter agrees on the outcome after
-    `save_checkpoint` returns. `written` lists (path, existed before) of this save's files.
+    ranks in DeepSpeed's barriers): it records it, and the save's commit agrees on the outcome
+    after `save_checkpoint` returns. `written` lists (path, existed before) of this save's files.
     """
 
     def __init__(self, inner: Any) -> None:
@@ -107,7 +106,7 @@ class CheckedCheckpointEngine:
         zipfile = getattr(self.inner, "zipfile_serialization", True)
         existed = os.path.exists(path)
         try:
-            ckpt.write_checked_file(path, lambda f: torch.save(
+            commit.write_checked_file(path, lambda f: torch.save(
                 state_dict, f, _use_new_zipfile_serialization=zipfile), hidden_sidecar=True)
         except OSError as exc:
             self.errors.append((path, exc))
@@ -121,7 +120,7 @@ class CheckedCheckpointEngine:
         """Remove the files this save created (not those it replaced) and emptied directories."""
         for path, existed in self.written:
             if not existed:
-                ckpt.remove_written_file(path, stop_at)
+                commit.remove_written_file(path, stop_at)
 
 
 class DeepSpeedEngineAdapter(Engine):
@@ -286,53 +285,38 @@ class DeepSpeedEngineAdapter(Engine):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
-        """engine.save_checkpoint under tag iter_XXXXXXX, then, once every rank's files are
-        complete, `latest` and our tracker (rank 0) and the rotation; a failed save on any rank
-        is undone on every rank (CheckpointSaveError)."""
+        """engine.save_checkpoint under tag iter_XXXXXXX as the write step of the two-phase
+        commit (app.checkpointing.commit): once every rank's files are complete, rank 0 writes
+        `latest` and our tracker and rotates; a failed save on any rank is undone on every rank
+        (CheckpointSaveError)."""
         from app.mpu.random import rng_state_dict
-        tag = f"iter_{iteration:07d}"
+        tag = names.iteration_tag(iteration)
         state = dict(client_state)
         if hasattr(self.lr_scheduler, "num_steps"):  # for --no-load-optim resumes
             state["scheduler_steps"] = {"num_steps": int(self.lr_scheduler.num_steps)}
-        state["args"] = ckpt.checkpoint_args_namespace(  # lets converters write Megatron's layout
+        state["args"] = checkpoint_args_namespace(  # lets converters write Megatron's layout
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration)
         if not self.cfg.checkpoint.no_save_rng:
             state["rng_state"] = rng_state_dict()
-        files, directory = self.files, os.path.join(save_dir, tag)
-        device = next(self.ds.module.parameters()).device
-        fresh = not os.path.isdir(directory)  # checked before DeepSpeed's first barrier
-        if files is not None:
-            files.begin()
-        self.ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
-        errors = files.errors if files is not None else []
-        if not all_ranks_ok(not errors, device):
-            self._undo_save(directory, fresh)
-            raise ckpt.save_failure(save_dir, iteration, errors[0][1] if errors else None,
-                                    errors[0][0] if errors else "")
-        error: Optional[OSError] = None
-        if self.ps.rank == 0:  # both worlds' trackers name the iteration only now
-            try:
-                atomic_write_bytes(os.path.join(save_dir, "latest"), tag.encode("ascii"),
-                                   durable=True)
-                ckpt.write_tracker(save_dir, iteration)
-            except OSError as exc:
-                error = exc
-            else:
-                keep = self.cfg.checkpoint.keep_last_n_checkpoints
-                if keep:
-                    ckpt.rotate_checkpoints(save_dir, keep, iteration)
-        if not all_ranks_ok(error is None, device):
-            self._undo_save(directory, fresh)
-            raise ckpt.save_failure(save_dir, iteration, error, ckpt.tracker_path(save_dir))
-        return directory
+        files, directory = self.files, names.checkpoint_dir(save_dir, iteration)
 
-    def _undo_save(self, directory: str, fresh: bool) -> None:
-        """Remove this save's new files, and its tag directory when the save created it."""
-        if self.files is not None:
-            self.files.undo(directory)
-        if fresh:
-            shutil.rmtree(directory, ignore_errors=True)
+        def write() -> Optional[Tuple[str, OSError]]:
+            if files is not None:
+                files.begin()
+            self.ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
+            return files.errors[0] if files is not None and files.errors else None
+
+        def undo() -> None:
+            if files is not None:
+                files.undo(directory)
+
+        device = next(self.ds.module.parameters()).device
+        return commit.commit_save(save_dir, iteration, write=write, undo=undo,
+                                  agree=commit.world_agreement(device),
+                                  is_tracker_writer=self.ps.rank == 0,
+                                  keep_last_n=self.cfg.checkpoint.keep_last_n_checkpoints,
+                                  deepspeed_latest=True)
 
     def _check_loadable(self, load_dir: str, plan: ResumePlan, where: str) -> None:
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, and
@@ -350,7 +334,6 @@ class DeepSpeedEngineAdapter(Engine):
         problem = (layouts.partition_problem(layout, self.ps.data_parallel_size)
                    if layout is not None and plan.load_optimizer else None)
         if problem:
-            from app.checkpointing.megatron import CheckpointError
             raise CheckpointError(problem)
 
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
@@ -362,8 +345,7 @@ class DeepSpeedEngineAdapter(Engine):
         for this run's DP and TP sizes, so the saved layout need not match this run's.
         """
         universal = self.cfg.deepspeed.universal_checkpoint
-        tag = layouts.universal_tag(load_dir) if universal else (
-            "release" if plan.iteration == "release" else f"iter_{int(plan.iteration):07d}")
+        tag = layouts.universal_tag(load_dir) if universal else names.iteration_tag(plan.iteration)
         where = os.path.join(load_dir, tag)
         if universal:  # re-sliced for any layout (args checked below); DeepSpeed reads the
             # fragments itself with weights_only=False: scan them for unsafe globals first
@@ -377,14 +359,14 @@ class DeepSpeedEngineAdapter(Engine):
                 load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,
                 load_lr_scheduler_states=plan.load_optimizer,
                 load_module_only=plan.weights_only)
-        except ckpt.CheckpointError:
+        except CheckpointError:
             raise  # a corrupt or unsafe file, refused by CheckedCheckpointEngine
         except RuntimeError as exc:  # state-dict names or shapes that do not fit this model
-            raise ckpt.CheckpointError(f"DeepSpeed checkpoint {where} does not fit this model: "
-                                       f"{str(exc).splitlines()[0][:400]}") from exc
+            raise CheckpointError(f"DeepSpeed checkpoint {where} does not fit this model: "
+                                  f"{str(exc).splitlines()[0][:400]}") from exc
         if path is None:
-            raise ckpt.CheckpointError(f"DeepSpeed could not load {where}; is it a DeepSpeed "
-                                       "checkpoint (mp_rank_XX_model_states.pt) of this model?")
+            raise CheckpointError(f"DeepSpeed could not load {where}; is it a DeepSpeed "
+                                  "checkpoint (mp_rank_XX_model_states.pt) of this model?")
         client = client or {}
         args, rng = client.get("args"), client.get("rng_state")
         if args is not None and universal:  # any layout: compare the model shape only

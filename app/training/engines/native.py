@@ -18,9 +18,12 @@ import torch
 from app.config import RunConfig
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu.random import rng_state_dict
+from app.checkpointing import commit
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import names
 from app.checkpointing.layouts import check_loadable
-from app.launch.distributed import all_ranks_ok, world_group
+from app.checkpointing.model_args import checkpoint_args_namespace
+from app.launch.distributed import world_group
 from app.training.engines.base import Engine, StepResult
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
 
@@ -87,7 +90,7 @@ class NativeEngine(Engine):
 
     def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
         c = self.cfg.checkpoint
-        args_ns = ckpt.checkpoint_args_namespace(
+        args_ns = checkpoint_args_namespace(
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration)
         rng = None if c.no_save_rng else rng_state_dict()
@@ -96,13 +99,10 @@ class NativeEngine(Engine):
             None if c.no_save_optim else self.optimizer.state_dict(),
             None if c.no_save_optim else self.lr_scheduler.state_dict(),
             rng, args_ns)
-        device = next(self.module.parameters()).device
-        agree = lambda ok: all_ranks_ok(ok, device)  # noqa: E731
+        agree = commit.world_agreement(next(self.module.parameters()).device)
         if self.ps.data_parallel_rank != 0:  # one replica writes; the others follow its outcome
-            for _ in range(2):
-                if not agree(True):
-                    raise ckpt.save_failure(save_dir, iteration, None)
-            return ckpt.checkpoint_dir(save_dir, iteration)
+            return commit.commit_save(save_dir, iteration, write=lambda: None, undo=lambda: None,
+                                      agree=agree, is_tracker_writer=False)
         return ckpt.save_checkpoint(save_dir, iteration, state, agree=agree,
                                     is_tracker_writer=self.ps.rank == 0,
                                     keep_last_n=c.keep_last_n_checkpoints, **self._rank_kwargs())
@@ -137,7 +137,7 @@ class NativeEngine(Engine):
         state, iteration = ckpt.load_checkpoint_dict(
             load_dir, iteration=plan.iteration, tp_size=self.ps.tensor_model_parallel_size,
             **self._rank_kwargs())
-        where = ckpt.checkpoint_dir(load_dir, iteration)
+        where = names.checkpoint_dir(load_dir, iteration)
         ckpt.check_checkpoint_version(state, where)
         args = state.get("args")
         check_saved_args(plan, args, self.cfg, where)

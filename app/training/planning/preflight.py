@@ -23,9 +23,9 @@ from app.data.gpt_dataset import (SPLIT_NAMES, check_token_ids, samples_per_pref
                                   token_id_range)
 from app.data.index_builder import compute_num_epochs, split_document_ranges
 from app.data.indexed_dataset import MMapIndexedDataset
-from app.checkpointing import megatron as ckpt
+from app.checkpointing import CheckpointError
 from app.checkpointing import files as ckpt_files
-from app.checkpointing import layouts
+from app.checkpointing import layouts, model_args
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
 from app.training.resilience.resume import (ResumeTarget, check_resume, check_saved_args,
                                             decide_start, require_rng_state)
@@ -196,7 +196,7 @@ def _verify_checksums(report: Report, files: Sequence[str]) -> bool:
             try:
                 ckpt_files.verify_checksum(path)
                 checked += 1
-            except ckpt.CheckpointError as exc:
+            except CheckpointError as exc:
                 report.error(str(exc))
                 return False
     if checked == len(files):
@@ -227,25 +227,25 @@ def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget) -> 
     layout, plan = target.layout, target.plan
     try:
         state = layouts.read_saved_state(layout)
-    except ckpt.CheckpointError as exc:
+    except CheckpointError as exc:
         report.error(str(exc))
         return
     saved = state.get("args")
     try:
         if saved is not None or not cfg.deepspeed.enabled:  # DeepSpeed's reader skips no args
             check_saved_args(plan, saved, cfg, layout.directory)
-    except ckpt.CheckpointError as exc:
+    except CheckpointError as exc:
         report.error(f"{layout.directory}: {exc}")
         return
     try:
         require_rng_state(plan, state.get("rng_state"), layout.directory)
-    except ckpt.CheckpointError as exc:
+    except CheckpointError as exc:
         report.error(str(exc))
         return
     if saved is None:
         report.warn("the checkpoint stores no 'args': its model shape cannot be checked")
         return
-    report.ok(f"model shape matches ({', '.join(ckpt.MODEL_SHAPE_FIELDS[:-1])})")
+    report.ok(f"model shape matches ({', '.join(model_args.MODEL_SHAPE_FIELDS[:-1])})")
     saved_dtype = str(getattr(saved, "params_dtype", "")).replace("torch.", "")
     if saved_dtype and saved_dtype != cfg.model.params_dtype:
         report.warn(f"weights were saved as {saved_dtype} and this run trains "
@@ -289,7 +289,7 @@ def check_checkpoint(report: Report, cfg: RunConfig) -> None:
                                        "weights")
             return
         target = check_resume(cfg, decision.load)
-    except ckpt.CheckpointError as exc:
+    except CheckpointError as exc:
         report.error(str(exc))
         return
     if target.layout is None:

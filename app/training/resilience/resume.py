@@ -52,6 +52,7 @@ from app.mpu import collectives
 from app.mpu.random import load_rng_state_dict
 from app.checkpointing import layouts
 from app.checkpointing import megatron as ckpt
+from app.checkpointing import model_args, names
 from app.launch.distributed import world_group
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 class ResumePlan:
     """What to restore from the checkpoint of `iteration` (an int or "release")."""
 
-    iteration: ckpt.Iteration
+    iteration: names.Iteration
     weights_only: bool
     """--finetune or a release checkpoint: weights only, then start at iteration 0."""
     load_optimizer: bool
@@ -77,7 +78,7 @@ class CheckpointContents:
     """What an engine read from its checkpoint files, whatever their format."""
 
     path: str
-    iteration: ckpt.Iteration
+    iteration: names.Iteration
     args: Optional[argparse.Namespace]
     client_state: Dict[str, Any]
     """iteration / consumed_train_samples / consumed_valid_samples when the format stores them."""
@@ -126,33 +127,33 @@ def held_checkpoints(directory: str) -> str:
     if not directory or not os.path.isdir(directory):
         return ""
     parts = []
-    if os.path.isfile(ckpt.tracker_path(directory)):
-        with open(ckpt.tracker_path(directory), encoding="utf-8", errors="replace") as f:
-            parts.append(f"tracker naming {f.read().strip()[:40]!r}")
-    iterations = ckpt.list_checkpoint_iterations(directory)
+    tracker = names.read_tracker_text(directory)
+    if tracker is not None:
+        parts.append(f"tracker naming {tracker[:40]!r}")
+    iterations = names.list_checkpoint_iterations(directory)
     if iterations:
-        shown = ", ".join(os.path.basename(ckpt.checkpoint_dir(directory, i))
+        shown = ", ".join(os.path.basename(names.checkpoint_dir(directory, i))
                           for i in iterations[-3:])
         parts.append(f"{len(iterations)} iteration director{'y' if len(iterations) == 1 else 'ies'}"
                      f" ({'..., ' if len(iterations) > 3 else ''}{shown})")
-    latest = os.path.join(directory, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8", errors="replace") as f:
-            parts.append(f"DeepSpeed 'latest' naming {f.read().strip()[:40]!r}")
-    if os.path.isdir(os.path.join(directory, "release")):
+    latest = names.read_latest_tag(directory)
+    if latest is not None:
+        parts.append(f"DeepSpeed 'latest' naming {latest[:40]!r}")
+    if os.path.isdir(names.checkpoint_dir(directory, names.RELEASE)):
         parts.append("a release checkpoint")
     return "; ".join(parts)
 
 
 def _lost_tracker_error(directory: str, held: str, overwrite_hint: bool) -> ckpt.CheckpointError:
-    iterations = ckpt.list_checkpoint_iterations(directory)
+    iterations = names.list_checkpoint_iterations(directory)
     fix = (f"to resume, write the iteration into it (e.g. `echo {iterations[-1]} > "
-           f"{ckpt.tracker_path(directory)}`, after checking that iteration is complete)"
-           if iterations else f"to resume, write the iteration into {ckpt.tracker_path(directory)}")
+           f"{names.tracker_path(directory)}`, after checking that iteration is complete)"
+           if iterations
+           else f"to resume, write the iteration into {names.tracker_path(directory)}")
     also = ("; to train from scratch over them, pass --overwrite-checkpoints"
             if overwrite_hint else "")
     return ckpt.CheckpointError(f"{directory} holds checkpoints ({held}) but no "
-                                f"{ckpt.TRACKER_FILENAME}, so which one is the latest is not "
+                                f"{names.TRACKER_FILENAME}, so which one is the latest is not "
                                 f"known: {fix}{also}")
 
 
@@ -169,14 +170,14 @@ def decide_start(c: CheckpointConfig) -> StartDecision:
                                        "iteration 0 (it equals --save, so a relaunch resumes)")
         if not os.path.isdir(c.load):
             raise ckpt.CheckpointError(f"--load {c.load} is a file, not a checkpoint directory")
-        tracker = ckpt.read_tracker(c.load)
+        tracker = names.read_tracker(c.load)
         if tracker is None:
             held = held_checkpoints(c.load)
             if held and not (same and c.overwrite_checkpoints):
                 raise _lost_tracker_error(c.load, held, overwrite_hint=same)
             if not same:
                 raise ckpt.CheckpointError(
-                    f"--load {c.load} holds no checkpoint (no {ckpt.TRACKER_FILENAME}); check "
+                    f"--load {c.load} holds no checkpoint (no {names.TRACKER_FILENAME}); check "
                     "the path (drop --load to start from scratch)")
             note = (f"--load {c.load} holds no checkpoint yet: starting from iteration 0 (it "
                     "equals --save, so a relaunch resumes)")
@@ -217,9 +218,9 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
     this run's engine cannot load (`layouts.loadable_problem`); with --universal-checkpoint,
     when `latest_universal` is missing."""
     c, p = cfg.checkpoint, cfg.parallel
-    iteration = ckpt.read_tracker(load_dir)
+    iteration = names.read_tracker(load_dir)
     if iteration is None:
-        raise ckpt.CheckpointError(f"--load {load_dir} holds no {ckpt.TRACKER_FILENAME}; check "
+        raise ckpt.CheckpointError(f"--load {load_dir} holds no {names.TRACKER_FILENAME}; check "
                                    "the path (drop --load to start from scratch)")
     plan = plan_resume(c, iteration)
     if cfg.deepspeed.universal_checkpoint:  # DeepSpeed re-slices it for any layout
@@ -231,8 +232,8 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
         data_parallel_size=p.data_parallel_size, load_optimizer=plan.load_optimizer)
     if layout is None:
         raise ckpt.CheckpointError(
-            f"{ckpt.checkpoint_dir(load_dir, iteration)} (named by "
-            f"{ckpt.tracker_path(load_dir)}) holds no Megatron or DeepSpeed checkpoint files; "
+            f"{names.checkpoint_dir(load_dir, iteration)} (named by "
+            f"{names.tracker_path(load_dir)}) holds no Megatron or DeepSpeed checkpoint files; "
             "restore them, or write an earlier complete iteration into the tracker")
     return ResumeTarget(plan, layout)
 
@@ -256,7 +257,7 @@ def check_finite_weights(module: torch.nn.Module, where: str) -> None:
                 "(write it into the tracker file)")
 
 
-def plan_resume(c: CheckpointConfig, iteration: ckpt.Iteration) -> ResumePlan:
+def plan_resume(c: CheckpointConfig, iteration: names.Iteration) -> ResumePlan:
     """The plan for loading `iteration` under --finetune / --no-load-optim / --no-load-rng."""
     release = iteration == "release"
     weights_only = c.finetune or release
@@ -277,7 +278,7 @@ def check_saved_args(plan: ResumePlan, saved: Optional[argparse.Namespace], cfg:
             raise ckpt.CheckpointError(f"{where} has no 'args', so its model shape cannot be "
                                        "checked; pass --finetune to load its weights only")
         return
-    ckpt.check_checkpoint_args(saved, ckpt.checkpoint_args_namespace(cfg, 0, 0, 0))
+    model_args.check_checkpoint_args(saved, model_args.checkpoint_args_namespace(cfg, 0, 0, 0))
 
 
 def scheduler_steps(saved_scheduler: Optional[Dict[str, Any]], iteration: int) -> int:
@@ -294,7 +295,7 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
                            ) -> Optional[LoadResult]:
     """Load the latest checkpoint under `load_dir` into `engine` following the plan; None when
     the directory holds none (no tracker)."""
-    iteration = ckpt.read_tracker(load_dir)
+    iteration = names.read_tracker(load_dir)
     if iteration is None:
         return None
     plan = plan_resume(c, iteration)

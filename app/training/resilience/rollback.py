@@ -38,7 +38,7 @@ import torch
 
 from app.config import RollbackConfig, RunConfig
 from app.mpu import collectives
-from app.checkpointing import megatron as ckpt
+from app.checkpointing import names
 from app.launch.distributed import world_group
 from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.resume import load_on_all_ranks
@@ -107,7 +107,7 @@ class SpikeRollback:
             return False
         reason = reason or "another rank saw the trigger"
         save = self.cfg.checkpoint.save
-        latest = ckpt.read_tracker(save)
+        latest = names.read_tracker(save)
         budget = self.cfg.rollback.max_rollbacks
         if self.rollbacks >= budget or latest is None:
             why = (f"{budget} rollback(s) already made (--max-rollbacks)" if latest is not None
@@ -115,7 +115,7 @@ class SpikeRollback:
             raise TrainingAborted(
                 f"iteration {state.iteration}: {reason}; {why}: stopping without saving a "
                 f"checkpoint. The last good checkpoint is "
-                f"{ckpt.checkpoint_dir(save, latest) if latest is not None else 'none'}: check "
+                f"{names.checkpoint_dir(save, latest) if latest is not None else 'none'}: check "
                 "the data after it, lower --lr, or raise --max-rollbacks")
         self._check_data_left(state, reason, latest)
         self.rollbacks += 1
@@ -147,7 +147,7 @@ class SpikeRollback:
             f"skip the data read since it, and the {t.train_iters - back_to} iterations left to "
             f"--train-iters {t.train_iters} would then need training samples up to {needed}, "
             f"but the training data set holds {self.train_samples}: stopping without saving a "
-            f"checkpoint. The last good checkpoint is {ckpt.checkpoint_dir(save, latest)}: "
+            f"checkpoint. The last good checkpoint is {names.checkpoint_dir(save, latest)}: "
             "check the data after it, or resume from it with a lower --save-interval or a "
             "higher --max-rollbacks (each sizes the training data for (--save-interval + "
             "--max-consecutive-skipped-iterations) more iterations)")

@@ -1,0 +1,203 @@
+"""How a save becomes the latest checkpoint, for both engines: crash-safe files and a two-phase
+commit over every rank.
+
+One file (`write_checked_file`): written under a temporary name, fsynced, its SHA-256 sidecar
+written, then renamed; `remove_written_file` is its undo. One save (`commit_save`):
+
+1. every rank writes its files durably (the engine's `write` step);
+2. the ranks agree that all of them succeeded, else every rank undoes its part (the engine's
+   `undo` step, and the iteration directory when this save created it) and raises
+   CheckpointSaveError, and the previous checkpoint stays the latest;
+3. one rank writes DeepSpeed's `latest` (DeepSpeed engine) and our tracker, durably, then
+   deletes old iterations beyond `keep_last_n`;
+4. the ranks agree again, so the tracker names the new iteration on every rank's return.
+
+So the tracker never names an iteration with a missing or partial file, and a crash at any
+point leaves the previous checkpoint loadable. `SAVE_HOOK` sees every stage (`SAVE_STAGES`,
+in order) for the crash tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from typing import Any, Callable, List, Optional, Tuple
+
+from app.checkpointing import CheckpointError, names
+from app.checkpointing.files import read_checksums, sha256_file, sidecar_path, write_checksums
+from app.launch.distributed import all_ranks_ok
+from app.utils.fileio import fsync_dir, tmp_path, write_durably
+
+SAVE_HOOK: Optional[Callable[[str], None]] = None
+"""Test seam: called with the name of each stage of a save (see SAVE_STAGES)."""
+SAVE_STAGES = ("start", "rank_tmp_written", "rank_checksum_committed", "rank_file_committed",
+               "before_tracker", "tracker_tmp_written", "tracker_committed", "rotated")
+"""The stages of a save in order (the rank_* ones once per file written)."""
+
+WriteStep = Callable[[], Optional[Tuple[str, OSError]]]
+"""Writes this rank's files durably; returns (path, error) of the first file that could not
+be written (a full disk), None when all were. Must not raise OSError."""
+
+
+def _hook(stage: str) -> None:
+    if SAVE_HOOK is not None:
+        SAVE_HOOK(stage)
+
+
+# ---------------------------------------------------------------------------- one file
+
+def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: bool = False
+                       ) -> None:
+    """Write `path` with `write(f)` crash-safely, with a SHA-256 sidecar (`sidecar_path`).
+
+    tmp file + fsync, checksum sidecar, then atomic rename; safe to crash at any point, and a
+    failed write (a full disk) leaves no temporary file. While the data file is being replaced
+    the sidecar lists both the old and the new digest, so whichever file is on disk after a
+    crash still verifies. Used for Megatron's files and, through the checkpoint-engine hook of
+    app.training.engines.deepspeed, for DeepSpeed's (hidden sidecars).
+    """
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = tmp_path(path)
+    write_durably(tmp, write)
+    try:
+        _hook("rank_tmp_written")
+        digest, sidecar = sha256_file(tmp), sidecar_path(path, hidden_sidecar)
+        name = os.path.basename(path)
+        old = read_checksums(sidecar) if os.path.exists(path) else []
+        write_checksums(sidecar, name, [digest] + [d for d in old if d != digest])
+        _hook("rank_checksum_committed")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    if old:
+        write_checksums(sidecar, name, [digest])
+    fsync_dir(directory)
+    _hook("rank_file_committed")
+
+
+def remove_written_file(path: str, stop_at: str) -> None:
+    """Delete `path` and its sidecar, then the directories above it up to (and including)
+    `stop_at` that are left empty: the undo of a save that did not complete everywhere."""
+    for victim in (path, sidecar_path(path, False), sidecar_path(path, True)):
+        with contextlib.suppress(OSError):
+            os.remove(victim)
+    directory = os.path.dirname(path)
+    stop_at = os.path.abspath(stop_at)
+    while os.path.abspath(directory).startswith(stop_at):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+        if os.path.abspath(directory) == stop_at:
+            return
+        directory = os.path.dirname(directory)
+
+
+# ---------------------------------------------------------------------------- one save
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written; its partial files were removed and the previous
+    checkpoint stays the latest (the message says which)."""
+
+
+def save_failure(save_dir: str, iteration: names.Iteration, error: Optional[BaseException],
+                 path: str = "") -> CheckpointSaveError:
+    """The error every rank raises after a failed save: this rank's own cause when it had one
+    (`error`), else that another rank failed; with the free space and the latest checkpoint."""
+    try:
+        latest = names.read_tracker(save_dir)
+    except CheckpointError:
+        latest = None
+    try:
+        free = f"{shutil.disk_usage(save_dir).free / 2**20:.0f} MiB free there now"
+    except OSError:
+        free = "free space unknown"
+    if error is None:
+        cause = "another rank could not write its part (its message says why)"
+    else:
+        what = getattr(error, "strerror", None) or str(error)
+        code = errno.errorcode.get(getattr(error, "errno", None) or -1, "")
+        cause = f"writing {path or save_dir} failed: {what}{f' ({code})' if code else ''}"
+    still = (f"the latest checkpoint is still iteration {latest}" if latest is not None
+             else "there is no earlier checkpoint")
+    return CheckpointSaveError(
+        f"could not save the checkpoint of iteration {iteration} to {save_dir}: {cause}; "
+        f"{free}. The partial files of this save were removed and {still}. Free space or fix "
+        "the directory, then relaunch to resume.")
+
+
+def rotate_checkpoints(save_dir: str, keep_last_n: int, current: int) -> List[int]:
+    """Delete iter_ directories older than `current`, keeping the newest `keep_last_n` in all.
+
+    Call only after the tracker names `current`. Directories newer than `current` (left by an
+    abandoned run) and `release/` are never touched. Returns the iterations deleted.
+    """
+    if keep_last_n < 1:
+        raise ValueError(f"keep_last_n_checkpoints must be >= 1, got {keep_last_n}")
+    older = [i for i in names.list_checkpoint_iterations(save_dir) if i < current]
+    doomed = older[:max(0, len(older) - (keep_last_n - 1))]
+    for iteration in doomed:
+        shutil.rmtree(names.checkpoint_dir(save_dir, iteration), ignore_errors=True)
+    return doomed
+
+
+def world_agreement(device: Any) -> Callable[[bool], bool]:
+    """`agree` for `commit_save` over every rank of the world (an all-reduce of one flag on
+    `device`, also a barrier): whether `ok` held on all of them."""
+    return lambda ok: all_ranks_ok(ok, device)
+
+
+def commit_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
+                undo: Callable[[], None], agree: Callable[[bool], bool],
+                is_tracker_writer: bool, keep_last_n: Optional[int] = None,
+                deepspeed_latest: bool = False) -> str:
+    """Make `iteration` the latest checkpoint under `save_dir` on every rank, or on none.
+
+    Every rank calls this with its `write` step (a rank with nothing to write passes one that
+    writes nothing) and the `undo` of it (remove the files it created, keep those it
+    replaced). `agree(ok)` is called exactly twice on every rank and returns whether `ok` held
+    on every rank (`world_agreement`). Only `is_tracker_writer` writes the pointer files:
+    DeepSpeed's `latest` first when `deepspeed_latest`, then our tracker; then, with
+    `keep_last_n`, it rotates old iterations ("release" is never rotated). A failure on any
+    rank undoes this save on every rank and raises CheckpointSaveError (the tracker keeps
+    naming the previous checkpoint). Returns the iteration directory.
+    """
+    _hook("start")
+    directory = names.checkpoint_dir(save_dir, iteration)
+    fresh = not os.path.isdir(directory)  # before any rank of this save can create it
+    failed = write()
+    if not agree(failed is None):  # every rank's files of this iteration are complete, or none
+        _undo(undo, directory, fresh)
+        path, error = failed or ("", None)
+        raise save_failure(save_dir, iteration, error, path)
+    error: Optional[OSError] = None
+    if is_tracker_writer:
+        _hook("before_tracker")
+        try:
+            if deepspeed_latest:
+                names.write_latest_tag(save_dir, names.iteration_tag(iteration))
+            names.write_tracker(save_dir, iteration,
+                                before_replace=lambda: _hook("tracker_tmp_written"))
+        except OSError as exc:
+            error = exc
+        else:
+            _hook("tracker_committed")
+            if keep_last_n and iteration != names.RELEASE:
+                rotate_checkpoints(save_dir, keep_last_n, int(iteration))
+                _hook("rotated")
+    if not agree(error is None):  # the tracker names this iteration on every rank's return
+        _undo(undo, directory, fresh)
+        raise save_failure(save_dir, iteration, error, names.tracker_path(save_dir))
+    return directory
+
+
+def _undo(undo: Callable[[], None], directory: str, fresh: bool) -> None:
+    """Undo this rank's part of a failed save: its new files, and the iteration directory when
+    this save created it (a rank that saw it missing before writing removes it all)."""
+    undo()
+    if fresh:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,160 @@
+"""A checkpoint's `args` both ways: the Namespace we store (Megatron's names, so Megatron's tools
+read it) from a RunConfig, the ModelConfig read back from one, and the check that a run may load it.
+
+`checkpoint_args_namespace` writes the model shape, the parallel layout, the data position and
+a few fields Megatron tools read; `model_config_from_args` is its inverse on the model's
+fields (for inference and conversion; older checkpoints' missing fields take ModelConfig's
+defaults). Three ModelConfig fields have no Megatron arg and are not stored (NOT_SAVED).
+`check_checkpoint_args` compares the fields that must agree (MODEL_SHAPE_FIELDS) and the layout.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from app.checkpointing import CheckpointError
+from app.config import ModelConfig, RunConfig
+from app.utils.dtypes import dtype_name, torch_dtype
+
+MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                      "max_position_embeddings", "padded_vocab_size", "tokenizer_type",
+                      "position_embedding_type", "rotary_percent", "rotary_base",
+                      "num_query_groups", "untie_embeddings_and_output_weights")
+"""Fields that must agree between a checkpoint and the run loading it."""
+
+
+def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
+                              consumed_valid_samples: int, iteration: int) -> argparse.Namespace:
+    """The `args` Namespace stored in a checkpoint: Megatron's names, from `cfg` and the position.
+
+    Carries the model shape, the parallel layout, the data position and a few fields Megatron
+    tools read (params_dtype, position_embedding_type, ...). Plain Python values and one
+    torch.dtype only, so it loads under weights_only with Namespace allow-listed.
+    """
+    m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=m.head_dim, max_position_embeddings=m.max_position_embeddings,
+        seq_length=m.seq_length, padded_vocab_size=m.padded_vocab_size,
+        vocab_size=cfg.raw_vocab_size,
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        tokenizer_type=cfg.data.tokenizer_type, layernorm_epsilon=m.layernorm_epsilon,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std, openai_gelu=m.openai_gelu,
+        bias_gelu_fusion=m.bias_gelu_fusion, masked_softmax_fusion=m.masked_softmax_fusion,
+        bias_dropout_fusion=m.bias_dropout_fusion, use_flash_attn=m.attention_impl == "flash",
+        params_dtype=torch_dtype(m.params_dtype), fp16=cfg.precision.fp16,
+        bf16=cfg.precision.bf16, attention_softmax_in_fp32=m.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+        fp16_lm_cross_entropy=m.fp16_lm_cross_entropy,
+        accumulate_allreduce_grads_in_fp32=cfg.precision.grads_accumulate_in_fp32,
+        position_embedding_type=m.position_embedding_type,
+        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=m.position_embedding_type == "rope",
+        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
+        group_query_attention=m.group_query_attention, num_query_groups=m.num_kv_heads,
+        normalization="LayerNorm", add_bias_linear=True, swiglu=False,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        apply_residual_connection_post_layernorm=False,
+        sequence_parallel=m.sequence_parallel, recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
+        virtual_pipeline_model_parallel_size=(cfg.virtual_pipeline_model_parallel_size
+                                              if p.num_layers_per_virtual_pipeline_stage else None),
+        data_parallel_size=p.data_parallel_size, world_size=p.world_size,
+        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+        train_iters=t.train_iters, seed=t.seed, lr=o.lr, min_lr=o.min_lr,
+        lr_decay_style=o.lr_decay_style, lr_decay_iters=o.lr_decay_iters,
+        lr_warmup_iters=o.lr_warmup_iters,
+        consumed_train_samples=int(consumed_train_samples),
+        consumed_valid_samples=int(consumed_valid_samples), iteration=int(iteration))
+
+
+NOT_SAVED = ("layernorm_fusion", "cross_entropy_loss_fusion", "attention_backend")
+"""ModelConfig fields that the args do not record (Megatron has no such args; an attention
+backend "flash" is recorded as use_flash_attn): read back as ModelConfig's defaults."""
+
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
+
+_ARCHITECTURE: Dict[str, Callable[[Any], Any]] = {
+    "ffn_hidden_size": int, "layernorm_epsilon": float, "openai_gelu": bool,
+    "attention_softmax_in_fp32": bool, "apply_query_key_layer_scaling": bool,
+    "position_embedding_type": str, "rotary_percent": float, "rotary_base": int,
+    "untie_embeddings_and_output_weights": bool}
+"""Fields besides the shape that decide what the weights compute, with their types."""
+
+_TRAINING: Dict[str, Callable[[Any], Any]] = {
+    "hidden_dropout": float, "attention_dropout": float, "init_method_std": float,
+    "recompute_granularity": str, "recompute_method": str, "recompute_num_layers": int,
+    "sequence_parallel": bool, "bias_gelu_fusion": bool, "bias_dropout_fusion": bool,
+    "masked_softmax_fusion": bool, "use_flash_attn": bool, "fp16_lm_cross_entropy": bool,
+    "seed": int}
+"""Fields that change only how the model trains, with their types."""
+
+
+def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional[int] = None,
+                           *, for_inference: bool = False) -> ModelConfig:
+    """The ModelConfig that a checkpoint's `args` describe: checkpoint_args_namespace's inverse
+    on every field it stores (NOT_SAVED come back as defaults).
+
+    A field an older checkpoint lacks (or holds as None) takes ModelConfig's default;
+    seq_length defaults to max_position_embeddings. `padded_vocab_size` replaces the saved
+    rows (a model resharded for another tensor-parallel size). `for_inference` reads only what
+    decides the weights' meaning: dropout is 0 and the training options (recompute, sequence
+    parallelism, fusions, flash attention, init std, seed) keep their defaults. Raises
+    CheckpointError naming a missing shape field, or the rule the saved options break.
+    """
+    rows = padded_vocab_size or getattr(args, "padded_vocab_size", None)
+    missing = [name for name in _REQUIRED if getattr(args, name, None) is None]
+    missing += [] if rows else ["padded_vocab_size"]
+    if missing:
+        raise CheckpointError(f"the checkpoint's args lack {', '.join(missing)}, so its model "
+                              "shape is unknown; was it written by Megatron-LM or this code?")
+    fields: Dict[str, Any] = {name: int(getattr(args, name)) for name in _REQUIRED}
+    fields["padded_vocab_size"] = int(rows)
+    fields["seq_length"] = int(getattr(args, "seq_length", None) or args.max_position_embeddings)
+    for table in (_ARCHITECTURE,) if for_inference else (_ARCHITECTURE, _TRAINING):
+        fields.update({name: convert(getattr(args, name)) for name, convert in table.items()
+                       if getattr(args, name, None) is not None})
+    if for_inference:
+        fields.update(hidden_dropout=0.0, attention_dropout=0.0)
+    fields["group_query_attention"] = bool(getattr(args, "group_query_attention", False))
+    if fields["group_query_attention"] and getattr(args, "num_query_groups", None) is not None:
+        fields["num_query_groups"] = int(args.num_query_groups)
+    dtype = getattr(args, "params_dtype", None)
+    fields["params_dtype"] = dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32"
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:
+        raise CheckpointError(f"the checkpoint's args describe a model this code cannot build: "
+                              f"{exc}") from exc
+
+
+def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
+                          current: argparse.Namespace) -> None:
+    """Raise CheckpointError if the checkpoint's model shape or TP/PP layout differs from ours.
+
+    Fields missing from an older checkpoint are skipped. The message names the field and both
+    values; a tensor/pipeline size mismatch also says how to reshard (tools/convert_checkpoint.py).
+    """
+    if ckpt_args is None:
+        return
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
+        if saved != now:
+            raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
+                                  f"{now}; reshard it first: tools/convert_checkpoint.py "
+                                  "--input-format megatron --target-tensor-model-parallel-size T "
+                                  "--target-pipeline-model-parallel-size P --include-optimizer")
+    for name in MODEL_SHAPE_FIELDS:
+        if not hasattr(ckpt_args, name) or not hasattr(current, name):
+            continue
+        saved, now = getattr(ckpt_args, name), getattr(current, name)
+        if saved != now:
+            raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
+                                  f"{now}; pass the same model flags as the run that saved it")

@@ -1,0 +1,189 @@
+"""Where every file of a checkpoint lives, what it is called, and the pointer files that name the
+latest one: the only place that spells a checkpoint name (no torch needed).
+
+Megatron-LM's layout (the native engine's; app.checkpointing.megatron holds the file content)::
+
+    {save}/latest_checkpointed_iteration.txt        the tracker: "<iteration>" or "release"
+    {save}/iter_{iteration:07d}/mp_rank_{tp:02d}/model_optim_rng.pt             (PP == 1)
+    {save}/iter_{iteration:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt    (PP > 1)
+    {save}/release/...                              a "release" checkpoint
+
+DeepSpeed's layout (the DeepSpeed engine's), under the same `iter_{iteration:07d}` tag::
+
+    {save}/latest                                   DeepSpeed's pointer: the tag, no newline
+    {save}/latest_universal                         written by ds_to_universal.py
+    {save}/{tag}/mp_rank_{mp:02d}_model_states.pt   per model-parallel rank mp (pp x TP + tp)
+    {save}/{tag}/[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO partitions
+
+Each pointer file has one reader and one writer here; writers replace the file atomically and
+durably. The parsers accept wider rank numbers than the padding (rank 100 is `mp_rank_100`).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable, List, Optional, Tuple, Union
+
+from app.checkpointing import CheckpointError
+from app.utils.fileio import atomic_write_bytes
+
+Iteration = Union[int, str]  # an iteration number or "release"
+
+RELEASE = "release"
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+LATEST_FILENAME = "latest"
+LATEST_UNIVERSAL_FILENAME = "latest_universal"
+
+_ITERATION_TAG = re.compile(r"^iter_(\d{7,})$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?$")
+_DS_MODEL_FILE = re.compile(r"^mp_rank_(\d{2,})_model_states\.pt$")
+_DS_OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
+
+
+# ---------------------------------------------------------------------------- iterations
+
+def iteration_tag(iteration: Iteration) -> str:
+    """`iter_{iteration:07d}`, or "release": the directory name of an iteration (both engines)."""
+    if iteration == RELEASE:
+        return RELEASE
+    return f"iter_{int(iteration):07d}"
+
+
+def tag_iteration(name: str) -> Optional[int]:
+    """The iteration an `iter_XXXXXXX` name stands for; None for any other name."""
+    match = _ITERATION_TAG.match(name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_dir(save_dir: str, iteration: Iteration) -> str:
+    """`{save_dir}/iter_{iteration:07d}`, or `{save_dir}/release` for "release"."""
+    return os.path.join(save_dir, iteration_tag(iteration))
+
+
+def list_checkpoint_iterations(save_dir: str) -> List[int]:
+    """Iterations that have an `iter_XXXXXXX` directory under `save_dir`, ascending."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = (tag_iteration(name) for name in os.listdir(save_dir))
+    return sorted(i for i in found if i is not None)
+
+
+# ---------------------------------------------------------------------------- Megatron files
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """`mp_rank_{tp:02d}` when PP == 1, else `mp_rank_{tp:02d}_{pp:03d}` (Megatron's names)."""
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def parse_rank_dir(name: str) -> Optional[Tuple[int, int]]:
+    """(tp_rank, pp_rank) of a `mp_rank_XX` (pp_rank 0) or `mp_rank_XX_YYY` folder name; None
+    for any other name (DeepSpeed's `mp_rank_XX_model_states.pt` included)."""
+    match = _RANK_DIR.match(name)
+    if not match:
+        return None
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def checkpoint_path(save_dir: str, iteration: Iteration, *, tp_rank: int = 0, pp_rank: int = 0,
+                    pp_size: int = 1) -> str:
+    """Path of one rank's `model_optim_rng.pt` for `iteration`."""
+    return os.path.join(checkpoint_dir(save_dir, iteration),
+                        rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
+
+
+# ---------------------------------------------------------------------------- DeepSpeed files
+
+def deepspeed_model_file(mp_rank: int) -> str:
+    """`mp_rank_{mp:02d}_model_states.pt`: DeepSpeed's module file of model-parallel rank mp."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def parse_deepspeed_model_file(name: str) -> Optional[int]:
+    """The model-parallel rank of a `mp_rank_XX_model_states.pt` name; None for other names."""
+    match = _DS_MODEL_FILE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def deepspeed_optim_file(dp_rank: int, mp_rank: int, bf16: bool = False) -> str:
+    """`[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt`: ZeRO's optimizer partition
+    of data-parallel rank dp and model-parallel rank mp (the prefix with DeepSpeed's bf16)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def parse_deepspeed_optim_file(name: str) -> Optional[Tuple[int, int, bool]]:
+    """(dp_rank, mp_rank, bf16 prefix) of a ZeRO optimizer file name; None for other names."""
+    match = _DS_OPTIM_FILE.match(name)
+    if not match:
+        return None
+    return int(match.group(2)), int(match.group(3)), bool(match.group(1))
+
+
+# ---------------------------------------------------------------------------- pointer files
+
+def tracker_path(save_dir: str) -> str:
+    """`{save_dir}/latest_checkpointed_iteration.txt`."""
+    return os.path.join(save_dir, TRACKER_FILENAME)
+
+
+def _read_pointer(path: str) -> Optional[str]:
+    """The stripped text of a small pointer file; None when it does not exist."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        return f.read().strip()
+
+
+def read_tracker_text(save_dir: str) -> Optional[str]:
+    """The tracker's text as written, stripped; None when there is no tracker (`read_tracker`
+    checks and interprets it)."""
+    return _read_pointer(tracker_path(save_dir))
+
+
+def read_tracker(load_dir: str) -> Optional[Iteration]:
+    """The iteration the tracker names (an int or "release"); None when there is no tracker.
+
+    Raises CheckpointError, naming the file and the fix, when the tracker is empty or not a
+    number, or names a directory that does not exist.
+    """
+    text = read_tracker_text(load_dir)
+    if text is None:
+        return None
+    path = tracker_path(load_dir)
+    available = list_checkpoint_iterations(load_dir)
+    hint = (f"complete iterations may be among {available}; write one of them into it"
+            if available else "delete it to start from scratch")
+    if text == RELEASE:
+        iteration: Iteration = RELEASE
+    elif re.fullmatch(r"\d+", text):
+        iteration = int(text)
+    else:
+        raise CheckpointError(f"tracker file {path} holds {text!r}, not an iteration number or "
+                              f"'release'; {hint}")
+    directory = checkpoint_dir(load_dir, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"tracker file {path} names iteration {iteration}, but "
+                              f"{directory} does not exist; {hint}")
+    return iteration
+
+
+def write_tracker(save_dir: str, iteration: Iteration,
+                  before_replace: Optional[Callable[[], None]] = None) -> None:
+    """Atomically and durably replace the tracker with `iteration` (no newline, as Megatron).
+    `before_replace` runs once the temporary file is complete (a test seam)."""
+    atomic_write_bytes(tracker_path(save_dir), str(iteration).encode("ascii"), durable=True,
+                       before_replace=before_replace)
+
+
+def read_latest_tag(directory: str, file_name: str = LATEST_FILENAME) -> Optional[str]:
+    """The tag DeepSpeed's `latest` (or `latest_universal`, by `file_name`) names under
+    `directory`, stripped; None when the file does not exist."""
+    return _read_pointer(os.path.join(directory, file_name))
+
+
+def write_latest_tag(directory: str, tag: str) -> None:
+    """Atomically and durably replace DeepSpeed's `latest` with `tag` (no newline, as DeepSpeed)."""
+    atomic_write_bytes(os.path.join(directory, LATEST_FILENAME), tag.encode("ascii"),
+                       durable=True)
