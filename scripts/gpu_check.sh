@@ -77,7 +77,9 @@ if [ -f "$STEPS/setup/rc" ] && [ "$(cat "$STEPS/setup/rc")" != 0 ]; then
     PY=python3; report; exit 1
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# the Python's bin folder first: ninja (DeepSpeed's and our kernels' JIT builds), deepspeed
 export VENV_BIN="$(dirname "$PY")" PYTHON="$PY"
+export PATH="$VENV_BIN:$PATH"
 if [ "$DRY" = 0 ]; then
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA device: run it on a GPU machine, or pass --cpu-dry-run')" || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
