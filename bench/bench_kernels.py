@@ -11,12 +11,15 @@ default `--attention-backend auto` (docs/kernels.md).
     python bench/bench_kernels.py --dtype fp16 --models 350M --micro-batch 4
     python bench/bench_kernels.py --device cpu --models tiny --no-compile   # CPU smoke run
 
+--json PATH also writes every timing (ms, GB/s, speed-up over eager) per model.
+
 Without CUDA the kernel rows are skipped (reported as unavailable) and only eager/compiled
 PyTorch run; no figure from such a run says anything about a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -240,8 +243,11 @@ def elementwise_cases(rows: int, hidden: int, dtype, device, compile_: bool) -> 
     ]
 
 
-def run_cases(cases: List[Case], device: torch.device, warmup: int, iters: int) -> List[list]:
-    rows = []
+def run_cases(cases: List[Case], device: torch.device, warmup: int,
+              iters: int) -> List[Dict[str, object]]:
+    """One record per op and implementation: ms (None: unavailable here), GB/s of the op's
+    minimal traffic, and the speed-up over eager PyTorch."""
+    records: List[Dict[str, object]] = []
     for case in cases:
         results: Dict[str, Optional[float]] = {}
         for name, make in case.impls.items():
@@ -249,13 +255,17 @@ def run_cases(cases: List[Case], device: torch.device, warmup: int, iters: int) 
             results[name] = _time(step, device, warmup, iters) if step else None
         base = results.get("eager") or results.get("local eager")
         for name, seconds in results.items():
-            if seconds is None:
-                rows.append([case.op, case.shape, name, "n/a", "", ""])
-                continue
-            rows.append([case.op, case.shape, name, f"{seconds * 1e3:.3f}",
-                         f"{case.bytes_moved / seconds / 1e9:.0f}",
-                         f"{base / seconds:.2f}x" if base else ""])
-    return rows
+            records.append({"op": case.op, "shape": case.shape, "implementation": name,
+                            "ms": seconds * 1e3 if seconds else None,
+                            "gb_s": case.bytes_moved / seconds / 1e9 if seconds else None,
+                            "vs_eager": base / seconds if seconds and base else None})
+    return records
+
+
+def _table_rows(records: List[Dict[str, object]]) -> List[list]:
+    return [[r["op"], r["shape"], r["implementation"], "n/a", "", ""] if r["ms"] is None else
+            [r["op"], r["shape"], r["implementation"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}",
+             f"{r['vs_eager']:.2f}x" if r["vs_eager"] else ""] for r in records]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -268,6 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="skip the torch.compile columns")
+    parser.add_argument("--json", default=None, help="also write every timing to this file")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cpu" and dtype == torch.float16:
@@ -276,6 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"device {device} ({name}), torch {torch.__version__}, dtype {args.dtype}, kernels: "
           f"{'loaded' if status.available else 'unavailable (' + status.reason + ')'}")
+    by_model: Dict[str, List[Dict[str, object]]] = {}
     for model in args.models:
         hidden, heads, seq, vocab = MODELS[model]
         b = args.micro_batch
@@ -285,13 +297,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cases += layer_norm_cases(rows, hidden, dtype, device, args.compile)
         cases.append(cross_entropy_case(rows, vocab, dtype, device, args.compile))
         cases += elementwise_cases(rows, hidden, dtype, device, args.compile)
-        table = run_cases(cases, device, args.warmup, args.iters)
+        by_model[model] = run_cases(cases, device, args.warmup, args.iters)
         print(f"\nGPT-2 {model} shapes (micro-batch {b}, seq {seq}, hidden {hidden}, "
               f"heads {heads}, vocab {vocab}): forward+backward")
-        print(format_table(["op", "shape", "implementation", "ms", "GB/s", "vs eager"], table))
+        print(format_table(["op", "shape", "implementation", "ms", "GB/s", "vs eager"],
+                           _table_rows(by_model[model])))
         del cases
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "device_name": name, "torch": torch.__version__,
+                       "dtype": args.dtype, "micro_batch": args.micro_batch,
+                       "kernels": status.available, "kernels_reason": status.reason,
+                       "models": by_model}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ GPU mode (--device cuda): GPT-2 124M or 350M at seq 1024 (--preset), bf16 or fp1
 fp32 weights (--precision; fp16 with a GradScaler), MFU over the GPU's measured matmul peak in
 that dtype. Besides the references it times our model three ways: "ours" (the default, fastest
 selection: every fusion on, SDPA for causal attention), "ours-nofuse" (every --no-*-fusion
-flag; SDPA still) and "ours-eager" (nothing fused: q k^T + PyTorch softmax + @ v):
+flag; SDPA still) and "ours-eager" (nothing fused: q k^T + PyTorch softmax + @ v), and with
+every fusion on but one ("ours-no-masked-softmax", "ours-no-bias-gelu", "ours-no-bias-dropout",
+"ours-no-layernorm", "ours-no-cross-entropy-loss"). The nanoGPT-style reference ("nano") is
+bench/nanogpt_reference.py's model, here uncompiled. --json PATH writes the figures too:
 
     python bench/bench_train.py --device cuda --preset 124M --precision bf16 \
         --impls ours,ours-nofuse,ours-eager,nano --micro-batch-size 8 --steps 20
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import resource
 import time
@@ -38,8 +42,9 @@ from app.config import ModelConfig, OptimizerConfig
 from app.training.telemetry.flops import model_flops_per_token
 from app.model import GPT2Model, fused
 from app.optim import OptimizerParamScheduler, build_optimizer
-from common import (format_table, keep_freed_memory, measure_matmul_peak,
-                          summarize)
+from common import (PeakResult, format_table, keep_freed_memory, measure_matmul_peak,
+                    summarize)
+from nanogpt_reference import RefGPT
 
 PRESETS = {  # GPT-2 sizes at seq 1024 (--preset)
     "124M": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
@@ -49,53 +54,6 @@ PRESETS = {  # GPT-2 sizes at seq 1024 (--preset)
 }
 OPT = OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_decay_style="cosine", lr_decay_iters=1000,
                       lr_warmup_iters=0, weight_decay=0.01)
-
-
-# ---- the nanoGPT-style reference (written for this benchmark) ----------------------------------
-class _RefBlock(nn.Module):
-    """Pre-LN block with a [q|k|v] projection and SDPA; [b, s, h] -> [b, s, h]."""
-
-    def __init__(self, h: int, heads: int, approximate: str) -> None:
-        super().__init__()
-        self.heads, self.approximate = heads, approximate
-        self.ln_1, self.ln_2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.attn_out = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc, self.fc_out = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(h, dim=2)  # 3 x [b, s, h]
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hd]
-        x = x + self.attn_out(y.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate=self.approximate))
-
-
-class RefGPT(nn.Module):
-    """Token + position embeddings, pre-LN blocks, final LN, tied LM head; returns mean CE loss."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        h = cfg.hidden_size
-        approximate = "tanh" if cfg.openai_gelu else "none"
-        self.wte = nn.Embedding(cfg.padded_vocab_size, h)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, h)
-        self.blocks = nn.ModuleList(_RefBlock(h, cfg.num_attention_heads, approximate)
-                                    for _ in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(h)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, 0.0, 0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        x = self.wte(ids) + self.wpe(pos)  # [b, s, h]
-        for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # [b, s, V]
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 # ---- one training step per implementation -------------------------------------------------------
@@ -167,7 +125,10 @@ class Impl:
 NO_FUSION = dict(masked_softmax_fusion=False, bias_gelu_fusion=False, bias_dropout_fusion=False,
                  layernorm_fusion=False, cross_entropy_loss_fusion=False)
 OUR_VARIANTS = {"ours": {}, "ours-nofuse": NO_FUSION,
-                "ours-eager": dict(NO_FUSION, attention_backend="local")}
+                "ours-eager": dict(NO_FUSION, attention_backend="local"),
+                # every fusion on but one: "ours-no-layernorm", "ours-no-cross-entropy-loss", ...
+                **{"ours-no-" + key[:-len("_fusion")].replace("_", "-"): {key: False}
+                   for key in NO_FUSION}}
 
 
 def _ours(name: str, cfg: ModelConfig, ids: torch.Tensor, labels: torch.Tensor,
@@ -221,34 +182,46 @@ def _paired_speed(impl: Impl, ref: Impl) -> float:
     return summarize(ratios)["median"]
 
 
-def report(impls: List[Impl], cfg: ModelConfig, tokens_per_step: int, peak: float) -> str:
+def figures(impls: List[Impl], cfg: ModelConfig, tokens_per_step: int,
+            peak: float) -> List[Dict[str, object]]:
     """Per implementation: tokens/s and MFU (median step), ms/step (median, best, p90), phase
-    split, CPU ms/step, speed relative to the best reference (paired per round, and CPU time),
-    first loss, parameter count."""
+    medians, CPU ms/step, speed relative to the fastest reference (paired per round) and by CPU
+    time (reference names in `speed_vs`, `cpu_speed_vs`), first loss, parameter count."""
     flops_per_token = model_flops_per_token(cfg)
     med = {i.name: {k: summarize(v)["median"] for k, v in i.phases.items()} for i in impls}
     by_name = {i.name: i for i in impls}
     refs = [n for n in med if not n.startswith("ours")]
     best = min(refs, key=lambda n: med[n]["step"]) if refs else None
     best_cpu = min(refs, key=lambda n: med[n]["cpu"]) if refs else None
-    rows = []
+    out = []
     for impl in impls:
         m, times = med[impl.name], summarize(impl.phases["step"])
         tok_s = tokens_per_step / m["step"]
-        speed = _paired_speed(impl, by_name[best]) if best else float("nan")
-        speed_cpu = med[best_cpu]["cpu"] / m["cpu"] if best_cpu else float("nan")
-        params = sum(p.numel() for p in impl.model.parameters())
-        rows.append([impl.name, f"{tok_s:,.0f}", f"{m['step'] * 1e3:.0f}",
-                     f"{times['min'] * 1e3:.0f}", f"{times['p90'] * 1e3:.0f}",
-                     f"{m['fwd'] * 1e3:.0f}/{m['bwd'] * 1e3:.0f}/{m['opt'] * 1e3:.0f}",
-                     f"{m['cpu'] * 1e3:.0f}", f"{speed:.3f}", f"{speed_cpu:.3f}",
-                     f"{100 * tok_s * flops_per_token / peak:.1f}%",
-                     f"{100 * tokens_per_step / times['min'] * flops_per_token / peak:.1f}%",
-                     f"{impl.losses[0]:.3f}", f"{params:,}"])
+        out.append({
+            "impl": impl.name, "tokens_per_s": tok_s, "ms_step": m["step"] * 1e3,
+            "ms_best": times["min"] * 1e3, "ms_p90": times["p90"] * 1e3,
+            "ms_fwd": m["fwd"] * 1e3, "ms_bwd": m["bwd"] * 1e3, "ms_opt": m["opt"] * 1e3,
+            "cpu_ms": m["cpu"] * 1e3, "speed_vs": best, "cpu_speed_vs": best_cpu,
+            "speed": _paired_speed(impl, by_name[best]) if best else float("nan"),
+            "cpu_speed": med[best_cpu]["cpu"] / m["cpu"] if best_cpu else float("nan"),
+            "mfu": tok_s * flops_per_token / peak,
+            "mfu_best": tokens_per_step / times["min"] * flops_per_token / peak,
+            "loss0": impl.losses[0], "params": sum(p.numel() for p in impl.model.parameters())})
+    return out
+
+
+def report(rows: List[Dict[str, object]]) -> str:
+    """The figures() rows as a text table."""
+    best, best_cpu = rows[0]["speed_vs"], rows[0]["cpu_speed_vs"]
+    cells = [[r["impl"], f"{r['tokens_per_s']:,.0f}", f"{r['ms_step']:.0f}", f"{r['ms_best']:.0f}",
+              f"{r['ms_p90']:.0f}", f"{r['ms_fwd']:.0f}/{r['ms_bwd']:.0f}/{r['ms_opt']:.0f}",
+              f"{r['cpu_ms']:.0f}", f"{r['speed']:.3f}", f"{r['cpu_speed']:.3f}",
+              f"{100 * r['mfu']:.1f}%", f"{100 * r['mfu_best']:.1f}%", f"{r['loss0']:.3f}",
+              f"{r['params']:,}"] for r in rows]
     header = ["impl", "tokens/s", "ms/step", "best ms", "p90 ms", "fwd/bwd/opt ms", "cpu ms",
               f"speed vs {best}", f"cpu-speed vs {best_cpu}", "MFU", "MFU best", "loss@0",
               "params"]
-    return format_table(header, rows)
+    return format_table(header, cells)
 
 
 def main(argv: List[str] | None = None) -> None:
@@ -256,7 +229,7 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
     parser.add_argument("--impls", default="ours,hf,nano",
-                        help="comma list of ours, ours-nofuse, ours-eager, hf, nano")
+                        help="comma list of hf, nano, " + ", ".join(OUR_VARIANTS))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="GPT-2 124M or 350M at seq 1024 (overrides the shape flags)")
@@ -270,6 +243,10 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=50304)
     parser.add_argument("--openai-gelu", action="store_true", help="tanh GeLU in every model")
+    parser.add_argument("--peak-flops", type=float, default=None,
+                        help="the peak FLOP/s for MFU, instead of measuring the matmul peak")
+    parser.add_argument("--json", default=None,
+                        help="also write the figures (and the run's settings) to this file")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc malloc as is (default: keep freed memory for reuse, "
                              "for every implementation alike; see bench.common.keep_freed_memory)")
@@ -290,6 +267,8 @@ def main(argv: List[str] | None = None) -> None:
                       max_position_embeddings=args.seq_length, padded_vocab_size=args.vocab_size,
                       hidden_dropout=0.0, attention_dropout=0.0, openai_gelu=args.openai_gelu)
     def measure_peak():
+        if args.peak_flops:
+            return PeakResult(flops=args.peak_flops, best_n=0, by_n={0: args.peak_flops})
         if device.type == "cuda":
             return measure_matmul_peak((2048, 4096, 8192), dtype=autocast or torch.float32,
                                        device=device)
@@ -319,10 +298,18 @@ def main(argv: List[str] | None = None) -> None:
     print(f"{args.warmup} warm-up + {args.steps} timed steps each, interleaved. tokens/s, ms/step "
           "and MFU: median step; 'speed': median over rounds of (reference ms / this ms); "
           "'cpu ms': process CPU time per step (less sensitive to other processes)")
-    print(report(impls, cfg, ids.numel(), peak.flops))
+    rows = figures(impls, cfg, ids.numel(), peak.flops)
+    print(report(rows))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB")
     if device.type == "cuda":
         print(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "precision": args.precision,
+                       "micro_batch_size": args.micro_batch_size, "steps": args.steps,
+                       "model": dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                                     seq_length=cfg.seq_length, vocab_size=cfg.padded_vocab_size),
+                       "peak_flops": peak.flops, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
+export PATH="$ROOT/.venv/bin:$PATH"  # ninja for the kernel build, from the venv when not on PATH
 PY="$ROOT/.venv/bin/python"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: run this on a GPU machine')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true

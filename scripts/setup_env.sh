@@ -2,12 +2,70 @@
 # Create .venv (if missing), install requirements.txt and the project (editable) into it;
 # idempotent and quick when done.
 # torch is installed first and pinned, so deepspeed does not pull a newer (CUDA) torch build.
+#
+# Offline, onto a machine's own Python and torch (docs/gpu.md), from a folder made by
+# scripts/wheelhouse.sh:
+#     bash scripts/setup_env.sh --wheelhouse DIR [--python PY] [--venv DIR | --no-venv]
+# makes VENV (default .venv) with --system-site-packages on top of PY (default python3), so PY's
+# torch stays and nothing replaces it, and installs requirements.txt without its torch line and
+# the project from DIR with pip --no-index. --no-venv installs into PY's own environment instead
+# (a venv or conda environment that already has torch). Refuses a torch older than the oldest
+# supported (scripts/lib/offline_install.py: MIN_TORCH). Environment: WHEELHOUSE, PYTHON, VENV.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
-STAMP="$VENV/.requirements.sha256"
+WHEELHOUSE="${WHEELHOUSE:-}"
+NO_VENV=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --wheelhouse) WHEELHOUSE="$2"; shift 2 ;;
+        --python) PY="$2"; shift 2 ;;
+        --venv) VENV="$2"; shift 2 ;;
+        --no-venv) NO_VENV=1; shift ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        *) echo "setup_env.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+HELPER="$ROOT/scripts/lib/offline_install.py"
 WANT="$(cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+
+if [ -n "$WHEELHOUSE" ]; then
+    "$PY" "$HELPER" check-manifest "$WHEELHOUSE" --requirements "$ROOT/requirements.txt"
+    "$PY" "$HELPER" check-torch
+    if [ "$NO_VENV" = 1 ]; then
+        TARGET="$PY"
+    else
+        if [ ! -x "$VENV/bin/python" ]; then
+            echo "[setup] creating $VENV on top of $PY (--system-site-packages: its torch stays)"
+            "$PY" -m venv --system-site-packages "$VENV"
+        fi
+        TARGET="$VENV/bin/python"
+        if ! "$TARGET" "$HELPER" check-torch > /dev/null 2>&1; then
+            echo "setup: $VENV does not see $PY's torch ($VENV predates this install, or $PY is" \
+                 "itself a venv whose base Python has no torch): remove $VENV, or pass --no-venv" \
+                 "to install into $PY's environment" >&2
+            exit 1
+        fi
+    fi
+    STAMP="$VENV/.requirements.sha256"  # --no-venv: no stamp, pip finds it all installed
+    if [ "$NO_VENV" = 1 ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+        PREFIX="$("$TARGET" -c 'import sys; print(sys.prefix)')"
+        echo "[setup] installing from $WHEELHOUSE into $PREFIX (no network; its torch kept)"
+        REQS="$(mktemp)"
+        trap 'rm -f "$REQS"' EXIT
+        "$PY" "$HELPER" filter-requirements "$ROOT/requirements.txt" --drop torch > "$REQS"
+        OFFLINE=(--disable-pip-version-check --no-index --find-links "$WHEELHOUSE")
+        "$TARGET" -m pip install -q "${OFFLINE[@]}" -r "$REQS"
+        # the project, editable; its build backend (setuptools) comes from the wheelhouse too
+        "$TARGET" -m pip install -q "${OFFLINE[@]}" --no-deps -e "$ROOT"
+        "$TARGET" "$HELPER" check-torch
+        [ "$NO_VENV" = 1 ] || echo "$WANT" > "$STAMP"
+    fi
+    exit 0
+fi
+
+STAMP="$VENV/.requirements.sha256"
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
     "$PY" -m venv "$VENV"
@@ -18,5 +76,6 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements.txt"
     # the project itself, editable: `app`, `arguments` and `pretrain_gpt2` import from anywhere
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
+    "$VENV/bin/python" "$HELPER" check-torch
     echo "$WANT" > "$STAMP"
 fi
