@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,  # noqa: F401
                               RECOMPUTE_GRANULARITIES, ModelConfig, resolve_recompute_flags)
 from app.config.rules import divisible, positive, split_weights  # noqa: F401
+from app.config.wandb import WandbConfig
 
 
 @dataclass
@@ -391,6 +392,7 @@ class RunConfig:
     """Tokenizer vocabulary before padding (recorded in checkpoints)."""
     make_vocab_size_divisible_by: int = 128
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         m, p, t = self.model, self.parallel, self.training
