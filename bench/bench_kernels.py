@@ -17,7 +17,9 @@ PyTorch run; no figure from such a run says anything about a GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -25,6 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.kernels import library, ops
 from app.model import fused
 from app.mpu.cross_entropy import fused_vocab_parallel_cross_entropy

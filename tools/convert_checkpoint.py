@@ -13,8 +13,12 @@ written to a temporary directory and renamed to DST at the end. See docs/convers
 """
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
+
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _iteration(text: str):

@@ -11,9 +11,12 @@ nothing is wrong and 2 when the report holds an error.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import List, Optional
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pretrain_gpt2
 
 

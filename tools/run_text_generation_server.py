@@ -13,9 +13,13 @@ and broadcasts each request to the other ranks. --port 0 picks a free port; the 
 is printed on stderr ("serving on http://HOST:PORT/api"). See docs/inference.md.
 """
 import argparse
+import os
 import signal
 import sys
 from typing import List, Optional
+
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
