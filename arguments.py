@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
@@ -32,6 +33,7 @@ from app.config import (ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLE
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RollbackConfig,
                         RunConfig, TrainingConfig, default_kernel_build_timeout,
                         resolve_recompute_flags)
+from app.config.wandb import WandbConfig
 from app.data.tokenizer import pad_vocab_size
 from app.launch.distributed import check_backend, default_backend
 from app.training.engines.ds_config import load_ds_json, reconcile_ds_config
@@ -330,6 +332,27 @@ def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
                              "named by --load's latest_universal) at any DP/TP size")
 
 
+def _add_wandb_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Weights & Biases", "log the training scalars and the run "
+                                  "configuration from the last rank (pip install wandb; "
+                                  "docs/metrics.md)")
+    g.add_argument("--wandb-project", type=str, default=None,
+                   help="the W&B project; W&B is off without it")
+    g.add_argument("--wandb-exp-name", type=str, default=None, help="the run's name in W&B")
+    g.add_argument("--wandb-save-dir", type=str, default=None,
+                   help="the run's local W&B files (default: {--save}/wandb)")
+    g.add_argument("--wandb-entity", type=str, default=None,
+                   help="the W&B user or team (default: the account's)")
+
+
+def _wandb_config(args: argparse.Namespace) -> WandbConfig:
+    save_dir = args.wandb_save_dir
+    if save_dir is None and args.wandb_project and args.save:
+        save_dir = os.path.join(args.save, "wandb")
+    return WandbConfig(project=args.wandb_project, exp_name=args.wandb_exp_name,
+                       save_dir=save_dir, entity=args.wandb_entity)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: every Megatron-LM flag this project understands plus DeepSpeed's."""
     parser = argparse.ArgumentParser(
@@ -338,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_model_args, _add_kernel_args, _add_parallel_args, _add_precision_args,
                 _add_optimizer_args, _add_training_args, _add_data_args, _add_checkpoint_args,
                 _add_rollback_args, _add_preflight_args,
-                _add_deepspeed_args):
+                _add_deepspeed_args, _add_wandb_args):
         add(parser)
     return parser
 
@@ -500,6 +523,7 @@ def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
             require_fused_kernels=args.require_fused_kernels, build_dir=args.kernel_build_dir,
             build_timeout=(default_kernel_build_timeout(args.distributed_timeout_minutes)
                            if args.kernel_build_timeout is None else args.kernel_build_timeout)),
+        wandb=_wandb_config(args),
     )
 
 

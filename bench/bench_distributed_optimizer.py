@@ -13,8 +13,13 @@ bytes / DP; weights and gradients are not sharded (ZeRO-1).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from bench_parallel import run
+
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DISTRIBUTED = ["--use-distributed-optimizer"]
 OVERLAP = DISTRIBUTED + ["--overlap-grad-reduce", "--overlap-param-gather"]

@@ -12,10 +12,14 @@ keys); recomputing the whole prefix every step costs more per token the longer t
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import ModelConfig
 from app.inference.generation import generate
 from app.inference.runner import PipelineRunner

@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 import struct
+import sys
 import tempfile
 import time
 
 
 import numpy as np
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.data import MMapIndexedDataset, build_train_valid_test_datasets
 from app.data.index_builder import (build_doc_idx, build_sample_idx, build_shuffle_idx,
                                     compute_num_epochs)

@@ -29,10 +29,15 @@ layer input; / t with SP).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import weakref
 from typing import Dict, List, Tuple
 
 import torch
+
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RAW_VOCAB = 1000
 

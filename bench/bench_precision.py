@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from typing import Any, Dict, List
 
 import torch
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import arguments
 from app.testing.synthetic import build_synthetic_run
 from app.training.telemetry.flops import model_flops_per_token, peak_flops

@@ -29,7 +29,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import resource
+import sys
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -38,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import ModelConfig, OptimizerConfig
 from app.training.telemetry.flops import model_flops_per_token
 from app.model import GPT2Model, fused

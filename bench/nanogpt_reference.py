@@ -10,7 +10,7 @@ model under `torch.compile`; pre-LN blocks with one [q|k|v] projection and
 `F.scaled_dot_product_attention(is_causal=True)`, tied embeddings, no dropout, GeLU. One fixed
 batch of random tokens (throughput does not depend on the tokens). tokens/s is the median
 step's; MFU uses the model FLOPs per token and the peak that pretrain_gpt2.py logs
-(app.training.flops), so the ratio of the two runs' MFU is the ratio of their tokens/s.
+(app.training.telemetry.flops), so the ratio of the two runs' MFU is the ratio of their tokens/s.
 `--json PATH` writes the figures for scripts/gpu_check.sh. bench/bench_train.py times the same
 model beside ours in one process.
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import ModelConfig
-from app.training.flops import model_flops_per_token, peak_flops
+from app.training.telemetry.flops import model_flops_per_token, peak_flops
 
 PRESETS = {  # GPT-2 sizes at seq 1024, vocabulary 50257 padded to 50304 (--preset)
     "124M": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024),

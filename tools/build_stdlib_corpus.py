@@ -17,6 +17,8 @@ import sys
 import sysconfig
 from typing import Dict, Iterator, List, Optional
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.utils.fileio import atomic_open
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}

@@ -4,7 +4,7 @@
         --load SRC --save DST [--iteration N] [--target-tensor-model-parallel-size N] \
         [--target-pipeline-model-parallel-size M] [--target-params-dtype fp32|fp16|bf16] \
         [--include-optimizer] [--max-shard-size 2GB] [--vocab-file F --merge-file F] \
-        [--print-checkpoint-structure]
+        [--metrics-file RUN/metrics.jsonl] [--print-checkpoint-structure]
 
 The Megatron output is a `release` checkpoint (weights only; load it with --load or --finetune)
 unless --iteration is given; with --include-optimizer it keeps the source's iteration, Adam
@@ -13,8 +13,12 @@ written to a temporary directory and renamed to DST at the end. See docs/convers
 """
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
+
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _iteration(text: str):
@@ -50,6 +54,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--merge-file", help="GPT-2 merges.txt copied into the hf output")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Megatron's vocabulary padding multiple for hf input (default 128)")
+    p.add_argument("--metrics-file", default=None,
+                   help="hf output: the run's --metrics-file JSONL; the model card (README.md) "
+                        "reports its last validation loss")
     p.add_argument("--print-checkpoint-structure", action="store_true",
                    help="print every key, shape and dtype of the source (and convert too if --save)")
     return p.parse_args(argv)

@@ -13,8 +13,12 @@ including prefill and decode tokens/s, goes to stderr. See docs/inference.md.
 """
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
+
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

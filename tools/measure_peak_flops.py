@@ -13,11 +13,14 @@ datasheet's dense peak for the dtype (see docs/metrics.md); nothing is measured.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
 import torch
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.training.telemetry import flops
 from app.utils.dtypes import torch_dtype
 

@@ -13,6 +13,9 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 PANELS = (("lm_loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"))
 

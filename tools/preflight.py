@@ -12,9 +12,12 @@ when nothing is wrong and 2 when the report holds an error, as the real run's st
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import List, Optional
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pretrain_gpt2
 
 

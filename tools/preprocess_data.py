@@ -32,6 +32,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # --workers N means N 
 
 import numpy as np
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype,
                                       data_file_path, index_file_path)
 from app.data.sentences import (SentenceSplitter, load_punkt_params,

@@ -1,19 +1,25 @@
-"""Serve text generation over HTTP (Megatron-LM's PUT /api JSON interface) from a checkpoint.
+"""Serve text generation over HTTP (Megatron-LM's PUT /api JSON interface, and a page at /)
+from a checkpoint.
 
     [torchrun --nproc_per_node TP*PP] tools/run_text_generation_server.py --load DIR \
         --vocab-file F --merge-file F [--tensor-model-parallel-size N --pipeline-model-parallel-size M] \
-        [--host 0.0.0.0] [--port 5000] [--max-batch-size 64]
+        [--host 0.0.0.0] [--port 5000] [--max-batch-size 64] [--max-request-bytes 1048576]
 
     curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \
         -d '{"prompts": ["def main("], "tokens_to_generate": 32, "top_p": 0.9}'
 
-Rank 0 serves HTTP and broadcasts each request to the other ranks. --port 0 picks a free port;
-the address served is printed on stderr ("serving on http://HOST:PORT/api"). See docs/inference.md.
+Open http://HOST:PORT/ in a browser to type a prompt and see its completion. Rank 0 serves HTTP
+and broadcasts each request to the other ranks. --port 0 picks a free port; the address served
+is printed on stderr ("serving on http://HOST:PORT/api"). See docs/inference.md.
 """
 import argparse
+import os
 import signal
 import sys
 from typing import List, Optional
+
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -25,7 +31,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=None)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=5000)
-    p.add_argument("--max-batch-size", type=int, default=64, help="most prompts in one request")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="most prompts (and beams) in one request")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger ones get 413")
     return p.parse_args(argv)
 
 
@@ -33,6 +42,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from app.inference.session import configure_tool_logging, session_from_flags
     configure_tool_logging("server")
     a = get_args(argv)
+    for flag, value in (("--max-batch-size", a.max_batch_size),
+                        ("--max-request-bytes", a.max_request_bytes)):
+        if value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     from app.inference.server import create_app
     from app.checkpointing.megatron import CheckpointError
     try:
@@ -45,8 +59,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         session.close()
         return 0
     from werkzeug.serving import make_server
-    server = make_server(a.host, a.port, create_app(session, a.max_batch_size), threaded=True)
-    print(f"serving on http://{a.host}:{server.server_port}/api", file=sys.stderr, flush=True)
+    app = create_app(session, a.max_batch_size, a.max_request_bytes)
+    server = make_server(a.host, a.port, app, threaded=True)
+    print(f"serving on http://{a.host}:{server.server_port}/api (page: "
+          f"http://{a.host}:{server.server_port}/)", file=sys.stderr, flush=True)
     def _terminate(*_):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, _terminate)

@@ -17,6 +17,8 @@ import sys
 from typing import Iterator, List, Optional
 
 
+# this checkout's `app`, whether or not the project is pip-installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.data.tokenizer import build_tokenizer, train_gpt2_bpe
 
 

@@ -72,7 +72,8 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         lr_decay_style=o.lr_decay_style, lr_decay_iters=o.lr_decay_iters,
         lr_warmup_iters=o.lr_warmup_iters,
         consumed_train_samples=int(consumed_train_samples),
-        consumed_valid_samples=int(consumed_valid_samples), iteration=int(iteration))
+        consumed_valid_samples=int(consumed_valid_samples), iteration=int(iteration),
+        data_path=list(cfg.data.data_path))
 
 
 NOT_SAVED = ("layernorm_fusion", "cross_entropy_loss_fusion", "attention_backend")

@@ -20,12 +20,14 @@ from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
                               RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ModelConfig,
                               RecomputePlan, recompute_plan, resolve_recompute_flags)
 from app.config.rules import divisible, positive, split_weights
+from app.config.wandb import WandbConfig
 
 __all__ = [
     "ATTENTION_BACKENDS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
     "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
     "DeepSpeedConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
     "PrecisionConfig", "RecomputePlan", "RollbackConfig", "RunConfig", "TrainingConfig",
+    "WandbConfig",
     "default_kernel_build_timeout", "divisible", "positive", "recompute_plan",
     "resolve_recompute_flags", "samples_per_split", "split_weights"]
 
@@ -407,6 +409,7 @@ class RunConfig:
     """Tokenizer vocabulary before padding (recorded in checkpoints)."""
     make_vocab_size_divisible_by: int = 128
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         m, p, t = self.model, self.parallel, self.training

@@ -43,6 +43,8 @@ class ConvertOptions:
     merge_file: Optional[str] = None
     make_vocab_size_divisible_by: int = 128
     print_checkpoint_structure: bool = False
+    metrics_file: Optional[str] = None
+    """The run's --metrics-file JSONL: the hf output's model card reports its last validation loss."""
 
     def __post_init__(self) -> None:
         if self.input_format not in INPUT_FORMATS:
@@ -65,6 +67,9 @@ class ConvertOptions:
             raise FileNotFoundError(f"--load {self.load} does not exist")
         if not self.print_checkpoint_structure and not self.save:
             raise ValueError("--save DIR is required (unless --print-checkpoint-structure)")
+        if self.metrics_file is not None and not os.path.isfile(self.metrics_file):
+            raise FileNotFoundError(f"--metrics-file {self.metrics_file} does not exist (the JSONL "
+                                    "that pretrain_gpt2.py --metrics-file wrote)")
 
 
 def read_checkpoint(opts: ConvertOptions) -> ModelCheckpoint:
@@ -118,7 +123,8 @@ def convert(opts: ConvertOptions) -> str:
             if tp != 1 or pp != 1:
                 logger.warning("--target-*-parallel-size is ignored for --output-format hf")
             from app.convert.hf_gpt2 import write_hf_dir
-            write_hf_dir(source, tmp, dtype, opts.max_shard_size, opts.vocab_file, opts.merge_file)
+            write_hf_dir(source, tmp, dtype, opts.max_shard_size, opts.vocab_file, opts.merge_file,
+                         opts.metrics_file, os.path.abspath(opts.save))
             if not (opts.vocab_file or source.tokenizer_files):
                 logger.warning("no tokenizer files written: pass --vocab-file and --merge-file so "
                                "AutoTokenizer.from_pretrained works")

@@ -264,8 +264,11 @@ def shard_plan(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[List[st
 
 def write_hf_dir(source: ModelCheckpoint, out_dir: str, dtype: Optional[torch.dtype] = None,
                  max_shard_size: str = "2GB", vocab_file: Optional[str] = None,
-                 merge_file: Optional[str] = None) -> Dict[str, str]:
-    """Write config.json, generation_config.json, safetensors and tokenizer files to `out_dir`.
+                 merge_file: Optional[str] = None, metrics_file: Optional[str] = None,
+                 model_path: Optional[str] = None) -> Dict[str, str]:
+    """Write config.json, generation_config.json, safetensors, tokenizer files and the model card
+    README.md (app.convert.model_card; `metrics_file` gives its validation loss, `model_path`
+    the path its examples load, default `out_dir`) to `out_dir`.
 
     The vocabulary is trimmed to the tokenizer's size (args.vocab_size). Returns the files
     written, {name: path}.
@@ -308,6 +311,12 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, dtype: Optional[torch.dt
     if vocab_file and merge_file:
         written.update(write_tokenizer_files(out_dir, vocab_file, merge_file,
                                              int(args.max_position_embeddings)))
+    from app.convert.model_card import model_card
+    card = model_card(args, source.iteration, sum(t.numel() for t in tensors.values()),
+                      model_path or out_dir, metrics_file)
+    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
+        f.write(card)
+    written["README.md"] = os.path.join(out_dir, "README.md")
     progress.report(final=True)
     return written
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -86,14 +86,20 @@ def _step(runner: PipelineRunner, batch: _Batch, start: int, end: int,
     return None if logits is None else logits[:, -1]
 
 
+StopCheck = Callable[[List[List[int]]], List[bool]]
+"""Given the new tokens of every row so far, whether each row is finished (e.g. its text holds a
+stop sequence). Every rank calls it on the same tokens, so it must be deterministic."""
+
+
 def generate(runner: PipelineRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingConfig, eod: int, vocab_size: int, max_positions: int,
-             use_cache: bool = True) -> GenerationResult:
+             use_cache: bool = True, stop_check: Optional[StopCheck] = None) -> GenerationResult:
     """Greedy or sampled continuation of each prompt (token ids), up to `max_new_tokens` each.
 
-    Rows stop at the EOD token; the loop stops when all rows have. With `sampling.seed` the
-    draws are reproducible (one generator, seeded on every rank). `use_cache=False` recomputes
-    the whole prefix at every step (the reference the cache must match).
+    Rows stop at the EOD token, or when `stop_check` says so (the token that finished a row is
+    kept); the loop stops when all rows have. With `sampling.seed` the draws are reproducible
+    (one generator, seeded on every rank). `use_cache=False` recomputes the whole prefix at
+    every step (the reference the cache must match).
     """
     device = runner.device
     batch = _Batch(prompts, max_new_tokens, eod, max_positions, device)
@@ -116,9 +122,13 @@ def generate(runner: PipelineRunner, prompts: Sequence[Sequence[int]], max_new_t
             chosen = torch.where(done, torch.full_like(chosen, eod), chosen)
         runner.broadcast_from_last_stage(chosen)
         batch.tokens[:, cur] = chosen
-        newly = (chosen == eod) & ~done
+        stopped = chosen == eod
+        if stop_check is not None:
+            stopped |= torch.tensor(stop_check(batch.tokens[:, start:cur + 1].tolist()),
+                                    dtype=torch.bool, device=device)
+        newly = stopped & ~done
         lengths[newly] = step + 1
-        done |= chosen == eod
+        done |= stopped
         top_p = sampling.next_top_p(top_p)
         elapsed = time.perf_counter() - t0
         if step == 0:

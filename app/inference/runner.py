@@ -37,12 +37,26 @@ class LoadedModel:
     tokenizer_files: Dict[str, str]
 
 
-def saved_layout_of(load: str) -> Optional[tuple]:
-    """(TP, PP) a Megatron checkpoint was saved with; None for a Hugging Face directory."""
+def checkpoint_format(load: str) -> str:
+    """'hf' (config.json), 'deepspeed' (a `latest` tag whose folder holds
+    mp_rank_XX_model_states.pt) or 'megatron' (everything else; its reader names what is missing)."""
     if not os.path.isdir(load):
         raise FileNotFoundError(f"--load {load} does not exist (a checkpoint directory or a "
                                 "Hugging Face model directory)")
     if os.path.isfile(os.path.join(load, "config.json")):
+        return "hf"
+    tag = names.read_latest_tag(load)
+    folder = os.path.join(load, tag) if tag else None
+    if folder and os.path.isdir(folder) and any(
+            names.parse_deepspeed_model_file(n) is not None for n in os.listdir(folder)):
+        return "deepspeed"
+    return "megatron"
+
+
+def saved_layout_of(load: str) -> Optional[tuple]:
+    """(TP, PP) a Megatron checkpoint was saved with; None for a Hugging Face directory or a
+    DeepSpeed checkpoint (both are read whole and split for the layout asked for)."""
+    if checkpoint_format(load) != "megatron":
         return None
     from app.convert.megatron import resolve_iteration
     from app.checkpointing import megatron as ckpt
@@ -50,23 +64,30 @@ def saved_layout_of(load: str) -> Optional[tuple]:
 
 
 def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
-    """This rank's stage of the model in `load` (Megatron checkpoint or HF directory), eval mode.
+    """This rank's stage of the model in `load` (Megatron or DeepSpeed checkpoint, or HF
+    directory), eval mode.
 
-    When the layout of `ps` is the checkpoint's, each rank reads only its own file; otherwise
-    the whole checkpoint is read and resharded in memory (app.convert).
+    When the layout of `ps` is a Megatron checkpoint's, each rank reads only its own file;
+    otherwise the whole checkpoint is read (DeepSpeed: its fp32 master weights, through the
+    converter's reader) and resharded in memory (app.convert).
     """
     from app.convert.megatron import read_megatron, target_padded_vocab
     tp, pp = ps.tensor_model_parallel_size, ps.pipeline_model_parallel_size
     stage = ps.pipeline_model_parallel_rank
     saved = saved_layout_of(load)
-    if saved is None:
+    fmt = checkpoint_format(load)
+    if fmt == "hf":
         from app.convert.hf_gpt2 import read_hf_dir
         source = read_hf_dir(load)
-    elif tuple(saved) == (tp, pp) and iteration is None:
+    elif fmt == "deepspeed":
+        from app.convert.deepspeed import read_deepspeed
+        source = read_deepspeed(load, iteration)
+    elif saved is not None and tuple(saved) == (tp, pp) and iteration is None:
         return _load_own_file(load, ps)
     else:
-        logger.info("checkpoint %s was saved at TP %d x PP %d; resharding it in memory for TP %d x "
-                    "PP %d", load, saved[0], saved[1], tp, pp)
+        if saved is not None:
+            logger.info("checkpoint %s was saved at TP %d x PP %d; resharding it in memory for "
+                        "TP %d x PP %d", load, saved[0], saved[1], tp, pp)
         source = read_megatron(load, iteration)
     args = source.args
     rows = target_padded_vocab(args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)

@@ -1,4 +1,5 @@
-"""HTTP text-generation API in the style of Megatron-LM's text generation server (Flask).
+"""HTTP text-generation API in the style of Megatron-LM's text generation server (Flask), and a
+small page at `/` to try it from a browser (app.inference.web_page).
 
     PUT or POST /api   {"prompts": ["..."], "tokens_to_generate": 32, "temperature": 0.8,
                         "top_k": 0, "top_p": 0.9, "top_p_decay": 0.0, "top_p_bound": 0.0,
@@ -6,10 +7,13 @@
     200 -> {"text": [prompt + continuation, ...], "generated_text": [...],
             "generated_tokens": [[ids], ...], "prefill_tokens_per_s": ..., "decode_tokens_per_s": ...}
     400 -> {"error": "..."} for bad JSON, unknown or ill-typed fields, bad sampling values,
-           empty or over-long prompts; the server keeps serving.
+           empty or over-long prompts, too many prompts or beams; the server keeps serving.
+    413 -> {"error": "..."} for a body over `max_request_bytes`.
 
-Requests are served one at a time (a lock around the session), and each is broadcast by rank 0
-to every rank of the model (InferenceSession.generate).
+Every input is bounded: the body's size, the number of prompts (and beams), and prompt tokens +
+tokens to generate (the model's positions). Requests are checked as they arrive, concurrently;
+the valid ones wait in turn for the model (a lock around the session: one generation at a
+time), and each is broadcast by rank 0 to every rank of the model (InferenceSession.generate).
 """
 from __future__ import annotations
 
@@ -64,6 +68,9 @@ def parse_request(body: Any, max_batch: int) -> Tuple[list, GenerationParams]:
         raise RequestError("'prompts' must be a non-empty list of non-empty strings")
     if len(prompts) > max_batch:
         raise RequestError(f"{len(prompts)} prompts exceed the server's batch limit of {max_batch}")
+    if values["beam_width"] > max_batch:
+        raise RequestError(f"beam_width {values['beam_width']} exceeds the server's batch limit "
+                           f"of {max_batch}")
     greedy = values["greedy"] or (values["top_k"] == 0 and values["top_p"] == 0.0
                                   and values["random_seed"] is None and values["temperature"] == 1.0)
     try:
@@ -78,11 +85,23 @@ def parse_request(body: Any, max_batch: int) -> Tuple[list, GenerationParams]:
     return prompts, params
 
 
-def create_app(session: InferenceSession, max_batch: int = 64):
-    """The Flask application serving `session` at /api (PUT and POST)."""
-    from flask import Flask, jsonify, request
+def create_app(session: InferenceSession, max_batch: int = 64,
+               max_request_bytes: int = 1 << 20):
+    """The Flask application serving `session` at /api (PUT and POST) and its page at /."""
+    from flask import Flask, Response, jsonify, request
+    from app.inference.web_page import PAGE
     app = Flask("gpt2_text_generation")
+    app.config["MAX_CONTENT_LENGTH"] = max_request_bytes
     lock = threading.Lock()
+
+    @app.route("/", methods=["GET"])
+    def page():
+        return Response(PAGE, mimetype="text/html")
+
+    @app.errorhandler(413)
+    def too_large(_):
+        return jsonify(error=f"the request body exceeds the server's limit of "
+                             f"{max_request_bytes} bytes"), 413
 
     @app.route("/api", methods=["PUT", "POST"])
     def api():

@@ -1,20 +1,22 @@
 """One inference world: the process group, this rank's model stage, the tokenizer, and a request
 loop in which rank 0 leads and every other rank follows.
 
-Rank 0 calls `generate(prompts, params)`; the other ranks call `follow()`, which receives each
-request (prompts + parameters) broadcast by rank 0, runs the same generation, and returns when
-rank 0 calls `stop()`. So a command-line run, an interactive prompt loop and the HTTP server
-all drive every rank one request at a time.
+Rank 0 calls `generate(prompts, params)`, `generate_ids(prompt_ids, params)` or
+`score(rows)`; the other ranks call `follow()`, which receives each request broadcast by rank 0,
+runs the same computation, and returns when rank 0 calls `stop()`. So a command-line run, an
+interactive prompt loop, the HTTP server and lm-evaluation-harness all drive every rank one
+request at a time.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from app.inference.generation import GenerationResult, beam_search, generate
+from app.inference.generation import GenerationResult, StopCheck, beam_search, generate
 from app.inference.runner import PipelineRunner, load_model, saved_layout_of
 from app.inference.sampling import SamplingConfig
+from app.inference.scoring import continuation_logprobs
 from app.mpu import collectives
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,8 @@ class GenerationParams:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     num_beams: int = 1
     length_penalty: float = 1.0
+    stop_sequences: List[str] = field(default_factory=list)
+    """A row also stops once its generated text contains one of these (the text is not cut)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -38,6 +42,8 @@ class GenerationParams:
         if self.num_beams > 1 and (s.top_k > 1 or s.top_p > 0.0 or s.temperature != 1.0):
             raise ValueError("beam search does not sample: drop top_k/top_p/temperature or use "
                              "num_beams 1")
+        if self.num_beams > 1 and self.stop_sequences:
+            raise ValueError("stop_sequences need num_beams 1")
 
 
 def resolve_layout(load: str, world_size: int, tp: Optional[int], pp: Optional[int]):
@@ -101,25 +107,58 @@ class InferenceSession:
     def generate(self, prompts: List[str], params: GenerationParams) -> Dict[str, Any]:
         """(Rank 0) generate for every prompt on every rank; returns {'results': [{prompt,
         generated_text, generated_tokens}], 'prefill_tokens_per_s', 'decode_tokens_per_s'}."""
-        collectives.broadcast_object(("generate", prompts, asdict(params)), 0, self.world)
-        return self._run(prompts, params)
+        return self._lead("generate", prompts, asdict(params))
+
+    def generate_ids(self, prompts: List[List[int]], params: GenerationParams) -> GenerationResult:
+        """(Rank 0) generate for prompts given as token ids (no beam search), on every rank."""
+        return self._lead("generate_ids", prompts, asdict(params))
+
+    def score(self, rows: Sequence[Tuple[List[int], List[int]]]) -> List[Tuple[float, bool]]:
+        """(Rank 0) (log p, greedy) of each (context ids, continuation ids) row, one batch, on
+        every rank (app.inference.scoring)."""
+        return self._lead("score", [(list(c), list(t)) for c, t in rows])
 
     def follow(self) -> None:
         """(Ranks > 0) serve rank 0's requests until it calls stop()."""
         while True:
-            message = collectives.broadcast_object(None, 0, self.world)
-            if message[0] == "stop":
+            op, *payload = collectives.broadcast_object(None, 0, self.world)
+            if op == "stop":
                 return
-            _, prompts, raw = message
-            raw["sampling"] = SamplingConfig(**raw["sampling"])
             try:
-                self._run(prompts, GenerationParams(**raw))
+                self._dispatch(op, payload)
             except ValueError:  # every rank raises the same; rank 0 reports it
                 continue
 
     def stop(self) -> None:
         """(Rank 0) release the following ranks."""
         collectives.broadcast_object(("stop",), 0, self.world)
+
+    def _lead(self, op: str, *payload: Any) -> Any:
+        collectives.broadcast_object((op, *payload), 0, self.world)
+        return self._dispatch(op, list(payload))
+
+    def _dispatch(self, op: str, payload: list) -> Any:
+        if op == "score":
+            return continuation_logprobs(self.runner, payload[0], self.vocab_size,
+                                         self.max_positions, self.tokenizer.eod)
+        prompts, raw = payload
+        params = GenerationParams(**{**raw, "sampling": SamplingConfig(**raw["sampling"])})
+        if op == "generate":
+            return self._run(prompts, params)
+        if op == "generate_ids":
+            return self._generate_ids(prompts, params)
+        raise ValueError(f"unknown inference request {op!r}")
+
+    def _stop_check(self, stops: List[str]) -> Optional[StopCheck]:
+        if not stops:
+            return None
+        detokenize = self.tokenizer.detokenize
+        return lambda rows: [any(s in detokenize(r) for s in stops) for r in rows]
+
+    def _generate_ids(self, ids: List[List[int]], params: GenerationParams) -> GenerationResult:
+        return generate(self.runner, ids, params.max_new_tokens, params.sampling,
+                        self.tokenizer.eod, self.vocab_size, self.max_positions,
+                        use_cache=self.use_cache, stop_check=self._stop_check(params.stop_sequences))
 
     def _run(self, prompts: List[str], params: GenerationParams) -> Dict[str, Any]:
         ids = [self.tokenizer.tokenize(p) for p in prompts]
@@ -132,8 +171,7 @@ class InferenceSession:
                                       decode_tokens=sum(r.decode_tokens for r in results),
                                       decode_seconds=sum(r.decode_seconds for r in results))
         else:
-            merged = generate(self.runner, ids, params.max_new_tokens, params.sampling, eod,
-                              self.vocab_size, self.max_positions, use_cache=self.use_cache)
+            merged = self._generate_ids(ids, params)
         out = []
         for prompt, tokens in zip(prompts, merged.tokens):
             text_tokens = [t for t in tokens if t != eod]

@@ -122,7 +122,8 @@ class Trainer:
         self.batches = BatchBuilder(cfg.data, eod, t.micro_batch_size, cfg.model.seq_length,
                                     parallel_state, device)
         self.writer = metrics_lib.MetricsWriter(t.tensorboard_dir, t.metrics_file,
-                                                enabled=self.is_logging_rank)
+                                                enabled=self.is_logging_rank, wandb=cfg.wandb,
+                                                run_config=cfg)
         self.recompute = cfg.model.recompute
         self.flops_per_token = flops.model_flops_per_token(cfg.model)
         self.hardware_flops_per_token = flops.hardware_flops_per_token(

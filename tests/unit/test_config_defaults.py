@@ -47,7 +47,7 @@ def built():
 def test_every_sub_config_is_compared(built):
     assert set(_defaults(built)) == {"model", "parallel", "optimizer", "precision", "data",
                                      "training", "checkpoint", "deepspeed", "kernels", "rollback",
-                                     "run"}
+                                     "wandb", "run"}
 
 
 def test_flag_defaults_equal_the_dataclass_defaults(built):

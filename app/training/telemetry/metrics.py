@@ -224,19 +224,26 @@ def _json_value(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Writes each set of values to TensorBoard and as one JSON line to the metrics file.
+    """Writes each set of values to TensorBoard, to Weights & Biases and as one JSON line to the
+    metrics file.
 
     Disabled (a no-op) when `enabled` is False, so every rank can hold one and only the logging
-    rank writes. TensorBoard is imported lazily and only when `tensorboard_dir` is set.
+    rank writes. TensorBoard is imported lazily and only when `tensorboard_dir` is set; W&B only
+    when `wandb` (a WandbConfig) is enabled; `run_config` (the RunConfig) becomes the run's config.
     """
 
     def __init__(self, tensorboard_dir: Optional[str], metrics_file: Optional[str],
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, wandb: Optional[Any] = None,
+                 run_config: Any = None) -> None:
         self.enabled = enabled
         self._tb: Any = None
         self._file: Optional[TextIO] = None
+        self._wandb: Any = None
         if not enabled:
             return
+        if wandb is not None and wandb.enabled:
+            from app.training.telemetry.wandb_writer import WandbWriter
+            self._wandb = WandbWriter(wandb, run_config)
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # lazy: slow import
             self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
@@ -255,6 +262,8 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"{kind}/{name}", value, iteration)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.write(kind, iteration, {k: _json_value(v) for k, v in values.items()})
         if self._file is not None:
             record = {"kind": kind, "iteration": int(iteration), "time": time.time()}
             record.update({k: _json_value(v) for k, v in values.items()})
@@ -262,7 +271,10 @@ class MetricsWriter:
             self._file.flush()
 
     def close(self) -> None:
-        """Flush and close both outputs (idempotent)."""
+        """Flush and close every output (idempotent)."""
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
