@@ -244,6 +244,15 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
                    help="on SIGTERM/SIGINT/SIGUSR1 save a checkpoint at the end of the "
                         "iteration and exit 0 (default: on when --save is given)")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="every --log-interval, name (with their hosts) the ranks whose forward "
+                        "+ data-wait time per iteration exceeds the median by more than "
+                        "--straggler-margin (one all-gather per interval)")
+    g.add_argument("--straggler-margin", type=float, default=0.1,
+                   help="fraction above the median at which --log-straggler names a rank "
+                        "(0.1: more than 10%% slower)")
+    g.add_argument("--straggler-minmax-count", type=int, default=1,
+                   help="how many slowest and fastest ranks the straggler line lists")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -484,7 +493,9 @@ def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingCon
         peak_flops=args.peak_flops,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
-        exit_signal_handler=args.exit_signal_handler)
+        exit_signal_handler=args.exit_signal_handler, log_straggler=args.log_straggler,
+        straggler_margin=args.straggler_margin,
+        straggler_minmax_count=args.straggler_minmax_count)
 
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:

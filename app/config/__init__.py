@@ -250,6 +250,14 @@ class TrainingConfig:
     (fp16: overflows at the minimum loss scale); 0 disables."""
     check_for_nan_in_loss_and_grad: bool = False
     """Stop at the first non-finite loss or gradient (Megatron's flag)."""
+    log_straggler: bool = False
+    """Every log interval, compare the ranks' forward + data-wait time per iteration and name
+    those slower than the median by more than straggler_margin, with their hosts
+    (app.training.telemetry.stragglers; one all-gather per interval)."""
+    straggler_margin: float = 0.1
+    """How much slower than the median a rank must be to be named: 0.1 = more than 10%."""
+    straggler_minmax_count: int = 1
+    """How many slowest and fastest ranks the straggler line lists (Megatron's flag)."""
 
     def __post_init__(self) -> None:
         positive(self, (("micro_batch_size", "--micro-batch-size"),
@@ -259,6 +267,8 @@ class TrainingConfig:
         positive(self, (("exit_interval", "--exit-interval"),
                          ("exit_duration_in_mins", "--exit-duration-in-mins"),
                          ("peak_flops", "--peak-flops")), allow_none=True)
+        positive(self, (("straggler_margin", "--straggler-margin"),
+                        ("straggler_minmax_count", "--straggler-minmax-count")))
         if self.eval_iters < 0:
             raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
         if self.max_consecutive_skipped_iterations < 0:

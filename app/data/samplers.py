@@ -11,6 +11,11 @@ class MegatronPretrainingSampler:
     next micro_batch_size x data_parallel_size samples; rank r gets the slice
     [r * micro_batch_size, (r + 1) * micro_batch_size) of them. An incomplete last step is
     dropped, so every rank yields the same number of micro-batches.
+
+    Over all ranks, a global batch of G samples read from `consumed_samples` c is the range
+    [c, c + G) whatever the micro-batch and data-parallel sizes: a run resumed from a checkpoint's
+    consumed-sample count at another layout or global batch size reads on from the next unread
+    sample (tests/unit/test_data_position.py).
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,

@@ -25,6 +25,7 @@ from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 from app.training.telemetry import flops
 from app.training.telemetry import metrics as metrics_lib
+from app.training.telemetry.stragglers import StragglerDetector
 from app.launch.distributed import world_group
 from app.training.data_loading import BatchBuilder, build_data_iterator, check_data_suffices
 from app.training.engines.base import Engine
@@ -147,6 +148,8 @@ class Trainer:
         self.start_time = time.time()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.timers = metrics_lib.Timers(synchronize=sync)
+        self.stragglers = StragglerDetector(t.log_straggler, t.straggler_margin,
+                                            t.straggler_minmax_count, world_group(), device)
 
     @staticmethod
     def log(message: str) -> None:
@@ -190,7 +193,10 @@ class Trainer:
             self._beat(phase)
             return self.batches.next(iterator)
 
-        return schedule(forward_step_func=lambda batch: self.objective.forward_step(model, batch),
+        forward_step = lambda batch: self.objective.forward_step(model, batch)  # noqa: E731
+        if not forward_only:  # --log-straggler times training's forward steps and batch waits
+            next_batch, forward_step = self.stragglers.timed(next_batch, forward_step)
+        return schedule(forward_step_func=forward_step,
                         batch_func=next_batch,
                         model=model, num_microbatches=self.num_micro,
                         loss_func=self._loss_func(forward_only),
@@ -435,11 +441,13 @@ class Trainer:
             acc.metrics.setdefault(name, []).append(value)
 
     def _maybe_log(self, loop: "_Loop", step: StepOutput) -> None:
-        """The state-bytes report after the first iteration; the log line every
-        --log-interval iterations (then a fresh interval)."""
+        """The state-bytes report after the first iteration; the straggler check (with
+        --log-straggler) and the log line every --log-interval iterations (then a fresh
+        interval)."""
         if not self._state_bytes_reported:
             self._report_state_bytes()
         if self.state.iteration % self.cfg.training.log_interval == 0:
+            self.stragglers.report(self.state.iteration, loop.interval.iterations, self.writer)
             self._log_interval(loop.interval, step)
             loop.interval = _Interval()
 
