@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from app.launch import interfaces
 from app.launch.ports import pick_master_port
 
 
@@ -39,9 +40,10 @@ class DistributedInfo:
     device: torch.device
 
 
-def _routable_address() -> str:
+def _routable_address(spans_hosts: bool = False) -> str:
     """This host's address as other nodes reach it: the first non-loopback IPv4 address its
-    name resolves to, else the resolved name (loopback is fine on one node). MASTER_ADDR,
+    name resolves to; else, when the world `spans_hosts`, the first address of an up,
+    non-loopback interface; else the resolved name (loopback is fine on one node). MASTER_ADDR,
     when set, takes precedence over this."""
     name = socket.gethostname()
     try:
@@ -52,7 +54,8 @@ def _routable_address() -> str:
         address = info[4][0]
         if not address.startswith("127."):
             return address
-    return socket.gethostbyname(name)
+    external = interfaces.external_address(interfaces.local_interfaces()) if spans_hosts else None
+    return external or socket.gethostbyname(name)
 
 
 def _discover_mpi() -> None:
@@ -64,7 +67,8 @@ def _discover_mpi() -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    chosen = (_routable_address(), pick_master_port()) if rank == 0 else None
+    chosen = ((_routable_address(local.Get_size() < size), pick_master_port()) if rank == 0
+              else None)
     master, port = comm.bcast(chosen, root=0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local.Get_rank()),
                       LOCAL_WORLD_SIZE=str(local.Get_size()))
@@ -156,6 +160,7 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     set_timeout_default(timeout)
+    interfaces.select_socket_interfaces(backend)  # ranks on several hosts: reachable addresses
     if world.world_size > 1 and not dist.is_initialized():
         try:
             dist.init_process_group(backend=backend, rank=world.rank,
