@@ -43,6 +43,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from app.launch import interfaces
 from app.launch.ports import pick_master_port
 from app.launch.waits import WaitReport
 
@@ -61,9 +62,10 @@ class DistributedInfo:
     """The NCCL diagnostics variables start-up exported (nccl_diagnostics_environment)."""
 
 
-def _routable_address() -> str:
+def _routable_address(spans_hosts: bool = False) -> str:
     """This host's address as other nodes reach it: the first non-loopback IPv4 address its
-    name resolves to, else the resolved name (loopback is fine on one node). MASTER_ADDR,
+    name resolves to; else, when the world `spans_hosts`, the first address of an up,
+    non-loopback interface; else the resolved name (loopback is fine on one node). MASTER_ADDR,
     when set, takes precedence over this."""
     name = socket.gethostname()
     try:
@@ -74,7 +76,8 @@ def _routable_address() -> str:
         address = info[4][0]
         if not address.startswith("127."):
             return address
-    return socket.gethostbyname(name)
+    external = interfaces.external_address(interfaces.local_interfaces()) if spans_hosts else None
+    return external or socket.gethostbyname(name)
 
 
 def _discover_mpi() -> None:
@@ -86,7 +89,8 @@ def _discover_mpi() -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    chosen = (_routable_address(), pick_master_port()) if rank == 0 else None
+    chosen = ((_routable_address(local.Get_size() < size), pick_master_port()) if rank == 0
+              else None)
     master, port = comm.bcast(chosen, root=0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local.Get_rank()),
                       LOCAL_WORLD_SIZE=str(local.Get_size()))
@@ -283,6 +287,7 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
     timeout = datetime.timedelta(minutes=timeout_minutes)
     set_timeout_default(timeout)
     nccl: Dict[str, str] = {}
+    interfaces.select_socket_interfaces(backend)  # ranks on several hosts: reachable addresses
     if world.world_size > 1 and not dist.is_initialized():
         nccl = apply_nccl_diagnostics(backend, trace_dir)
         rendezvous = _Rendezvous(world, timeout)
@@ -296,6 +301,13 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
             clash = _port_in_use_error(exc)
             if clash is not None:
                 raise clash from exc
+            if "connectFullMesh" in str(exc):
+                raise RuntimeError(
+                    f"{str(exc).splitlines()[0][:300]}: the ranks could not connect to each "
+                    "other's advertised addresses. GLOO_SOCKET_IFNAME="
+                    f"{os.environ.get('GLOO_SOCKET_IFNAME', '(unset)')} here; set it on every "
+                    "host to the interface that reaches MASTER_ADDR (see `ip route get "
+                    "<MASTER_ADDR>`), or unset it to let start-up choose") from exc
             raise
     return DistributedInfo(rank=world.rank, world_size=world.world_size,
                            local_rank=world.local_rank, device=device, nccl_environment=nccl)

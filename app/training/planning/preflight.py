@@ -26,6 +26,7 @@ from app.data.indexed_dataset import MMapIndexedDataset
 from app.checkpointing import CheckpointError
 from app.checkpointing import files as ckpt_files
 from app.checkpointing import layouts, model_args
+from app.launch import interfaces
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
 from app.training.resilience.resume import (ResumeTarget, check_resume, check_saved_args,
                                             decide_start, require_rng_state)
@@ -355,6 +356,7 @@ def run_checks(report: Report, cfg: Optional[RunConfig], *, data_path: Sequence[
     if cfg is not None:
         report.section("configuration")
         describe_config(report, cfg)
+        report.add(*interfaces.describe_choice(cfg.parallel.distributed_backend))
     check_data(report, data_path, split, cfg.model.seq_length if cfg else 1,
                samples_per_split(cfg) if cfg else None, vocab_size, data_cache_path)
     if cfg is not None:
