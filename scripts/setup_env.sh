@@ -11,19 +11,24 @@
 # the project from DIR with pip --no-index. --no-venv installs into PY's own environment instead
 # (a venv or conda environment that already has torch). Refuses a torch older than the oldest
 # supported (scripts/lib/offline_install.py: MIN_TORCH). Environment: WHEELHOUSE, PYTHON, VENV.
+#
+# --with-test-deps (scripts/test.sh) also installs requirements-test.txt (lm-eval, wandb, selenium)
+# and, as root with apt-get, Debian's chromium and chromium-driver for the browser test.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 WHEELHOUSE="${WHEELHOUSE:-}"
 NO_VENV=0
+TEST_DEPS=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --wheelhouse) WHEELHOUSE="$2"; shift 2 ;;
         --python) PY="$2"; shift 2 ;;
         --venv) VENV="$2"; shift 2 ;;
         --no-venv) NO_VENV=1; shift ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        --with-test-deps) TEST_DEPS=1; shift ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "setup_env.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -78,4 +83,25 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
     "$VENV/bin/python" "$HELPER" check-torch
     echo "$WANT" > "$STAMP"
+fi
+
+if [ "$TEST_DEPS" = 1 ]; then
+    TEST_STAMP="$VENV/.test-requirements.sha256"
+    TEST_WANT="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" | sha256sum | cut -d' ' -f1)"
+    if [ "$(cat "$TEST_STAMP" 2>/dev/null)" != "$TEST_WANT" ]; then
+        echo "[setup] installing requirements-test.txt into $VENV"
+        # the pinned torch line keeps the test packages from pulling another torch
+        "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements-test.txt" \
+            "$(grep -E '^torch==' "$ROOT/requirements.txt")"
+        echo "$TEST_WANT" > "$TEST_STAMP"
+    fi
+    if ! command -v chromedriver > /dev/null 2>&1 && command -v apt-get > /dev/null 2>&1 \
+            && [ "$(id -u)" = 0 ]; then
+        echo "[setup] installing chromium and chromium-driver (the browser test)"
+        if ! { timeout 600 apt-get install -y -qq chromium chromium-driver > /dev/null 2>&1 || {
+                timeout 300 apt-get update -qq > /dev/null 2>&1 &&
+                timeout 600 apt-get install -y -qq chromium chromium-driver > /dev/null 2>&1; }; }; then
+            echo "[setup] could not install chromium; the browser test will skip and say so"
+        fi
+    fi
 fi

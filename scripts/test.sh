@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k checkpoint`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup_env.sh"
+bash "$ROOT/scripts/setup_env.sh" --with-test-deps
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONDONTWRITEBYTECODE=1
 exec "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=600 tests "$@"
