@@ -193,7 +193,11 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
     directory = names.checkpoint_dir(save_dir, iteration)
     fresh = not os.path.isdir(directory)  # before any rank of this save can create it
     if capture is not None:
-        capture()
+        try:
+            capture()
+        except BaseException:
+            _undo(undo, directory, fresh)  # a copy that failed half-way leaves nothing behind
+            raise
     pending = PendingSave(save_dir, iteration, undo=undo, agree=agree,
                           is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
                           deepspeed_latest=deepspeed_latest, fresh=fresh)

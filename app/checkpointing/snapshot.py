@@ -1,8 +1,8 @@
 """Copies of checkpoint state in host memory, for saves written in the background.
 
 `host_copy(state)` returns a deep copy of a checkpoint's state (nested dicts, lists, tuples,
-argparse namespaces, tensors) that shares nothing with the live training state: CPU tensors are
-cloned, device tensors copied into pinned host memory. Tensors that shared a storage share the
+argparse namespaces, tensors) that shares nothing with the live training state: CPU storages
+are cloned, device storages copied into pinned host memory. Tensors that shared a storage share the
 copy of it, views keep their offsets and strides, so `torch.save` of a copy of CPU state writes
 the very bytes that saving the state itself would.
 """
@@ -17,33 +17,40 @@ import torch
 def host_copy(state: Any) -> Any:
     """A deep copy of `state` in host memory, safe to write while training goes on.
 
-    Device tensors (CUDA) become CPU tensors in pinned memory, copied asynchronously and then
-    awaited once, so the copy is complete on return; everything else is `copy.deepcopy`'s.
+    Every tensor (a graph leaf or not, e.g. a view of ZeRO's flat buffers) becomes a view of a
+    copy of its whole storage with the same offset, shape, strides, dtype, `requires_grad`
+    and class (Parameter or Tensor); device (CUDA) storages are copied into pinned host memory
+    asynchronously and awaited once, so the copy is complete on return. Everything else is
+    `copy.deepcopy`'s.
     """
     memo: Dict[int, Any] = {}
     storages: Dict[Any, torch.Tensor] = {}
-    device_tensors = [t for t in _tensors(state, set()) if t.device.type != "cpu"]
-    for tensor in device_tensors:
-        memo[id(tensor)] = _pinned_view(tensor, storages)
-    if device_tensors:
+    on_device = False
+    for tensor in _tensors(state, set()):
+        on_device = on_device or tensor.device.type != "cpu"
+        memo[id(tensor)] = _copy_of(tensor, storages)
+    if on_device:
         torch.cuda.synchronize()
     return copy.deepcopy(state, memo)
 
 
-def _pinned_view(tensor: torch.Tensor, storages: Dict[Any, torch.Tensor]) -> torch.Tensor:
-    """`tensor` on the host: a view of a pinned copy of its whole storage (one per storage)."""
+def _copy_of(tensor: torch.Tensor, storages: Dict[Any, torch.Tensor]) -> torch.Tensor:
+    """`tensor` on the host: a view of a copy of its whole storage (one copy per storage)."""
     source = tensor.detach()
     storage = source.untyped_storage()
-    key = (storage.data_ptr(), source.device)
+    key = (storage.data_ptr(), str(source.device))
     if key not in storages:
-        flat = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+        device = source.device.type != "cpu"
+        flat = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=device)
         flat.copy_(torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage),
-                   non_blocking=True)
+                   non_blocking=device)
         storages[key] = flat
     host = torch.empty(0, dtype=source.dtype)
     host.set_(storages[key].untyped_storage(), source.storage_offset(), source.size(),
               source.stride())
-    return host
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
+    return host.requires_grad_(tensor.requires_grad)
 
 
 def _tensors(obj: Any, seen: set) -> list:

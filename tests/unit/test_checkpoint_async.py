@@ -24,10 +24,12 @@ def _file_bytes(save_dir, iteration, tp_rank=0):
 
 def _shared_state():
     """A state whose tensors share storage and include a view with an offset, like an
-    optimizer's flat buffers."""
+    optimizer's flat buffers, a parameter and a view of one that is not a graph leaf."""
     flat = torch.arange(24, dtype=torch.float32)
-    return {"a": flat, "view": flat[4:12].view(2, 4), "again": flat,
-            "nested": [{"half": torch.ones(3, dtype=torch.float16)}, 7, "text"]}
+    weight = torch.nn.Parameter(torch.ones(6))
+    return {"a": flat, "view": flat[4:12].view(2, 4), "again": flat, "weight": weight,
+            "not_leaf": weight[2:4], "nested": [{"half": torch.ones(3, dtype=torch.float16)},
+                                                7, "text"]}
 
 
 def test_host_copy_saves_the_same_bytes_and_shares_nothing_with_the_live_state(tmp_path):
