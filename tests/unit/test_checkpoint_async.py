@@ -10,7 +10,7 @@ import torch
 
 from app.checkpointing import commit, names
 from app.checkpointing import megatron as ckpt
-from app.checkpointing.snapshot import host_copy
+from app.checkpointing.snapshot import HostBuffers, host_copy
 from app.training.engines.base import Engine
 from tests.unit.test_checkpoint_safety import (RANK_FILE_STAGES, Crash,
                                                assert_tracker_names_complete_checkpoint,
@@ -43,6 +43,19 @@ def test_host_copy_saves_the_same_bytes_and_shares_nothing_with_the_live_state(t
     state["a"].add_(1.0)  # training goes on
     assert torch.equal(copy["a"], torch.arange(24, dtype=torch.float32))
     assert copy["view"].untyped_storage().data_ptr() == copy["a"].untyped_storage().data_ptr()
+
+
+def test_host_buffers_are_reused_by_the_next_save_and_hold_its_values():
+    buffers, state = HostBuffers(), _shared_state()
+    buffers.new_save()
+    first = host_copy(state, buffers)
+    state["a"].add_(1.0)
+    buffers.new_save()  # the first save's write has ended
+    second = host_copy(state, buffers)
+    assert second["a"].untyped_storage().data_ptr() == first["a"].untyped_storage().data_ptr()
+    assert torch.equal(second["a"], torch.arange(24, dtype=torch.float32) + 1)
+    assert torch.equal(second["view"], state["view"]) and torch.equal(second["weight"],
+                                                                       state["weight"])
 
 
 def test_background_save_writes_the_bytes_of_a_synchronous_one_and_commits_on_finish(tmp_path):

@@ -46,7 +46,7 @@ from app.checkpointing import CheckpointError, commit, layouts, names
 from app.checkpointing import files as ckpt_files
 from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
 from app.checkpointing.model_args import checkpoint_args_namespace
-from app.checkpointing.snapshot import host_copy
+from app.checkpointing.snapshot import HostBuffers, host_copy
 from app.training.engines import ds_config
 from app.launch.distributed import world_group
 from app.launch import waits
@@ -98,6 +98,7 @@ class CheckedCheckpointEngine:
         self.written: List[Tuple[str, bool]] = []
         self.errors: List[Tuple[str, OSError]] = []
         self.deferred: Optional[List[Tuple[str, Any]]] = None
+        self.buffers = HostBuffers()  # the host copies' memory, reused save after save
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -107,10 +108,12 @@ class CheckedCheckpointEngine:
         host copy of each state dict, for `write_deferred` to write later."""
         self.written, self.errors = [], []
         self.deferred = [] if deferred else None
+        if deferred:  # the previous save is committed: its buffers are free
+            self.buffers.new_save()
 
     def save(self, state_dict: Any, path: str) -> None:
         if self.deferred is not None:
-            self.deferred.append((path, host_copy(state_dict)))
+            self.deferred.append((path, host_copy(state_dict, self.buffers)))
             return
         self._write(state_dict, path)
 

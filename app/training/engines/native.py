@@ -22,7 +22,7 @@ from app.checkpointing import commit
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
 from app.checkpointing.layouts import check_loadable
-from app.checkpointing.snapshot import host_copy
+from app.checkpointing.snapshot import HostBuffers, host_copy
 from app.checkpointing.model_args import checkpoint_args_namespace
 from app.launch.distributed import world_group
 from app.training.engines.base import Engine, StepResult
@@ -43,6 +43,7 @@ class NativeEngine(Engine):
         self.lr_scheduler = lr_scheduler
         self.ps = parallel_state
         self._nonfinite_loss: Optional[torch.Tensor] = None
+        self._host_buffers = HostBuffers()  # --async-save's copies, reused save after save
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -104,8 +105,9 @@ class NativeEngine(Engine):
             None if c.no_save_optim else self.optimizer.state_dict(),
             None if c.no_save_optim else self.lr_scheduler.state_dict(),
             rng, args_ns)
-        if asynchronous and writer:
-            state = host_copy(state)
+        if asynchronous and writer:  # the previous save is committed: its buffers are free
+            self._host_buffers.new_save()
+            state = host_copy(state, self._host_buffers)
         agree = commit.world_agreement(next(self.module.parameters()).device)
         if not writer:
             return commit.start_save(save_dir, iteration, write=lambda: None, undo=lambda: None,
