@@ -51,6 +51,8 @@ class Engine(abc.ABC):
     module: torch.nn.Module
     optimizer: Any
     lr_scheduler: Any
+    _pending_save: Optional[commit.PendingSave] = None
+    """The save being written in the background (--async-save), until finish_save commits it."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
@@ -88,7 +90,7 @@ class Engine(abc.ABC):
         """Commit the save in flight on every rank (all ranks call it at the same point); its
         directory, or None when none was in flight or (not `blocking`) some rank is still
         writing. Not blocking costs one agreement over the ranks while a save is in flight."""
-        pending: Optional[commit.PendingSave] = getattr(self, "_pending_save", None)
+        pending = self._pending_save
         if pending is None or (not blocking and not pending.agree(pending.written())):
             return None
         self._pending_save = None
@@ -97,8 +99,7 @@ class Engine(abc.ABC):
     @property
     def save_in_flight(self) -> Optional[int]:
         """The iteration of the save being written in the background, or None."""
-        pending = getattr(self, "_pending_save", None)
-        return None if pending is None else pending.iteration
+        return None if self._pending_save is None else self._pending_save.iteration
 
     @abc.abstractmethod
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
