@@ -286,6 +286,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="allow training from scratch (or from another --load) into a --save "
                         "directory that already holds checkpoints")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoint files in the background while training goes on; "
+                        "the checkpoint becomes the latest once every rank's files are durable "
+                        "(docs/reliability.md)")
 
 
 def _add_rollback_args(parser: argparse.ArgumentParser) -> None:
@@ -526,7 +530,7 @@ def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
             no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
             finetune=args.finetune, keep_last_n_checkpoints=args.keep_last_n_checkpoints,
-            overwrite_checkpoints=args.overwrite_checkpoints),
+            overwrite_checkpoints=args.overwrite_checkpoints, async_save=args.async_save),
         rollback=RollbackConfig(
             enabled=args.rollback_on_spike, window=args.spike_window, zscore=args.spike_zscore,
             min_increase=args.spike_min_increase, max_rollbacks=args.max_rollbacks),

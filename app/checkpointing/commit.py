@@ -13,7 +13,11 @@ written, then renamed; `remove_written_file` is its undo. One save (`commit_save
 4. the ranks agree again, so the tracker names the new iteration on every rank's return.
 
 So the tracker never names an iteration with a missing or partial file, and a crash at any
-point leaves the previous checkpoint loadable. `SAVE_HOOK` sees every stage (`SAVE_STAGES`,
+point leaves the previous checkpoint loadable. An asynchronous save (--async-save) splits this:
+`start_save` copies the state (the engine's `capture`) and runs step 1 in a background thread;
+`PendingSave.finish`, called later from the training thread on every rank, waits for it and
+runs steps 2-4, so the collectives never leave the training thread and the pointer files move
+only after every rank's files are durable. `SAVE_HOOK` sees every stage (`SAVE_STAGES`,
 in order) for the crash tests.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import errno
 import os
 import shutil
+import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 from app.checkpointing import CheckpointError, names
@@ -164,35 +169,129 @@ def commit_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
     DeepSpeed's `latest` first when `deepspeed_latest`, then our tracker; then, with
     `keep_last_n`, it rotates old iterations ("release" is never rotated). A failure on any
     rank undoes this save on every rank and raises CheckpointSaveError (the tracker keeps
-    naming the previous checkpoint). Returns the iteration directory.
+    naming the previous checkpoint, `latest` the tag it named before). Returns the iteration
+    directory.
+    """
+    return start_save(save_dir, iteration, write=write, undo=undo, agree=agree,
+                      is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
+                      deepspeed_latest=deepspeed_latest).finish()
+
+
+def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
+               undo: Callable[[], None], agree: Callable[[bool], bool],
+               is_tracker_writer: bool, keep_last_n: Optional[int] = None,
+               deepspeed_latest: bool = False, capture: Optional[Callable[[], None]] = None,
+               background: bool = False) -> "PendingSave":
+    """Step 1 of `commit_save` (same arguments), its steps 2-4 left to `PendingSave.finish`.
+
+    `capture` runs first in the calling thread (after the iteration directory was looked at):
+    it copies the state that `write` will write, so training may change the live state once
+    this returns. With `background` the `write` step runs in a thread of its own (it must
+    then touch no collective and no live state); without, before this returns.
     """
     _hook("start")
     directory = names.checkpoint_dir(save_dir, iteration)
     fresh = not os.path.isdir(directory)  # before any rank of this save can create it
-    failed = write()
-    if not agree(failed is None):  # every rank's files of this iteration are complete, or none
-        _undo(undo, directory, fresh)
-        path, error = failed or ("", None)
-        raise save_failure(save_dir, iteration, error, path)
-    error: Optional[OSError] = None
-    if is_tracker_writer:
-        _hook("before_tracker")
+    if capture is not None:
         try:
-            if deepspeed_latest:
-                names.write_latest_tag(save_dir, names.iteration_tag(iteration))
-            names.write_tracker(save_dir, iteration,
-                                before_replace=lambda: _hook("tracker_tmp_written"))
-        except OSError as exc:
-            error = exc
+            capture()
+        except BaseException:
+            _undo(undo, directory, fresh)  # a copy that failed half-way leaves nothing behind
+            raise
+    pending = PendingSave(save_dir, iteration, undo=undo, agree=agree,
+                          is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
+                          deepspeed_latest=deepspeed_latest, fresh=fresh)
+    pending.run(write, background)
+    return pending
+
+
+class PendingSave:
+    """One save whose files are being written (or were): `finish` agrees and commits it.
+
+    Made by `start_save`. `written()` says whether this rank's write step is over (always
+    true for a synchronous save); `finish` waits for it, then runs steps 2-4 of
+    `commit_save` from the calling thread (the only place with collectives). Call `finish`
+    exactly once, on every rank alike.
+    """
+
+    def __init__(self, save_dir: str, iteration: names.Iteration, *, undo: Callable[[], None],
+                 agree: Callable[[bool], bool], is_tracker_writer: bool,
+                 keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool) -> None:
+        self.save_dir, self.iteration = save_dir, iteration
+        self.directory = names.checkpoint_dir(save_dir, iteration)
+        self.agree = agree
+        self._undo, self._fresh = undo, fresh
+        self._tracker_writer, self._keep_last_n = is_tracker_writer, keep_last_n
+        self._deepspeed_latest = deepspeed_latest
+        self._failed: Optional[Tuple[str, OSError]] = None
+        self._raised: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def run(self, write: WriteStep, background: bool) -> None:
+        """Run this rank's `write` step, in a thread of its own with `background`."""
+        def step() -> None:
+            try:
+                self._failed = write()
+            except BaseException as exc:  # reported by finish(), in the training thread
+                self._raised = exc
+        if not background:
+            self._failed = write()  # an exception propagates at once, as it always did
+            return
+        self._thread = threading.Thread(target=step, name=f"checkpoint-write-{self.iteration}",
+                                        daemon=True)
+        self._thread.start()
+
+    def written(self) -> bool:
+        """Whether this rank's write step is over (its files are durable or it failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def finish(self) -> str:
+        """Wait for this rank's write, then steps 2-4 of `commit_save`: agree, undo everywhere
+        or write the pointer files and rotate, agree again. Returns the iteration directory;
+        raises CheckpointSaveError (or what the background write raised) after an undo."""
+        if self._thread is not None:
+            self._thread.join()
+        ok = self._failed is None and self._raised is None
+        if not self.agree(ok):  # every rank's files of this iteration are complete, or none
+            _undo(self._undo, self.directory, self._fresh)
+            if self._raised is not None:
+                raise self._raised
+            path, error = self._failed or ("", None)
+            raise save_failure(self.save_dir, self.iteration, error, path)
+        error: Optional[OSError] = None
+        previous_tag: Optional[str] = None
+        if self._tracker_writer:
+            _hook("before_tracker")
+            try:
+                if self._deepspeed_latest:
+                    previous_tag = names.read_latest_tag(self.save_dir) or ""
+                    names.write_latest_tag(self.save_dir, names.iteration_tag(self.iteration))
+                names.write_tracker(self.save_dir, self.iteration,
+                                    before_replace=lambda: _hook("tracker_tmp_written"))
+            except OSError as exc:
+                error = exc
+            else:
+                _hook("tracker_committed")
+                if self._keep_last_n and self.iteration != names.RELEASE:
+                    rotate_checkpoints(self.save_dir, self._keep_last_n, int(self.iteration))
+                    _hook("rotated")
+        if not self.agree(error is None):  # the tracker names this iteration on every return
+            if previous_tag is not None:
+                _restore_latest(self.save_dir, previous_tag)
+            _undo(self._undo, self.directory, self._fresh)
+            raise save_failure(self.save_dir, self.iteration, error,
+                               names.tracker_path(self.save_dir))
+        return self.directory
+
+
+def _restore_latest(save_dir: str, previous_tag: str) -> None:
+    """Put DeepSpeed's `latest` back as it was before a save that is being undone: the tag it
+    named, or no file when there was none (best effort: the tracker is what we load by)."""
+    with contextlib.suppress(OSError):
+        if previous_tag:
+            names.write_latest_tag(save_dir, previous_tag)
         else:
-            _hook("tracker_committed")
-            if keep_last_n and iteration != names.RELEASE:
-                rotate_checkpoints(save_dir, keep_last_n, int(iteration))
-                _hook("rotated")
-    if not agree(error is None):  # the tracker names this iteration on every rank's return
-        _undo(undo, directory, fresh)
-        raise save_failure(save_dir, iteration, error, names.tracker_path(save_dir))
-    return directory
+            os.remove(os.path.join(save_dir, names.LATEST_FILENAME))
 
 
 def _undo(undo: Callable[[], None], directory: str, fresh: bool) -> None:

@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from app.checkpointing import CheckpointError, layouts
-from app.checkpointing.commit import commit_save, remove_written_file, write_checked_file
+from app.checkpointing import commit
+from app.checkpointing.commit import PendingSave, remove_written_file, write_checked_file
 from app.checkpointing.files import safe_torch_load, verify_checksum
 from app.checkpointing.names import Iteration, checkpoint_dir, checkpoint_path, read_tracker
 
@@ -193,6 +194,20 @@ def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, An
     new files on every rank and raises CheckpointSaveError; the tracker keeps naming the
     previous checkpoint. Returns the iteration directory.
     """
+    return start_save(save_dir, iteration, ckpt_dict, tp_rank=tp_rank, pp_rank=pp_rank,
+                      pp_size=pp_size, barrier=barrier, is_tracker_writer=is_tracker_writer,
+                      keep_last_n=keep_last_n, agree=agree).finish()
+
+
+def start_save(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, Any], *,
+               tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
+               barrier: Callable[[], None] = lambda: None, is_tracker_writer: bool = True,
+               keep_last_n: Optional[int] = None,
+               agree: Optional[Callable[[bool], bool]] = None,
+               background: bool = False) -> PendingSave:
+    """`save_checkpoint` (same arguments) up to this rank's file, written in a background
+    thread with `background` (then `ckpt_dict` must be a copy nobody changes, e.g.
+    app.checkpointing.snapshot.host_copy's); `PendingSave.finish` commits it."""
     if agree is None:
         def agree(ok: bool) -> bool:
             barrier()
@@ -214,8 +229,9 @@ def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, An
         if not existed:
             remove_written_file(path, checkpoint_dir(save_dir, iteration))
 
-    return commit_save(save_dir, iteration, write=write, undo=undo, agree=agree,
-                       is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n)
+    return commit.start_save(save_dir, iteration, write=write, undo=undo, agree=agree,
+                             is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
+                             background=background)
 
 
 # ---------------------------------------------------------------------------- reading

@@ -313,6 +313,9 @@ class CheckpointConfig:
     overwrite_checkpoints: bool = False
     """Allow training from scratch (or from another --load) into a --save that already holds
     checkpoints; without it such a run is refused (app.training.resilience.resume.decide_start)."""
+    async_save: bool = False
+    """Copy the state to host memory and write the files in a background thread; the tracker
+    moves once every rank's files are durable (app.checkpointing.commit)."""
 
     def __post_init__(self) -> None:
         positive(self, (("save_interval", "--save-interval"),), allow_none=True)

@@ -12,6 +12,7 @@ another rank died or timed out becomes a PeerFailure naming this rank and the ph
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -344,16 +345,42 @@ class Trainer:
             return
         self._beat("checkpoint save")
         t0 = time.time()
+        background = self.cfg.checkpoint.async_save
+        with self._saving():
+            path = self.engine.save_checkpoint(save, self.state.iteration,
+                                               self.state.client_state(), asynchronous=background)
+        if background:
+            self._save_started = time.time()
+            self.log(f"saving checkpoint at iteration {self.state.iteration} to {path} in the "
+                     f"background (training blocked {time.time() - t0:.2f} s)")
+        else:
+            self.log(f"saved checkpoint at iteration {self.state.iteration} to {path} "
+                     f"({time.time() - t0:.2f} s)")
+
+    def _finish_save(self, blocking: bool) -> None:
+        """Commit the checkpoint being written in the background (--async-save) once every rank
+        has written its files: at once with `blocking` (before exiting), else only if they all
+        have (checked every iteration; one agreement while a save is in flight)."""
+        iteration = self.engine.save_in_flight
+        if iteration is None:
+            return
+        self._beat("checkpoint save")
+        with self._saving():
+            path = self.engine.finish_save(blocking)
+        if path is not None:
+            self.log(f"saved checkpoint at iteration {iteration} to {path} (in the background, "
+                     f"{time.time() - self._save_started:.2f} s)")
+
+    @contextlib.contextmanager
+    def _saving(self):
+        """Tell the signal handler that a checkpoint is being written (a second signal waits)."""
         if self.signals is not None:
             self.signals.saving = True
         try:
-            path = self.engine.save_checkpoint(save, self.state.iteration,
-                                               self.state.client_state())
+            yield
         finally:
             if self.signals is not None:
                 self.signals.saving = False
-        self.log(f"saved checkpoint at iteration {self.state.iteration} to {path} "
-                 f"({time.time() - t0:.2f} s)")
 
     def _stop_request(self) -> Tuple[bool, int]:
         """(the --exit-duration-in-mins budget is spent, the signal to stop on or 0), the same on
@@ -410,7 +437,9 @@ class Trainer:
             self._maybe_log(loop, step)
             self._maybe_evaluate(loop)
             loop.exiting = self._should_exit()
+            self._finish_save(blocking=loop.exiting)
             self._maybe_save(loop)
+        self._finish_save(blocking=True)  # the last save is complete before the run ends
         if self.stop_signal:
             self._log_signal_exit(loop.last_saved)
         elif loop.exiting:
@@ -531,6 +560,7 @@ class Trainer:
             s.consumed_valid_samples += t.eval_iters * t.global_batch_size
         if self.cfg.checkpoint.save and last_saved != s.iteration and not self.nonfinite.in_streak:
             self._save()
+            self._finish_save(blocking=True)
         if t.eval_iters and self.test_ds is not None:
             test_iter = build_data_iterator(self.test_ds, 0, t.micro_batch_size, self.ps, 0)
             self._report_eval("test", self.evaluate(test_iter, t.eval_iters))

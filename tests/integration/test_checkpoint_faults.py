@@ -197,3 +197,37 @@ def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path,
     for it in (3, 4):
         state, _ = ckpt.load_checkpoint_dict(ck, iteration=it)  # checksum verified, complete
         assert state["iteration"] == it
+
+
+def test_a_signal_during_a_background_save_exits_with_every_save_committed(tiny_corpus, tmp_path,
+                                                                            monkeypatch, capfd):
+    """--async-save: SIGTERM twice while the writer thread writes the checkpoint of iteration
+    3: training goes on to the end of iteration 4, whose save is committed before the run exits
+    0 with the usual message; both checkpoints load, the tracker names 4."""
+    import signal
+    import threading
+    ck = str(tmp_path / "ck")
+    args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "10", *QUIET, "--save", ck,
+                         "--load", ck, "--save-interval", "3", "--async-save")
+    sent = []
+
+    def hook(stage):
+        if stage == "rank_tmp_written" and not sent:
+            sent.append(threading.current_thread().name)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
+    try:
+        code, err = _main(args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert code == 0 and sent and sent[0] != "MainThread", (sent, err)
+    out = capfd.readouterr()
+    assert "saved the checkpoint of iteration 4" in out.out + out.err
+    assert ckpt.read_tracker(ck) == 4 and names.list_checkpoint_iterations(ck) == [3, 4]
+    for it in (3, 4):
+        state, _ = ckpt.load_checkpoint_dict(ck, iteration=it)  # checksum verified, complete
+        assert state["iteration"] == it

@@ -87,8 +87,9 @@ def _run(cfg, datasets, state=None, load=None):
 
 
 @pytest.mark.parametrize("engine", [(), ("--deepspeed", "--deepspeed_config",
-                                           os.path.join(ROOT, "ds_configs", "zero2.json"))],
-                         ids=["native", "deepspeed"])
+                                           os.path.join(ROOT, "ds_configs", "zero2.json")),
+                                    ("--async-save",)],
+                         ids=["native", "deepspeed", "native_async_save"])
 def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, caplog, engine):
     ck = tmp_path / "ck"
     cfg = arguments.config_from_argv([*SPIKE_ARGS, *engine, "--save", str(ck)], 1, VOCAB)
@@ -109,7 +110,7 @@ def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, 
     other = tmp_path / "other"
     reference = tmp_path / "ref"
     shutil.copytree(ck / "iter_0000015", reference / "iter_0000015")
-    if engine:
+    if "--deepspeed" in engine:
         (reference / "latest").write_text("iter_0000015")
     names.write_tracker(str(reference), 15)
     again = _run(arguments.config_from_argv([*SPIKE_ARGS, *engine, "--save", str(other)], 1,

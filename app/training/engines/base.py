@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from app.checkpointing import commit
 from app.config import RunConfig
 from app.training.resilience.resume import (CheckpointContents, LoadResult, ResumePlan,
                                  resume_from_checkpoint)
@@ -50,6 +51,8 @@ class Engine(abc.ABC):
     module: torch.nn.Module
     optimizer: Any
     lr_scheduler: Any
+    _pending_save: Optional[commit.PendingSave] = None
+    """The save being written in the background (--async-save), until finish_save commits it."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
@@ -68,9 +71,41 @@ class Engine(abc.ABC):
     def step(self) -> StepResult:
         """Synchronise gradients, clip, update the weights and advance the LR schedule by one."""
 
+    def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
+                        asynchronous: bool = False) -> str:
+        """Write a checkpoint of `iteration` (all ranks call it); return the directory written.
+
+        The save in flight, if any, is finished first (at most one at a time). With
+        `asynchronous` this returns once the state is copied to host memory and this rank's
+        files are being written in the background; `finish_save` commits it later.
+        """
+        self.finish_save()
+        pending = self.start_save(save_dir, iteration, client_state, asynchronous)
+        if not asynchronous:
+            return pending.finish()
+        self._pending_save = pending
+        return pending.directory
+
+    def finish_save(self, blocking: bool = True) -> Optional[str]:
+        """Commit the save in flight on every rank (all ranks call it at the same point); its
+        directory, or None when none was in flight or (not `blocking`) some rank is still
+        writing. Not blocking costs one agreement over the ranks while a save is in flight."""
+        pending = self._pending_save
+        if pending is None or (not blocking and not pending.agree(pending.written())):
+            return None
+        self._pending_save = None
+        return pending.finish()
+
+    @property
+    def save_in_flight(self) -> Optional[int]:
+        """The iteration of the save being written in the background, or None."""
+        return None if self._pending_save is None else self._pending_save.iteration
+
     @abc.abstractmethod
-    def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
-        """Write a checkpoint of `iteration` (all ranks call it); return the directory written."""
+    def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
+                   asynchronous: bool) -> commit.PendingSave:
+        """Begin this rank's part of a checkpoint of `iteration` (app.checkpointing.commit's
+        `start_save`); with `asynchronous` copy the state and write it in the background."""
 
     @abc.abstractmethod
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:

@@ -46,6 +46,7 @@ from app.checkpointing import CheckpointError, commit, layouts, names
 from app.checkpointing import files as ckpt_files
 from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
 from app.checkpointing.model_args import checkpoint_args_namespace
+from app.checkpointing.snapshot import HostBuffers, host_copy
 from app.training.engines import ds_config
 from app.launch.distributed import world_group
 from app.launch import waits
@@ -88,21 +89,43 @@ class CheckedCheckpointEngine:
     the original. `save` never raises an I/O error into DeepSpeed (that would leave the other
     ranks in DeepSpeed's barriers): it records it, and the save's commit agrees on the outcome
     after `save_checkpoint` returns. `written` lists (path, existed before) of this save's files.
+    For an asynchronous save (`begin(deferred=True)`) `save` keeps host copies of the state
+    dicts and `write_deferred` writes them later, from the background thread.
     """
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.written: List[Tuple[str, bool]] = []
         self.errors: List[Tuple[str, OSError]] = []
+        self.deferred: Optional[List[Tuple[str, Any]]] = None
+        self.buffers = HostBuffers()  # the host copies' memory, reused save after save
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def begin(self) -> None:
-        """Forget the previous save's files and errors."""
+    def begin(self, deferred: bool = False) -> None:
+        """Forget the previous save's files and errors. With `deferred`, `save` only keeps a
+        host copy of each state dict, for `write_deferred` to write later."""
         self.written, self.errors = [], []
+        self.deferred = [] if deferred else None
+        if deferred:  # the previous save is committed: its buffers are free
+            self.buffers.new_save()
 
     def save(self, state_dict: Any, path: str) -> None:
+        if self.deferred is not None:
+            self.deferred.append((path, host_copy(state_dict, self.buffers)))
+            return
+        self._write(state_dict, path)
+
+    def write_deferred(self) -> Optional[Tuple[str, OSError]]:
+        """Write the state dicts `save` kept, in order (any thread: no collectives); the first
+        (path, error) that failed, None when all were written."""
+        for path, state_dict in self.deferred or []:
+            self._write(state_dict, path)
+        self.deferred = None
+        return self.errors[0] if self.errors else None
+
+    def _write(self, state_dict: Any, path: str) -> None:
         zipfile = getattr(self.inner, "zipfile_serialization", True)
         existed = os.path.exists(path)
         try:
@@ -284,11 +307,14 @@ class DeepSpeedEngineAdapter(Engine):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
+    def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
+                   asynchronous: bool) -> commit.PendingSave:
         """engine.save_checkpoint under tag iter_XXXXXXX as the write step of the two-phase
         commit (app.checkpointing.commit): once every rank's files are complete, rank 0 writes
         `latest` and our tracker and rotates; a failed save on any rank is undone on every rank
-        (CheckpointSaveError)."""
+        (CheckpointSaveError). With `asynchronous`, engine.save_checkpoint runs here but its
+        files are host copies written later in the background (DeepSpeed's default Torch
+        checkpoint engine only; another one writes synchronously)."""
         from app.mpu.random import rng_state_dict
         tag = names.iteration_tag(iteration)
         state = dict(client_state)
@@ -300,11 +326,17 @@ class DeepSpeedEngineAdapter(Engine):
         if not self.cfg.checkpoint.no_save_rng:
             state["rng_state"] = rng_state_dict()
         files, directory = self.files, names.checkpoint_dir(save_dir, iteration)
+        deferred = asynchronous and files is not None
+
+        def save() -> None:  # DeepSpeed's own barriers run here, in the calling thread
+            if files is not None:
+                files.begin(deferred)
+            self.ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
 
         def write() -> Optional[Tuple[str, OSError]]:
-            if files is not None:
-                files.begin()
-            self.ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
+            if deferred:
+                return files.write_deferred()
+            save()
             return files.errors[0] if files is not None and files.errors else None
 
         def undo() -> None:
@@ -312,11 +344,12 @@ class DeepSpeedEngineAdapter(Engine):
                 files.undo(directory)
 
         device = next(self.ds.module.parameters()).device
-        return commit.commit_save(save_dir, iteration, write=write, undo=undo,
-                                  agree=commit.world_agreement(device),
-                                  is_tracker_writer=self.ps.rank == 0,
-                                  keep_last_n=self.cfg.checkpoint.keep_last_n_checkpoints,
-                                  deepspeed_latest=True)
+        return commit.start_save(save_dir, iteration, write=write, undo=undo,
+                                 agree=commit.world_agreement(device),
+                                 is_tracker_writer=self.ps.rank == 0,
+                                 keep_last_n=self.cfg.checkpoint.keep_last_n_checkpoints,
+                                 deepspeed_latest=True, capture=save if deferred else None,
+                                 background=deferred)
 
     def _check_loadable(self, load_dir: str, plan: ResumePlan, where: str) -> None:
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, and

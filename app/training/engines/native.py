@@ -22,6 +22,7 @@ from app.checkpointing import commit
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
 from app.checkpointing.layouts import check_loadable
+from app.checkpointing.snapshot import HostBuffers, host_copy
 from app.checkpointing.model_args import checkpoint_args_namespace
 from app.launch.distributed import world_group
 from app.training.engines.base import Engine, StepResult
@@ -42,6 +43,7 @@ class NativeEngine(Engine):
         self.lr_scheduler = lr_scheduler
         self.ps = parallel_state
         self._nonfinite_loss: Optional[torch.Tensor] = None
+        self._host_buffers = HostBuffers()  # --async-save's copies, reused save after save
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -88,24 +90,32 @@ class NativeEngine(Engine):
                     pp_rank=self.ps.pipeline_model_parallel_rank,
                     pp_size=self.ps.pipeline_model_parallel_size)
 
-    def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any]) -> str:
+    def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
+                   asynchronous: bool) -> commit.PendingSave:
+        """This rank's Megatron file (data-parallel rank 0 of each model-parallel rank writes;
+        the others only agree); asynchronously from a host copy of the state."""
         c = self.cfg.checkpoint
         args_ns = checkpoint_args_namespace(
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration)
         rng = None if c.no_save_rng else rng_state_dict()
+        writer = self.ps.data_parallel_rank == 0  # one replica writes; the others follow it
         state = ckpt.build_checkpoint_dict(
             iteration, self.module.state_dict(),
             None if c.no_save_optim else self.optimizer.state_dict(),
             None if c.no_save_optim else self.lr_scheduler.state_dict(),
             rng, args_ns)
+        if asynchronous and writer:  # the previous save is committed: its buffers are free
+            self._host_buffers.new_save()
+            state = host_copy(state, self._host_buffers)
         agree = commit.world_agreement(next(self.module.parameters()).device)
-        if self.ps.data_parallel_rank != 0:  # one replica writes; the others follow its outcome
-            return commit.commit_save(save_dir, iteration, write=lambda: None, undo=lambda: None,
-                                      agree=agree, is_tracker_writer=False)
-        return ckpt.save_checkpoint(save_dir, iteration, state, agree=agree,
-                                    is_tracker_writer=self.ps.rank == 0,
-                                    keep_last_n=c.keep_last_n_checkpoints, **self._rank_kwargs())
+        if not writer:
+            return commit.start_save(save_dir, iteration, write=lambda: None, undo=lambda: None,
+                                     agree=agree, is_tracker_writer=False)
+        return ckpt.start_save(save_dir, iteration, state, agree=agree,
+                               is_tracker_writer=self.ps.rank == 0,
+                               keep_last_n=c.keep_last_n_checkpoints, background=asynchronous,
+                               **self._rank_kwargs())
 
     def _saved_weights(self, state: Dict[str, Any], load_dir: str, iteration: Any,
                        plan: ResumePlan) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:

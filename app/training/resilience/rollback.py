@@ -106,6 +106,7 @@ class SpikeRollback:
         if not self._agree(reason is not None):
             return False
         reason = reason or "another rank saw the trigger"
+        self.engine.finish_save()  # a save still being written (--async-save) counts
         save = self.cfg.checkpoint.save
         latest = names.read_tracker(save)
         budget = self.cfg.rollback.max_rollbacks

@@ -1,0 +1,57 @@
+"""`pretrain_gpt2.py` with one SIGKILL per torchrun attempt, as $CHAOS_PLAN schedules.
+
+$CHAOS_PLAN is a JSON list with one entry per attempt (TORCHELASTIC_RESTART_COUNT 0, 1, ...):
+[rank, kind, n]. The process of that rank SIGKILLs itself
+
+- kind "iteration": in the forward pass of the n-th iteration this attempt trains (n >= 1);
+- kind "write": at the first checkpoint file it writes in the n-th save of this attempt, once
+  the file's temporary copy is complete (with --async-save, from the thread writing it in the
+  background; a save starts only once the one before it is committed).
+
+Attempts past the plan's end run undisturbed.
+
+    CHAOS_PLAN='[[1, "iteration", 5], [0, "write", 2]]' torchrun --max-restarts 2 ... \
+        tests/integration/chaos_child.py <pretrain flags>
+"""
+import json
+import os
+import signal
+import sys
+
+import pretrain_gpt2
+from app.checkpointing import commit
+from app.training import trainer
+
+
+def _install(rank: int, kind: str, n: int) -> None:
+    """Arm this process's kill: the n-th iteration, or the n-th save, of this attempt."""
+    iterations, saves = set(), []
+
+    def kill_in_iteration(first_sample, loss):
+        iterations.add(first_sample)  # every micro-batch of an iteration has the same one
+        if len(iterations) == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return loss
+
+    def kill_in_write(stage):
+        if stage == "start":
+            saves.append(stage)
+        elif stage == "rank_tmp_written" and len(saves) == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    if kind == "iteration":
+        trainer.LOSS_HOOK = kill_in_iteration
+    elif kind == "write":
+        commit.SAVE_HOOK = kill_in_write
+    else:
+        raise ValueError(f"CHAOS_PLAN: unknown kind {kind!r} (iteration or write)")
+
+
+if __name__ == "__main__":
+    plan = json.loads(os.environ.get("CHAOS_PLAN", "[]"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt < len(plan):
+        _install(*plan[attempt])
+    sys.exit(pretrain_gpt2.main())

@@ -1,0 +1,133 @@
+"""Chaos: a job whose ranks are SIGKILLed at random moments, restarted each time with --load equal
+to --save, ends exactly where an uninterrupted run ends.
+
+One `torchrun --max-restarts K` per configuration runs tests/integration/chaos_child.py, which
+kills one random rank per attempt: in the forward pass of a random iteration, or while it
+writes a checkpoint file (with --async-save in the thread writing in the background). After K
+kills the job must finish with exit 0, its final checkpoint must hold the uninterrupted run's
+tensors bit for bit, and the last logged loss and grad norm of every iteration must equal the
+uninterrupted run's. Native TP 2 and DeepSpeed ZeRO-2 DP 2, each with and without
+--async-save, against one uninterrupted (synchronous) run per engine. The seed of the kill
+plan is printed and in every failure message; set CHAOS_SEED to replay one.
+"""
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from app.checkpointing.deepspeed_files import load_deepspeed_file
+from app.checkpointing.files import safe_torch_load
+from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.integration.launch_utils import ROOT, env, torchrun
+from tests.integration.test_restarts import tensors
+
+CHILD = os.path.join(ROOT, "tests", "integration", "chaos_child.py")
+KILLS = 3
+TRAIN_ITERS, GLOBAL_BATCH, SAVE_INTERVAL = 14, 4, 2
+RUN = ["--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-iters", "0",
+       "--hidden-dropout", "0.1", "--global-batch-size", str(GLOBAL_BATCH),
+       "--micro-batch-size", "2", "--save-interval", str(SAVE_INTERVAL), "--distributed-timeout-minutes", "1"]
+ENGINES = {
+    "native_tp2": ["--tensor-model-parallel-size", "2"],
+    "zero2_dp2": ["--deepspeed", "--deepspeed_config",
+                  os.path.join(ROOT, "ds_configs", "zero2.json")],
+}
+
+
+def kill_plan(rng):
+    """KILLS entries [rank, kind, n], one per attempt: a kill in the n-th iteration the attempt
+    trains, or in the first file of its second save. Every kill comes after a checkpoint was
+    committed (the first attempt's iteration is past its second save, which starts only once
+    the first is committed), and each attempt gains at most 2 x SAVE_INTERVAL iterations, so
+    every kill fires before TRAIN_ITERS."""
+    plan = []
+    for attempt in range(KILLS):
+        rank = rng.randrange(2)
+        if rng.random() < 0.5:
+            plan.append([rank, "write", 2])
+        else:
+            low = 2 * SAVE_INTERVAL + 1 if attempt == 0 else 1
+            plan.append([rank, "iteration", rng.randint(low, 2 * SAVE_INTERVAL + 1)])
+    return plan
+
+
+def last_logged(metrics_file):
+    """{iteration: (loss, grad norm)} of the last train row logged for each iteration."""
+    return {r["iteration"]: (r["lm_loss"], r["grad_norm"])
+            for r in read_metrics(metrics_file) if r["kind"] == "train"}
+
+
+def final_tensors(save_dir):
+    """{file/key path: tensor} of every .pt file of the final iteration's checkpoint."""
+    directory = os.path.join(save_dir, f"iter_{TRAIN_ITERS:07d}")
+    found = {}
+    for path in sorted(glob.glob(os.path.join(directory, "**", "*.pt"), recursive=True)):
+        rel = os.path.relpath(path, directory)
+        load = safe_torch_load if rel.endswith("model_optim_rng.pt") else load_deepspeed_file
+        found.update({f"{rel}{k}": v for k, v in tensors(load(path)).items()})
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_corpus, tmp_path_factory):
+    """{engine: (save dir, metrics file)} of one uninterrupted synchronous run per engine."""
+    runs = {}
+    for engine, flags in ENGINES.items():
+        tmp = tmp_path_factory.mktemp(f"straight_{engine}")
+        torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *RUN, *flags, "--save", str(tmp / "ck"),
+                                  "--metrics-file", str(tmp / "m.jsonl")), tmp)
+        runs[engine] = (str(tmp / "ck"), tmp / "m.jsonl")
+    return runs
+
+
+def run_with_kills(args, cwd, plan, seed):
+    """torchrun --max-restarts KILLS of chaos_child.py under `plan`; returns its output after
+    checking it exited 0 after exactly KILLS restarts."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--max-restarts={KILLS}", CHILD, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(env(), CHAOS_PLAN=json.dumps(plan)), cwd=cwd,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"seed {seed}, plan {plan}: torchrun still running after 300 s:\n"
+                    f"{log[-6000:]}")
+    (cwd / "torchrun.log").write_text(log)
+    what = f"seed {seed}, plan {plan} (whole log: {cwd / 'torchrun.log'})"
+    assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{log[-6000:]}"
+    assert f"restart {KILLS} of torchrun's --max-restarts {KILLS}" in log, \
+        f"{what}: not every kill fired\n{log[-6000:]}"
+    return log
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync_save", "async_save"])
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_random_kills_and_restarts_end_like_an_uninterrupted_run(tiny_corpus, tmp_path,
+                                                                 uninterrupted, engine,
+                                                                 asynchronous):
+    seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(2**31))
+    plan = kill_plan(random.Random(seed))
+    what = f"seed {seed}, plan {plan}"
+    print(f"chaos {engine} async={asynchronous}: {what}")
+    ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+    args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, *ENGINES[engine], "--save", ck,
+                         "--load", ck, "--metrics-file", str(metrics),
+                         *(["--async-save"] if asynchronous else []))
+    run_with_kills(args, tmp_path, plan, seed)
+    want_dir, want_metrics = uninterrupted[engine]
+    got, want = last_logged(metrics), last_logged(want_metrics)
+    assert sorted(got) == list(range(1, TRAIN_ITERS + 1)), f"{what}: logged {sorted(got)}"
+    for it in sorted(want):
+        assert got[it] == want[it], f"{what}: iteration {it}: {got[it]} != {want[it]}"
+    got_t, want_t = final_tensors(ck), final_tensors(want_dir)
+    assert sorted(got_t) == sorted(want_t) and want_t, f"{what}: {sorted(got_t)[:8]}"
+    for name, tensor in want_t.items():
+        assert tensor.equal(got_t[name]), f"{what}: final checkpoint {name} differs"
