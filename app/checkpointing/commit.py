@@ -26,6 +26,7 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import threading
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -192,6 +193,7 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
     _hook("start")
     directory = names.checkpoint_dir(save_dir, iteration)
     fresh = not os.path.isdir(directory)  # before any rank of this save can create it
+    _mark_in_progress(directory)
     if capture is not None:
         try:
             capture()
@@ -281,6 +283,7 @@ class PendingSave:
             _undo(self._undo, self.directory, self._fresh)
             raise save_failure(self.save_dir, self.iteration, error,
                                names.tracker_path(self.save_dir))
+        _unmark(self.directory)
         return self.directory
 
 
@@ -298,5 +301,20 @@ def _undo(undo: Callable[[], None], directory: str, fresh: bool) -> None:
     """Undo this rank's part of a failed save: its new files, and the iteration directory when
     this save created it (a rank that saw it missing before writing removes it all)."""
     undo()
+    _unmark(directory)
     if fresh:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _mark_in_progress(directory: str) -> None:
+    """This process's save-in-progress mark in `directory` (names.SAVE_MARKER_PREFIX), made
+    before any file of the save, so a save killed before its commit is recognisable."""
+    os.makedirs(directory, exist_ok=True)
+    with open(names.save_marker_path(directory, socket.gethostname(), os.getpid()), "wb"):
+        pass
+
+
+def _unmark(directory: str) -> None:
+    """Remove this process's save-in-progress mark (the save is committed or undone)."""
+    with contextlib.suppress(OSError):
+        os.remove(names.save_marker_path(directory, socket.gethostname(), os.getpid()))

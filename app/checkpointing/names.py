@@ -61,6 +61,36 @@ def checkpoint_dir(save_dir: str, iteration: Iteration) -> str:
     return os.path.join(save_dir, iteration_tag(iteration))
 
 
+SAVE_MARKER_PREFIX = ".save-in-progress."
+"""Each rank writing a save marks its iteration directory with `{prefix}{host}.{pid}` before any
+file and removes the mark once the save is committed: a directory still marked and not named by
+the tracker is an interrupted save, never a checkpoint."""
+
+
+def save_marker_path(directory: str, host: str, pid: int) -> str:
+    """The save-in-progress mark of one process in the iteration `directory`."""
+    return os.path.join(directory, f"{SAVE_MARKER_PREFIX}{host}.{pid}")
+
+
+def interrupted_saves(save_dir: str) -> List[int]:
+    """Iterations under `save_dir` whose directory still carries a save-in-progress mark and
+    that the tracker does not name (their save was killed before it was committed)."""
+    if not os.path.isdir(save_dir):
+        return []
+    tracker = read_tracker_text(save_dir)
+    found = []
+    for iteration in list_checkpoint_iterations(save_dir):
+        if tracker is not None and tracker.strip() == str(iteration):
+            continue  # committed; only the removal of its marks was interrupted
+        directory = checkpoint_dir(save_dir, iteration)
+        try:
+            if any(n.startswith(SAVE_MARKER_PREFIX) for n in os.listdir(directory)):
+                found.append(iteration)
+        except OSError:
+            continue
+    return found
+
+
 def list_checkpoint_iterations(save_dir: str) -> List[int]:
     """Iterations that have an `iter_XXXXXXX` directory under `save_dir`, ascending."""
     if not os.path.isdir(save_dir):

@@ -41,18 +41,17 @@ ENGINES = {
 
 def kill_plan(rng):
     """KILLS entries [rank, kind, n], one per attempt: a kill in the n-th iteration the attempt
-    trains, or in the first file of its second save. Every kill comes after a checkpoint was
-    committed (the first attempt's iteration is past its second save, which starts only once
-    the first is committed), and each attempt gains at most 2 x SAVE_INTERVAL iterations, so
-    every kill fires before TRAIN_ITERS."""
+    trains (possibly before any checkpoint exists), or in the first file of its first or second
+    save (a first save into an empty --save included: an uncommitted save is never a
+    checkpoint). Each attempt gains at most 2 x SAVE_INTERVAL iterations, so every kill fires
+    before TRAIN_ITERS."""
     plan = []
-    for attempt in range(KILLS):
+    for _ in range(KILLS):
         rank = rng.randrange(2)
         if rng.random() < 0.5:
-            plan.append([rank, "write", 2])
+            plan.append([rank, "write", rng.choice([1, 2])])
         else:
-            low = 2 * SAVE_INTERVAL + 1 if attempt == 0 else 1
-            plan.append([rank, "iteration", rng.randint(low, 2 * SAVE_INTERVAL + 1)])
+            plan.append([rank, "iteration", rng.randint(1, 2 * SAVE_INTERVAL + 1)])
     return plan
 
 

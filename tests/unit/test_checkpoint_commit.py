@@ -101,3 +101,54 @@ def test_a_rank_that_is_not_the_tracker_writer_writes_no_pointer(tmp_path):
     save(root, 5, RankFiles(root, 5), [True, True], is_tracker_writer=False,
          deepspeed_latest=True, keep_last_n=1)
     assert sorted(os.listdir(root)) == ["iter_0000005"]
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL at a stage of a save: nothing of the save runs after it."""
+
+
+def kill_at(stage):
+    def hook(at):
+        if at == stage:
+            raise Killed(stage)
+    return hook
+
+
+@pytest.mark.parametrize("stage", ["rank_file_committed", "before_tracker", "tracker_tmp_written"])
+def test_a_first_save_killed_before_its_commit_is_not_a_checkpoint(tmp_path, monkeypatch, stage):
+    """A save killed before the tracker names it leaves a marked directory: the next start into
+    the same --save starts fresh (no 'checkpoints but no tracker' refusal) and removes it, while a
+    directory that no save marked (a lost tracker) is still refused."""
+    from app.checkpointing import names
+    from app.config import CheckpointConfig
+    from app.training.resilience.resume import decide_start
+    from app.training.resilience.save_dir import claim_save_dir
+    root = str(tmp_path / "ck")
+    monkeypatch.setattr(commit, "SAVE_HOOK", kill_at(stage))
+    with pytest.raises(Killed):
+        save(root, 2, RankFiles(root, 2), [True, True], is_tracker_writer=True)
+    monkeypatch.setattr(commit, "SAVE_HOOK", None)
+    assert os.path.isdir(os.path.join(root, "iter_0000002"))
+    assert names.interrupted_saves(root) == [2]
+    same = CheckpointConfig(save=root, load=root)
+    assert decide_start(same).load is None  # a fresh start, not a refusal
+    claim_save_dir(root).release()
+    assert not os.path.exists(os.path.join(root, "iter_0000002"))
+
+    os.makedirs(os.path.join(root, "iter_0000005", "mp_rank_00"))  # no mark, no tracker
+    with pytest.raises(Exception, match="no latest_checkpointed_iteration.txt"):
+        decide_start(same)
+
+
+def test_a_committed_save_leaves_no_mark_and_a_later_kill_keeps_the_committed_one(tmp_path,
+                                                                                 monkeypatch):
+    from app.checkpointing import names
+    root = str(tmp_path / "ck")
+    save(root, 1, RankFiles(root, 1), [True, True], is_tracker_writer=True)
+    assert not [n for n in os.listdir(os.path.join(root, "iter_0000001"))
+                if n.startswith(".save-in-progress")]
+    monkeypatch.setattr(commit, "SAVE_HOOK", kill_at("rank_file_committed"))
+    with pytest.raises(Killed):
+        save(root, 2, RankFiles(root, 2), [True, True], is_tracker_writer=True)
+    assert names.interrupted_saves(root) == [2]
+    assert names.read_tracker(root) == 1

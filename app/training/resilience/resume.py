@@ -127,10 +127,11 @@ def held_checkpoints(directory: str) -> str:
     if not directory or not os.path.isdir(directory):
         return ""
     parts = []
+    interrupted = set(names.interrupted_saves(directory))
     tracker = names.read_tracker_text(directory)
     if tracker is not None:
         parts.append(f"tracker naming {tracker[:40]!r}")
-    iterations = names.list_checkpoint_iterations(directory)
+    iterations = [i for i in names.list_checkpoint_iterations(directory) if i not in interrupted]
     if iterations:
         shown = ", ".join(os.path.basename(names.checkpoint_dir(directory, i))
                           for i in iterations[-3:])
@@ -145,7 +146,8 @@ def held_checkpoints(directory: str) -> str:
 
 
 def _lost_tracker_error(directory: str, held: str, overwrite_hint: bool) -> ckpt.CheckpointError:
-    iterations = names.list_checkpoint_iterations(directory)
+    interrupted = set(names.interrupted_saves(directory))
+    iterations = [i for i in names.list_checkpoint_iterations(directory) if i not in interrupted]
     fix = (f"to resume, write the iteration into it (e.g. `echo {iterations[-1]} > "
            f"{names.tracker_path(directory)}`, after checking that iteration is complete)"
            if iterations

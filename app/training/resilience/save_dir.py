@@ -24,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import time
 from typing import Callable, Optional
 
+from app.checkpointing import names
 from app.utils.fileio import remove_temporaries, tmp_path
 from app.utils.lease import Lease, LeaseHeld
 
@@ -166,6 +168,10 @@ def claim_save_dir(directory: str, **lock_kwargs) -> SaveDirLock:
     lock = SaveDirLock(directory, **lock_kwargs)
     lock.acquire()
     removed = remove_temporaries(directory, only_dead=False)
+    for iteration in names.interrupted_saves(directory):  # killed before their commit
+        shutil.rmtree(names.checkpoint_dir(directory, iteration), ignore_errors=True)
+        logger.warning("removed %s: a save killed before it was committed (not a checkpoint)",
+                       names.checkpoint_dir(directory, iteration))
     if removed:
         logger.warning("removed %d temporary file(s) left in --save %s by an interrupted save: %s",
                        len(removed), directory, ", ".join(os.path.relpath(p, directory)
