@@ -42,6 +42,7 @@ import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
+from app.mpu.parallel_state import ParallelState
 from app.checkpointing import CheckpointError, commit, layouts, names
 from app.checkpointing import files as ckpt_files
 from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
@@ -150,7 +151,7 @@ class DeepSpeedEngineAdapter(Engine):
     """Engine implemented by a `deepspeed.DeepSpeedEngine` (ZeRO-1/2, offload, fp16/bf16)."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any, parallel_state: Any) -> None:
+                 lr_scheduler: Any, parallel_state: ParallelState) -> None:
         """`cfg.deepspeed.config` is the reconciled JSON; the process group (ensure_distributed)
         must exist already."""
         import deepspeed
@@ -455,7 +456,7 @@ def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[s
             c.PARAMETER_TO_AVERAGE_PATTERNS: [], "original_vocab_size": int(vocab_size)}
 
 
-def configure_activation_checkpointing(cfg: RunConfig, parallel_state: Any) -> None:
+def configure_activation_checkpointing(cfg: RunConfig, parallel_state: ParallelState) -> None:
     """Route the model's activation checkpointing and RNG tracker through deepspeed.checkpointing.
 
     Must run before the model's first forward: DeepSpeed is configured with our mpu and the

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from app.config import RunConfig
+from app.mpu.parallel_state import ParallelState
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu.random import rng_state_dict
 from app.checkpointing import commit
@@ -36,7 +37,7 @@ class NativeEngine(Engine):
     wrapper around AdamW (`optimizer`, from app.optim.mixed_precision)."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: Any,
-                 lr_scheduler: Any, parallel_state: Any) -> None:
+                 lr_scheduler: Any, parallel_state: ParallelState) -> None:
         self.cfg = cfg
         self.module = model
         self.optimizer = optimizer
