@@ -1,4 +1,23 @@
-"""Shared pytest setup: one torch thread per test process (the suite runs on 2 cores)."""
+"""Shared pytest setup: one torch thread per test process (the suite runs on 2 cores), and the
+launch variables an in-process DeepSpeed run sets (RANK, WORLD_SIZE, MASTER_PORT, ...) put back
+after each test, so no later test or command it starts inherits them."""
+import os
+
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launch_variables_restored():
+    saved = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -94,7 +94,7 @@ class MegatronGPT2LM(TemplateLM):
                       use_cache=bool(use_cache))
         ranks = (tensor_model_parallel_size or 1) * (pipeline_model_parallel_size or 1)
         self._spawned: Optional[SpawnedWorld] = None
-        if ranks > 1 and "WORLD_SIZE" not in os.environ:
+        if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # no launcher made ranks
             checkpoint_format(kwargs["load"])  # a wrong path fails here, before any spawn
             self._spawned = SpawnedWorld(ranks, kwargs)
         try:

@@ -10,8 +10,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN = os.path.dirname(sys.executable)
 
 
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT")
+"""What a launcher sets for its ranks; an in-process DeepSpeed run of an earlier test sets them in
+this process too, and a child started with them would join that run's rendezvous."""
+
+
 def env() -> Dict[str, str]:
-    e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """The environment of a command a test launches: this one, less the launch variables."""
+    e = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    e.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
     return e
 

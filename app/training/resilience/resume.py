@@ -231,12 +231,19 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
         load_dir, iteration, deepspeed=cfg.deepspeed.enabled,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        data_parallel_size=p.data_parallel_size, load_optimizer=plan.load_optimizer)
+        data_parallel_size=p.data_parallel_size, load_optimizer=False)
     if layout is None:
         raise ckpt.CheckpointError(
             f"{names.checkpoint_dir(load_dir, iteration)} (named by "
             f"{names.tracker_path(load_dir)}) holds no Megatron or DeepSpeed checkpoint files; "
             "restore them, or write an earlier complete iteration into the tracker")
+    problem = (layouts.partition_problem(layout, p.data_parallel_size)
+               if plan.load_optimizer else None)
+    if problem:  # the model shape is the more basic mismatch: named first, as the engine does
+        saved = layouts.read_saved_state(layout).get("args")
+        if saved is not None:
+            check_saved_args(plan, saved, cfg, layout.directory)
+        raise ckpt.CheckpointError(problem)
     return ResumeTarget(plan, layout)
 
 
