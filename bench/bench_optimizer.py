@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """AdamW against Muon on the standard-library corpus: tokens to reach AdamW's best validation loss.
 
-    python bench/bench_optimizer.py [--iters 80] [--adam-lrs 1e-3 2e-3 4e-3] \\
+    python bench/bench_optimizer.py [--iters 80] [--adam-lrs 1e-3 2e-3 4e-3 8e-3] \\
         [--muon-lrs 2e-3 4e-3 8e-3] [--work-dir ~/.cache/app_bench/optimizer] \\
         [--output bench_optimizer.jsonl] [--plot docs/optimizer_muon.png]
 
 The quickstart-size GPT-2 (4 layers, hidden 256, 4 heads, sequence 256, vocabulary 8192,
-dropout 0, fp32) trains through `pretrain_gpt2.py` (one subprocess per run, 2 threads) on the
+dropout 0, fp32; global batch 32 = 8192 tokens per step, so that Newton-Schulz, a per-step
+cost, weighs as it would at a realistic batch) trains through `pretrain_gpt2.py` (one subprocess per run, 2 threads) on the
 stdlib corpus (built, tokenised and preprocessed once into --work-dir), for each optimizer and
 each learning rate of its sweep: the same tokens in the same order (same seed), the same cosine
 schedule (warmup 10 %, down to lr / 10), validation every --eval-interval iterations. Muon is
@@ -213,7 +214,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=80)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--global-batch-size", type=int, default=32)
-    p.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
+    p.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3, 8e-3])
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[2e-3, 4e-3, 8e-3])
     p.add_argument("--eval-interval", type=int, default=8)
     p.add_argument("--eval-iters", type=int, default=4)

@@ -341,6 +341,7 @@ def test_deepspeed_muon_comes_from_the_json(tmp_path):
     ({"type": "Muon"}, ["--untie-embeddings-and-output-weights"], "untied output layer"),
     ({"type": "Muon", "params": {"momentum": 0.95}}, ["--muon-momentum", "0.9"],
      "optimizer.params.momentum is 0.95 but --muon-momentum is 0.9"),
+    (None, ["--optimizer", "sgd"], '"zero_allow_untested_optimizer": true'),
 ])
 def test_deepspeed_muon_refusals_say_what_works(tmp_path, json_optimizer, flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -10,6 +10,8 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
 - If the JSON defines `optimizer`, its `params.lr` (and weight decay, betas, eps when given) must
   agree with the command line; if it also defines `scheduler`, our LR schedule is not used and
   explicit command-line schedule flags are rejected.
+- --optimizer sgd hands DeepSpeed a torch SGD, which ZeRO takes only with
+  `zero_allow_untested_optimizer` set in the JSON (refused otherwise).
 - Muon under DeepSpeed is DeepSpeed's ZeRO-aware Muon, `"optimizer": {"type": "Muon"}` in the
   JSON (`--optimizer muon` follows from it); an explicit --optimizer must agree with the JSON's
   type. DeepSpeed's Muon has fixed settings (Nesterov, Keller Jordan's coefficients, 5 steps,
@@ -114,6 +116,12 @@ def _reconcile_optimizer(ds: Dict[str, Any], cfg: RunConfig, path: str,
                              f"set in the JSON: add \"optimizer\": {{\"type\": \"Muon\", "
                              f"\"params\": {{\"momentum\": 0.95}}}} to {path}, or drop "
                              "--deepspeed for Megatron's Muon")
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        if (cfg.optimizer.optimizer == "sgd" and stage >= 1
+                and not ds.get("zero_allow_untested_optimizer")):
+            raise ValueError(f"{path}: --optimizer sgd under ZeRO stage {stage}: DeepSpeed steps "
+                             "a torch SGD only with \"zero_allow_untested_optimizer\": true in "
+                             "the JSON; add it, or use --optimizer adam")
         if "scheduler" in ds:
             raise ValueError(f"{path}: a \"scheduler\" without an \"optimizer\" would drive our "
                              "optimizer; drop the JSON scheduler (our --lr-* flags schedule the "
