@@ -7,8 +7,9 @@
 
 The quickstart-size GPT-2 (4 layers, hidden 256, 4 heads, sequence 256, vocabulary 8192,
 dropout 0, fp32; global batch 32 = 8192 tokens per step, so that Newton-Schulz, a per-step
-cost, weighs as it would at a realistic batch) trains through `pretrain_gpt2.py` (one subprocess per run, 2 threads) on the
-stdlib corpus (built, tokenised and preprocessed once into --work-dir), for each optimizer and
+cost, weighs as it would at a realistic batch) trains through `pretrain_gpt2.py` (one
+subprocess per run, 2 threads) on the stdlib corpus (built, tokenised and preprocessed once
+into --work-dir), for each optimizer and
 each learning rate of its sweep: the same tokens in the same order (same seed), the same cosine
 schedule (warmup 10 %, down to lr / 10), validation every --eval-interval iterations. Muon is
 Megatron's (`--optimizer muon`, spectral scale, quintic coefficients, AdamW for the embeddings,
