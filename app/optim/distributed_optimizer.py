@@ -390,8 +390,9 @@ class DistributedOptimizer(_PrecisionOptimizer):
         """What the plain wrapper of this precision would save for this model (all ranks call)."""
         self.finish_param_gather()
         states = {id(piece.main): self.inner.state.get(piece.main, {}) for piece in self.pieces}
+        kinds = {k for group in self.inner.param_groups for k in self._group_keys(group)}
         full = {k: self._full({i: s[k] for i, s in states.items() if k in s})
-                for k in STATE_TENSORS}
+                for k in STATE_TENSORS if k in kinds}
         steps = [float(s["step"]) for s in states.values() if "step" in s]
         stepped = [max(steps, default=-1.0), float(any(states.values()))]
         step_max, any_state = collectives.agree(stepped, self.group, self.param_buffer.device)
