@@ -19,6 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
                               RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ModelConfig,
                               RecomputePlan, recompute_plan, resolve_recompute_flags)
+from app.config.optimizer_rules import (MUON_COEFFICIENT_TYPES, MUON_MATMUL_PRECISIONS,
+                                        MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES, MUON_TP_MODES,
+                                        OPTIMIZERS, check_muon_layout, check_optimizer_choice)
 from app.config.rules import divisible, positive, split_weights
 
 __all__ = [
@@ -35,14 +38,6 @@ DISTRIBUTED_BACKENDS = ("gloo", "nccl")
 """torch.distributed backends a run may use (--distributed-backend)."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "exponential")
 """Megatron's LR decay styles (--lr-decay-style)."""
-OPTIMIZERS = ("adam", "sgd", "muon")
-"""--optimizer choices (Megatron's names; adam is AdamW)."""
-MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
-"""--muon-tp-mode: how Newton-Schulz treats a tensor-parallel shard (app/optim/muon.py)."""
-MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
-MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express")
-MUON_MATMUL_PRECISIONS = ("low", "medium", "high")
-MUON_SCALAR_OPTIMIZERS = ("adam",)
 
 
 @dataclass
@@ -120,32 +115,24 @@ class OptimizerConfig:
     ddp_bucket_size: Optional[int] = None
     """Elements per gradient bucket of the distributed optimizer; None: max(40M, 1M x DP)."""
     optimizer: str = "adam"
-    """One of OPTIMIZERS: adam (AdamW), sgd (momentum SGD), muon (Muon for the hidden matrices,
-    --muon-scalar-optimizer for the rest). Defaults below are Megatron-LM's."""
+    """adam (AdamW), sgd or muon (OPTIMIZERS); the fields below (Megatron's defaults) are
+    described in app/optim/muon.py and docs/parallelism.md ("Muon")."""
     sgd_momentum: float = 0.9
     muon_momentum: float = 0.9
-    """EMA coefficient of Muon's momentum buffer."""
     muon_nesterov: bool = False
-    """Feed Newton-Schulz the Nesterov blend (1 - beta) G + beta M instead of M."""
     muon_split_qkv: bool = True
-    """Orthogonalise the fused QKV weight's query, key and value rows as three matrices."""
     muon_scale_mode: str = "spectral"
-    """Update scale (MUON_SCALE_MODES) of an m x n matrix: sqrt(max(m, n)), sqrt(m / n),
-    sqrt(max(1, m / n))."""
     muon_num_ns_steps: int = 5
     muon_coefficient_type: str = "quintic"
     muon_fp32_matmul_prec: str = "medium"
-    """Newton-Schulz precision: medium bf16; high fp32 (TF32 on CUDA); low fp32 as the process
-    set it (app/optim/newton_schulz.py)."""
+    """Newton-Schulz precision: medium bf16; high fp32 (TF32 on CUDA); low fp32 as set."""
     muon_tp_mode: str = "duplicated"
-    """blockwise (each TP shard alone: layout-dependent), duplicated (all-gather the matrix)
-    or distributed (Newton-Schulz matmuls over TP); the last two do not depend on the layout."""
+    """blockwise (layout-dependent), duplicated or distributed (both layout-independent)."""
     muon_extra_scale_factor: float = 1.0
     muon_scalar_optimizer: str = "adam"
-    """Optimizer of the embeddings, output layer, biases and LayerNorms under Muon."""
 
     def __post_init__(self) -> None:
-        self._check_optimizer_choice()
+        check_optimizer_choice(self)
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style (--lr-decay-style) must be one of "
                              f"{', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}")
@@ -173,24 +160,6 @@ class OptimizerConfig:
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("--override-opt_param-scheduler and "
                              "--use-checkpoint-opt_param-scheduler are mutually exclusive")
-
-    def _check_optimizer_choice(self) -> None:
-        """--optimizer and the Muon flags: known names, steps >= 1, momenta in [0, 1)."""
-        for flag, value, allowed in (
-                ("--optimizer", self.optimizer, OPTIMIZERS),
-                ("--muon-tp-mode", self.muon_tp_mode, MUON_TP_MODES),
-                ("--muon-scale-mode", self.muon_scale_mode, MUON_SCALE_MODES),
-                ("--muon-coefficient-type", self.muon_coefficient_type, MUON_COEFFICIENT_TYPES),
-                ("--muon-fp32-matmul-prec", self.muon_fp32_matmul_prec, MUON_MATMUL_PRECISIONS),
-                ("--muon-scalar-optimizer", self.muon_scalar_optimizer, MUON_SCALAR_OPTIMIZERS)):
-            if value not in allowed:
-                raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-        if self.muon_num_ns_steps < 1:
-            raise ValueError(f"--muon-num-ns-steps must be >= 1, got {self.muon_num_ns_steps}")
-        for flag, value in (("--muon-momentum", self.muon_momentum),
-                            ("--sgd-momentum", self.sgd_momentum)):
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{flag} must be in [0, 1), got {value}")
 
 
 @dataclass
@@ -499,21 +468,8 @@ class RunConfig:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
         self._check_model_options_against_layout()
-        self._check_muon_layout()
+        check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
-
-    def _check_muon_layout(self) -> None:
-        """--muon-no-split-qkv orthogonalises the fused QKV matrix whole, which a rank's rows do
-        not tile when key/value heads are replicated over TP ranks (groups < TP)."""
-        o, tp = self.optimizer, self.parallel.tensor_model_parallel_size
-        if (o.optimizer == "muon" and not o.muon_split_qkv and o.muon_tp_mode != "blockwise"
-                and self.model.num_kv_heads < tp):
-            raise ValueError(
-                f"--muon-no-split-qkv with --muon-tp-mode {o.muon_tp_mode}: --num-query-groups "
-                f"({self.model.num_kv_heads}) < --tensor-model-parallel-size ({tp}) replicates "
-                "key/value rows over ranks, so the fused QKV matrix cannot be assembled from the "
-                "shards; drop --muon-no-split-qkv (q, k and v are then orthogonalised apart) or "
-                "use --muon-tp-mode blockwise")
 
     def _check_model_options_against_layout(self) -> None:
         """Sequence parallelism, query groups and recompute against TP / PP / DeepSpeed."""
