@@ -28,6 +28,8 @@ import sys
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from app.config import (ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES,
+                        MUON_COEFFICIENT_TYPES, MUON_MATMUL_PRECISIONS, MUON_SCALAR_OPTIMIZERS,
+                        MUON_SCALE_MODES, MUON_TP_MODES, OPTIMIZERS,
                         POSITION_EMBEDDING_TYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
                         CheckpointConfig, DataConfig, DeepSpeedConfig, KernelConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RollbackConfig,
@@ -220,6 +222,49 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket of the distributed optimizer "
                         "(default max(40M, 1M x data-parallel size))")
+    _add_muon_args(parser)
+
+
+def _add_muon_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "optimizer choice", "--optimizer and Muon's settings (Megatron-LM's names and defaults; "
+        "docs/parallelism.md)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                   help="adam: AdamW; sgd: SGD with --sgd-momentum; muon: Muon for the 2-D "
+                        "weights of the transformer layers, --muon-scalar-optimizer for the "
+                        "embeddings, output layer, biases and LayerNorms. With --deepspeed, Muon "
+                        "is DeepSpeed's, set in the JSON (\"optimizer\": {\"type\": \"Muon\"}), "
+                        "which takes only --muon-momentum, and --muon-tp-mode blockwise at TP > 1")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="momentum of --optimizer sgd")
+    g.add_argument("--muon-momentum", type=float, default=0.9,
+                   help="EMA coefficient of Muon's momentum buffer, in [0, 1) (default 0.9)")
+    g.add_argument("--muon-nesterov", action="store_true",
+                   help="orthogonalise the Nesterov blend of gradient and momentum")
+    g.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
+                   help="orthogonalise the fused QKV weight whole (default: its query, key and "
+                        "value rows as three matrices); with fewer --num-query-groups than TP "
+                        "ranks it needs --muon-tp-mode blockwise")
+    g.add_argument("--muon-scale-mode", choices=MUON_SCALE_MODES, default="spectral",
+                   help="update scale of an m x n matrix: spectral sqrt(max(m, n)), "
+                        "unit_rms_norm sqrt(m / n), shape_scaling sqrt(max(1, m / n))")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5,
+                   help="Newton-Schulz iterations, >= 1 (default 5)")
+    g.add_argument("--muon-coefficient-type", choices=MUON_COEFFICIENT_TYPES, default="quintic",
+                   help="Newton-Schulz coefficients: quintic (five tuned steps, cycled), simple "
+                        "(Keller Jordan's one tuple), polar_express")
+    g.add_argument("--muon-fp32-matmul-prec", choices=MUON_MATMUL_PRECISIONS, default="medium",
+                   help="Newton-Schulz precision: medium bf16; high fp32 (TF32 on CUDA); low "
+                        "fp32 at the process's matmul precision")
+    g.add_argument("--muon-tp-mode", choices=MUON_TP_MODES, default="duplicated",
+                   help="with TP > 1: duplicated all-gathers each matrix and orthogonalises it "
+                        "whole; distributed runs Newton-Schulz on the shards (an all-reduce per "
+                        "step); both give the one-process update. blockwise orthogonalises each "
+                        "shard alone (no communication; the update depends on the TP size)")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0,
+                   help="extra factor on Muon's update (0.2 with spectral roughly matches "
+                        "AdamW's update RMS)")
+    g.add_argument("--muon-scalar-optimizer", choices=MUON_SCALAR_OPTIMIZERS, default="adam",
+                   help="optimizer of the parameters Muon leaves out")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -502,7 +547,17 @@ def _training_config(args: argparse.Namespace, global_batch: int) -> TrainingCon
         straggler_minmax_count=args.straggler_minmax_count)
 
 
-def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+def _optimizer_name(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]]) -> str:
+    """--optimizer; with --deepspeed and no --optimizer flag, muon when the JSON's optimizer is
+    DeepSpeed's Muon (the JSON is then the source of truth, as for the precision)."""
+    json_type = str(((ds_json or {}).get("optimizer") or {}).get("type", "")).lower()
+    if json_type == "muon" and "--optimizer" not in getattr(args, "_explicit_flags", ()):
+        return "muon"
+    return args.optimizer
+
+
+def _optimizer_config(args: argparse.Namespace,
+                      ds_json: Optional[Dict[str, Any]] = None) -> OptimizerConfig:
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
     return OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
@@ -513,7 +568,15 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather, ddp_bucket_size=args.ddp_bucket_size)
+        overlap_param_gather=args.overlap_param_gather, ddp_bucket_size=args.ddp_bucket_size,
+        optimizer=_optimizer_name(args, ds_json), sgd_momentum=args.sgd_momentum,
+        muon_momentum=args.muon_momentum, muon_nesterov=args.muon_nesterov,
+        muon_split_qkv=args.muon_split_qkv, muon_scale_mode=args.muon_scale_mode,
+        muon_num_ns_steps=args.muon_num_ns_steps,
+        muon_coefficient_type=args.muon_coefficient_type,
+        muon_fp32_matmul_prec=args.muon_fp32_matmul_prec, muon_tp_mode=args.muon_tp_mode,
+        muon_extra_scale_factor=args.muon_extra_scale_factor,
+        muon_scalar_optimizer=args.muon_scalar_optimizer)
 
 
 def _other_configs(args: argparse.Namespace) -> Dict[str, Any]:
@@ -578,7 +641,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
         source=source)
     cfg = RunConfig(
         model=_model_config(args, padded_vocab_size, precision), parallel=parallel,
-        optimizer=_optimizer_config(args), precision=precision,
+        optimizer=_optimizer_config(args, ds_json), precision=precision,
         training=_training_config(args, _global_batch_size(args, ds_json,
                                                            parallel.data_parallel_size)),
         deepspeed=deepspeed, raw_vocab_size=raw_vocab_size,

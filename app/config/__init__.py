@@ -19,13 +19,18 @@ from typing import Any, Dict, List, Optional, Tuple
 from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
                               RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ModelConfig,
                               RecomputePlan, recompute_plan, resolve_recompute_flags)
+from app.config.optimizer_rules import (MUON_COEFFICIENT_TYPES, MUON_MATMUL_PRECISIONS,
+                                        MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES, MUON_TP_MODES,
+                                        OPTIMIZERS, check_muon_layout, check_optimizer_choice)
 from app.config.rules import divisible, positive, split_weights
 from app.config.wandb import WandbConfig
 
 __all__ = [
     "ATTENTION_BACKENDS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
     "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
-    "DeepSpeedConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
+    "DeepSpeedConfig", "KernelConfig", "MUON_COEFFICIENT_TYPES", "MUON_MATMUL_PRECISIONS",
+    "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES", "ModelConfig", "OPTIMIZERS",
+    "OptimizerConfig", "ParallelConfig",
     "PrecisionConfig", "RecomputePlan", "RollbackConfig", "RunConfig", "TrainingConfig",
     "WandbConfig",
     "default_kernel_build_timeout", "divisible", "positive", "recompute_plan",
@@ -79,7 +84,8 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW hyper-parameters, gradient clipping and Megatron's LR schedule."""
+    """The optimizer (AdamW, SGD or Muon) and its hyper-parameters, gradient clipping and
+    Megatron's LR schedule."""
 
     lr: float = 1.5e-4
     min_lr: float = 0.0
@@ -110,8 +116,25 @@ class OptimizerConfig:
     its next forward (needs overlap_grad_reduce)."""
     ddp_bucket_size: Optional[int] = None
     """Elements per gradient bucket of the distributed optimizer; None: max(40M, 1M x DP)."""
+    optimizer: str = "adam"
+    """adam (AdamW), sgd or muon (OPTIMIZERS); the fields below (Megatron's defaults) are
+    described in app/optim/muon.py and docs/parallelism.md ("Muon")."""
+    sgd_momentum: float = 0.9
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True
+    muon_scale_mode: str = "spectral"
+    muon_num_ns_steps: int = 5
+    muon_coefficient_type: str = "quintic"
+    muon_fp32_matmul_prec: str = "medium"
+    """Newton-Schulz precision: medium bf16; high fp32 (TF32 on CUDA); low fp32 as set."""
+    muon_tp_mode: str = "duplicated"
+    """blockwise (layout-dependent), duplicated or distributed (both layout-independent)."""
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"
 
     def __post_init__(self) -> None:
+        check_optimizer_choice(self)
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style (--lr-decay-style) must be one of "
                              f"{', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}")
@@ -461,6 +484,7 @@ class RunConfig:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
         self._check_model_options_against_layout()
+        check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
 
     def _check_model_options_against_layout(self) -> None:

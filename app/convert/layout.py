@@ -143,10 +143,21 @@ def is_no_weight_decay(name: str) -> bool:
     return name.endswith(".bias") or "layernorm" in name
 
 
-def optimizer_groups(names: Sequence[str]) -> Dict[str, List[str]]:
-    """{'decay': [...], 'no_decay': [...]}: `names` split as app.optim.get_param_groups does."""
-    return {"decay": [n for n in names if not is_no_weight_decay(n)],
-            "no_decay": [n for n in names if is_no_weight_decay(n)]}
+MUON_MATRICES = ("attention.query_key_value.weight", "attention.dense.weight",
+                 "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight")
+"""The layer weights --optimizer muon orthogonalises (app.optim.get_muon_param_groups)."""
+
+
+def optimizer_groups(names: Sequence[str], muon: bool = False) -> Dict[str, List[str]]:
+    """{'decay': [...], 'no_decay': [...]}: `names` split as app.optim.get_param_groups does;
+    with `muon`, {'muon', 'decay', 'no_decay'} as app.optim.get_muon_param_groups does (the
+    transformer layers' MUON_MATRICES first)."""
+    chosen = [n for n in names if muon and (parse_layer(n) or (0, ""))[1] in MUON_MATRICES]
+    rest = [n for n in names if n not in chosen]
+    groups = {"muon": chosen} if muon else {}
+    groups.update(decay=[n for n in rest if not is_no_weight_decay(n)],
+                  no_decay=[n for n in rest if is_no_weight_decay(n)])
+    return groups
 
 
 def resize_vocab(tensor: torch.Tensor, rows: int, vocab_size: Optional[int], name: str

@@ -20,6 +20,7 @@ from app.convert import layout
 from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
                                cast_weights)
 from app.model.hf_compat import checkpoint_args_blockers
+from app.optim.distributed_optimizer import STATE_TENSORS
 from app.optim.mixed_precision import is_mixed_state
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
@@ -107,8 +108,9 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
 
 
 def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
-           tp: int, pp: int, what: str) -> Dict[str, torch.Tensor]:
-    """Full tensors from per-rank flat dicts; the last stage's tied copy must equal stage 0's."""
+           tp: int, pp: int, what: str, only: Optional[set] = None) -> Dict[str, torch.Tensor]:
+    """Full tensors from per-rank flat dicts (of the names in `only`, when given); the last
+    stage's tied copy must equal stage 0's."""
     num_layers = int(args.num_layers)
     progress = Progress(f"reading {what}")
     merged: Dict[str, torch.Tensor] = {}
@@ -116,6 +118,8 @@ def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[s
     holder = {name: stage for (tp_rank, stage), rank_dict in per_rank.items() if tp_rank == 0
               for name in rank_dict}
     for name in layout.model_parameter_names(num_layers) + ([layout.TIED_HEAD] if pp > 1 else []):
+        if only is not None and name not in only:
+            continue
         stage = holder.get(name, layout.stage_of(name, num_layers, pp))
         shards = []
         for tp_rank in range(tp):
@@ -141,9 +145,10 @@ def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[s
 
 def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[str, Any]],
                     tp: int, pp: int, load_dir: str) -> OptimizerState:
-    """Adam moments of every rank file, mapped to parameter names and merged like the weights."""
+    """Optimizer states of every rank file (AdamW's moments and step, SGD's or Muon's momentum),
+    mapped to parameter names and merged like the weights."""
     per_rank: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {
-        "exp_avg": {}, "exp_avg_sq": {}}
+        kind: {key: {} for key in files} for kind in STATE_TENSORS}
     steps: Dict[str, torch.Tensor] = {}
     hparams: Dict[str, Dict[str, Any]] = {}
     for (tp_rank, stage), state in files.items():
@@ -155,34 +160,39 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
                                        "has no optimizer state (saved with --no-save-optim?)")
         names = layout.stage_parameter_names(int(args.num_layers), pp, stage)
         index_to_name = _index_names(opt, names, f"{load_dir} (tp {tp_rank}, pp {stage})")
-        for kind in per_rank:
-            per_rank[kind][(tp_rank, stage)] = {}
         for index, name in index_to_name.items():
             entry = opt["state"].get(index)
             if not entry:
-                raise ckpt.CheckpointError(f"--include-optimizer: no Adam state for {name!r} in "
-                                           f"{load_dir} (tp {tp_rank}, pp {stage}); was it saved "
-                                           "before the first step?")
+                raise ckpt.CheckpointError(f"--include-optimizer: no optimizer state for {name!r} "
+                                           f"in {load_dir} (tp {tp_rank}, pp {stage}); was it "
+                                           "saved before the first step?")
             for kind in per_rank:
-                per_rank[kind][(tp_rank, stage)][name] = entry[kind]
-            steps[name] = entry["step"]
+                if kind in entry:
+                    per_rank[kind][(tp_rank, stage)][name] = entry[kind]
+            if "step" in entry:
+                steps[name] = entry["step"]
         for group in opt["param_groups"]:
             hparams.setdefault(group.get("name", "decay"),
                                {k: v for k, v in group.items() if k != "params"})
-    merged = {kind: merge_ranks(args, ranks, tp, pp, f"optimizer {kind}")
-              for kind, ranks in per_rank.items()}
-    per_param = {name: {"exp_avg": merged["exp_avg"][name],
-                        "exp_avg_sq": merged["exp_avg_sq"][name], "step": steps[name]}
-                 for name in merged["exp_avg"]}
+    per_param: Dict[str, Dict[str, torch.Tensor]] = {}
+    for kind, ranks in per_rank.items():
+        present = {name for rank_dict in ranks.values() for name in rank_dict}
+        if present:
+            merged = merge_ranks(args, ranks, tp, pp, f"optimizer {kind}", present)
+            for name, value in merged.items():
+                per_param.setdefault(name, {})[kind] = value
+    for name, entry in per_param.items():
+        if name in steps:  # AdamW's step first, as torch stores it
+            per_param[name] = {"step": steps[name], **entry}
     return OptimizerState(per_param=per_param, group_hparams=hparams)
 
 
 def _index_names(opt: Dict[str, Any], names: List[str], where: str) -> Dict[int, str]:
     """{optimizer index: parameter name} of one stage from its groups' 'params' lists."""
-    groups = layout.optimizer_groups(names)
-    mapping: Dict[int, str] = {}
     saved = opt.get("param_groups", [])
-    order = [g.get("name", ("decay", "no_decay")[i]) for i, g in enumerate(saved)]
+    groups = layout.optimizer_groups(names, muon=any(g.get("name") == "muon" for g in saved))
+    mapping: Dict[int, str] = {}
+    order = [g["name"] if "name" in g else ("decay", "no_decay")[i] for i, g in enumerate(saved)]
     for group, group_name in zip(saved, order):
         wanted = groups.get(group_name)
         if wanted is None or len(wanted) != len(group["params"]):
@@ -274,14 +284,13 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
 
 def _optimizer_shard(opt: OptimizerState, names: List[str], tp: int, tp_rank: int, rows: int,
                      vocab_size: Optional[int]) -> Dict[str, Any]:
-    """torch.optim state dict of one rank: groups decay / no_decay over `names`, as built by
-    app.optim.get_param_groups, with each parameter's moments split like its weight."""
-    groups = layout.optimizer_groups(names)
+    """torch.optim state dict of one rank: groups (muon,) decay, no_decay over `names`, as built
+    by app.optim.optimizer_param_groups, with each parameter's states split like its weight."""
+    groups = layout.optimizer_groups(names, muon="muon" in opt.group_hparams)
     state: Dict[int, Dict[str, torch.Tensor]] = {}
     param_groups = []
     index = 0
-    for group_name in ("decay", "no_decay"):
-        members = groups[group_name]
+    for group_name, members in groups.items():
         if not members:
             continue
         indices = []
@@ -289,14 +298,15 @@ def _optimizer_shard(opt: OptimizerState, names: List[str], tp: int, tp_rank: in
             source_name = layout.WORD_EMBEDDINGS if name == layout.TIED_HEAD else name
             entry = opt.per_param.get(source_name)
             if entry is None:
-                raise ckpt.CheckpointError(f"--include-optimizer: no Adam state for {source_name!r}")
-            moments = {}
-            for kind in ("exp_avg", "exp_avg_sq"):
+                raise ckpt.CheckpointError(f"--include-optimizer: no optimizer state for "
+                                           f"{source_name!r}")
+            split = {"step": entry["step"].clone()} if "step" in entry else {}
+            for kind in (k for k in STATE_TENSORS if k in entry):
                 full = entry[kind]
                 if source_name == layout.WORD_EMBEDDINGS:
                     full = layout.resize_vocab(full, rows, vocab_size, f"{kind} of {source_name}")
-                moments[kind] = layout.split_tensor(full, name, tp)[tp_rank]
-            state[index] = {"step": entry["step"].clone(), **moments}
+                split[kind] = layout.split_tensor(full, name, tp)[tp_rank]
+            state[index] = split
             indices.append(index)
             index += 1
         hparams = dict(opt.group_hparams.get(group_name, {}))
@@ -309,7 +319,7 @@ def _mixed_state(adam: Dict[str, Any], full: Dict[str, torch.Tensor], names: Lis
                  tp_rank: int, opt: OptimizerState) -> Dict[str, Any]:
     """Megatron's Float16Optimizer layout (what a native fp16/bf16 run saves): AdamW's state,
     the loss scaler's, and the fp32 main weights with their names, per param group."""
-    groups = [g for g in (layout.optimizer_groups(names)[k] for k in ("decay", "no_decay")) if g]
+    groups = [g for g in layout.optimizer_groups(names, "muon" in opt.group_hparams).values() if g]
     mains = [[layout.split_tensor(full[n].float(), n, tp)[tp_rank] for n in group]
              for group in groups]
     return {"optimizer": adam, "grad_scaler": opt.grad_scaler, "fp32_from_fp16_params": mains,

@@ -23,10 +23,11 @@ Iteration = Union[int, str]
 
 @dataclass
 class OptimizerState:
-    """Adam state of the whole model, unsharded: per parameter name its `exp_avg`,
-    `exp_avg_sq` (full shape, fp32) and `step`; the hyper-parameters of the two param groups
-    ('decay', 'no_decay') as the torch optimizer stores them, without their 'params'; and the
-    loss scaler's state when the source trained in fp16/bf16."""
+    """Optimizer state of the whole model, unsharded: per parameter name its per-element states
+    (full shape, fp32: AdamW's `exp_avg` and `exp_avg_sq`, or the `momentum_buffer` of SGD and
+    of Muon's matrices) and AdamW's `step`; the hyper-parameters of the param groups ('decay',
+    'no_decay', and 'muon' first for Muon) as the torch optimizer stores them, without their
+    'params'; and the loss scaler's state when the source trained in fp16/bf16."""
 
     per_param: Dict[str, Dict[str, torch.Tensor]]
     group_hparams: Dict[str, Dict[str, Any]]

@@ -9,13 +9,21 @@ them), each padded to a multiple of the data-parallel size DP and split into DP 
 
     bucket b = [shard of DP rank 0 | shard of rank 1 | ... ]       (flat, elements)
     this rank owns its shard of every bucket: fp32 main weights (for fp32 models, a view of the
-    weight buffer itself), the fp32 gradient shard, and AdamW's states for those elements
+    weight buffer itself), the fp32 gradient shard, and the optimizer's states for those elements
 
 `step`: each bucket's gradients are reduce-scattered over DP (summed, then divided by DP, as the
 all-reduce of the plain path does), fp16 gradients unscaled, non-finite values agreed over the
 world, the norm summed from the shards over the world (each parameter counted once, as
-app.mpu.grads does), gradients clipped, AdamW steps the main shards, the weights are cast back
-and all-gathered over DP. `reduction_grads()` is empty: the engine's all-reduce has nothing to do.
+app.mpu.grads does), gradients clipped, the optimizer (AdamW, SGD or Muon) steps the main shards,
+the weights are cast back and all-gathered over DP. `reduction_grads()` is empty: the engine's
+all-reduce has nothing to do.
+
+Muon: the momentum is element-wise, so it stays sharded like AdamW's moments; Newton-Schulz
+needs whole matrices, so the shards' updates are all-gathered over DP (one all-gather of the
+buffer's size per step) and each rank orthogonalises only the matrices its shard overlaps (the
+work splits over DP; a matrix on a shard boundary is done by both ranks, identically), keeping
+its elements. Tensor-parallel peers share the bucket layout, so they meet the same matrices in
+the same order for --muon-tp-mode's collectives.
 
 Overlap (gloo and NCCL alike, both run the async collectives in the background):
 - --overlap-grad-reduce: a bucket's reduce-scatter starts from the gradient hook as soon as every
@@ -26,8 +34,8 @@ Overlap (gloo and NCCL alike, both run the async collectives in the background):
   waits for the buckets of its own weights in a forward pre-hook (and before any state_dict).
 
 Checkpoints are gathered and layout-independent: `state_dict()` returns exactly what the plain
-wrapper of this precision returns for the same model (torch AdamW's state dict, in
-`get_param_groups` order; mixed precision adds Megatron's `fp32_from_fp16_params` and
+wrapper of this precision returns for the same model (the torch optimizer's state dict, in
+`optimizer_param_groups` order; mixed precision adds Megatron's `fp32_from_fp16_params` and
 `param_names`), so a run resumes at another data-parallel size, or without the flag, and back.
 All ranks must call it (it all-gathers); only data-parallel rank 0 writes the files.
 """
@@ -35,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -45,11 +53,14 @@ from app.mpu import collectives
 from app.mpu.grads import counts_toward_norm, norm_power
 from app.optim.grad_scaler import build_loss_scaler
 from app.optim.mixed_precision import (_PARALLEL_ATTRS, StepOutcome, _bytes, _PrecisionOptimizer,
-                                       _state_bytes, is_mixed_state)
-from app.optim.optimizer import build_adamw
-from app.optim.param_groups import get_param_groups
+                                       _state_bytes, check_saved_groups, is_mixed_state)
+from app.optim.muon import TensorParallelOrthogonalizer, matrix_specs
+from app.optim.optimizer import build_inner_optimizer, optimizer_param_groups
 
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
+STATE_TENSORS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+"""Per-element optimizer states (AdamW's moments; SGD's and Muon's momentum), sharded like the
+weights; AdamW's `step` is one count for all."""
 
 
 @dataclass
@@ -95,7 +106,8 @@ class _Layout:
 
 
 class DistributedOptimizer(_PrecisionOptimizer):
-    """fp32 main weights and AdamW states sharded over data parallel; see the module docstring."""
+    """fp32 main weights and optimizer states sharded over data parallel; see the module
+    docstring."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, precision: PrecisionConfig,
                  parallel_state: Any, num_micro_batches: int) -> None:
@@ -122,14 +134,19 @@ class DistributedOptimizer(_PrecisionOptimizer):
         tied = self._tied_parameter(model)
         self.layout = self._build_buffers(bucket_size, tied)
         self.pieces = self._build_shards()
-        self.groups_of_params = [g["params"] for g in get_param_groups(model,
-                                                                        config.weight_decay)]
+        self.groups_of_params = [g["params"] for g in optimizer_param_groups(model, config)]
         piece_of = {id(piece.param): piece for piece in self.pieces}
+        self.piece_of_main = {id(piece.main): piece for piece in self.pieces}
         groups = []
-        for group in get_param_groups(model, config.weight_decay):
+        for group in optimizer_param_groups(model, config):
             mains = [piece_of[id(p)].main for p in group["params"] if id(p) in piece_of]
             groups.append({**group, "params": mains})
-        self.inner = build_adamw(groups, config)
+        muon = config.optimizer == "muon"
+        self.specs = matrix_specs(model) if muon else {}
+        self.orthogonalizer = TensorParallelOrthogonalizer(
+            config, parallel_state.tensor_model_parallel_group) if muon else None
+        self.inner = build_inner_optimizer(groups, config,
+                                           self._orthogonalize_pieces if muon else None)
         self.counts: Dict[int, int] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._install_gather_waits(model, tied)
@@ -330,9 +347,10 @@ class DistributedOptimizer(_PrecisionOptimizer):
 
     # ------------------------------------------------------------------ state
 
-    def _full(self, per_piece: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
-        """{id(param): full fp32 tensor} from this rank's pieces (by id of their main weight),
-        all-gathered over DP."""
+    def _full(self, per_piece: Dict[int, torch.Tensor],
+              params: Optional[List[nn.Parameter]] = None) -> Dict[int, torch.Tensor]:
+        """{id(param): full fp32 tensor} for `params` (default: all) from this rank's pieces (by
+        id of their main weight; zeros where none is given), all-gathered over DP."""
         flat = torch.zeros(self.param_buffer.numel(), dtype=torch.float32,
                            device=self.param_buffer.device)
         shards = {id(b): torch.zeros(b.shard_end - b.shard_start, dtype=torch.float32,
@@ -346,41 +364,65 @@ class DistributedOptimizer(_PrecisionOptimizer):
             collectives.all_gather_flat(flat[bucket.start:bucket.end], shards[id(bucket)],
                                         self.group)
         return {id(p): flat[self.layout.offset[id(p)]:self.layout.offset[id(p)] + p.numel()]
-                .view_as(p).clone() for p in self.params}
+                .view_as(p).clone() for p in (self.params if params is None else params)}
+
+    def _orthogonalize_pieces(self, mains: List[torch.Tensor], updates: List[torch.Tensor]
+                              ) -> List[torch.Tensor]:
+        """Muon's `orthogonalize` for this rank's pieces (every DP rank calls it once per step):
+        the updates are all-gathered into whole matrices, each matrix with a piece here is
+        orthogonalised (over TP as --muon-tp-mode says) and the piece's elements kept."""
+        pieces = [self.piece_of_main[id(main)] for main in mains]
+        whole = self._full({id(m): u.reshape(-1) for m, u in zip(mains, updates)},
+                           [piece.param for piece in pieces])
+        result = []
+        for piece in pieces:
+            done = self.orthogonalizer(whole[id(piece.param)], self.specs[id(piece.param)])
+            result.append(done.reshape(-1)[piece.lo:piece.hi])
+        return result
+
+    def _group_keys(self, group: Dict[str, Any]) -> Tuple[str, ...]:
+        """The per-element states a parameter of `group` has once stepped."""
+        if group.get("use_muon") or isinstance(self.inner, torch.optim.SGD):
+            return ("momentum_buffer",)
+        return ("exp_avg", "exp_avg_sq")
 
     def state_dict(self) -> Dict[str, Any]:
         """What the plain wrapper of this precision would save for this model (all ranks call)."""
         self.finish_param_gather()
         states = {id(piece.main): self.inner.state.get(piece.main, {}) for piece in self.pieces}
-        keys = ("exp_avg", "exp_avg_sq")
-        full = {k: self._full({i: s[k] for i, s in states.items() if k in s}) for k in keys}
+        kinds = {k for group in self.inner.param_groups for k in self._group_keys(group)}
+        full = {k: self._full({i: s[k] for i, s in states.items() if k in s})
+                for k in STATE_TENSORS if k in kinds}
         steps = [float(s["step"]) for s in states.values() if "step" in s]
-        step_max = torch.tensor([max(steps, default=-1.0)], device=self.param_buffer.device)
-        collectives.all_reduce(step_max, self.group, op="max")  # every piece has the same count
-        step = None if step_max.item() < 0 else float(step_max.item())
-        adam_state, groups, index = {}, [], 0
+        stepped = [max(steps, default=-1.0), float(any(states.values()))]
+        step_max, any_state = collectives.agree(stepped, self.group, self.param_buffer.device)
+        state, groups, index = {}, [], 0
         for params, group in zip(self.groups_of_params, self.inner.param_groups):
             ids = list(range(index, index + len(params)))
-            if step is not None:
-                for i, p in zip(ids, params):
-                    adam_state[i] = {"step": torch.tensor(step, dtype=torch.float32),
-                                     **{k: full[k][id(p)] for k in keys}}
+            keys = self._group_keys(group)
+            for i, p in zip(ids, params):
+                if not any_state:
+                    continue
+                state[i] = {k: full[k][id(p)] for k in keys}
+                if step_max >= 0 and "exp_avg" in keys:  # AdamW's count, the same for all
+                    state[i] = {"step": torch.tensor(step_max, dtype=torch.float32), **state[i]}
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
             index += len(params)
-        adam = {"state": adam_state, "param_groups": groups}
+        inner = {"state": state, "param_groups": groups}
         if not self.half:
-            return adam
+            return inner
         mains = self._full({id(piece.main): piece.main.detach() for piece in self.pieces})
-        return {"optimizer": adam,
+        return {"optimizer": inner,
                 "grad_scaler": None if self.scaler is None else self.scaler.state_dict(),
                 "fp32_from_fp16_params": [[mains[id(p)] for p in g] for g in self.groups_of_params],
                 "param_names": [[self.name_of[id(p)] for p in g] for g in self.groups_of_params]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Take this rank's shard of a gathered state: from a distributed or a plain run of any
-        data-parallel size (fp32 AdamW state, or a mixed-precision one)."""
-        adam = state["optimizer"] if is_mixed_state(state) else state
-        saved_groups = adam["param_groups"]
+        data-parallel size (fp32 optimizer state, or a mixed-precision one)."""
+        saved_state = state["optimizer"] if is_mixed_state(state) else state
+        saved_groups = saved_state["param_groups"]
+        check_saved_groups(saved_groups, self.inner.param_groups)
         if [len(g["params"]) for g in saved_groups] != [len(g) for g in self.groups_of_params]:
             raise ValueError(f"checkpoint optimizer has parameter groups of "
                              f"{[len(g['params']) for g in saved_groups]}, this model has "
@@ -389,18 +431,22 @@ class DistributedOptimizer(_PrecisionOptimizer):
         for params, saved, group in zip(self.groups_of_params, saved_groups,
                                         self.inner.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
+            entries = saved_state["state"]
             for p, index in zip(params, saved["params"]):
-                if index in adam["state"] or str(index) in adam["state"]:
-                    by_param[id(p)] = adam["state"].get(index, adam["state"].get(str(index)))
+                if index in entries or str(index) in entries:
+                    by_param[id(p)] = entries.get(index, entries.get(str(index)))
         for piece in self.pieces:
             saved = by_param.get(id(piece.param))
             if saved is None:
                 self.inner.state.pop(piece.main, None)
                 continue
-            entry = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).clone()}
-            for key in ("exp_avg", "exp_avg_sq"):
-                entry[key] = saved[key].reshape(-1)[piece.lo:piece.hi].to(
-                    piece.main.device, torch.float32).clone()
+            entry = {}
+            if "step" in saved:
+                entry["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).clone()
+            for key in STATE_TENSORS:
+                if key in saved:
+                    entry[key] = saved[key].reshape(-1)[piece.lo:piece.hi].to(
+                        piece.main.device, torch.float32).clone()
             self.inner.state[piece.main] = entry
         if is_mixed_state(state):
             if self.scaler is not None and state.get("grad_scaler"):
@@ -416,7 +462,7 @@ class DistributedOptimizer(_PrecisionOptimizer):
                 piece.main.copy_(named_fp32[piece.name].reshape(-1)[piece.lo:piece.hi])
 
     def state_bytes(self) -> Dict[str, int]:
-        """Weights; the gradient buffer and shards; AdamW states and separate main shards."""
+        """Weights; the gradient buffer and shards; optimizer states and separate main shards."""
         separate = ([] if self.param_dtype == torch.float32
                     else [b.main for b in self.layout.buckets])
         return {"params": _bytes([self.param_buffer]), "grads": self.last_grad_bytes,

@@ -1,16 +1,18 @@
 """Precision-aware optimizer wrappers of the native path: one interface for fp32, bf16 and fp16.
 
 `Float32Optimizer` (fp32 weights) and `MixedPrecisionOptimizer` (fp16/bf16 weights, Megatron's
-Float16OptimizerWithFloat16Params design) wrap the AdamW that `build_adamw` makes. The engine
-drives either the same way, per iteration:
+Float16OptimizerWithFloat16Params design) wrap the optimizer of --optimizer that
+`build_inner_optimizer` makes (AdamW; SGD; Muon, whose Newton-Schulz thus sees unscaled fp32
+main gradients, with AdamW for the scalar parameters). The engine drives either the same way,
+per iteration:
 
     scale_loss(loss).backward() per micro-batch     (x loss scale for fp16)
     reduction_grads() -> all-reduce over data parallel; embedding_grad(p) -> tied-embedding sum
     step(...) -> StepOutcome
 
-`MixedPrecisionOptimizer` keeps an fp32 *main* copy of every half-precision weight; AdamW steps
-the main copies, which are then cast back into the model. Gradients accumulate over micro-batches
-either in the model dtype (`param.grad`) or, with --accumulate-allreduce-grads-in-fp32 (always for
+`MixedPrecisionOptimizer` keeps an fp32 *main* copy of every half-precision weight; the
+optimizer steps the main copies, which are then cast back into the model. Gradients accumulate
+over micro-batches either in the model dtype (`param.grad`) or, with --accumulate-allreduce-grads-in-fp32 (always for
 bf16), in an fp32 `param.main_grad` buffer fed by a post-accumulate-grad hook; that buffer is what
 gets all-reduced. `step`:
 
@@ -20,12 +22,12 @@ gets all-reduced. `step`:
    the whole world (max all-reduce), so every rank skips the same step;
 4. the loss scaler advances (fp16);
 5. skipped: gradients are dropped, nothing is updated; else clip the unscaled fp32 gradients
-   (pre-clip norm reported), AdamW step, copy the main weights back into the model.
+   (pre-clip norm reported), optimizer step, copy the main weights back into the model.
 
 A skipped step "counts as non-finite" (for --max-consecutive-skipped-iterations) always in fp32
 and bf16, and in fp16 only when the scale was already at --min-loss-scale (or static).
 
-State dicts: fp32 is AdamW's own (as before); mixed precision uses Megatron's keys
+State dicts: fp32 is the torch optimizer's own (as before); mixed precision uses Megatron's keys
 (`optimizer`, `grad_scaler`, `fp32_from_fp16_params`) plus `param_names` (the model parameter
 name of every main weight, so the fp32 weights can be read back by name).
 """
@@ -42,8 +44,8 @@ from app.config import OptimizerConfig, PrecisionConfig
 from app.mpu import collectives
 from app.mpu.grads import clip_grad_norm
 from app.optim.grad_scaler import LossScaler, build_loss_scaler
-from app.optim.optimizer import build_adamw
-from app.optim.param_groups import get_param_groups
+from app.optim.muon import Orthogonalize, TensorParallelOrthogonalizer, matrix_specs
+from app.optim.optimizer import build_inner_optimizer, optimizer_param_groups
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +143,30 @@ class _PrecisionOptimizer:
         return scale_before is not None and scale_before <= self.scaler.min_scale
 
 
-class Float32Optimizer(_PrecisionOptimizer):
-    """fp32 weights and gradients: AdamW on the model parameters, non-finite steps skipped."""
+def muon_orthogonalizer(model: nn.Module, config: OptimizerConfig, parallel_state: Any,
+                        main_of: Optional[Dict[int, nn.Parameter]] = None
+                        ) -> Optional[Orthogonalize]:
+    """Muon's orthogonalisation over the tensor-parallel group of `parallel_state` (None: one
+    process) for the model parameters, or for their main copies `main_of` (by id of the model
+    parameter); None unless --optimizer muon."""
+    if config.optimizer != "muon":
+        return None
+    specs = matrix_specs(model)
+    if main_of is not None:
+        specs = {id(main_of[key]): spec for key, spec in specs.items() if key in main_of}
+    group = None if parallel_state is None else parallel_state.tensor_model_parallel_group
+    return TensorParallelOrthogonalizer(config, group).for_params(specs)
 
-    def __init__(self, model: nn.Module, config: OptimizerConfig) -> None:
+
+class Float32Optimizer(_PrecisionOptimizer):
+    """fp32 weights and gradients: the optimizer of --optimizer on the model parameters,
+    non-finite steps skipped. `parallel_state` gives Muon its tensor-parallel group."""
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig,
+                 parallel_state: Any = None) -> None:
         super().__init__(model)
-        self.inner = build_adamw(get_param_groups(model, config.weight_decay), config)
+        self.inner = build_inner_optimizer(optimizer_param_groups(model, config), config,
+                                           muon_orthogonalizer(model, config, parallel_state))
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -181,7 +201,9 @@ class Float32Optimizer(_PrecisionOptimizer):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load AdamW's state; a mixed-precision checkpoint's `optimizer` entry is accepted too
         (its fp32 main weights are loaded into the model by the engine)."""
-        self.inner.load_state_dict(state["optimizer"] if is_mixed_state(state) else state)
+        inner = state["optimizer"] if is_mixed_state(state) else state
+        check_saved_groups(inner["param_groups"], self.inner.param_groups)
+        self.inner.load_state_dict(inner)
 
     def state_bytes(self) -> Dict[str, int]:
         return {"params": _bytes(self.params), "grads": self.last_grad_bytes,
@@ -189,20 +211,22 @@ class Float32Optimizer(_PrecisionOptimizer):
 
 
 class MixedPrecisionOptimizer(_PrecisionOptimizer):
-    """fp16/bf16 model weights with fp32 main weights, fp32 AdamW states and a loss scaler."""
+    """fp16/bf16 model weights with fp32 main weights, fp32 optimizer states and a loss scaler.
+    `parallel_state` gives Muon its tensor-parallel group."""
 
-    def __init__(self, model: nn.Module, config: OptimizerConfig, precision: PrecisionConfig
-                 ) -> None:
+    def __init__(self, model: nn.Module, config: OptimizerConfig, precision: PrecisionConfig,
+                 parallel_state: Any = None) -> None:
         super().__init__(model)
         self.accumulate_in_fp32 = precision.grads_accumulate_in_fp32
         self.scaler = build_loss_scaler(precision.fp16, precision.loss_scale,
                                         *precision.dynamic_scaler_settings())
         self.main_of: Dict[int, nn.Parameter] = {}
         groups = []
-        for group in get_param_groups(model, config.weight_decay):
+        for group in optimizer_param_groups(model, config):
             mains = [self._main_copy(p) for p in group["params"]]
             groups.append({**group, "params": mains})
-        self.inner = build_adamw(groups, config)
+        self.inner = build_inner_optimizer(
+            groups, config, muon_orthogonalizer(model, config, parallel_state, self.main_of))
         self._hooks = []
         if self.accumulate_in_fp32:
             for p in self.params:
@@ -290,10 +314,11 @@ class MixedPrecisionOptimizer(_PrecisionOptimizer):
         must then be set from the checkpoint's fp32 weights (`set_main_weights`). A scaler state
         from another precision (bf16 <-> fp16) is ignored: the scale restarts.
         """
+        inner = state["optimizer"] if is_mixed_state(state) else state
+        check_saved_groups(inner["param_groups"], self.inner.param_groups)
+        self.inner.load_state_dict(inner)
         if not is_mixed_state(state):
-            self.inner.load_state_dict(state)
             return
-        self.inner.load_state_dict(state["optimizer"])
         saved_scaler = state.get("grad_scaler")
         if self.scaler is not None and saved_scaler:
             self.scaler.load_state_dict(saved_scaler)
@@ -325,6 +350,20 @@ def _accumulate_main_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
+def check_saved_groups(saved_groups: List[Dict[str, Any]], groups: List[Dict[str, Any]]) -> None:
+    """Refuse an optimizer state whose param groups (by name: muon, decay, no_decay, and by
+    kind) are not this optimizer's, i.e. one saved with another --optimizer; unnamed (older)
+    groups pass."""
+    def kinds(found: List[Dict[str, Any]]) -> List[Any]:  # AdamW groups have betas, SGD's not
+        return [(g.get("name"), "betas" in g) for g in found]
+    saved, own = kinds(saved_groups), kinds(groups)
+    if all(name is not None for name, _ in saved) and saved != own:
+        raise ValueError(f"the checkpoint's optimizer has param groups (name, AdamW?) {saved}, "
+                         f"this run's --optimizer has {own}: it was saved with another "
+                         "optimizer; resume with the same --optimizer, or pass --no-load-optim "
+                         "to start the optimizer afresh")
+
+
 def is_mixed_state(state: Dict[str, Any]) -> bool:
     """True for a MixedPrecisionOptimizer (Megatron Float16Optimizer) state dict."""
     return isinstance(state, dict) and "fp32_from_fp16_params" in state
@@ -343,8 +382,10 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def build_precision_optimizer(model: nn.Module, config: OptimizerConfig,
-                              precision: PrecisionConfig) -> _PrecisionOptimizer:
-    """The native path's optimizer for this precision: fp32, or mixed (fp16/bf16)."""
+                              precision: PrecisionConfig,
+                              parallel_state: Any = None) -> _PrecisionOptimizer:
+    """The native path's optimizer for this precision: fp32, or mixed (fp16/bf16);
+    `parallel_state` (None: one process) gives Muon its tensor-parallel group."""
     if precision.fp16 or precision.bf16:
-        return MixedPrecisionOptimizer(model, config, precision)
-    return Float32Optimizer(model, config)
+        return MixedPrecisionOptimizer(model, config, precision, parallel_state)
+    return Float32Optimizer(model, config, parallel_state)

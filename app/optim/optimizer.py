@@ -1,13 +1,16 @@
-"""Build the AdamW optimizer: apex FusedAdam when it imports, else torch AdamW (fused/foreach)."""
+"""Build the optimizer of --optimizer: AdamW (apex FusedAdam when it imports, else torch AdamW,
+fused/foreach), SGD with momentum, or Muon with AdamW for the scalar parameters (app.optim.muon)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from app.config import OptimizerConfig
-from app.optim.param_groups import get_param_groups
+from app.optim.muon import Muon, Orthogonalize, TensorParallelOrthogonalizer, matrix_specs
+from app.optim.muon import muon_group_settings
+from app.optim.param_groups import get_muon_param_groups, get_param_groups
 
 
 def _apex_fused_adam():
@@ -28,8 +31,38 @@ def _torch_adamw(groups: List[Dict[str, Any]], kwargs: Dict[str, Any]) -> torch.
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW over `get_param_groups(model)` (see build_adamw)."""
-    return build_adamw(get_param_groups(model, config.weight_decay), config)
+    """The optimizer of `config.optimizer` over `optimizer_param_groups(model, config)` (see
+    build_inner_optimizer); Muon orthogonalises each local tensor whole (one process)."""
+    orthogonalize = None
+    if config.optimizer == "muon":
+        orthogonalize = TensorParallelOrthogonalizer(config).for_params(matrix_specs(model))
+    return build_inner_optimizer(optimizer_param_groups(model, config), config, orthogonalize)
+
+
+def optimizer_param_groups(model: nn.Module, config: OptimizerConfig) -> List[Dict[str, Any]]:
+    """The param groups of `config.optimizer`: `[decay, no_decay]` (get_param_groups) for adam
+    and sgd, `[muon, decay, no_decay]` (get_muon_param_groups) for muon."""
+    if config.optimizer == "muon":
+        return get_muon_param_groups(model, muon_group_settings(config), config.weight_decay)
+    return get_param_groups(model, config.weight_decay)
+
+
+def build_inner_optimizer(groups: List[Dict[str, Any]], config: OptimizerConfig,
+                          orthogonalize: Optional[Orthogonalize] = None) -> torch.optim.Optimizer:
+    """The torch optimizer of `config.optimizer` over `groups` (from optimizer_param_groups,
+    or their fp32 main copies): AdamW (build_adamw); SGD with --sgd-momentum and L2 weight
+    decay (torch.optim.SGD, as Megatron); or `Muon` with AdamW over the groups not marked
+    `use_muon` (--muon-scalar-optimizer adam), which needs `orthogonalize`."""
+    if config.optimizer == "adam":
+        return build_adamw(groups, config)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
+                               weight_decay=config.weight_decay)
+    if orthogonalize is None:
+        raise ValueError("Muon needs the function that orthogonalises its updates")
+    scalar_groups = [g for g in groups if not g["use_muon"]]
+    scalar = build_adamw(scalar_groups, config) if scalar_groups else None
+    return Muon(groups, scalar, orthogonalize)
 
 
 def build_adamw(groups: List[Dict[str, Any]], config: OptimizerConfig) -> torch.optim.Optimizer:

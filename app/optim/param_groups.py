@@ -36,3 +36,36 @@ def get_param_groups(model: nn.Module,
         decay_group["weight_decay"] = float(weight_decay)
     no_decay_group: Dict[str, Any] = {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}
     return [g for g in (decay_group, no_decay_group) if g["params"]]
+
+
+def is_embedding_or_output(param_name: str) -> bool:
+    """True for the word and position embeddings (and the last stage's tied copy) and the
+    untied output layer: matrices that Muon leaves to the scalar optimizer (Megatron's
+    `is_embedding_or_output_parameter`)."""
+    return "embedding" in param_name or "output_layer" in param_name
+
+
+def get_muon_param_groups(model: nn.Module, settings: Dict[str, Any],
+                          weight_decay: Optional[float] = None) -> List[Dict[str, Any]]:
+    """`[muon, decay, no_decay]` for --optimizer muon, empty groups dropped.
+
+    `muon` holds the 2-D weights that are not embeddings or the output layer
+    (`is_embedding_or_output`), with the Muon keys `settings` (`use_muon` True among them);
+    `decay` and `no_decay` are `get_param_groups`' split of the rest (embeddings and output
+    layer decay; biases and LayerNorms do not), marked `use_muon` False. Each group has a `name`.
+    """
+    muon: List[nn.Parameter] = []
+    seen = set()
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if (param.requires_grad and param.dim() == 2 and id(param) not in seen
+                    and not is_embedding_or_output(full)):
+                muon.append(param)
+            seen.add(id(param))
+    chosen = {id(p) for p in muon}
+    groups: List[Dict[str, Any]] = [{"name": "muon", **settings, "params": muon}]
+    for group in get_param_groups(model, weight_decay):
+        rest = [p for p in group["params"] if id(p) not in chosen]
+        groups.append({**group, "params": rest, "use_muon": False})
+    return [g for g in groups if g["params"]]

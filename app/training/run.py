@@ -99,7 +99,7 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Paralle
             model, cfg.optimizer, cfg.precision, parallel_state,
             cfg.training.num_micro_batches(parallel_state.data_parallel_size))
     else:
-        wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision)
+        wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision, parallel_state)
     scheduler = OptimizerParamScheduler(wrapper, cfg.optimizer)
     return NativeEngine(cfg, model, wrapper, scheduler, parallel_state)
 

@@ -115,8 +115,9 @@ def test_pipeline_estimate_is_the_larger_of_the_first_and_the_last_stage(vocab):
 
 
 def test_model_states_match_the_engines_tensors_after_a_step(monkeypatch):
-    """Native fp32, bf16 and fp16 (half gradients cast to fp32 and freed one by one), and
-    DeepSpeed ZeRO-2 (one rank): weights, gradients and optimizer states equal the engine's
+    """Native fp32, bf16 and fp16 (half gradients cast to fp32 and freed one by one), Muon
+    (one momentum per hidden matrix) and SGD, and DeepSpeed ZeRO-2 (one rank): weights,
+    gradients and optimizer states equal the engine's
     tensors exactly; ZeRO-2's reduce bucket equals the buffer DeepSpeed allocates."""
     import torch.distributed as dist
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -133,6 +134,7 @@ def test_model_states_match_the_engines_tensors_after_a_step(monkeypatch):
 def _check_states_against_engines():
     from app.testing.synthetic import build_synthetic_run
     for extra in ((), ("--bf16",), ("--fp16", "--initial-loss-scale", "4096"),  # step applied
+                  ("--optimizer", "muon"), ("--optimizer", "sgd", "--bf16"),
                   ("--deepspeed", "--deepspeed_config", "ds_configs/zero2.json")):
         cfg = config("--global-batch-size", "8", *extra)
         run = build_synthetic_run(cfg, 32)

@@ -10,6 +10,15 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
 - If the JSON defines `optimizer`, its `params.lr` (and weight decay, betas, eps when given) must
   agree with the command line; if it also defines `scheduler`, our LR schedule is not used and
   explicit command-line schedule flags are rejected.
+- --optimizer sgd hands DeepSpeed a torch SGD, which ZeRO takes only with
+  `zero_allow_untested_optimizer` set in the JSON (refused otherwise).
+- Muon under DeepSpeed is DeepSpeed's ZeRO-aware Muon, `"optimizer": {"type": "Muon"}` in the
+  JSON (`--optimizer muon` follows from it); an explicit --optimizer must agree with the JSON's
+  type. DeepSpeed's Muon has fixed settings (Nesterov, Keller Jordan's coefficients, 5 steps,
+  shape scaling, no QKV split; `params.ns_method` picks its precision), so of the --muon-* flags
+  only --muon-momentum (= `params.momentum`) is taken, and --muon-tp-mode blockwise, which TP > 1
+  needs: it orthogonalises each tensor-parallel shard alone. It tells matrices from embeddings by
+  name, so an untied output layer (which it would give to Muon) is refused.
 """
 from __future__ import annotations
 
@@ -21,6 +30,12 @@ from typing import Any, Dict, Iterable
 
 from app.config import RunConfig
 
+MUON_FIXED_FLAGS = ("--muon-nesterov", "--muon-no-split-qkv", "--muon-scale-mode",
+                    "--muon-num-ns-steps", "--muon-coefficient-type", "--muon-fp32-matmul-prec",
+                    "--muon-extra-scale-factor", "--muon-scalar-optimizer")
+"""Megatron Muon settings that DeepSpeed's Muon does not take."""
+JSON_TYPES = {"adam": ("adam", "adamw"), "sgd": ("sgd",), "muon": ("muon",)}
+"""The JSON optimizer types each --optimizer agrees with."""
 SCHEDULE_FLAGS = ("--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters",
                   "--lr-warmup-fraction", "--warmup", "--min-lr")
 
@@ -96,11 +111,23 @@ def _reconcile_optimizer(ds: Dict[str, Any], cfg: RunConfig, path: str,
                          explicit_flags: Iterable[str]) -> None:
     opt = ds.get("optimizer")
     if opt is None:
+        if cfg.optimizer.optimizer == "muon":
+            raise ValueError(f"--optimizer muon with --deepspeed runs DeepSpeed's ZeRO-aware Muon, "
+                             f"set in the JSON: add \"optimizer\": {{\"type\": \"Muon\", "
+                             f"\"params\": {{\"momentum\": 0.95}}}} to {path}, or drop "
+                             "--deepspeed for Megatron's Muon")
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        if (cfg.optimizer.optimizer == "sgd" and stage >= 1
+                and not ds.get("zero_allow_untested_optimizer")):
+            raise ValueError(f"{path}: --optimizer sgd under ZeRO stage {stage}: DeepSpeed steps "
+                             "a torch SGD only with \"zero_allow_untested_optimizer\": true in "
+                             "the JSON; add it, or use --optimizer adam")
         if "scheduler" in ds:
             raise ValueError(f"{path}: a \"scheduler\" without an \"optimizer\" would drive our "
                              "optimizer; drop the JSON scheduler (our --lr-* flags schedule the "
                              "LR) or define both")
         return
+    _reconcile_optimizer_type(opt, cfg, path, explicit_flags)
     params = opt.setdefault("params", {})
     o = cfg.optimizer
     for key, flag, value in (("lr", "--lr", o.lr), ("weight_decay", "--weight-decay", o.weight_decay),
@@ -119,6 +146,42 @@ def _reconcile_optimizer(ds: Dict[str, Any], cfg: RunConfig, path: str,
         if clash:
             raise ValueError(f"{path} defines a \"scheduler\", which replaces our LR schedule, "
                              f"but the command line also sets {', '.join(clash)}; remove one")
+
+
+def _reconcile_optimizer_type(opt: Dict[str, Any], cfg: RunConfig, path: str,
+                              explicit_flags: Iterable[str]) -> None:
+    """An explicit --optimizer agrees with the JSON's type; DeepSpeed's Muon takes
+    --muon-momentum and needs blockwise TP and tied embeddings (module docstring)."""
+    o, explicit = cfg.optimizer, set(explicit_flags)
+    json_type = str(opt.get("type", "")).lower()
+    if "--optimizer" in explicit and json_type not in JSON_TYPES[o.optimizer]:
+        raise ValueError(f"{path}: optimizer.type is {opt.get('type')!r} but --optimizer is "
+                         f"{o.optimizer}; make them agree or drop one")
+    if json_type != "muon":
+        return
+    fixed = sorted(explicit & set(MUON_FIXED_FLAGS))
+    if fixed:
+        raise ValueError(f"{path} selects DeepSpeed's Muon, which does not take "
+                         f"{', '.join(fixed)} (it always uses Nesterov momentum, Keller Jordan's "
+                         "coefficients, 5 steps, shape scaling, no QKV split; optimizer.params."
+                         "ns_method picks its precision); drop them, or drop --deepspeed for "
+                         "Megatron's Muon")
+    tp = cfg.parallel.tensor_model_parallel_size
+    if tp > 1 and not ("--muon-tp-mode" in explicit and o.muon_tp_mode == "blockwise"):
+        raise ValueError(f"{path}: DeepSpeed's Muon orthogonalises each of the {tp} tensor-"
+                         "parallel shards of a matrix alone; pass --muon-tp-mode blockwise to "
+                         "accept that, or drop --deepspeed for the TP-invariant duplicated or "
+                         "distributed modes")
+    if cfg.model.untie_embeddings_and_output_weights:
+        raise ValueError(f"{path}: DeepSpeed's Muon tells matrices from embeddings by name and "
+                         "would orthogonalise the untied output layer; drop "
+                         "--untie-embeddings-and-output-weights, or drop --deepspeed")
+    if "--muon-momentum" in explicit:
+        params = opt.setdefault("params", {})
+        if "momentum" in params and float(params["momentum"]) != o.muon_momentum:
+            raise ValueError(f"{path}: optimizer.params.momentum is {params['momentum']} but "
+                             f"--muon-momentum is {o.muon_momentum}; make them agree")
+        params["momentum"] = o.muon_momentum
 
 
 def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig, path: str = "<deepspeed config>",

@@ -9,6 +9,9 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
     fp32 (native, or DeepSpeed without ZeRO):  weights 4Ψ + gradients 4Ψ + Adam 8Ψ   = 16Ψ
     fp16/bf16 (mixed precision, K = 12):       weights 2Ψ + gradients 2Ψ + fp32 master 4Ψ
                                                + Adam 8Ψ                          = 16Ψ
+    the optimizer's states: AdamW 8Ψ (two moments); SGD 4Ψ (momentum); Muon 4Ψ_m + 8(Ψ - Ψ_m),
+    one momentum buffer per hidden matrix (Ψ_m: the transformer layers' QKV, dense, h->4h and
+    4h->h weights the rank holds) and AdamW's two moments for the rest
     native fp16/bf16 steps fp32 main gradients: 4Ψ (accumulated in fp32, or cast from the
     2Ψ half gradients, each freed as it is cast, so the peak stays 4Ψ)
     --use-distributed-optimizer (native): the optimizer states (Adam, fp32 main weights of a
@@ -154,7 +157,8 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     offload = ds is not None and (zero.get("offload_optimizer", {}) or {}).get("device") == "cpu"
     master = 4 if (half or stage >= 1) else 0  # ZeRO keeps an fp32 partition even in fp32 runs
     sharded = stage >= 1 or (ds is None and cfg.optimizer.use_distributed_optimizer)
-    optim = (master + 8) * psi / (dp if sharded else 1)
+    state_bytes, state_text = optimizer_state_bytes(cfg, psi)
+    optim = (master * psi + state_bytes) / (dp if sharded else 1)
     grads = w * psi / (dp if stage >= 2 else 1)
     grads_text = f"{w}Ψ" + ("/N_d" if stage >= 2 else "")
     if ds is None and half:  # fp32 main gradients (MixedPrecisionOptimizer._main_grads)
@@ -170,14 +174,38 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
         optim = 0.0
     engine = (f"DeepSpeed ZeRO-{stage}" if ds is not None else
               "native, distributed optimizer" if sharded else "native")
+    states = f"{master}Ψ + {state_text}" if master else state_text
     optim_text = ("0 (offloaded to the host)" if offload else
-                  f"{master + 8}Ψ" + ("/N_d" if sharded else ""))
+                  (f"({states})/N_d" if sharded else states))
     note = (f"{engine}, {'16-bit' if half else 'fp32'} weights: weights {w}Ψ, gradients "
             f"{grads_text}, optimizer {optim_text} with Ψ = {psi:,} parameters "
             f"per rank, N_d = {dp}"
             + (f"; reduce buckets reduce_bucket_size x {copies} x {width} bytes" if buffers else ""))
     return dict(weights=float(w * psi), gradients=float(grads), optimizer=float(optim),
                 buffers=buffers, note=note)
+
+
+def muon_matrix_params_per_rank(cfg: RunConfig) -> int:
+    """Ψ_m: elements of the Muon matrices (QKV, attention dense, h->4h, 4h->h weights) one
+    rank holds: its tensor-parallel shards of its stage's layers."""
+    m, p = cfg.model, cfg.parallel
+    t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    h, f = m.hidden_size, m.ffn_hidden_size
+    qkv_rows = (m.num_attention_heads // t + 2 * max(1, m.num_kv_heads // t)) * m.head_dim
+    return m.num_layers // pp * (qkv_rows * h + h * h // t + 2 * h * f // t)
+
+
+def optimizer_state_bytes(cfg: RunConfig, psi: int) -> Tuple[float, str]:
+    """(bytes, formula) of the optimizer's own states for Ψ = `psi` parameters: AdamW 8Ψ, SGD
+    4Ψ, Muon 4Ψ_m + 8(Ψ - Ψ_m) (see the module docstring)."""
+    name = cfg.optimizer.optimizer
+    if name == "sgd":
+        return 4.0 * psi, "SGD momentum 4Ψ"
+    if name == "muon":
+        muon = muon_matrix_params_per_rank(cfg)
+        return (4.0 * muon + 8.0 * (psi - muon),
+                f"Muon momentum 4Ψ_m + AdamW 8(Ψ - Ψ_m), Ψ_m = {muon:,}")
+    return 8.0 * psi, "AdamW 8Ψ"
 
 
 def scores_kept(cfg: RunConfig, device_type: str) -> bool:
