@@ -30,6 +30,8 @@ import socket
 import subprocess
 from typing import List, Optional, Sequence
 
+from app.utils.processes import pid_alive
+
 PREFIX = "apptest-"
 HOST_INTERFACE = "veth"
 NETNS_ETC = "/etc/netns"
@@ -65,17 +67,12 @@ def _remove_namespace(name: str) -> None:
 
 
 def _creator_alive(name: str) -> bool:
+    """Whether the process that made namespace `name` (its pid is in the name) still runs."""
     try:
         pid = int(name[len(PREFIX):].split("-")[0])
     except ValueError:
         return True  # not one of ours after all: leave it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def remove_leftovers() -> List[str]:

@@ -70,9 +70,13 @@ def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
     """
     import deepspeed
     import torch.distributed as dist
-    if not dist.is_initialized() and "RANK" not in os.environ:
+    if "RANK" not in os.environ and not dist.is_initialized():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port("127.0.0.1")))
+    elif "LOCAL_RANK" not in os.environ and dist.is_initialized():
+        # a group started in this process without a launcher (DeepSpeed reads these variables)
+        os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
+                          WORLD_SIZE=str(dist.get_world_size()))
     root = waits.extension_build_root()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         waits.warn_stale_build_locks(root)
