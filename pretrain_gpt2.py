@@ -5,7 +5,7 @@
     deepspeed pretrain_gpt2.py --deepspeed --deepspeed_config ds_configs/zero2.json ...
     python pretrain_gpt2.py ... --dry-run [--dry-run-world-size 8 --dry-run-device-memory 80]
 
-The composition root: flags -> RunConfig (once, arguments.py) -> app.training.pretrain.pretrain,
+The composition root: flags -> RunConfig (once, arguments/) -> app.training.pretrain.pretrain,
 or with --dry-run the preflight report (app.training.planning.preflight) instead of training.
 See README.md and docs/ for every flag.
 """

@@ -1,6 +1,6 @@
 """Configuration dataclasses: the only way configuration reaches library code.
 
-`arguments.py` parses the command line (Megatron-LM flag names plus DeepSpeed's) and converts
+`arguments/` parses the command line (Megatron-LM flag names plus DeepSpeed's) and converts
 the namespace once into these dataclasses. Nothing under `app/` reads argparse or a global
 args object.
 
@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
                               RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ModelConfig,
                               RecomputePlan, recompute_plan, resolve_recompute_flags)
-from app.config.optimizer_rules import (MUON_COEFFICIENT_TYPES, MUON_MATMUL_PRECISIONS,
-                                        MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES, MUON_TP_MODES,
-                                        OPTIMIZERS, check_muon_layout, check_optimizer_choice)
+from app.config.optimizer import (LR_DECAY_STYLES, MUON_COEFFICIENT_TYPES,
+                                  MUON_MATMUL_PRECISIONS, MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES,
+                                  MUON_TP_MODES, OPTIMIZERS, OptimizerConfig, check_muon_layout)
 from app.config.rules import divisible, positive, split_weights
 from app.config.wandb import WandbConfig
 
@@ -38,8 +38,6 @@ __all__ = [
 
 DISTRIBUTED_BACKENDS = ("gloo", "nccl")
 """torch.distributed backends a run may use (--distributed-backend)."""
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "exponential")
-"""Megatron's LR decay styles (--lr-decay-style)."""
 
 
 @dataclass
@@ -50,7 +48,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     world_size: int = 1
     distributed_backend: str = "gloo"
-    """torch.distributed backend: gloo (CPU) or nccl (CUDA); arguments.py defaults it by device."""
+    """torch.distributed backend: gloo (CPU) or nccl (CUDA); arguments/ defaults it by device."""
     local_rank: Optional[int] = None
     """--local_rank from a launcher; None means read LOCAL_RANK from the environment."""
     distributed_timeout_minutes: float = 10.0
@@ -80,88 +78,6 @@ class ParallelConfig:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
-
-
-@dataclass
-class OptimizerConfig:
-    """The optimizer (AdamW, SGD or Muon) and its hyper-parameters, gradient clipping and
-    Megatron's LR schedule."""
-
-    lr: float = 1.5e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "linear"
-    """One of LR_DECAY_STYLES; linear is Megatron-LM's default."""
-    lr_decay_iters: Optional[int] = None
-    """Iterations over which the LR decays to min_lr; None means train_iters (filled by arguments.py)."""
-    lr_warmup_iters: int = 0
-    """Linear-warmup iterations (arguments.py turns --lr-warmup-fraction/--warmup into this)."""
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Max global gradient norm; 0 disables clipping."""
-    override_opt_param_scheduler: bool = False
-    """On resume, use this run's LR settings instead of the checkpoint's."""
-    use_checkpoint_opt_param_scheduler: bool = False
-    """On resume, adopt the checkpoint's LR settings, ignoring this run's."""
-    use_distributed_optimizer: bool = False
-    """Shard the fp32 main weights and AdamW states over data parallel (native path; ZeRO-1 as
-    Megatron's distributed optimizer: reduce-scatter of gradients, all-gather of weights)."""
-    overlap_grad_reduce: bool = False
-    """Start each gradient bucket's reduce-scatter during backward, once its last micro-batch
-    gradients are in (needs use_distributed_optimizer)."""
-    overlap_param_gather: bool = False
-    """All-gather the updated weights in the background; each module waits for its bucket at
-    its next forward (needs overlap_grad_reduce)."""
-    ddp_bucket_size: Optional[int] = None
-    """Elements per gradient bucket of the distributed optimizer; None: max(40M, 1M x DP)."""
-    optimizer: str = "adam"
-    """adam (AdamW), sgd or muon (OPTIMIZERS); the fields below (Megatron's defaults) are
-    described in app/optim/muon.py and docs/parallelism.md ("Muon")."""
-    sgd_momentum: float = 0.9
-    muon_momentum: float = 0.9
-    muon_nesterov: bool = False
-    muon_split_qkv: bool = True
-    muon_scale_mode: str = "spectral"
-    muon_num_ns_steps: int = 5
-    muon_coefficient_type: str = "quintic"
-    muon_fp32_matmul_prec: str = "medium"
-    """Newton-Schulz precision: medium bf16; high fp32 (TF32 on CUDA); low fp32 as set."""
-    muon_tp_mode: str = "duplicated"
-    """blockwise (layout-dependent), duplicated or distributed (both layout-independent)."""
-    muon_extra_scale_factor: float = 1.0
-    muon_scalar_optimizer: str = "adam"
-
-    def __post_init__(self) -> None:
-        check_optimizer_choice(self)
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style (--lr-decay-style) must be one of "
-                             f"{', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}")
-        if self.lr < 0 or not 0.0 <= self.min_lr <= self.lr:
-            raise ValueError(f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr})")
-        if self.lr_warmup_iters < 0:
-            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
-        if self.lr_decay_iters is not None:
-            if self.lr_decay_iters <= 0:
-                raise ValueError(f"--lr-decay-iters must be positive, got {self.lr_decay_iters}")
-            if self.lr_warmup_iters > self.lr_decay_iters:
-                raise ValueError(f"warmup iterations ({self.lr_warmup_iters}) exceed "
-                                 f"--lr-decay-iters ({self.lr_decay_iters}); shorten the warmup")
-        if self.clip_grad < 0:
-            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
-        positive(self, (("ddp_bucket_size", "--ddp-bucket-size"),), allow_none=True)
-        if self.overlap_grad_reduce and not self.use_distributed_optimizer:
-            raise ValueError("--overlap-grad-reduce needs --use-distributed-optimizer (the "
-                             "distributed optimizer owns the gradient buckets it overlaps); add "
-                             "--use-distributed-optimizer or drop --overlap-grad-reduce")
-        if self.overlap_param_gather and not self.overlap_grad_reduce:
-            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (and "
-                             "--use-distributed-optimizer), as in Megatron-LM; add them or drop "
-                             "--overlap-param-gather")
-        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError("--override-opt_param-scheduler and "
-                             "--use-checkpoint-opt_param-scheduler are mutually exclusive")
 
 
 @dataclass

@@ -17,7 +17,7 @@ class WandbConfig:
     exp_name: Optional[str] = None
     """--wandb-exp-name: the run's name (required with a project, as in Megatron-LM)."""
     save_dir: Optional[str] = None
-    """--wandb-save-dir: where the run's local files go (arguments.py defaults it to
+    """--wandb-save-dir: where the run's local files go (arguments/ defaults it to
     {--save}/wandb, as Megatron-LM does; None with neither: W&B's default, ./wandb)."""
     entity: Optional[str] = None
     """--wandb-entity: the W&B user or team (None: the account's default)."""

@@ -67,7 +67,7 @@ class OptimizerParamScheduler:
             if config.lr_decay_style != "constant":
                 raise ValueError(
                     f"lr_decay_iters is None with lr_decay_style {config.lr_decay_style!r}; "
-                    "pass --lr-decay-iters (arguments.py defaults it to --train-iters)")
+                    "pass --lr-decay-iters (the command line defaults it to --train-iters)")
             decay_iters = max(1, config.lr_warmup_iters)
         if decay_iters <= 0:
             raise ValueError(f"lr_decay_iters must be positive, got {decay_iters}")

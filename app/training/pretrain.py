@@ -1,7 +1,7 @@
 """Pretrain from a RunConfig: distributed start-up, the run's parts, checkpoint, data, training.
 
 `pretrain_gpt2.py` is the composition root: it parses the flags into a RunConfig once (with
-`arguments.py`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
+`arguments/`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
 start-up checks of --save/--load (all ranks agree: --save writable, its writer lock, no stale
 temporaries; resume or fresh start per app.training.resilience.resume.decide_start; the saved
 layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts of the run

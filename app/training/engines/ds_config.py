@@ -6,7 +6,7 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
   --global-batch-size. Keys the JSON leaves out are filled from the command line.
 - `gradient_clipping` = --clip-grad (filled when absent).
 - Precision: `fp16.enabled` / `bf16.enabled` must agree with the run's precision (filled when
-  absent or "auto"); arguments.py takes the precision from the JSON when no flag is given.
+  absent or "auto"); arguments/ takes the precision from the JSON when no flag is given.
 - If the JSON defines `optimizer`, its `params.lr` (and weight decay, betas, eps when given) must
   agree with the command line; if it also defines `scheduler`, our LR schedule is not used and
   explicit command-line schedule flags are rejected.
@@ -64,7 +64,7 @@ def _agree(ds: Dict[str, Any], key: str, value: Any, flag: str, path: str) -> No
 
 def _reconcile_precision(ds: Dict[str, Any], cfg: RunConfig, path: str) -> None:
     """`fp16.enabled` / `bf16.enabled` must agree with the run's precision (filled when absent
-    or "auto"). arguments.py has already taken the precision from the JSON when no flag was
+    or "auto"). arguments/ has already taken the precision from the JSON when no flag was
     given, so a disagreement here is a flag contradicting the JSON."""
     p = cfg.precision
     run = "--fp16" if p.fp16 else "--bf16" if p.bf16 else "fp32 (no --fp16/--bf16)"
