@@ -2,7 +2,10 @@
 import os
 import subprocess
 import sys
-from typing import Dict, List, Sequence, Tuple
+import time
+from typing import Dict, List, Sequence, Tuple, Union
+
+import pytest
 
 from tests.integration.conftest import read_metrics
 
@@ -55,3 +58,31 @@ def assert_close_curves(got, want, rel: float = 1e-5, what: str = "") -> float:
             worst = max(worst, gap)
             assert gap < rel, f"{what} iteration {it} {name}: {a} vs {b} (relative {gap:.2e})"
     return worst
+
+
+def log_of(proc: subprocess.Popen, n: int = 0) -> str:
+    """The output a launched process wrote to the log file its launcher named `proc.log` (the
+    last `n` characters, or all of it when n is 0)."""
+    with open(proc.log, errors="replace") as f:
+        text = f.read()
+    return text[-n:] if n else text
+
+
+def wait_for_iteration(metrics, k: int,
+                       procs: Union[subprocess.Popen, Sequence[subprocess.Popen]],
+                       timeout: float = 240) -> int:
+    """Block until the metrics file logs iteration k or later and return the last one logged;
+    the test fails if a launcher in `procs` exits first or `timeout` seconds pass."""
+    procs = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(metrics):
+            done = [r["iteration"] for r in read_metrics(metrics) if r["kind"] == "train"]
+            if done and max(done) >= k:
+                return max(done)
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"a launcher exited ({p.returncode}) before iteration {k}:\n"
+                            f"{log_of(p, 3000)}")
+        time.sleep(0.02)
+    pytest.fail(f"no iteration {k} after {timeout} s:\n" + "\n".join(log_of(p, 3000) for p in procs))

@@ -24,8 +24,9 @@ import psutil
 import pytest
 
 from app.testing.netns import HostsUnavailable, TestHosts
-from tests.integration.conftest import ZERO2_DP2_ARGS, read_metrics, tiny_gpt_args
-from tests.integration.launch_utils import ROOT, assert_close_curves, env, torchrun, train_curve
+from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
+from tests.integration.launch_utils import (ROOT, assert_close_curves, env, log_of, torchrun,
+                                           train_curve, wait_for_iteration)
 
 SCRIPT = os.path.join(ROOT, "pretrain_gpt2.py")
 ZERO2 = os.path.join(ROOT, "ds_configs", "zero2.json")
@@ -83,11 +84,6 @@ def launch(hosts, workdir, nproc, args):
     return procs
 
 
-def log_of(proc):
-    with open(proc.log, errors="replace") as f:
-        return f.read()
-
-
 def finish(procs, timeout=300):
     """Both launchers' exit codes; past `timeout` they are killed and the test fails."""
     deadline = time.time() + timeout
@@ -110,22 +106,6 @@ def run_across_hosts(hosts, workdir, nproc, args):
     for node, log in enumerate(logs):
         assert f"GLOO_SOCKET_IFNAME={hosts.interfaces[node]} ({hosts.interfaces[node]} has " \
                f"{hosts.addresses[node]}" in log, log[-3000:]
-
-
-def wait_for_iteration(metrics, k, procs, timeout=240):
-    """The last iteration logged once it reaches k; fails if a launcher exits first."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if os.path.exists(metrics):
-            done = [r["iteration"] for r in read_metrics(metrics) if r["kind"] == "train"]
-            if done and max(done) >= k:
-                return max(done)
-        for p in procs:
-            if p.poll() is not None:
-                pytest.fail(f"a launcher exited ({p.returncode}) before iteration {k}:\n"
-                            f"{log_of(p)[-3000:]}")
-        time.sleep(0.02)
-    pytest.fail(f"no iteration {k} after {timeout} s")
 
 
 def training_rank(launcher):

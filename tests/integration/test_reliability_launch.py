@@ -22,8 +22,8 @@ import time
 import psutil
 import pytest
 
-from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.integration.launch_utils import BIN, ROOT, env, train_curve
+from tests.integration.conftest import tiny_gpt_args
+from tests.integration.launch_utils import BIN, ROOT, env, log_of, train_curve, wait_for_iteration
 
 SCRIPT = os.path.join(ROOT, "pretrain_gpt2.py")
 QUIET = ["--log-interval", "1", "--eval-iters", "0", "--peak-flops", "1e11"]
@@ -45,26 +45,7 @@ def finish(proc, timeout=300):
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"launcher still running after {timeout} s:\n{tail(proc)}")
-
-
-def tail(proc, n=4000):
-    with open(proc.log, errors="replace") as f:
-        return f.read()[-n:]
-
-
-def wait_for_iteration(metrics, k, proc, timeout=240):
-    """Block until the metrics file logs iteration k (fails if the launcher exits first)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if os.path.exists(metrics):
-            done = [r["iteration"] for r in read_metrics(metrics) if r["kind"] == "train"]
-            if done and max(done) >= k:
-                return max(done)
-        if proc.poll() is not None:
-            pytest.fail(f"run exited ({proc.returncode}) before iteration {k}:\n{tail(proc)}")
-        time.sleep(0.02)
-    pytest.fail(f"no iteration {k} after {timeout} s:\n{tail(proc)}")
+        pytest.fail(f"launcher still running after {timeout} s:\n{log_of(proc, 4000)}")
 
 
 def ranks(launcher_pid):
@@ -116,7 +97,7 @@ def run_chain(tmp_path, launch, args, *, signal_to, kill_rank):
     metrics = {name: str(tmp_path / f"{name}.jsonl") for name in ("straight", "a", "b", "c")}
     straight = start(launch([*args, "--metrics-file", metrics["straight"]]),
                      str(tmp_path / "straight.log"))
-    assert finish(straight) == 0, tail(straight)
+    assert finish(straight) == 0, log_of(straight, 4000)
     want = curve(metrics["straight"])
 
     resumable = [*args, "--save", ck, "--load", ck]
@@ -127,10 +108,10 @@ def run_chain(tmp_path, launch, args, *, signal_to, kill_rank):
     signal_to(a).send_signal(signal.SIGTERM)
     code = finish(a)
     _, alive = psutil.wait_procs(launched, timeout=60)  # every process below the launcher
-    assert not alive, f"still running 60 s after SIGTERM: {alive}\n{tail(a)}"
+    assert not alive, f"still running 60 s after SIGTERM: {alive}\n{log_of(a, 4000)}"
     stopped = max(curve(metrics["a"]))
-    assert tracker(ck) == stopped, tail(a)
-    assert "exiting after SIGTERM: saved the checkpoint of iteration" in tail(a, 20000)
+    assert tracker(ck) == stopped, log_of(a, 4000)
+    assert "exiting after SIGTERM: saved the checkpoint of iteration" in log_of(a, 20000)
     assert_same_losses(curve(metrics["a"]), want, "run stopped by SIGTERM")
 
     b = start(launch([*resumable, "--save-interval", "3", "--metrics-file", metrics["b"]]),
@@ -139,15 +120,15 @@ def run_chain(tmp_path, launch, args, *, signal_to, kill_rank):
     ranks(b.pid)[kill_rank].kill()
     t0 = time.time()
     failed = finish(b, timeout=120)
-    assert failed != 0 and time.time() - t0 < 60, (failed, time.time() - t0, tail(b))
+    assert failed != 0 and time.time() - t0 < 60, (failed, time.time() - t0, log_of(b, 4000))
     survivor = tracker(ck)
     assert survivor > stopped and survivor % 3 == 0, (stopped, survivor)
     assert_same_losses(curve(metrics["b"]), want, "run killed by kill -9")
 
     c = start(launch([*resumable, "--save-interval", "3", "--metrics-file", metrics["c"]]),
               str(tmp_path / "c.log"))
-    assert finish(c) == 0, tail(c)
-    assert f"resuming at iteration {survivor}" in tail(c, 100000)
+    assert finish(c) == 0, log_of(c, 4000)
+    assert f"resuming at iteration {survivor}" in log_of(c, 100000)
     assert min(curve(metrics["c"])) == survivor + 1
     assert_same_losses(curve(metrics["c"]), want, "run resumed after kill -9")
     return code, a
@@ -173,7 +154,7 @@ def test_native_one_process_sigterm_and_the_writer_lock(tiny_corpus, tmp_path):
         proc.send_signal(signal.SIGCONT)
     assert second.returncode == 2, second.stderr[-3000:]
     assert "in use by another run: host" in second.stderr and f"pid {proc.pid}" in second.stderr
-    assert finish(proc) == 0, tail(proc)
+    assert finish(proc) == 0, log_of(proc, 4000)
     k = max(curve(first))
     assert tracker(ck) == k
     assert not os.path.exists(os.path.join(ck, "writer.lock"))
@@ -208,7 +189,7 @@ def test_deepspeed_launcher_runner_sigterm_and_kill9(tiny_corpus, tmp_path):
     code, a = run_chain(tmp_path, lambda x: deepspeed_cmd(2, x), args, signal_to=lambda p: p,
                         kill_rank=1)
     assert code == -signal.SIGTERM  # the runner itself dies of the signal; launch.py and the
-    log = tail(a, 100000)           # ranks are gone too (checked in run_chain)
+    log = log_of(a, 100000)           # ranks are gone too (checked in run_chain)
     assert log.count("exits successfully") == 2 and "has exited: stopping this rank" in log
 
 
@@ -232,7 +213,7 @@ def test_stopped_rank_does_not_hang_the_other(tiny_corpus, tmp_path):
     finally:  # what the launcher does to a stopped rank after its grace period, now
         procs[1].kill()
     assert finish(proc, timeout=90) != 0
-    log = tail(proc, 100000)
+    log = log_of(proc, 100000)
     assert 10 < waited < 60, (waited, log[-3000:])
     assert re.search(r"rank\s+: 0 \(local_rank: 0\)\s+exitcode\s+: 4 ", log), log[-3000:]
     error = next(line for line in log.splitlines() if line.startswith("error: rank 0 (host"))
