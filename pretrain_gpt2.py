@@ -5,7 +5,7 @@
     deepspeed pretrain_gpt2.py --deepspeed --deepspeed_config ds_configs/zero2.json ...
     python pretrain_gpt2.py ... --dry-run [--dry-run-world-size 8 --dry-run-device-memory 80]
 
-The composition root: flags -> RunConfig (once, arguments/) -> app.training.pretrain.pretrain,
+The composition root: flags parsed and the world discovered once -> RunConfig (arguments.py) -> app.training.pretrain.pretrain,
 or with --dry-run the preflight report (app.training.planning.preflight) instead of training.
 See README.md and docs/ for every flag.
 """
@@ -14,27 +14,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import arguments
 from app.data import build_tokenizer
 from app.training.planning import preflight as preflight_lib
 from app.training import pretrain as pretrain_lib
-from app.launch.distributed import discover_world
+from app.launch.distributed import WorldInfo, discover_world
 from app.training.loss import LossFunction
 
 
-def _train(args: argparse.Namespace, loss_function: Optional[LossFunction] = None) -> Any:
-    world = discover_world(args.deepspeed_mpi)
+def _train(args: argparse.Namespace, world: WorldInfo,
+           loss_function: Optional[LossFunction] = None) -> Any:
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     cfg = arguments.build_run_config(args, world.world_size, tokenizer.vocab_size)
     return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args), loss_function)
 
 
-def preflight(args: argparse.Namespace) -> preflight_lib.Report:
+def preflight(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Report:
     """--dry-run: the tokenizer, the RunConfig the run would build (for --dry-run-world-size
-    ranks) and every check of app.training.planning.preflight, gathered in one report; nothing trains
-    and no process group starts."""
+    ranks, else the launcher's world) and every check of app.training.planning.preflight,
+    gathered in one report; nothing trains and no process group starts."""
     report = preflight_lib.Report()
     report.section("tokenizer")
     vocab: Optional[int] = None
@@ -44,10 +44,11 @@ def preflight(args: argparse.Namespace) -> preflight_lib.Report:
         report.ok(f"{args.tokenizer_type}: vocabulary {vocab}, end-of-document id {tokenizer.eod}")
     except (ValueError, OSError) as exc:
         report.error(str(exc))
-    world = args.dry_run_world_size or discover_world(args.deepspeed_mpi).world_size
     cfg = None
     try:  # with no tokenizer, a placeholder vocabulary still checks the flags and the JSON
-        cfg = arguments.build_run_config(args, world, vocab or args.make_vocab_size_divisible_by)
+        dry = arguments.dry_run_config(args)
+        cfg = arguments.build_run_config(args, dry.world_size or world.world_size,
+                                         vocab or args.make_vocab_size_divisible_by)
     except ValueError as exc:
         report.section("configuration")
         report.error(str(exc))
@@ -57,26 +58,36 @@ def preflight(args: argparse.Namespace) -> preflight_lib.Report:
         device_memory_gib=args.dry_run_device_memory)
 
 
+def _start(argv: Optional[List[str]]) -> Tuple[argparse.Namespace, WorldInfo]:
+    """The command line parsed and the world discovered, once per process."""
+    args = arguments.parse_args(argv)
+    return args, discover_world(args.deepspeed_mpi)
+
+
+def _report(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Report:
+    report = preflight(args, world)
+    if world.rank == 0:
+        print(report.render(), flush=True)
+    return report
+
+
 def run(argv: Optional[List[str]] = None, loss_function: Optional[LossFunction] = None) -> Any:
     """Parse `argv`, build the RunConfig and train; returns the Trainer (with --dry-run: the
     preflight Report, printed). `loss_function` (app.training.loss.LossFunction) replaces
     Megatron's LM loss; see examples/custom_loss.py."""
-    args = arguments.parse_args(argv)
+    args, world = _start(argv)
     if args.dry_run:
-        report = preflight(args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(report.render(), flush=True)
-        return report
-    return _train(args, loss_function)
+        return _report(args, world)
+    return _train(args, world, loss_function)
 
 
 def main(argv: Optional[List[str]] = None, loss_function: Optional[LossFunction] = None) -> int:
     """Command-line entry: exit code 0, or 2 with one clear line for bad flags, data or
     checkpoints (with --dry-run: 2 when the report has an error)."""
-    args = arguments.parse_args(argv)
+    args, world = _start(argv)
     if args.dry_run:
-        return 2 if run(argv).errors else 0
-    return pretrain_lib.main(lambda: _train(args, loss_function))
+        return 2 if _report(args, world).errors else 0
+    return pretrain_lib.main(lambda: _train(args, world, loss_function))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""The GPT-2 model's configuration (`ModelConfig`), its parameter count, the activation-recompute
-plan (`recompute_plan`) and the recompute flag spellings.
+"""The GPT-2 model's configuration (`ModelConfig`: its options, rules and parameter count).
 
 Part of `app.config` (import from there); its rules follow the package's contract: checked
 once in `__post_init__`, messages naming the flag and the fix.
@@ -7,8 +6,10 @@ once in `__post_init__`, messages naming the flag and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
+from app.config.options import option
+from app.config.recompute import recompute_plan
 from app.config.rules import divisible, positive
 from app.utils.dtypes import DTYPE_NAMES
 
@@ -22,89 +23,121 @@ ATTENTION_BACKENDS = ("auto", "flash", "local")
 """--attention-backend values."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     """Shape and regularisation of the GPT-2 model (Megatron-LM semantics)."""
 
-    num_layers: int
-    """Number of transformer layers (all pipeline stages together)."""
-    hidden_size: int
-    """Model width h."""
-    num_attention_heads: int
-    """Attention heads; must divide hidden_size and be divisible by the tensor-parallel size."""
-    seq_length: int
-    """Training sequence length s (tokens per sample, not counting the shifted label)."""
-    max_position_embeddings: int
-    """Rows of the learned position table; must be >= seq_length."""
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("model", "GPT-2 shape and regularisation")
+
+    num_layers: int = option("--num-layers", default=24, help="transformer layers")
+    hidden_size: int = option("--hidden-size", default=1024, help="model width h")
+    num_attention_heads: int = option("--num-attention-heads", default=16)
+    """Must divide hidden_size and be divisible by the tensor-parallel size."""
+    ffn_hidden_size: Optional[int] = option("--ffn-hidden-size", "--intermediate-size",
+                                            default=None,
+                                            help="MLP width (default 4 x hidden size)")
+    seq_length: int = option("--seq-length", default=1024, help="tokens per training sample")
+    max_position_embeddings: Optional[int] = option(
+        "--max-position-embeddings", default=None,
+        help="rows of the position table (default: --seq-length)")
     padded_vocab_size: int
-    """Vocabulary rows of the embedding and logits, padded (see app.data.tokenizer.pad_vocab_size)."""
-    ffn_hidden_size: Optional[int] = None
-    """MLP width; None means 4 * hidden_size."""
-    hidden_dropout: float = 0.1
+    """Vocabulary rows of the embedding and logits, padded (app.data.tokenizer.pad_vocab_size;
+    derived from the tokenizer and --make-vocab-size-divisible-by)."""
+    hidden_dropout: float = option("--hidden-dropout", default=0.1)
     """Dropout on embeddings and on the output of attention and MLP."""
-    attention_dropout: float = 0.1
+    attention_dropout: float = option("--attention-dropout", default=0.1)
     """Dropout on the attention probabilities."""
-    layernorm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
+    layernorm_epsilon: float = option("--layernorm-epsilon", default=1e-5)
+    init_method_std: float = option("--init-method-std", default=0.02)
     """Std of the normal init; the two output projections of a layer use std / sqrt(2 L)."""
-    openai_gelu: bool = False
-    """tanh-approximated GeLU (GPT-2's) instead of the exact erf form."""
-    recompute_granularity: Optional[str] = None
-    """Activation recompute: None (keep every activation), "full" (recompute whole layers in
-    backward) or "selective" (only the attention core: QK^T, softmax, dropout, AV)."""
-    recompute_method: Optional[str] = None
-    """With full recompute: "uniform" (every layer, in chunks of recompute_num_layers) or
-    "block" (only the first recompute_num_layers layers of each pipeline stage). Filled with
-    "uniform" when full recompute is asked for without a method."""
-    recompute_num_layers: Optional[int] = None
-    """Layers per recomputed chunk (uniform) or recomputed layers per stage (block); filled
-    with 1 for full recompute."""
-    sequence_parallel: bool = False
-    """Megatron's sequence parallelism (needs TP > 1): LayerNorm, dropout and residual run on
-    a 1/TP slice of the sequence; all-gather / reduce-scatter replace the TP all-reduces."""
-    position_embedding_type: str = "learned_absolute"
-    """learned_absolute (GPT-2's table), rope (rotary, Su et al.) or alibi (Press et al.)."""
-    rotary_percent: float = 1.0
-    """Fraction of each head's channels that RoPE rotates (the rest pass through)."""
-    rotary_base: int = 10000
-    """RoPE's base: channel pair i turns at position p by p * base^(-2i / rotary_dim)."""
-    group_query_attention: bool = False
-    """Grouped-query attention: num_query_groups key/value heads shared by the query heads."""
-    num_query_groups: Optional[int] = None
-    """Key/value heads with group_query_attention (1 = multi-query attention); filled with 1
-    (Megatron's default) when group_query_attention is on and it is not given."""
-    untie_embeddings_and_output_weights: bool = False
-    """A separate (column-parallel) output layer instead of the word embeddings' transpose."""
-    bias_gelu_fusion: bool = True
-    """--bias-gelu-fusion: gelu(x + b) as one torch.compile'd kernel on CUDA (docs/kernels.md)."""
-    bias_dropout_fusion: bool = True
-    """--bias-dropout-fusion: residual + dropout(x + b) as one torch.compile'd kernel on CUDA."""
-    masked_softmax_fusion: bool = True
-    """--masked-softmax-fusion: the csrc/ causal and masked softmax kernels where they apply."""
-    layernorm_fusion: bool = True
-    """--layernorm-fusion: the csrc/ LayerNorm kernel (fp32 statistics) on CUDA."""
-    cross_entropy_loss_fusion: bool = True
-    """--cross-entropy-loss-fusion: the csrc/ cross-entropy kernels (no fp32 logits) on CUDA."""
-    attention_backend: str = "auto"
-    """--attention-backend: auto (SDPA for causal), flash (SDPA flash/efficient only) or local
-    (q k^T + fused softmax + @ v, Megatron's core attention); explicit masks always go local."""
-    use_flash_attn: bool = False
-    """--use-flash-attn: Megatron's spelling of attention_backend "flash"."""
+    openai_gelu: bool = option("--openai-gelu", default=False,
+                               help="tanh-approximated GeLU instead of the exact erf form")
+    position_embedding_type: str = option(
+        "--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES,
+        help="learned_absolute: GPT-2's position table (needs --max-position-embeddings "
+             ">= --seq-length); rope: rotary embeddings on queries and keys; alibi: "
+             "linear attention biases (Press et al.). Hugging Face GPT-2 export "
+             "needs learned_absolute")
+    rotary_percent: float = option(
+        "--rotary-percent", default=1.0,
+        help="fraction of each head's channels RoPE rotates, in (0, 1] (rope only; "
+             "the rotated channel count must be even)")
+    rotary_base: int = option("--rotary-base", default=10000,
+                              help="RoPE base of the rotation frequencies (rope only)")
+    group_query_attention: bool = option(
+        "--group-query-attention", default=False,
+        help="grouped-query attention: --num-query-groups key/value heads shared by "
+             "the query heads")
+    num_query_groups: Optional[int] = option(
+        "--num-query-groups", default=None,
+        help="key/value heads with --group-query-attention (default 1: multi-query); "
+             "must divide --num-attention-heads, and be divisible by the TP size or "
+             "divide it (then each group's key/value heads are replicated on "
+             "TP/groups ranks)")
+    untie_embeddings_and_output_weights: bool = option(
+        "--untie-embeddings-and-output-weights", default=False,
+        help="a separate column-parallel output layer (language_model.output_layer) "
+             "instead of the word embeddings' transpose")
+    recompute_granularity: Optional[str] = option(
+        "--recompute-granularity", default=None, choices=RECOMPUTE_GRANULARITIES,
+        help="activation recompute in backward: full (whole layers, see "
+             "--recompute-method) or selective (the attention core only: QK^T, "
+             "softmax, dropout, AV)")
+    recompute_method: Optional[str] = option(
+        "--recompute-method", default=None, choices=RECOMPUTE_METHODS,
+        help="with --recompute-granularity full: uniform recomputes every layer in "
+             "chunks of --recompute-num-layers (default); block recomputes only the "
+             "first --recompute-num-layers layers of each pipeline stage")
+    recompute_num_layers: Optional[int] = option(
+        "--recompute-num-layers", default=None,
+        help="with full recompute: layers per chunk (uniform) or recomputed layers "
+             "per pipeline stage (block, at most --num-layers / PP); default 1")
+    sequence_parallel: bool = option(
+        "--sequence-parallel", default=False, group="parallel",
+        help="split LayerNorm, dropout and residual activations along the sequence "
+             "over the tensor-parallel ranks (all-gather / reduce-scatter instead of "
+             "all-reduce); needs --tensor-model-parallel-size > 1 and --seq-length "
+             "divisible by it")
+    masked_softmax_fusion: bool = option("--masked-softmax-fusion", default=True,
+                                         group="fused kernels",
+                                         help="csrc/ causal and masked softmax kernels (CUDA)")
+    bias_gelu_fusion: bool = option("--bias-gelu-fusion", default=True, group="fused kernels",
+                                    help="torch.compile'd bias+GeLU (CUDA)")
+    bias_dropout_fusion: bool = option("--bias-dropout-fusion", default=True,
+                                       group="fused kernels",
+                                       help="torch.compile'd bias+dropout+residual add (CUDA)")
+    layernorm_fusion: bool = option("--layernorm-fusion", default=True, group="fused kernels",
+                                    help="csrc/ LayerNorm kernel (CUDA)")
+    cross_entropy_loss_fusion: bool = option(
+        "--cross-entropy-loss-fusion", default=True, group="fused kernels",
+        help="csrc/ cross-entropy kernels, no fp32 copy of the logits (CUDA)")
+    use_flash_attn: bool = option(
+        "--use-flash-attn", default=False, group="fused kernels",
+        help="causal attention through SDPA's flash/efficient backends only")
+    attention_backend: str = option(
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, group="fused kernels",
+        help="auto: SDPA for causal (measured default); flash: = --use-flash-attn; "
+             "local: q k^T + fused softmax + @ v (Megatron's core attention)")
     params_dtype: str = "float32"
-    """dtype of the module parameters: float32, float16 or bfloat16."""
-    attention_softmax_in_fp32: bool = False
-    """Compute the attention softmax in fp32 for half-precision scores (explicit-mask path)."""
-    apply_query_key_layer_scaling: bool = False
-    """Scale Q K^T by 1/layer_number before the softmax and back inside it, in fp32 (fp16
-    overflow guard); implies attention_softmax_in_fp32."""
-    fp16_lm_cross_entropy: bool = False
-    """Compute the LM cross entropy on half-precision logits (default: upcast to fp32)."""
+    """dtype of the module parameters: float32, float16 or bfloat16 (from the precision)."""
+    attention_softmax_in_fp32: bool = option(
+        "--attention-softmax-in-fp32", default=False, group="precision",
+        help="attention softmax in fp32 for half-precision scores")
+    apply_query_key_layer_scaling: bool = option(
+        "--apply-query-key-layer-scaling", default=False, group="precision",
+        help="scale Q K^T by 1/layer number, undone in an fp32 softmax (fp16 guard)")
+    fp16_lm_cross_entropy: bool = option(
+        "--fp16-lm-cross-entropy", default=False, group="precision",
+        help="LM cross entropy on half-precision logits (default: fp32)")
     seed: int = 1234
-    """Seed from which every parameter's initial value is derived (independent of TP/PP)."""
+    """Seed from which every parameter's initial value is derived (independent of TP/PP);
+    the run's --seed (TrainingConfig.seed)."""
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:  # a construction default, not a rewrite
+        if self.ffn_hidden_size is None:  # construction defaults, not rewrites
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
         positive(self, (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                          ("num_attention_heads", "--num-attention-heads"),
                          ("seq_length", "--seq-length"),
@@ -269,72 +302,3 @@ class ModelConfig:
             if self.untie_embeddings_and_output_weights or not first:
                 total += embedding
         return total
-
-
-@dataclass(frozen=True)
-class RecomputePlan:
-    """What one model chunk's forward (its consecutive layers) recomputes in backward."""
-
-    granularity: str
-    """none, selective (every layer's attention core) or full (the chunks marked below)."""
-    chunks: Tuple[Tuple[int, bool], ...]
-    """The chunk's layers in order, as (consecutive layers, run through one checkpoint?)."""
-
-    @property
-    def recomputed_layers(self) -> int:
-        """Layers whose whole forward runs twice (full recompute)."""
-        return sum(n for n, recomputed in self.chunks if recomputed)
-
-    @property
-    def largest_recomputed_chunk(self) -> int:
-        """Layers rerun at once in backward (their activations live together); 0 without."""
-        return max((n for n, recomputed in self.chunks if recomputed), default=0)
-
-    @property
-    def checkpointed_regions(self) -> int:
-        """Checkpoint calls in one forward: one attention core per layer (selective), one per
-        recomputed chunk (full), 0 without recompute."""
-        if self.granularity == "selective":
-            return sum(n for n, _ in self.chunks)
-        return sum(1 for _, recomputed in self.chunks if recomputed)
-
-
-def recompute_plan(config: ModelConfig, layers: int) -> RecomputePlan:
-    """The recompute of a model chunk of `layers` consecutive layers (a pipeline stage, or one
-    virtual stage with interleaving), as Megatron-LM does it: full uniform checkpoints chunks
-    of recompute_num_layers layers (the last may be shorter); full block checkpoints the first
-    recompute_num_layers layers one by one and keeps the others; selective recomputes every
-    layer's attention core and checkpoints no whole layer."""
-    if config.recompute_granularity != "full":
-        return RecomputePlan(config.recompute, ((layers, False),) if layers else ())
-    n = config.recompute_num_layers
-    if config.recompute_method == "uniform":
-        chunks = tuple((min(n, layers - i), True) for i in range(0, layers, n))
-    else:
-        block = min(n, layers)
-        chunks = ((1, True),) * block + (((layers - block, False),) if layers > block else ())
-    return RecomputePlan("full", chunks)
-
-
-def resolve_recompute_flags(checkpoint_activations: bool, checkpoint_num_layers: Optional[int],
-                            granularity: Optional[str], method: Optional[str],
-                            num_layers: Optional[int]
-                            ) -> Tuple[Optional[str], Optional[str], Optional[int]]:
-    """(granularity, method, num_layers) from Megatron's two spellings of activation recompute.
-
-    `--checkpoint-activations [--checkpoint-num-layers N]` (the older spelling) means
-    `--recompute-granularity full --recompute-method uniform --recompute-num-layers N`; mixing
-    the spellings is accepted only where they agree. `--checkpoint-num-layers` alone does
-    nothing, as in Megatron-LM.
-    """
-    if not checkpoint_activations:
-        return granularity, method, num_layers
-    for flag, value, legacy in (("--recompute-granularity", granularity, "full"),
-                                ("--recompute-method", method, "uniform"),
-                                ("--recompute-num-layers", num_layers, checkpoint_num_layers)):
-        if value is not None and legacy is not None and value != legacy:
-            raise ValueError(
-                f"--checkpoint-activations means --recompute-granularity full "
-                f"--recompute-method uniform --recompute-num-layers <--checkpoint-num-layers>, "
-                f"which contradicts {flag} {value}; use one spelling")
-    return "full", "uniform", num_layers or checkpoint_num_layers or 1

@@ -4,8 +4,9 @@ calls `check_muon_layout` for the rules that need the parallel layout)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional, Tuple
 
+from app.config.options import option
 from app.config.rules import positive
 
 OPTIMIZERS = ("adam", "sgd", "muon")
@@ -55,56 +56,108 @@ def check_muon_layout(config: Any, num_kv_heads: int, tensor_model_parallel_size
             "--muon-tp-mode blockwise")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimizerConfig:
     """The optimizer (AdamW, SGD or Muon) and its hyper-parameters, gradient clipping and
-    Megatron's LR schedule."""
+    Megatron's LR schedule. lr_decay_iters and lr_warmup_iters hold the values in effect:
+    arguments.py fills the first from --train-iters and the second from --lr-warmup-fraction
+    when given; the Muon fields are described in app/optim/muon.py and docs/parallelism.md."""
 
-    lr: float = 1.5e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "linear"
-    """One of LR_DECAY_STYLES; linear is Megatron-LM's default."""
-    lr_decay_iters: Optional[int] = None
-    """Iterations over which the LR decays to min_lr; None means train_iters (filled by arguments/)."""
-    lr_warmup_iters: int = 0
-    """Linear-warmup iterations (arguments/ turns --lr-warmup-fraction/--warmup into this)."""
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Max global gradient norm; 0 disables clipping."""
-    override_opt_param_scheduler: bool = False
-    """On resume, use this run's LR settings instead of the checkpoint's."""
-    use_checkpoint_opt_param_scheduler: bool = False
-    """On resume, adopt the checkpoint's LR settings, ignoring this run's."""
-    use_distributed_optimizer: bool = False
-    """Shard the fp32 main weights and AdamW states over data parallel (native path; ZeRO-1 as
-    Megatron's distributed optimizer: reduce-scatter of gradients, all-gather of weights)."""
-    overlap_grad_reduce: bool = False
-    """Start each gradient bucket's reduce-scatter during backward, once its last micro-batch
-    gradients are in (needs use_distributed_optimizer)."""
-    overlap_param_gather: bool = False
-    """All-gather the updated weights in the background; each module waits for its bucket at
-    its next forward (needs overlap_grad_reduce)."""
-    ddp_bucket_size: Optional[int] = None
-    """Elements per gradient bucket of the distributed optimizer; None: max(40M, 1M x DP)."""
-    optimizer: str = "adam"
-    """adam (AdamW), sgd or muon (OPTIMIZERS); the fields below (Megatron's defaults) are
-    described in app/optim/muon.py and docs/parallelism.md ("Muon")."""
-    sgd_momentum: float = 0.9
-    muon_momentum: float = 0.9
-    muon_nesterov: bool = False
-    muon_split_qkv: bool = True
-    muon_scale_mode: str = "spectral"
-    muon_num_ns_steps: int = 5
-    muon_coefficient_type: str = "quintic"
-    muon_fp32_matmul_prec: str = "medium"
-    """Newton-Schulz precision: medium bf16; high fp32 (TF32 on CUDA); low fp32 as set."""
-    muon_tp_mode: str = "duplicated"
-    """blockwise (layout-dependent), duplicated or distributed (both layout-independent)."""
-    muon_extra_scale_factor: float = 1.0
-    muon_scalar_optimizer: str = "adam"
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("optimizer", "AdamW, clipping and the LR schedule")
+
+    lr: float = option("--lr", default=0.00015)
+    min_lr: float = option("--min-lr", default=0.0)
+    lr_decay_style: str = option(
+        "--lr-decay-style", default="linear", choices=LR_DECAY_STYLES,
+        help="LR decay after the warmup, from --lr to --min-lr over --lr-decay-iters")
+    lr_decay_iters: Optional[int] = option(
+        "--lr-decay-iters", default=None,
+        help="default: --train-iters")
+    lr_warmup_fraction: Optional[float] = option(
+        "--lr-warmup-fraction", "--warmup", default=None,
+        help="warmup as a fraction of --lr-decay-iters")
+    lr_warmup_iters: int = option("--lr-warmup-iters", default=0)
+    weight_decay: float = option("--weight-decay", default=0.01)
+    adam_beta1: float = option("--adam-beta1", default=0.9)
+    adam_beta2: float = option("--adam-beta2", default=0.999)
+    adam_eps: float = option("--adam-eps", default=1e-08)
+    clip_grad: float = option(
+        "--clip-grad", default=1.0,
+        help="0 disables clipping")
+    override_opt_param_scheduler: bool = option(
+        "--override-opt_param-scheduler", "--override-opt-param-scheduler", default=False,
+        help="on resume, use this run's LR settings, not the checkpoint's")
+    use_checkpoint_opt_param_scheduler: bool = option(
+        "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", default=False,
+        help="on resume, keep the checkpoint's LR settings")
+    use_distributed_optimizer: bool = option(
+        "--use-distributed-optimizer", default=False,
+        help="native path: shard the fp32 main weights and AdamW states over the data-parallel "
+             "ranks (gradients reduce-scattered in buckets, weights all-gathered after the step);"
+             " checkpoints stay layout-independent, so a run resumes at another data-parallel "
+             "size or without the flag")
+    overlap_grad_reduce: bool = option(
+        "--overlap-grad-reduce", default=False,
+        help="with --use-distributed-optimizer: reduce-scatter each gradient bucket while "
+             "backward still runs, once its last micro-batch is in")
+    overlap_param_gather: bool = option(
+        "--overlap-param-gather", default=False,
+        help="with --overlap-grad-reduce: all-gather updated weights in the background; each "
+             "module waits for its bucket at its next forward")
+    ddp_bucket_size: Optional[int] = option(
+        "--ddp-bucket-size", default=None,
+        help="elements per gradient bucket of the distributed optimizer (default max(40M, 1M x "
+             "data-parallel size))")
+    optimizer: str = option(
+        "--optimizer", default="adam", choices=OPTIMIZERS,
+        help="adam: AdamW; sgd: SGD with --sgd-momentum; muon: Muon for the 2-D weights of the "
+             "transformer layers, --muon-scalar-optimizer for the embeddings, output layer, "
+             "biases and LayerNorms. With --deepspeed, Muon is DeepSpeed's, set in the JSON "
+             "(\"optimizer\": {\"type\": \"Muon\"}), which takes only --muon-momentum, and "
+             "--muon-tp-mode blockwise at TP > 1")
+    sgd_momentum: float = option(
+        "--sgd-momentum", default=0.9,
+        help="momentum of --optimizer sgd")
+    muon_momentum: float = option(
+        "--muon-momentum", default=0.9,
+        help="EMA coefficient of Muon's momentum buffer, in [0, 1) (default 0.9)")
+    muon_nesterov: bool = option(
+        "--muon-nesterov", default=False,
+        help="orthogonalise the Nesterov blend of gradient and momentum")
+    muon_split_qkv: bool = option(
+        "--muon-no-split-qkv", default=True, action="store_false", dest="muon_split_qkv",
+        help="orthogonalise the fused QKV weight whole (default: its query, key and value rows as"
+             " three matrices); with fewer --num-query-groups than TP ranks it needs "
+             "--muon-tp-mode blockwise")
+    muon_scale_mode: str = option(
+        "--muon-scale-mode", default="spectral", choices=MUON_SCALE_MODES,
+        help="update scale of an m x n matrix: spectral sqrt(max(m, n)), unit_rms_norm sqrt(m / "
+             "n), shape_scaling sqrt(max(1, m / n))")
+    muon_num_ns_steps: int = option(
+        "--muon-num-ns-steps", default=5,
+        help="Newton-Schulz iterations, >= 1 (default 5)")
+    muon_coefficient_type: str = option(
+        "--muon-coefficient-type", default="quintic", choices=MUON_COEFFICIENT_TYPES,
+        help="Newton-Schulz coefficients: quintic (five tuned steps, cycled), simple (Keller "
+             "Jordan's one tuple), polar_express")
+    muon_fp32_matmul_prec: str = option(
+        "--muon-fp32-matmul-prec", default="medium", choices=MUON_MATMUL_PRECISIONS,
+        help="Newton-Schulz precision: medium bf16; high fp32 (TF32 on CUDA); low fp32 at the "
+             "process's matmul precision")
+    muon_tp_mode: str = option(
+        "--muon-tp-mode", default="duplicated", choices=MUON_TP_MODES,
+        help="with TP > 1: duplicated all-gathers each matrix and orthogonalises it whole; "
+             "distributed runs Newton-Schulz on the shards (an all-reduce per step); both give "
+             "the one-process update. blockwise orthogonalises each shard alone (no "
+             "communication; the update depends on the TP size)")
+    muon_extra_scale_factor: float = option(
+        "--muon-extra-scale-factor", default=1.0,
+        help="extra factor on Muon's update (0.2 with spectral roughly matches AdamW's update "
+             "RMS)")
+    muon_scalar_optimizer: str = option(
+        "--muon-scalar-optimizer", default="adam", choices=MUON_SCALAR_OPTIMIZERS,
+        help="optimizer of the parameters Muon leaves out")
+
 
     def __post_init__(self) -> None:
         check_optimizer_choice(self)

@@ -3,24 +3,35 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional, Tuple
+
+from app.config.options import option
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WandbConfig:
     """Where the last rank logs the training scalars and the run configuration; off unless
     `project` is set. `wandb` is an optional package, so asking for it without it installed is
     refused here, on every rank, before anything starts."""
 
-    project: Optional[str] = None
-    """--wandb-project: the W&B project; None leaves W&B off."""
-    exp_name: Optional[str] = None
-    """--wandb-exp-name: the run's name (required with a project, as in Megatron-LM)."""
-    save_dir: Optional[str] = None
-    """--wandb-save-dir: where the run's local files go (arguments/ defaults it to
-    {--save}/wandb, as Megatron-LM does; None with neither: W&B's default, ./wandb)."""
-    entity: Optional[str] = None
-    """--wandb-entity: the W&B user or team (None: the account's default)."""
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = (
+        "Weights & Biases", "log the training scalars and the run configuration from the last "
+        "rank (pip install wandb; docs/metrics.md)")
+
+    project: Optional[str] = option(
+        "--wandb-project", default=None,
+        help="the W&B project; W&B is off without it")
+    exp_name: Optional[str] = option(
+        "--wandb-exp-name", default=None,
+        help="the run's name in W&B")
+    save_dir: Optional[str] = option(
+        "--wandb-save-dir", default=None,
+        help="the run's local W&B files (default: {--save}/wandb)")
+    """arguments.py defaults it to {--save}/wandb, as Megatron-LM does; None with neither:
+    W&B's default, ./wandb."""
+    entity: Optional[str] = option(
+        "--wandb-entity", default=None,
+        help="the W&B user or team (default: the account's)")
 
     @property
     def enabled(self) -> bool:

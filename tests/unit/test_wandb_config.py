@@ -30,7 +30,8 @@ def test_off_by_default_and_save_dir_defaults_under_save(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", _installed())
     cfg = _config("--wandb-project", "p", "--wandb-exp-name", "e", "--save", str(tmp_path),
                   "--wandb-entity", "team")
-    assert cfg.wandb == WandbConfig("p", "e", os.path.join(str(tmp_path), "wandb"), "team")
+    assert cfg.wandb == WandbConfig(project="p", exp_name="e", entity="team",
+                                    save_dir=os.path.join(str(tmp_path), "wandb"))
     cfg = _config("--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "w")
     assert cfg.wandb.save_dir == "w" and cfg.wandb.enabled
 

@@ -48,7 +48,7 @@ from app.checkpointing import files as ckpt_files
 from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
 from app.checkpointing.model_args import checkpoint_args_namespace
 from app.checkpointing.snapshot import HostBuffers, host_copy
-from app.training.engines import ds_config
+from app.config.deepspeed import offloads_optimizer
 from app.launch.distributed import world_group
 from app.launch import waits
 from app.launch.ports import free_port
@@ -186,7 +186,7 @@ class DeepSpeedEngineAdapter(Engine):
             if "scheduler" not in ds:
                 kwargs["lr_scheduler"] = lambda opt: OptimizerParamScheduler(opt, cfg.optimizer)
         else:
-            if ds_config.offloads_optimizer(ds):
+            if offloads_optimizer(ds):
                 raise ValueError(f"{path}: ZeRO optimizer offload needs DeepSpeedCPUAdam; add an "
                                  "\"optimizer\" block (type AdamW) to the JSON")
             kwargs.update(optimizer=optimizer, lr_scheduler=lr_scheduler)

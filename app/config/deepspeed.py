@@ -1,4 +1,6 @@
-"""Reconcile a DeepSpeed JSON config with the command line (pure functions, no deepspeed import).
+"""The DeepSpeed path's configuration: `DeepSpeedConfig` (its flags) and the DeepSpeed JSON
+read once and reconciled with the command line (`load_ds_json`, `reconcile_ds_config`; pure
+functions, no deepspeed import). Part of `app.config`.
 
 Rules (each violation raises ValueError naming the JSON file, the key, the flag and both values):
 - Batch sizes: `train_micro_batch_size_per_gpu` = --micro-batch-size, `gradient_accumulation_steps`
@@ -6,7 +8,7 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
   --global-batch-size. Keys the JSON leaves out are filled from the command line.
 - `gradient_clipping` = --clip-grad (filled when absent).
 - Precision: `fp16.enabled` / `bf16.enabled` must agree with the run's precision (filled when
-  absent or "auto"); arguments/ takes the precision from the JSON when no flag is given.
+  absent or "auto"); arguments.py takes the precision from the JSON when no flag is given.
 - If the JSON defines `optimizer`, its `params.lr` (and weight decay, betas, eps when given) must
   agree with the command line; if it also defines `scheduler`, our LR schedule is not used and
   explicit command-line schedule flags are rejected.
@@ -26,9 +28,14 @@ import copy
 import json
 import math
 import os
-from typing import Any, Dict, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Iterable, Optional, Tuple
 
-from app.config import RunConfig
+from app.config.options import option
+
+RunConfig = Any
+"""The type of the `cfg` arguments below: app.config.run.RunConfig (which holds a
+DeepSpeedConfig, so this module cannot import it)."""
 
 MUON_FIXED_FLAGS = ("--muon-nesterov", "--muon-no-split-qkv", "--muon-scale-mode",
                     "--muon-num-ns-steps", "--muon-coefficient-type", "--muon-fp32-matmul-prec",
@@ -38,6 +45,44 @@ JSON_TYPES = {"adam": ("adam", "adamw"), "sgd": ("sgd",), "muon": ("muon",)}
 """The JSON optimizer types each --optimizer agrees with."""
 SCHEDULE_FLAGS = ("--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters",
                   "--lr-warmup-fraction", "--warmup", "--min-lr")
+
+
+@dataclass(kw_only=True)
+class DeepSpeedConfig:
+    """The DeepSpeed path: enabled by --deepspeed with --deepspeed_config <json>. `enabled`,
+    `config_path` and `mpi` are DeepSpeed's own flags (deepspeed.add_config_arguments), which
+    arguments.py maps here; `config` is the JSON reconciled with the command line
+    (`reconcile_ds_config`), what deepspeed.initialize receives."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = (
+        "DeepSpeed path", "this project's options of the --deepspeed path")
+
+    enabled: bool = False
+    config_path: Optional[str] = None
+    config: Optional[Dict[str, Any]] = None
+    activation_checkpointing: bool = option(
+        "--deepspeed-activation-checkpointing", default=False,
+        help="run the recompute chosen by --recompute-granularity (or --checkpoint-activations) "
+             "through deepspeed.checkpointing, with the JSON's activation_checkpointing settings;"
+             " needs --deepspeed")
+    universal_checkpoint: bool = option(
+        "--universal-checkpoint", default=False,
+        help="load a DeepSpeed universal checkpoint (ds_to_universal.py output, named by --load's"
+             " latest_universal) at any DP/TP size")
+    mpi: bool = option(
+        "--deepspeed_mpi", default=False,
+        help="discover ranks through mpi4py")
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.config_path:
+            raise ValueError("--deepspeed needs --deepspeed_config <path to JSON> (see ds_configs/)")
+        if self.activation_checkpointing and not self.enabled:
+            raise ValueError("--deepspeed-activation-checkpointing needs --deepspeed (without it "
+                             "the recompute runs through our own checkpoint function; drop the "
+                             "flag)")
+        if self.universal_checkpoint and not self.enabled:
+            raise ValueError("--universal-checkpoint needs --deepspeed (a DeepSpeed universal "
+                             "checkpoint); for Megatron checkpoints use tools/convert_checkpoint.py")
 
 
 def load_ds_json(path: str) -> Dict[str, Any]:
@@ -184,7 +229,8 @@ def _reconcile_optimizer_type(opt: Dict[str, Any], cfg: RunConfig, path: str,
         params["momentum"] = o.muon_momentum
 
 
-def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig, path: str = "<deepspeed config>",
+def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig,
+                        path: str = "<deepspeed config>",
                         explicit_flags: Iterable[str] = ()) -> Dict[str, Any]:
     """Return a copy of `ds_json` filled from, and checked against, the run configuration."""
     ds = copy.deepcopy(ds_json)

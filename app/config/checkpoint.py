@@ -1,0 +1,46 @@
+"""Checkpoint saving and loading (`CheckpointConfig`). Part of `app.config`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Tuple
+
+from app.config.options import option
+from app.config.rules import positive
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Megatron-layout (or DeepSpeed) checkpoint saving and loading."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("checkpointing", "Megatron-layout checkpoints")
+
+    save: Optional[str] = option("--save", default=None)
+    save_interval: Optional[int] = option("--save-interval", default=None)
+    load: Optional[str] = option("--load", default=None)
+    no_save_optim: bool = option("--no-save-optim", default=False)
+    no_save_rng: bool = option("--no-save-rng", default=False)
+    no_load_optim: bool = option("--no-load-optim", default=False)
+    no_load_rng: bool = option("--no-load-rng", default=False)
+    finetune: bool = option(
+        "--finetune", default=False,
+        help="load weights only and start at iteration 0")
+    keep_last_n_checkpoints: Optional[int] = option(
+        "--keep-last-n-checkpoints", default=None,
+        help="after each save, delete all but the newest N iter_ directories")
+    overwrite_checkpoints: bool = option(
+        "--overwrite-checkpoints", default=False,
+        help="allow training from scratch (or from another --load) into a --save directory that "
+             "already holds checkpoints")
+    async_save: bool = option(
+        "--async-save", default=False,
+        help="write checkpoint files in the background while training goes on; the checkpoint "
+             "becomes the latest once every rank's files are durable (docs/reliability.md)")
+
+    def __post_init__(self) -> None:
+        positive(self, (("save_interval", "--save-interval"),), allow_none=True)
+        if self.finetune and not self.load:
+            raise ValueError("--finetune needs --load <checkpoint dir>")
+        if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
+            raise ValueError(f"--keep-last-n-checkpoints must be at least 1, got "
+                             f"{self.keep_last_n_checkpoints} (leave it out to keep every checkpoint)")
+

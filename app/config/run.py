@@ -1,0 +1,209 @@
+"""`RunConfig`: everything one training run needs, and the rules that span several configs.
+Part of `app.config`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Tuple
+
+from app.config.checkpoint import CheckpointConfig
+from app.config.data import DataConfig
+from app.config.deepspeed import DeepSpeedConfig
+from app.config.kernels import KernelConfig
+from app.config.model import ModelConfig
+from app.config.optimizer import OptimizerConfig, check_muon_layout
+from app.config.options import option
+from app.config.parallel import ParallelConfig, PrecisionConfig
+from app.config.recompute import RecomputePlan, recompute_plan
+from app.config.rules import divisible
+from app.config.training import RollbackConfig, TrainingConfig
+from app.config.wandb import WandbConfig
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one training run needs; built once by arguments.build_run_config."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    precision: PrecisionConfig
+    data: DataConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    deepspeed: DeepSpeedConfig
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    raw_vocab_size: int = 0
+    """Tokenizer vocabulary before padding (recorded in checkpoints)."""
+    make_vocab_size_divisible_by: int = option(
+        "--make-vocab-size-divisible-by", default=128, group="model",
+        help="pad the vocab to a multiple of this x the tensor-parallel size")
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        m, p, t = self.model, self.parallel, self.training
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if self.make_vocab_size_divisible_by <= 0:
+            raise ValueError(f"--make-vocab-size-divisible-by must be positive, got "
+                             f"{self.make_vocab_size_divisible_by}")
+        if self.raw_vocab_size > m.padded_vocab_size:
+            raise ValueError(f"need vocab size ({self.raw_vocab_size}) <= padded vocab size "
+                             f"({m.padded_vocab_size})")
+        for what, value in (("--num-attention-heads", m.num_attention_heads),
+                            ("--ffn-hidden-size", m.ffn_hidden_size),
+                            ("padded vocab size", m.padded_vocab_size)):
+            divisible(what, value, "--tensor-model-parallel-size", tp)
+        divisible("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp)
+        t.num_micro_batches(p.data_parallel_size)
+        self._check_virtual_pipeline()
+        self._check_deepspeed_pipeline()
+        if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
+            raise ValueError("--rollback-on-spike reloads the latest checkpoint: give --save and "
+                             "--save-interval (a rollback skips the data read since that "
+                             "checkpoint)")
+        half = self.precision.fp16 or self.precision.bf16
+        if m.fp16_lm_cross_entropy and not half:
+            raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
+                             "fp32 otherwise); drop it or pick a half precision")
+        if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
+            raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
+                             "shard the optimizer with ZeRO (zero_optimization.stage 1 or 2 in "
+                             "the JSON, e.g. ds_configs/zero1.json) and drop the flag")
+        if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
+            raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
+                             "--deepspeed set the gradient accumulation dtype in the JSON "
+                             "(data_types.grad_accum_dtype) and drop the flag")
+        if m.params_dtype != self.precision.params_dtype:
+            raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
+                             f"(which imply {self.precision.params_dtype})")
+        self._check_model_options_against_layout()
+        check_muon_layout(self.optimizer, m.num_kv_heads, tp)
+        self._check_kernel_build_timeout()
+
+    def _check_model_options_against_layout(self) -> None:
+        """Sequence parallelism, query groups and recompute against TP / PP / DeepSpeed."""
+        m, p = self.model, self.parallel
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if m.sequence_parallel:
+            if tp == 1:
+                raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 "
+                                 "(got 1): it splits the sequence over the tensor-parallel "
+                                 "ranks; drop --sequence-parallel or raise the TP size")
+            divisible("--seq-length", m.seq_length, "--tensor-model-parallel-size", tp)
+        groups = m.num_kv_heads
+        if m.group_query_attention and groups % tp and tp % groups:
+            raise ValueError(
+                f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}): "
+                "each rank needs whole key/value groups (groups divisible by TP) or one group "
+                "shared by TP/groups ranks (TP divisible by groups); change one of them")
+        if groups < tp and self.deepspeed.enabled:
+            raise ValueError(
+                f"--num-query-groups ({groups}) < --tensor-model-parallel-size ({tp}) replicates "
+                "key/value heads over ranks, which DeepSpeed's gradient norm would count once per "
+                "rank; with --deepspeed use --num-query-groups divisible by the TP size, or "
+                "train on the native path")
+        if m.recompute_method == "block" and m.recompute_num_layers > m.num_layers // pp:
+            raise ValueError(
+                f"--recompute-num-layers ({m.recompute_num_layers}) with --recompute-method block "
+                f"exceeds the layers per pipeline stage ({m.num_layers // pp} = --num-layers "
+                f"{m.num_layers} / --pipeline-model-parallel-size {pp}); lower it")
+        if self.deepspeed.activation_checkpointing and m.recompute_granularity is None:
+            raise ValueError(
+                "--deepspeed-activation-checkpointing only chooses DeepSpeed's checkpoint "
+                "function; say what to recompute with --recompute-granularity full|selective "
+                "(or --checkpoint-activations)")
+
+    def _check_kernel_build_timeout(self) -> None:
+        """Ranks that do not build wait for the builder in the first collective after the build
+        (app.kernels.agree_across_ranks), so the build must end within the process-group
+        timeout. Checked when several ranks run (one rank has no one waiting for it)."""
+        minutes = self.parallel.distributed_timeout_minutes
+        build_s = self.kernels.build_timeout
+        if self.parallel.world_size > 1 and build_s >= minutes * 60:
+            raise ValueError(f"--kernel-build-timeout ({build_s:g} s) must be below "
+                             f"--distributed-timeout-minutes ({minutes:g} min = "
+                             f"{minutes * 60:g} s): the other ranks wait for the kernel build in "
+                             "a collective; lower the first or raise the second")
+
+    def recompute_plan(self) -> RecomputePlan:
+        """What each model chunk recomputes (`app.config.recompute_plan`): a chunk is a pipeline
+        stage's num_layers / PP layers, or a virtual stage's with interleaving."""
+        chunks = (self.parallel.pipeline_model_parallel_size
+                  * self.virtual_pipeline_model_parallel_size)
+        return recompute_plan(self.model, self.model.num_layers // chunks)
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> int:
+        """Model chunks per pipeline rank: (layers / PP) / --num-layers-per-virtual-pipeline-stage,
+        1 without interleaving."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return 1
+        return self.model.num_layers // self.parallel.pipeline_model_parallel_size // per_chunk
+
+    def _check_deepspeed_pipeline(self) -> None:
+        """--deepspeed with PP > 1 needs ZeRO stage 1 (checked once the JSON is read)."""
+        pp = self.parallel.pipeline_model_parallel_size
+        if not self.deepspeed.enabled or pp == 1 or self.deepspeed.config is None:
+            return
+        stage = self.deepspeed.config.get("zero_optimization", {}).get("stage", 0)
+        if stage != 1:
+            why = ("ZeRO-2 reduce-scatters gradients during backward, before the tied "
+                   "word-embedding gradient is summed across the first and last stage"
+                   if stage >= 2 else
+                   "without ZeRO DeepSpeed's gradient norm counts the replicated weights "
+                   "(LayerNorms, biases) of the first stage only")
+            raise ValueError(
+                f"{self.deepspeed.config_path}: zero_optimization.stage {stage} cannot be "
+                f"combined with --pipeline-model-parallel-size ({pp}) under --deepspeed ({why}); "
+                "pipeline parallelism under DeepSpeed needs ZeRO stage 1, as DeepSpeed's own "
+                "pipeline engine: use ds_configs/zero1.json, or "
+                "--pipeline-model-parallel-size 1")
+
+    def _check_virtual_pipeline(self) -> None:
+        """Megatron's rules for the interleaved schedule (--num-layers-per-virtual-pipeline-stage)."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return
+        flag = "--num-layers-per-virtual-pipeline-stage"
+        pp = self.parallel.pipeline_model_parallel_size
+        if pp == 1:
+            raise ValueError(f"{flag} ({per_chunk}) needs --pipeline-model-parallel-size > 1 (got "
+                             "1): interleaving splits each pipeline stage into chunks; raise "
+                             f"--pipeline-model-parallel-size or drop {flag}")
+        per_stage = self.model.num_layers // pp
+        if per_stage % per_chunk:
+            raise ValueError(f"--num-layers ({self.model.num_layers}) / "
+                             f"--pipeline-model-parallel-size ({pp}) = {per_stage} layers per "
+                             f"stage is not divisible by {flag} ({per_chunk}); pick a {flag} that "
+                             f"divides {per_stage}")
+        if self.deepspeed.enabled:
+            raise ValueError(f"{flag} is not supported with --deepspeed (the DeepSpeed path runs "
+                             f"plain 1F1B); drop {flag} or use the native path")
+        micro = self.training.num_micro_batches(self.parallel.data_parallel_size)
+        if self.virtual_pipeline_model_parallel_size > 1 and micro % pp:
+            t = self.training
+            raise ValueError(
+                f"{flag} needs the micro-batches per iteration to be a multiple of "
+                f"--pipeline-model-parallel-size ({pp}), but --global-batch-size "
+                f"({t.global_batch_size}) / (--micro-batch-size ({t.micro_batch_size}) x "
+                f"data-parallel size ({self.parallel.data_parallel_size})) = {micro}; raise "
+                f"--global-batch-size to a multiple of {t.micro_batch_size * pp * self.parallel.data_parallel_size}")
+
+
+def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
+    """Samples the (train, valid, test) datasets must hold: every iteration's global batch,
+    eval_iters global batches per evaluation (`TrainingConfig.evaluations`) and eval_iters global
+    batches of test. With --rollback-on-spike the training split also holds the samples the
+    rollbacks may skip: --save-interval + --max-consecutive-skipped-iterations iterations per
+    rollback, since no checkpoint is saved while a run of non-finite iterations lasts (one
+    streak can hide a save point and then reach the limit). Longer skips are possible (several
+    streaks over several save points, or the limit off); the rollback then checks the data left
+    and stops if it is short."""
+    t, r = cfg.training, cfg.rollback
+    train = t.train_iters * t.global_batch_size
+    if r.enabled:
+        window = cfg.checkpoint.save_interval + t.max_consecutive_skipped_iterations
+        train += r.max_rollbacks * window * t.global_batch_size
+    valid = t.evaluations() * t.eval_iters * t.global_batch_size
+    return train, valid, t.eval_iters * t.global_batch_size

@@ -1,0 +1,283 @@
+"""Command-line arguments: the parser generated from the config fields, and the one conversion
+of the parsed flags into an `app.config.RunConfig`.
+
+This is the only module that touches argparse, and nothing under `app/` imports it. Every
+option is declared once, as a field of a config dataclass (`app.config.options.option`): its
+spellings, default, choices and help. This module only assembles the parser from those fields,
+adds DeepSpeed's own flags (`deepspeed.add_config_arguments`) and the aliases that are not one
+field's (the older recompute spelling), and computes the derived values: warm-up iterations
+from a fraction, the LR decay length, the global batch, the precision and optimizer taken from
+the DeepSpeed JSON, the padded vocabulary, the kernel build timeout and the W&B folder. The
+rules live in the config dataclasses, whose messages name the flags.
+
+Both spellings are accepted where DeepSpeedExamples' Megatron-LM and current Megatron-LM differ
+(declared on the field, so either sets the same value): --model-parallel-size =
+--tensor-model-parallel-size, --batch-size = --micro-batch-size, --intermediate-size =
+--ffn-hidden-size, --warmup = --lr-warmup-fraction, --min-scale = --min-loss-scale,
+--local_rank = --local-rank; --checkpoint-activations [--checkpoint-num-layers N] =
+--recompute-granularity full --recompute-method uniform [--recompute-num-layers N].
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+
+from app.config import (DeepSpeedConfig, DryRunConfig, ModelConfig, ParallelConfig, RunConfig,
+                        default_kernel_build_timeout, resolve_recompute_flags)
+from app.config.deepspeed import load_ds_json, reconcile_ds_config
+from app.config.options import Option, check_unique, flag_group, from_flags, iter_options
+from app.data.tokenizer import pad_vocab_size
+from app.launch.distributed import check_backend, default_backend
+
+ROOTS = (RunConfig, DryRunConfig)
+"""The config classes whose option fields make the command line."""
+
+
+# ---------------------------------------------------------------------------- the parser
+
+def _options(roots: Sequence[type]) -> List[Option]:
+    options = [opt for root in roots for opt in iter_options(root)]
+    check_unique(options)
+    return options
+
+
+def _group_descriptions(options: Iterable[Option]) -> Dict[str, str]:
+    """{group title: description} from the FLAG_GROUP of every class that declares options."""
+    return dict(flag_group(opt.owner) for opt in options)
+
+
+def _add_option(group: Any, opt: Option) -> None:
+    """One add_argument from one field (the rules are in app.config.options)."""
+    flag = opt.flag
+    kwargs: Dict[str, Any] = dict(dest=flag.dest, default=opt.default, help=flag.help)
+    if opt.scalar_type is bool:
+        action = flag.action or ("store_true" if opt.default is False else "boolean_optional")
+        kwargs["action"] = (argparse.BooleanOptionalAction if action == "boolean_optional"
+                            else action)
+    else:
+        kwargs.update(type=opt.scalar_type, choices=flag.choices, nargs=flag.nargs,
+                      metavar=flag.metavar)
+    group.add_argument(*flag.spellings, **kwargs)
+
+
+def _add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
+    """DeepSpeed's own flags (--deepspeed, --deepspeed_config, --deepscale*), from deepspeed
+    when it imports; the same spellings otherwise."""
+    try:
+        import deepspeed  # by design (deepspeed.add_config_arguments): DeepSpeed's own flags
+        deepspeed.add_config_arguments(parser)
+    except Exception:  # noqa: BLE001 (not installed, or broken on this machine: same flags)
+        g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+        g.add_argument("--deepspeed", action="store_true", default=False)
+        g.add_argument("--deepspeed_config", type=str, default=None)
+        g.add_argument("--deepscale", action="store_true", default=False)
+        g.add_argument("--deepscale_config", type=str, default=None)
+
+
+def _add_recompute_aliases(group: Any) -> None:
+    group.add_argument("--checkpoint-activations", action="store_true",
+                       help="older spelling of --recompute-granularity full --recompute-method "
+                            "uniform")
+    group.add_argument("--checkpoint-num-layers", type=int, default=None,
+                       help="older spelling of --recompute-num-layers (with "
+                            "--checkpoint-activations)")
+
+
+def build_parser(roots: Sequence[type] = ROOTS) -> argparse.ArgumentParser:
+    """The full parser: one flag per option field of the config classes under `roots`,
+    DeepSpeed's own flags and the recompute aliases."""
+    parser = argparse.ArgumentParser(
+        description="GPT-2 pretraining, Megatron-LM style (native or DeepSpeed)",
+        allow_abbrev=False)
+    options = _options(roots)
+    descriptions = _group_descriptions(options)
+    groups: Dict[str, Any] = {}
+
+    def group(title: str) -> Any:
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title, descriptions.get(title))
+        return groups[title]
+
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_deepspeed_flags(probe)  # DeepSpeed's own definition of a spelling wins
+    taken = probe._option_string_actions  # noqa: SLF001 (only way to ask "is it defined?")
+    for opt in options:
+        if not any(spelling in taken for spelling in opt.flag.spellings):
+            _add_option(group(opt.group_title), opt)
+    _add_recompute_aliases(group(flag_group(ModelConfig)[0]))
+    _add_deepspeed_flags(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse `argv` (default sys.argv[1:]) into a namespace with Megatron's dest names.
+
+    Only parsing happens here (plus defaulting --distributed-backend to nccl when CUDA is
+    available, else gloo, and --deepscale* to --deepspeed*); `build_run_config` converts. The
+    flags given explicitly are recorded as `_explicit_flags` (each under its first spelling),
+    for the DeepSpeed JSON checks that must know what the user asked for.
+    """
+    parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(given)
+    if args.distributed_backend is None:  # resolved here so init code can use it before configs
+        args.distributed_backend = default_backend()
+    args.deepspeed = bool(args.deepspeed or getattr(args, "deepscale", False))
+    if args.deepspeed_config is None and getattr(args, "deepscale_config", None):
+        args.deepspeed_config = args.deepscale_config
+    args._explicit_flags = _explicit_flags(parser, given)
+    return args
+
+
+def _explicit_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> FrozenSet[str]:
+    """Flags present in `argv`, each named by the first spelling of its option."""
+    actions = parser._option_string_actions  # noqa: SLF001 (the only map of spellings)
+    found = set()
+    for token in argv:
+        if token.startswith("--"):
+            action = actions.get(token.split("=", 1)[0])
+            if action is not None:
+                found.add(action.option_strings[0])
+    return frozenset(found)
+
+
+def format_args(args: argparse.Namespace) -> List[str]:
+    """Megatron-style listing of every argument, one "  name .... value" line each, sorted."""
+    lines = []
+    for key in sorted(vars(args)):
+        if key.startswith("_"):
+            continue
+        dots = "." * max(1, 48 - len(key))
+        lines.append(f"  {key} {dots} {getattr(args, key)}")
+    return lines
+
+
+# ---------------------------------------------------------------------------- derived values
+
+def _warmup_iters(args: argparse.Namespace, decay_iters: int) -> int:
+    """--lr-warmup-fraction (or --warmup) x decay iterations, or --lr-warmup-iters."""
+    if args.lr_warmup_fraction is None:
+        return args.lr_warmup_iters
+    if args.lr_warmup_iters != 0:
+        raise ValueError(f"--lr-warmup-fraction/--warmup ({args.lr_warmup_fraction}) and "
+                         f"--lr-warmup-iters ({args.lr_warmup_iters}) were both given; use only one")
+    if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        raise ValueError(f"--lr-warmup-fraction/--warmup must be in [0, 1], got "
+                         f"{args.lr_warmup_fraction}")
+    return int(args.lr_warmup_fraction * decay_iters)
+
+
+def _global_batch_size(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]],
+                       data_parallel_size: int) -> int:
+    """--global-batch-size; by default the DeepSpeed JSON's train_batch_size (or micro-batch x
+    gradient_accumulation_steps x DP) when --deepspeed gives one, else micro-batch x DP."""
+    if args.global_batch_size is not None:
+        return args.global_batch_size
+    default = args.micro_batch_size * data_parallel_size
+    if ds_json and "train_batch_size" in ds_json:
+        return int(ds_json["train_batch_size"])
+    if ds_json and "gradient_accumulation_steps" in ds_json:
+        return default * int(ds_json["gradient_accumulation_steps"])
+    return default
+
+
+def _precision_choice(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]],
+                      ds_path: Optional[str]) -> Tuple[bool, bool, str]:
+    """(fp16, bf16, where it came from): the flags, or with --deepspeed and no precision flag
+    the JSON's `fp16.enabled` / `bf16.enabled` (DeepSpeed's convention: the JSON is the source
+    of truth). A flag that contradicts the JSON is refused by reconcile_ds_config."""
+    if args.fp16 or args.bf16 or not ds_json:
+        flag = "--fp16" if args.fp16 else "--bf16" if args.bf16 else "fp32 (no --fp16/--bf16)"
+        return args.fp16, args.bf16, flag
+    json_fp16 = ds_json.get("fp16", {}).get("enabled") is True
+    json_bf16 = ds_json.get("bf16", {}).get("enabled") is True
+    if json_fp16 or json_bf16:
+        key = "fp16" if json_fp16 else "bf16"
+        return json_fp16, json_bf16, f"{ds_path} ({key}.enabled)"
+    return False, False, "fp32 (no --fp16/--bf16)"
+
+
+def _optimizer_name(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]]) -> str:
+    """--optimizer; with --deepspeed and no --optimizer flag, muon when the JSON's optimizer is
+    DeepSpeed's Muon (the JSON is then the source of truth, as for the precision)."""
+    json_type = str(((ds_json or {}).get("optimizer") or {}).get("type", "")).lower()
+    if json_type == "muon" and "--optimizer" not in getattr(args, "_explicit_flags", ()):
+        return "muon"
+    return args.optimizer
+
+
+def _model_overrides(args: argparse.Namespace, padded_vocab_size: int,
+                     params_dtype: str) -> Dict[str, Any]:
+    granularity, method, recompute_layers = resolve_recompute_flags(
+        args.checkpoint_activations, args.checkpoint_num_layers, args.recompute_granularity,
+        args.recompute_method, args.recompute_num_layers)
+    return dict(padded_vocab_size=padded_vocab_size, params_dtype=params_dtype, seed=args.seed,
+                recompute_granularity=granularity, recompute_method=method,
+                recompute_num_layers=recompute_layers)
+
+
+def _wandb_save_dir(args: argparse.Namespace) -> Optional[str]:
+    if args.wandb_save_dir is None and args.wandb_project and args.save:
+        return os.path.join(args.save, "wandb")  # Megatron-LM's default
+    return args.wandb_save_dir
+
+
+# ---------------------------------------------------------------------------- conversion
+
+def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: int,
+                     padded_vocab_size: Optional[int] = None) -> RunConfig:
+    """Convert the parsed flags once into a validated RunConfig.
+
+    Every option field takes its flag's value; the derived values are computed here (module
+    docstring). With --deepspeed the JSON is read here, once, and reconciled with the flags
+    (`cfg.deepspeed.config`). `padded_vocab_size` None pads `raw_vocab_size` by Megatron's
+    rule. Every rule is checked by the config dataclasses (app.config); a broken one raises
+    ValueError naming the flags and values.
+    """
+    if args.train_iters is None:
+        raise ValueError("--train-iters is required")
+    values = vars(args)
+    if padded_vocab_size is None:
+        padded_vocab_size = pad_vocab_size(raw_vocab_size, args.make_vocab_size_divisible_by,
+                                           args.tensor_model_parallel_size)
+    deepspeed = from_flags(DeepSpeedConfig, values, enabled=args.deepspeed,
+                           config_path=args.deepspeed_config)
+    ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
+    fp16, bf16, source = _precision_choice(args, ds_json, deepspeed.config_path)
+    params_dtype = "float16" if fp16 else "bfloat16" if bf16 else "float32"
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    parallel = from_flags(ParallelConfig, values, world_size=world_size,
+                          distributed_backend=check_backend(args.distributed_backend))
+    cfg = from_flags(
+        RunConfig, values, raw_vocab_size=raw_vocab_size, deepspeed=deepspeed, parallel=parallel,
+        model=_model_overrides(args, padded_vocab_size, params_dtype),
+        precision=dict(fp16=fp16, bf16=bf16, source=source),
+        optimizer=dict(lr_decay_iters=decay_iters,
+                       lr_warmup_iters=_warmup_iters(args, decay_iters),
+                       optimizer=_optimizer_name(args, ds_json)),
+        training=dict(global_batch_size=_global_batch_size(args, ds_json,
+                                                           parallel.data_parallel_size)),
+        kernels=dict(build_timeout=(
+            default_kernel_build_timeout(args.distributed_timeout_minutes)
+            if args.kernel_build_timeout is None else args.kernel_build_timeout)),
+        wandb=dict(save_dir=_wandb_save_dir(args)))
+    if ds_json is not None:
+        reconciled = reconcile_ds_config(ds_json, cfg, deepspeed.config_path,
+                                         getattr(args, "_explicit_flags", ()))
+        cfg = dataclasses.replace(cfg, deepspeed=dataclasses.replace(deepspeed, config=reconciled))
+    return cfg
+
+
+def dry_run_config(args: argparse.Namespace) -> DryRunConfig:
+    """The --dry-run options of the parsed flags."""
+    return from_flags(DryRunConfig, vars(args))
+
+
+def config_from_argv(argv: Sequence[str], world_size: int, raw_vocab_size: int,
+                     padded_vocab_size: Optional[int] = None) -> RunConfig:
+    """`build_run_config(parse_args(argv), ...)`: a RunConfig from a command line, for tests,
+    benchmarks and tools that build runs in-process."""
+    return build_run_config(parse_args(list(argv)), world_size, raw_vocab_size, padded_vocab_size)
