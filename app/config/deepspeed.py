@@ -248,9 +248,11 @@ def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig,
     if cfg.deepspeed.universal_checkpoint:
         ds.setdefault("checkpoint", {})["load_universal"] = True
     stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2):
-        raise ValueError(f"{path}: zero_optimization.stage {stage} is not supported here "
-                         "(use 0, 1 or 2)")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"{path}: zero_optimization.stage {stage} is not a ZeRO stage "
+                         "(use 0, 1, 2 or 3)")
+    if stage == 3:
+        ds["zero_optimization"].setdefault("memory_efficient_linear", False)
     return ds
 
 
@@ -259,3 +261,8 @@ def offloads_optimizer(ds: Dict[str, Any]) -> bool:
     zero = ds.get("zero_optimization", {})
     device = zero.get("offload_optimizer", {}).get("device", "none")
     return device == "cpu" or bool(zero.get("cpu_offload"))
+
+
+def zero_stage(ds: Optional[Dict[str, Any]]) -> int:
+    """The JSON's zero_optimization.stage (0 without a JSON or a ZeRO block)."""
+    return int(((ds or {}).get("zero_optimization") or {}).get("stage", 0))

@@ -113,6 +113,19 @@ def _hidden_dropout_rng(sequence_parallel: bool, p: float, training: bool):
 
 
 # ---- modules -----------------------------------------------------------------------------------
+class PositionEmbedding(nn.Embedding):
+    """The learned position table [max_positions, h], replicated over TP, filled by
+    `init_method` inside its own __init__: a construction context that takes each module's
+    parameters as its __init__ returns (ZeRO-3's deepspeed.zero.Init) sees the final values."""
+
+    def __init__(self, num_positions: int, hidden_size: int, dtype: torch.dtype,
+                 init_method: InitMethod) -> None:
+        super().__init__(num_positions, hidden_size, dtype=dtype)
+        init_method(self.weight)
+        self.weight.tensor_model_parallel = False
+        self.weight.partition_dim = -1
+
+
 class Embedding(nn.Module):
     """Token (+ learned position) embeddings, then dropout: ids [b, s] -> [b, s, h].
 
@@ -134,11 +147,9 @@ class Embedding(nn.Module):
             reduce_scatter_embeddings=config.sequence_parallel and not learned)
         self.position_embeddings: Optional[nn.Embedding] = None
         if learned:
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                    config.hidden_size, dtype=dtype)
-            init.normal(POSITION_EMBEDDINGS)(self.position_embeddings.weight)
-            self.position_embeddings.weight.tensor_model_parallel = False
-            self.position_embeddings.weight.partition_dim = -1
+            self.position_embeddings = PositionEmbedding(
+                config.max_position_embeddings, config.hidden_size, dtype,
+                init.normal(POSITION_EMBEDDINGS))
         self.dropout_p = config.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

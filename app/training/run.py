@@ -18,6 +18,7 @@ import torch
 
 from app import kernels
 from app.config import RunConfig
+from app.config.deepspeed import zero_stage
 from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
 from app.mpu.random import model_parallel_seed
@@ -141,8 +142,13 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
         logger.info("activation checkpointing through deepspeed.checkpointing (settings from "
                     "the JSON's activation_checkpointing block)")
     prepare_kernels(cfg, device)
-    model = build_model(cfg, ps).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
+    if cfg.deepspeed.enabled and zero_stage(cfg.deepspeed.config) == 3:
+        from app.training.engines.deepspeed import partitioned_construction
+        with partitioned_construction(cfg, ps):  # each module partitioned once built, on device
+            model = build_model(cfg, ps)
+    else:
+        model = build_model(cfg, ps).to(device)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     logger.info("> parameters on (tensor, pipeline) model-parallel rank (%d, %d): %d",
                 ps.tensor_model_parallel_rank, ps.pipeline_model_parallel_rank, n_params)
     engine = build_engine(cfg, model, ps)

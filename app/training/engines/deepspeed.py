@@ -48,7 +48,7 @@ from app.checkpointing import files as ckpt_files
 from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
 from app.checkpointing.model_args import checkpoint_args_namespace
 from app.checkpointing.snapshot import HostBuffers, host_copy
-from app.config.deepspeed import offloads_optimizer
+from app.config.deepspeed import offloads_optimizer, zero_stage
 from app.launch.distributed import world_group
 from app.launch import waits
 from app.launch.ports import free_port
@@ -433,6 +433,23 @@ class DeepSpeedEngineAdapter(Engine):
                         "dropout streams restart from this run's seed", saved_tp,
                         self.ps.tensor_model_parallel_size)
         return args, rng
+
+
+def partitioned_construction(cfg: RunConfig, parallel_state: ParallelState) -> Any:
+    """deepspeed.zero.Init for a ZeRO-3 run: the context to build its model in.
+
+    Under zero.Init each module's parameters are split over the data-parallel group as soon as
+    that module's __init__ returns, so no rank ever holds the whole model: at most one
+    parameter's full tensor while our init draws it. DeepSpeed's tensor-constructor overrides
+    (which would cast the fp32 values our `param_seed` init draws to the run's dtype before
+    drawing, changing them) and its F.linear replacement are off: the initial weights are the
+    native path's, bit for bit, and the module's forward is ours.
+    """
+    import deepspeed
+    assert zero_stage(cfg.deepspeed.config) == 3
+    return deepspeed.zero.Init(data_parallel_group=parallel_state.data_parallel_group,
+                               mpu=parallel_state, config_dict_or_path=cfg.deepspeed.config,
+                               mem_efficient_linear=False, tensor_overrides=[])
 
 
 def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[str, Any]:
