@@ -12,7 +12,9 @@ Two formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
 - "deepspeed": `mp_rank_{tp:02d}_model_states.pt` per tensor-parallel rank (per model-parallel
   rank pp_rank x TP + tp_rank with pipeline stages, read as TP x PP ranks), plus, with ZeRO,
   `[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt` per data-parallel x tensor rank
-  (ZeRO's partitions of the optimizer states).
+  (ZeRO's partitions of the optimizer states). At ZeRO-3, where the weights are partitioned
+  too, the module files are per data-parallel x tensor rank as well:
+  `zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt`.
 """
 from __future__ import annotations
 
@@ -46,9 +48,13 @@ class SavedLayout:
     """DeepSpeed's ZeRO optimizer partitions present (empty for Megatron: inside model files)."""
     missing: List[str] = field(default_factory=list)
     """Files that the layout implies but that are absent (an unfinished or damaged save)."""
+    partitioned_weights: bool = False
+    """ZeRO-3: the weights too are split over the data-parallel ranks (one module file per
+    data-parallel x model-parallel rank, `zero_pp_rank_D_mp_rank_XX_model_states.pt`)."""
 
     def describe(self) -> str:
-        dp = f", ZeRO partitions over {self.data_parallel_size} data-parallel ranks" \
+        stage = "ZeRO-3 " if self.partitioned_weights else "ZeRO "
+        dp = f", {stage}partitions over {self.data_parallel_size} data-parallel ranks" \
             if self.data_parallel_size else ""
         return (f"{self.format} layout, tensor-parallel size {self.tensor_model_parallel_size}, "
                 f"pipeline-parallel size {self.pipeline_model_parallel_size}{dp}")
@@ -73,22 +79,31 @@ def _megatron_layout(directory: str, entries: List[str]) -> Optional[SavedLayout
 
 
 def _deepspeed_layout(directory: str, entries: List[str]) -> Optional[SavedLayout]:
-    model = {r: n for n in entries for r in [names.parse_deepspeed_model_file(n)] if r is not None}
+    zero3 = {r: n for n in entries for r in [names.parse_zero3_model_file(n)] if r is not None}
+    model = {r: n for n in entries for r in [names.parse_deepspeed_model_file(n)] if r is not None
+             and names.parse_zero3_model_file(n) is None}
     parsed = {n: names.parse_deepspeed_optim_file(n) for n in entries}
     optim = {found[:2]: n for n, found in parsed.items() if found is not None}
-    if not model and not optim:
+    if not model and not optim and not zero3:
         return None
-    tp = max(list(model) + [t for _, t in optim]) + 1
-    dp = max(d for d, _ in optim) + 1 if optim else None
-    missing = [os.path.join(directory, names.deepspeed_model_file(t))
-               for t in range(tp) if t not in model]
+    tp = max(list(model) + [t for _, t in list(optim) + list(zero3)]) + 1
+    dp = max(d for d, _ in list(optim) + list(zero3)) + 1 if optim or zero3 else None
+    if zero3:  # ZeRO-3: one module file per data-parallel x model-parallel rank
+        missing = [os.path.join(directory, names.deepspeed_model_file(t, d))
+                   for t in range(tp) for d in range(dp) if (d, t) not in zero3]
+        model_files = [os.path.join(directory, zero3[k])
+                       for k in sorted(zero3, key=lambda k: (k[1], k[0]))]
+    else:
+        missing = [os.path.join(directory, names.deepspeed_model_file(t))
+                   for t in range(tp) if t not in model]
+        model_files = [os.path.join(directory, model[t]) for t in sorted(model)]
     if dp:
         bf16 = any(found[2] for found in parsed.values() if found is not None)
         missing += [os.path.join(directory, names.deepspeed_optim_file(d, t, bf16))
                     for d in range(dp) for t in range(tp) if (d, t) not in optim]
-    return SavedLayout(directory, DEEPSPEED, tp, 1, dp,
-                       [os.path.join(directory, model[t]) for t in sorted(model)],
-                       [os.path.join(directory, optim[k]) for k in sorted(optim)], missing)
+    return SavedLayout(directory, DEEPSPEED, tp, 1, dp, model_files,
+                       [os.path.join(directory, optim[k]) for k in sorted(optim)], missing,
+                       partitioned_weights=bool(zero3))
 
 
 def inspect_directory(directory: str) -> Optional[SavedLayout]:

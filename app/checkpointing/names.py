@@ -13,6 +13,8 @@ DeepSpeed's layout (the DeepSpeed engine's), under the same `iter_{iteration:07d
     {save}/latest                                   DeepSpeed's pointer: the tag, no newline
     {save}/latest_universal                         written by ds_to_universal.py
     {save}/{tag}/mp_rank_{mp:02d}_model_states.pt   per model-parallel rank mp (pp x TP + tp)
+    {save}/{tag}/zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt   instead, at ZeRO-3: per
+                                                    data-parallel x model-parallel rank
     {save}/{tag}/[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO partitions
 
 Each pointer file has one reader and one writer here; writers replace the file atomically and
@@ -37,7 +39,7 @@ LATEST_UNIVERSAL_FILENAME = "latest_universal"
 
 _ITERATION_TAG = re.compile(r"^iter_(\d{7,})$")
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?$")
-_DS_MODEL_FILE = re.compile(r"^mp_rank_(\d{2,})_model_states\.pt$")
+_DS_MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d{2,})_model_states\.pt$")
 _DS_OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
 
 
@@ -126,15 +128,28 @@ def checkpoint_path(save_dir: str, iteration: Iteration, *, tp_rank: int = 0, pp
 
 # ---------------------------------------------------------------------------- DeepSpeed files
 
-def deepspeed_model_file(mp_rank: int) -> str:
-    """`mp_rank_{mp:02d}_model_states.pt`: DeepSpeed's module file of model-parallel rank mp."""
-    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+def deepspeed_model_file(mp_rank: int, dp_rank: Optional[int] = None) -> str:
+    """`mp_rank_{mp:02d}_model_states.pt`: DeepSpeed's module file of model-parallel rank mp;
+    with `dp_rank` (ZeRO-3, where every data-parallel rank writes one)
+    `zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt`."""
+    prefix = "" if dp_rank is None else f"zero_pp_rank_{dp_rank}_"
+    return f"{prefix}mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def parse_deepspeed_model_file(name: str) -> Optional[int]:
-    """The model-parallel rank of a `mp_rank_XX_model_states.pt` name; None for other names."""
+    """The model-parallel rank of a DeepSpeed module file name (either form of
+    `deepspeed_model_file`); None for other names."""
     match = _DS_MODEL_FILE.match(name)
-    return int(match.group(1)) if match else None
+    return int(match.group(2)) if match else None
+
+
+def parse_zero3_model_file(name: str) -> Optional[Tuple[int, int]]:
+    """(dp_rank, mp_rank) of a ZeRO-3 module file name `zero_pp_rank_D_mp_rank_XX_model_states.pt`;
+    None for other names (ZeRO-0/1/2's `mp_rank_XX_model_states.pt` included)."""
+    match = _DS_MODEL_FILE.match(name)
+    if not match or match.group(1) is None:
+        return None
+    return int(match.group(1)), int(match.group(2))
 
 
 def deepspeed_optim_file(dp_rank: int, mp_rank: int, bf16: bool = False) -> str:
