@@ -177,6 +177,29 @@ def partition_problem(layout: SavedLayout, data_parallel_size: int) -> Optional[
             "optimizer states")
 
 
+def stage_problem(layout: Optional[SavedLayout], partitioned_run: bool,
+                  load_optimizer: bool) -> Optional[str]:
+    """Why a DeepSpeed run at ZeRO-3 (`partitioned_run`), or at another stage, cannot load
+    `layout` saved at the other kind of stage, with the fix; None if it can. A ZeRO-3 run reads
+    the weights of any DeepSpeed checkpoint itself when it loads no optimizer states."""
+    if layout is None or layout.format != DEEPSPEED:
+        return None
+    where, universal = layout.directory, (
+        "python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+        f"{layout.directory} --output_folder {layout.directory}_universal, then "
+        "--universal-checkpoint")
+    if layout.partitioned_weights and not partitioned_run:
+        return (f"checkpoint {where} was saved at ZeRO stage 3 (the weights partitioned too: "
+                "zero_pp_rank_D_mp_rank_XX_model_states.pt), which DeepSpeed reads only at "
+                "stage 3: resume with zero_optimization.stage 3 (ds_configs/zero3.json), or "
+                f"convert it: {universal}")
+    if partitioned_run and not layout.partitioned_weights and load_optimizer:
+        return (f"checkpoint {where} was saved at ZeRO stage 0, 1 or 2, whose optimizer states "
+                "ZeRO-3 cannot load: pass --no-load-optim (the weights and the LR schedule "
+                f"continue, the optimizer states start fresh), or convert it: {universal}")
+    return None
+
+
 def check_loadable(load_dir: str, iteration: names.Iteration, *, deepspeed: bool,
                    tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
                    data_parallel_size: int, load_optimizer: bool) -> Optional[SavedLayout]:

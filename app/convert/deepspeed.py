@@ -1,4 +1,4 @@
-"""Read a DeepSpeed checkpoint written by pretrain_gpt2.py --deepspeed (ZeRO-1/2, any DP and TP)
+"""Read a DeepSpeed checkpoint written by pretrain_gpt2.py --deepspeed (ZeRO-0/1/2/3, any DP and TP)
 into a ModelCheckpoint: the consolidated fp32 master weights and, when asked, Adam's moments.
 
 DeepSpeed's layout under `{load}/{tag}/` (tag `iter_0000100`, named by the `latest` file):
@@ -10,6 +10,9 @@ DeepSpeed's layout under `{load}/{tag}/` (tag `iter_0000100`, named by the `late
                                                            fp32 master weights of each param group
                                                            and of Adam's state for that slice
 
+At ZeRO-3 the module file is per data-parallel rank too, `zero_pp_rank_{dp}_mp_rank_{mp:02d}_
+model_states.pt` (its weights empty: they live only in the optimizer files' fp32 pieces), and
+the optimizer files hold each parameter split on its own (app.checkpointing.zero3 merges them).
 Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (the pipeline stages of a
 PP > 1 run; TP from the saved args). For each of them the DP slices of each group are concatenated and cut into parameters in the
 order of `param_shapes` (DeepSpeed's zero_to_fp32 does the same for a single TP rank); then
@@ -31,7 +34,9 @@ from app.convert import layout
 from app.convert.state import ModelCheckpoint, OptimizerState, Progress
 from app.checkpointing import megatron as ckpt
 from app.checkpointing.names import (iteration_tag, parse_deepspeed_model_file,
-                                     parse_deepspeed_optim_file, read_latest_tag)
+                                     parse_deepspeed_optim_file, parse_zero3_model_file,
+                                     read_latest_tag)
+from app.checkpointing.zero3 import merge_zero3
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,7 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
     directory = os.path.join(load_dir, tag)
     model_files = sorted((mp_rank, name) for name in os.listdir(directory)
                          for mp_rank in [parse_deepspeed_model_file(name)]
-                         if mp_rank is not None)
+                         if mp_rank is not None and parse_zero3_model_file(name) in (None, (0, mp_rank)))
     if not model_files:
         raise ckpt.CheckpointError(f"{directory} has no mp_rank_XX_model_states.pt: not a DeepSpeed "
                                    "checkpoint")
@@ -133,8 +138,10 @@ def _consolidate(model_states: Dict[str, Any], optim_paths: List[str], directory
     progress = Progress(f"reading ZeRO partitions of {os.path.basename(optim_paths[0])}")
     parts = [load_file(p)["optimizer_state_dict"] for p in optim_paths]
     stage = int(parts[0].get("zero_stage", 0))
+    if stage == 3:
+        return _consolidate_zero3(model_states, parts, directory, include_optimizer, progress)
     if stage not in (1, 2):
-        raise ckpt.CheckpointError(f"{directory}: ZeRO stage {stage} is not supported (ZeRO-1/2 only)")
+        raise ckpt.CheckpointError(f"{directory}: ZeRO stage {stage} is not supported (ZeRO-1/2/3)")
     dp = parts[0]["partition_count"]
     dp = max(dp) if isinstance(dp, list) else int(dp)
     if dp != len(parts):
@@ -171,6 +178,19 @@ def _consolidate(model_states: Dict[str, Any], optim_paths: List[str], directory
         progress.add(t)
     progress.report(final=True)
     return weights, moments, steps, hparams
+
+
+def _consolidate_zero3(model_states: Dict[str, Any], parts: List[Dict[str, Any]], directory: str,
+                       include_optimizer: bool, progress: Progress):
+    """`_consolidate` for ZeRO-3 files (app.checkpointing.zero3): weights, moments, steps, and
+    the hyper-parameters of the 'decay' and 'no_decay' groups."""
+    merged = merge_zero3(model_states["param_shapes"], parts, directory, include_optimizer)
+    hparams = {("no_decay" if layout.is_no_weight_decay(name) else "decay"): group
+               for name, group in merged.hparams.items()}
+    for t in merged.weights.values():
+        progress.add(t)
+    progress.report(final=True)
+    return merged.weights, merged.moments, merged.steps, hparams
 
 
 def _unflatten(flat: torch.Tensor, group_shapes: Dict[str, Any], paddings: List[int], dp: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -117,6 +117,11 @@ class Engine(abc.ABC):
         """Restore from the latest checkpoint under `load_dir` with the shared resume policy
         (app.training.resilience.resume); None when the directory holds none."""
         return resume_from_checkpoint(self, self.cfg.checkpoint, load_dir)
+
+    def local_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(name, values) of every weight as this rank holds it (the module's parameters; an
+        engine that partitions the weights themselves yields this rank's pieces)."""
+        return self.module.named_parameters()
 
     def train(self) -> None:
         self.module.train()

@@ -36,7 +36,7 @@ import glob
 import logging
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -52,6 +52,7 @@ from app.config.deepspeed import offloads_optimizer, zero_stage
 from app.launch.distributed import world_group
 from app.launch import waits
 from app.launch.ports import free_port
+from app.training.engines import zero3
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
 
@@ -191,6 +192,7 @@ class DeepSpeedEngineAdapter(Engine):
                                  "\"optimizer\" block (type AdamW) to the JSON")
             kwargs.update(optimizer=optimizer, lr_scheduler=lr_scheduler)
         engine, ds_optimizer, _, scheduler = deepspeed.initialize(**kwargs)
+        self.partitioned = engine.zero_optimization_partition_weights()  # ZeRO-3
         self.files = self._check_files(engine)
         self.ds = engine
         self.module = engine
@@ -243,8 +245,9 @@ class DeepSpeedEngineAdapter(Engine):
         self.ds.backward(loss, scale_wrt_gas=False)
         self._lr_used = self._current_lr()  # the boundary step advances the schedule
         # peak over the accumulation: ZeRO-1 holds full gradients between boundaries, ZeRO-2 only
-        # its partition; the boundary step frees them
-        self._grad_bytes = max(self._grad_bytes, self._gradient_bytes())
+        # its partition; the boundary step frees them (ZeRO-3: a fixed buffer, state_bytes)
+        if not self.partitioned:
+            self._grad_bytes = max(self._grad_bytes, self._gradient_bytes())
         self._micro += 1
         if not self.pipelined:
             self.ds.step()  # an update only at the accumulation boundary
@@ -293,13 +296,21 @@ class DeepSpeedEngineAdapter(Engine):
 
     def state_bytes(self) -> Dict[str, int]:
         """Parameters; peak gradients of the last iteration; optimizer states including ZeRO's fp32
-        master partition (the 12/DP bytes per parameter of the ZeRO paper's mixed-precision model)."""
+        master partition (the 12/DP bytes per parameter of the ZeRO paper's mixed-precision model).
+        At ZeRO-3 this rank's pieces, and what it offloads to the host (engines.zero3)."""
         opt = self.ds.optimizer
+        if self.partitioned:
+            return zero3.state_bytes(self.ds.module, opt)
         base = getattr(opt, "optimizer", opt)
         masters = sum(tensor_bytes(t) for t in getattr(opt, "single_partition_of_fp32_groups", []))
         return {"params": sum(tensor_bytes(p) for p in self.ds.module.parameters()),
                 "grads": self._grad_bytes,
                 "optimizer": optimizer_state_bytes(base) + masters}
+
+    def local_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The module's parameters; at ZeRO-3 this rank's pieces of them."""
+        module = self.ds.module
+        return zero3.local_pieces(module) if self.partitioned else module.named_parameters()
 
     @property
     def loss_scale(self) -> Optional[float]:
@@ -357,8 +368,9 @@ class DeepSpeedEngineAdapter(Engine):
                                  background=deferred)
 
     def _check_loadable(self, load_dir: str, plan: ResumePlan, where: str) -> None:
-        """Refuse what DeepSpeed would fail on with a raw error: another format or layout, and
-        ZeRO partitions of another data-parallel size (after the model shape, the more basic
+        """Refuse what DeepSpeed would fail on with a raw error: another format or layout, ZeRO-3
+        pieces at another stage (or ZeRO-0/1/2 optimizer states at stage 3), and ZeRO
+        partitions of another data-parallel size (after the model shape, the more basic
         mismatch, which DeepSpeed would otherwise report first)."""
         layout = layouts.check_loadable(
             load_dir, plan.iteration, deepspeed=True,
@@ -369,8 +381,9 @@ class DeepSpeedEngineAdapter(Engine):
             saved = layouts.read_saved_state(layout).get("args")
             if saved is not None:
                 check_saved_args(plan, saved, self.cfg, where)
-        problem = (layouts.partition_problem(layout, self.ps.data_parallel_size)
-                   if layout is not None and plan.load_optimizer else None)
+        problem = layouts.stage_problem(layout, self.partitioned, plan.load_optimizer) or (
+            layouts.partition_problem(layout, self.ps.data_parallel_size)
+            if layout is not None and plan.load_optimizer else None)
         if problem:
             raise CheckpointError(problem)
 
@@ -392,11 +405,17 @@ class DeepSpeedEngineAdapter(Engine):
                 ckpt_files.check_pickled_globals(fragment, deepspeed_safe_globals())
         else:
             self._check_loadable(load_dir, plan, where)
+            if self.partitioned and not plan.load_optimizer:
+                return self._read_weights_zero3(where, plan)
+        groups = [{k: v for k, v in g.items() if k not in ("params", "lr")}
+                  for g in self.ds.optimizer.param_groups]
         try:
             path, client = self.ds.load_checkpoint(
                 load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,
                 load_lr_scheduler_states=plan.load_optimizer,
                 load_module_only=plan.weights_only)
+            if universal and self.partitioned:
+                zero3.repair_universal_load(self.ds.optimizer, groups)
         except CheckpointError:
             raise  # a corrupt or unsafe file, refused by CheckedCheckpointEngine
         except RuntimeError as exc:  # state-dict names or shapes that do not fit this model
@@ -413,6 +432,38 @@ class DeepSpeedEngineAdapter(Engine):
             check_saved_args(plan, args, self.cfg, where)
         return CheckpointContents(path=path, iteration=plan.iteration, args=args,
                                   client_state=client, rng_state=rng,
+                                  scheduler_state=client.get("scheduler_steps"))
+
+    def _read_weights_zero3(self, where: str, plan: ResumePlan) -> CheckpointContents:
+        """A ZeRO-3 run's weights-only load (--finetune, --no-load-optim, a release): this TP
+        rank's whole fp32 weights read with our safe reader (from ZeRO-3 pieces of any
+        data-parallel size, or a ZeRO-0/1/2 module file), then cut into this run's pieces.
+        DeepSpeed's own path here would read the tag `latest` names, unpickle with
+        weights_only=False and merge every model-parallel rank as one."""
+        import deepspeed
+        from app.checkpointing.zero3 import merge_zero3
+        mp_rank = self.ps.tensor_model_parallel_rank
+        layout = layouts.inspect_directory(where)
+        if layout is None or not layout.model_files:
+            raise CheckpointError(f"{where} holds no DeepSpeed module files "
+                                  "(*mp_rank_XX_model_states.pt)")
+        mine = [p for p in layout.model_files
+                if names.parse_deepspeed_model_file(os.path.basename(p)) == mp_rank]
+        client = load_deepspeed_file(mine[0])
+        if layout.partitioned_weights:
+            optim = [load_deepspeed_file(p)["optimizer_state_dict"]
+                     for p in layout.optimizer_files
+                     if names.parse_deepspeed_optim_file(os.path.basename(p))[1] == mp_rank]
+            weights = merge_zero3(client["param_shapes"], optim, where).weights
+        else:
+            weights = {k: v.float() for k, v in client["module"].items()}
+        args = client.get("args")  # checked by _check_loadable
+        zero3.load_whole_weights(  # data-parallel rank 0's copy is cut into pieces
+            self.ds.module, weights,
+            lambda p: deepspeed.zero.GatheredParameters([p], modifier_rank=0),
+            self.ps.data_parallel_rank == 0, self.ds.optimizer)
+        return CheckpointContents(path=where, iteration=plan.iteration, args=args,
+                                  client_state=client, rng_state=client.get("rng_state"),
                                   scheduler_state=client.get("scheduler_steps"))
 
     def _universal_adjust(self, args: Any, rng: Any) -> Tuple[Any, Any]:

@@ -43,11 +43,12 @@ import argparse
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
 from app.config import CheckpointConfig, RunConfig
+from app.config.deepspeed import zero_stage
 from app.mpu import collectives
 from app.mpu.random import load_rng_state_dict
 from app.checkpointing import layouts
@@ -237,8 +238,9 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
             f"{names.checkpoint_dir(load_dir, iteration)} (named by "
             f"{names.tracker_path(load_dir)}) holds no Megatron or DeepSpeed checkpoint files; "
             "restore them, or write an earlier complete iteration into the tracker")
-    problem = (layouts.partition_problem(layout, p.data_parallel_size)
-               if plan.load_optimizer else None)
+    partitioned = cfg.deepspeed.enabled and zero_stage(cfg.deepspeed.config) == 3
+    problem = layouts.stage_problem(layout, partitioned, plan.load_optimizer) or (
+        layouts.partition_problem(layout, p.data_parallel_size) if plan.load_optimizer else None)
     if problem:  # the model shape is the more basic mismatch: named first, as the engine does
         saved = layouts.read_saved_state(layout).get("args")
         if saved is not None:
@@ -255,9 +257,10 @@ def require_rng_state(plan: ResumePlan, rng_state: Any, where: str) -> None:
             "--no-load-rng to resume without it")
 
 
-def check_finite_weights(module: torch.nn.Module, where: str) -> None:
-    """CheckpointError naming the first parameter with NaN or Inf values after a load."""
-    for name, param in module.named_parameters():
+def check_finite_weights(parameters: Iterable[Tuple[str, torch.Tensor]], where: str) -> None:
+    """CheckpointError naming the first of the (name, values) pairs with NaN or Inf values
+    after a load (an engine's `local_parameters()`)."""
+    for name, param in parameters:
         if not bool(torch.isfinite(param.detach()).all()):
             bad = int((~torch.isfinite(param.detach())).sum())
             raise ckpt.CheckpointError(
@@ -309,7 +312,7 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
         return None
     plan = plan_resume(c, iteration)
     contents: CheckpointContents = engine.read_checkpoint(load_dir, plan)
-    check_finite_weights(engine.module, contents.path)
+    check_finite_weights(engine.local_parameters(), contents.path)
     if plan.weights_only:
         logger.info("loaded weights from %s (%s): starting at iteration 0 with a fresh optimizer",
                     contents.path, plan.reason)
