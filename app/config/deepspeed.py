@@ -21,6 +21,9 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
   only --muon-momentum (= `params.momentum`) is taken, and --muon-tp-mode blockwise, which TP > 1
   needs: it orthogonalises each tensor-parallel shard alone. It tells matrices from embeddings by
   name, so an untied output layer (which it would give to Muon) is refused.
+- ZeRO stage 0 to 3. At stage 3 `zero_optimization.memory_efficient_linear` is filled with false
+  and, with Muon, `reduce_scatter` with false (`_reconcile_zero3`); pipeline parallelism with
+  stage 3 is refused in app.config.run (DeepSpeed's pipeline engine does not take it).
 """
 from __future__ import annotations
 
@@ -252,8 +255,24 @@ def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig,
         raise ValueError(f"{path}: zero_optimization.stage {stage} is not a ZeRO stage "
                          "(use 0, 1, 2 or 3)")
     if stage == 3:
-        ds["zero_optimization"].setdefault("memory_efficient_linear", False)
+        _reconcile_zero3(ds, path)
     return ds
+
+
+def _reconcile_zero3(ds: Dict[str, Any], path: str) -> None:
+    """ZeRO-3: DeepSpeed's F.linear replacement off unless asked for (it would replace
+    torch.nn.functional.linear for the whole process, the native path's too); with DeepSpeed's
+    Muon, `reduce_scatter` off (its ZeRO-3 Muon refuses it: each gradient is orthogonalised
+    whole)."""
+    zero = ds["zero_optimization"]
+    zero.setdefault("memory_efficient_linear", False)
+    if str((ds.get("optimizer") or {}).get("type", "")).lower() != "muon":
+        return
+    if zero.get("reduce_scatter", False):
+        raise ValueError(f"{path}: DeepSpeed's Muon at ZeRO stage 3 needs "
+                         "zero_optimization.reduce_scatter false (it orthogonalises each "
+                         "gradient whole); set it to false or drop it")
+    zero["reduce_scatter"] = False
 
 
 def offloads_optimizer(ds: Dict[str, Any]) -> bool:

@@ -6,7 +6,7 @@ once in `__post_init__`, messages naming the flag and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, List, Optional, Tuple
 
 from app.config.options import option
 from app.config.recompute import recompute_plan
@@ -278,27 +278,36 @@ class ModelConfig:
     def parameters_per_rank(self, tensor_model_parallel_size: int = 1,
                             pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0) -> int:
         """Parameters one rank of pipeline stage `pipeline_rank` holds (the whole model with the
-        defaults): its tensor-parallel shard of the stage's layers, plus the word embeddings
-        (and the learned position table, replicated over TP) on the first stage, and the final
-        LayerNorm and the output layer (untied, or the last stage's copy of the tied word
-        embeddings) on the last. GQA shrinks the QKV projection (key/value heads replicated
-        when there are fewer groups than TP ranks); RoPE and ALiBi have no position table."""
+        defaults): the sum of `parameter_numels`."""
+        return sum(self.parameter_numels(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                         pipeline_rank))
+
+    def parameter_numels(self, tensor_model_parallel_size: int = 1,
+                         pipeline_model_parallel_size: int = 1,
+                         pipeline_rank: int = 0) -> List[int]:
+        """The size of every parameter tensor one rank of pipeline stage `pipeline_rank` holds:
+        its tensor-parallel shard of the stage's layers, plus the word embeddings (and the
+        learned position table, replicated over TP) on the first stage, and the final LayerNorm
+        and the output layer (untied, or the last stage's copy of the tied word embeddings) on
+        the last. GQA shrinks the QKV projection (key/value heads replicated when there are
+        fewer groups than TP ranks); RoPE and ALiBi have no position table."""
         t, pp = tensor_model_parallel_size, pipeline_model_parallel_size
         h, f, V = self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size
         kv_heads = max(1, self.num_kv_heads // t)  # fewer groups than TP: one group per rank
         qkv_rows = (self.num_attention_heads // t + 2 * kv_heads) * self.head_dim
-        per_layer = (qkv_rows * (h + 1) + h * h // t + h  # QKV (column), dense (row: whole bias)
-                     + (h * f + f) // t + f * h // t + h  # MLP h->f (column), f->h (row)
-                     + 4 * h)  # two LayerNorms
-        total = self.num_layers // pp * per_layer
+        per_layer = [h, h,  # input LayerNorm
+                     qkv_rows * h, qkv_rows, h * h // t, h,  # QKV (column), dense (row: whole bias)
+                     h, h,  # post-attention LayerNorm
+                     h * f // t, f // t, f * h // t, h]  # MLP h->f (column), f->h (row)
         first, last = pipeline_rank == 0, pipeline_rank == pp - 1
-        embedding = V * h // t
+        sizes: List[int] = []
         if first:
-            total += embedding
+            sizes.append(V * h // t)
             if self.position_embedding_type == "learned_absolute":
-                total += self.max_position_embeddings * h
+                sizes.append(self.max_position_embeddings * h)
+        sizes += per_layer * (self.num_layers // pp)
         if last:
-            total += 2 * h  # final LayerNorm
+            sizes += [h, h]  # final LayerNorm
             if self.untie_embeddings_and_output_weights or not first:
-                total += embedding
-        return total
+                sizes.append(V * h // t)
+        return sizes

@@ -67,7 +67,7 @@ class RunConfig:
                              "fp32 otherwise); drop it or pick a half precision")
         if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
             raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
-                             "shard the optimizer with ZeRO (zero_optimization.stage 1 or 2 in "
+                             "shard the optimizer with ZeRO (zero_optimization.stage 1, 2 or 3 in "
                              "the JSON, e.g. ds_configs/zero1.json) and drop the flag")
         if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
             raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
@@ -148,9 +148,14 @@ class RunConfig:
             return
         stage = self.deepspeed.config.get("zero_optimization", {}).get("stage", 0)
         if stage != 1:
-            why = ("ZeRO-2 reduce-scatters gradients during backward, before the tied "
+            why = ("ZeRO-3 partitions the weights themselves and gathers them module by module "
+                   "during forward and backward, which DeepSpeed's pipeline engine does not "
+                   "support (it refuses ZeRO-2 and ZeRO-3); to fit a larger model, shard it "
+                   "with --tensor-model-parallel-size and ZeRO-3, or use ZeRO-1 with the pipeline"
+                   if stage == 3 else
+                   "ZeRO-2 reduce-scatters gradients during backward, before the tied "
                    "word-embedding gradient is summed across the first and last stage"
-                   if stage >= 2 else
+                   if stage == 2 else
                    "without ZeRO DeepSpeed's gradient norm counts the replicated weights "
                    "(LayerNorms, biases) of the first stage only")
             raise ValueError(

@@ -62,21 +62,31 @@ def test_json_optimizer_must_agree_and_scheduler_conflicts_with_explicit_flags()
         reconcile_ds_config({"scheduler": {"type": "WarmupLR"}}, cfg())
 
 
-def test_zero3_is_rejected_and_offload_detected():
-    with pytest.raises(ValueError, match="stage 3"):
-        reconcile_ds_config({"zero_optimization": {"stage": 3}}, cfg())
+def test_zero3_is_filled_other_stages_rejected_and_offload_detected():
+    with pytest.raises(ValueError, match="stage 4 is not a ZeRO stage"):
+        reconcile_ds_config({"zero_optimization": {"stage": 4}}, cfg())
+    filled = reconcile_ds_config({"zero_optimization": {"stage": 3}}, cfg())["zero_optimization"]
+    assert filled == {"stage": 3, "memory_efficient_linear": False}  # the native F.linear stays
+    muon = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "Muon"}}
+    assert reconcile_ds_config(muon, cfg())["zero_optimization"]["reduce_scatter"] is False
+    muon["zero_optimization"]["reduce_scatter"] = True
+    with pytest.raises(ValueError, match="reduce_scatter false"):
+        reconcile_ds_config(muon, cfg(), "x.json")
     assert offloads_optimizer({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
     assert not offloads_optimizer({"zero_optimization": {"stage": 2}})
 
 
-def test_pipeline_with_deepspeed_is_rejected():
+@pytest.mark.parametrize("stage, why", [(2, "reduce-scatters gradients"),
+                                        (3, "partitions the weights themselves")])
+def test_pipeline_with_deepspeed_is_rejected(stage, why):
     import os
     ds_json = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-                           "ds_configs", "zero2.json")
+                           "ds_configs", f"zero{stage}.json")
     args = arguments.parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--deepspeed",
                                         "--deepspeed_config", ds_json])
-    with pytest.raises(ValueError, match="pipeline-model-parallel-size"):
+    with pytest.raises(ValueError, match="pipeline-model-parallel-size") as err:
         arguments.build_run_config(args, 2, 128, 128)
+    assert why in str(err.value) and f"zero{stage}.json" in str(err.value)
 
 
 def test_loss_scale_flags_fill_the_fp16_block_and_are_checked():

@@ -22,6 +22,19 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
             (DeepSpeed's default) ZeRO-1/2 also allocate a reduce bucket of reduce_bucket_size
             elements (x2 with overlap_comm) in fp32 (ZeRO-1) or the gradients' dtype (ZeRO-2)
             during every backward, whatever the model's size.
+    ZeRO-3: each parameter split on its own into N_d pieces of ceil(numel / N_d), so
+            Ψ_p = Σ ceil(numel / N_d) ≈ Ψ/N_d: weights wΨ_p, plus the persistent parameters
+            (numel <= stage3_param_persistence_threshold, default 1e5: LayerNorms and biases)
+            kept whole as well; gradients gΨ_p (g = w, 4 with data_types.grad_accum_dtype
+            fp32); optimizer (4Ψ_p in 16-bit runs: an fp32 run steps the weights' own pieces)
+            + the optimizer's states of Ψ_p; offload_param puts the weight pieces on the host,
+            offload_optimizer the gradient pieces and the optimizer (0 on the device). A reduce
+            bucket of reduce_bucket_size x g bytes, and the parameters gathered whole around
+            each module's forward and backward: DeepSpeed keeps a parameter it will reuse within
+            stage3_max_reuse_distance elements and prefetches stage3_prefetch_bucket_size
+            ahead, so at most w x min(Ψ - persistent, reuse distance + prefetch + the largest
+            parameter) (the defaults, 1e9 each, keep a model under a billion parameters
+            gathered whole between its forward and backward).
 
 Activations, bytes per micro-batch per transformer layer (Korthikanti et al. 2022, eq. 2 with
 tensor parallelism t, generalised to an activation width of w bytes and dropout masks of
@@ -54,6 +67,7 @@ fragmentation and temporary buffers.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -63,6 +77,12 @@ FIT_FRACTION = 0.9
 """Fraction of the device memory the estimate may use."""
 DEFAULT_REDUCE_BUCKET = 500_000_000
 """DeepSpeed's default zero_optimization.reduce_bucket_size (elements)."""
+DEFAULT_PERSISTENCE = 100_000
+"""DeepSpeed's default stage3_param_persistence_threshold (elements)."""
+DEFAULT_REUSE_DISTANCE = 1_000_000_000
+"""DeepSpeed's default stage3_max_reuse_distance (elements)."""
+DEFAULT_PREFETCH_BUCKET = 50_000_000
+"""DeepSpeed's default stage3_prefetch_bucket_size (elements)."""
 
 
 def params_per_rank(cfg: RunConfig) -> int:
@@ -105,6 +125,8 @@ class MemoryEstimate:
     optimizer: float
     buffers: float
     """DeepSpeed's gradient reduce buckets (0 on the native path)."""
+    gathered: float
+    """ZeRO-3: parameters gathered whole at the peak of forward and backward (0 otherwise)."""
     activations: float
     """Activations of the most loaded pipeline stage (the first or the last)."""
     micro_batch_size: int
@@ -117,7 +139,7 @@ class MemoryEstimate:
 
     @property
     def model_states(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.buffers
+        return self.weights + self.gradients + self.optimizer + self.buffers + self.gathered
 
     @property
     def total(self) -> float:
@@ -165,6 +187,8 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
         grads = 4 * psi
         grads_text = ("4Ψ (fp32 main)" if cfg.precision.grads_accumulate_in_fp32 else
                       f"4Ψ (fp32 main, cast from {w}Ψ half ones, each freed as it is cast)")
+    if stage == 3:
+        return _zero3_states(cfg, zero, psi, dp)
     buffers = 0.0
     if stage >= 1 and zero.get("contiguous_gradients", True):
         copies = 2 if zero.get("overlap_comm", False) else 1
@@ -182,7 +206,57 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
             f"per rank, N_d = {dp}"
             + (f"; reduce buckets reduce_bucket_size x {copies} x {width} bytes" if buffers else ""))
     return dict(weights=float(w * psi), gradients=float(grads), optimizer=float(optim),
-                buffers=buffers, note=note)
+                buffers=buffers, gathered=0.0, note=note)
+
+
+def zero3_pieces(cfg: RunConfig, zero: Dict[str, Any], dp: int) -> Tuple[int, int, int, int]:
+    """(pieces, persistent, largest, whole) elements at ZeRO-3 on one rank: the sum over its
+    parameters of ceil(numel / N_d), the persistent ones (numel <= the persistence threshold,
+    kept whole, in model order until stage3_model_persistence_threshold), the largest
+    parameter and the rank's whole shard Ψ."""
+    p = cfg.parallel
+    sizes = cfg.model.parameter_numels(p.tensor_model_parallel_size)
+    threshold = int(zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE))
+    model_cap = int(zero.get("stage3_model_persistence_threshold", sys.maxsize))
+    persistent = 0
+    for n in sizes:
+        if n <= threshold and persistent + n <= model_cap:
+            persistent += n
+    return sum(-(-n // dp) for n in sizes), persistent, max(sizes), sum(sizes)
+
+
+def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Dict[str, Any]:
+    """`_model_states` at ZeRO-3 (module docstring): every state split per parameter into
+    N_d pieces of ceil(numel / N_d); the persistent parameters also whole; the gradients in
+    the weights' dtype; fp32 master pieces in 16-bit runs only (an fp32 run steps its
+    weights' own pieces); offloads move pieces to the host; a reduce bucket, and the
+    parameters gathered whole around forward and backward."""
+    half = cfg.precision.fp16 or cfg.precision.bf16
+    w = 2 if half else 4
+    ds = cfg.deepspeed.config or {}
+    g = 4 if (ds.get("data_types") or {}).get("grad_accum_dtype") == "fp32" else w
+    pieces, persistent, largest, whole = zero3_pieces(cfg, zero, dp)
+    off_param = (zero.get("offload_param") or {}).get("device") == "cpu"
+    off_optim = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+    state, state_text = optimizer_state_bytes(cfg, psi)
+    master = 4 if half else 0
+    optim = 0.0 if off_optim else master * pieces + state * pieces / psi
+    bucket = (int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)) * g
+              if zero.get("contiguous_gradients", True) else 0)
+    reuse = int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE))
+    prefetch = int(zero.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_BUCKET))
+    gathered = w * min(whole - persistent, reuse + prefetch + largest)
+    host = "0 (offloaded to the host)"
+    note = (f"DeepSpeed ZeRO-3, {'16-bit' if half else 'fp32'} weights: weights "
+            f"{host if off_param else f'{w}Ψ_p'} + {w}·{persistent:,} persistent, gradients "
+            f"{host if off_optim else f'{g}Ψ_p'}, optimizer "
+            f"{host if off_optim else (f'{master}Ψ_p + ' if master else '') + state_text + '/N_d'}"
+            f" with Ψ_p = Σ ceil(numel/N_d) = {pieces:,} (Ψ = {psi:,}, N_d = {dp}); reduce "
+            f"bucket reduce_bucket_size x {g} bytes; gathered {w} x min(Ψ - persistent, "
+            "max_reuse_distance + prefetch_bucket_size + largest parameter)")
+    return dict(weights=float((0 if off_param else w * pieces) + w * persistent),
+                gradients=float(0 if off_optim else g * pieces), optimizer=float(optim),
+                buffers=float(bucket), gathered=float(gathered), note=note)
 
 
 def muon_matrix_params_per_rank(cfg: RunConfig) -> int:
@@ -290,6 +364,7 @@ def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,
     stages = [stage_activations(cfg, device_type, r) for r in sorted({0, pp - 1})]
     est = MemoryEstimate(params=psi, weights=states["weights"], gradients=states["gradients"],
                          optimizer=states["optimizer"], buffers=states["buffers"],
+                         gathered=states["gathered"],
                          activations=0.0, micro_batch_size=b, stages=stages,
                          samples_per_rank=max(1, cfg.training.global_batch_size
                                               // cfg.parallel.data_parallel_size),

@@ -322,7 +322,8 @@ def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) 
     report.section("memory (per rank)")
     total_bytes, desc, device_type = device_memory(override_gib)
     est = estimate_memory(cfg, device_type=device_type)
-    buckets = f" + reduce buckets {_gib(est.buffers)}" if est.buffers else ""
+    buckets = (f" + reduce buckets {_gib(est.buffers)}" if est.buffers else "") + (
+        f" + gathered parameters {_gib(est.gathered)}" if est.gathered else "")
     report.ok(f"weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + optimizer states "
               f"{_gib(est.optimizer)}{buckets} + activations {_gib(est.activations)} "
               f"(micro-batch {est.micro_batch_size}) = {_gib(est.total)}")
