@@ -6,7 +6,7 @@ forward and backward of its module, and always for the small "persistent" ones u
 `stage3_param_persistence_threshold`); this rank's piece of it is `param.ds_tensor`, a view into
 the optimizer's `fp16_partitioned_groups_flat` (the working-precision pieces, of whatever
 dtype). The optimizer (DeepSpeedZeroOptimizer_Stage3) keeps `fp32_partitioned_groups_flat` (the
-fp32 master pieces; in an fp32 run the very same tensors), `grad_partitions_flat_buffer` (this
+fp32 master pieces, a copy in fp32 runs too), `grad_partitions_flat_buffer` (this
 rank's gradient pieces) and the torch optimizer's states; with `offload_param` /
 `offload_optimizer` DeepSpeed keeps those on the host (`offload_param`, `offload_optimizer`).
 """
@@ -36,8 +36,8 @@ def state_bytes(module: torch.nn.Module, optimizer: Any) -> Dict[str, int]:
 
     params: the working-precision pieces plus the parameters gathered whole right now (the
     persistent ones between iterations); grads: the gradient pieces; optimizer: the fp32
-    master pieces where they are not the working pieces themselves, plus the torch optimizer's
-    states. What offload_param / offload_optimizer keep on the host moves to "host".
+    master pieces (not counted twice if DeepSpeed steps the working pieces themselves), plus
+    the torch optimizer's states. What offload_param / offload_optimizer keep on the host moves to "host".
     """
     pieces = [t for t in optimizer.fp16_partitioned_groups_flat if isinstance(t, torch.Tensor)]
     piece_bytes = sum(tensor_bytes(t) for t in pieces)

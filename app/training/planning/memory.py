@@ -26,8 +26,8 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
             Ψ_p = Σ ceil(numel / N_d) ≈ Ψ/N_d: weights wΨ_p, plus the persistent parameters
             (numel <= stage3_param_persistence_threshold, default 1e5: LayerNorms and biases)
             kept whole as well; gradients gΨ_p (g = w, 4 with data_types.grad_accum_dtype
-            fp32); optimizer (4Ψ_p in 16-bit runs: an fp32 run steps the weights' own pieces)
-            + the optimizer's states of Ψ_p; offload_param puts the weight pieces on the host,
+            fp32); optimizer 4Ψ_p (the fp32 master pieces, a copy in fp32 runs too) + the
+            optimizer's states of Ψ_p; offload_param puts the weight pieces on the host,
             offload_optimizer the gradient pieces and the optimizer (0 on the device). A reduce
             bucket of reduce_bucket_size x g bytes, and the parameters gathered whole around
             each module's forward and backward: DeepSpeed keeps a parameter it will reuse within
@@ -228,9 +228,8 @@ def zero3_pieces(cfg: RunConfig, zero: Dict[str, Any], dp: int) -> Tuple[int, in
 def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Dict[str, Any]:
     """`_model_states` at ZeRO-3 (module docstring): every state split per parameter into
     N_d pieces of ceil(numel / N_d); the persistent parameters also whole; the gradients in
-    the weights' dtype; fp32 master pieces in 16-bit runs only (an fp32 run steps its
-    weights' own pieces); offloads move pieces to the host; a reduce bucket, and the
-    parameters gathered whole around forward and backward."""
+    the weights' dtype; fp32 master pieces (a copy in fp32 runs too); offloads move pieces to
+    the host; a reduce bucket, and the parameters gathered whole around forward and backward."""
     half = cfg.precision.fp16 or cfg.precision.bf16
     w = 2 if half else 4
     ds = cfg.deepspeed.config or {}
@@ -239,8 +238,7 @@ def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Di
     off_param = (zero.get("offload_param") or {}).get("device") == "cpu"
     off_optim = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
     state, state_text = optimizer_state_bytes(cfg, psi)
-    master = 4 if half else 0
-    optim = 0.0 if off_optim else master * pieces + state * pieces / psi
+    optim = 0.0 if off_optim else 4 * pieces + state * pieces / psi
     bucket = (int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)) * g
               if zero.get("contiguous_gradients", True) else 0)
     reuse = int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE))
@@ -250,7 +248,7 @@ def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Di
     note = (f"DeepSpeed ZeRO-3, {'16-bit' if half else 'fp32'} weights: weights "
             f"{host if off_param else f'{w}Ψ_p'} + {w}·{persistent:,} persistent, gradients "
             f"{host if off_optim else f'{g}Ψ_p'}, optimizer "
-            f"{host if off_optim else (f'{master}Ψ_p + ' if master else '') + state_text + '/N_d'}"
+            f"{host if off_optim else '4Ψ_p + ' + state_text + '/N_d'}"
             f" with Ψ_p = Σ ceil(numel/N_d) = {pieces:,} (Ψ = {psi:,}, N_d = {dp}); reduce "
             f"bucket reduce_bucket_size x {g} bytes; gathered {w} x min(Ψ - persistent, "
             "max_reuse_distance + prefetch_bucket_size + largest parameter)")
