@@ -5,7 +5,8 @@ measured from the tensors, beside --dry-run's estimate of the same run.
 
 The default model is GPT-2 small's shape (12 layers, h 768, 12 heads, vocabulary 50304: 124M
 parameters), fp32, AdamW, dropout 0, on 2 gloo ranks of this machine, one micro-batch of 1 x
-seq tokens per rank per step, two steps; GPT-2 medium (--layers 24 --hidden 1024 --heads 16)
+seq tokens, two per rank per step (so ZeRO-1 holds whole gradients while it accumulates),
+two steps; GPT-2 medium (--layers 24 --hidden 1024 --heads 16)
 fits 24 GiB too but takes long on 2 shared cores. Rows: ds_configs/zero1.json, zero2.json,
 zero3.json as shipped, zero3.json with stage3_max_reuse_distance and
 stage3_prefetch_bucket_size 0 (each parameter released after its module), and
@@ -17,7 +18,7 @@ gradients (ZeRO-1/2: the peak of the iteration; ZeRO-3: the gradient pieces), op
 (the fp32 master partition or pieces and AdamW's moments), and what ZeRO-3's offloads keep on
 the host. At ZeRO-3 also "gathered": the most parameter bytes held whole at any moment that a
 module's forward starts or the forward ends (forward pre-hooks on every module), during the
-second step. Estimated: app.training.planning.memory.estimate_memory (weights, gradients,
+second step, the persistent parameters (counted with the parameters) aside. Estimated: app.training.planning.memory.estimate_memory (weights, gradients,
 optimizer, gathered; its reduce buckets are listed apart and are not in the measured columns).
 """
 from __future__ import annotations
@@ -46,17 +47,18 @@ def model_argv(a: argparse.Namespace) -> List[str]:
             "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
             "--max-position-embeddings", str(a.seq), "--make-vocab-size-divisible-by", "64",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "1",
-            "--global-batch-size", "2", "--lr", "1e-4", "--lr-decay-style", "constant",
+            "--global-batch-size", "4", "--lr", "1e-4", "--lr-decay-style", "constant",
             "--distributed-backend", "gloo", "--train-iters", "100"]
 
 
 class GatheredMeter:
-    """The most bytes of whole (gathered) parameters seen at any module's forward start or at
-    the end of the forward, through forward hooks on every module of `model`."""
+    """The most bytes of whole (gathered) parameters, the persistent ones aside, seen at any
+    module's forward start or at the end of the forward (forward hooks on every module)."""
 
     def __init__(self, model: Any) -> None:
         from app.training.engines.base import tensor_bytes
-        self.params, self.peak = list(model.parameters()), 0
+        self.params = [p for p in model.parameters() if not p.ds_persist]
+        self.peak = 0
         self.size = lambda: sum(tensor_bytes(p.data) for p in self.params)  # noqa: E731
         for module in model.modules():
             module.register_forward_pre_hook(lambda *_: self.sample())

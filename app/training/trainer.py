@@ -326,14 +326,15 @@ class Trainer:
         """Bytes of parameters, gradients and optimizer states of every rank, after the first
         step (when optimizer states exist); shows how ZeRO partitions them."""
         self._state_bytes_reported = True
-        b = self.engine.state_bytes()
-        mine = torch.tensor([float(b["params"]), float(b["grads"]), float(b["optimizer"])],
-                            dtype=torch.float64, device=self.device)
+        b = self.engine.state_bytes()  # "host": what ZeRO-3 offloads there
+        mine = torch.tensor([float(b[k]) for k in ("params", "grads", "optimizer")]
+                            + [float(b.get("host", 0))], dtype=torch.float64, device=self.device)
         every = [x.cpu().tolist() for x in collectives.all_gather(mine, world_group())]
-        for rank, (params, grads, optim) in enumerate(every):
+        for rank, (params, grads, optim, host) in enumerate(every):
             self.log(f"state held by rank {rank} ({self.engine.name}): parameters "
                      f"{params / 2**20:.2f} MiB, gradients {grads / 2**20:.2f} MiB, "
-                     f"optimizer states {optim / 2**20:.2f} MiB")
+                     f"optimizer states {optim / 2**20:.2f} MiB"
+                     + (f", offloaded to the host {host / 2**20:.2f} MiB" if host else ""))
         self.writer.write("state_bytes", self.state.iteration,
                           {**b, "per_rank": [[int(v) for v in row] for row in every]})
 

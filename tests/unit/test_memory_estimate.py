@@ -4,7 +4,8 @@ Parameters per rank against the model stages built at TP2 / PP2; activation byte
 tensors autograd saves in a real forward pass (counted by storage through saved-tensor hooks,
 CPU semantics), for both attention backends and for the first and last pipeline stage;
 weights, gradients and optimizer states against the engine's own tensors after a step (native
-fp32/bf16/fp16 and DeepSpeed ZeRO-2); DeepSpeed's reduce bucket against the buffer it
+fp32/bf16/fp16 and DeepSpeed ZeRO-2 and ZeRO-3; ZeRO-3 at DP 2 in
+tests/distributed/test_deepspeed_zero3.py); DeepSpeed's reduce bucket against the buffer it
 allocates; the largest micro-batch against the estimates of runs configured with it.
 """
 import pytest
@@ -116,7 +117,7 @@ def test_pipeline_estimate_is_the_larger_of_the_first_and_the_last_stage(vocab):
 
 def test_model_states_match_the_engines_tensors_after_a_step(monkeypatch):
     """Native fp32, bf16 and fp16 (half gradients cast to fp32 and freed one by one), Muon
-    (one momentum per hidden matrix) and SGD, and DeepSpeed ZeRO-2 (one rank): weights,
+    (one momentum per hidden matrix) and SGD, and DeepSpeed ZeRO-2 and ZeRO-3 (one rank): weights,
     gradients and optimizer states equal the engine's
     tensors exactly; ZeRO-2's reduce bucket equals the buffer DeepSpeed allocates."""
     import torch.distributed as dist
@@ -135,11 +136,15 @@ def _check_states_against_engines():
     from app.testing.synthetic import build_synthetic_run
     for extra in ((), ("--bf16",), ("--fp16", "--initial-loss-scale", "4096"),  # step applied
                   ("--optimizer", "muon"), ("--optimizer", "sgd", "--bf16"),
-                  ("--deepspeed", "--deepspeed_config", "ds_configs/zero2.json")):
+                  ("--deepspeed", "--deepspeed_config", "ds_configs/zero2.json"),
+                  ("--deepspeed", "--deepspeed_config", "ds_configs/zero3.json")):
         cfg = config("--global-batch-size", "8", *extra)
         run = build_synthetic_run(cfg, 32)
         buckets = []
-        if "--deepspeed" in extra:
+        if "ds_configs/zero3.json" in extra:  # one bucket, allocated once
+            buckets = [sum(b.buffer.numel() * b.buffer.element_size()
+                           for b in run["engine"].ds.optimizer.ipg_buckets.values())]
+        elif "--deepspeed" in extra:
             zero = run["engine"].ds.optimizer
             setup = zero.setup_buckets
 
