@@ -1,8 +1,9 @@
-"""DeepSpeed's ZeRO-aware Muon (`"optimizer": {"type": "Muon"}` in the JSON) at DP2, ZeRO-1
-and ZeRO-2, against the native Muon set up as DeepSpeed's (Nesterov, momentum 0.95, Keller
+"""DeepSpeed's ZeRO-aware Muon (`"optimizer": {"type": "Muon"}` in the JSON) at DP2, ZeRO-1,
+ZeRO-2 and ZeRO-3, against the native Muon set up as DeepSpeed's (Nesterov, momentum 0.95, Keller
 Jordan's coefficients, shape scaling, no QKV split), fp32, clipping off (DeepSpeed clips the
 orthogonalised update, the native path the gradient): the same losses and the same weights
-after five iterations. One spawn for the three runs."""
+after five iterations. One spawn for the four runs."""
+import contextlib
 import json
 import os
 
@@ -31,14 +32,20 @@ def _run(argv):
     losses = [run["trainer"].train_step(run["iterator"]).loss for _ in range(5)]
     model = run["engine"].module
     model = getattr(model, "module", model)  # the DeepSpeed engine wraps ours
-    return losses, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    whole = contextlib.nullcontext()
+    if getattr(run["engine"], "partitioned", False):  # ZeRO-3: gather the pieces
+        import deepspeed
+        whole = deepspeed.zero.GatheredParameters(list(params.values()))
+    with whole:
+        return losses, {n: p.detach().numpy().copy() for n, p in params.items()}
 
 
 def _main(tmpdir):
     import torch.distributed as dist
     from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
     results = {"native": _run(ARGV + AS_DEEPSPEED), "dtype": str(ns_compute_dtype("gram"))}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         with open(os.path.join(ROOT, "ds_configs", f"zero{stage}.json")) as f:
             config = json.load(f)
         config["optimizer"] = {"type": "Muon", "params": {"momentum": 0.95, "ns_method": "gram"}}
@@ -53,7 +60,7 @@ def _main(tmpdir):
     return results
 
 
-def test_deepspeed_muon_matches_native_muon_at_zero1_and_zero2(tmp_path):
+def test_deepspeed_muon_matches_native_muon_at_zero1_2_and_3(tmp_path):
     import torch
     results = run_distributed(_main, 2, str(tmp_path), timeout=600)
     for rank in results:
@@ -61,7 +68,7 @@ def test_deepspeed_muon_matches_native_muon_at_zero1_and_zero2(tmp_path):
         # method picks fp16 where it can); then the runs agree to fp32 rounding
         exact = rank["dtype"] == "torch.float32"
         losses, weights = rank["native"]
-        for stage in ("ZeRO-1", "ZeRO-2"):
+        for stage in ("ZeRO-1", "ZeRO-2", "ZeRO-3"):
             ds_losses, ds_weights = rank[stage]
             torch.testing.assert_close(ds_losses, losses, rtol=1e-6 if exact else 1e-2, atol=0)
             assert ds_weights.keys() == weights.keys()

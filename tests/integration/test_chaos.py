@@ -7,7 +7,8 @@ writes a checkpoint file (with --async-save in the thread writing in the backgro
 kills the job must finish with exit 0, its final checkpoint must hold the uninterrupted run's
 tensors bit for bit, and the last logged loss and grad norm of every iteration must equal the
 uninterrupted run's. Native TP 2 and DeepSpeed ZeRO-2 DP 2, each with and without
---async-save, against one uninterrupted (synchronous) run per engine. The seed of the kill
+--async-save, and ZeRO-3 DP 2 with --async-save, against one uninterrupted (synchronous) run
+per engine. The seed of the kill
 plan is printed and in every failure message; set CHAOS_SEED to replay one.
 """
 import glob
@@ -36,7 +37,13 @@ ENGINES = {
     "native_tp2": ["--tensor-model-parallel-size", "2"],
     "zero2_dp2": ["--deepspeed", "--deepspeed_config",
                   os.path.join(ROOT, "ds_configs", "zero2.json")],
+    "zero3_dp2": ["--deepspeed", "--deepspeed_config",
+                  os.path.join(ROOT, "ds_configs", "zero3.json")],
 }
+CASES = [(engine, asynchronous) for engine in ("native_tp2", "zero2_dp2")
+         for asynchronous in (False, True)] + [("zero3_dp2", True)]
+"""ZeRO-3 only with --async-save (its files are written as ZeRO-2's; the asynchronous path
+covers the synchronous one's files and adds the host copies)."""
 
 
 def kill_plan(rng):
@@ -107,8 +114,8 @@ def run_with_kills(args, cwd, plan, seed):
     return log
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync_save", "async_save"])
-@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("engine, asynchronous", CASES,
+                         ids=[f"{e}-{'async' if a else 'sync'}_save" for e, a in CASES])
 def test_random_kills_and_restarts_end_like_an_uninterrupted_run(tiny_corpus, tmp_path,
                                                                  uninterrupted, engine,
                                                                  asynchronous):

@@ -88,8 +88,10 @@ def _run(cfg, datasets, state=None, load=None):
 
 @pytest.mark.parametrize("engine", [(), ("--deepspeed", "--deepspeed_config",
                                            os.path.join(ROOT, "ds_configs", "zero2.json")),
+                                    ("--deepspeed", "--deepspeed_config",
+                                     os.path.join(ROOT, "ds_configs", "zero3.json")),
                                     ("--async-save",)],
-                         ids=["native", "deepspeed", "native_async_save"])
+                         ids=["native", "deepspeed", "deepspeed_zero3", "native_async_save"])
 def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, caplog, engine):
     ck = tmp_path / "ck"
     cfg = arguments.config_from_argv([*SPIKE_ARGS, *engine, "--save", str(ck)], 1, VOCAB)
@@ -117,8 +119,8 @@ def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, 
                                             VOCAB),
                  (RandomTokens(400, 16, VOCAB, seed=3), None, None),
                  state=RunState(15, 72, 0), load=str(reference))
-    for (name, p), q in zip(trainer.engine.module.named_parameters(),
-                            again.engine.module.parameters()):
+    for (name, p), (_, q) in zip(trainer.engine.local_parameters(),
+                                 again.engine.local_parameters(), strict=True):
         assert torch.equal(p, q), name
 
 

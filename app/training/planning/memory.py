@@ -32,9 +32,10 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
             bucket of reduce_bucket_size x g bytes, and the parameters gathered whole around
             each module's forward and backward: DeepSpeed keeps a parameter it will reuse within
             stage3_max_reuse_distance elements and prefetches stage3_prefetch_bucket_size
-            ahead, so at most w x min(Ψ - persistent, reuse distance + prefetch + the largest
-            parameter) (the defaults, 1e9 each, keep a model under a billion parameters
-            gathered whole between its forward and backward).
+            ahead, so w x min(Ψ - persistent, reuse distance + prefetch + the two largest
+            parameters: at a module boundary the tied word embeddings, gathered for the
+            output layer, meet a layer's MLP weight); the defaults (1e9 each) keep a model
+            under a billion parameters gathered whole between its forward and backward.
 
 Activations, bytes per micro-batch per transformer layer (Korthikanti et al. 2022, eq. 2 with
 tensor parallelism t, generalised to an activation width of w bytes and dropout masks of
@@ -210,10 +211,10 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
 
 
 def zero3_pieces(cfg: RunConfig, zero: Dict[str, Any], dp: int) -> Tuple[int, int, int, int]:
-    """(pieces, persistent, largest, whole) elements at ZeRO-3 on one rank: the sum over its
+    """(pieces, persistent, two largest, whole) elements at ZeRO-3 on one rank: the sum over its
     parameters of ceil(numel / N_d), the persistent ones (numel <= the persistence threshold,
-    kept whole, in model order until stage3_model_persistence_threshold), the largest
-    parameter and the rank's whole shard Ψ."""
+    kept whole, in model order until stage3_model_persistence_threshold), the two largest
+    parameters together and the rank's whole shard Ψ."""
     p = cfg.parallel
     sizes = cfg.model.parameter_numels(p.tensor_model_parallel_size)
     threshold = int(zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE))
@@ -222,7 +223,8 @@ def zero3_pieces(cfg: RunConfig, zero: Dict[str, Any], dp: int) -> Tuple[int, in
     for n in sizes:
         if n <= threshold and persistent + n <= model_cap:
             persistent += n
-    return sum(-(-n // dp) for n in sizes), persistent, max(sizes), sum(sizes)
+    two_largest = sum(sorted(sizes)[-2:])
+    return sum(-(-n // dp) for n in sizes), persistent, two_largest, sum(sizes)
 
 
 def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Dict[str, Any]:
@@ -234,7 +236,7 @@ def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Di
     w = 2 if half else 4
     ds = cfg.deepspeed.config or {}
     g = 4 if (ds.get("data_types") or {}).get("grad_accum_dtype") == "fp32" else w
-    pieces, persistent, largest, whole = zero3_pieces(cfg, zero, dp)
+    pieces, persistent, two_largest, whole = zero3_pieces(cfg, zero, dp)
     off_param = (zero.get("offload_param") or {}).get("device") == "cpu"
     off_optim = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
     state, state_text = optimizer_state_bytes(cfg, psi)
@@ -243,7 +245,7 @@ def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Di
               if zero.get("contiguous_gradients", True) else 0)
     reuse = int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE))
     prefetch = int(zero.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_BUCKET))
-    gathered = w * min(whole - persistent, reuse + prefetch + largest)
+    gathered = w * min(whole - persistent, reuse + prefetch + two_largest)
     host = "0 (offloaded to the host)"
     note = (f"DeepSpeed ZeRO-3, {'16-bit' if half else 'fp32'} weights: weights "
             f"{host if off_param else f'{w}Ψ_p'} + {w}·{persistent:,} persistent, gradients "
@@ -251,7 +253,7 @@ def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Di
             f"{host if off_optim else '4Ψ_p + ' + state_text + '/N_d'}"
             f" with Ψ_p = Σ ceil(numel/N_d) = {pieces:,} (Ψ = {psi:,}, N_d = {dp}); reduce "
             f"bucket reduce_bucket_size x {g} bytes; gathered {w} x min(Ψ - persistent, "
-            "max_reuse_distance + prefetch_bucket_size + largest parameter)")
+            "max_reuse_distance + prefetch_bucket_size + the two largest parameters)")
     return dict(weights=float((0 if off_param else w * pieces) + w * persistent),
                 gradients=float(0 if off_optim else g * pieces), optimizer=float(optim),
                 buffers=float(bucket), gathered=float(gathered), note=note)
