@@ -19,6 +19,14 @@ received output gradient through `engine.backward` too, as the scalar sum(output
 to the output is exactly the received one. ZeRO-1 only (app.config says why); the last stage's
 tied copy of the embeddings is marked `ds_pipe_replicated` so DeepSpeed's norm counts it once.
 
+ZeRO-3 (`"stage": 3`) partitions the weights too. The model is built inside
+`partitioned_construction` (deepspeed.zero.Init over the data-parallel group), so each module's
+parameters are cut into pieces as soon as it is built, with the native path's initial values;
+`engines.zero3` holds what needs no deepspeed import (the bytes a rank holds, its pieces, the
+weights-only load, the repair of DeepSpeed's universal loader). Weights-only loads (--finetune,
+--no-load-optim, a release) read the whole weights with our safe reader, from ZeRO-3 pieces of
+any data-parallel size or a ZeRO-0/1/2 module file, instead of DeepSpeed's module-only path.
+
 DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replaces the engine's
 `checkpoint_engine` (DeepSpeed's hook for checkpoint I/O): every file is written crash-safely
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
@@ -153,7 +161,7 @@ class CheckedCheckpointEngine:
 
 
 class DeepSpeedEngineAdapter(Engine):
-    """Engine implemented by a `deepspeed.DeepSpeedEngine` (ZeRO-1/2, offload, fp16/bf16)."""
+    """Engine implemented by a `deepspeed.DeepSpeedEngine` (ZeRO-0/1/2/3, offload, fp16/bf16)."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any, parallel_state: ParallelState) -> None:
