@@ -4,7 +4,8 @@ path in tests/distributed/test_deepspeed_zero3.py): one run saving at iterations
 
 - the files are DeepSpeed's ZeRO-3 layout (a module file per data-parallel rank), each with its
   SHA-256 sidecar; a run resumed from iteration 3 logs the uninterrupted run's losses bit for
-  bit; the log shows the gradient norm and the bytes each rank holds;
+  bit, and refuses a damaged file by its checksum; the log shows the gradient norm, the
+  validation loss and the bytes each rank holds;
 - DeepSpeed's own zero_to_fp32 reads the checkpoint, and our converter's Megatron checkpoint
   holds the same weights; its Hugging Face export greedy-generates what tools/generate.py
   generates from the ZeRO-3 checkpoint itself;
@@ -74,6 +75,20 @@ def test_zero3_files_resume_and_log(tiny_corpus, zero3_dp2):
     torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *EVAL, *ZERO3, "--load",
                               str(resumed_dir), "--metrics-file", str(tmp / "resumed.jsonl")), tmp)
     assert train_curve(tmp / "resumed.jsonl") == _later(straight)
+
+    # integrity: a flipped byte in one rank's ZeRO-3 pieces is refused by its checksum
+    damaged = resumed_dir / "iter_0000003" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", os.path.join(ROOT, "pretrain_gpt2.py"),
+                           *tiny_gpt_args(tiny_corpus, tmp, *COMMON, *EVAL, *ZERO3, "--load",
+                                          str(resumed_dir))],
+                          capture_output=True, text=True, env=env(), cwd=tmp, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "is corrupt: its SHA-256" in out, out[-3000:]
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in out
 
 
 def test_zero3_converts_like_zero_to_fp32_and_generates(tiny_corpus, zero3_dp2):

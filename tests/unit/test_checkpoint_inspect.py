@@ -117,3 +117,32 @@ def test_universal_tag_is_read_from_latest_universal_or_refused_with_the_command
     assert "deepspeed.checkpoint.ds_to_universal --input_folder" in str(exc.value)
     (tmp_path / "latest_universal").write_text("iter_0000006_universal\n")
     assert universal_tag(str(tmp_path)) == "iter_0000006_universal"
+
+
+def zero3_dir(root, tp, dp, skip=()):
+    """DeepSpeed's ZeRO-3 names: a module file and an optimizer file per (dp, tp) rank."""
+    iter_dir = os.path.join(root, "iter_0000010")
+    for t in range(tp):
+        for d in range(dp):
+            for kind in ("model", "optim"):
+                if (d, t, kind) not in skip:
+                    touch(os.path.join(iter_dir, f"zero_pp_rank_{d}_mp_rank_{t:02d}_{kind}_states.pt"))
+    names.write_tracker(root, 10)
+    return iter_dir
+
+
+def test_zero3_layout_and_the_stage_refusals(tmp_path):
+    from app.checkpointing.layouts import stage_problem
+    z3 = inspect_directory(zero3_dir(str(tmp_path / "z3"), tp=2, dp=3))
+    assert (z3.format, z3.tensor_model_parallel_size, z3.data_parallel_size, z3.partitioned_weights,
+            len(z3.model_files), len(z3.optimizer_files), z3.missing) == (DEEPSPEED, 2, 3, True, 6, 6, [])
+    assert os.path.basename(z3.model_files[0]) == "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    lost = inspect_directory(zero3_dir(str(tmp_path / "lost"), tp=1, dp=2, skip={(1, 0, "model")}))
+    assert [os.path.basename(p) for p in lost.missing] == ["zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    z2 = inspect_directory(deepspeed_dir(str(tmp_path / "z2"), tp=1, dp=2))
+    assert not z2.partitioned_weights
+    assert "saved at ZeRO stage 3" in stage_problem(z3, False, load_optimizer=False)
+    assert stage_problem(z3, True, load_optimizer=True) is None
+    assert "--no-load-optim" in stage_problem(z2, True, load_optimizer=True)
+    assert stage_problem(z2, True, load_optimizer=False) is None  # a ZeRO-3 run reads its weights
+    assert stage_problem(z2, False, load_optimizer=True) is None

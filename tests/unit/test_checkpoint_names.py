@@ -1,6 +1,7 @@
 """Checkpoint names and pointer files, checked against the formats' documented spellings
 (Megatron-LM: iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt and the tracker; DeepSpeed:
-mp_rank_XX_model_states.pt, [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt and `latest`)."""
+mp_rank_XX_model_states.pt, ZeRO-3's zero_pp_rank_D_mp_rank_XX_model_states.pt,
+[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt and `latest`)."""
 import os
 import subprocess
 import sys
@@ -44,12 +45,17 @@ def test_deepspeed_file_names_plain_and_bf16():
         "bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt"
     assert names.parse_deepspeed_model_file("mp_rank_01_model_states.pt") == 1
     assert names.parse_deepspeed_model_file("mp_rank_123_model_states.pt") == 123
+    assert names.deepspeed_model_file(1, dp_rank=3) == "zero_pp_rank_3_mp_rank_01_model_states.pt"
+    assert names.parse_deepspeed_model_file("zero_pp_rank_3_mp_rank_01_model_states.pt") == 1
+    assert names.parse_zero3_model_file("zero_pp_rank_3_mp_rank_01_model_states.pt") == (3, 1)
+    assert names.parse_zero3_model_file("mp_rank_01_model_states.pt") is None
+    assert names.parse_zero3_model_file("zero_pp_rank_3_mp_rank_01_optim_states.pt") is None
     assert names.parse_deepspeed_optim_file("zero_pp_rank_3_mp_rank_01_optim_states.pt") == \
         (3, 1, False)
     assert names.parse_deepspeed_optim_file("bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt") == \
         (12, 0, True)
     for other in (".mp_rank_00_model_states.pt.sha256", "mp_rank_00", "mp_rank_0_model_states.pt",
-                  "layer_01-model_00-model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                  "layer_01-model_00-model_states.pt",
                   "fp16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                   "zero_pp_rank_0_mp_rank_00_optim_states.pt.tmp.1"):
         assert names.parse_deepspeed_model_file(other) is None, other

@@ -61,6 +61,8 @@ def test_parameters_per_rank_counts_each_stage_shard(tp, pp, options):
             model = GPT2Model(cfg, ps, pre_process=stage == 0, post_process=stage == pp - 1,
                               layer_range=(stage * per_stage, (stage + 1) * per_stage))
             assert cfg.parameters_per_rank(tp, pp, stage) == _count(model), (tp_rank, stage)
+            assert sorted(cfg.parameter_numels(tp, pp, stage)) == sorted(  # ZeRO-3's pieces
+                p.numel() for p in model.parameters()), (tp_rank, stage)
 
 
 @pytest.mark.parametrize("flags,layers,chunks,regions", [

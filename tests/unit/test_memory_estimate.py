@@ -189,3 +189,32 @@ def test_largest_micro_batch_counts_the_micro_batches_in_flight():
         largest = est.largest_micro_batch(device)
         assert largest >= b, (b, largest)
         assert estimate_memory(pp2(1), largest).total <= FIT_FRACTION * device
+
+
+def test_zero3_offloads_leave_the_persistent_parameters_on_the_device():
+    """ZeRO-3 at DP 4 with offload_param and offload_optimizer: on the device only the
+    parameters under the persistence threshold (whole, counted from the real model), and the
+    gathered ones; without offloads each parameter's piece is ceil(numel / 4)."""
+    import json
+    import os
+    import tempfile
+    with open("ds_configs/zero3_offload.json") as f:
+        ds = json.load(f)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 64
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "z3.json")
+        with open(path, "w") as f:
+            json.dump(ds, f)
+        offload = config("--deepspeed", "--deepspeed_config", path, "--global-batch-size", "16",
+                         world=4)
+        plain = config("--deepspeed", "--deepspeed_config", "ds_configs/zero3.json",
+                       "--global-batch-size", "16", world=4)
+    sizes = [p.numel() for p in stage_model(offload).parameters()]
+    small = sum(n for n in sizes if n <= 64)
+    est = estimate_memory(offload)
+    assert (est.weights, est.gradients, est.optimizer) == (4 * small, 0, 0)
+    assert est.gathered == 4 * (sum(sizes) - small)  # reuse distance 1e9: all of it
+    pieces = sum(-(-n // 4) for n in sizes)
+    est = estimate_memory(plain)  # every parameter persistent (<= 1e5 elements)
+    assert (est.weights, est.gradients, est.optimizer) == (
+        4 * (pieces + sum(sizes)), 4 * pieces, (4 + 8) * pieces)

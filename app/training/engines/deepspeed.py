@@ -415,6 +415,8 @@ class DeepSpeedEngineAdapter(Engine):
             self._check_loadable(load_dir, plan, where)
             if self.partitioned and not plan.load_optimizer:
                 return self._read_weights_zero3(where, plan)
+            if self.partitioned:
+                self._check_own_files(where)
         groups = [{k: v for k, v in g.items() if k not in ("params", "lr")}
                   for g in self.ds.optimizer.param_groups]
         try:
@@ -442,35 +444,26 @@ class DeepSpeedEngineAdapter(Engine):
                                   client_state=client, rng_state=rng,
                                   scheduler_state=client.get("scheduler_steps"))
 
+    def _check_own_files(self, where: str) -> None:
+        """ZeRO-3: each rank reads files no other rank reads; a damaged or unsafe one is found
+        before DeepSpeed's load, on every rank or none (engines.zero3.check_own_files)."""
+        zero3.check_own_files(where, self.ps.data_parallel_rank,
+                              self.ps.tensor_model_parallel_rank,
+                              next(self.ds.module.parameters()).device)
+
     def _read_weights_zero3(self, where: str, plan: ResumePlan) -> CheckpointContents:
         """A ZeRO-3 run's weights-only load (--finetune, --no-load-optim, a release): this TP
-        rank's whole fp32 weights read with our safe reader (from ZeRO-3 pieces of any
-        data-parallel size, or a ZeRO-0/1/2 module file), then cut into this run's pieces.
-        DeepSpeed's own path here would read the tag `latest` names, unpickle with
-        weights_only=False and merge every model-parallel rank as one."""
+        rank's whole fp32 weights read with our safe reader (engines.zero3.read_whole_weights:
+        ZeRO-3 pieces of any data-parallel size, or a ZeRO-0/1/2 module file), then cut into
+        this run's pieces. DeepSpeed's own path here would read the tag `latest` names,
+        unpickle with weights_only=False and merge every model-parallel rank as one."""
         import deepspeed
-        from app.checkpointing.zero3 import merge_zero3
-        mp_rank = self.ps.tensor_model_parallel_rank
-        layout = layouts.inspect_directory(where)
-        if layout is None or not layout.model_files:
-            raise CheckpointError(f"{where} holds no DeepSpeed module files "
-                                  "(*mp_rank_XX_model_states.pt)")
-        mine = [p for p in layout.model_files
-                if names.parse_deepspeed_model_file(os.path.basename(p)) == mp_rank]
-        client = load_deepspeed_file(mine[0])
-        if layout.partitioned_weights:
-            optim = [load_deepspeed_file(p)["optimizer_state_dict"]
-                     for p in layout.optimizer_files
-                     if names.parse_deepspeed_optim_file(os.path.basename(p))[1] == mp_rank]
-            weights = merge_zero3(client["param_shapes"], optim, where).weights
-        else:
-            weights = {k: v.float() for k, v in client["module"].items()}
-        args = client.get("args")  # checked by _check_loadable
+        weights, client = zero3.read_whole_weights(where, self.ps.tensor_model_parallel_rank)
         zero3.load_whole_weights(  # data-parallel rank 0's copy is cut into pieces
             self.ds.module, weights,
             lambda p: deepspeed.zero.GatheredParameters([p], modifier_rank=0),
             self.ps.data_parallel_rank == 0, self.ds.optimizer)
-        return CheckpointContents(path=where, iteration=plan.iteration, args=args,
+        return CheckpointContents(path=where, iteration=plan.iteration, args=client.get("args"),
                                   client_state=client, rng_state=client.get("rng_state"),
                                   scheduler_state=client.get("scheduler_steps"))
 

@@ -1,5 +1,7 @@
 """The DeepSpeed engine's ZeRO-3 parts that need no deepspeed import: what a rank holds, its
-pieces of the weights, and the weights-only load (given DeepSpeed's gather context).
+pieces of the weights, the check of its own files before a load, the weights-only load (whole
+weights read safely, then cut by DeepSpeed's gather context) and the repair of DeepSpeed's
+universal-checkpoint loader.
 
 At stage 3 a parameter's `.data` is empty except while DeepSpeed has gathered it (around the
 forward and backward of its module, and always for the small "persistent" ones under
@@ -12,10 +14,17 @@ rank's gradient pieces) and the torch optimizer's states; with `offload_param` /
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from app.checkpointing import CheckpointError, layouts, names
+from app.checkpointing import files as ckpt_files
+from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
+from app.checkpointing.zero3 import merge_zero3
+from app.launch.distributed import world_group
+from app.mpu import collectives
 from app.training.engines.base import optimizer_state_bytes, tensor_bytes
 
 
@@ -82,3 +91,46 @@ def repair_universal_load(optimizer: Any, groups: List[Dict[str, Any]]) -> None:
         state = base.state.get(flat, {})
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
+
+
+def check_own_files(where: str, dp_rank: int, mp_rank: int, device: torch.device) -> None:
+    """Check this rank's two ZeRO-3 files under `where` (checksum, pickled classes) and agree
+    over the world: every rank raises (this rank's CheckpointError, or one saying another rank
+    found the damage), or none. Each rank reads files no other rank reads, so a damaged one
+    inside DeepSpeed's load would stop its rank alone while the others wait in collectives."""
+    error: Optional[Exception] = None
+    try:
+        for name in (names.deepspeed_model_file(mp_rank, dp_rank),
+                     names.deepspeed_optim_file(dp_rank, mp_rank)):
+            path = os.path.join(where, name)
+            ckpt_files.verify_checksum(path)
+            ckpt_files.check_pickled_globals(path, deepspeed_safe_globals())
+    except Exception as exc:  # noqa: BLE001  re-raised below, after the other ranks know
+        error = exc
+    if collectives.agree([error is not None], world_group(), device)[0] and error is None:
+        raise CheckpointError(f"another rank found a damaged or unsafe file in {where}; its "
+                              "message says which")
+    if isinstance(error, CheckpointError):
+        raise error
+    if error is not None:
+        raise CheckpointError(f"{where}: this rank's ZeRO-3 files cannot be read: "
+                              f"{error}") from error
+
+
+def read_whole_weights(where: str, mp_rank: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """(whole fp32 weights by name, the module file's dict with our client state) of
+    model-parallel rank `mp_rank` in the DeepSpeed checkpoint folder `where`, read safely:
+    merged from ZeRO-3 pieces of any data-parallel size, or a ZeRO-0/1/2 module file's
+    weights (in the precision they were saved in)."""
+    layout = layouts.inspect_directory(where)
+    mine = [p for p in (layout.model_files if layout else [])
+            if names.parse_deepspeed_model_file(os.path.basename(p)) == mp_rank]
+    if not mine:
+        raise CheckpointError(f"{where} holds no DeepSpeed module file of model-parallel rank "
+                              f"{mp_rank} (*mp_rank_{mp_rank:02d}_model_states.pt)")
+    client = load_deepspeed_file(mine[0])
+    if not layout.partitioned_weights:
+        return {k: v.float() for k, v in client["module"].items()}, client
+    pieces = [load_deepspeed_file(p)["optimizer_state_dict"] for p in layout.optimizer_files
+              if names.parse_deepspeed_optim_file(os.path.basename(p))[1] == mp_rank]
+    return merge_zero3(client["param_shapes"], pieces, where).weights, client
