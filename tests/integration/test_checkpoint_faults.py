@@ -39,18 +39,17 @@ def _main(argv):
 
 
 def _full_disk(monkeypatch, when):
-    """Writes of files whose path contains `when` put 1 KiB on disk, then fail with ENOSPC."""
-    real = commit.write_durably
+    """Checkpoint files whose path contains `when` put 1 KiB on disk, then fail with ENOSPC."""
+    real = commit.atomic_open
 
-    def write(path, fn):
-        if when not in path:
-            return real(path, fn)
-
-        def partial(f):
-            f.write(b"\0" * 1024)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        return real(path, partial)
-    monkeypatch.setattr(commit, "write_durably", write)
+    @contextlib.contextmanager
+    def full(path, *args, **kwargs):
+        with real(path, *args, **kwargs) as f:
+            if when in path:
+                f.write(b"\0" * 1024)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            yield f
+    monkeypatch.setattr(commit, "atomic_open", full)
 
 
 def _temporaries(root):
