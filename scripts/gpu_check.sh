@@ -207,7 +207,7 @@ if [ "$DRY" = 1 ]; then
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     VOCAB_SIZE=512 PADDED_VOCAB=512
     MBS_124M="${MBS_124M:-4}" MBS_350M="${MBS_350M:-4}" ITERS="${ITERS:-4}" LOG_INTERVAL=2 WARMUP=1
-    FP16_ITERS=12  # enough for the loss scale to come down from 2^32 and step
+    FP16_ITERS=24  # enough for the loss scale to come down from 2^32 (~17 skips) and step
     M124=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64)
     M350=(--num-layers 3 --hidden-size 96 --num-attention-heads 4 --seq-length 64)
     DS_SIZE=(NUM_LAYERS=2 HIDDEN=64 HEADS=4 SEQ=64) DS_ITERS=4
