@@ -66,12 +66,11 @@ PLAN=(
 )
 BG_LIMIT=180  # the background kernel build's own limit (train_124M_bf16 waits for it)
 DRY_LIMIT=600  # each step's limit in the CPU dry run, which has no budget
-declare -A LIMIT RESERVE
+declare -A RESERVE
 PLANNED=0
 selected() { [ -z "$ONLY" ] || [ "$1" = setup ] || [[ "$ONLY" == *",$1,"* ]]; }
 for entry in "${PLAN[@]}"; do
     read -r name limit _ <<< "$entry"
-    LIMIT[$name]="$limit"
     if [ "$limit" != bg ] && selected "$name"; then PLANNED=$((PLANNED + limit)); fi
 done
 left_after="$PLANNED"
