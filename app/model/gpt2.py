@@ -447,8 +447,9 @@ def compile_transformer_layers(model: nn.Module) -> int:
     identical in code share one compiled graph. Inside a layer the fused ops take their
     PyTorch paths, which the compiler fuses (app.model.fused); what lies outside the layers
     (embedding, final LayerNorm, LM head and loss) keeps its eager ops and csrc/ kernels.
-    Collectives, activation recompute and the model-parallel RNG stream of attention dropout
-    stay outside the compiled graphs (the compiler splits the layer around them).
+    The tensor-parallel collectives are traced into the graph; full recompute wraps whole
+    layers from outside; saving and restoring RNG states inside a layer (attention dropout's
+    model-parallel stream, selective recompute) splits its graph there.
     """
     layers = [m for m in model.modules() if isinstance(m, ParallelTransformerLayer)]
     for layer in layers:
