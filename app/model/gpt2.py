@@ -460,6 +460,24 @@ class GPT2Model(nn.Module):
                                       self.parallel_state, self.config.sequence_parallel)
 
 
+def compile_transformer_layers(model: nn.Module) -> int:
+    """Compile each transformer layer of `model` (a stage, or every chunk of one) in place with
+    torch.compile, as torchtitan compiles per block; returns how many layers were compiled.
+
+    `nn.Module.compile` keeps the parameter names (checkpoints do not change) and the layers
+    identical in code share one compiled graph. Inside a layer the fused ops take their
+    PyTorch paths, which the compiler fuses (app.model.fused); what lies outside the layers
+    (embedding, final LayerNorm, LM head and loss) keeps its eager ops and csrc/ kernels.
+    The tensor-parallel collectives are traced into the graph; full recompute wraps whole
+    layers from outside; saving and restoring RNG states inside a layer (attention dropout's
+    model-parallel stream, selective recompute) splits its graph there.
+    """
+    layers = [m for m in model.modules() if isinstance(m, ParallelTransformerLayer)]
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, parallel_state: ParallelState,
             in_fp32: bool = True, fusion: bool = True) -> torch.Tensor:
     """Per-token fp32 cross-entropy of vocab-split logits [b, s, V/tp] against labels [b, s].

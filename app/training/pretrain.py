@@ -22,7 +22,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from app.config import RunConfig, samples_per_split
-from app.data import build_train_valid_test_datasets
+from app.data import build_mock_datasets, build_train_valid_test_datasets
 from app.mpu import collectives
 from app.checkpointing.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 def _datasets(cfg: RunConfig, rank: int) -> tuple:
     t = cfg.training
     num_samples = samples_per_split(cfg)
+    if cfg.data.mock_data:
+        datasets = build_mock_datasets(num_samples, cfg.model.seq_length, cfg.raw_vocab_size,
+                                       t.seed)
+        logger.info("--mock-data: %s", "; ".join(d.describe() for d in datasets if d))
+        return datasets
     logger.info("building train/valid/test datasets for %s samples from %s", num_samples,
                 cfg.data.data_path)
     datasets = build_train_valid_test_datasets(

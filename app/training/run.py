@@ -1,8 +1,8 @@
 """Composition: build the parts of one training run from a RunConfig, in the one right order.
 
     parallel groups and seeds -> (DeepSpeed activation checkpointing) -> fused kernels
-    -> model stage (app.model.stage.build_model_stage, as inference builds it) -> engine
-    -> Trainer
+    -> model stage (app.model.stage.build_model_stage, as inference builds it; its layers
+    compiled with --compile-layers) -> engine -> Trainer
 
 `build_run` is used by `app.training.pretrain` (real data) and by the test and benchmark
 helpers (`app.testing.synthetic`), so every run is put together the same way. This is the only
@@ -19,6 +19,7 @@ import torch
 
 from app import kernels
 from app.config import RunConfig
+from app.model.gpt2 import compile_transformer_layers
 from app.model.stage import build_model_stage
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
 from app.mpu.random import model_parallel_seed
@@ -131,5 +132,8 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("> parameters on (tensor, pipeline) model-parallel rank (%d, %d): %d",
                 ps.tensor_model_parallel_rank, ps.pipeline_model_parallel_rank, n_params)
+    if cfg.kernels.compile_layers:
+        logger.info("--compile-layers: %d transformer layers compiled with torch.compile (the "
+                    "first iteration compiles them)", compile_transformer_layers(model))
     engine = build_engine(cfg, model, ps)
     return Run(cfg=cfg, ps=ps, model=model, engine=engine, device=device)
