@@ -1,4 +1,4 @@
-"""app.testing.distributed.run_distributed: results, error propagation, timeouts (no hangs), and
+"""tests.harness.distributed.run_distributed: results, error propagation, timeouts (no hangs), and
 results that come back whole however late the parent reads them."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.testing import distributed
-from app.testing.distributed import DistributedTestError, run_distributed
+from tests.harness import distributed
+from tests.harness.distributed import DistributedTestError, run_distributed
 
 
 def _rank_sum(offset: float) -> float:

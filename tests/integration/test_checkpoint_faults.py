@@ -9,10 +9,10 @@ import shutil
 
 import torch
 
-from app.testing.distributed import run_distributed
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import commit, names
 from app.checkpointing import files as ckpt_files
+from tests.harness.distributed import run_distributed
 from tests.integration.conftest import tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,8 +14,6 @@ import torch
 import arguments
 import pretrain_gpt2
 from app.config import samples_per_split
-from app.testing.distributed import run_distributed
-from app.testing.synthetic import RandomTokens
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
 from app.training import trainer as trainer_lib
@@ -24,6 +22,8 @@ from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.rollback import SpikeDetector
 from app.training.run import build_run
 from app.training.trainer import RunState
+from tests.harness.distributed import run_distributed
+from tests.harness.synthetic import RandomTokens
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
