@@ -42,6 +42,7 @@ from app.utils.rank_logging import LAST_RANK
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class RunState:
     """Where the run stands; what a checkpoint's client state carries."""
