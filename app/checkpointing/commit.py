@@ -18,8 +18,8 @@ point leaves the previous checkpoint loadable. An asynchronous save (--async-sav
 `start_save` copies the state (the engine's `capture`) and runs step 1 in a background thread;
 `PendingSave.finish`, called later from the training thread on every rank, waits for it and
 runs steps 2-4, so the collectives never leave the training thread and the pointer files move
-only after every rank's files are durable. `SAVE_HOOK` sees every stage (`SAVE_STAGES`,
-in order) for the crash tests.
+only after every rank's files are durable. Each stage (`SAVE_STAGES`, in order) is the
+fault-injection point `faults.SAVE_STAGE` (app/utils/faults.py), where the crash tests strike.
 """
 from __future__ import annotations
 
@@ -34,10 +34,9 @@ from typing import Any, Callable, List, Optional, Tuple
 from app.checkpointing import CheckpointError, names
 from app.checkpointing.files import read_checksums, sha256_file, sidecar_path, write_checksums
 from app.launch.distributed import all_ranks_ok
+from app.utils import faults
 from app.utils.fileio import atomic_open
 
-SAVE_HOOK: Optional[Callable[[str], None]] = None
-"""Test seam: called with the name of each stage of a save (see SAVE_STAGES)."""
 SAVE_STAGES = ("start", "rank_tmp_written", "rank_checksum_committed", "rank_file_committed",
                "before_tracker", "tracker_tmp_written", "tracker_committed", "rotated")
 """The stages of a save in order (the rank_* ones once per file written)."""
@@ -47,9 +46,9 @@ WriteStep = Callable[[], Optional[Tuple[str, OSError]]]
 be written (a full disk), None when all were. Must not raise OSError."""
 
 
-def _hook(stage: str) -> None:
-    if SAVE_HOOK is not None:
-        SAVE_HOOK(stage)
+def _stage(name: str) -> None:
+    """A save reached stage `name` (one of SAVE_STAGES): the fault-injection point."""
+    faults.fire(faults.SAVE_STAGE, name)
 
 
 # ---------------------------------------------------------------------------- one file
@@ -70,18 +69,18 @@ def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: b
     digests: List[str] = []
 
     def list_new_digest(tmp: str) -> None:  # tmp is complete and durable; path not replaced yet
-        _hook("rank_tmp_written")
+        _stage("rank_tmp_written")
         digests.append(sha256_file(tmp))
         old = read_checksums(sidecar) if os.path.exists(path) else []
         digests.extend(d for d in old if d != digests[0])
         write_checksums(sidecar, name, digests)
-        _hook("rank_checksum_committed")
+        _stage("rank_checksum_committed")
 
     with atomic_open(path, "wb", durable=True, before_replace=list_new_digest) as f:
         write(f)
     if len(digests) > 1:  # the old file is gone: its digest no longer verifies anything
         write_checksums(sidecar, name, digests[:1])
-    _hook("rank_file_committed")
+    _stage("rank_file_committed")
 
 
 def remove_written_file(path: str, stop_at: str) -> None:
@@ -189,7 +188,7 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
     this returns. With `background` the `write` step runs in a thread of its own (it must
     then touch no collective and no live state); without, before this returns.
     """
-    _hook("start")
+    _stage("start")
     directory = names.checkpoint_dir(save_dir, iteration)
     fresh = not os.path.isdir(directory)  # before any rank of this save can create it
     _mark_in_progress(directory)
@@ -262,20 +261,20 @@ class PendingSave:
         error: Optional[OSError] = None
         previous_tag: Optional[str] = None
         if self._tracker_writer:
-            _hook("before_tracker")
+            _stage("before_tracker")
             try:
                 if self._deepspeed_latest:
                     previous_tag = names.read_latest_tag(self.save_dir) or ""
                     names.write_latest_tag(self.save_dir, names.iteration_tag(self.iteration))
                 names.write_tracker(self.save_dir, self.iteration,
-                                    before_replace=lambda _: _hook("tracker_tmp_written"))
+                                    before_replace=lambda _: _stage("tracker_tmp_written"))
             except OSError as exc:
                 error = exc
             else:
-                _hook("tracker_committed")
+                _stage("tracker_committed")
                 if self._keep_last_n and self.iteration != names.RELEASE:
                     rotate_checkpoints(self.save_dir, self._keep_last_n, int(self.iteration))
-                    _hook("rotated")
+                    _stage("rotated")
         if not self.agree(error is None):  # the tracker names this iteration on every return
             if previous_tag is not None:
                 _restore_latest(self.save_dir, previous_tag)

@@ -5,8 +5,8 @@
     compiled with --compile-layers) -> engine -> Trainer
 
 `build_run` is used by `app.training.pretrain` (real data) and by the test and benchmark
-helpers (`app.testing.synthetic`), so every run is put together the same way. This is the only
-module that chooses between the engines.
+helper `tests/harness/synthetic.py`, so every run is put together the same way. This is the
+only module that chooses between the engines.
 """
 from __future__ import annotations
 

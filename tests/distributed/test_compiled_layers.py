@@ -16,7 +16,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 from tests.integration.launch_utils import assert_close_curves
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -43,7 +43,7 @@ def _train(flags: List[str], world: int) -> Dict[str, object]:
     (graph breaks; layers of the same code share graphs across layouts)."""
     import arguments
     from torch._dynamo.utils import counters
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     cfg = arguments.config_from_argv(BASE + flags, world, RAW_VOCAB)
     run = build_synthetic_run(cfg, 4 * ITERS)
     curve = {}

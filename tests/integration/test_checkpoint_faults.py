@@ -9,10 +9,11 @@ import shutil
 
 import torch
 
-from app.testing.distributed import run_distributed
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import commit, names
 from app.checkpointing import files as ckpt_files
+from app.utils import faults
+from tests.harness.distributed import run_distributed
 from tests.integration.conftest import tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -167,8 +168,7 @@ def test_deepspeed_full_disk_corruption_unsafe_pickle_and_non_finite(tiny_corpus
     assert code == 2 and "non-finite weights" in err, err
 
 
-def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path, monkeypatch,
-                                                          capfd):
+def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path, capfd):
     """SIGTERM twice while the checkpoint of iteration 3 is being written: that save completes,
     the run stops after the next iteration with a checkpoint of it, exit 0, and both load."""
     import signal
@@ -184,7 +184,7 @@ def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path,
             os.kill(os.getpid(), signal.SIGTERM)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
+    faults.arm(faults.SAVE_STAGE, hook)
     try:
         code, err = _main(args)
     finally:
@@ -199,7 +199,7 @@ def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path,
 
 
 def test_a_signal_during_a_background_save_exits_with_every_save_committed(tiny_corpus, tmp_path,
-                                                                            monkeypatch, capfd):
+                                                                            capfd):
     """--async-save: SIGTERM twice while the writer thread writes the checkpoint of iteration
     3: training goes on to the end of iteration 4, whose save is committed before the run exits
     0 with the usual message; both checkpoints load, the tracker names 4."""
@@ -217,7 +217,7 @@ def test_a_signal_during_a_background_save_exits_with_every_save_committed(tiny_
             os.kill(os.getpid(), signal.SIGTERM)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
+    faults.arm(faults.SAVE_STAGE, hook)
     try:
         code, err = _main(args)
     finally:
