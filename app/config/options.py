@@ -147,6 +147,8 @@ def iter_options(root: Type[Any], path: Tuple[str, ...] = ()) -> Iterator[Option
     """Every option of `root` and of the config dataclasses it holds, in declaration order."""
     hints = typing.get_type_hints(root)
     for f in dataclasses.fields(root):
+        if not f.init:  # derived in __post_init__, never a flag
+            continue
         kind = hints[f.name]
         flag = f.metadata.get("flag")
         if flag is not None:
@@ -174,11 +176,14 @@ def from_flags(cls: Type[Any], values: Mapping[str, Any], **overrides: Any) -> A
     Each option field takes its flag's value, unless `overrides` names it (a derived value).
     A field holding a nested config class is built the same way, recursively; its override may
     be a ready instance or a dict of overrides for its own fields. Other fields keep their
-    defaults. A required field (an option without a default) takes its flag's value when the
-    flag was given, else it must be overridden (a derived value)."""
+    defaults; fields with init=False are derived by the class itself. A required field (an
+    option without a default) takes its flag's value when the flag was given, else it must be
+    overridden (a derived value)."""
     hints = typing.get_type_hints(cls)
     kwargs: Dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if not f.init:  # derived in __post_init__
+            continue
         given = overrides.pop(f.name, MISSING)
         flag = f.metadata.get("flag")
         if _is_config(hints[f.name]) and flag is None:
