@@ -25,8 +25,8 @@ import os
 import sys
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
-from app.config import (DeepSpeedConfig, DryRunConfig, ModelConfig, ParallelConfig, RunConfig,
-                        default_kernel_build_timeout, resolve_recompute_flags)
+from app.config import (DataConfig, DeepSpeedConfig, DryRunConfig, ModelConfig, ParallelConfig,
+                        RunConfig, default_kernel_build_timeout, resolve_recompute_flags)
 from app.config.deepspeed import load_ds_json, reconcile_ds_config
 from app.config.options import Option, check_unique, flag_group, from_flags, iter_options
 from app.data.tokenizer import pad_vocab_size
@@ -269,6 +269,15 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
                                          getattr(args, "_explicit_flags", ()))
         cfg = dataclasses.replace(cfg, deepspeed=dataclasses.replace(deepspeed, config=reconciled))
     return cfg
+
+
+def data_config(args: argparse.Namespace) -> Optional[DataConfig]:
+    """The DataConfig of the parsed flags alone (None when its own flags are invalid), for
+    --dry-run to check the data files when the rest of the configuration fails."""
+    try:
+        return from_flags(DataConfig, vars(args))
+    except ValueError:
+        return None
 
 
 def dry_run_config(args: argparse.Namespace) -> DryRunConfig:

@@ -21,9 +21,10 @@ class DataConfig:
 
     FLAG_GROUP: ClassVar[Tuple[str, str]] = ("data", "dataset and tokenizer")
 
+    # --data-path also takes prefixes without weights (BLEND_HELP); its help is kept as it was
     data_path: List[str] = option(
         "--data-path", default_factory=list, nargs="*",
-        help=f"{BLEND_HELP}; divided into train/valid/test by --split")
+        help="a dataset prefix, or weight prefix pairs: 0.7 a 0.3 b")
     split: str = option("--split", default=DEFAULT_SPLIT)
     train_data_path: List[str] = option(
         "--train-data-path", default_factory=list, nargs="*",

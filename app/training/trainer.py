@@ -54,11 +54,16 @@ class RunState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
+    data_order: Optional[Dict[str, Any]] = None
+    """The run's data-order record (app.data.plan.order_record), saved with every checkpoint."""
 
-    def client_state(self) -> Dict[str, int]:
-        return {"iteration": self.iteration,
-                "consumed_train_samples": self.consumed_train_samples,
-                "consumed_valid_samples": self.consumed_valid_samples}
+    def client_state(self) -> Dict[str, Any]:
+        state: Dict[str, Any] = {"iteration": self.iteration,
+                                 "consumed_train_samples": self.consumed_train_samples,
+                                 "consumed_valid_samples": self.consumed_valid_samples}
+        if self.data_order is not None:
+            state["data_order"] = self.data_order
+        return state
 
 
 @dataclass

@@ -98,7 +98,7 @@ class NativeEngine(Engine):
         c = self.cfg.checkpoint
         args_ns = checkpoint_args_namespace(
             self.cfg, client_state["consumed_train_samples"],
-            client_state["consumed_valid_samples"], iteration)
+            client_state["consumed_valid_samples"], iteration, client_state.get("data_order"))
         rng = None if c.no_save_rng else rng_state_dict()
         writer = self.ps.data_parallel_rank == 0  # one replica writes; the others follow it
         state = ckpt.build_checkpoint_dict(
@@ -164,6 +164,7 @@ class NativeEngine(Engine):
         position = {"iteration": iteration if iteration == "release" else int(iteration)}
         for key in ("consumed_train_samples", "consumed_valid_samples"):
             position[key] = int(getattr(args, key, 0) or 0)
+        position["data_order"] = getattr(args, "data_order", None)
         return CheckpointContents(path=where, iteration=iteration, args=args,
                                   client_state=position, rng_state=state.get("rng_state"),
                                   scheduler_state=state.get("lr_scheduler"))
