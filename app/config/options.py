@@ -46,8 +46,10 @@ class Flag:
     help: Optional[str] = None
     choices: Optional[Tuple[Any, ...]] = None
     action: Optional[str] = None
-    nargs: Optional[str] = None
-    metavar: Optional[str] = None
+    nargs: Any = None
+    """argparse's nargs: '*', '+', '?' or a count."""
+    metavar: Any = None
+    """argparse's metavar: a name, or a tuple of names for a counted nargs."""
     group: Optional[str] = None
     dest_name: Optional[str] = None
     flag_default: Any = None
@@ -69,8 +71,8 @@ class Flag:
 
 def option(*spellings: str, default: Any = MISSING, default_factory: Any = MISSING,
            help: Optional[str] = None, choices: Optional[typing.Sequence[Any]] = None,
-           action: Optional[str] = None, nargs: Optional[str] = None,
-           metavar: Optional[str] = None, group: Optional[str] = None,
+           action: Optional[str] = None, nargs: Any = None,
+           metavar: Any = None, group: Optional[str] = None,
            dest: Optional[str] = None, flag_default: Any = MISSING) -> Any:
     """A dataclass field that is also the command-line option `spellings[0]` (aliases after it).
 

@@ -64,13 +64,18 @@ class NativeEngine(Engine):
             allreduce_embedding_grad(None if tied is None else self.optimizer.embedding_grad(tied),
                                      self.ps)
 
+    def set_global_batch(self, global_batch_size: int, num_micro_batches: int) -> None:
+        super().set_global_batch(global_batch_size, num_micro_batches)
+        if hasattr(self.optimizer, "num_micro_batches"):  # the distributed optimizer's buckets
+            self.optimizer.num_micro_batches = num_micro_batches
+
     def step(self) -> StepResult:
         self._sync_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         outcome = self.optimizer.step(self.ps, self.cfg.optimizer.clip_grad, world_group(),
                                       self._nonfinite_loss)
         if not outcome.skipped:
-            self.lr_scheduler.step(1)
+            self.lr_scheduler.step()  # one update: an iteration, or its batch in samples
         return StepResult(grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
                           loss_scale=self.optimizer.loss_scale, nonfinite=outcome.nonfinite,
                           nonfinite_loss=outcome.nonfinite_loss)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
 from app.config import DataConfig, RunConfig, samples_per_split
+from app.config.batch_schedule import check_divisible
 from app.data.plan import order_record
 from app.checkpointing import CheckpointError
 from app.checkpointing import files as ckpt_files
@@ -95,11 +96,12 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
     p, t, m = cfg.parallel, cfg.training, cfg.model
     report.ok(f"world size {p.world_size} = tensor {p.tensor_model_parallel_size} x pipeline "
               f"{p.pipeline_model_parallel_size} x data {p.data_parallel_size}")
+    samples = cfg.batch_schedule.samples_in(t.train_iters)
     report.ok(f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x "
               f"{t.num_micro_batches(p.data_parallel_size)} micro-batches x data-parallel "
               f"{p.data_parallel_size}; {t.train_iters} iterations = "
-              f"{t.train_iters * t.global_batch_size:,} samples = "
-              f"{t.train_iters * t.global_batch_size * m.seq_length:,} tokens")
+              f"{samples:,} samples = {samples * m.seq_length:,} tokens")
+    _describe_batch_schedule(report, cfg)
     report.ok(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
               f"heads, seq {m.seq_length}, vocab {cfg.raw_vocab_size} padded to "
               f"{m.padded_vocab_size}, {m.num_parameters():,} parameters, weights "
@@ -120,6 +122,25 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
                   f"+{r.min_increase:.0%}), at most {r.max_rollbacks} rollback(s); the training "
                   f"split holds {r.max_rollbacks} x --save-interval "
                   f"{cfg.checkpoint.save_interval} extra iterations of data for the skipped windows")
+
+
+def _describe_batch_schedule(report: Report, cfg: RunConfig) -> None:
+    """The batch-size schedule's batches, micro-batches and where each starts."""
+    schedule, t, dp = cfg.batch_schedule, cfg.training, cfg.parallel.data_parallel_size
+    if not schedule.varies:
+        return
+    flag = ("--rampup-batch-size " + " ".join(map(str, t.rampup_batch_size))
+            if schedule.rampup else f"--step-batch-size-schedule {t.step_batch_size_schedule!r}")
+    sizes = schedule.sizes_from(0, t.train_iters)
+    try:
+        check_divisible(sizes, t.micro_batch_size, dp, flag)
+    except ValueError as exc:
+        report.error(str(exc))
+        return
+    report.ok(f"{flag}: global batch {' -> '.join(map(str, sizes))}, micro-batches "
+              f"{' -> '.join(str(b // (t.micro_batch_size * dp)) for b in sizes)} per "
+              "data-parallel rank; the LR schedule counts samples (warmup "
+              f"{cfg.optimizer.lr_warmup_samples:,}, decay {cfg.optimizer.lr_decay_samples:,})")
 
 
 # ---------------------------------------------------------------------------- checkpoint
