@@ -113,15 +113,17 @@ def build_parser(roots: Sequence[type] = ROOTS) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse `argv` (default sys.argv[1:]) into a namespace with Megatron's dest names.
+def parse_args(argv: Optional[Sequence[str]] = None,
+               roots: Sequence[type] = ROOTS) -> argparse.Namespace:
+    """Parse `argv` (default sys.argv[1:]) into a namespace with Megatron's dest names; `roots`
+    are the config classes whose options make the command line (a tool adds its own).
 
     Only parsing happens here (plus defaulting --distributed-backend to nccl when CUDA is
     available, else gloo, and --deepscale* to --deepspeed*); `build_run_config` converts. The
     flags given explicitly are recorded as `_explicit_flags` (each under its first spelling),
     for the DeepSpeed JSON checks that must know what the user asked for.
     """
-    parser = build_parser()
+    parser = build_parser(roots)
     given = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(given)
     if args.distributed_backend is None:  # resolved here so init code can use it before configs

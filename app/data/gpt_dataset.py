@@ -185,7 +185,7 @@ def build_datasets(data: DataPlan, seed: int, cache_path: Optional[str] = None,
     out = tuple(None if plan is None else
                 _split_dataset(plan, data, seed, cache_path, is_builder, barrier)
                 for plan in data.splits)
-    entries = [e for ds in out if ds is not None for e in _cache_entries(ds)]
+    entries = cache_entries(out)
     built = [e for e in entries if e.built]
     where = sorted({os.path.dirname(e.cache.description_file) for e in entries})
     logger.info("sample indices: %d of %d index sets loaded from the cache in %s, %d built",
@@ -193,9 +193,14 @@ def build_datasets(data: DataPlan, seed: int, cache_path: Optional[str] = None,
     return out
 
 
-def _cache_entries(dataset) -> List:
-    parts = list(getattr(dataset, "datasets", []))
-    return parts + [dataset] if parts else [dataset]
+def cache_entries(datasets: Sequence) -> List:
+    """Every cached dataset among `datasets` (None skipped): each blend's parts, then the blend;
+    each has `cache` (app.data.index_cache.IndexCache) and `built`."""
+    out: List = []
+    for dataset in datasets:
+        if dataset is not None:
+            out += list(getattr(dataset, "datasets", [])) + [dataset]
+    return out
 
 
 def build_train_valid_test_datasets(

@@ -57,7 +57,8 @@ class IndexCache:
             return json.load(f)
 
     def problem(self) -> Optional[str]:
-        """None when the entry is complete and its description matches; else why not."""
+        """None when the entry is complete, its description matches and every array has the
+        length the description records (read from the .npy headers); else why not."""
         if not self.complete():
             return f"{self.description_file} is missing"
         try:
@@ -68,26 +69,21 @@ class IndexCache:
         if changed:
             return (f"{self.description_file} describes other inputs ({', '.join(changed)} "
                     "differ)")
+        lengths = saved.get("lengths", {})  # absent in caches written before it was recorded
+        for kind in self.kinds:
+            try:
+                rows = int(np.load(self.files[kind], mmap_mode="r", allow_pickle=False).shape[0])
+            except (OSError, ValueError) as exc:
+                return f"{self.files[kind]} is unreadable ({exc})"
+            if kind in lengths and rows != int(lengths[kind]):
+                return (f"{self.files[kind]} holds {rows} rows but its description records "
+                        f"{lengths[kind]}")
         return None
 
     def load(self) -> Tuple[np.ndarray, ...]:
-        """The arrays, memory-mapped, in `kinds` order; ValueError naming the file when an
-        array's length differs from the one its description records."""
-        lengths = self._saved_description().get("lengths", {})
-        arrays = []
-        for kind in self.kinds:
-            try:
-                array = np.load(self.files[kind], mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"cached index {self.files[kind]} is unreadable ({exc}); "
-                                 f"delete the files {self.description_file[:-17]}_* and "
-                                 "rebuild them") from None
-            if kind in lengths and int(array.shape[0]) != int(lengths[kind]):
-                raise ValueError(f"cached index {self.files[kind]} holds {array.shape[0]} rows "
-                                 f"but its description records {lengths[kind]}; delete the "
-                                 f"files {self.description_file[:-17]}_* and rebuild them")
-            arrays.append(array)
-        return tuple(arrays)
+        """The arrays, memory-mapped, in `kinds` order (check `problem()` first)."""
+        return tuple(np.load(self.files[kind], mmap_mode="r", allow_pickle=False)
+                     for kind in self.kinds)
 
     def save(self, arrays: Sequence[np.ndarray], extra: Dict[str, Any]) -> None:
         """Write the arrays, then the description (inputs, `extra`, the array lengths)."""
@@ -133,5 +129,6 @@ def load_or_build(cache: IndexCache, build: Callable[[], Sequence[np.ndarray]],
     if problem is not None:
         raise FileNotFoundError(
             f"sample-index cache: {problem} after the builder rank finished; all ranks must see "
-            "the same --data-cache-path (a shared filesystem)")
+            "the same --data-cache-path (a shared filesystem), where the builder (rank 0) "
+            "writes or tools/prepare_cache.py wrote it")
     return cache.load(), built

@@ -42,6 +42,8 @@ class Report:
 
     sections: List[Tuple[str, List[Tuple[str, str]]]] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    name: str = "preflight"
+    title: str = "preflight (--dry-run)"
 
     def section(self, title: str) -> None:
         self.sections.append((title, []))
@@ -73,14 +75,14 @@ class Report:
 
     def render(self) -> str:
         """The report as text: one block per section, then a summary line."""
-        lines = ["==================== preflight (--dry-run) ===================="]
+        lines = [f"{'=' * 20} {self.title} {'=' * 20}"]
         for title, items in self.sections:
             lines.append(f"[{title}]")
             lines.extend(f"  {level:<5} {message}" for level, message in items)
         elapsed = time.perf_counter() - self.started
         errors, warnings = self.count("ERROR"), self.count("warn")
         verdict = "FAILED" if errors else "passed"
-        lines.append(f"preflight {verdict}: {errors} error(s), {warnings} warning(s) "
+        lines.append(f"{self.name} {verdict}: {errors} error(s), {warnings} warning(s) "
                      f"in {elapsed:.1f} s")
         return "\n".join(lines)
 
