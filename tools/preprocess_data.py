@@ -438,7 +438,8 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
         print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
     builders = {k: MMapIndexedDatasetBuilder(data_file_path(output_prefix_for(args, k)), dtype)
                 for k in args.json_keys}
-    if in_process(args, tokenizer) and args.workers > 1:  # gigatoken's pool, made on first use
+    threads = os.environ.get("RAYON_NUM_THREADS")
+    if in_process(args, tokenizer):  # the size of gigatoken's pool, made on its first use
         os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     parquet = is_parquet(args.input)
     stream, raw = (None, None) if parquet else open_input(args.input)
@@ -472,6 +473,10 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
         if stream is not None:
             stream.close()
             raw.close()
+        if threads is None:  # as it was (the tool may run inside another program)
+            os.environ.pop("RAYON_NUM_THREADS", None)
+        else:
+            os.environ["RAYON_NUM_THREADS"] = threads
     meter.close()
     print("done: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr)
     return counts
