@@ -20,7 +20,7 @@ import numpy as np
 
 from app.utils.fileio import atomic_write
 
-from app.config.blends import SPLIT_NAMES, DataBlends, parse_blend
+from app.config.blends import DataBlends, parse_blend
 from app.data.blendable_dataset import BlendableDataset
 from app.data.index_builder import INDEX_VERSION, build_indices
 from app.data.index_cache import IndexCache, digest, load_or_build
