@@ -114,3 +114,15 @@ def test_a_data_parallel_change_in_the_ramp_reads_the_same_samples():
     assert [sorted(c) for c in straight[:2]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # saved after iteration 5 (consumed 24); resumed at data-parallel size 2
     assert iteration_reads(24, 2, 2, RAMP, 5) == straight[5:]
+
+
+def test_dry_run_describes_the_schedule():
+    from app.training.planning.preflight import Report, describe_config
+
+    report = Report()
+    describe_config(report, build(["--rampup-batch-size", "4", "4", "40",
+                                   "--global-batch-size", "16", "--train-samples", "100"]))
+    text = report.render()
+    assert "10 iterations = 92 samples" in text
+    assert ("--rampup-batch-size 4 4 40: global batch 4 -> 8 -> 12 -> 16, micro-batches "
+            "2 -> 4 -> 6 -> 8 per data-parallel rank") in text
