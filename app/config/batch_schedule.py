@@ -110,15 +110,6 @@ class BatchSchedule:
         per_increment = samples / ((self.final - start) // increment)
         return start + int(consumed_samples / per_increment) * increment
 
-    def sizes(self) -> List[int]:
-        """Every batch size the schedule can take, in order."""
-        if self.steps is not None:
-            return [batch for _, batch in self.steps]
-        if self.rampup is None:
-            return [self.final]
-        start, increment, _ = self.rampup
-        return list(range(start, self.final + 1, increment))
-
     def _next_change(self, consumed: int) -> Optional[int]:
         """The least consumed count above `consumed` whose batch differs (None: never)."""
         if self.steps is not None:

@@ -133,7 +133,10 @@ def _plan_split(blend: Blend, name: str, needed: int, ranges: Callable[[str], Tu
         part = (None if count == 0 else
                 _part(_open(prefix, opened), prefix, name, ranges(prefix), count, seq_length,
                       weight))
-        (parts.append(part) if part is not None else left_out.append(prefix))
+        if part is None:
+            left_out.append(prefix)
+        else:
+            parts.append(part)
     if not parts:
         return None
     if blend.weights is None:
