@@ -50,18 +50,18 @@ def preflight(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Repor
                   f"{tokenizer.eod}")
     except (ValueError, OSError) as exc:
         report.error(str(exc))
-    cfg = None
+    cfg, data = None, None
     try:  # with no tokenizer, a placeholder vocabulary still checks the flags and the JSON
         dry = arguments.dry_run_config(args)
         cfg = arguments.build_run_config(args, dry.world_size or world.world_size,
                                          vocab or args.make_vocab_size_divisible_by)
+        data = cfg.data
     except ValueError as exc:
         report.section("configuration")
         report.error(str(exc))
+        data = arguments.data_config(args)  # the data files are checked all the same
     return preflight_lib.run_checks(
-        report, cfg if vocab is not None else None, data_path=args.data_path,
-        mock_data=args.mock_data, split=args.split,
-        data_cache_path=args.data_cache_path, vocab_size=vocab,
+        report, cfg if vocab is not None else None, data=data, vocab_size=vocab,
         device_memory_gib=args.dry_run_device_memory)
 
 

@@ -26,10 +26,12 @@ MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_h
 
 
 def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
-                              consumed_valid_samples: int, iteration: int) -> argparse.Namespace:
+                              consumed_valid_samples: int, iteration: int,
+                              data_order: Optional[Dict[str, Any]] = None) -> argparse.Namespace:
     """The `args` Namespace stored in a checkpoint: Megatron's names, from `cfg` and the position.
 
-    Carries the model shape, the parallel layout, the data position and a few fields Megatron
+    Carries the model shape, the parallel layout, the data position, the data-order record
+    (`data_order`, app.data.plan.order_record; None when not known) and a few fields Megatron
     tools read (params_dtype, position_embedding_type, ...). Plain Python values and one
     torch.dtype only, so it loads under weights_only with Namespace allow-listed.
     """
@@ -73,7 +75,7 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         lr_warmup_iters=o.lr_warmup_iters,
         consumed_train_samples=int(consumed_train_samples),
         consumed_valid_samples=int(consumed_valid_samples), iteration=int(iteration),
-        data_path=list(cfg.data.data_path))
+        data_path=list(cfg.data.data_path), split=cfg.data.split, data_order=data_order)
 
 
 NOT_SAVED = ("layernorm_fusion", "cross_entropy_loss_fusion", "attention_backend")

@@ -29,7 +29,7 @@ from app.config.optimizer import (LR_DECAY_STYLES, MUON_COEFFICIENT_TYPES,
                                   MUON_MATMUL_PRECISIONS, MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES,
                                   MUON_TP_MODES, OPTIMIZERS, OptimizerConfig, check_muon_layout)
 from app.config.parallel import DISTRIBUTED_BACKENDS, ParallelConfig, PrecisionConfig
-from app.config.preflight import DryRunConfig
+from app.config.preflight import DryRunConfig, PrepareCacheConfig
 from app.config.recompute import RecomputePlan, recompute_plan, resolve_recompute_flags
 from app.config.rules import divisible, positive, split_weights
 from app.config.run import RunConfig, samples_per_split
@@ -42,6 +42,7 @@ __all__ = [
     "DeepSpeedConfig", "DryRunConfig", "KernelConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",
     "ModelConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
+    "PrepareCacheConfig",
     "RecomputePlan", "RollbackConfig", "RunConfig", "TrainingConfig", "WandbConfig",
     "check_muon_layout", "default_kernel_build_timeout", "divisible", "positive",
     "recompute_plan", "resolve_recompute_flags", "samples_per_split", "split_weights"]

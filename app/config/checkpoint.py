@@ -31,6 +31,11 @@ class CheckpointConfig:
         "--overwrite-checkpoints", default=False,
         help="allow training from scratch (or from another --load) into a --save directory that "
              "already holds checkpoints")
+    allow_data_order_change: bool = option(
+        "--allow-data-order-change", default=False,
+        help="resume even though the data paths, blend weights, --split, --seed, --seq-length "
+             "or sample counts differ from the checkpoint's in a way that reorders the samples "
+             "(refused otherwise, naming what changed)")
     async_save: bool = option(
         "--async-save", default=False,
         help="write checkpoint files in the background while training goes on; the checkpoint "

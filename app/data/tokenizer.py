@@ -10,6 +10,9 @@ document can never inject a document boundary.
 `NullTokenizer` (Megatron-LM's) has no files: a vocabulary size N (--vocab-size), ids 0..N-1
 and the end of document N-1; for --mock-data and for data tokenized elsewhere.
 
+`encode_flat` tokenizes a batch into one flat array with gigatoken (a Rust BPE) when it is
+installed: the same ids, computed much faster (bench/bench_preprocess.py).
+
 No network access anywhere: everything is built from local files.
 """
 from __future__ import annotations
@@ -18,6 +21,8 @@ import json
 import logging
 import os
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,39 @@ class GPT2BPETokenizer:
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """`[tokenize(t) for t in texts]`, computed in one call (faster for many short texts)."""
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+        """(tokens uint32 [total], lengths int64 [len(texts)]): `tokenize` of every text, back to
+        back. By gigatoken (a Rust BPE, on its thread pool: RAYON_NUM_THREADS threads; none in a
+        multiprocessing worker or with `parallel` False) when it is installed, built from this
+        tokenizer and so giving the same ids; else by `tokenizers`."""
+        fast = self._gigatoken()
+        if fast is not None:
+            import awkward as ak
+            encoded = fast.encode_batch(list(texts), parallel=parallel)
+            lengths = np.asarray(ak.num(encoded, axis=1), dtype=np.int64)
+            return np.asarray(ak.flatten(encoded), dtype=np.uint32), lengths
+        ids = self.tokenize_batch(texts)
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(lengths.sum()))
+        return flat, lengths
+
+    def _gigatoken(self):
+        """The gigatoken copy of this tokenizer (made once), or None without gigatoken."""
+        if not hasattr(self, "_fast"):
+            try:
+                import gigatoken
+            except ImportError:
+                self._fast = None
+            else:
+                self._fast = gigatoken.Tokenizer(self._tokenizer)
+        return self._fast
+
+    @property
+    def fast_backend(self) -> str:
+        """The library `encode_flat` uses: 'gigatoken' or 'tokenizers'."""
+        return "gigatoken" if self._gigatoken() is not None else "tokenizers"
 
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text of the token ids (inverse of tokenize for valid UTF-8 text)."""

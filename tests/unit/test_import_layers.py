@@ -19,7 +19,7 @@ LAYERS = [
     ["app.training.telemetry", "app.training.loss", "app.training.data_loading"],
     ["app.training.resilience"],
     ["app.training.planning", "app.training.engines"],
-    ["app.training.trainer"],
+    ["app.training.trainer", "app.training.state"],
     ["app.training.run", "app.convert", "app.inference"],
     ["app.training.pretrain"],
 ]

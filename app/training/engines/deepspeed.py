@@ -331,7 +331,7 @@ class DeepSpeedEngineAdapter(Engine):
             state["scheduler_steps"] = {"num_steps": int(self.lr_scheduler.num_steps)}
         state["args"] = checkpoint_args_namespace(  # lets converters write Megatron's layout
             self.cfg, client_state["consumed_train_samples"],
-            client_state["consumed_valid_samples"], iteration)
+            client_state["consumed_valid_samples"], iteration, client_state.get("data_order"))
         if not self.cfg.checkpoint.no_save_rng:
             state["rng_state"] = rng_state_dict()
         files, directory = self.files, names.checkpoint_dir(save_dir, iteration)

@@ -64,13 +64,18 @@ class NativeEngine(Engine):
             allreduce_embedding_grad(None if tied is None else self.optimizer.embedding_grad(tied),
                                      self.ps)
 
+    def set_global_batch(self, global_batch_size: int, num_micro_batches: int) -> None:
+        super().set_global_batch(global_batch_size, num_micro_batches)
+        if hasattr(self.optimizer, "num_micro_batches"):  # the distributed optimizer's buckets
+            self.optimizer.num_micro_batches = num_micro_batches
+
     def step(self) -> StepResult:
         self._sync_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         outcome = self.optimizer.step(self.ps, self.cfg.optimizer.clip_grad, world_group(),
                                       self._nonfinite_loss)
         if not outcome.skipped:
-            self.lr_scheduler.step(1)
+            self.lr_scheduler.step()  # one update: an iteration, or its batch in samples
         return StepResult(grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
                           loss_scale=self.optimizer.loss_scale, nonfinite=outcome.nonfinite,
                           nonfinite_loss=outcome.nonfinite_loss)
@@ -98,7 +103,7 @@ class NativeEngine(Engine):
         c = self.cfg.checkpoint
         args_ns = checkpoint_args_namespace(
             self.cfg, client_state["consumed_train_samples"],
-            client_state["consumed_valid_samples"], iteration)
+            client_state["consumed_valid_samples"], iteration, client_state.get("data_order"))
         rng = None if c.no_save_rng else rng_state_dict()
         writer = self.ps.data_parallel_rank == 0  # one replica writes; the others follow it
         state = ckpt.build_checkpoint_dict(
@@ -164,6 +169,7 @@ class NativeEngine(Engine):
         position = {"iteration": iteration if iteration == "release" else int(iteration)}
         for key in ("consumed_train_samples", "consumed_valid_samples"):
             position[key] = int(getattr(args, key, 0) or 0)
+        position["data_order"] = getattr(args, "data_order", None)
         return CheckpointContents(path=where, iteration=iteration, args=args,
                                   client_state=position, rng_state=state.get("rng_state"),
                                   scheduler_state=state.get("lr_scheduler"))

@@ -95,6 +95,8 @@ class LoadResult:
     consumed_train_samples: int
     consumed_valid_samples: int
     path: str
+    data_order: Optional[Dict[str, Any]] = None
+    """The checkpoint's data-order record (app.data.plan.order_record), None when it has none."""
 
 
 @dataclass(frozen=True)
@@ -323,7 +325,8 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
         ckpt.apply_rng_state(contents.rng_state, load_rng_state_dict)
     position = contents.client_state
     return LoadResult(saved_iteration, int(position.get("consumed_train_samples", 0)),
-                      int(position.get("consumed_valid_samples", 0)), contents.path)
+                      int(position.get("consumed_valid_samples", 0)), contents.path,
+                      position.get("data_order"))
 
 
 def load_on_all_ranks(engine: Any, load_dir: str, device: torch.device,
