@@ -4,7 +4,8 @@ commit over every rank.
 One file (`write_checked_file`): written under a temporary name, fsynced, its SHA-256 sidecar
 written, then renamed; `remove_written_file` is its undo. One save (`commit_save`):
 
-1. every rank writes its files durably (the engine's `write` step);
+1. every rank writes its files durably (the engine's `write` step), then, with a `publish`
+   step, the ranks exchange what they wrote and one writes the files naming them all;
 2. the ranks agree that all of them succeeded, else every rank undoes its part (the engine's
    `undo` step, and the iteration directory when this save created it) and raises
    CheckpointSaveError, and the previous checkpoint stays the latest;
@@ -44,6 +45,12 @@ SAVE_STAGES = ("start", "rank_tmp_written", "rank_checksum_committed", "rank_fil
 WriteStep = Callable[[], Optional[Tuple[str, OSError]]]
 """Writes this rank's files durably; returns (path, error) of the first file that could not
 be written (a full disk), None when all were. Must not raise OSError."""
+
+PublishStep = Callable[[bool], Optional[Tuple[str, OSError]]]
+"""Runs on every rank in the training thread once its write step is over, before the ranks
+agree, with whether this rank's write succeeded: a step that needs every rank's result (the
+torch_dist format gathers what each rank wrote and one rank writes the global metadata).
+Returns (path, error) when its own writing failed, None otherwise. Must not raise OSError."""
 
 
 def _hook(stage: str) -> None:
@@ -182,8 +189,10 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
                undo: Callable[[], None], agree: Callable[[bool], bool],
                is_tracker_writer: bool, keep_last_n: Optional[int] = None,
                deepspeed_latest: bool = False, capture: Optional[Callable[[], None]] = None,
-               background: bool = False) -> "PendingSave":
-    """Step 1 of `commit_save` (same arguments), its steps 2-4 left to `PendingSave.finish`.
+               background: bool = False, publish: Optional[PublishStep] = None
+               ) -> "PendingSave":
+    """Step 1 of `commit_save` (same arguments), its steps 2-4 left to `PendingSave.finish`
+    (which runs `publish` first, in the calling thread).
 
     `capture` runs first in the calling thread (after the iteration directory was looked at):
     it copies the state that `write` will write, so training may change the live state once
@@ -202,7 +211,7 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
             raise
     pending = PendingSave(save_dir, iteration, undo=undo, agree=agree,
                           is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
-                          deepspeed_latest=deepspeed_latest, fresh=fresh)
+                          deepspeed_latest=deepspeed_latest, fresh=fresh, publish=publish)
     pending.run(write, background)
     return pending
 
@@ -218,13 +227,15 @@ class PendingSave:
 
     def __init__(self, save_dir: str, iteration: names.Iteration, *, undo: Callable[[], None],
                  agree: Callable[[bool], bool], is_tracker_writer: bool,
-                 keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool) -> None:
+                 keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool,
+                 publish: Optional[PublishStep] = None) -> None:
         self.save_dir, self.iteration = save_dir, iteration
         self.directory = names.checkpoint_dir(save_dir, iteration)
         self.agree = agree
         self._undo, self._fresh = undo, fresh
         self._tracker_writer, self._keep_last_n = is_tracker_writer, keep_last_n
         self._deepspeed_latest = deepspeed_latest
+        self._publish = publish
         self._failed: Optional[Tuple[str, OSError]] = None
         self._raised: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
@@ -254,6 +265,10 @@ class PendingSave:
         if self._thread is not None:
             self._thread.join()
         ok = self._failed is None and self._raised is None
+        if self._publish is not None:  # every rank, even after a failed write
+            published = self._publish(ok)
+            if published is not None and ok:
+                self._failed, ok = published, False
         if not self.agree(ok):  # every rank's files of this iteration are complete, or none
             _undo(self._undo, self.directory, self._fresh)
             if self._raised is not None:
