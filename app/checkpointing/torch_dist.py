@@ -34,6 +34,7 @@ from app.checkpointing import (CheckpointError, commit, dcp_files, mcore_names, 
                                sharding)
 from app.checkpointing.dcp_files import Entry, RankFiles
 from app.checkpointing.names import Iteration, checkpoint_dir
+from app.optim.mixed_precision import check_saved_groups
 from app.optim.model_space import MAIN, ModelSpaceState, ParamState
 
 FORMAT = "torch_dist"
@@ -343,6 +344,11 @@ def _optimizer_boxes(reader: dcp_files.Reader, template: ModelSpaceState,
                      common: Dict[str, Any]) -> Tuple[ModelSpaceState, List[Any]]:
     """The model-space state to fill (tensors allocated) and the boxes filling it."""
     saved = mcore_state.optimizer_common(common, reader.directory)
+    if saved.named_groups:
+        try:
+            check_saved_groups(saved.param_groups, template.param_groups)
+        except ValueError as exc:
+            raise CheckpointError(f"optimizer state in {reader.directory}: {exc}") from exc
     boxes: List[Any] = []
     out: List[ParamState] = []
     missing: List[str] = []
