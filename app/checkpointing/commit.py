@@ -53,7 +53,8 @@ torch_dist format gathers what each rank wrote and one rank writes the global me
 Returns (path, error) when its own writing failed, None otherwise. Must not raise OSError."""
 
 
-def _hook(stage: str) -> None:
+def save_stage(stage: str) -> None:
+    """Report that this rank's save reached `stage` (one of SAVE_STAGES) to SAVE_HOOK."""
     if SAVE_HOOK is not None:
         SAVE_HOOK(stage)
 
@@ -75,12 +76,12 @@ def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: b
     tmp = tmp_path(path)
     write_durably(tmp, write)
     try:
-        _hook("rank_tmp_written")
+        save_stage("rank_tmp_written")
         digest, sidecar = sha256_file(tmp), sidecar_path(path, hidden_sidecar)
         name = os.path.basename(path)
         old = read_checksums(sidecar) if os.path.exists(path) else []
         write_checksums(sidecar, name, [digest] + [d for d in old if d != digest])
-        _hook("rank_checksum_committed")
+        save_stage("rank_checksum_committed")
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):
@@ -89,7 +90,7 @@ def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: b
     if old:
         write_checksums(sidecar, name, [digest])
     fsync_dir(directory)
-    _hook("rank_file_committed")
+    save_stage("rank_file_committed")
 
 
 def remove_written_file(path: str, stop_at: str) -> None:
@@ -199,7 +200,7 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
     this returns. With `background` the `write` step runs in a thread of its own (it must
     then touch no collective and no live state); without, before this returns.
     """
-    _hook("start")
+    save_stage("start")
     directory = names.checkpoint_dir(save_dir, iteration)
     fresh = not os.path.isdir(directory)  # before any rank of this save can create it
     _mark_in_progress(directory)
@@ -278,20 +279,20 @@ class PendingSave:
         error: Optional[OSError] = None
         previous_tag: Optional[str] = None
         if self._tracker_writer:
-            _hook("before_tracker")
+            save_stage("before_tracker")
             try:
                 if self._deepspeed_latest:
                     previous_tag = names.read_latest_tag(self.save_dir) or ""
                     names.write_latest_tag(self.save_dir, names.iteration_tag(self.iteration))
                 names.write_tracker(self.save_dir, self.iteration,
-                                    before_replace=lambda: _hook("tracker_tmp_written"))
+                                    before_replace=lambda: save_stage("tracker_tmp_written"))
             except OSError as exc:
                 error = exc
             else:
-                _hook("tracker_committed")
+                save_stage("tracker_committed")
                 if self._keep_last_n and self.iteration != names.RELEASE:
                     rotate_checkpoints(self.save_dir, self._keep_last_n, int(self.iteration))
-                    _hook("rotated")
+                    save_stage("rotated")
         if not self.agree(error is None):  # the tracker names this iteration on every return
             if previous_tag is not None:
                 _restore_latest(self.save_dir, previous_tag)

@@ -37,7 +37,7 @@ import signal
 import types
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -120,12 +120,15 @@ def _write_item(entry: Entry, index: int) -> Tuple[WriteItem, Any]:
     return item, tensor
 
 
-def write_rank_files(directory: str, rank: int, entries: Sequence[Entry]) -> RankFiles:
+def write_rank_files(directory: str, rank: int, entries: Sequence[Entry],
+                     stage: Callable[[str], None] = lambda name: None) -> RankFiles:
     """Write `entries` as `{directory}/__{rank}_0.distcp` crash-safely (no collective).
 
     torch's FileSystemWriter writes and fsyncs the file in a temporary directory (a
-    `fileio.tmp_path` name inside `directory`); it is hashed and renamed into place. A rank
-    with nothing to write writes no file. Raises OSError as the writer does (a full disk).
+    `fileio.tmp_path` name inside `directory`); it is hashed and renamed into place. `stage`
+    hears "rank_tmp_written" before and "rank_file_committed" after the rename (the crash
+    tests' seam, app.checkpointing.commit.save_stage). A rank with nothing to write writes no
+    file. Raises OSError as the writer does (a full disk).
     """
     if not entries:
         return RankFiles()
@@ -145,8 +148,10 @@ def write_rank_files(directory: str, rank: int, entries: Sequence[Entry]) -> Ran
         digests = {}
         for name in sorted({r.storage_data.relative_path for r in results}):
             digests[name] = sha256_file(os.path.join(staging, name))
+            stage("rank_tmp_written")
             os.replace(os.path.join(staging, name), os.path.join(directory, name))
         fsync_dir(directory)
+        stage("rank_file_committed")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return RankFiles(items, results, digests)

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from app.checkpointing import CheckpointError, dcp_files, names, torch_dist
+from app.checkpointing import CheckpointError, dcp_files, mcore_state, names, torch_dist
 from app.checkpointing import files as ckpt_files
 
 MEGATRON = "megatron"
@@ -221,8 +221,15 @@ def check_loadable(load_dir: str, iteration: names.Iteration, *, deepspeed: bool
 def read_saved_state(layout: SavedLayout) -> dict:
     """The dict stored in the first weight file, memory-mapped (tensors are not read), loaded
     with weights_only and the checkpoint allow-list after its SHA-256 sidecar (when present) is
-    verified: its `args`, `iteration`, `lr_scheduler`. CheckpointError (UnsafeCheckpointError
+    verified: its `args`, `iteration`, `lr_scheduler` (for torch_dist: from the common state,
+    and `rng_state` the keys of its RNG objects). CheckpointError (UnsafeCheckpointError
     for a file that would run code) naming the file otherwise."""
+    if layout.format == TORCH_DIST:
+        reader = dcp_files.Reader(layout.directory)
+        common = torch_dist.read_common(reader)
+        rng = [key for key in reader.keys() if key.startswith("rng_state/")]
+        return {"args": common.get("args"), "iteration": common.get("iteration"),
+                "lr_scheduler": mcore_state.scheduler_state(common), "rng_state": rng or None}
     path = layout.model_files[0]
     ckpt_files.verify_checksum(path)
     state = ckpt_files.safe_torch_load(path, "cpu", mmap=True)

@@ -173,7 +173,8 @@ def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *,
 
     def write() -> Optional[Tuple[str, OSError]]:
         try:
-            written.append(dcp_files.write_rank_files(directory, rank, entries))
+            written.append(dcp_files.write_rank_files(directory, rank, entries,
+                                                      commit.save_stage))
         except OSError as exc:
             return os.path.join(directory, f"__{rank}_0.distcp"), exc
         return None
