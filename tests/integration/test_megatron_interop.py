@@ -23,7 +23,7 @@ from tests.integration.launch_utils import ROOT, env
 
 MEGATRON = os.environ.get("MEGATRON_LM")
 PYTHON = os.environ.get("MEGATRON_PYTHON", sys.executable)
-SIDE = os.path.join(ROOT, "tests", "interop", "megatron_side.py")
+SIDE = os.path.join(ROOT, "tests", "integration", "megatron_side.py")
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-2", "--hidden-dropout", "0",
