@@ -362,3 +362,41 @@ def test_megatron_objects_in_the_common_state_load_as_inert_stand_ins():
     value = dcp_files.load_object(blob.getvalue(), "common_state")
     assert value[0]["args"].num_layers == 2
     assert isinstance(value[0]["args"].model_type, dcp_files.ForeignObject)
+
+
+def test_ckpt_format_flags():
+    import arguments
+    from tests.unit.test_arguments import DS_JSON
+    base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "4", "--max-position-embeddings", "4", "--micro-batch-size", "1",
+            "--train-iters", "1"]
+    assert arguments.config_from_argv(base, 1, 64).checkpoint.ckpt_format == "torch"
+    cfg = arguments.config_from_argv(base + ["--ckpt-format", "torch_dist",
+                                             "--auto-detect-ckpt-format"], 1, 64)
+    assert (cfg.checkpoint.ckpt_format, cfg.checkpoint.auto_detect_ckpt_format) == ("torch_dist",
+                                                                                    True)
+    with pytest.raises(ValueError, match="--ckpt-format torch_dist is written by the native"):
+        arguments.config_from_argv(base + ["--ckpt-format", "torch_dist", "--deepspeed",
+                                           "--deepspeed_config", DS_JSON], 1, 64)
+
+
+def test_layout_of_a_torch_dist_directory(saved, tmp_path):
+    from app.checkpointing import layouts
+    directory, *_ = saved
+    layout = layouts.inspect_directory(directory)
+    assert (layout.format, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+            layout.data_parallel_size, layout.missing) == ("torch_dist", 2, 2, 2, [])
+    assert "resharded on load" in layout.describe()
+    kwargs = dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+                  data_parallel_size=3, load_optimizer=True)
+    assert layouts.loadable_problem(layout, str(tmp_path), deepspeed=False, **kwargs) is None
+    assert "resume it without --deepspeed" in layouts.loadable_problem(
+        layout, str(tmp_path), deepspeed=True, **kwargs)
+    partial = tmp_path / "partial"
+    os.makedirs(partial)
+    for name in os.listdir(directory):
+        if name != "__5_0.distcp":
+            (partial / name).write_bytes(open(os.path.join(directory, name), "rb").read())
+    layout = layouts.inspect_directory(str(partial))
+    assert "is incomplete" in layouts.loadable_problem(layout, str(tmp_path), deepspeed=False,
+                                                       **kwargs)
