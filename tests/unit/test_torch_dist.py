@@ -400,3 +400,42 @@ def test_layout_of_a_torch_dist_directory(saved, tmp_path):
     layout = layouts.inspect_directory(str(partial))
     assert "is incomplete" in layouts.loadable_problem(layout, str(tmp_path), deepspeed=False,
                                                        **kwargs)
+
+
+def test_a_failed_save_is_undone_and_a_corrupt_file_is_refused(tmp_path, monkeypatch):
+    """One process through the engine: a full disk while a rank writes its shards, or while
+    rank 0 writes the metadata, undoes the save (the tracker still names the last good one, no
+    file of it is left); a flipped byte in a shard file stops the load naming the file."""
+    import errno
+    import arguments
+    from app.checkpointing import commit, names
+    from app.testing.synthetic import build_synthetic_run
+    argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "4", "--max-position-embeddings", "4", "--micro-batch-size", "1",
+            "--train-iters", "8", "--ckpt-format", "torch_dist", "--hidden-dropout", "0"]
+    run = build_synthetic_run(arguments.config_from_argv(argv, 1, 64), 16)
+    engine, ck = run["engine"], str(tmp_path / "ck")
+    client = dict(iteration=2, consumed_train_samples=2, consumed_valid_samples=0)
+    run["trainer"].train_step(run["iterator"])
+    engine.save_checkpoint(ck, 2, client)
+
+    def full_disk(when, real):
+        def fail(path, *args, **kwargs):
+            if when in str(path):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real(path, *args, **kwargs)
+        return fail
+    for iteration, target, name in ((4, dcp_files, "sha256_file"),
+                                    (6, dcp_files, "atomic_write_bytes")):
+        with monkeypatch.context() as patch:
+            patch.setattr(target, name, full_disk(f"iter_{iteration:07d}", getattr(target, name)))
+            with pytest.raises(commit.CheckpointSaveError, match="ENOSPC.*still iteration 2"):
+                engine.save_checkpoint(ck, iteration, client)
+        assert names.read_tracker(ck) == 2 and sorted(os.listdir(ck)) == [
+            "iter_0000002", "latest_checkpointed_iteration.txt"]
+    shard = os.path.join(ck, "iter_0000002", "__0_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 3] ^= 0x01
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is corrupt"):
+        engine.load_checkpoint(ck)
