@@ -1,5 +1,5 @@
-"""The old checkpoints of tests/data/old_checkpoints (native fp32, native fp16 with its loss scale,
-DeepSpeed ZeRO-1), converted to --ckpt-format torch_dist with their optimizer states by
+"""The old checkpoints of tests/data/old_checkpoints (native fp16 with its loss scale and fp32 main
+weights, DeepSpeed ZeRO-1; the fp32 one converts in tests/unit/test_torch_dist_convert.py), converted to --ckpt-format torch_dist with their optimizer states by
 tools/convert_checkpoint.py, resume on the native path through the command line and give the
 losses, grad norms, loss scales and LRs the runs that wrote them recorded for iterations 3 and 4
 (expected.json: bitwise in the environment it was recorded in, else within 1e-3, as
@@ -15,7 +15,7 @@ from tests.integration.launch_utils import ROOT, run
 from tests.integration.test_old_checkpoints import (COMMANDS, EXPECTED, FIXTURES, command,
                                                     same_environment)
 
-SOURCES = {"native_fp32": "megatron", "native_fp16": "megatron", "deepspeed_zero1": "deepspeed"}
+SOURCES = {"native_fp16": "megatron", "deepspeed_zero1": "deepspeed"}
 
 
 def native_command(name, work):
@@ -37,7 +37,7 @@ def test_old_checkpoint_converted_to_torch_dist_resumes_with_the_same_losses(nam
     assert sorted(os.listdir(converted / f"iter_{saved:07d}")) == [
         ".metadata", "__0_0.distcp", "integrity.json", "metadata.json"]
     args = native_command(name, tmp_path) + ["--load", str(converted)]
-    if name == "native_fp32":
+    if name == "native_fp16":
         report = run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *args,
                       "--dry-run"], tmp_path).stdout
         assert ("torch_dist layout saved at tensor-parallel size 1, pipeline-parallel size 1"
