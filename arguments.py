@@ -31,6 +31,7 @@ from app.config.deepspeed import load_ds_json, reconcile_ds_config
 from app.config.options import Option, check_unique, flag_group, from_flags, iter_options
 from app.data.tokenizer import pad_vocab_size
 from app.launch.distributed import check_backend, default_backend
+from app.utils.third_party import prepare_deepspeed_import
 
 ROOTS = (RunConfig, DryRunConfig)
 """The config classes whose option fields make the command line."""
@@ -66,6 +67,7 @@ def _add_option(group: Any, opt: Option) -> None:
 def _add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
     """DeepSpeed's own flags (--deepspeed, --deepspeed_config, --deepscale*), from deepspeed
     when it imports; the same spellings otherwise."""
+    prepare_deepspeed_import()
     try:
         import deepspeed  # by design (deepspeed.add_config_arguments): DeepSpeed's own flags
         deepspeed.add_config_arguments(parser)
@@ -145,13 +147,17 @@ def _explicit_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Fro
 
 
 def format_args(args: argparse.Namespace) -> List[str]:
-    """Megatron-style listing of every argument, one "  name .... value" line each, sorted."""
+    """Megatron-style listing, one "  name .... value" line each, sorted, of the arguments whose
+    value is not the parser's default (the others are what `--help` says); derived settings are
+    in the start-up lines that follow it."""
+    defaults = vars(build_parser().parse_args([]))
     lines = []
     for key in sorted(vars(args)):
-        if key.startswith("_"):
+        value = getattr(args, key)
+        if key.startswith("_") or (key in defaults and defaults[key] == value):
             continue
         dots = "." * max(1, 48 - len(key))
-        lines.append(f"  {key} {dots} {getattr(args, key)}")
+        lines.append(f"  {key} {dots} {value}")
     return lines
 
 

@@ -69,7 +69,7 @@ def _rank_main(layers: int, repeats: int, directory: str, layout: List[str]) -> 
     """Every measurement of this rank: {format: {"save": [...], "write": [...], "bytes": n,
     "load": [...]}}."""
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     import torch.distributed as dist
 
     record = {"write": 0.0, "bytes": 0}
@@ -103,7 +103,7 @@ def _rank_main(layers: int, repeats: int, directory: str, layout: List[str]) -> 
 
 
 def main() -> None:
-    from app.testing.distributed import run_distributed
+    from tests.harness.distributed import run_distributed
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-layers", type=int, default=6)

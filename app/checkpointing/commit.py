@@ -1,8 +1,9 @@
 """How a save becomes the latest checkpoint, for both engines: crash-safe files and a two-phase
 commit over every rank.
 
-One file (`write_checked_file`): written under a temporary name, fsynced, its SHA-256 sidecar
-written, then renamed; `remove_written_file` is its undo. One save (`commit_save`):
+One file (`write_checked_file`, through `fileio.atomic_open`): written under a temporary name,
+fsynced, its SHA-256 sidecar written, then renamed; `remove_written_file` is its undo. One save
+(`commit_save`):
 
 1. every rank writes its files durably (the engine's `write` step), then, with a `publish`
    step, the ranks exchange what they wrote and one writes the files naming them all;
@@ -18,8 +19,8 @@ point leaves the previous checkpoint loadable. An asynchronous save (--async-sav
 `start_save` copies the state (the engine's `capture`) and runs step 1 in a background thread;
 `PendingSave.finish`, called later from the training thread on every rank, waits for it and
 runs steps 2-4, so the collectives never leave the training thread and the pointer files move
-only after every rank's files are durable. `SAVE_HOOK` sees every stage (`SAVE_STAGES`,
-in order) for the crash tests.
+only after every rank's files are durable. Each stage (`SAVE_STAGES`, in order) is the
+fault-injection point `faults.SAVE_STAGE` (app/utils/faults.py), where the crash tests strike.
 """
 from __future__ import annotations
 
@@ -34,10 +35,9 @@ from typing import Any, Callable, List, Optional, Tuple
 from app.checkpointing import CheckpointError, names
 from app.checkpointing.files import read_checksums, sha256_file, sidecar_path, write_checksums
 from app.launch.distributed import all_ranks_ok
-from app.utils.fileio import fsync_dir, tmp_path, write_durably
+from app.utils import faults
+from app.utils.fileio import atomic_open
 
-SAVE_HOOK: Optional[Callable[[str], None]] = None
-"""Test seam: called with the name of each stage of a save (see SAVE_STAGES)."""
 SAVE_STAGES = ("start", "rank_tmp_written", "rank_checksum_committed", "rank_file_committed",
                "before_tracker", "tracker_tmp_written", "tracker_committed", "rotated")
 """The stages of a save in order (the rank_* ones once per file written)."""
@@ -53,10 +53,10 @@ torch_dist format gathers what each rank wrote and one rank writes the global me
 Returns (path, error) when its own writing failed, None otherwise. Must not raise OSError."""
 
 
-def save_stage(stage: str) -> None:
-    """Report that this rank's save reached `stage` (one of SAVE_STAGES) to SAVE_HOOK."""
-    if SAVE_HOOK is not None:
-        SAVE_HOOK(stage)
+def save_stage(name: str) -> None:
+    """This rank's save reached stage `name` (one of SAVE_STAGES): the fault-injection point
+    (also for the torch_dist format's rank files, app.checkpointing.dcp_files)."""
+    faults.fire(faults.SAVE_STAGE, name)
 
 
 # ---------------------------------------------------------------------------- one file
@@ -65,31 +65,29 @@ def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: b
                        ) -> None:
     """Write `path` with `write(f)` crash-safely, with a SHA-256 sidecar (`sidecar_path`).
 
-    tmp file + fsync, checksum sidecar, then atomic rename; safe to crash at any point, and a
-    failed write (a full disk) leaves no temporary file. While the data file is being replaced
-    the sidecar lists both the old and the new digest, so whichever file is on disk after a
-    crash still verifies. Used for Megatron's files and, through the checkpoint-engine hook of
+    `fileio.atomic_open` (durable): a temporary file, fsynced, then renamed; in between, the
+    sidecar gets the new file's digest. Safe to crash at any point, and a failed write (a full
+    disk) leaves no temporary file. While the data file is being replaced the sidecar lists
+    both the old and the new digest, so whichever file is on disk after a crash still verifies.
+    Used for Megatron's files and, through the checkpoint-engine hook of
     app.training.engines.deepspeed, for DeepSpeed's (hidden sidecars).
     """
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = tmp_path(path)
-    write_durably(tmp, write)
-    try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sidecar, name = sidecar_path(path, hidden_sidecar), os.path.basename(path)
+    digests: List[str] = []
+
+    def list_new_digest(tmp: str) -> None:  # tmp is complete and durable; path not replaced yet
         save_stage("rank_tmp_written")
-        digest, sidecar = sha256_file(tmp), sidecar_path(path, hidden_sidecar)
-        name = os.path.basename(path)
+        digests.append(sha256_file(tmp))
         old = read_checksums(sidecar) if os.path.exists(path) else []
-        write_checksums(sidecar, name, [digest] + [d for d in old if d != digest])
+        digests.extend(d for d in old if d != digests[0])
+        write_checksums(sidecar, name, digests)
         save_stage("rank_checksum_committed")
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    if old:
-        write_checksums(sidecar, name, [digest])
-    fsync_dir(directory)
+
+    with atomic_open(path, "wb", durable=True, before_replace=list_new_digest) as f:
+        write(f)
+    if len(digests) > 1:  # the old file is gone: its digest no longer verifies anything
+        write_checksums(sidecar, name, digests[:1])
     save_stage("rank_file_committed")
 
 
@@ -285,7 +283,7 @@ class PendingSave:
                     previous_tag = names.read_latest_tag(self.save_dir) or ""
                     names.write_latest_tag(self.save_dir, names.iteration_tag(self.iteration))
                 names.write_tracker(self.save_dir, self.iteration,
-                                    before_replace=lambda: save_stage("tracker_tmp_written"))
+                                    before_replace=lambda _: save_stage("tracker_tmp_written"))
             except OSError as exc:
                 error = exc
             else:

@@ -75,6 +75,10 @@ class RunConfig:
             raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
                              "shard the optimizer with ZeRO (zero_optimization.stage 1 or 2 in "
                              "the JSON, e.g. ds_configs/zero1.json) and drop the flag")
+        if self.deepspeed.enabled and self.kernels.compile_layers:
+            raise ValueError("--compile-layers is for the native path (DeepSpeed wraps the model "
+                             "in its own engine, whose compile this project does not use): drop "
+                             "--compile-layers or --deepspeed")
         if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
             raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
                              "--deepspeed set the gradient accumulation dtype in the JSON "

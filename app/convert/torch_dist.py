@@ -104,7 +104,7 @@ def read_torch_dist(load_dir: str, iteration: Optional[Iteration] = None,
     for main in mcore_names.MAIN_WEIGHT_KEYS:  # mixed precision: the exact fp32 weights
         weights.update(_by_name(reader, mcore_names.optimizer_key(main, ""), num_layers,
                                 progress))
-    missing = sorted(set(layout.model_parameter_names(num_layers)) - set(weights))
+    missing = sorted(set(layout.Layout.of_args(args, 1).names()) - set(weights))
     if missing:
         raise ckpt.CheckpointError(f"{directory} lacks {missing[:3]}: not a GPT-2 checkpoint")
     source_tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)

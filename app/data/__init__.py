@@ -1,5 +1,6 @@
 """Data pipeline: GPT-2 BPE tokenizer, Megatron mmap indexed dataset, GPT datasets with cached
-sample indices, blending, the pretraining sampler and batch construction (see docs/data.md).
+sample indices, blending, synthetic data (--mock-data), the pretraining sampler and batch
+construction (see docs/data.md).
 
 Public names are imported lazily (PEP 562), so that tools which only need the tokenizer or the
 indexed dataset (tools/preprocess_data.py and its workers) do not pay for importing torch.
@@ -17,7 +18,9 @@ _EXPORTS = {
     "DatasetFormatError": "indexed_dataset", "MMapIndexedDataset": "indexed_dataset",
     "MMapIndexedDatasetBuilder": "indexed_dataset", "best_fitting_dtype": "indexed_dataset",
     "MegatronPretrainingSampler": "samplers",
-    "GPT2BPETokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+    "GPT2BPETokenizer": "tokenizer", "NullTokenizer": "tokenizer",
+    "build_tokenizer": "tokenizer", "MockGPTDataset": "mock_dataset",
+    "build_mock_datasets": "mock_dataset",
     "pad_vocab_size": "tokenizer", "train_gpt2_bpe": "tokenizer",
 }
 __all__ = sorted(_EXPORTS)

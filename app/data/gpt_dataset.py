@@ -38,7 +38,8 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[float], List[str]]:
     data_path = list(data_path)
     if not data_path:
         raise ValueError("--data-path is empty; give a prefix of a .bin/.idx pair "
-                         "(made by tools/preprocess_data.py) or a list 'w1 prefix1 w2 prefix2 ...'")
+                         "(made by tools/preprocess_data.py) or a list 'w1 prefix1 w2 prefix2 "
+                         "...', or train on synthetic tokens with --mock-data")
     if len(data_path) == 1:
         return [1.0], data_path
     if len(data_path) % 2:

@@ -7,6 +7,9 @@ end-of-document token is `<|endoftext|>`; its id is `eod`. The literal text "<|e
 inside a document is *not* turned into the eod id (it is tokenized as ordinary text), so a
 document can never inject a document boundary.
 
+`NullTokenizer` (Megatron-LM's) has no files: a vocabulary size N (--vocab-size), ids 0..N-1
+and the end of document N-1; for --mock-data and for data tokenized elsewhere.
+
 No network access anywhere: everything is built from local files.
 """
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer",)
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer")
 
 
 class GPT2BPETokenizer:
@@ -114,12 +117,57 @@ def count_merges(merge_file: str) -> int:
     return count
 
 
-def build_tokenizer(tokenizer_type: str, vocab_file: str, merge_file: str) -> GPT2BPETokenizer:
-    """Tokenizer named by --tokenizer-type (only GPT2BPETokenizer) from its vocab/merge files."""
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: no vocabulary file, `vocab_size` ids, end of document
+    `vocab_size - 1`; text is token ids written in decimal, separated by whitespace."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size is None or vocab_size < 2:
+            raise ValueError(f"NullTokenizer needs --vocab-size >= 2 (got {vocab_size}): the "
+                             "number of token ids, the last one being the end of document")
+        self.vocab_size: int = int(vocab_size)
+        self.eod: int = self.vocab_size - 1
+
+    def tokenize(self, text: str) -> List[int]:
+        """The ids written in `text` ("5 17 2" -> [5, 17, 2])."""
+        return [int(token) for token in text.split()]
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.tokenize(text) for text in texts]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],
+                             vocab_size: Optional[int]) -> str:
+    """--tokenizer-type, except that --vocab-size without --vocab-file selects NullTokenizer
+    (`--mock-data --vocab-size 50257` needs no other flag); --vocab-size with a
+    GPT2BPETokenizer's --vocab-file is a contradiction and raises."""
+    if vocab_size is None or tokenizer_type != "GPT2BPETokenizer":
+        return tokenizer_type
+    if vocab_file:
+        raise ValueError(f"--vocab-size ({vocab_size}) is NullTokenizer's vocabulary, but "
+                         f"--vocab-file {vocab_file} gives a GPT2BPETokenizer its own: drop "
+                         "--vocab-size, or drop --vocab-file/--merge-file for NullTokenizer")
+    return "NullTokenizer"
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
+                    vocab_size: Optional[int] = None) -> Union[GPT2BPETokenizer, NullTokenizer]:
+    """Tokenizer named by --tokenizer-type (see `tokenizer_type_in_effect`): GPT2BPETokenizer
+    from its vocab/merge files, or NullTokenizer of `vocab_size` (--vocab-size) ids."""
+    tokenizer_type = tokenizer_type_in_effect(tokenizer_type, vocab_file, vocab_size)
     if tokenizer_type not in SUPPORTED_TOKENIZERS:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
                          f"use one of {', '.join(SUPPORTED_TOKENIZERS)}")
-    tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_file or merge_file:
+            raise ValueError("--tokenizer-type NullTokenizer reads no --vocab-file or "
+                             "--merge-file; drop them, or use GPT2BPETokenizer")
+        tokenizer = NullTokenizer(vocab_size)
+    else:
+        tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     logger.info("tokenizer %s: vocab %d, eod %d", tokenizer_type, tokenizer.vocab_size, tokenizer.eod)
     return tokenizer
 

@@ -1,7 +1,7 @@
 """Pretrain from a RunConfig: distributed start-up, the run's parts, checkpoint, data, training.
 
 `pretrain_gpt2.py` is the composition root: it parses the flags into a RunConfig once (with
-`arguments/`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
+`arguments.py`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
 start-up checks of --save/--load (all ranks agree: --save writable, its writer lock, no stale
 temporaries; resume or fresh start per app.training.resilience.resume.decide_start; the saved
 layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts of the run
@@ -22,7 +22,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from app.config import RunConfig, samples_per_split
-from app.data import build_train_valid_test_datasets
+from app.data import build_mock_datasets, build_train_valid_test_datasets
 from app.mpu import collectives
 from app.checkpointing.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 def _datasets(cfg: RunConfig, rank: int) -> tuple:
     t = cfg.training
     num_samples = samples_per_split(cfg)
+    if cfg.data.mock_data:
+        datasets = build_mock_datasets(num_samples, cfg.model.seq_length, cfg.raw_vocab_size,
+                                       t.seed)
+        logger.info("--mock-data: %s", "; ".join(d.describe() for d in datasets if d))
+        return datasets
     logger.info("building train/valid/test datasets for %s samples from %s", num_samples,
                 cfg.data.data_path)
     datasets = build_train_valid_test_datasets(
@@ -151,8 +156,8 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
                             p.distributed_timeout_minutes, nccl_trace_dir(cfg.checkpoint.save))
     setup_logging(info.rank, info.world_size)
     if arguments_listing:
-        logger.info("------------------------ arguments ------------------------\n%s\n"
-                    "-------------------- end of arguments ---------------------",
+        logger.info("---------- arguments (those not at their --help default) ----------\n%s\n"
+                    "----------------------- end of arguments --------------------------",
                     "\n".join(arguments_listing))
     logger.info("> padded vocab (size: %d) with %d dummy tokens (new size: %d)",
                 cfg.raw_vocab_size, cfg.model.padded_vocab_size - cfg.raw_vocab_size,

@@ -36,14 +36,11 @@ from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.resilience.rollback import SpikeRollback
 from app.training.resilience.signals import ExitSignalHandler, signal_name
 from app.training.resilience.watchdog import Watchdog, is_peer_failure
+from app.utils import faults
 from app.utils.dtypes import torch_dtype
 from app.utils.rank_logging import LAST_RANK
 
 logger = logging.getLogger(__name__)
-
-LOSS_HOOK: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
-"""Test seam: called with (the iteration's first training sample, a micro-batch's loss) and
-returning the loss to use; tests inject a poisoned (non-finite) loss into a data window."""
 
 
 @dataclass
@@ -221,11 +218,13 @@ class Trainer:
             self.watchdog.beat(phase, self.state.iteration + 1)
 
     def _loss_func(self, forward_only: bool) -> Callable:
-        """The schedule's loss_func: the objective's, through LOSS_HOOK in training."""
-        if LOSS_HOOK is None or forward_only:
+        """The schedule's loss_func: the objective's, in training through the fault-injection
+        point `faults.TRAINING_LOSS` when a test armed it."""
+        inject = faults.armed(faults.TRAINING_LOSS)
+        if inject is None or forward_only:
             return self.objective.loss_func
         first_sample = self.state.consumed_train_samples
-        return lambda out, batch: LOSS_HOOK(first_sample, self.objective.loss_func(out, batch))
+        return lambda out, batch: inject(first_sample, self.objective.loss_func(out, batch))
 
     def _mean_loss_across_dp(self, losses: List[torch.Tensor]) -> Optional[float]:
         if not losses:

@@ -15,7 +15,7 @@ uninterrupted run (one 4-rank spawn, then this process as the one-rank layout):
 """
 import torch
 
-from app.testing.distributed import (assert_checks_passed, expect_close, run_checks,
+from tests.harness.distributed import (assert_checks_passed, expect_close, run_checks,
                                      run_distributed)
 from tests.unit.test_torch_dist import LAYER, OTHER
 
@@ -41,7 +41,7 @@ CASES = {  # name: (saving flags, background save, {resume name: (flags, relativ
 
 def _build(flags, world):
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, 64), 256)
 
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 from tests.integration.launch_utils import ROOT, env
 
 MEGATRON = os.environ.get("MEGATRON_LM")
@@ -44,7 +44,7 @@ def megatron(*args, cwd):
 
 def _build(flags, world):
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, 64), 64)
 
 

@@ -409,7 +409,7 @@ def test_a_failed_save_is_undone_and_a_corrupt_file_is_refused(tmp_path, monkeyp
     import errno
     import arguments
     from app.checkpointing import commit, names
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
             "--seq-length", "4", "--max-position-embeddings", "4", "--micro-batch-size", "1",
             "--train-iters", "8", "--ckpt-format", "torch_dist", "--hidden-dropout", "0"]

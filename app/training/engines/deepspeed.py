@@ -54,6 +54,10 @@ from app.launch import waits
 from app.launch.ports import free_port
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
+from app.utils.third_party import prepare_deepspeed_import, silence_deepspeed_deprecations
+
+prepare_deepspeed_import()  # before any `import deepspeed` below (app/utils/third_party.py)
+silence_deepspeed_deprecations()
 
 logger = logging.getLogger(__name__)
 

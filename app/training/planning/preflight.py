@@ -22,6 +22,7 @@ from app.config import RunConfig, samples_per_split, split_weights
 from app.data.gpt_dataset import (SPLIT_NAMES, check_token_ids, samples_per_prefix,
                                   token_id_range)
 from app.data.index_builder import compute_num_epochs, split_document_ranges
+from app.data.mock_dataset import build_mock_datasets
 from app.data.indexed_dataset import MMapIndexedDataset
 from app.checkpointing import CheckpointError
 from app.checkpointing import files as ckpt_files
@@ -376,17 +377,35 @@ def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) 
                  f"{fit}: {hint}, or add --checkpoint-activations")
 
 
+def describe_mock_data(report: Report, cfg: Optional[RunConfig]) -> None:
+    """--mock-data: the synthetic samples each split will serve (no file to check)."""
+    report.section("data")
+    if cfg is None:
+        report.note("--mock-data: no data files; the sample counts follow from a valid "
+                    "configuration")
+        return
+    datasets = build_mock_datasets(samples_per_split(cfg), cfg.model.seq_length,
+                                   cfg.raw_vocab_size, cfg.training.seed)
+    for dataset in datasets:
+        if dataset is not None:
+            report.ok(f"--mock-data: {dataset.describe()}; no data files read")
+
+
 def run_checks(report: Report, cfg: Optional[RunConfig], *, data_path: Sequence[str],
                split: str, data_cache_path: Optional[str], vocab_size: Optional[int],
-               device_memory_gib: Optional[float]) -> Report:
-    """Every check that can run: the configuration, data, checkpoint and memory sections; with
-    `cfg` None (the configuration failed, already reported) only the data files."""
+               device_memory_gib: Optional[float], mock_data: bool = False) -> Report:
+    """Every check that can run: the configuration, data (or the --mock-data samples),
+    checkpoint and memory sections; with `cfg` None (the configuration failed, already
+    reported) only the data files."""
     if cfg is not None:
         report.section("configuration")
         describe_config(report, cfg)
         report.add(*interfaces.describe_choice(cfg.parallel.distributed_backend))
-    check_data(report, data_path, split, cfg.model.seq_length if cfg else 1,
-               samples_per_split(cfg) if cfg else None, vocab_size, data_cache_path)
+    if mock_data:
+        describe_mock_data(report, cfg)
+    else:
+        check_data(report, data_path, split, cfg.model.seq_length if cfg else 1,
+                   samples_per_split(cfg) if cfg else None, vocab_size, data_cache_path)
     if cfg is not None:
         check_checkpoint(report, cfg)
         check_memory(report, cfg, device_memory_gib)
