@@ -5,7 +5,8 @@ One file (`write_checked_file`, through `fileio.atomic_open`): written under a t
 fsynced, its SHA-256 sidecar written, then renamed; `remove_written_file` is its undo. One save
 (`commit_save`):
 
-1. every rank writes its files durably (the engine's `write` step);
+1. every rank writes its files durably (the engine's `write` step), then, with a `publish`
+   step, the ranks exchange what they wrote and one writes the files naming them all;
 2. the ranks agree that all of them succeeded, else every rank undoes its part (the engine's
    `undo` step, and the iteration directory when this save created it) and raises
    CheckpointSaveError, and the previous checkpoint stays the latest;
@@ -45,9 +46,16 @@ WriteStep = Callable[[], Optional[Tuple[str, OSError]]]
 """Writes this rank's files durably; returns (path, error) of the first file that could not
 be written (a full disk), None when all were. Must not raise OSError."""
 
+PublishStep = Callable[[bool], Optional[Tuple[str, OSError]]]
+"""Runs on every rank in the training thread once its write step is over, before the ranks
+agree, with whether this rank's write succeeded: a step that needs every rank's result (the
+torch_dist format gathers what each rank wrote and one rank writes the global metadata).
+Returns (path, error) when its own writing failed, None otherwise. Must not raise OSError."""
 
-def _stage(name: str) -> None:
-    """A save reached stage `name` (one of SAVE_STAGES): the fault-injection point."""
+
+def save_stage(name: str) -> None:
+    """This rank's save reached stage `name` (one of SAVE_STAGES): the fault-injection point
+    (also for the torch_dist format's rank files, app.checkpointing.dcp_files)."""
     faults.fire(faults.SAVE_STAGE, name)
 
 
@@ -69,18 +77,18 @@ def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: b
     digests: List[str] = []
 
     def list_new_digest(tmp: str) -> None:  # tmp is complete and durable; path not replaced yet
-        _stage("rank_tmp_written")
+        save_stage("rank_tmp_written")
         digests.append(sha256_file(tmp))
         old = read_checksums(sidecar) if os.path.exists(path) else []
         digests.extend(d for d in old if d != digests[0])
         write_checksums(sidecar, name, digests)
-        _stage("rank_checksum_committed")
+        save_stage("rank_checksum_committed")
 
     with atomic_open(path, "wb", durable=True, before_replace=list_new_digest) as f:
         write(f)
     if len(digests) > 1:  # the old file is gone: its digest no longer verifies anything
         write_checksums(sidecar, name, digests[:1])
-    _stage("rank_file_committed")
+    save_stage("rank_file_committed")
 
 
 def remove_written_file(path: str, stop_at: str) -> None:
@@ -180,15 +188,17 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
                undo: Callable[[], None], agree: Callable[[bool], bool],
                is_tracker_writer: bool, keep_last_n: Optional[int] = None,
                deepspeed_latest: bool = False, capture: Optional[Callable[[], None]] = None,
-               background: bool = False) -> "PendingSave":
-    """Step 1 of `commit_save` (same arguments), its steps 2-4 left to `PendingSave.finish`.
+               background: bool = False, publish: Optional[PublishStep] = None
+               ) -> "PendingSave":
+    """Step 1 of `commit_save` (same arguments), its steps 2-4 left to `PendingSave.finish`
+    (which runs `publish` first, in the calling thread).
 
     `capture` runs first in the calling thread (after the iteration directory was looked at):
     it copies the state that `write` will write, so training may change the live state once
     this returns. With `background` the `write` step runs in a thread of its own (it must
     then touch no collective and no live state); without, before this returns.
     """
-    _stage("start")
+    save_stage("start")
     directory = names.checkpoint_dir(save_dir, iteration)
     fresh = not os.path.isdir(directory)  # before any rank of this save can create it
     _mark_in_progress(directory)
@@ -200,7 +210,7 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
             raise
     pending = PendingSave(save_dir, iteration, undo=undo, agree=agree,
                           is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
-                          deepspeed_latest=deepspeed_latest, fresh=fresh)
+                          deepspeed_latest=deepspeed_latest, fresh=fresh, publish=publish)
     pending.run(write, background)
     return pending
 
@@ -216,13 +226,15 @@ class PendingSave:
 
     def __init__(self, save_dir: str, iteration: names.Iteration, *, undo: Callable[[], None],
                  agree: Callable[[bool], bool], is_tracker_writer: bool,
-                 keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool) -> None:
+                 keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool,
+                 publish: Optional[PublishStep] = None) -> None:
         self.save_dir, self.iteration = save_dir, iteration
         self.directory = names.checkpoint_dir(save_dir, iteration)
         self.agree = agree
         self._undo, self._fresh = undo, fresh
         self._tracker_writer, self._keep_last_n = is_tracker_writer, keep_last_n
         self._deepspeed_latest = deepspeed_latest
+        self._publish = publish
         self._failed: Optional[Tuple[str, OSError]] = None
         self._raised: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
@@ -252,6 +264,10 @@ class PendingSave:
         if self._thread is not None:
             self._thread.join()
         ok = self._failed is None and self._raised is None
+        if self._publish is not None:  # every rank, even after a failed write
+            published = self._publish(ok)
+            if published is not None and ok:
+                self._failed, ok = published, False
         if not self.agree(ok):  # every rank's files of this iteration are complete, or none
             _undo(self._undo, self.directory, self._fresh)
             if self._raised is not None:
@@ -261,20 +277,20 @@ class PendingSave:
         error: Optional[OSError] = None
         previous_tag: Optional[str] = None
         if self._tracker_writer:
-            _stage("before_tracker")
+            save_stage("before_tracker")
             try:
                 if self._deepspeed_latest:
                     previous_tag = names.read_latest_tag(self.save_dir) or ""
                     names.write_latest_tag(self.save_dir, names.iteration_tag(self.iteration))
                 names.write_tracker(self.save_dir, self.iteration,
-                                    before_replace=lambda _: _stage("tracker_tmp_written"))
+                                    before_replace=lambda _: save_stage("tracker_tmp_written"))
             except OSError as exc:
                 error = exc
             else:
-                _stage("tracker_committed")
+                save_stage("tracker_committed")
                 if self._keep_last_n and self.iteration != names.RELEASE:
                     rotate_checkpoints(self.save_dir, self._keep_last_n, int(self.iteration))
-                    _stage("rotated")
+                    save_stage("rotated")
         if not self.agree(error is None):  # the tracker names this iteration on every return
             if previous_tag is not None:
                 _restore_latest(self.save_dir, previous_tag)

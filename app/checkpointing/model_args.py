@@ -139,15 +139,18 @@ def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional
 
 
 def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
-                          current: argparse.Namespace) -> None:
+                          current: argparse.Namespace, reshardable: bool = False) -> None:
     """Raise CheckpointError if the checkpoint's model shape or TP/PP layout differs from ours.
 
     Fields missing from an older checkpoint are skipped. The message names the field and both
     values; a tensor/pipeline size mismatch also says how to reshard (tools/convert_checkpoint.py).
+    A `reshardable` checkpoint (torch_dist) may have any TP/PP layout and vocabulary padding
+    (its tensors' global shapes are checked when they are read).
     """
     if ckpt_args is None:
         return
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+    for name in () if reshardable else ("tensor_model_parallel_size",
+                                        "pipeline_model_parallel_size"):
         saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
         if saved != now:
             raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
@@ -155,6 +158,8 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
                                   "--input-format megatron --target-tensor-model-parallel-size T "
                                   "--target-pipeline-model-parallel-size P --include-optimizer")
     for name in MODEL_SHAPE_FIELDS:
+        if reshardable and name == "padded_vocab_size":
+            continue
         if not hasattr(ckpt_args, name) or not hasattr(current, name):
             continue
         saved, now = getattr(ckpt_args, name), getattr(current, name)

@@ -19,7 +19,7 @@ DeepSpeed JSON rules), wandb, preflight (--dry-run), run (RunConfig), rules (sha
 """
 from __future__ import annotations
 
-from app.config.checkpoint import CheckpointConfig
+from app.config.checkpoint import CKPT_FORMATS, CheckpointConfig
 from app.config.data import DataConfig
 from app.config.deepspeed import DeepSpeedConfig
 from app.config.kernels import KernelConfig, default_kernel_build_timeout
@@ -37,7 +37,7 @@ from app.config.training import RollbackConfig, TrainingConfig
 from app.config.wandb import WandbConfig
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
+    "ATTENTION_BACKENDS", "CKPT_FORMATS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
     "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
     "DeepSpeedConfig", "DryRunConfig", "KernelConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",

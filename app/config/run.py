@@ -70,6 +70,12 @@ class RunConfig:
         if m.fp16_lm_cross_entropy and not half:
             raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
                              "fp32 otherwise); drop it or pick a half precision")
+        if self.deepspeed.enabled and self.checkpoint.ckpt_format != "torch":
+            raise ValueError(f"--ckpt-format {self.checkpoint.ckpt_format} is written by the "
+                             "native path; with --deepspeed DeepSpeed saves its own files: drop "
+                             "--ckpt-format, or convert afterwards with "
+                             "tools/convert_checkpoint.py --input-format deepspeed "
+                             "--output-format torch_dist")
         if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
             raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
                              "shard the optimizer with ZeRO (zero_optimization.stage 1 or 2 in "

@@ -16,6 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
+from app.checkpointing import dcp_files
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
 from app.checkpointing.model_args import model_config_from_args
@@ -41,7 +42,8 @@ class LoadedModel:
 
 def checkpoint_format(load: str) -> str:
     """'hf' (config.json), 'deepspeed' (a `latest` tag whose folder holds
-    mp_rank_XX_model_states.pt) or 'megatron' (everything else; its reader names what is missing)."""
+    mp_rank_XX_model_states.pt), 'torch_dist' (the tracker's iteration is a PyTorch distributed
+    checkpoint) or 'megatron' (everything else; its reader names what is missing)."""
     if not os.path.isdir(load):
         raise FileNotFoundError(f"--load {load} does not exist (a checkpoint directory or a "
                                 "Hugging Face model directory)")
@@ -52,6 +54,9 @@ def checkpoint_format(load: str) -> str:
     if folder and os.path.isdir(folder) and any(
             names.parse_deepspeed_model_file(n) is not None for n in os.listdir(folder)):
         return "deepspeed"
+    tracked = names.read_tracker_text(load)
+    if tracked and dcp_files.is_dcp_checkpoint(names.checkpoint_dir(load, tracked)):
+        return "torch_dist"
     return "megatron"
 
 
@@ -65,8 +70,8 @@ def saved_layout_of(load: str) -> Optional[tuple]:
 
 
 def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
-    """This rank's stage of the model in `load` (Megatron or DeepSpeed checkpoint, or HF
-    directory), eval mode.
+    """This rank's stage of the model in `load` (Megatron legacy or torch_dist, or DeepSpeed
+    checkpoint, or HF directory), eval mode.
 
     When the layout of `ps` is a Megatron checkpoint's, each rank reads only its own file;
     otherwise the whole checkpoint is read (DeepSpeed: its fp32 master weights, through the
@@ -82,6 +87,9 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
     elif fmt == "deepspeed":
         from app.convert.deepspeed import read_deepspeed
         source = read_deepspeed(load, iteration)
+    elif fmt == "torch_dist":
+        from app.convert.torch_dist import read_torch_dist
+        source = read_torch_dist(load, iteration)
     elif saved is not None and tuple(saved) == (tp, pp) and iteration is None:
         return _load_own_file(load, ps)
     else:

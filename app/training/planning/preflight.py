@@ -24,7 +24,7 @@ from app.data.mock_dataset import build_mock_datasets
 from app.data.plan import order_record
 from app.checkpointing import CheckpointError
 from app.checkpointing import files as ckpt_files
-from app.checkpointing import layouts, model_args
+from app.checkpointing import dcp_files, layouts, model_args
 from app.launch import interfaces
 from app.training.planning.data_check import check_data
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
@@ -148,6 +148,22 @@ def _describe_batch_schedule(report: Report, cfg: RunConfig) -> None:
 
 # ---------------------------------------------------------------------------- checkpoint
 
+def _verify_integrity(report: Report, layout: layouts.SavedLayout) -> bool:
+    """A torch_dist checkpoint's files against its integrity.json, as loading verifies them."""
+    try:
+        reader = dcp_files.Reader(layout.directory)
+        if reader.manifest is None:
+            report.note(f"{layout.directory} has no {dcp_files.INTEGRITY_FILE} to verify")
+            return True
+        reader.verify(reader.manifest)
+    except CheckpointError as exc:
+        report.error(str(exc))
+        return False
+    report.ok(f"all {len(reader.manifest)} checkpoint file(s) match "
+              f"{dcp_files.INTEGRITY_FILE}")
+    return True
+
+
 def _verify_checksums(report: Report, files: Sequence[str]) -> bool:
     """Every file against its SHA-256 sidecar, as loading verifies it; False after an error."""
     checked = 0
@@ -214,7 +230,8 @@ def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget,
     saved = state.get("args")
     try:
         if saved is not None or not cfg.deepspeed.enabled:  # DeepSpeed's reader skips no args
-            check_saved_args(plan, saved, cfg, layout.directory)
+            check_saved_args(plan, saved, cfg, layout.directory,
+                             reshardable=layout.format == layouts.TORCH_DIST)
     except CheckpointError as exc:
         report.error(f"{layout.directory}: {exc}")
         return
@@ -280,6 +297,17 @@ def check_checkpoint(report: Report, cfg: RunConfig, data_order: Optional[dict] 
                   "(latest_universal), which DeepSpeed re-slices for this layout")
         return
     report.ok(f"--load {c.load}: iteration {target.plan.iteration}, {target.layout.describe()}")
+    if target.layout.format == layouts.TORCH_DIST:
+        p = cfg.parallel
+        report.ok(f"it loads resharded to this run's tensor-parallel size "
+                  f"{p.tensor_model_parallel_size}, pipeline-parallel size "
+                  f"{p.pipeline_model_parallel_size}, data-parallel size {p.data_parallel_size}; "
+                  f"this run saves --ckpt-format {c.ckpt_format}")
+        if _verify_integrity(report, target.layout):
+            _check_saved_state(report, cfg, target)
+        return
+    if c.save:
+        report.ok(f"this run saves --ckpt-format {c.ckpt_format}")
     if _verify_checksums(report, target.layout.model_files + target.layout.optimizer_files):
         _check_saved_state(report, cfg, target, data_order)
 
