@@ -25,12 +25,14 @@ import os
 import sys
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
-from app.config import (DeepSpeedConfig, DryRunConfig, ModelConfig, ParallelConfig, RunConfig,
-                        default_kernel_build_timeout, resolve_recompute_flags)
+from app.config import (DataConfig, DeepSpeedConfig, DryRunConfig, ModelConfig, ParallelConfig,
+                        RunConfig, default_kernel_build_timeout, resolve_recompute_flags)
+from app.config.batch_schedule import parse_step_schedule, schedule_of
 from app.config.deepspeed import load_ds_json, reconcile_ds_config
 from app.config.options import Option, check_unique, flag_group, from_flags, iter_options
 from app.data.tokenizer import pad_vocab_size
 from app.launch.distributed import check_backend, default_backend
+from app.utils.third_party import prepare_deepspeed_import
 
 ROOTS = (RunConfig, DryRunConfig)
 """The config classes whose option fields make the command line."""
@@ -66,6 +68,7 @@ def _add_option(group: Any, opt: Option) -> None:
 def _add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
     """DeepSpeed's own flags (--deepspeed, --deepspeed_config, --deepscale*), from deepspeed
     when it imports; the same spellings otherwise."""
+    prepare_deepspeed_import()
     try:
         import deepspeed  # by design (deepspeed.add_config_arguments): DeepSpeed's own flags
         deepspeed.add_config_arguments(parser)
@@ -112,15 +115,17 @@ def build_parser(roots: Sequence[type] = ROOTS) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse `argv` (default sys.argv[1:]) into a namespace with Megatron's dest names.
+def parse_args(argv: Optional[Sequence[str]] = None,
+               roots: Sequence[type] = ROOTS) -> argparse.Namespace:
+    """Parse `argv` (default sys.argv[1:]) into a namespace with Megatron's dest names; `roots`
+    are the config classes whose options make the command line (a tool adds its own).
 
     Only parsing happens here (plus defaulting --distributed-backend to nccl when CUDA is
     available, else gloo, and --deepscale* to --deepspeed*); `build_run_config` converts. The
     flags given explicitly are recorded as `_explicit_flags` (each under its first spelling),
     for the DeepSpeed JSON checks that must know what the user asked for.
     """
-    parser = build_parser()
+    parser = build_parser(roots)
     given = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(given)
     if args.distributed_backend is None:  # resolved here so init code can use it before configs
@@ -145,20 +150,25 @@ def _explicit_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Fro
 
 
 def format_args(args: argparse.Namespace) -> List[str]:
-    """Megatron-style listing of every argument, one "  name .... value" line each, sorted."""
+    """Megatron-style listing, one "  name .... value" line each, sorted, of the arguments whose
+    value is not the parser's default (the others are what `--help` says); derived settings are
+    in the start-up lines that follow it."""
+    defaults = vars(build_parser().parse_args([]))
     lines = []
     for key in sorted(vars(args)):
-        if key.startswith("_"):
+        value = getattr(args, key)
+        if key.startswith("_") or (key in defaults and defaults[key] == value):
             continue
         dots = "." * max(1, 48 - len(key))
-        lines.append(f"  {key} {dots} {getattr(args, key)}")
+        lines.append(f"  {key} {dots} {value}")
     return lines
 
 
 # ---------------------------------------------------------------------------- derived values
 
-def _warmup_iters(args: argparse.Namespace, decay_iters: int) -> int:
-    """--lr-warmup-fraction (or --warmup) x decay iterations, or --lr-warmup-iters."""
+def _warmup_iters(args: argparse.Namespace, decay_iters: int, in_samples: bool) -> int:
+    """--lr-warmup-fraction (or --warmup) x decay iterations, or --lr-warmup-iters (in a
+    schedule that counts samples the fraction applies to the samples, see _sample_based)."""
     if args.lr_warmup_fraction is None:
         return args.lr_warmup_iters
     if args.lr_warmup_iters != 0:
@@ -167,13 +177,21 @@ def _warmup_iters(args: argparse.Namespace, decay_iters: int) -> int:
     if not 0.0 <= args.lr_warmup_fraction <= 1.0:
         raise ValueError(f"--lr-warmup-fraction/--warmup must be in [0, 1], got "
                          f"{args.lr_warmup_fraction}")
-    return int(args.lr_warmup_fraction * decay_iters)
+    return 0 if in_samples else int(args.lr_warmup_fraction * decay_iters)
 
 
 def _global_batch_size(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]],
                        data_parallel_size: int) -> int:
-    """--global-batch-size; by default the DeepSpeed JSON's train_batch_size (or micro-batch x
-    gradient_accumulation_steps x DP) when --deepspeed gives one, else micro-batch x DP."""
+    """--global-batch-size; with --step-batch-size-schedule the schedule's last batch (the flag
+    is refused, as in Megatron-LM); by default the DeepSpeed JSON's train_batch_size (or
+    micro-batch x gradient_accumulation_steps x DP) when --deepspeed gives one, else
+    micro-batch x DP."""
+    if args.step_batch_size_schedule is not None:
+        if args.global_batch_size is not None:
+            raise ValueError("--step-batch-size-schedule and --global-batch-size were both "
+                             "given; the schedule's last batch is the global batch size: drop "
+                             "--global-batch-size")
+        return parse_step_schedule(args.step_batch_size_schedule, args.seq_length)[-1][1]
     if args.global_batch_size is not None:
         return args.global_batch_size
     default = args.micro_batch_size * data_parallel_size
@@ -182,6 +200,42 @@ def _global_batch_size(args: argparse.Namespace, ds_json: Optional[Dict[str, Any
     if ds_json and "gradient_accumulation_steps" in ds_json:
         return default * int(ds_json["gradient_accumulation_steps"])
     return default
+
+
+def _sample_based(args: argparse.Namespace, global_batch_size: int
+                  ) -> Tuple[int, Dict[str, Any]]:
+    """(train_iters, LR-schedule overrides): --train-samples gives the iterations by Megatron's
+    update_train_iters; with it or a batch-size schedule the LR schedule counts samples
+    (Megatron's sample-based schedule: decay over --lr-decay-samples, else --train-samples,
+    else --lr-decay-iters x the global batch; warmup --lr-warmup-fraction x the decay, else
+    --lr-warmup-samples, else --lr-warmup-iters x the global batch)."""
+    schedule = schedule_of(global_batch_size, args.rampup_batch_size,
+                           args.step_batch_size_schedule, args.seq_length)
+    samples = args.train_samples
+    if samples is not None:
+        given = [f for f, on in (("--train-iters", args.train_iters is not None),
+                                 ("--lr-decay-iters", args.lr_decay_iters is not None),
+                                 ("--lr-warmup-iters", args.lr_warmup_iters != 0)) if on]
+        if given:
+            raise ValueError(f"--train-samples and {', '.join(given)} were both given: "
+                             "sample-based training counts in samples (--lr-decay-samples, "
+                             "--lr-warmup-samples); give one or the other")
+        train_iters = schedule.iterations_for(samples)
+    elif args.train_iters is None:
+        raise ValueError("--train-iters is required (or --train-samples)")
+    else:
+        train_iters = args.train_iters
+    if samples is None and not schedule.varies:
+        return train_iters, {}
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else train_iters
+    decay = (args.lr_decay_samples if args.lr_decay_samples is not None else
+             samples if samples is not None else decay_iters * global_batch_size)
+    if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
+        raise ValueError("--lr-warmup-fraction and --lr-warmup-samples were both given; use one")
+    warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None else
+              args.lr_warmup_samples or args.lr_warmup_iters * global_batch_size)
+    return train_iters, dict(lr_in_samples=True, lr_decay_samples=decay,
+                             lr_warmup_samples=warmup)
 
 
 def _precision_choice(args: argparse.Namespace, ds_json: Optional[Dict[str, Any]],
@@ -237,8 +291,6 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     rule. Every rule is checked by the config dataclasses (app.config); a broken one raises
     ValueError naming the flags and values.
     """
-    if args.train_iters is None:
-        raise ValueError("--train-iters is required")
     values = vars(args)
     if padded_vocab_size is None:
         padded_vocab_size = pad_vocab_size(raw_vocab_size, args.make_vocab_size_divisible_by,
@@ -248,18 +300,19 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     ds_json = load_ds_json(deepspeed.config_path) if deepspeed.enabled else None
     fp16, bf16, source = _precision_choice(args, ds_json, deepspeed.config_path)
     params_dtype = "float16" if fp16 else "bfloat16" if bf16 else "float32"
-    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
     parallel = from_flags(ParallelConfig, values, world_size=world_size,
                           distributed_backend=check_backend(args.distributed_backend))
+    global_batch = _global_batch_size(args, ds_json, parallel.data_parallel_size)
+    train_iters, lr_samples = _sample_based(args, global_batch)
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else train_iters
     cfg = from_flags(
         RunConfig, values, raw_vocab_size=raw_vocab_size, deepspeed=deepspeed, parallel=parallel,
         model=_model_overrides(args, padded_vocab_size, params_dtype),
         precision=dict(fp16=fp16, bf16=bf16, source=source),
         optimizer=dict(lr_decay_iters=decay_iters,
-                       lr_warmup_iters=_warmup_iters(args, decay_iters),
-                       optimizer=_optimizer_name(args, ds_json)),
-        training=dict(global_batch_size=_global_batch_size(args, ds_json,
-                                                           parallel.data_parallel_size)),
+                       lr_warmup_iters=_warmup_iters(args, decay_iters, bool(lr_samples)),
+                       optimizer=_optimizer_name(args, ds_json), **lr_samples),
+        training=dict(global_batch_size=global_batch, train_iters=train_iters),
         kernels=dict(build_timeout=(
             default_kernel_build_timeout(args.distributed_timeout_minutes)
             if args.kernel_build_timeout is None else args.kernel_build_timeout)),
@@ -269,6 +322,15 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
                                          getattr(args, "_explicit_flags", ()))
         cfg = dataclasses.replace(cfg, deepspeed=dataclasses.replace(deepspeed, config=reconciled))
     return cfg
+
+
+def data_config(args: argparse.Namespace) -> Optional[DataConfig]:
+    """The DataConfig of the parsed flags alone (None when its own flags are invalid), for
+    --dry-run to check the data files when the rest of the configuration fails."""
+    try:
+        return from_flags(DataConfig, vars(args))
+    except ValueError:
+        return None
 
 
 def dry_run_config(args: argparse.Namespace) -> DryRunConfig:

@@ -24,9 +24,14 @@ from app.launch.distributed import WorldInfo, discover_world
 from app.training.loss import LossFunction
 
 
+def _tokenizer(args: argparse.Namespace) -> Any:
+    """--tokenizer-type's tokenizer (NullTokenizer of --vocab-size ids needs no file)."""
+    return build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
+
+
 def _train(args: argparse.Namespace, world: WorldInfo,
            loss_function: Optional[LossFunction] = None) -> Any:
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+    tokenizer = _tokenizer(args)
     cfg = arguments.build_run_config(args, world.world_size, tokenizer.vocab_size)
     return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args), loss_function)
 
@@ -39,22 +44,24 @@ def preflight(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Repor
     report.section("tokenizer")
     vocab: Optional[int] = None
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        tokenizer = _tokenizer(args)
         vocab = tokenizer.vocab_size
-        report.ok(f"{args.tokenizer_type}: vocabulary {vocab}, end-of-document id {tokenizer.eod}")
+        report.ok(f"{type(tokenizer).__name__}: vocabulary {vocab}, end-of-document id "
+                  f"{tokenizer.eod}")
     except (ValueError, OSError) as exc:
         report.error(str(exc))
-    cfg = None
+    cfg, data = None, None
     try:  # with no tokenizer, a placeholder vocabulary still checks the flags and the JSON
         dry = arguments.dry_run_config(args)
         cfg = arguments.build_run_config(args, dry.world_size or world.world_size,
                                          vocab or args.make_vocab_size_divisible_by)
+        data = cfg.data
     except ValueError as exc:
         report.section("configuration")
         report.error(str(exc))
+        data = arguments.data_config(args)  # the data files are checked all the same
     return preflight_lib.run_checks(
-        report, cfg if vocab is not None else None, data_path=args.data_path, split=args.split,
-        data_cache_path=args.data_cache_path, vocab_size=vocab,
+        report, cfg if vocab is not None else None, data=data, vocab_size=vocab,
         device_memory_gib=args.dry_run_device_memory)
 
 

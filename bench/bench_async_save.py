@@ -3,7 +3,7 @@
     python bench/bench_async_save.py [--saves 5] [--num-layers 12] [--dir /tmp]
 
 The 124M model (12 layers, hidden 768, 12 heads, vocab 50257 padded to 50304, 1024 positions,
-fp32, AdamW) built through the real engine (app.testing.synthetic), trained one step so the
+fp32, AdamW) built through the real engine (tests.harness.synthetic), trained one step so the
 optimizer's moments exist (at sequence length 128: the state saved does not depend on it, only
 the step's time does), then saved `--saves` times each way through engine.save_checkpoint, the
 call the training loop makes. The stall is the time that call blocks the training thread:
@@ -42,7 +42,7 @@ def model_argv(layers: int) -> List[str]:
 def measure(layers: int, saves: int, directory: str) -> Dict[str, List[float]]:
     """{"sync": stalls, "async": stalls, "background": write times} in seconds."""
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
 
     cfg = arguments.config_from_argv(model_argv(layers), 1, RAW_VOCAB)
     run = build_synthetic_run(cfg, saves + 2)

@@ -11,7 +11,11 @@ default `--attention-backend auto` (docs/kernels.md).
     python bench/bench_kernels.py --dtype fp16 --models 350M --micro-batch 4
     python bench/bench_kernels.py --device cpu --models tiny --no-compile   # CPU smoke run
 
---json PATH also writes every timing (ms, GB/s, speed-up over eager) per model.
+Before timing, every implementation's output and input gradients are checked against eager
+PyTorch on the same inputs (`max_rel_err`: the largest |x - eager| / max|eager| over the output
+and the gradients; ops that draw a dropout mask are not compared). --json PATH also writes
+every timing (ms, GB/s, speed-up over eager) and error per model; several --dtype values run
+one after the other in one process.
 
 Without CUDA the kernel rows are skipped (reported as unavailable) and only eager/compiled
 PyTorch run; no figure from such a run says anything about a GPU.
@@ -53,7 +57,9 @@ class Case:
     op: str
     shape: str
     bytes_moved: int
-    impls: Dict[str, Callable[[], Optional[Callable[[], None]]]]  # name -> (None: unavailable)
+    impls: Dict[str, Callable[[], Optional[Callable[[], Outputs]]]]  # name -> (None: unavailable)
+    random: bool = False
+    """The op draws a dropout mask: implementations cannot be compared value for value."""
 
 
 def _time(step: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
@@ -77,15 +83,33 @@ def _time(step: Callable[[], None], device: torch.device, warmup: int, iters: in
     return statistics.median(times)
 
 
+Outputs = List[Optional[torch.Tensor]]
+"""What one step computed: its output, then each input's gradient."""
+
+
 def _fwd_bwd(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-             grad: Optional[torch.Tensor] = None) -> Callable[[], None]:
-    """A step running fn(*inputs) and its backward (inputs that require grad get gradients)."""
-    def step() -> None:
+             grad: Optional[torch.Tensor] = None) -> Callable[[], Outputs]:
+    """A step running fn(*inputs) and its backward (inputs that require grad get gradients);
+    it returns the output and the gradients."""
+    def step() -> Outputs:
         for t in inputs:
             t.grad = None
         out = fn(*inputs)
         out.backward(grad if grad is not None else torch.ones_like(out))
+        return [out.detach()] + [t.grad for t in inputs]
     return step
+
+
+def max_relative_error(got: Outputs, want: Outputs) -> float:
+    """Largest |got - want| / max|want| over the tensors of two steps' outputs (fp32)."""
+    worst = 0.0
+    for a, b in zip(got, want):
+        if a is None or b is None:
+            continue
+        a, b = a.float(), b.float()
+        scale = b.abs().max().item() or 1.0
+        worst = max(worst, (a - b).abs().max().item() / scale)
+    return worst
 
 
 def _kernel_ok(device: torch.device) -> bool:
@@ -243,33 +267,44 @@ def elementwise_cases(rows: int, hidden: int, dtype, device, compile_: bool) -> 
             "compile": lambda: bda_c and _fwd_bwd(
                 lambda x_, b_, r_: bda_c(x_, b_, r_, torch.empty_like(
                     x_, dtype=torch.bool).bernoulli_(1 - p), 1 / (1 - p)), [x, bias, res]),
-            "mask + eager math": lambda: _fwd_bwd(bda_fused, [x, bias, res])}),
+            "mask + eager math": lambda: _fwd_bwd(bda_fused, [x, bias, res])}, random=True),
     ]
 
 
 def run_cases(cases: List[Case], device: torch.device, warmup: int,
               iters: int) -> List[Dict[str, object]]:
     """One record per op and implementation: ms (None: unavailable here), GB/s of the op's
-    minimal traffic, and the speed-up over eager PyTorch."""
+    minimal traffic, the speed-up over eager PyTorch and the largest relative error against
+    it (None for the reference itself and for ops that draw a dropout mask)."""
     records: List[Dict[str, object]] = []
     for case in cases:
         results: Dict[str, Optional[float]] = {}
+        outputs: Dict[str, Outputs] = {}
         for name, make in case.impls.items():
             step = make()
-            results[name] = _time(step, device, warmup, iters) if step else None
-        base = results.get("eager") or results.get("local eager")
+            if step:
+                outputs[name] = [t.clone() for t in step() if t is not None]
+                results[name] = _time(step, device, warmup, iters)
+            else:
+                results[name] = None
+        base_name = "eager" if "eager" in results else "local eager"
+        base = results.get(base_name)
         for name, seconds in results.items():
+            error = (None if case.random or name == base_name or name not in outputs
+                     else max_relative_error(outputs[name], outputs[base_name]))
             records.append({"op": case.op, "shape": case.shape, "implementation": name,
                             "ms": seconds * 1e3 if seconds else None,
                             "gb_s": case.bytes_moved / seconds / 1e9 if seconds else None,
-                            "vs_eager": base / seconds if seconds and base else None})
+                            "vs_eager": base / seconds if seconds and base else None,
+                            "max_rel_err": error})
     return records
 
 
 def _table_rows(records: List[Dict[str, object]]) -> List[list]:
-    return [[r["op"], r["shape"], r["implementation"], "n/a", "", ""] if r["ms"] is None else
+    return [[r["op"], r["shape"], r["implementation"], "n/a", "", "", ""] if r["ms"] is None else
             [r["op"], r["shape"], r["implementation"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}",
-             f"{r['vs_eager']:.2f}x" if r["vs_eager"] else ""] for r in records]
+             f"{r['vs_eager']:.2f}x" if r["vs_eager"] else "",
+             "" if r["max_rel_err"] is None else f"{r['max_rel_err']:.1e}"] for r in records]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -304,7 +339,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         by_model[model] = run_cases(cases, device, args.warmup, args.iters)
         print(f"\nGPT-2 {model} shapes (micro-batch {b}, seq {seq}, hidden {hidden}, "
               f"heads {heads}, vocab {vocab}): forward+backward")
-        print(format_table(["op", "shape", "implementation", "ms", "GB/s", "vs eager"],
+        print(format_table(["op", "shape", "implementation", "ms", "GB/s", "vs eager",
+                            "max rel err"],
                            _table_rows(by_model[model])))
         del cases
         if device.type == "cuda":

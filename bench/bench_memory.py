@@ -91,7 +91,7 @@ def measure(settings: List[Tuple[str, List[str]]], model_argv: List[str]) -> Dic
     import torch.distributed as dist
 
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     from app.training.loss import masked_mean_loss
 
     torch.set_num_threads(1)
@@ -157,7 +157,7 @@ def main() -> None:
     two = [("TP2", tp2), ("TP2 SP", tp2 + sp), ("TP2 selective", tp2 + sel),
            ("TP2 SP selective", tp2 + sp + sel), ("TP2 full", tp2 + full),
            ("TP2 SP full", tp2 + sp + full), (f"TP2 SP full block {a.layers // 2}", tp2 + sp + block)]
-    from app.testing.distributed import run_distributed
+    from tests.harness.distributed import run_distributed
     results = dict(measure(one, model_argv))
     results.update(run_distributed(measure, 2, two, model_argv, timeout=3600)[0])
     mib = 2.0 ** 20

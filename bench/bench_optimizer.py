@@ -141,7 +141,7 @@ def interleaved_step_ms(a: argparse.Namespace, rounds: int) -> Dict[str, Dict[st
 
     import arguments
     from app.launch.distributed import keep_freed_memory
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     keep_freed_memory()  # as pretrain_gpt2.py does
     torch.set_num_threads(a.threads)
     base = [*MODEL, "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size",

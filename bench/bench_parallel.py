@@ -40,7 +40,7 @@ def measure(argv: List[str], steps: int, warmup: int, threads: int) -> Dict[str,
     import torch.distributed as dist
 
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     from app.training.telemetry.flops import cached_cpu_peak, model_flops_per_token
     from app.utils.dtypes import torch_dtype
     from common import keep_freed_memory
@@ -72,7 +72,7 @@ def run(ranks: int, extra: List[str], steps: int, warmup: int, threads: int) -> 
     argv = MODEL + extra
     if ranks == 1:
         return measure(argv, steps, warmup, threads)
-    from app.testing.distributed import run_distributed
+    from tests.harness.distributed import run_distributed
     results = run_distributed(measure, ranks, argv, steps, warmup, threads, timeout=3600)
     slowest = max(results, key=lambda r: r["step_s"])
     return {**slowest, "per_rank": results}

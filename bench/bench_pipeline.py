@@ -93,7 +93,7 @@ def measure(configs: Dict[str, List[str]], steps: int, warmup: int) -> Dict[str,
     import torch.distributed as dist
 
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
 
     torch.set_num_threads(1)
     runs = {}
@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args()
-    from app.testing.distributed import run_distributed
+    from tests.harness.distributed import run_distributed
     from common import format_table
 
     per_stage = NUM_LAYERS // a.pp

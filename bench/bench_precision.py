@@ -25,9 +25,9 @@ import torch
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import arguments
-from app.testing.synthetic import build_synthetic_run
 from app.training.telemetry.flops import model_flops_per_token, peak_flops
 from app.utils.dtypes import torch_dtype
+from tests.harness.synthetic import build_synthetic_run
 from common import format_table, keep_freed_memory
 
 ROOT_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

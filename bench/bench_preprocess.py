@@ -1,15 +1,28 @@
 #!/usr/bin/env python
-"""Benchmark tools/preprocess_data.py on the standard-library corpus against a plain reference loop.
+"""Benchmark tools/preprocess_data.py against Megatron-LM's preprocess_data_fast.py (gigatoken)
+and, optionally, its classic tools/preprocess_data.py, whole process, on a >= 100 MB corpus.
 
-    python bench/bench_preprocess.py [--max-bytes N] [--vocab-size 50257] [--workers 1 2]
+    python bench/bench_preprocess.py [--megabytes 105] [--workers 2] [--repeats 3] \\
+        [--megatron-dir DIR --megatron-path DEPS] [--classic] [--reference]
 
-Builds the stdlib corpus and a byte-level BPE in a temporary directory, runs the tool (as a
-subprocess, wall time including start-up) with each --workers value, and runs in this process a
-reference: a plain loop over the same lines with the `tokenizers` GPT-2 (byte-level BPE)
-tokenizer, appending EOD, and writing the tokens with numpy.tofile. Both sides run the Rust
-tokenizer single-threaded (TOKENIZERS_PARALLELISM=false), so per-worker figures compare per core.
-Prints docs/s, MB/s and tokens/s, the ratios to the reference, and whether our .bin equals the
-reference token stream byte for byte.
+The corpus is Python source, one file per JSON line ({"content": ...}): the standard library,
+then the .py files of a few installed packages until --megabytes; files whose text is empty or
+holds the literal `<|endoftext|>` are left out, because the three tools treat those
+differently (docs/data.md), so that their outputs can be compared byte for byte. A GPT-2-format
+BPE of --vocab-size is trained on its first --train-megabytes.
+
+Each tool runs as a subprocess with --workers (Megatron's fast tool: RAYON_NUM_THREADS) cores,
+the runs interleaved --repeats times; the table gives the median wall time, CPU seconds
+(user + system, every thread), MB/s, our speed-up, and whether the .bin/.idx equal ours byte for
+byte. Wall times share the machine with whatever else runs (the load average is printed); CPU
+seconds do not depend on it.
+
+Megatron-LM (--megatron-dir, a checkout, e.g. from github.com/NVIDIA/Megatron-LM) runs from a
+temporary folder holding a `gpt2` tokenizer folder made of the trained files, so that its
+GPT2BPETokenizer (Hugging Face AutoTokenizer "gpt2") loads offline; --megatron-path is put on its
+PYTHONPATH for the packages it needs beyond this environment (gigatoken, awkward, triton). On
+Python < 3.12 a sitecustomize in that folder supplies `typing.override`, which Megatron imports.
+--reference adds a plain in-process loop over `tokenizers` (json.loads + encode_batch + EOD).
 """
 from __future__ import annotations
 
@@ -17,106 +30,181 @@ import argparse
 import json
 import os
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+from typing import Dict, List, Tuple
 
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, ROOT)
+from app.data.tokenizer import EOD_TOKEN, train_gpt2_bpe  # noqa: E402
+from tools.build_stdlib_corpus import stdlib_python_files  # noqa: E402
 
-import numpy as np
-
-# this checkout's `app`, whether or not the project is pip-installed
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from app.data.tokenizer import train_gpt2_bpe
-from tools.build_stdlib_corpus import build_corpus
+PACKAGES = ("torch", "transformers", "deepspeed", "numpy", "pandas", "scipy", "pyarrow")
+SHIM = ("import typing\nimport typing_extensions\nif not hasattr(typing, 'override'):\n"
+        "    typing.override = typing_extensions.override\n")
 
 
-def reference_loop(corpus: str, vocab: str, merges: str, out_path: str, batch: int = 64):
-    """(seconds, CPU seconds, docs, input bytes, tokens): json.loads + encode_batch + EOD + uint16 tofile."""
+def build_corpus(path: str, megabytes: float) -> Dict[str, int]:
+    """Write the corpus (module docstring); counts of files kept and left out."""
+    site = sysconfig.get_paths()["purelib"]
+    roots = [sysconfig.get_paths()["stdlib"]] + [os.path.join(site, p) for p in PACKAGES]
+    counts = {"files": 0, "bytes": 0, "empty": 0, "eod_literal": 0}
+    with open(path, "w", encoding="utf-8") as out:
+        for root in roots:
+            for rel in stdlib_python_files(root) if os.path.isdir(root) else ():
+                if counts["bytes"] >= megabytes * 1e6:
+                    return counts
+                try:
+                    with open(os.path.join(root, rel), "rb") as f:
+                        text = f.read().decode("utf-8")
+                except (OSError, UnicodeDecodeError):
+                    continue
+                if not text or EOD_TOKEN in text:
+                    counts["empty" if not text else "eod_literal"] += 1
+                    continue
+                line = json.dumps({"content": text}) + "\n"
+                out.write(line)
+                counts["files"] += 1
+                counts["bytes"] += len(line.encode("utf-8"))
+    return counts
+
+
+def timed(cmd: List[str], env: Dict[str, str], cwd: str) -> Tuple[float, float]:
+    """(wall seconds, CPU seconds of the child and its threads) of one subprocess."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd[:3])} failed:\n{done.stderr[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def commands(args, corpus: str, vocab: str, merges: str, tmp: str) -> Dict[str, tuple]:
+    """{name: (command, environment, cwd, output prefix)} of every tool to run."""
+    env = dict(os.environ)
+    env.pop("RAYON_NUM_THREADS", None)
+    common = ["--input", corpus, "--json-keys", "content", "--vocab-file", vocab,
+              "--merge-file", merges, "--append-eod"]
+    out = {"ours": ([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), *common,
+                     "--workers", str(args.workers), "--log-interval", "1000000000",
+                     "--output-prefix", os.path.join(tmp, "ours")], env, tmp,
+                    os.path.join(tmp, "ours"))}
+    if not args.megatron_dir:
+        return out
+    run_dir = os.path.join(tmp, "megatron_run")
+    os.makedirs(os.path.join(run_dir, "gpt2"), exist_ok=True)
+    for name in (vocab, merges):
+        shutil.copy(name, os.path.join(run_dir, "gpt2"))
+    with open(os.path.join(run_dir, "gpt2", "config.json"), "w") as f:
+        json.dump({"model_type": "gpt2"}, f)
+    with open(os.path.join(run_dir, "gpt2", "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "GPT2Tokenizer", "eos_token": EOD_TOKEN,
+                   "bos_token": EOD_TOKEN, "unk_token": EOD_TOKEN}, f)
+    paths = [args.megatron_dir] + ([args.megatron_path] if args.megatron_path else [])
+    if sys.version_info < (3, 12):
+        with open(os.path.join(run_dir, "sitecustomize.py"), "w") as f:
+            f.write(SHIM)
+        paths.insert(0, run_dir)
+    menv = dict(env, HF_HUB_OFFLINE="1", RAYON_NUM_THREADS=str(args.workers),
+                PYTHONPATH=os.pathsep.join(paths))
+    tools = os.path.join(args.megatron_dir, "tools")
+    megatron = common + ["--tokenizer-type", "GPT2BPETokenizer"]
+    prefix = os.path.join(tmp, "megatron_fast")
+    out["megatron fast"] = ([sys.executable, os.path.join(tools, "preprocess_data_fast.py"),
+                             *megatron, "--use-gigatoken", "--output-prefix", prefix], menv,
+                            run_dir, prefix)
+    if args.classic:
+        prefix = os.path.join(tmp, "megatron_classic")
+        out["megatron classic"] = ([sys.executable, os.path.join(tools, "preprocess_data.py"),
+                                    *megatron, "--workers", str(args.workers),
+                                    "--output-prefix", prefix], menv, run_dir, prefix)
+    return out
+
+
+def same_files(prefix: str, reference: str) -> bool:
+    name = "_content_document"
+    return all(open(prefix + name + ext, "rb").read() == open(reference + name + ext, "rb").read()
+               for ext in (".bin", ".idx"))
+
+
+def reference_loop(corpus: str, vocab: str, merges: str) -> Tuple[float, float]:
+    """(wall, CPU) of json.loads + `tokenizers` encode_batch + EOD in this process."""
+    import numpy as np
     from tokenizers import ByteLevelBPETokenizer
 
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = ByteLevelBPETokenizer(vocab, merges)
-    eod = tok.token_to_id("<|endoftext|>")
-    docs = nbytes = ntokens = 0
+    eod = tok.token_to_id(EOD_TOKEN)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    with open(corpus, "rb") as f, open(out_path, "wb") as out:
-        lines = []
-        for line in f:
-            lines.append(line)
-            if len(lines) == batch:
-                d, b, n = _reference_batch(tok, lines, eod, out)
-                docs, nbytes, ntokens, lines = docs + d, nbytes + b, ntokens + n, []
-        d, b, n = _reference_batch(tok, lines, eod, out)
-    return (time.perf_counter() - t0, time.process_time() - cpu0, docs + d, nbytes + b,
-            ntokens + n)
-
-
-def _reference_batch(tok, lines, eod, out):
-    texts = [json.loads(line)["content"] for line in lines]
-    ntokens = 0
-    for enc in tok.encode_batch(texts):
-        if enc.ids:
-            ids = np.array(enc.ids + [eod], dtype=np.uint16)
-            ids.tofile(out)
-            ntokens += ids.size
-    return len(texts), sum(len(x) for x in lines), ntokens
-
-
-def run_tool(corpus, vocab, merges, prefix, workers):
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", prefix, "--json-keys", "content", "--vocab-file", vocab,
-           "--merge-file", merges, "--append-eod", "--workers", str(workers),
-           "--log-interval", "100000000"]
-    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
-    seconds = time.perf_counter() - t0
-    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return seconds, (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
-
-
-def rates(seconds, docs, nbytes, ntokens):
-    return docs / seconds, nbytes / seconds / 1e6, ntokens / seconds
+    with open(corpus, "rb") as f:
+        lines = f.readlines()
+    for start in range(0, len(lines), 64):
+        texts = [json.loads(line)["content"] for line in lines[start:start + 64]]
+        for enc in tok.encode_batch(texts):
+            np.array(enc.ids + [eod], dtype=np.uint16)
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("--max-bytes", type=int, default=None)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--megabytes", type=float, default=105.0)
     p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--train-megabytes", type=float, default=4.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--megatron-dir", default=None, help="a Megatron-LM checkout")
+    p.add_argument("--megatron-path", default=None,
+                   help="PYTHONPATH entry with the packages Megatron-LM needs beyond ours")
+    p.add_argument("--classic", action="store_true",
+                   help="also run Megatron-LM's classic tools/preprocess_data.py (slow)")
+    p.add_argument("--reference", action="store_true",
+                   help="also time a plain `tokenizers` loop in this process")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        import sysconfig
-        corpus = os.path.join(tmp, "stdlib.jsonl")
-        counts = build_corpus(sysconfig.get_paths()["stdlib"], corpus, args.max_bytes)
-        t0 = time.perf_counter()
+        corpus = os.path.join(tmp, "corpus.jsonl")
+        counts = build_corpus(corpus, args.megabytes)
+        size = os.path.getsize(corpus)
         with open(corpus, encoding="utf-8") as f:
-            texts = [json.loads(line)["content"] for line in f]
-        vocab, merges = train_gpt2_bpe(texts, args.vocab_size, os.path.join(tmp, "tok"))
-        print(f"corpus: {counts['files']} files, {os.path.getsize(corpus) / 1e6:.1f} MB jsonl; "
-              f"BPE vocab {args.vocab_size} trained in {time.perf_counter() - t0:.1f} s")
-        ref_bin = os.path.join(tmp, "reference.bin")
-        t_ref, cpu_ref, docs, nbytes, ntokens = reference_loop(corpus, vocab, merges, ref_bin)
-        ref = rates(t_ref, docs, nbytes, ntokens)
-        print(f"{'run':<13}{'wall s':>7}{'docs/s':>8}{'MB/s':>7}{'tokens/s':>10}{'vs ref':>7}"
-              f"{'MB/s/worker':>12}{'CPU s':>7}{'Mtok/CPU-s':>11}  identical")
-        print(f"{'reference':<13}{t_ref:7.2f}{ref[0]:8.1f}{ref[1]:7.2f}{ref[2]:10,.0f}{1:7.2f}"
-              f"{ref[1]:12.2f}{cpu_ref:7.1f}{ntokens / cpu_ref / 1e6:11.3f}  -")
-        reference_bytes = open(ref_bin, "rb").read()
-        for workers in args.workers:
-            prefix = os.path.join(tmp, f"w{workers}")
-            seconds, cpu = run_tool(corpus, vocab, merges, prefix, workers)
-            ours = rates(seconds, docs, nbytes, ntokens)
-            same = open(prefix + "_content_document.bin", "rb").read() == reference_bytes
-            print(f"{f'ours -w {workers}':<13}{seconds:7.2f}{ours[0]:8.1f}{ours[1]:7.2f}"
-                  f"{ours[2]:10,.0f}{t_ref / seconds:7.2f}{ours[1] / workers:12.2f}{cpu:7.1f}"
-                  f"{ntokens / cpu / 1e6:11.3f}  {same}")
-        print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
-              f"(CPU seconds are the load-independent figure; the tool's include start-up)")
-        print("anchors: ~1 MB/s and ~460 docs/s per worker (Python BPE, BigScience PR #18); "
-              "~0.85 M tokens/s per core (HF tokenizers, marin #2829)")
+            sample, total = [], 0
+            for line in f:
+                sample.append(json.loads(line)["content"])
+                total += len(line)
+                if total >= args.train_megabytes * 1e6:
+                    break
+        t0 = time.perf_counter()
+        vocab, merges = train_gpt2_bpe(sample, args.vocab_size, os.path.join(tmp, "tok"))
+        print(f"corpus: {counts['files']} files, {size / 1e6:.1f} MB jsonl ({counts['empty']} "
+              f"empty and {counts['eod_literal']} with a literal {EOD_TOKEN} left out); BPE vocab "
+              f"{args.vocab_size} trained on {total / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")
+        runs = commands(args, corpus, vocab, merges, tmp)
+        times: Dict[str, List[Tuple[float, float]]] = {name: [] for name in runs}
+        for repeat in range(args.repeats):
+            for name, (cmd, env, cwd, _) in runs.items():
+                if name == "megatron classic" and repeat:
+                    continue
+                times[name].append(timed(cmd, env, cwd))
+        ours_wall = statistics.median(w for w, _ in times["ours"])
+        print(f"{'tool':<18}{'wall s':>8}{'CPU s':>8}{'MB/s':>8}{'ours x':>8}  identical to ours")
+        for name, (_, _, _, prefix) in runs.items():
+            wall = statistics.median(w for w, _ in times[name])
+            cpu = statistics.median(c for _, c in times[name])
+            same = "-" if name == "ours" else str(same_files(prefix, runs["ours"][3]))
+            print(f"{name:<18}{wall:8.2f}{cpu:8.2f}{size / 1e6 / wall:8.1f}"
+                  f"{wall / ours_wall:8.2f}  {same}")
+        if args.reference:
+            wall, cpu = reference_loop(corpus, vocab, merges)
+            print(f"{'tokenizers loop':<18}{wall:8.2f}{cpu:8.2f}{size / 1e6 / wall:8.1f}"
+                  f"{wall / ours_wall:8.2f}  (in process, no output)")
+        print(f"workers {args.workers}, median of {args.repeats} interleaved runs (classic: one); "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

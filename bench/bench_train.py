@@ -16,7 +16,9 @@ that dtype. Besides the references it times our model three ways: "ours" (the de
 selection: every fusion on, SDPA for causal attention), "ours-nofuse" (every --no-*-fusion
 flag; SDPA still) and "ours-eager" (nothing fused: q k^T + PyTorch softmax + @ v), and with
 every fusion on but one ("ours-no-masked-softmax", "ours-no-bias-gelu", "ours-no-bias-dropout",
-"ours-no-layernorm", "ours-no-cross-entropy-loss"). The nanoGPT-style reference ("nano") is
+"ours-no-layernorm", "ours-no-cross-entropy-loss"), and with each transformer layer compiled
+("ours-compiled": --compile-layers, the fusion flags as in "ours"; its compilation happens in
+the untimed warm-up). The nanoGPT-style reference ("nano") is
 bench/nanogpt_reference.py's model, here uncompiled. --json PATH writes the figures too:
 
     python bench/bench_train.py --device cuda --preset 124M --precision bf16 \
@@ -45,6 +47,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import ModelConfig, OptimizerConfig
 from app.training.telemetry.flops import model_flops_per_token
 from app.model import GPT2Model, fused
+from app.model.gpt2 import compile_transformer_layers
 from app.optim import OptimizerParamScheduler, build_optimizer
 from common import (PeakResult, format_table, keep_freed_memory, measure_matmul_peak,
                     summarize)
@@ -132,13 +135,18 @@ OUR_VARIANTS = {"ours": {}, "ours-nofuse": NO_FUSION,
                 "ours-eager": dict(NO_FUSION, attention_backend="local"),
                 # every fusion on but one: "ours-no-layernorm", "ours-no-cross-entropy-loss", ...
                 **{"ours-no-" + key[:-len("_fusion")].replace("_", "-"): {key: False}
-                   for key in NO_FUSION}}
+                   for key in NO_FUSION},
+                "ours-compiled": {}}
+COMPILED_VARIANTS = ("ours-compiled",)
+"""Variants whose transformer layers are compiled (app.model.gpt2.compile_transformer_layers)."""
 
 
 def _ours(name: str, cfg: ModelConfig, ids: torch.Tensor, labels: torch.Tensor,
           autocast: Optional[torch.dtype]) -> Impl:
     """Our GPT-2 with the fusion settings of OUR_VARIANTS[name], on the device of `ids`."""
     model = GPT2Model(dataclasses.replace(cfg, **OUR_VARIANTS[name])).to(ids.device).train()
+    if name in COMPILED_VARIANTS:
+        compile_transformer_layers(model)
     opt = build_optimizer(model, OPT)
     sched = OptimizerParamScheduler(opt, OPT)
     pos = torch.arange(cfg.seq_length, device=ids.device).unsqueeze(0).expand_as(ids)

@@ -74,7 +74,7 @@ def measure(argv: List[str], config: str, zero: Dict[str, Any], tmpdir: str) -> 
     import torch.distributed as dist
 
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     from app.training.planning.memory import estimate_memory
     torch.set_num_threads(1)
     with open(os.path.join(ROOT, "ds_configs", f"{config}.json")) as f:
@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--rows", nargs="*", default=[r[0] for r in ROWS],
                    help="which rows to run (names as printed)")
     a = p.parse_args()
-    from app.testing.distributed import run_distributed
+    from tests.harness.distributed import run_distributed
     argv = model_argv(a)
     print(f"DP=2, fp32, AdamW; L={a.layers} h={a.hidden} heads={a.heads} seq={a.seq}; rank 0, "
           "MiB, measured / estimated")

@@ -11,9 +11,13 @@ if has_cuda; then
     DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/zero2.json}"; PRECISION="${PRECISION---fp16}"
 else
     NUM_GPUS="${NUM_GPUS:-2}"; DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/zero2.json}"; PRECISION="${PRECISION:-}"
+    export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # the CPU accelerator, without DeepSpeed's warning
 fi
 gpt2_args "${GLOBAL_BATCH:-$((MICRO_BATCH * NUM_GPUS))}" "${CHECKPOINT_PATH:-$ROOT/checkpoints/gpt2_ds}"
 export PATH="$VENV_BIN:$PATH" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# one node, no hostfile: the launcher's own log (its command lines, "no hostfile") says nothing
+# to the user, so it reports errors only unless DS_LOG_LEVEL says otherwise
 exec deepspeed --num_nodes 1 --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}" \
+    --log_level "${DS_LOG_LEVEL:-error}" \
     "$ROOT/pretrain_gpt2.py" "${GPT2_ARGS[@]}" \
     --deepspeed --deepspeed_config "$DS_CONFIG" $PRECISION "$@"

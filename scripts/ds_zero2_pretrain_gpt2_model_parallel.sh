@@ -19,11 +19,13 @@ if has_cuda; then
 else
     NUM_GPUS_PER_WORKER="${NUM_GPUS_PER_WORKER:-2}"
     DS_CONFIG="${DS_CONFIG:-$ROOT/ds_configs/${ZERO}.json}"; PRECISION="${PRECISION:-}"
+    export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # the CPU accelerator, without DeepSpeed's warning
 fi
 DP_SIZE=$((NUM_WORKERS * NUM_GPUS_PER_WORKER / (MP_SIZE * PP_SIZE)))
 gpt2_args "${GLOBAL_BATCH:-$((MICRO_BATCH * DP_SIZE))}" "${CHECKPOINT_PATH:-$ROOT/checkpoints/gpt2_ds_mp}"
-HOST_ARGS=()
-if [ -n "${HOSTFILE:-}" ]; then HOST_ARGS=(--hostfile "$HOSTFILE"); fi
+# the launcher's own log: warnings and errors across hosts, errors only on one node
+HOST_ARGS=(--log_level "${DS_LOG_LEVEL:-error}")
+if [ -n "${HOSTFILE:-}" ]; then HOST_ARGS=(--hostfile "$HOSTFILE" --log_level "${DS_LOG_LEVEL:-warning}"); fi
 export PATH="$VENV_BIN:$PATH" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec deepspeed "${HOST_ARGS[@]}" --num_nodes "$NUM_WORKERS" --num_gpus "$NUM_GPUS_PER_WORKER" \
     --master_port "${MASTER_PORT:-29500}" "$ROOT/pretrain_gpt2.py" "${GPT2_ARGS[@]}" \

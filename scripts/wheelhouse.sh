@@ -3,7 +3,7 @@
 # the project with no network onto a machine's own Python and torch (docs/gpu.md). Run it where
 # the package index is reachable:
 #     bash scripts/wheelhouse.sh --output DIR [--python 3.12] [--platform manylinux_2_28_x86_64 ...]
-#                                [--build-python PY]
+#                                [--build-python PY] [--omit-present FILE]
 # It holds DeepSpeed as a pure-Python wheel built from its source distribution (DS_BUILD_OPS=0:
 # no op compiled, neither torch nor CUDA needed; DeepSpeed JIT-builds its ops on the cluster),
 # every requirement of requirements.txt but torch with its dependencies, torch's own pure-Python
@@ -12,18 +12,22 @@
 # --python: the target CPython (default: the build Python's); --platform: the target's platform
 # tags (default manylinux_2_28_<this machine's arch>; manylinux_2_N_ARCH stands for every
 # manylinux tag up to glibc 2.N); --build-python: the Python whose pip builds and downloads
-# (default .venv/bin/python, else python3). Dependencies' environment markers are evaluated by
-# pip for the build Python: give a --build-python of the target's version where one exists.
+# (default .venv/bin/python, else python3); --omit-present FILE: leave out the wheels of the
+# distributions FILE names, which the target already has (pure-Python ones under 1 MiB stay),
+# e.g. scripts/lib/gpu_image_packages.txt for the lent GPU machines (docs/gpu.md).
+# Dependencies' environment markers are evaluated by pip for the build Python: give a
+# --build-python of the target's version where one exists.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUTPUT="" TARGET_PY="" BUILD_PY="" PLATFORMS=()
+OUTPUT="" TARGET_PY="" BUILD_PY="" PLATFORMS=() OMIT_PRESENT="" OMITTED=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --output) OUTPUT="$2"; shift 2 ;;
         --python) TARGET_PY="$2"; shift 2 ;;
         --platform) PLATFORMS+=("$2"); shift 2 ;;
         --build-python) BUILD_PY="$2"; shift 2 ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        --omit-present) OMIT_PRESENT="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "wheelhouse.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -84,6 +88,12 @@ for attempt in 1 2 3 4 5 6; do
     fi
     mv "$built" "$OUTPUT/"
 done
+if [ -n "$OMIT_PRESENT" ]; then
+    while read -r wheel; do
+        [ -n "$wheel" ] && OMITTED+=("${wheel%%-*}")
+    done < <("${HELPER[@]}" omit-present "$OUTPUT" --present "$OMIT_PRESENT")
+    echo "   left out ${#OMITTED[@]} wheels of distributions the target has ($OMIT_PRESENT)"
+fi
 
 echo "== 3/4 the project as a wheel"
 rm -f "$OUTPUT"/gpt2_megatron_deepspeed-*.whl
@@ -93,7 +103,7 @@ had_build=0; [ -e "$ROOT/build" ] && had_build=1
 
 echo "== 4/4 MANIFEST.json"
 "${HELPER[@]}" manifest "$OUTPUT" --requirements "$ROOT/requirements.txt" --python "$TARGET_PY" \
-    --platform "${PLATFORMS[@]}"
+    --platform "${PLATFORMS[@]}" --omitted "${OMITTED[@]}"
 echo "$(ls "$OUTPUT"/*.whl | wc -l) wheels, $(du -sh "$OUTPUT" | cut -f1) in $OUTPUT"
 echo "install with no network (keeps the Python's own torch):"
 echo "    bash scripts/setup_env.sh --wheelhouse $OUTPUT --python <the Python that has torch>"

@@ -1,10 +1,13 @@
-"""Shared pytest setup: one torch thread per test process (the suite runs on 2 cores), and the
+"""Shared pytest setup: one torch thread per test process (the suite runs on 2 cores), the
 launch variables an in-process DeepSpeed run sets (RANK, WORLD_SIZE, MASTER_PORT, ...) put back
-after each test, so no later test or command it starts inherits them."""
+after each test, so no later test or command it starts inherits them, and every fault-injection
+point (app/utils/faults.py) disarmed after each test, so a test may simply `faults.arm` one."""
 import os
 
 import pytest
 import torch
+
+from app.utils import faults
 
 torch.set_num_threads(1)
 
@@ -21,3 +24,9 @@ def _launch_variables_restored():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def _faults_disarmed():
+    yield
+    faults.disarm_all()

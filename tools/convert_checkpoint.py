@@ -1,14 +1,17 @@
-"""Convert GPT-2 checkpoints between Megatron's layout (any TP/PP), DeepSpeed and Hugging Face.
+"""Convert GPT-2 checkpoints between Megatron's layouts (legacy at any TP/PP, torch_dist),
+DeepSpeed and Hugging Face.
 
-    python tools/convert_checkpoint.py --input-format megatron|deepspeed|hf --output-format megatron|hf \
+    python tools/convert_checkpoint.py --input-format megatron|torch_dist|deepspeed|hf \
+        --output-format megatron|torch_dist|hf \
         --load SRC --save DST [--iteration N] [--target-tensor-model-parallel-size N] \
         [--target-pipeline-model-parallel-size M] [--target-params-dtype fp32|fp16|bf16] \
         [--include-optimizer] [--max-shard-size 2GB] [--vocab-file F --merge-file F] \
         [--metrics-file RUN/metrics.jsonl] [--print-checkpoint-structure]
 
-The Megatron output is a `release` checkpoint (weights only; load it with --load or --finetune)
+The megatron (legacy) and torch_dist outputs are a `release` checkpoint (weights only; load it with --load or --finetune)
 unless --iteration is given; with --include-optimizer it keeps the source's iteration, Adam
-moments, LR schedule and RNG states, so --load resumes the run at the new layout. The output is
+moments, LR schedule and RNG states, so --load resumes the run at the new layout (a torch_dist
+output loads at any layout, so the target sizes do not apply to it). The output is
 written to a temporary directory and renamed to DST at the end. See docs/conversion.md.
 """
 import argparse
@@ -35,8 +38,11 @@ def _iteration(text: str):
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input-format", required=True, choices=["megatron", "deepspeed", "hf"])
-    p.add_argument("--output-format", choices=["megatron", "hf"], default="megatron")
+    from app.convert import INPUT_FORMATS, OUTPUT_FORMATS
+    p.add_argument("--input-format", required=True, choices=INPUT_FORMATS,
+                   help="megatron: the legacy mp_rank_XX files; torch_dist: Megatron Core's "
+                        "PyTorch distributed checkpoint (--ckpt-format torch_dist)")
+    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default="megatron")
     p.add_argument("--load", required=True, help="source: checkpoint directory (--save of the run) "
                    "or a Hugging Face save_pretrained directory")
     p.add_argument("--save", help="target directory (must not exist or be empty)")
@@ -48,7 +54,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--target-params-dtype", choices=["fp32", "fp16", "bf16"], default=None,
                    help="dtype of the written weights (default: the source's)")
     p.add_argument("--include-optimizer", action="store_true",
-                   help="also reshard the Adam state, LR schedule and RNG states (megatron output)")
+                   help="also carry the optimizer state, LR schedule and RNG states (megatron "
+                        "or torch_dist output)")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (hf output)")
     p.add_argument("--vocab-file", help="GPT-2 vocab.json copied into the hf output")
     p.add_argument("--merge-file", help="GPT-2 merges.txt copied into the hf output")

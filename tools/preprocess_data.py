@@ -1,17 +1,25 @@
 #!/usr/bin/env python
-"""Tokenize loose JSON (one object per line) into Megatron mmap `.bin`/`.idx` pairs.
+"""Tokenize loose JSON (.jsonl, .jsonl.gz) or Parquet into Megatron mmap `.bin`/`.idx` pairs.
 
     python tools/preprocess_data.py --input corpus.jsonl[.gz] --output-prefix data/corpus \\
         --json-keys content --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json \\
         --merge-file merges.txt --append-eod --workers 2
+    python tools/preprocess_data.py --input shard-00000.parquet --json-keys text ...
 
-One output pair per JSON key: `{prefix}_{key}_document.bin/.idx` (`_sentence` with
---split-sentences, where each sentence is one sequence of the document). The output is the same
-byte for byte whatever --workers is. Output files are written under temporary names and renamed
-into place only when complete. Bad lines stop the run with the file, line number and key (or are
-counted and skipped with --skip-bad-lines); documents with no tokens are skipped and counted.
-Progress (rate, ETA) goes to stderr; temporary files a killed run left for the same output
-prefix are removed at start. No network access: Punkt sentence splitting is trained on the input.
+One output pair per JSON key (for Parquet: per column): `{prefix}_{key}_document.bin/.idx`
+(`_sentence` with --split-sentences, where each sentence is one sequence of the document). The
+output is the same byte for byte whatever --workers is, and the same as Megatron-LM's
+tools/preprocess_data.py and preprocess_data_fast.py write for documents that have text and no
+literal `<|endoftext|>` (docs/data.md says how the three differ on those). Output files are
+written under temporary names and renamed into place only when complete. Bad lines (rows) stop
+the run with the file, line (row) number and key, or are counted and skipped with
+--skip-bad-lines; documents with no tokens are skipped and counted. Progress (rate, ETA) goes to
+stderr; temporary files a killed run left for the same output prefix are removed at start.
+
+Speed: with gigatoken installed (requirements.txt), this process tokenizes blocks of the input
+with its Rust BPE on --workers threads (the same ids as `tokenizers`); with --split-sentences
+(Punkt is Python) or without gigatoken, --workers processes each tokenize chunks of
+--chunk-size lines. No network access: Punkt sentence splitting is trained on the input.
 """
 from __future__ import annotations
 
@@ -24,8 +32,8 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # --workers N means N cores
 
@@ -42,7 +50,12 @@ from app.data.tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer
 from app.utils.fileio import remove_temporaries
 from app.utils.progress import progress
 
-Line = Tuple[int, bytes]  # (1-based line number, raw line)
+Record = Tuple[int, Any]
+"""(1-based line or row number, raw JSON line bytes or a Parquet row's {column: value})."""
+BLOCK_BYTES = 8 << 20
+"""Input read per block when this process tokenizes on gigatoken's threads."""
+BLOCK_ROWS = 8192
+"""Parquet rows per block on that path."""
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -50,9 +63,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
-    g.add_argument("--input", required=True, help="loose JSON file: .json/.jsonl or .jsonl.gz")
+    g.add_argument("--input", required=True,
+                   help="loose JSON (.json/.jsonl, or .jsonl.gz) or a Parquet file (.parquet)")
     g.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys to extract; one output pair per key")
+                   help="keys (Parquet: columns) to extract; one output pair per key")
     g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (Punkt)")
     g.add_argument("--keep-newlines", action="store_true",
                    help="with --split-sentences, keep the whitespace/newlines between sentences")
@@ -63,7 +77,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--save-punkt-model", default=None,
                    help="directory to save the Punkt parameters trained on the input")
     g.add_argument("--skip-bad-lines", action="store_true",
-                   help="count and skip malformed lines instead of stopping")
+                   help="count and skip malformed lines (rows) instead of stopping")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=SUPPORTED_TOKENIZERS)
     g.add_argument("--vocab-file", "--vocab", dest="vocab_file", default=None)
@@ -73,8 +87,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--output-prefix", required=True)
     g.add_argument("--dataset-impl", default="mmap", help="only 'mmap' is supported")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="worker processes")
-    g.add_argument("--chunk-size", type=int, default=64, help="lines per task sent to a worker")
+    g.add_argument("--workers", type=int, default=1,
+                   help="cores: gigatoken threads in this process, else worker processes")
+    g.add_argument("--chunk-size", type=int, default=64,
+                   help="lines per task sent to a worker process")
     g.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
     args = p.parse_args(argv)
     if args.dataset_impl != "mmap":
@@ -93,6 +109,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- input
 
 
+def is_parquet(path: str) -> bool:
+    return path.endswith(".parquet")
+
+
 def open_input(path: str):
     """(line iterator over raw bytes, raw file object for progress) of a .jsonl or .jsonl.gz."""
     raw = open(path, "rb")
@@ -100,9 +120,9 @@ def open_input(path: str):
     return stream, raw
 
 
-def read_chunks(stream, chunk_size: int) -> Iterator[List[Line]]:
+def read_chunks(stream, chunk_size: int) -> Iterator[List[Record]]:
     """Lists of up to chunk_size (line number, line) pairs, in file order."""
-    chunk: List[Line] = []
+    chunk: List[Record] = []
     for lineno, line in enumerate(stream, start=1):
         chunk.append((lineno, line))
         if len(chunk) == chunk_size:
@@ -110,6 +130,42 @@ def read_chunks(stream, chunk_size: int) -> Iterator[List[Line]]:
             chunk = []
     if chunk:
         yield chunk
+
+
+def read_blocks(stream, block_bytes: int) -> Iterator[List[Record]]:
+    """Lists of whole lines of about `block_bytes` (at least one line), in file order."""
+    lineno = 0
+    while True:
+        lines = stream.readlines(block_bytes)
+        if not lines:
+            return
+        yield list(enumerate(lines, start=lineno + 1))
+        lineno += len(lines)
+
+
+def parquet_chunks(path: str, keys: List[str], rows: int) -> Iterator[List[Record]]:
+    """Lists of up to `rows` (row number, {column: value}) of the Parquet file's `keys`
+    columns; SystemExit naming the file when it is not Parquet or lacks a string column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        table = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise SystemExit(f"{path} is not a readable Parquet file ({exc})") from None
+    schema = table.schema_arrow
+    for key in keys:
+        if key not in schema.names:
+            raise SystemExit(f"{path} has no column {key!r} (columns: {schema.names[:20]}); "
+                             "choose the columns with --json-keys")
+        kind = schema.field(key).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise SystemExit(f"{path}: column {key!r} holds {kind}, not strings; choose a text "
+                             "column with --json-keys")
+    first = 1
+    for batch in table.iter_batches(batch_size=rows, columns=keys):
+        columns = [batch.column(key).to_pylist() for key in keys]
+        yield [(first + i, dict(zip(keys, values))) for i, values in enumerate(zip(*columns))]
+        first += batch.num_rows
 
 
 def sample_text(path: str, key: str, max_bytes: int) -> str:
@@ -146,16 +202,6 @@ def build_punkt_params(args: argparse.Namespace):
 
 
 @dataclass
-class KeyOutput:
-    """Tokens of one JSON key for one chunk, ready for MMapIndexedDatasetBuilder.add_documents."""
-
-    tokens: List[int] = field(default_factory=list)
-    sequence_lengths: List[int] = field(default_factory=list)
-    sequences_per_document: List[int] = field(default_factory=list)
-    empty_documents: int = 0
-
-
-@dataclass
 class ChunkResult:
     """What a worker returns for one chunk (numpy arrays per key, errors, counters)."""
 
@@ -167,29 +213,58 @@ class ChunkResult:
     tokens: int
 
 
-class Encoder:
-    """Turns raw JSON lines into token sequences; built once per worker process."""
+def assemble(tokens: np.ndarray, seq_lengths: np.ndarray, seq_docs: np.ndarray, documents: int,
+             eod: Optional[int], dtype: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(tokens, sequence lengths int32, sequences per document int64, empty documents) for
+    MMapIndexedDatasetBuilder.add_documents, from the tokens of every sequence back to back
+    (`seq_lengths[s]` of them for sequence s of document `seq_docs[s]`, documents numbered
+    0..documents-1 in order): sequences without tokens are dropped, a document left with none
+    is skipped and counted, and `eod` (if not None) ends each kept document's last sequence."""
+    keep = seq_lengths > 0
+    lengths, docs = seq_lengths[keep], seq_docs[keep]
+    per_document = np.bincount(docs, minlength=documents)
+    empty = int(np.count_nonzero(per_document == 0))
+    per_document = per_document[per_document > 0].astype(np.int64)
+    if eod is None or lengths.size == 0:
+        return tokens.astype(dtype), lengths.astype(np.int32), per_document, empty
+    last = np.cumsum(per_document) - 1  # each document's last sequence, among those kept
+    lengths = lengths.copy()
+    lengths[last] += 1
+    eod_at = np.cumsum(lengths)[last] - 1  # [kept documents]
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    text = np.ones(out.size, dtype=bool)
+    text[eod_at] = False
+    out[text] = tokens
+    out[eod_at] = eod
+    return out, lengths.astype(np.int32), per_document, empty
 
-    def __init__(self, args: argparse.Namespace, punkt_params=None) -> None:
+
+class Encoder:
+    """Turns raw JSON lines (or Parquet rows) into token sequences; built once per process.
+    `parallel`: tokenize on gigatoken's thread pool (this process tokenizes the whole input)."""
+
+    def __init__(self, args: argparse.Namespace, punkt_params=None,
+                 parallel: Optional[bool] = None, tokenizer: Any = None) -> None:
         self.keys = args.json_keys
         self.append_eod = args.append_eod
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        self.parallel = parallel
+        self.tokenizer = tokenizer or build_tokenizer(args.tokenizer_type, args.vocab_file,
+                                                      args.merge_file)
         self.dtype = best_fitting_dtype(self.tokenizer.vocab_size)
         self.splitter = (SentenceSplitter(punkt_params, args.keep_newlines)
                          if args.split_sentences else None)
 
-    def split(self, text: str) -> List[str]:
-        """The document's sequences: one, or its sentences with --split-sentences."""
-        return [text] if self.splitter is None else self.splitter.split(text)
-
-    def parse(self, line: bytes) -> Tuple[Optional[List[str]], Optional[str]]:
-        """(text of each key, None) or (None, error message) for one line."""
-        try:
-            obj = json.loads(line)
-        except ValueError as err:
-            return None, f"malformed JSON ({err})"
-        if not isinstance(obj, dict):
-            return None, f"expected a JSON object, got {type(obj).__name__}"
+    def parse(self, record: Any) -> Tuple[Optional[List[str]], Optional[str]]:
+        """(text of each key, None) or (None, error message) for one JSON line or Parquet row."""
+        if isinstance(record, dict):
+            obj = record
+        else:
+            try:
+                obj = json.loads(record)
+            except ValueError as err:
+                return None, f"malformed JSON ({err})"
+            if not isinstance(obj, dict):
+                return None, f"expected a JSON object, got {type(obj).__name__}"
         texts = []
         for key in self.keys:
             if key not in obj:
@@ -200,47 +275,38 @@ class Encoder:
             texts.append(obj[key])
         return texts, None
 
-    def encode_chunk(self, chunk: List[Line]) -> ChunkResult:
-        """Tokenize every good line of the chunk; bad lines become (line number, message)."""
+    def encode_chunk(self, chunk: List[Record]) -> ChunkResult:
+        """Tokenize every good record of the chunk; bad ones become (number, message)."""
         errors, docs, blank, nbytes = [], [], 0, 0
-        for lineno, line in chunk:
-            nbytes += len(line)
-            if not line.strip():
-                blank += 1
-                continue
-            texts, err = self.parse(line)
+        for number, record in chunk:
+            if not isinstance(record, dict):
+                nbytes += len(record)
+                if not record.strip():
+                    blank += 1
+                    continue
+            texts, err = self.parse(record)
             if err is not None:
-                errors.append((lineno, err))
+                errors.append((number, err))
             else:
                 docs.append(texts)
+                if isinstance(record, dict):
+                    nbytes += sum(len(t) for t in texts)
         outputs, total_tokens = {}, 0
         for k, key in enumerate(self.keys):
-            out = self._encode_key([d[k] for d in docs])
-            total_tokens += len(out.tokens)
-            outputs[key] = (np.asarray(out.tokens, dtype=self.dtype),
-                            np.asarray(out.sequence_lengths, dtype=np.int32),
-                            np.asarray(out.sequences_per_document, dtype=np.int64),
-                            out.empty_documents)
+            outputs[key] = self._encode_key([d[k] for d in docs])
+            total_tokens += outputs[key][0].size
         return ChunkResult(outputs, errors, len(docs), blank, nbytes, total_tokens)
 
-    def _encode_key(self, texts: List[str]) -> KeyOutput:
-        pieces = [self.split(t) for t in texts]
-        flat = [s for p in pieces for s in p]
-        ids = self.tokenizer.tokenize_batch(flat) if flat else []
-        out, pos = KeyOutput(), 0
-        for p in pieces:
-            seqs = [s for s in ids[pos:pos + len(p)] if s]
-            pos += len(p)
-            if not seqs:
-                out.empty_documents += 1
-                continue
-            if self.append_eod:
-                seqs[-1] = seqs[-1] + [self.tokenizer.eod]
-            for s in seqs:
-                out.tokens.extend(s)
-                out.sequence_lengths.append(len(s))
-            out.sequences_per_document.append(len(seqs))
-        return out
+    def _encode_key(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        if self.splitter is None:
+            sequences, seq_docs = texts, np.arange(len(texts))
+        else:
+            pieces = [self.splitter.split(t) for t in texts]
+            sequences = [s for p in pieces for s in p]
+            seq_docs = np.repeat(np.arange(len(texts)), [len(p) for p in pieces])
+        tokens, lengths = self.tokenizer.encode_flat(sequences, parallel=self.parallel)
+        return assemble(tokens, lengths, seq_docs, len(texts),
+                        self.tokenizer.eod if self.append_eod else None, self.dtype)
 
 
 _WORKER_ENCODER: Optional[Encoder] = None
@@ -251,7 +317,7 @@ def _init_worker(args: argparse.Namespace, punkt_params) -> None:
     _WORKER_ENCODER = Encoder(args, punkt_params)
 
 
-def _encode_in_worker(chunk: List[Line]) -> ChunkResult:
+def _encode_in_worker(chunk: List[Record]) -> ChunkResult:
     return _WORKER_ENCODER.encode_chunk(chunk)
 
 
@@ -262,7 +328,7 @@ class Progress:
     """Progress on stderr through app.utils.progress: input bytes read with rate and ETA, plus
     docs/s, MB/s and tokens/s; a line at least every `interval` documents."""
 
-    def __init__(self, interval: int, total_bytes: Optional[int], raw) -> None:
+    def __init__(self, interval: int, total_bytes: Optional[int], raw: Any = None) -> None:
         self.interval, self.raw = interval, raw
         self.start = time.perf_counter()
         self.docs = self.bytes = self.tokens = 0
@@ -273,7 +339,8 @@ class Progress:
         self.docs += result.documents
         self.bytes += result.input_bytes
         self.tokens += result.tokens
-        position = self.raw.tell() if not self.raw.closed else self.bar.n
+        position = (self.raw.tell() if self.raw is not None and not self.raw.closed
+                    else self.bar.n + result.input_bytes)
         self.bar.set_postfix_str(self.rates(), refresh=False)
         self.bar.update(max(0, position - self.bar.n))
         if self.docs >= self.next_report:
@@ -295,13 +362,21 @@ def output_prefix_for(args: argparse.Namespace, key: str) -> str:
     return f"{args.output_prefix}_{key}_{level}"
 
 
-def _results(args: argparse.Namespace, chunks: Iterator[List[Line]], punkt_params):
-    """ChunkResults in input order, from this process (--workers 1) or a pool.
+def in_process(args: argparse.Namespace, tokenizer: Any) -> bool:
+    """Whether this process tokenizes everything, on gigatoken's --workers threads (else
+    --workers processes do, or this one alone with --workers 1)."""
+    return tokenizer.fast_backend == "gigatoken" and not args.split_sentences
+
+
+def _results(args: argparse.Namespace, chunks: Iterator[List[Record]], punkt_params,
+             tokenizer: Any):
+    """ChunkResults in input order: from this process (on gigatoken's threads, or alone with
+    --workers 1) or from a pool of --workers processes.
 
     At most 4 chunks per worker are in flight, so memory stays bounded on inputs of any size
     (Pool.imap would read the whole input ahead)."""
-    if args.workers == 1:
-        encoder = Encoder(args, punkt_params)
+    if args.workers == 1 or in_process(args, tokenizer):
+        encoder = Encoder(args, punkt_params, parallel=args.workers > 1, tokenizer=tokenizer)
         for chunk in chunks:
             yield encoder.encode_chunk(chunk)
         return
@@ -316,10 +391,20 @@ def _results(args: argparse.Namespace, chunks: Iterator[List[Line]], punkt_param
             yield pending.popleft().get()
 
 
-def _read_input(args: argparse.Namespace, stream, punkt_params, counts: Dict[str, int]):
+def _chunks(args: argparse.Namespace, stream, tokenizer: Any) -> Iterator[List[Record]]:
+    """The input in pieces: blocks of about BLOCK_BYTES (BLOCK_ROWS rows) when this process
+    tokenizes them on threads, else --chunk-size lines (rows) per worker task."""
+    whole = in_process(args, tokenizer)
+    if is_parquet(args.input):
+        return parquet_chunks(args.input, args.json_keys, BLOCK_ROWS if whole else args.chunk_size)
+    return read_blocks(stream, BLOCK_BYTES) if whole else read_chunks(stream, args.chunk_size)
+
+
+def _read_input(args: argparse.Namespace, stream, punkt_params, counts: Dict[str, int],
+                tokenizer: Any):
     """_results over the input's chunks; a truncated or corrupt .gz stops with the file named."""
     try:
-        yield from _results(args, read_chunks(stream, args.chunk_size), punkt_params)
+        yield from _results(args, _chunks(args, stream, tokenizer), punkt_params, tokenizer)
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         lines = counts["documents"] + counts["bad_lines"] + counts["blank_lines"]
         raise SystemExit(f"{args.input} is truncated or corrupt after about {lines} lines "
@@ -353,18 +438,23 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
         print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
     builders = {k: MMapIndexedDatasetBuilder(data_file_path(output_prefix_for(args, k)), dtype)
                 for k in args.json_keys}
-    stream, raw = open_input(args.input)
-    meter = Progress(args.log_interval, os.path.getsize(args.input), raw)
+    threads = os.environ.get("RAYON_NUM_THREADS")
+    if in_process(args, tokenizer):  # the size of gigatoken's pool, made on its first use
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
+    parquet = is_parquet(args.input)
+    stream, raw = (None, None) if parquet else open_input(args.input)
+    meter = Progress(args.log_interval, None if parquet else os.path.getsize(args.input), raw)
+    unit = "row" if parquet else "line"
     counts = {"documents": 0, "bad_lines": 0, "blank_lines": 0,
               **{f"empty_{k}": 0 for k in args.json_keys}}
     try:
-        for result in _read_input(args, stream, punkt_params, counts):
+        for result in _read_input(args, stream, punkt_params, counts, tokenizer):
             if result.errors and not args.skip_bad_lines:
-                lineno, message = result.errors[0]
-                raise SystemExit(f"{args.input}: line {lineno}: {message}. Fix the line or pass "
-                                 f"--skip-bad-lines to count and skip such lines")
-            for lineno, message in result.errors[:max(0, 10 - counts["bad_lines"])]:
-                print(f"skipped {args.input}: line {lineno}: {message}", file=sys.stderr)
+                number, message = result.errors[0]
+                raise SystemExit(f"{args.input}: {unit} {number}: {message}. Fix the {unit} or "
+                                 f"pass --skip-bad-lines to count and skip such {unit}s")
+            for number, message in result.errors[:max(0, 10 - counts["bad_lines"])]:
+                print(f"skipped {args.input}: {unit} {number}: {message}", file=sys.stderr)
             counts["bad_lines"] += len(result.errors)
             counts["documents"] += result.documents
             counts["blank_lines"] += result.blank_lines
@@ -380,8 +470,13 @@ def run(args: argparse.Namespace) -> Dict[str, int]:
             builder.abort()
         raise
     finally:
-        stream.close()
-        raw.close()
+        if stream is not None:
+            stream.close()
+            raw.close()
+        if threads is None:  # as it was (the tool may run inside another program)
+            os.environ.pop("RAYON_NUM_THREADS", None)
+        else:
+            os.environ["RAYON_NUM_THREADS"] = threads
     meter.close()
     print("done: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr)
     return counts

@@ -1,10 +1,12 @@
 """How a save becomes the latest checkpoint, for both engines: crash-safe files and a two-phase
 commit over every rank.
 
-One file (`write_checked_file`): written under a temporary name, fsynced, its SHA-256 sidecar
-written, then renamed; `remove_written_file` is its undo. One save (`commit_save`):
+One file (`write_checked_file`, through `fileio.atomic_open`): written under a temporary name,
+fsynced, its SHA-256 sidecar written, then renamed; `remove_written_file` is its undo. One save
+(`commit_save`):
 
-1. every rank writes its files durably (the engine's `write` step);
+1. every rank writes its files durably (the engine's `write` step), then, with a `publish`
+   step, the ranks exchange what they wrote and one writes the files naming them all;
 2. the ranks agree that all of them succeeded, else every rank undoes its part (the engine's
    `undo` step, and the iteration directory when this save created it) and raises
    CheckpointSaveError, and the previous checkpoint stays the latest;
@@ -17,8 +19,8 @@ point leaves the previous checkpoint loadable. An asynchronous save (--async-sav
 `start_save` copies the state (the engine's `capture`) and runs step 1 in a background thread;
 `PendingSave.finish`, called later from the training thread on every rank, waits for it and
 runs steps 2-4, so the collectives never leave the training thread and the pointer files move
-only after every rank's files are durable. `SAVE_HOOK` sees every stage (`SAVE_STAGES`,
-in order) for the crash tests.
+only after every rank's files are durable. Each stage (`SAVE_STAGES`, in order) is the
+fault-injection point `faults.SAVE_STAGE` (app/utils/faults.py), where the crash tests strike.
 """
 from __future__ import annotations
 
@@ -33,10 +35,9 @@ from typing import Any, Callable, List, Optional, Tuple
 from app.checkpointing import CheckpointError, names
 from app.checkpointing.files import read_checksums, sha256_file, sidecar_path, write_checksums
 from app.launch.distributed import all_ranks_ok
-from app.utils.fileio import fsync_dir, tmp_path, write_durably
+from app.utils import faults
+from app.utils.fileio import atomic_open
 
-SAVE_HOOK: Optional[Callable[[str], None]] = None
-"""Test seam: called with the name of each stage of a save (see SAVE_STAGES)."""
 SAVE_STAGES = ("start", "rank_tmp_written", "rank_checksum_committed", "rank_file_committed",
                "before_tracker", "tracker_tmp_written", "tracker_committed", "rotated")
 """The stages of a save in order (the rank_* ones once per file written)."""
@@ -45,10 +46,17 @@ WriteStep = Callable[[], Optional[Tuple[str, OSError]]]
 """Writes this rank's files durably; returns (path, error) of the first file that could not
 be written (a full disk), None when all were. Must not raise OSError."""
 
+PublishStep = Callable[[bool], Optional[Tuple[str, OSError]]]
+"""Runs on every rank in the training thread once its write step is over, before the ranks
+agree, with whether this rank's write succeeded: a step that needs every rank's result (the
+torch_dist format gathers what each rank wrote and one rank writes the global metadata).
+Returns (path, error) when its own writing failed, None otherwise. Must not raise OSError."""
 
-def _hook(stage: str) -> None:
-    if SAVE_HOOK is not None:
-        SAVE_HOOK(stage)
+
+def save_stage(name: str) -> None:
+    """This rank's save reached stage `name` (one of SAVE_STAGES): the fault-injection point
+    (also for the torch_dist format's rank files, app.checkpointing.dcp_files)."""
+    faults.fire(faults.SAVE_STAGE, name)
 
 
 # ---------------------------------------------------------------------------- one file
@@ -57,32 +65,30 @@ def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: b
                        ) -> None:
     """Write `path` with `write(f)` crash-safely, with a SHA-256 sidecar (`sidecar_path`).
 
-    tmp file + fsync, checksum sidecar, then atomic rename; safe to crash at any point, and a
-    failed write (a full disk) leaves no temporary file. While the data file is being replaced
-    the sidecar lists both the old and the new digest, so whichever file is on disk after a
-    crash still verifies. Used for Megatron's files and, through the checkpoint-engine hook of
+    `fileio.atomic_open` (durable): a temporary file, fsynced, then renamed; in between, the
+    sidecar gets the new file's digest. Safe to crash at any point, and a failed write (a full
+    disk) leaves no temporary file. While the data file is being replaced the sidecar lists
+    both the old and the new digest, so whichever file is on disk after a crash still verifies.
+    Used for Megatron's files and, through the checkpoint-engine hook of
     app.training.engines.deepspeed, for DeepSpeed's (hidden sidecars).
     """
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = tmp_path(path)
-    write_durably(tmp, write)
-    try:
-        _hook("rank_tmp_written")
-        digest, sidecar = sha256_file(tmp), sidecar_path(path, hidden_sidecar)
-        name = os.path.basename(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sidecar, name = sidecar_path(path, hidden_sidecar), os.path.basename(path)
+    digests: List[str] = []
+
+    def list_new_digest(tmp: str) -> None:  # tmp is complete and durable; path not replaced yet
+        save_stage("rank_tmp_written")
+        digests.append(sha256_file(tmp))
         old = read_checksums(sidecar) if os.path.exists(path) else []
-        write_checksums(sidecar, name, [digest] + [d for d in old if d != digest])
-        _hook("rank_checksum_committed")
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    if old:
-        write_checksums(sidecar, name, [digest])
-    fsync_dir(directory)
-    _hook("rank_file_committed")
+        digests.extend(d for d in old if d != digests[0])
+        write_checksums(sidecar, name, digests)
+        save_stage("rank_checksum_committed")
+
+    with atomic_open(path, "wb", durable=True, before_replace=list_new_digest) as f:
+        write(f)
+    if len(digests) > 1:  # the old file is gone: its digest no longer verifies anything
+        write_checksums(sidecar, name, digests[:1])
+    save_stage("rank_file_committed")
 
 
 def remove_written_file(path: str, stop_at: str) -> None:
@@ -182,15 +188,17 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
                undo: Callable[[], None], agree: Callable[[bool], bool],
                is_tracker_writer: bool, keep_last_n: Optional[int] = None,
                deepspeed_latest: bool = False, capture: Optional[Callable[[], None]] = None,
-               background: bool = False) -> "PendingSave":
-    """Step 1 of `commit_save` (same arguments), its steps 2-4 left to `PendingSave.finish`.
+               background: bool = False, publish: Optional[PublishStep] = None
+               ) -> "PendingSave":
+    """Step 1 of `commit_save` (same arguments), its steps 2-4 left to `PendingSave.finish`
+    (which runs `publish` first, in the calling thread).
 
     `capture` runs first in the calling thread (after the iteration directory was looked at):
     it copies the state that `write` will write, so training may change the live state once
     this returns. With `background` the `write` step runs in a thread of its own (it must
     then touch no collective and no live state); without, before this returns.
     """
-    _hook("start")
+    save_stage("start")
     directory = names.checkpoint_dir(save_dir, iteration)
     fresh = not os.path.isdir(directory)  # before any rank of this save can create it
     _mark_in_progress(directory)
@@ -202,7 +210,7 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
             raise
     pending = PendingSave(save_dir, iteration, undo=undo, agree=agree,
                           is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
-                          deepspeed_latest=deepspeed_latest, fresh=fresh)
+                          deepspeed_latest=deepspeed_latest, fresh=fresh, publish=publish)
     pending.run(write, background)
     return pending
 
@@ -218,13 +226,15 @@ class PendingSave:
 
     def __init__(self, save_dir: str, iteration: names.Iteration, *, undo: Callable[[], None],
                  agree: Callable[[bool], bool], is_tracker_writer: bool,
-                 keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool) -> None:
+                 keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool,
+                 publish: Optional[PublishStep] = None) -> None:
         self.save_dir, self.iteration = save_dir, iteration
         self.directory = names.checkpoint_dir(save_dir, iteration)
         self.agree = agree
         self._undo, self._fresh = undo, fresh
         self._tracker_writer, self._keep_last_n = is_tracker_writer, keep_last_n
         self._deepspeed_latest = deepspeed_latest
+        self._publish = publish
         self._failed: Optional[Tuple[str, OSError]] = None
         self._raised: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
@@ -254,6 +264,10 @@ class PendingSave:
         if self._thread is not None:
             self._thread.join()
         ok = self._failed is None and self._raised is None
+        if self._publish is not None:  # every rank, even after a failed write
+            published = self._publish(ok)
+            if published is not None and ok:
+                self._failed, ok = published, False
         if not self.agree(ok):  # every rank's files of this iteration are complete, or none
             _undo(self._undo, self.directory, self._fresh)
             if self._raised is not None:
@@ -263,20 +277,20 @@ class PendingSave:
         error: Optional[OSError] = None
         previous_tag: Optional[str] = None
         if self._tracker_writer:
-            _hook("before_tracker")
+            save_stage("before_tracker")
             try:
                 if self._deepspeed_latest:
                     previous_tag = names.read_latest_tag(self.save_dir) or ""
                     names.write_latest_tag(self.save_dir, names.iteration_tag(self.iteration))
                 names.write_tracker(self.save_dir, self.iteration,
-                                    before_replace=lambda: _hook("tracker_tmp_written"))
+                                    before_replace=lambda _: save_stage("tracker_tmp_written"))
             except OSError as exc:
                 error = exc
             else:
-                _hook("tracker_committed")
+                save_stage("tracker_committed")
                 if self._keep_last_n and self.iteration != names.RELEASE:
                     rotate_checkpoints(self.save_dir, self._keep_last_n, int(self.iteration))
-                    _hook("rotated")
+                    save_stage("rotated")
         if not self.agree(error is None):  # the tracker names this iteration on every return
             if previous_tag is not None:
                 _restore_latest(self.save_dir, previous_tag)

@@ -5,7 +5,7 @@ Both engines call `check_loadable` before they read a single file, and the prefl
 refused with one message naming the directory, both layouts and the fix (the conversion
 command), instead of an error from deep inside DeepSpeed or torch.
 
-Two formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
+Three formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
 
 - "megatron" (the native path, Megatron-LM's layout): `mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`,
   one file per tensor x pipeline rank (data-parallel replicas write nothing of their own);
@@ -14,7 +14,10 @@ Two formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
   `[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt` per data-parallel x tensor rank
   (ZeRO's partitions of the optimizer states). At ZeRO-3, where the weights are partitioned
   too, the module files are per data-parallel x tensor rank as well:
-  `zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt`.
+  `zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt`;
+- "torch_dist" (Megatron Core's `--ckpt-format torch_dist`, app.checkpointing.torch_dist):
+  `metadata.json`, `.metadata` and `__<rank>_0.distcp` files; the native path loads it at any
+  layout, so its saved TP x PP x DP (read from its common state) is only reported.
 """
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from app.checkpointing import CheckpointError, names
+from app.checkpointing import CheckpointError, dcp_files, mcore_state, names, torch_dist
 from app.checkpointing import files as ckpt_files
 
 MEGATRON = "megatron"
 DEEPSPEED = "deepspeed"
+TORCH_DIST = "torch_dist"
 
 CONVERTER = "tools/convert_checkpoint.py"
 
@@ -37,7 +41,7 @@ class SavedLayout:
 
     directory: str
     format: str
-    """MEGATRON or DEEPSPEED."""
+    """MEGATRON, DEEPSPEED or TORCH_DIST."""
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     data_parallel_size: Optional[int]
@@ -53,6 +57,11 @@ class SavedLayout:
     data-parallel x model-parallel rank, `zero_pp_rank_D_mp_rank_XX_model_states.pt`)."""
 
     def describe(self) -> str:
+        if self.format == TORCH_DIST:
+            return (f"torch_dist layout saved at tensor-parallel size "
+                    f"{self.tensor_model_parallel_size}, pipeline-parallel size "
+                    f"{self.pipeline_model_parallel_size}, data-parallel size "
+                    f"{self.data_parallel_size} (resharded on load to any layout)")
         stage = "ZeRO-3 " if self.partitioned_weights else "ZeRO "
         dp = f", {stage}partitions over {self.data_parallel_size} data-parallel ranks" \
             if self.data_parallel_size else ""
@@ -106,13 +115,38 @@ def _deepspeed_layout(directory: str, entries: List[str]) -> Optional[SavedLayou
                        partitioned_weights=bool(zero3))
 
 
+def _torch_dist_layout(directory: str) -> Optional[SavedLayout]:
+    """A torch_dist checkpoint: its files from `.metadata` (those missing listed), its saved
+    layout from the common state's args."""
+    if not dcp_files.is_dcp_checkpoint(directory):
+        return None
+    layout = SavedLayout(directory, TORCH_DIST, 1, 1, 1)
+    if not os.path.isfile(os.path.join(directory, dcp_files.DCP_METADATA)):
+        layout.missing.append(os.path.join(directory, dcp_files.DCP_METADATA))
+        return layout
+    reader = dcp_files.Reader(directory, verify=False)  # the load verifies what it reads
+    files = sorted({info.relative_path for info in reader.metadata.storage_data.values()})
+    for name in files:
+        path = os.path.join(directory, name)
+        (layout.model_files if os.path.isfile(path) else layout.missing).append(path)
+    if layout.missing:
+        return layout
+    args = torch_dist.read_common(reader).get("args")
+    layout.tensor_model_parallel_size = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    layout.pipeline_model_parallel_size = int(getattr(args, "pipeline_model_parallel_size", 1)
+                                              or 1)
+    layout.data_parallel_size = int(getattr(args, "data_parallel_size", 1) or 1)
+    return layout
+
+
 def inspect_directory(directory: str) -> Optional[SavedLayout]:
     """The layout of the checkpoint in `directory` (an iter_XXXXXXX or release folder), or None
-    when it holds neither format's files."""
+    when it holds none of the formats' files."""
     if not os.path.isdir(directory):
         return None
     entries = sorted(os.listdir(directory))
-    return _megatron_layout(directory, entries) or _deepspeed_layout(directory, entries)
+    return (_torch_dist_layout(directory) or _megatron_layout(directory, entries)
+            or _deepspeed_layout(directory, entries))
 
 
 def load_command_hint(load_dir: str, target_tp: int, target_pp: int, source_format: str) -> str:
@@ -136,6 +170,12 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
         return (f"checkpoint {where} is incomplete ({layout.describe()}): missing {shown}{more}; "
                 "the save did not finish or files were lost: restore them, or write an earlier "
                 f"complete iteration into {names.tracker_path(load_dir)}")
+    if layout.format == TORCH_DIST:
+        if deepspeed:
+            return (f"checkpoint {where} is a torch_dist checkpoint, which the native path reads "
+                    "(DeepSpeed reads its own files): resume it without --deepspeed (and its "
+                    "--deepspeed_config)")
+        return None  # any layout: it is resharded on load
     if deepspeed and layout.format == MEGATRON:
         return (f"checkpoint {where} is a Megatron-layout checkpoint of the native path "
                 "(mp_rank_XX/model_optim_rng.pt), but this is a --deepspeed run, which reads "
@@ -219,8 +259,15 @@ def check_loadable(load_dir: str, iteration: names.Iteration, *, deepspeed: bool
 def read_saved_state(layout: SavedLayout) -> dict:
     """The dict stored in the first weight file, memory-mapped (tensors are not read), loaded
     with weights_only and the checkpoint allow-list after its SHA-256 sidecar (when present) is
-    verified: its `args`, `iteration`, `lr_scheduler`. CheckpointError (UnsafeCheckpointError
+    verified: its `args`, `iteration`, `lr_scheduler` (for torch_dist: from the common state,
+    and `rng_state` the keys of its RNG objects). CheckpointError (UnsafeCheckpointError
     for a file that would run code) naming the file otherwise."""
+    if layout.format == TORCH_DIST:
+        reader = dcp_files.Reader(layout.directory, verify=False)
+        common = torch_dist.read_common(reader)
+        rng = [key for key in reader.keys() if key.startswith("rng_state/")]
+        return {"args": common.get("args"), "iteration": common.get("iteration"),
+                "lr_scheduler": mcore_state.scheduler_state(common), "rng_state": rng or None}
     path = layout.model_files[0]
     ckpt_files.verify_checksum(path)
     state = ckpt_files.safe_torch_load(path, "cpu", mmap=True)

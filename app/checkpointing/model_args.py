@@ -26,10 +26,12 @@ MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_h
 
 
 def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
-                              consumed_valid_samples: int, iteration: int) -> argparse.Namespace:
+                              consumed_valid_samples: int, iteration: int,
+                              data_order: Optional[Dict[str, Any]] = None) -> argparse.Namespace:
     """The `args` Namespace stored in a checkpoint: Megatron's names, from `cfg` and the position.
 
-    Carries the model shape, the parallel layout, the data position and a few fields Megatron
+    Carries the model shape, the parallel layout, the data position, the data-order record
+    (`data_order`, app.data.plan.order_record; None when not known) and a few fields Megatron
     tools read (params_dtype, position_embedding_type, ...). Plain Python values and one
     torch.dtype only, so it loads under weights_only with Namespace allow-listed.
     """
@@ -73,7 +75,7 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         lr_warmup_iters=o.lr_warmup_iters,
         consumed_train_samples=int(consumed_train_samples),
         consumed_valid_samples=int(consumed_valid_samples), iteration=int(iteration),
-        data_path=list(cfg.data.data_path))
+        data_path=list(cfg.data.data_path), split=cfg.data.split, data_order=data_order)
 
 
 NOT_SAVED = ("layernorm_fusion", "cross_entropy_loss_fusion", "attention_backend")
@@ -137,15 +139,18 @@ def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional
 
 
 def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
-                          current: argparse.Namespace) -> None:
+                          current: argparse.Namespace, reshardable: bool = False) -> None:
     """Raise CheckpointError if the checkpoint's model shape or TP/PP layout differs from ours.
 
     Fields missing from an older checkpoint are skipped. The message names the field and both
     values; a tensor/pipeline size mismatch also says how to reshard (tools/convert_checkpoint.py).
+    A `reshardable` checkpoint (torch_dist) may have any TP/PP layout and vocabulary padding
+    (its tensors' global shapes are checked when they are read).
     """
     if ckpt_args is None:
         return
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+    for name in () if reshardable else ("tensor_model_parallel_size",
+                                        "pipeline_model_parallel_size"):
         saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
         if saved != now:
             raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
@@ -153,6 +158,8 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
                                   "--input-format megatron --target-tensor-model-parallel-size T "
                                   "--target-pipeline-model-parallel-size P --include-optimizer")
     for name in MODEL_SHAPE_FIELDS:
+        if reshardable and name == "padded_vocab_size":
+            continue
         if not hasattr(ckpt_args, name) or not hasattr(current, name):
             continue
         saved, now = getattr(ckpt_args, name), getattr(current, name)

@@ -215,9 +215,9 @@ def read_tracker(load_dir: str) -> Optional[Iteration]:
 
 
 def write_tracker(save_dir: str, iteration: Iteration,
-                  before_replace: Optional[Callable[[], None]] = None) -> None:
+                  before_replace: Optional[Callable[[str], None]] = None) -> None:
     """Atomically and durably replace the tracker with `iteration` (no newline, as Megatron).
-    `before_replace` runs once the temporary file is complete (a test seam)."""
+    `before_replace(tmp)` runs once the temporary file is complete (a test seam)."""
     atomic_write_bytes(tracker_path(save_dir), str(iteration).encode("ascii"), durable=True,
                        before_replace=before_replace)
 

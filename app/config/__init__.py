@@ -19,7 +19,7 @@ DeepSpeed JSON rules), wandb, preflight (--dry-run), run (RunConfig), rules (sha
 """
 from __future__ import annotations
 
-from app.config.checkpoint import CheckpointConfig
+from app.config.checkpoint import CKPT_FORMATS, CheckpointConfig
 from app.config.data import DataConfig
 from app.config.deepspeed import DeepSpeedConfig
 from app.config.kernels import KernelConfig, default_kernel_build_timeout
@@ -29,7 +29,7 @@ from app.config.optimizer import (LR_DECAY_STYLES, MUON_COEFFICIENT_TYPES,
                                   MUON_MATMUL_PRECISIONS, MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES,
                                   MUON_TP_MODES, OPTIMIZERS, OptimizerConfig, check_muon_layout)
 from app.config.parallel import DISTRIBUTED_BACKENDS, ParallelConfig, PrecisionConfig
-from app.config.preflight import DryRunConfig
+from app.config.preflight import DryRunConfig, PrepareCacheConfig
 from app.config.recompute import RecomputePlan, recompute_plan, resolve_recompute_flags
 from app.config.rules import divisible, positive, split_weights
 from app.config.run import RunConfig, samples_per_split
@@ -37,11 +37,12 @@ from app.config.training import RollbackConfig, TrainingConfig
 from app.config.wandb import WandbConfig
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
+    "ATTENTION_BACKENDS", "CKPT_FORMATS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
     "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
     "DeepSpeedConfig", "DryRunConfig", "KernelConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",
     "ModelConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
+    "PrepareCacheConfig",
     "RecomputePlan", "RollbackConfig", "RunConfig", "TrainingConfig", "WandbConfig",
     "check_muon_layout", "default_kernel_build_timeout", "divisible", "positive",
     "recompute_plan", "resolve_recompute_flags", "samples_per_split", "split_weights"]

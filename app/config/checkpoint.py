@@ -7,6 +7,9 @@ from typing import ClassVar, Optional, Tuple
 from app.config.options import option
 from app.config.rules import positive
 
+CKPT_FORMATS = ("torch", "torch_dist")
+"""--ckpt-format values: Megatron-LM's legacy files, or its PyTorch distributed checkpoint."""
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -31,10 +34,26 @@ class CheckpointConfig:
         "--overwrite-checkpoints", default=False,
         help="allow training from scratch (or from another --load) into a --save directory that "
              "already holds checkpoints")
+    allow_data_order_change: bool = option(
+        "--allow-data-order-change", default=False,
+        help="resume even though the data paths, blend weights, --split, --seed, --seq-length "
+             "or sample counts differ from the checkpoint's in a way that reorders the samples "
+             "(refused otherwise, naming what changed)")
     async_save: bool = option(
         "--async-save", default=False,
         help="write checkpoint files in the background while training goes on; the checkpoint "
              "becomes the latest once every rank's files are durable (docs/reliability.md)")
+    ckpt_format: str = option(
+        "--ckpt-format", default="torch", choices=CKPT_FORMATS,
+        help="format of the checkpoints this run saves: torch (Megatron-LM's legacy "
+             "mp_rank_XX/model_optim_rng.pt, one file per model-parallel rank) or torch_dist "
+             "(Megatron Core's PyTorch distributed checkpoint: every rank writes its own shards, "
+             "and it loads at any TP x PP x DP). Loading reads either, whatever this says "
+             "(docs/checkpoints.md)")
+    auto_detect_ckpt_format: bool = option(
+        "--auto-detect-ckpt-format", default=False,
+        help="accepted for Megatron-LM command lines: the checkpoint format is always detected "
+             "on load")
 
     def __post_init__(self) -> None:
         positive(self, (("save_interval", "--save-interval"),), allow_none=True)

@@ -2,34 +2,84 @@
 `app.config`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional, Tuple
 
+from app.config.blends import DEFAULT_SPLIT, DataBlends, resolve_blends
 from app.config.options import option
 from app.config.rules import split_weights
+
+BLEND_HELP = ("a prefix of a .bin/.idx pair, weight/prefix pairs 'w1 p1 w2 p2 ...', or "
+              "prefixes 'p1 p2 ...' weighted by their sizes (Megatron's rules)")
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where the training data lives and how batches are built from it."""
+    """Where the training data lives and how batches are built from it. The data flags are
+    resolved once into `blends` (app.config.blends: Megatron-LM's rules, the two data files
+    read here), which every later step uses."""
 
     FLAG_GROUP: ClassVar[Tuple[str, str]] = ("data", "dataset and tokenizer")
 
+    # --data-path also takes prefixes without weights (BLEND_HELP); its help is kept as it was
     data_path: List[str] = option(
         "--data-path", default_factory=list, nargs="*",
         help="a dataset prefix, or weight prefix pairs: 0.7 a 0.3 b")
-    split: str = option("--split", default="969,30,1")
-    data_cache_path: Optional[str] = option("--data-cache-path", default=None)
+    mock_data: bool = option(
+        "--mock-data", default=False,
+        help="no data files: token ids drawn uniformly from the vocabulary by --seed, for "
+             "throughput runs and checks (Megatron's flag; app.data.mock_dataset); instead of "
+             "--data-path")
+    split: str = option("--split", default=DEFAULT_SPLIT)
+    train_data_path: List[str] = option(
+        "--train-data-path", default_factory=list, nargs="*",
+        help=f"the training data, used whole: {BLEND_HELP}")
+    valid_data_path: List[str] = option(
+        "--valid-data-path", default_factory=list, nargs="*",
+        help="the validation data, used whole (as --train-data-path)")
+    test_data_path: List[str] = option(
+        "--test-data-path", default_factory=list, nargs="*",
+        help="the test data, used whole (as --train-data-path)")
+    data_args_path: Optional[str] = option(
+        "--data-args-path", default=None,
+        help="a file holding the words of --data-path (whitespace-separated), for long blends")
+    per_split_data_args_path: Optional[str] = option(
+        "--per-split-data-args-path", default=None,
+        help='a JSON file {"train": BLEND, "valid": BLEND, "test": BLEND} (each a string or a '
+             "list of words, or null) instead of --train/--valid/--test-data-path")
+    data_cache_path: Optional[str] = option(
+        "--data-cache-path", default=None,
+        help="where the sample indices are cached (default: beside each dataset); "
+             "tools/prepare_cache.py fills it ahead of a run")
     tokenizer_type: str = option("--tokenizer-type", default="GPT2BPETokenizer")
     vocab_file: Optional[str] = option("--vocab-file", default=None)
     merge_file: Optional[str] = option("--merge-file", default=None)
+    vocab_size: Optional[int] = option(
+        "--vocab-size", default=None,
+        help="NullTokenizer's vocabulary (Megatron's): ids 0..N-1, end of document N-1; "
+             "without --vocab-file it selects --tokenizer-type NullTokenizer (e.g. "
+             "--mock-data --vocab-size 50257)")
     reset_position_ids: bool = option("--reset-position-ids", default=False)
     reset_attention_mask: bool = option("--reset-attention-mask", default=False)
     eod_mask_loss: bool = option("--eod-mask-loss", default=False)
     num_workers: int = option("--num-workers", default=2)
+    blends: Optional[DataBlends] = field(init=False, default=None)
+    """The data each split reads (None when no data flag is given)."""
 
     def __post_init__(self) -> None:
         split_weights(self.split)
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"--vocab-size must be at least 2, got {self.vocab_size}")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
-
+        self.blends = resolve_blends(
+            self.data_path, self.data_args_path,
+            (self.train_data_path, self.valid_data_path, self.test_data_path),
+            self.per_split_data_args_path)
+        if (self.blends is not None and self.blends.per_split is not None
+                and split_weights(self.split) != split_weights(DEFAULT_SPLIT)):
+            raise ValueError(f"--split {self.split} does not apply to {self.blends.source} "
+                             "(each split's data is used whole); drop --split")
+        if self.mock_data and self.blends is not None:
+            raise ValueError(f"--mock-data and {self.blends.source} are two data sources; give "
+                             "one of them")

@@ -112,7 +112,7 @@ def _agree(ds: Dict[str, Any], key: str, value: Any, flag: str, path: str) -> No
 
 def _reconcile_precision(ds: Dict[str, Any], cfg: RunConfig, path: str) -> None:
     """`fp16.enabled` / `bf16.enabled` must agree with the run's precision (filled when absent
-    or "auto"). arguments/ has already taken the precision from the JSON when no flag was
+    or "auto"). arguments.py has already taken the precision from the JSON when no flag was
     given, so a disagreement here is a flag contradicting the JSON."""
     p = cfg.precision
     run = "--fp16" if p.fp16 else "--bf16" if p.bf16 else "fp32 (no --fp16/--bf16)"

@@ -1,4 +1,5 @@
-"""How the csrc/ fused kernels are obtained (`KernelConfig`). Part of `app.config`."""
+"""How the fused code is obtained: the csrc/ kernels and compiled layers (`KernelConfig`).
+Part of `app.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ def default_kernel_build_timeout(distributed_timeout_minutes: float) -> float:
 
 @dataclass(kw_only=True)
 class KernelConfig:
-    """How the csrc/ fused kernels are obtained (built on first use; see docs/kernels.md).
+    """How the fused code is obtained: the csrc/ kernels (built on first use; see
+    docs/kernels.md) and, with compile_layers, torch.compile of each transformer layer.
     build_timeout: seconds local rank 0 may spend on the build (waiting for another node's
     build included) before the run falls back to PyTorch; it must stay below the process-group
     timeout, since the other ranks wait for it in the first collective. Without the flag,
@@ -37,6 +39,13 @@ class KernelConfig:
         help="seconds a kernel build may take before falling back to PyTorch (below the "
              "process-group timeout; default 300, or half of --distributed-timeout-minutes when "
              "that is shorter)")
+
+    compile_layers: bool = option(
+        "--compile-layers", default=False,
+        help="torch.compile each transformer layer (as torchtitan does per block; native path "
+             "only): inside a layer the PyTorch paths of the fused ops are compiled, the csrc/ "
+             "kernels and fusion flags then apply outside the layers (final LayerNorm, loss); "
+             "the first iterations pay for the compilation (docs/kernels.md)")
 
     def __post_init__(self) -> None:
         positive(self, (("build_timeout", "--kernel-build-timeout"),))

@@ -77,6 +77,17 @@ class OptimizerConfig:
         "--lr-warmup-fraction", "--warmup", default=None,
         help="warmup as a fraction of --lr-decay-iters")
     lr_warmup_iters: int = option("--lr-warmup-iters", default=0)
+    lr_decay_samples: Optional[int] = option(
+        "--lr-decay-samples", default=None,
+        help="LR decay length in samples (with --train-samples or a batch-size schedule; "
+             "default: --train-samples, else --lr-decay-iters x --global-batch-size)")
+    lr_warmup_samples: int = option(
+        "--lr-warmup-samples", default=0,
+        help="LR warmup in samples (with --train-samples or a batch-size schedule)")
+    lr_in_samples: bool = False
+    """The LR schedule counts samples (Megatron's sample-based schedule: --train-samples or a
+    batch-size schedule, set by arguments.py), stepping by each iteration's global batch;
+    lr_decay_samples and lr_warmup_samples then hold the values in effect."""
     weight_decay: float = option("--weight-decay", default=0.01)
     adam_beta1: float = option("--adam-beta1", default=0.9)
     adam_beta2: float = option("--adam-beta2", default=0.999)
@@ -159,6 +170,23 @@ class OptimizerConfig:
         help="optimizer of the parameters Muon leaves out")
 
 
+    def _check_sample_schedule(self) -> None:
+        """The sample-based LR flags belong to a sample-based schedule, and fit in it."""
+        given = [flag for flag, on in (("--lr-decay-samples", self.lr_decay_samples is not None),
+                                       ("--lr-warmup-samples", self.lr_warmup_samples != 0))
+                 if on]
+        if given and not self.lr_in_samples:
+            raise ValueError(f"{' and '.join(given)} set a sample-based LR schedule, which "
+                             "needs --train-samples or a batch-size schedule "
+                             "(--rampup-batch-size, --step-batch-size-schedule); use "
+                             "--lr-decay-iters / --lr-warmup-iters instead")
+        if self.lr_in_samples:
+            decay = self.lr_decay_samples
+            if decay is None or decay <= 0 or not 0 <= self.lr_warmup_samples <= decay:
+                raise ValueError(f"LR schedule in samples: warmup {self.lr_warmup_samples} and "
+                                 f"decay {decay} samples must satisfy 0 <= warmup <= decay, "
+                                 "decay > 0 (--lr-warmup-samples, --lr-decay-samples)")
+
     def __post_init__(self) -> None:
         check_optimizer_choice(self)
         if self.lr_decay_style not in LR_DECAY_STYLES:
@@ -168,6 +196,7 @@ class OptimizerConfig:
             raise ValueError(f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr})")
         if self.lr_warmup_iters < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        self._check_sample_schedule()
         if self.lr_decay_iters is not None:
             if self.lr_decay_iters <= 0:
                 raise ValueError(f"--lr-decay-iters must be positive, got {self.lr_decay_iters}")

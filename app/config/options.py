@@ -46,8 +46,10 @@ class Flag:
     help: Optional[str] = None
     choices: Optional[Tuple[Any, ...]] = None
     action: Optional[str] = None
-    nargs: Optional[str] = None
-    metavar: Optional[str] = None
+    nargs: Any = None
+    """argparse's nargs: '*', '+', '?' or a count."""
+    metavar: Any = None
+    """argparse's metavar: a name, or a tuple of names for a counted nargs."""
     group: Optional[str] = None
     dest_name: Optional[str] = None
     flag_default: Any = None
@@ -69,8 +71,8 @@ class Flag:
 
 def option(*spellings: str, default: Any = MISSING, default_factory: Any = MISSING,
            help: Optional[str] = None, choices: Optional[typing.Sequence[Any]] = None,
-           action: Optional[str] = None, nargs: Optional[str] = None,
-           metavar: Optional[str] = None, group: Optional[str] = None,
+           action: Optional[str] = None, nargs: Any = None,
+           metavar: Any = None, group: Optional[str] = None,
            dest: Optional[str] = None, flag_default: Any = MISSING) -> Any:
     """A dataclass field that is also the command-line option `spellings[0]` (aliases after it).
 
@@ -147,6 +149,8 @@ def iter_options(root: Type[Any], path: Tuple[str, ...] = ()) -> Iterator[Option
     """Every option of `root` and of the config dataclasses it holds, in declaration order."""
     hints = typing.get_type_hints(root)
     for f in dataclasses.fields(root):
+        if not f.init:  # derived in __post_init__, never a flag
+            continue
         kind = hints[f.name]
         flag = f.metadata.get("flag")
         if flag is not None:
@@ -174,11 +178,14 @@ def from_flags(cls: Type[Any], values: Mapping[str, Any], **overrides: Any) -> A
     Each option field takes its flag's value, unless `overrides` names it (a derived value).
     A field holding a nested config class is built the same way, recursively; its override may
     be a ready instance or a dict of overrides for its own fields. Other fields keep their
-    defaults. A required field (an option without a default) takes its flag's value when the
-    flag was given, else it must be overridden (a derived value)."""
+    defaults; fields with init=False are derived by the class itself. A required field (an
+    option without a default) takes its flag's value when the flag was given, else it must be
+    overridden (a derived value)."""
     hints = typing.get_type_hints(cls)
     kwargs: Dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if not f.init:  # derived in __post_init__
+            continue
         given = overrides.pop(f.name, MISSING)
         flag = f.metadata.get("flag")
         if _is_config(hints[f.name]) and flag is None:

@@ -1,4 +1,5 @@
-"""--dry-run: check a run without training (`DryRunConfig`). Part of `app.config`."""
+"""--dry-run: check a run without training (`DryRunConfig`); tools/prepare_cache.py's own
+option (`PrepareCacheConfig`). Part of `app.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,3 +30,19 @@ class DryRunConfig:
     def __post_init__(self) -> None:
         positive(self, (("world_size", "--dry-run-world-size"),
                         ("device_memory", "--dry-run-device-memory")), allow_none=True)
+
+
+@dataclass(kw_only=True)
+class PrepareCacheConfig:
+    """tools/prepare_cache.py's own option; every other flag is the run's."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = (
+        "prepare cache", "build the run's sample-index caches ahead (tools/prepare_cache.py)")
+
+    world_size: Optional[int] = option(
+        "--prepare-cache-world-size", default=None,
+        help="the world size the run will have, which sets its data-parallel size and so its "
+             "sample counts (default: the launcher's WORLD_SIZE, else 1)")
+
+    def __post_init__(self) -> None:
+        positive(self, (("world_size", "--prepare-cache-world-size"),), allow_none=True)

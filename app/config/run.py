@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Tuple
 
+from app.config.batch_schedule import BatchSchedule, schedule_of
 from app.config.checkpoint import CheckpointConfig
 from app.config.data import DataConfig
 from app.config.deepspeed import DeepSpeedConfig
@@ -39,6 +40,9 @@ class RunConfig:
         help="pad the vocab to a multiple of this x the tensor-parallel size")
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    batch_schedule: BatchSchedule = field(init=False)
+    """The global batch of each iteration (app.config.batch_schedule), from --global-batch-size
+    and --rampup-batch-size or --step-batch-size-schedule."""
 
     def __post_init__(self) -> None:
         m, p, t = self.model, self.parallel, self.training
@@ -55,6 +59,7 @@ class RunConfig:
             divisible(what, value, "--tensor-model-parallel-size", tp)
         divisible("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp)
         t.num_micro_batches(p.data_parallel_size)
+        self.batch_schedule = self._build_batch_schedule()
         self._check_virtual_pipeline()
         self._check_deepspeed_pipeline()
         if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
@@ -65,10 +70,20 @@ class RunConfig:
         if m.fp16_lm_cross_entropy and not half:
             raise ValueError("--fp16-lm-cross-entropy needs --fp16 or --bf16 (the logits are "
                              "fp32 otherwise); drop it or pick a half precision")
+        if self.deepspeed.enabled and self.checkpoint.ckpt_format != "torch":
+            raise ValueError(f"--ckpt-format {self.checkpoint.ckpt_format} is written by the "
+                             "native path; with --deepspeed DeepSpeed saves its own files: drop "
+                             "--ckpt-format, or convert afterwards with "
+                             "tools/convert_checkpoint.py --input-format deepspeed "
+                             "--output-format torch_dist")
         if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
             raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
                              "shard the optimizer with ZeRO (zero_optimization.stage 1, 2 or 3 in "
                              "the JSON, e.g. ds_configs/zero1.json) and drop the flag")
+        if self.deepspeed.enabled and self.kernels.compile_layers:
+            raise ValueError("--compile-layers is for the native path (DeepSpeed wraps the model "
+                             "in its own engine, whose compile this project does not use): drop "
+                             "--compile-layers or --deepspeed")
         if self.deepspeed.enabled and self.precision.accumulate_allreduce_grads_in_fp32:
             raise ValueError("--accumulate-allreduce-grads-in-fp32 is for the native path; with "
                              "--deepspeed set the gradient accumulation dtype in the JSON "
@@ -79,6 +94,31 @@ class RunConfig:
         self._check_model_options_against_layout()
         check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
+
+    def _build_batch_schedule(self) -> BatchSchedule:
+        """The batch-size schedule of the flags, checked against the layout and the engine."""
+        t = self.training
+        schedule = schedule_of(t.global_batch_size, t.rampup_batch_size,
+                               t.step_batch_size_schedule, self.model.seq_length)
+        rampup = schedule.rampup
+        if schedule.steps is not None and schedule.steps[-1][1] != t.global_batch_size:
+            raise ValueError(f"--step-batch-size-schedule ends at batch {schedule.steps[-1][1]} "
+                             f"but the global batch size is {t.global_batch_size}: the "
+                             "schedule's last batch is the global batch size; drop "
+                             "--global-batch-size")
+        if schedule.varies and self.deepspeed.enabled:
+            flag = "--rampup-batch-size" if rampup else "--step-batch-size-schedule"
+            raise ValueError(
+                f"{flag} is not supported with --deepspeed: DeepSpeed fixes train_batch_size and "
+                "gradient_accumulation_steps at deepspeed.initialize (its ZeRO optimizer keeps "
+                "the accumulation count it was built with), so the batch cannot change per "
+                f"iteration; train with a batch-size schedule on the native path (optimizer "
+                f"states sharded with --use-distributed-optimizer) or drop {flag}")
+        if (schedule.varies or t.train_samples is not None) and not self.optimizer.lr_in_samples:
+            raise ValueError("a batch-size schedule or --train-samples counts the LR schedule "
+                             "in samples: OptimizerConfig.lr_in_samples must be set (arguments.py "
+                             "does it)")
+        return schedule
 
     def _check_model_options_against_layout(self) -> None:
         """Sequence parallelism, query groups and recompute against TP / PP / DeepSpeed."""
@@ -197,7 +237,8 @@ class RunConfig:
 
 
 def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
-    """Samples the (train, valid, test) datasets must hold: every iteration's global batch,
+    """Samples the (train, valid, test) datasets must hold: every iteration's global batch (as
+    the batch-size schedule gives it),
     eval_iters global batches per evaluation (`TrainingConfig.evaluations`) and eval_iters global
     batches of test. With --rollback-on-spike the training split also holds the samples the
     rollbacks may skip: --save-interval + --max-consecutive-skipped-iterations iterations per
@@ -206,7 +247,7 @@ def samples_per_split(cfg: "RunConfig") -> Tuple[int, int, int]:
     streaks over several save points, or the limit off); the rollback then checks the data left
     and stops if it is short."""
     t, r = cfg.training, cfg.rollback
-    train = t.train_iters * t.global_batch_size
+    train = cfg.batch_schedule.samples_in(t.train_iters)
     if r.enabled:
         window = cfg.checkpoint.save_interval + t.max_consecutive_skipped_iterations
         train += r.max_rollbacks * window * t.global_batch_size

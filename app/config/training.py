@@ -3,7 +3,7 @@ rollback (`RollbackConfig`). Part of `app.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, List, Optional, Tuple
 
 from app.config.options import option
 from app.config.rules import positive
@@ -24,7 +24,24 @@ class TrainingConfig:
     global_batch_size: int = option(
         "--global-batch-size",
         help="samples per iteration (default: micro batch x data-parallel size)")
-    train_iters: int = option("--train-iters")
+    train_iters: int = option(
+        "--train-iters",
+        help="iterations to train (or give --train-samples)")
+    train_samples: Optional[int] = option(
+        "--train-samples", default=None,
+        help="samples to train, instead of --train-iters (Megatron's sample-based training: "
+             "the iterations follow from the batch-size schedule, the LR schedule counts "
+             "samples)")
+    rampup_batch_size: List[int] = option(
+        "--rampup-batch-size", default_factory=list, nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="grow the global batch from START by INCREMENT up to --global-batch-size over "
+             "SAMPLES consumed samples (Megatron's classic ramp-up)")
+    step_batch_size_schedule: Optional[str] = option(
+        "--step-batch-size-schedule", default=None,
+        help="'THRESHOLD:BATCH ...': the global batch from each threshold of consumed tokens "
+             "on (K/M/B/T suffixes), e.g. '0:256 10B:512 20B:1024'; the first threshold is 0 "
+             "and the last batch is the global batch size (today's Megatron-LM)")
     seed: int = option("--seed", default=1234)
     log_interval: int = option("--log-interval", default=100)
     eval_interval: int = option("--eval-interval", default=1000)
@@ -74,6 +91,10 @@ class TrainingConfig:
                          ("peak_flops", "--peak-flops")), allow_none=True)
         positive(self, (("straggler_margin", "--straggler-margin"),
                         ("straggler_minmax_count", "--straggler-minmax-count")))
+        if self.rampup_batch_size and self.step_batch_size_schedule is not None:
+            raise ValueError("--rampup-batch-size and --step-batch-size-schedule were both "
+                             "given; use one batch-size schedule")
+        positive(self, (("train_samples", "--train-samples"),), allow_none=True)
         if self.eval_iters < 0:
             raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
         if self.max_consecutive_skipped_iterations < 0:

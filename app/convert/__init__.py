@@ -1,4 +1,5 @@
-"""Checkpoint conversion: Megatron layout (any TP/PP) <-> DeepSpeed (read) <-> Hugging Face GPT-2.
+"""Checkpoint conversion: Megatron layout (any TP/PP) <-> torch_dist <-> Hugging Face GPT-2, and
+DeepSpeed (read) -> any of them.
 
 Every reader returns a layout-free `ModelCheckpoint` (full tensors under our names); every
 writer takes one. `convert()` is what tools/convert_checkpoint.py runs. See docs/conversion.md.
@@ -16,8 +17,8 @@ from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
-INPUT_FORMATS = ("megatron", "deepspeed", "hf")
-OUTPUT_FORMATS = ("megatron", "hf")
+INPUT_FORMATS = ("megatron", "torch_dist", "deepspeed", "hf")
+OUTPUT_FORMATS = ("megatron", "torch_dist", "hf")
 DTYPES = ("fp32", "fp16", "bf16")
 
 __all__ = ["ConvertOptions", "ModelCheckpoint", "OptimizerState", "convert", "read_checkpoint",
@@ -58,9 +59,10 @@ class ConvertOptions:
                              self.target_pipeline_model_parallel_size)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        if self.include_optimizer and (self.output_format != "megatron" or self.input_format == "hf"):
-            raise ValueError("--include-optimizer needs a megatron or deepspeed input and megatron output "
-                             "(Hugging Face directories hold no optimizer state)")
+        if self.include_optimizer and "hf" in (self.input_format, self.output_format):
+            raise ValueError("--include-optimizer needs a megatron, torch_dist or deepspeed input "
+                             "and a megatron or torch_dist output (Hugging Face directories hold "
+                             "no optimizer state)")
         if (self.vocab_file is None) != (self.merge_file is None):
             raise ValueError("--vocab-file and --merge-file go together")
         if not os.path.exists(self.load):
@@ -77,6 +79,9 @@ def read_checkpoint(opts: ConvertOptions) -> ModelCheckpoint:
     if opts.input_format == "megatron":
         from app.convert.megatron import read_megatron
         return read_megatron(opts.load, opts.iteration, opts.include_optimizer)
+    if opts.input_format == "torch_dist":
+        from app.convert.torch_dist import read_torch_dist
+        return read_torch_dist(opts.load, opts.iteration, opts.include_optimizer)
     if opts.input_format == "deepspeed":
         from app.convert.deepspeed import read_deepspeed
         return read_deepspeed(opts.load, opts.iteration, opts.include_optimizer)
@@ -94,6 +99,9 @@ def print_structure(opts: ConvertOptions) -> List[str]:
         from app.convert.hf_gpt2 import read_hf_tensors
         lines += describe(dict(read_hf_tensors(opts.load)))
         return lines
+    if opts.input_format == "torch_dist":
+        from app.convert.torch_dist import describe_torch_dist
+        return describe_torch_dist(opts.load, opts.iteration)
     if opts.input_format == "megatron":
         from app.convert.megatron import read_rank_files, resolve_iteration
         iteration = resolve_iteration(opts.load, opts.iteration)
@@ -129,6 +137,17 @@ def convert(opts: ConvertOptions) -> str:
                 logger.warning("no tokenizer files written: pass --vocab-file and --merge-file so "
                                "AutoTokenizer.from_pretrained works")
             what = "Hugging Face GPT-2 directory"
+        elif opts.output_format == "torch_dist":
+            from app.convert.torch_dist import write_torch_dist
+            iteration = opts.iteration
+            if opts.include_optimizer and iteration is None:
+                iteration = source.iteration
+            written = write_torch_dist(source, tmp, opts.target_params_dtype, iteration,
+                                       opts.include_optimizer)
+            if tp != 1 or pp != 1:
+                logger.warning("--target-*-parallel-size is ignored for --output-format "
+                               "torch_dist: it loads at any layout")
+            what = f"torch_dist checkpoint (iteration {written}; loads at any TP x PP x DP)"
         else:
             from app.convert.megatron import write_megatron
             iteration = opts.iteration

@@ -93,9 +93,7 @@ def from_hf_state(hf: Dict[str, torch.Tensor], num_layers: int, heads: int
             continue  # checked against wte below
         state[key if key.startswith(HF_PREFIX) else HF_PREFIX + key] = value
     ours = {layout.WORD_EMBEDDINGS: _take(state, "transformer.wte.weight"),
-            layout.POSITION_EMBEDDINGS: _take(state, "transformer.wpe.weight"),
-            layout.FINAL_NORM[0]: _take(state, "transformer.ln_f.weight"),
-            layout.FINAL_NORM[1]: _take(state, "transformer.ln_f.bias")}
+            layout.POSITION_EMBEDDINGS: _take(state, "transformer.wpe.weight")}
     head = hf.get("lm_head.weight")
     if head is not None and not torch.equal(head, ours[layout.WORD_EMBEDDINGS]):
         raise HFConversionError("lm_head.weight differs from transformer.wte.weight: untied output "
@@ -113,10 +111,12 @@ def from_hf_state(hf: Dict[str, torch.Tensor], num_layers: int, heads: int
                 weight, bias = qkv_from_hf(weight, heads), qkv_from_hf(bias, heads)
             ours[layout.layer_param_name(i, f"{ours_name}.weight")] = weight
             ours[layout.layer_param_name(i, f"{ours_name}.bias")] = bias
+    ours[layout.FINAL_NORM[0]] = _take(state, "transformer.ln_f.weight")
+    ours[layout.FINAL_NORM[1]] = _take(state, "transformer.ln_f.bias")
     if state:
         raise HFConversionError(f"Hugging Face key {sorted(state)[0]!r} cannot be mapped to GPT-2 "
                                 f"with {num_layers} layers (config.json n_layer)")
-    return {name: ours[name] for name in layout.model_parameter_names(num_layers)}
+    return ours
 
 
 def _take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:

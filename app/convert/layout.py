@@ -1,141 +1,115 @@
-"""Where each GPT-2 parameter lives in a TP x PP layout: pure arithmetic, no files, no processes.
+"""Where each GPT-2 parameter lives in a TP x PP layout, for the converter: no files, no processes.
 
-Names are ours (Megatron's, flat, global layer indices; see docs/architecture.md). A full
-tensor is split into tensor-parallel shards along its partition dimension by contiguous
-chunks, which is exactly what the parallel layers keep (the fused QKV rows are ordered
-[heads, (q, k, v), head_dim], so a contiguous chunk holds whole heads); merging concatenates
-the shards back, so split/merge round trips are exact. A pipeline stage holds layers
-[stage * L/pp, (stage + 1) * L/pp); the first stage also holds the embeddings, the last the
-final LayerNorm and, when PP > 1, a tied copy of the word embeddings (`word_embeddings.weight`).
+Names are ours (Megatron's, flat, global layer indices; see docs/architecture.md). What each
+pipeline stage holds, in module order, and the dimension tensor parallelism splits each
+parameter along are not restated here: `Layout` reads them from the model itself
+(`app.model.stage.stage_parameters`, a stage built on the meta device, and the marks its
+parallel layers put on each parameter). A full tensor is split into tensor-parallel shards
+along that dimension by contiguous chunks, exactly what the parallel layers keep (the fused
+QKV rows are ordered [heads, (q, k, v), head_dim], so a contiguous chunk holds whole heads);
+merging concatenates the shards back, so split/merge round trips are exact.
 """
 from __future__ import annotations
 
-import re
-from typing import Dict, List, Optional, Sequence, Tuple
+import argparse
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
-POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
-TIED_HEAD = "word_embeddings.weight"
+from app.checkpointing.model_args import model_config_from_args
+from app.config import ModelConfig
+from app.model.gpt2 import (OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD, WORD_EMBEDDINGS,
+                            layer_param_name, parse_layer)
+from app.model.stage import ParameterRecord, stage_parameters
+
+__all__ = ["FINAL_NORM", "MUON_MATRICES", "OUTPUT_LAYER", "POSITION_EMBEDDINGS", "TIED_HEAD",
+           "VOCABULARY", "WORD_EMBEDDINGS", "Layout", "LayoutError", "is_no_weight_decay",
+           "layer_param_name", "merge_shards", "optimizer_groups", "parse_layer", "pad_vocabulary",
+           "resize_vocab", "split_tensor"]
+
 FINAL_NORM = ("language_model.transformer.final_layernorm.weight",
               "language_model.transformer.final_layernorm.bias")
-LAYER_PARAMS = (  # module order inside a layer, each module's weight before its bias
-    "input_layernorm.weight", "input_layernorm.bias",
-    "attention.query_key_value.weight", "attention.query_key_value.bias",
-    "attention.dense.weight", "attention.dense.bias",
-    "post_attention_layernorm.weight", "post_attention_layernorm.bias",
-    "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
-    "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias",
-)
-_LAYER_RE = re.compile(r"^language_model\.transformer\.layers\.(\d+)\.(.+)$")
-_ROW_SPLIT = ("attention.query_key_value.weight", "attention.query_key_value.bias",
-              "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
-_COLUMN_SPLIT = ("attention.dense.weight", "mlp.dense_4h_to_h.weight")
+VOCABULARY = (WORD_EMBEDDINGS, OUTPUT_LAYER)
+"""The full tensors whose rows are the padded vocabulary (the tied copy is the first's)."""
 
 
 class LayoutError(ValueError):
     """A parameter name or shape that the GPT-2 layout cannot place; the message names it."""
 
 
-def layer_param_name(layer: int, suffix: str) -> str:
-    """`language_model.transformer.layers.{layer}.{suffix}`."""
-    return f"language_model.transformer.layers.{layer}.{suffix}"
+class Layout:
+    """The parameters of one model split over `pipeline_model_parallel_size` stages (no
+    interleaving): each stage's names in module order (= its state_dict and optimizer order)
+    and each parameter's record, as the model built from `config` holds them.
 
-
-def parse_layer(name: str) -> Optional[Tuple[int, str]]:
-    """(global layer index, suffix) of a transformer-layer parameter; None for other names."""
-    match = _LAYER_RE.match(name)
-    return (int(match.group(1)), match.group(2)) if match else None
-
-
-def partition_dim(name: str) -> int:
-    """Dimension along which tensor parallelism splits `name`: 0 (rows), 1 (columns), -1 (none).
-
-    Word embeddings (and the tied head copy) split their vocabulary rows; QKV and h->4h split
-    their output rows and biases; attention.dense and 4h->h split their input columns; their
-    biases, LayerNorms and position embeddings are replicated.
+    Stage 0 holds the embeddings, stage s the layers app.pipeline.partition gives it, the last
+    stage the final LayerNorm (and the output layer, or with PP > 1 and tied embeddings the
+    copy `word_embeddings.weight`). Raises LayoutError when the layers do not divide into the
+    stages.
     """
-    if name in (WORD_EMBEDDINGS, TIED_HEAD):
-        return 0
-    if name in (POSITION_EMBEDDINGS,) + FINAL_NORM:
-        return -1
-    parsed = parse_layer(name)
-    if parsed is None or parsed[1] not in LAYER_PARAMS:
-        raise LayoutError(f"parameter {name!r} is not part of the GPT-2 layout (expected "
-                          "language_model.embedding.*, language_model.transformer.layers.N.*, "
-                          "language_model.transformer.final_layernorm.* or word_embeddings.weight)")
-    suffix = parsed[1]
-    if suffix in _ROW_SPLIT:
-        return 0
-    if suffix in _COLUMN_SPLIT:
-        return 1
-    return -1
+
+    def __init__(self, config: ModelConfig, pipeline_model_parallel_size: int) -> None:
+        pp = pipeline_model_parallel_size
+        try:
+            self.stages = [stage_parameters(config, pp, stage) for stage in range(pp)]
+        except ValueError as exc:  # the layers do not divide into the stages
+            raise LayoutError(str(exc)) from exc
+        self._stage_of = {name: stage for stage, records in enumerate(self.stages)
+                          for name in records}
+
+    @classmethod
+    def of_args(cls, args: argparse.Namespace, pipeline_model_parallel_size: int,
+                padded_vocab_size: Optional[int] = None) -> "Layout":
+        """The layout of the model a checkpoint's `args` describe, with `padded_vocab_size`
+        rows when given (raises CheckpointError when the args lack the model's shape)."""
+        config = model_config_from_args(args, padded_vocab_size, for_inference=True)
+        return cls(config, pipeline_model_parallel_size)
+
+    def stage_names(self, stage: int) -> List[str]:
+        """Parameter names of `stage`, in module order."""
+        return list(self.stages[stage])
+
+    def names(self) -> List[str]:
+        """Every stage's names, stage 0 first (with the last stage's tied copy, if any)."""
+        return list(self._stage_of)
+
+    def record(self, name: str) -> ParameterRecord:
+        """The record of `name`; LayoutError for a name this model does not have."""
+        stage = self.stage_of(name)
+        return self.stages[stage][name]
+
+    def stage_of(self, name: str) -> int:
+        """The pipeline stage holding `name`; LayoutError for a name this model does not have."""
+        if name not in self._stage_of:
+            raise LayoutError(f"parameter {name!r} is not part of this GPT-2 model (expected "
+                              "language_model.embedding.*, language_model.transformer.layers.N.*, "
+                              "language_model.transformer.final_layernorm.*, "
+                              "language_model.output_layer.weight or word_embeddings.weight)")
+        return self._stage_of[name]
 
 
-def split_tensor(full: torch.Tensor, name: str, tp: int) -> List[torch.Tensor]:
-    """The `tp` contiguous shards of `full` along partition_dim(name) (replicas when -1)."""
-    dim = partition_dim(name)
+def split_tensor(full: torch.Tensor, record: ParameterRecord, tp: int) -> List[torch.Tensor]:
+    """The `tp` contiguous shards of `full` along `record.partition_dim` (replicas when -1)."""
+    dim = record.partition_dim
     if dim < 0 or tp == 1:
         return [full] * tp
     if full.shape[dim] % tp:
-        raise LayoutError(f"{name}: dimension {dim} of shape {tuple(full.shape)} is not "
+        raise LayoutError(f"{record.name}: dimension {dim} of shape {tuple(full.shape)} is not "
                           f"divisible by the tensor-parallel size {tp}")
     return [t.clone() for t in torch.chunk(full, tp, dim=dim)]
 
 
-def merge_shards(shards: Sequence[torch.Tensor], name: str) -> torch.Tensor:
-    """Inverse of split_tensor: concatenate along partition_dim(name), or check the replicas."""
-    dim = partition_dim(name)
+def merge_shards(shards: Sequence[torch.Tensor], record: ParameterRecord) -> torch.Tensor:
+    """Inverse of split_tensor: concatenate along `record.partition_dim`, or check the replicas."""
+    dim = record.partition_dim
     if dim < 0 or len(shards) == 1:
         first = shards[0]
         for rank, other in enumerate(shards[1:], start=1):
             if other.shape != first.shape or not torch.equal(other, first):
-                raise LayoutError(f"{name} is replicated across tensor-parallel ranks but rank "
-                                  f"{rank}'s copy differs from rank 0's")
+                raise LayoutError(f"{record.name} is replicated across tensor-parallel ranks but "
+                                  f"rank {rank}'s copy differs from rank 0's")
         return first
     return torch.cat(list(shards), dim=dim)
-
-
-def stage_layer_range(num_layers: int, pp: int, stage: int) -> Tuple[int, int]:
-    """Layers [start, end) of pipeline stage `stage` (L/pp each, as the trainer builds them)."""
-    if num_layers % pp:
-        raise LayoutError(f"num_layers ({num_layers}) is not divisible by the pipeline size ({pp})")
-    per = num_layers // pp
-    return stage * per, (stage + 1) * per
-
-
-def stage_parameter_names(num_layers: int, pp: int, stage: int) -> List[str]:
-    """Parameter names of one stage in module order (= its state_dict and optimizer order)."""
-    names: List[str] = []
-    if stage == 0:
-        names += [WORD_EMBEDDINGS, POSITION_EMBEDDINGS]
-    start, end = stage_layer_range(num_layers, pp, stage)
-    for layer in range(start, end):
-        names += [layer_param_name(layer, suffix) for suffix in LAYER_PARAMS]
-    if stage == pp - 1:
-        names += list(FINAL_NORM)
-        if pp > 1:
-            names.append(TIED_HEAD)
-    return names
-
-
-def model_parameter_names(num_layers: int) -> List[str]:
-    """Every parameter of the whole model (one stage, no tied copy), in module order."""
-    return stage_parameter_names(num_layers, 1, 0)
-
-
-def stage_of(name: str, num_layers: int, pp: int) -> int:
-    """The pipeline stage holding `name` (the tied head copy belongs to the last stage)."""
-    if name in (WORD_EMBEDDINGS, POSITION_EMBEDDINGS):
-        return 0
-    if name in FINAL_NORM or name == TIED_HEAD:
-        return pp - 1
-    parsed = parse_layer(name)
-    if parsed is None:
-        partition_dim(name)  # raises with the name
-    per = num_layers // pp
-    return parsed[0] // per
 
 
 def is_no_weight_decay(name: str) -> bool:
@@ -177,3 +151,16 @@ def resize_vocab(tensor: torch.Tensor, rows: int, vocab_size: Optional[int], nam
         return tensor[:rows].clone()
     pad = torch.zeros((rows - have,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
     return torch.cat([tensor, pad], dim=0)
+
+
+def pad_vocabulary(weights: Dict[str, torch.Tensor], rows: int, vocab_size: Optional[int]
+                   ) -> Dict[str, torch.Tensor]:
+    """`weights` with each VOCABULARY tensor resized to `rows` (resize_vocab) and, for tied
+    embeddings, the last stage's copy `TIED_HEAD` set to the word embeddings."""
+    out = dict(weights)
+    for name in VOCABULARY:
+        if name in out:
+            out[name] = resize_vocab(out[name], rows, vocab_size, name)
+    if OUTPUT_LAYER not in out:
+        out[TIED_HEAD] = out[WORD_EMBEDDINGS]
+    return out

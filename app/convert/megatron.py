@@ -22,6 +22,7 @@ from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progr
 from app.model.hf_compat import checkpoint_args_blockers
 from app.optim.distributed_optimizer import STATE_TENSORS
 from app.optim.mixed_precision import is_mixed_state
+from app.pipeline.partition import stage_layer_range, stage_of_layer
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
 from app.checkpointing.names import (TRACKER_FILENAME, list_checkpoint_iterations, read_tracker,
@@ -29,7 +30,6 @@ from app.checkpointing.names import (TRACKER_FILENAME, list_checkpoint_iteration
 from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
-
 
 
 def resolve_iteration(load_dir: str, iteration: Optional[Iteration]) -> Iteration:
@@ -111,25 +111,25 @@ def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[s
            tp: int, pp: int, what: str, only: Optional[set] = None) -> Dict[str, torch.Tensor]:
     """Full tensors from per-rank flat dicts (of the names in `only`, when given); the last
     stage's tied copy must equal stage 0's."""
-    num_layers = int(args.num_layers)
+    placement = layout.Layout.of_args(args, pp)
     progress = Progress(f"reading {what}")
     merged: Dict[str, torch.Tensor] = {}
     # the stage whose file holds each name: contiguous stages, or an interleaved run's chunks
     holder = {name: stage for (tp_rank, stage), rank_dict in per_rank.items() if tp_rank == 0
               for name in rank_dict}
-    for name in layout.model_parameter_names(num_layers) + ([layout.TIED_HEAD] if pp > 1 else []):
+    for name in placement.names():
         if only is not None and name not in only:
             continue
-        stage = holder.get(name, layout.stage_of(name, num_layers, pp))
+        stage = holder.get(name, placement.stage_of(name))
         shards = []
         for tp_rank in range(tp):
             rank_dict = per_rank[(tp_rank, stage)]
             if name not in rank_dict:
                 raise ckpt.CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) has no {name!r}")
             shards.append(rank_dict[name])
-        merged[name] = layout.merge_shards(shards, name)
+        merged[name] = layout.merge_shards(shards, placement.record(name))
         progress.add(merged[name])
-    known = set(layout.model_parameter_names(num_layers)) | {layout.TIED_HEAD}
+    known = set(placement.names())
     for (tp_rank, stage), rank_dict in per_rank.items():
         unknown = sorted(set(rank_dict) - known)
         if unknown:
@@ -151,6 +151,7 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
         kind: {key: {} for key in files} for kind in STATE_TENSORS}
     steps: Dict[str, torch.Tensor] = {}
     hparams: Dict[str, Dict[str, Any]] = {}
+    placement = layout.Layout.of_args(args, pp)
     for (tp_rank, stage), state in files.items():
         opt = state.get("optimizer")
         if is_mixed_state(opt):  # Megatron's Float16Optimizer layout: AdamW's state inside
@@ -158,8 +159,8 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
         if opt is None:
             raise ckpt.CheckpointError(f"--include-optimizer: {load_dir} (tp {tp_rank}, pp {stage}) "
                                        "has no optimizer state (saved with --no-save-optim?)")
-        names = layout.stage_parameter_names(int(args.num_layers), pp, stage)
-        index_to_name = _index_names(opt, names, f"{load_dir} (tp {tp_rank}, pp {stage})")
+        index_to_name = _index_names(opt, placement.stage_names(stage),
+                                     f"{load_dir} (tp {tp_rank}, pp {stage})")
         for index, name in index_to_name.items():
             entry = opt["state"].get(index)
             if not entry:
@@ -239,8 +240,6 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
                    include_optimizer: bool = False) -> Iteration:
     """Write `source` as a Megatron checkpoint at TP `tp`, PP `pp` into `save_dir` (which the
     caller stages); returns the iteration written ('release' unless given)."""
-    num_layers = source.num_layers
-    layout.stage_layer_range(num_layers, pp, 0)  # validates divisibility
     heads = int(source.args.num_attention_heads)
     if heads % tp:
         raise layout.LayoutError(f"num_attention_heads ({heads}) is not divisible by the target "
@@ -250,28 +249,30 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
              if isinstance(saved_dtype, torch.dtype) else source.weights[layout.WORD_EMBEDDINGS].dtype)
     iteration = "release" if iteration is None else iteration
     rows = target_padded_vocab(source.args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
+    try:
+        placement = layout.Layout.of_args(source.args, pp, rows)
+    except layout.LayoutError as exc:
+        raise layout.LayoutError(f"--target-pipeline-model-parallel-size {pp}: {exc}") from exc
     vocab_size = getattr(source.args, "vocab_size", None)
-    weights = dict(source.weights)
-    weights[layout.WORD_EMBEDDINGS] = layout.resize_vocab(
-        weights[layout.WORD_EMBEDDINGS], rows, vocab_size, layout.WORD_EMBEDDINGS)
-    full_precision = dict(weights, **{layout.TIED_HEAD: weights[layout.WORD_EMBEDDINGS]})
-    weights = cast_weights(weights, dtype)
-    weights[layout.TIED_HEAD] = weights[layout.WORD_EMBEDDINGS]
+    full_precision = layout.pad_vocabulary(source.weights, rows, vocab_size)
+    weights = cast_weights(full_precision, dtype)
     opt = source.optimizer if include_optimizer else None
     if include_optimizer and opt is None:
         raise ckpt.CheckpointError("--include-optimizer: the source checkpoint has no optimizer state")
     args = target_args(source, tp, pp, dtype, rows, iteration)
-    total = sum(len(layout.stage_parameter_names(num_layers, pp, st)) for st in range(pp)) * tp
-    progress = Progress("writing", total=total)
+    progress = Progress("writing", total=len(placement.names()) * tp)
     for stage in range(pp):
-        names = layout.stage_parameter_names(num_layers, pp, stage)
+        names = placement.stage_names(stage)
         for tp_rank in range(tp):
-            flat = {n: layout.split_tensor(weights[n], n, tp)[tp_rank] for n in names}
+            flat = {n: layout.split_tensor(weights[n], placement.record(n), tp)[tp_rank]
+                    for n in names}
             for tensor in flat.values():
                 progress.add(tensor)
-            optimizer = _optimizer_shard(opt, names, tp, tp_rank, rows, vocab_size) if opt else None
+            optimizer = (_optimizer_shard(opt, placement, stage, tp, tp_rank, rows, vocab_size)
+                         if opt else None)
             if optimizer is not None and dtype != torch.float32:  # keep the fp32 main weights
-                optimizer = _mixed_state(optimizer, full_precision, names, tp, tp_rank, opt)
+                optimizer = _mixed_state(optimizer, full_precision, placement, stage, tp,
+                                         tp_rank, opt)
             state = ckpt.build_checkpoint_dict(
                 iteration, flat, optimizer, source.lr_scheduler if opt else None,
                 _rng_for(source, tp_rank, stage, pp) if opt else None, args)
@@ -282,11 +283,12 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
     return iteration
 
 
-def _optimizer_shard(opt: OptimizerState, names: List[str], tp: int, tp_rank: int, rows: int,
-                     vocab_size: Optional[int]) -> Dict[str, Any]:
-    """torch.optim state dict of one rank: groups (muon,) decay, no_decay over `names`, as built
-    by app.optim.optimizer_param_groups, with each parameter's states split like its weight."""
-    groups = layout.optimizer_groups(names, muon="muon" in opt.group_hparams)
+def _optimizer_shard(opt: OptimizerState, placement: layout.Layout, stage: int, tp: int,
+                     tp_rank: int, rows: int, vocab_size: Optional[int]) -> Dict[str, Any]:
+    """torch.optim state dict of one rank: groups (muon,) decay, no_decay over the stage's
+    parameters, as app.optim.get_param_groups builds them, with each parameter's states split
+    like its weight."""
+    groups = layout.optimizer_groups(placement.stage_names(stage), muon="muon" in opt.group_hparams)
     state: Dict[int, Dict[str, torch.Tensor]] = {}
     param_groups = []
     index = 0
@@ -303,9 +305,9 @@ def _optimizer_shard(opt: OptimizerState, names: List[str], tp: int, tp_rank: in
             split = {"step": entry["step"].clone()} if "step" in entry else {}
             for kind in (k for k in STATE_TENSORS if k in entry):
                 full = entry[kind]
-                if source_name == layout.WORD_EMBEDDINGS:
+                if source_name in layout.VOCABULARY:
                     full = layout.resize_vocab(full, rows, vocab_size, f"{kind} of {source_name}")
-                split[kind] = layout.split_tensor(full, name, tp)[tp_rank]
+                split[kind] = layout.split_tensor(full, placement.record(name), tp)[tp_rank]
             state[index] = split
             indices.append(index)
             index += 1
@@ -315,12 +317,13 @@ def _optimizer_shard(opt: OptimizerState, names: List[str], tp: int, tp_rank: in
     return {"state": state, "param_groups": param_groups}
 
 
-def _mixed_state(adam: Dict[str, Any], full: Dict[str, torch.Tensor], names: List[str], tp: int,
-                 tp_rank: int, opt: OptimizerState) -> Dict[str, Any]:
+def _mixed_state(adam: Dict[str, Any], full: Dict[str, torch.Tensor], placement: layout.Layout,
+                 stage: int, tp: int, tp_rank: int, opt: OptimizerState) -> Dict[str, Any]:
     """Megatron's Float16Optimizer layout (what a native fp16/bf16 run saves): AdamW's state,
     the loss scaler's, and the fp32 main weights with their names, per param group."""
-    groups = [g for g in layout.optimizer_groups(names, "muon" in opt.group_hparams).values() if g]
-    mains = [[layout.split_tensor(full[n].float(), n, tp)[tp_rank] for n in group]
+    groups = [g for g in layout.optimizer_groups(placement.stage_names(stage),
+                                                 "muon" in opt.group_hparams).values() if g]
+    mains = [[layout.split_tensor(full[n].float(), placement.record(n), tp)[tp_rank] for n in group]
              for group in groups]
     return {"optimizer": adam, "grad_scaler": opt.grad_scaler, "fp32_from_fp16_params": mains,
             "param_names": groups}
@@ -333,6 +336,6 @@ def _rng_for(source: ModelCheckpoint, tp_rank: int, stage: int, pp: int) -> Opti
     if not source.rng_states:
         return None
     src_tp, src_pp = source.source_layout
-    first_layer = layout.stage_layer_range(source.num_layers, pp, stage)[0]
-    src_stage = min(first_layer // (source.num_layers // src_pp), src_pp - 1)
+    first_layer = stage_layer_range(source.num_layers, pp, stage).start
+    src_stage = stage_of_layer(source.num_layers, src_pp, first_layer)
     return source.rng_states.get((tp_rank % src_tp, src_stage))

@@ -39,8 +39,8 @@ class OptimizerState:
 class ModelCheckpoint:
     """A whole GPT-2 checkpoint, independent of how it was sharded.
 
-    `weights`: full tensors under our flat names (model_parameter_names order, no tied head
-    copy); the word embeddings keep the padded rows they were stored with. `args`: Megatron's
+    `weights`: full tensors under our flat names (embeddings, layers, final LayerNorm; no tied
+    head copy); the word embeddings keep the padded rows they were stored with. `args`: Megatron's
     args Namespace (model shape, `vocab_size` = tokenizer size when known, data position).
     `rng_states`: the source's per-rank RNG states keyed by (tp_rank, pp_rank), when it had them.
     """

@@ -1,10 +1,11 @@
 """Data pipeline: GPT-2 BPE tokenizer, Megatron mmap indexed dataset, GPT datasets with cached
-sample indices, blending, the pretraining sampler and batch construction (see docs/data.md).
+sample indices, blending, synthetic data (--mock-data), the pretraining sampler and batch
+construction (see docs/data.md).
 
 Public names are imported lazily (PEP 562), so that tools which only need the tokenizer or the
 indexed dataset (tools/preprocess_data.py and its workers) do not pay for importing torch.
 This package never imports torch.distributed; rank coordination comes in through the
-`is_builder` / `barrier` arguments of `build_train_valid_test_datasets`.
+`is_builder` / `barrier` arguments of `build_datasets`.
 """
 import importlib
 from typing import Any
@@ -13,11 +14,13 @@ _EXPORTS = {
     "get_batch": "batch", "get_ltor_masks_and_position_ids": "batch",
     "BlendableDataset": "blendable_dataset",
     "GPTDataset": "gpt_dataset", "build_train_valid_test_datasets": "gpt_dataset",
-    "parse_data_path": "gpt_dataset",
+    "build_datasets": "gpt_dataset", "plan_datasets": "plan", "order_record": "plan",
     "DatasetFormatError": "indexed_dataset", "MMapIndexedDataset": "indexed_dataset",
     "MMapIndexedDatasetBuilder": "indexed_dataset", "best_fitting_dtype": "indexed_dataset",
     "MegatronPretrainingSampler": "samplers",
-    "GPT2BPETokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+    "GPT2BPETokenizer": "tokenizer", "NullTokenizer": "tokenizer",
+    "build_tokenizer": "tokenizer", "MockGPTDataset": "mock_dataset",
+    "build_mock_datasets": "mock_dataset",
     "pad_vocab_size": "tokenizer", "train_gpt2_bpe": "tokenizer",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,21 +1,31 @@
 """Weighted, deterministic blend of several datasets (Megatron's BlendableDataset semantics)."""
 from __future__ import annotations
 
-from typing import Dict, Sequence
+import os
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
 from app.data.index_builder import blend_indices
+from app.data.index_cache import IndexCache, load_or_build
+
+BLEND_VERSION = "blend-v1"
+"""Bumped whenever blend_indices changes, so that cached blends of older versions are not reused."""
+BLEND_KINDS = ("dataset_index", "dataset_sample_index")
 
 
 class BlendableDataset:
     """`size` samples drawn from `datasets` in proportion to `weights`, in a fixed interleaving.
 
     Sample i is `datasets[dataset_index[i]][dataset_sample_index[i]]`; after any prefix of the
-    samples each dataset's share equals its weight to within one sample.
+    samples each dataset's share equals its weight to within one sample. With `cache_dir` the
+    interleaving is cached there (app.data.index_cache; the datasets must carry their own
+    `cache`, whose files the entry's key names) and `built` says whether this call built it.
     """
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], size: int) -> None:
+    def __init__(self, datasets: Sequence, weights: Sequence[float], size: int,
+                 name: str = "blend", cache_dir: Optional[str] = None, is_builder: bool = True,
+                 barrier: Callable[[], None] = lambda: None) -> None:
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"need one weight per dataset, got {len(weights)} weights for "
                              f"{len(datasets)} datasets")
@@ -24,11 +34,24 @@ class BlendableDataset:
         self.datasets = list(datasets)
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         self.size = int(size)
-        self.dataset_index, self.dataset_sample_index = blend_indices(self.weights, self.size)
+        build = lambda: blend_indices(self.weights, self.size)  # noqa: E731
+        self.built = True
+        if cache_dir is None:
+            self.dataset_index, self.dataset_sample_index = build()
+        else:
+            desc = {"version": BLEND_VERSION, "split": name, "size": self.size,
+                    "weights": [float(w) for w in self.weights],
+                    "datasets": [os.path.basename(ds.cache.description_file)
+                                 for ds in self.datasets]}
+            self.cache = IndexCache(cache_dir, f"blend_{name}", desc, BLEND_KINDS)
+            (self.dataset_index, self.dataset_sample_index), self.built = load_or_build(
+                self.cache, build, is_builder, barrier,
+                f"{name} blend of {len(self.datasets)} datasets ({self.size} samples)")
+        # dataset d's samples are taken in order 0, 1, ...: it needs as many as it is picked
+        needed = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for d, ds in enumerate(self.datasets):
-            used = self.dataset_sample_index[self.dataset_index == d]
-            if used.size and int(used.max()) >= len(ds):
-                raise ValueError(f"blended dataset {d} needs {int(used.max()) + 1} samples but "
+            if int(needed[d]) > len(ds):
+                raise ValueError(f"blended dataset {d} needs {int(needed[d])} samples but "
                                  f"has {len(ds)}")
 
     def __len__(self) -> int:

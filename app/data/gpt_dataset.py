@@ -1,76 +1,35 @@
-"""GPT pretraining datasets over Megatron .bin/.idx data: split, cached sample indices, blending.
+"""GPT pretraining datasets over Megatron .bin/.idx data: the splits' datasets, cached sample
+indices, blending.
 
-`build_train_valid_test_datasets` is the entry point used by the trainer. For every data prefix
-it divides the documents into train/valid/test by `--split`, and for every split builds (once)
-the doc/sample/shuffle indices of `app.data.index_builder`, saves them as `.npy` files beside the
-data or in `cache_path`, under a name that hashes every input they depend on, and memory-maps
-them in every later run. In a distributed run the caller passes `is_builder=True` on one rank
-and a `barrier` callable; the others wait at the barrier and then load. This module never
-imports torch.distributed.
+`build_datasets(plan, ...)` builds what an `app.data.plan.DataPlan` says (Megatron-LM's rules
+for --data-path/--split and the per-split blends): for every dataset of every split the
+doc/sample/shuffle indices of `app.data.index_builder`, and for every blend its interleaving,
+each built once and cached as `.npy` files beside the data or in `cache_path`
+(app.data.index_cache), then memory-mapped in every later run. In a distributed run the caller
+passes `is_builder=True` on one rank and a `barrier` callable; the others wait at the barrier
+and then load. This module never imports torch.distributed.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import os
-import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from app.utils.fileio import atomic_write
 
-from app.config import split_weights
+from app.config.blends import DataBlends, parse_blend
 from app.data.blendable_dataset import BlendableDataset
-from app.data.index_builder import INDEX_VERSION, build_indices, split_document_ranges
+from app.data.index_builder import INDEX_VERSION, build_indices
+from app.data.index_cache import IndexCache, digest, load_or_build
 from app.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
+from app.data.plan import DataPlan, SplitPlan, plan_datasets
 
 logger = logging.getLogger(__name__)
 
-SPLIT_NAMES = ("train", "valid", "test")
 INDEX_KINDS = ("doc_idx", "sample_idx", "shuffle_idx")
-
-
-def parse_data_path(data_path: Sequence[str]) -> Tuple[List[float], List[str]]:
-    """`[prefix]` -> ([1.0], [prefix]); `[w1, p1, w2, p2, ...]` -> (normalised weights, prefixes)."""
-    data_path = list(data_path)
-    if not data_path:
-        raise ValueError("--data-path is empty; give a prefix of a .bin/.idx pair "
-                         "(made by tools/preprocess_data.py) or a list 'w1 prefix1 w2 prefix2 ...'")
-    if len(data_path) == 1:
-        return [1.0], data_path
-    if len(data_path) % 2:
-        raise ValueError(f"--data-path {' '.join(data_path)!r}: a blend needs weight/prefix pairs "
-                         f"'w1 prefix1 w2 prefix2 ...' (got an odd number of items)")
-    try:
-        weights = [float(w) for w in data_path[0::2]]
-    except ValueError as err:
-        raise ValueError(f"--data-path {' '.join(data_path)!r}: weights must be numbers "
-                         f"('w1 prefix1 w2 prefix2 ...'): {err}") from None
-    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
-    total = sum(weights)
-    return [w / total for w in weights], data_path[1::2]
-
-
-def samples_per_prefix(data_path: Sequence[str], num_samples: Sequence[int]
-                       ) -> List[Tuple[float, str, List[int]]]:
-    """(weight, prefix, samples per split) of each dataset of --data-path: all of num_samples
-    for a single prefix; for a blend, its share plus 0.5% (so rounding never runs one short)."""
-    weights, prefixes = parse_data_path(data_path)
-    if len(prefixes) == 1:
-        return [(1.0, prefixes[0], list(num_samples))]
-    return [(w, p, [int(math.ceil(w * n * 1.005)) for n in num_samples])
-            for w, p in zip(weights, prefixes)]
-
-
-def _digest(*parts: bytes) -> str:
-    h = hashlib.blake2b(digest_size=10)
-    for part in parts:
-        h.update(part)
-    return h.hexdigest()
 
 
 def first_token_outside(indexed: MMapIndexedDataset, vocab_size: int,
@@ -95,7 +54,7 @@ def token_id_range(indexed: MMapIndexedDataset, cache_dir: str) -> Tuple[int, in
     """(min, max) token id of `indexed`, cached in `cache_dir` keyed on the files' sizes and
     mtimes, so later runs pay nothing. A cache that cannot be written costs only a rescan."""
     stats = [os.stat(p) for p in (data_file_path(indexed.prefix), index_file_path(indexed.prefix))]
-    key = _digest(repr([(s.st_size, s.st_mtime_ns) for s in stats]).encode())
+    key = digest(repr([(s.st_size, s.st_mtime_ns) for s in stats]).encode())
     cache_file = os.path.join(cache_dir, f"{os.path.basename(indexed.prefix)}_{key}_token_range.json")
     if os.path.isfile(cache_file):
         try:
@@ -139,7 +98,8 @@ class GPTDataset:
     """Samples of seq_length + 1 tokens from documents [start, end) of an indexed dataset.
 
     `ds[i]` -> {"text": np.int64 [seq_length + 1]}; `len(ds)` >= the num_samples requested (whole
-    epochs are indexed). Indices are built by the builder rank and cached (see module doc).
+    epochs are indexed). Indices are built by the builder rank and cached (app.data.index_cache);
+    `built` says whether this instance built them or loaded them from `cache_dir`.
     """
 
     def __init__(self, name: str, indexed: MMapIndexedDataset, documents: Tuple[int, int],
@@ -157,47 +117,15 @@ class GPTDataset:
                 "seq_length": int(seq_length), "seed": int(seed),
                 "total_documents": indexed.num_documents,
                 "tokens": int(self._doc_length.sum())}
-        key = _digest(json.dumps(desc, sort_keys=True).encode(), self._doc_length.tobytes())
-        stem = os.path.join(cache_dir, f"{desc['dataset']}_{name}_{key}")
-        self.cache_files = {kind: f"{stem}_{kind}.npy" for kind in INDEX_KINDS}
-        self.description_file = f"{stem}_description.json"
-        if is_builder and not self._cache_complete():
-            self._build_and_save(desc)
-        barrier()
-        self.doc_idx, self.sample_idx, self.shuffle_idx = self._load()
-
-    def _build_and_save(self, desc: Dict) -> None:
-        cache_dir = os.path.dirname(self.description_file) or "."
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-        except OSError as err:
-            raise OSError(f"cannot create the sample-index cache directory {cache_dir} ({err}); "
-                          f"pass a writable --data-cache-path") from None
-        if not os.access(cache_dir, os.W_OK):
-            raise PermissionError(f"cannot write sample-index caches to {cache_dir}; "
-                                  f"pass a writable --data-cache-path")
-        t0 = time.perf_counter()
-        arrays = build_indices(self._doc_length, desc["num_samples"], desc["seq_length"],
-                               desc["seed"])
-        elapsed = time.perf_counter() - t0
-        for kind, arr in zip(INDEX_KINDS, arrays):
-            atomic_write(self.cache_files[kind], lambda f, a=arr: np.save(f, a, allow_pickle=False))
-        desc = dict(desc, build_seconds=round(elapsed, 3), samples=int(arrays[2].size))
-        atomic_write(self.description_file,  # written last: marks the set complete
-                      lambda f: f.write(json.dumps(desc, indent=1, sort_keys=True).encode()))
-        logger.info("built %s indices for %s: %d samples in %.2f s -> %s", self.name,
-                    desc["dataset"], arrays[2].size, elapsed, self.description_file)
-
-    def _cache_complete(self) -> bool:
-        return all(os.path.isfile(p) for p in [self.description_file, *self.cache_files.values()])
-
-    def _load(self) -> Tuple[np.ndarray, ...]:
-        if not self._cache_complete():
-            raise FileNotFoundError(
-                f"sample-index cache {self.description_file} is missing after the builder rank "
-                f"finished; all ranks must see the same --data-cache-path (a shared filesystem)")
-        return tuple(np.load(self.cache_files[k], mmap_mode="r", allow_pickle=False)
-                     for k in INDEX_KINDS)
+        self.cache = IndexCache(cache_dir, f"{desc['dataset']}_{name}", desc, INDEX_KINDS,
+                                content=self._doc_length.tobytes())
+        self.cache_files, self.description_file = self.cache.files, self.cache.description_file
+        build = lambda: build_indices(self._doc_length, desc["num_samples"],  # noqa: E731
+                                      desc["seq_length"], desc["seed"])
+        arrays, self.built = load_or_build(
+            self.cache, build, is_builder, barrier,
+            f"{name} indices of {desc['dataset']} ({num_samples} samples)")
+        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
 
     def __len__(self) -> int:
         return int(self.shuffle_idx.shape[0])
@@ -219,28 +147,59 @@ class GPTDataset:
         return {"text": text}
 
 
-def _build_split_datasets(prefix: str, weights: Tuple[float, float, float],
-                          num_samples: Sequence[int], seq_length: int, seed: int,
-                          cache_path: Optional[str], vocab_size: Optional[int], is_builder: bool,
-                          barrier: Callable[[], None]) -> List[Optional[GPTDataset]]:
-    """The three split datasets of one prefix (None where the split or its sample count is empty)."""
-    indexed = MMapIndexedDataset(prefix)
-    if indexed.num_documents == 0:
-        raise ValueError(f"{data_file_path(prefix)} holds no documents (an empty input was "
-                         "preprocessed?); re-run tools/preprocess_data.py on a non-empty input "
-                         "or leave this prefix out of --data-path")
-    cache_dir = cache_path or os.path.dirname(os.path.abspath(prefix))
+def _split_dataset(plan: SplitPlan, data: DataPlan, seed: int, cache_path: Optional[str],
+                   is_builder: bool, barrier: Callable[[], None]):
+    """One split's dataset: its single GPTDataset, or the blend of its parts."""
+    parts = [GPTDataset(plan.name, data.datasets[p.prefix], p.documents, p.num_samples,
+                        data.seq_length, seed, cache_dir_of(p.prefix, cache_path), is_builder,
+                        barrier) for p in plan.parts]
+    if not plan.blended:
+        return parts[0]
+    for prefix in plan.left_out:
+        logger.warning("%s split of %s is empty; it is left out of the blend", plan.name, prefix)
+    return BlendableDataset(
+        parts, plan.blend_weights(), plan.size, name=plan.name,
+        cache_dir=cache_dir_of(plan.parts[0].prefix, cache_path), is_builder=is_builder,
+        barrier=barrier)
+
+
+def cache_dir_of(prefix: str, cache_path: Optional[str]) -> str:
+    """Where a dataset's indices are cached: --data-cache-path, else beside the dataset."""
+    return cache_path or os.path.dirname(os.path.abspath(prefix))
+
+
+def build_datasets(data: DataPlan, seed: int, cache_path: Optional[str] = None,
+                   vocab_size: Optional[int] = None, is_builder: bool = True,
+                   barrier: Callable[[], None] = lambda: None) -> Tuple:
+    """(train, valid, test): the datasets of `data` (app.data.plan), each a dataset of
+    {"text": np.int64 [seq_length + 1]} items, or None where the plan builds nothing.
+
+    cache_path: where index .npy files go (default: beside each dataset). vocab_size: if
+    given, every dataset's token ids are checked against it first. is_builder/barrier: only
+    the builder writes the caches; every rank calls barrier() once per cached entry, then
+    loads. Logs how many index sets were loaded from the cache and how many built.
+    """
     if vocab_size is not None:
-        check_token_ids(indexed, vocab_size, cache_dir)
-    ranges = split_document_ranges(indexed.num_documents, weights)
-    logger.info("%s: %d documents; split %s -> %s", prefix, indexed.num_documents, weights, ranges)
-    out: List[Optional[GPTDataset]] = []
-    for name, (start, end), n in zip(SPLIT_NAMES, ranges, num_samples):
-        if end <= start or n <= 0:
-            out.append(None)
-            continue
-        out.append(GPTDataset(name, indexed, (start, end), n, seq_length, seed, cache_dir,
-                              is_builder, barrier))
+        for prefix, indexed in data.datasets.items():
+            check_token_ids(indexed, vocab_size, cache_dir_of(prefix, cache_path))
+    out = tuple(None if plan is None else
+                _split_dataset(plan, data, seed, cache_path, is_builder, barrier)
+                for plan in data.splits)
+    entries = cache_entries(out)
+    built = [e for e in entries if e.built]
+    where = sorted({os.path.dirname(e.cache.description_file) for e in entries})
+    logger.info("sample indices: %d of %d index sets loaded from the cache in %s, %d built",
+                len(entries) - len(built), len(entries), ", ".join(where), len(built))
+    return out
+
+
+def cache_entries(datasets: Sequence) -> List:
+    """Every cached dataset among `datasets` (None skipped): each blend's parts, then the blend;
+    each has `cache` (app.data.index_cache.IndexCache) and `built`."""
+    out: List = []
+    for dataset in datasets:
+        if dataset is not None:
+            out += list(getattr(dataset, "datasets", [])) + [dataset]
     return out
 
 
@@ -248,34 +207,8 @@ def build_train_valid_test_datasets(
         data_path: List[str], split: str, num_samples: Tuple[int, int, int], seq_length: int,
         seed: int, cache_path: Optional[str] = None, vocab_size: Optional[int] = None,
         is_builder: bool = True, barrier: Callable[[], None] = lambda: None):
-    """(train, valid, test): datasets (or None) of {"text": np.int64 [seq_length + 1]} items.
-
-    data_path: one prefix or [w1, p1, w2, p2, ...] (Megatron's --data-path). split: "969,30,1".
-    num_samples: samples needed per split (train_iters x global batch, eval samples x2).
-    cache_path: where index .npy files go (default: beside each prefix). vocab_size: if given,
-    token ids are checked against it at start-up. is_builder/barrier: only the builder writes
-    the caches; every rank calls barrier() once per dataset, then loads.
-    A split is None when it has no documents or no samples are requested for it.
-    """
-    weights, prefixes = parse_data_path(data_path)
-    fractions = split_weights(split)
-    if len(prefixes) == 1:
-        return tuple(_build_split_datasets(prefixes[0], fractions, num_samples, seq_length, seed,
-                                           cache_path, vocab_size, is_builder, barrier))
-    per_prefix = []
-    for _, prefix, needed in samples_per_prefix(data_path, num_samples):
-        per_prefix.append(_build_split_datasets(prefix, fractions, needed, seq_length, seed,
-                                                cache_path, vocab_size, is_builder, barrier))
-    result = []
-    for split_i, name in enumerate(SPLIT_NAMES):
-        parts = [(w, ds[split_i], p) for w, ds, p in zip(weights, per_prefix, prefixes)]
-        present = [(w, ds) for w, ds, p in parts if ds is not None and w > 0]
-        for w, ds, p in parts:
-            if ds is None and w > 0 and num_samples[split_i] > 0:
-                logger.warning("%s split of %s is empty; it is left out of the blend", name, p)
-        if not present or num_samples[split_i] <= 0:
-            result.append(None)
-            continue
-        result.append(BlendableDataset([ds for _, ds in present], [w for w, _ in present],
-                                       num_samples[split_i]))
-    return tuple(result)
+    """`build_datasets` for Megatron's --data-path (one prefix or [w1, p1, w2, p2, ...]) divided
+    by --split ("969,30,1") into splits of `num_samples` (train, valid, test) samples."""
+    blends = DataBlends(parse_blend(data_path, "--data-path"), None, "--data-path")
+    return build_datasets(plan_datasets(blends, split, num_samples, seq_length), seed,
+                          cache_path, vocab_size, is_builder, barrier)

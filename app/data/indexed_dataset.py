@@ -116,7 +116,7 @@ class MMapIndexedDatasetBuilder:
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize
         with atomic_open(idx_path, "wb",  # the .bin is moved into place just before the .idx
-                         before_replace=lambda: os.replace(self._tmp_bin, self.bin_path)) as f:
+                         before_replace=lambda _: os.replace(self._tmp_bin, self.bin_path)) as f:
             f.write(MAGIC)
             f.write(struct.pack("<QBQQ", VERSION, self._code, lengths.size, doc_idx.size))
             f.write(lengths.astype("<i4").tobytes())

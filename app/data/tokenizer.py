@@ -7,6 +7,12 @@ end-of-document token is `<|endoftext|>`; its id is `eod`. The literal text "<|e
 inside a document is *not* turned into the eod id (it is tokenized as ordinary text), so a
 document can never inject a document boundary.
 
+`NullTokenizer` (Megatron-LM's) has no files: a vocabulary size N (--vocab-size), ids 0..N-1
+and the end of document N-1; for --mock-data and for data tokenized elsewhere.
+
+`encode_flat` tokenizes a batch into one flat array with gigatoken (a Rust BPE) when it is
+installed: the same ids, computed much faster (bench/bench_preprocess.py).
+
 No network access anywhere: everything is built from local files.
 """
 from __future__ import annotations
@@ -14,12 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer",)
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer")
 
 
 class GPT2BPETokenizer:
@@ -71,6 +79,39 @@ class GPT2BPETokenizer:
         """`[tokenize(t) for t in texts]`, computed in one call (faster for many short texts)."""
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+        """(tokens uint32 [total], lengths int64 [len(texts)]): `tokenize` of every text, back to
+        back. By gigatoken (a Rust BPE, on its thread pool: RAYON_NUM_THREADS threads; none in a
+        multiprocessing worker or with `parallel` False) when it is installed, built from this
+        tokenizer and so giving the same ids; else by `tokenizers`."""
+        fast = self._gigatoken()
+        if fast is not None:
+            import awkward as ak
+            encoded = fast.encode_batch(list(texts), parallel=parallel)
+            lengths = np.asarray(ak.num(encoded, axis=1), dtype=np.int64)
+            return np.asarray(ak.flatten(encoded), dtype=np.uint32), lengths
+        ids = self.tokenize_batch(texts)
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(lengths.sum()))
+        return flat, lengths
+
+    def _gigatoken(self):
+        """The gigatoken copy of this tokenizer (made once), or None without gigatoken."""
+        if not hasattr(self, "_fast"):
+            try:
+                import gigatoken
+            except ImportError:
+                self._fast = None
+            else:
+                self._fast = gigatoken.Tokenizer(self._tokenizer)
+        return self._fast
+
+    @property
+    def fast_backend(self) -> str:
+        """The library `encode_flat` uses: 'gigatoken' or 'tokenizers'."""
+        return "gigatoken" if self._gigatoken() is not None else "tokenizers"
+
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text of the token ids (inverse of tokenize for valid UTF-8 text)."""
         return self._tokenizer.decode(list(int(i) for i in ids), skip_special_tokens=False)
@@ -114,12 +155,57 @@ def count_merges(merge_file: str) -> int:
     return count
 
 
-def build_tokenizer(tokenizer_type: str, vocab_file: str, merge_file: str) -> GPT2BPETokenizer:
-    """Tokenizer named by --tokenizer-type (only GPT2BPETokenizer) from its vocab/merge files."""
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: no vocabulary file, `vocab_size` ids, end of document
+    `vocab_size - 1`; text is token ids written in decimal, separated by whitespace."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size is None or vocab_size < 2:
+            raise ValueError(f"NullTokenizer needs --vocab-size >= 2 (got {vocab_size}): the "
+                             "number of token ids, the last one being the end of document")
+        self.vocab_size: int = int(vocab_size)
+        self.eod: int = self.vocab_size - 1
+
+    def tokenize(self, text: str) -> List[int]:
+        """The ids written in `text` ("5 17 2" -> [5, 17, 2])."""
+        return [int(token) for token in text.split()]
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.tokenize(text) for text in texts]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],
+                             vocab_size: Optional[int]) -> str:
+    """--tokenizer-type, except that --vocab-size without --vocab-file selects NullTokenizer
+    (`--mock-data --vocab-size 50257` needs no other flag); --vocab-size with a
+    GPT2BPETokenizer's --vocab-file is a contradiction and raises."""
+    if vocab_size is None or tokenizer_type != "GPT2BPETokenizer":
+        return tokenizer_type
+    if vocab_file:
+        raise ValueError(f"--vocab-size ({vocab_size}) is NullTokenizer's vocabulary, but "
+                         f"--vocab-file {vocab_file} gives a GPT2BPETokenizer its own: drop "
+                         "--vocab-size, or drop --vocab-file/--merge-file for NullTokenizer")
+    return "NullTokenizer"
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
+                    vocab_size: Optional[int] = None) -> Union[GPT2BPETokenizer, NullTokenizer]:
+    """Tokenizer named by --tokenizer-type (see `tokenizer_type_in_effect`): GPT2BPETokenizer
+    from its vocab/merge files, or NullTokenizer of `vocab_size` (--vocab-size) ids."""
+    tokenizer_type = tokenizer_type_in_effect(tokenizer_type, vocab_file, vocab_size)
     if tokenizer_type not in SUPPORTED_TOKENIZERS:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
                          f"use one of {', '.join(SUPPORTED_TOKENIZERS)}")
-    tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_file or merge_file:
+            raise ValueError("--tokenizer-type NullTokenizer reads no --vocab-file or "
+                             "--merge-file; drop them, or use GPT2BPETokenizer")
+        tokenizer = NullTokenizer(vocab_size)
+    else:
+        tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     logger.info("tokenizer %s: vocab %d, eod %d", tokenizer_type, tokenizer.vocab_size, tokenizer.eod)
     return tokenizer
 

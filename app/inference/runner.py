@@ -16,9 +16,12 @@ from typing import Dict, Optional
 
 import torch
 
+from app.checkpointing import dcp_files
+from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
 from app.checkpointing.model_args import model_config_from_args
 from app.convert import layout
+from app.model.stage import build_model_stage, parameter_records
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 from app.pipeline import p2p
@@ -39,7 +42,8 @@ class LoadedModel:
 
 def checkpoint_format(load: str) -> str:
     """'hf' (config.json), 'deepspeed' (a `latest` tag whose folder holds
-    mp_rank_XX_model_states.pt) or 'megatron' (everything else; its reader names what is missing)."""
+    mp_rank_XX_model_states.pt), 'torch_dist' (the tracker's iteration is a PyTorch distributed
+    checkpoint) or 'megatron' (everything else; its reader names what is missing)."""
     if not os.path.isdir(load):
         raise FileNotFoundError(f"--load {load} does not exist (a checkpoint directory or a "
                                 "Hugging Face model directory)")
@@ -50,6 +54,9 @@ def checkpoint_format(load: str) -> str:
     if folder and os.path.isdir(folder) and any(
             names.parse_deepspeed_model_file(n) is not None for n in os.listdir(folder)):
         return "deepspeed"
+    tracked = names.read_tracker_text(load)
+    if tracked and dcp_files.is_dcp_checkpoint(names.checkpoint_dir(load, tracked)):
+        return "torch_dist"
     return "megatron"
 
 
@@ -59,13 +66,12 @@ def saved_layout_of(load: str) -> Optional[tuple]:
     if checkpoint_format(load) != "megatron":
         return None
     from app.convert.megatron import resolve_iteration
-    from app.checkpointing import megatron as ckpt
     return ckpt.saved_layout(names.checkpoint_dir(load, resolve_iteration(load, None)))
 
 
 def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
-    """This rank's stage of the model in `load` (Megatron or DeepSpeed checkpoint, or HF
-    directory), eval mode.
+    """This rank's stage of the model in `load` (Megatron legacy or torch_dist, or DeepSpeed
+    checkpoint, or HF directory), eval mode.
 
     When the layout of `ps` is a Megatron checkpoint's, each rank reads only its own file;
     otherwise the whole checkpoint is read (DeepSpeed: its fp32 master weights, through the
@@ -73,7 +79,6 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
     """
     from app.convert.megatron import read_megatron, target_padded_vocab
     tp, pp = ps.tensor_model_parallel_size, ps.pipeline_model_parallel_size
-    stage = ps.pipeline_model_parallel_rank
     saved = saved_layout_of(load)
     fmt = checkpoint_format(load)
     if fmt == "hf":
@@ -82,6 +87,9 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
     elif fmt == "deepspeed":
         from app.convert.deepspeed import read_deepspeed
         source = read_deepspeed(load, iteration)
+    elif fmt == "torch_dist":
+        from app.convert.torch_dist import read_torch_dist
+        source = read_torch_dist(load, iteration)
     elif saved is not None and tuple(saved) == (tp, pp) and iteration is None:
         return _load_own_file(load, ps)
     else:
@@ -91,29 +99,25 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
         source = read_megatron(load, iteration)
     args = source.args
     rows = target_padded_vocab(args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
-    weights = dict(source.weights)
-    weights[layout.WORD_EMBEDDINGS] = layout.resize_vocab(
-        weights[layout.WORD_EMBEDDINGS], rows, getattr(args, "vocab_size", None), layout.WORD_EMBEDDINGS)
-    weights[layout.TIED_HEAD] = weights[layout.WORD_EMBEDDINGS]
-    names = layout.stage_parameter_names(int(args.num_layers), pp, stage)
-    flat = {n: layout.split_tensor(weights[n], n, tp)[ps.tensor_model_parallel_rank] for n in names}
+    weights = layout.pad_vocabulary(source.weights, rows, getattr(args, "vocab_size", None))
     model = _build(args, rows, ps)
+    try:  # each tensor split as the parallel layer that holds it marks it
+        flat = {name: layout.split_tensor(weights[name], record, tp)[ps.tensor_model_parallel_rank]
+                for name, record in parameter_records(model).items()}
+    except KeyError as exc:
+        raise ckpt.CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
+                                   "the model its args describe holds") from exc
     model.load_state_dict(flat, strict=True)
     return LoadedModel(model.eval(), args, int(getattr(args, "vocab_size", None) or rows),
                        dict(source.tokenizer_files))
 
 
 def _build(args: argparse.Namespace, rows: int, ps: ParallelState) -> torch.nn.Module:
-    from app.model import GPT2Model
-    pp, stage = ps.pipeline_model_parallel_size, ps.pipeline_model_parallel_rank
-    config = model_config_from_args(args, rows, for_inference=True)
-    return GPT2Model(config, ps, pre_process=stage == 0,
-                     post_process=stage == pp - 1,
-                     layer_range=layout.stage_layer_range(int(args.num_layers), pp, stage))
+    """This rank's stage of the model `args` describe, with `rows` vocabulary rows."""
+    return build_model_stage(model_config_from_args(args, rows, for_inference=True), ps)
 
 
 def _load_own_file(load: str, ps: ParallelState) -> LoadedModel:
-    from app.checkpointing import megatron as ckpt
     state, iteration = ckpt.load_checkpoint_dict(
         load, tp_rank=ps.tensor_model_parallel_rank, pp_rank=ps.pipeline_model_parallel_rank,
         pp_size=ps.pipeline_model_parallel_size, tp_size=ps.tensor_model_parallel_size)

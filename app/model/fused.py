@@ -14,6 +14,10 @@ Every fallback is the reference the kernels are tested against; fused and fallba
 rounding. The first call of each op logs "<op>: <implementation> (<why>)" - why the kernel is
 not used (flag off, no CUDA, build failed: first error line, shape over the limit) or what runs.
 Model code calls only these functions; it never sees CUDA, the kernel library or torch.compile.
+
+Inside code that torch.compile traces (a compiled transformer layer, --compile-layers) every op
+takes its PyTorch path and logs nothing: the compiler fuses that path itself, and neither the
+csrc/ kernels (no fake-tensor implementation) nor a log call may break the layer's graph.
 """
 from __future__ import annotations
 
@@ -35,8 +39,16 @@ logger = logging.getLogger(__name__)
 _CHOICES: Dict[str, Tuple[str, str]] = {}
 
 
+def _tracing() -> bool:
+    """True while torch.compile traces the caller (the op then takes its PyTorch path)."""
+    return torch.compiler.is_compiling()
+
+
 def _announce(op: str, implementation: str, why: str) -> None:
-    """Log "<op>: <implementation> (<why>)" the first time this choice is made for `op`."""
+    """Log "<op>: <implementation> (<why>)" the first time this choice is made for `op`
+    (never while torch.compile traces: a log call would break the graph)."""
+    if _tracing():
+        return
     if _CHOICES.get(op) != (implementation, why):
         _CHOICES[op] = (implementation, why)
         logger.info("%s: %s (%s)", op, implementation, why)
@@ -56,7 +68,10 @@ def reset_selections() -> None:
 
 def _use_kernel(op: str, enabled: bool, flag: str, x: torch.Tensor,
                 unsupported: Optional[str]) -> bool:
-    """True when the csrc kernel should run for `op`; otherwise announces why PyTorch runs."""
+    """True when the csrc kernel should run for `op`; otherwise announces why PyTorch runs.
+    False while torch.compile traces (the compiler fuses the PyTorch path)."""
+    if _tracing():
+        return False
     if not enabled:
         _announce(op, "PyTorch", f"{flag} off")
         return False
@@ -97,6 +112,10 @@ def _compiled_call(op: str, fn: Callable, *args):
 
 
 def _use_compiled(op: str, enabled: bool, flag: str, x: torch.Tensor) -> bool:
+    """True when `op` should run through its own torch.compile'd function (never inside code
+    that is already being compiled: its eager path is traced there)."""
+    if _tracing():
+        return False
     if not enabled:
         _announce(op, "PyTorch eager", f"{flag} off")
     elif not x.is_cuda:
@@ -249,6 +268,8 @@ _SDPA_SEEN: set = set()
 def _announce_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                    flash_only: bool) -> None:
     """Announce SDPA with the backend PyTorch picks; computed once per kind of input."""
+    if _tracing():
+        return
     key = (flash_only, q.device.type, q.dtype, q.shape[-1], dropout_p > 0.0)
     if key in _SDPA_SEEN:
         return

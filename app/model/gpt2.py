@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import re
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,7 +38,7 @@ from app.model.attention import InferenceCache, ParallelAttention
 from app.model.positions import RotaryEmbedding, RotaryTables, alibi_bias, alibi_slopes
 from app.mpu import random as mpu_random
 from app.mpu.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                            column_parallel_linear)
+                            column_parallel_linear, set_tensor_model_parallel_attributes)
 from app.mpu.mappings import (scatter_to_sequence_parallel_region,
                               sum_gradient_over_tensor_parallel)
 from app.mpu.parallel_state import ParallelState, get_parallel_state
@@ -46,7 +47,23 @@ from app.utils.dtypes import torch_dtype
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
 OUTPUT_LAYER = "language_model.output_layer.weight"
+TIED_HEAD = "word_embeddings.weight"
+"""The last stage's copy of the tied word embeddings (PP > 1; see GPT2Model)."""
+LAYER_PREFIX = "language_model.transformer.layers"
+_LAYER_NAME = re.compile(rf"^{re.escape(LAYER_PREFIX)}\.(\d+)\.(.+)$")
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def layer_param_name(layer: int, suffix: str) -> str:
+    """`language_model.transformer.layers.{layer}.{suffix}`: a layer's parameter by its global
+    index."""
+    return f"{LAYER_PREFIX}.{layer}.{suffix}"
+
+
+def parse_layer(name: str) -> Optional[Tuple[int, str]]:
+    """(global layer index, suffix) of a transformer-layer parameter; None for other names."""
+    match = _LAYER_NAME.match(name)
+    return (int(match.group(1)), match.group(2)) if match else None
 
 
 # ---- initialisation ----------------------------------------------------------------------------
@@ -60,9 +77,12 @@ def normal_init(std: float, seed: int, global_name: str) -> InitMethod:
     """init_method filling a full tensor in place with N(0, std) from the parameter's own generator.
 
     The values are drawn in fp32 on the CPU and then copied, so they do not depend on the
-    tensor's dtype or device.
+    tensor's dtype or device. A tensor on the meta device (a build for its structure only,
+    app.model.stage.stage_parameters) has no values and is returned as it is.
     """
     def init(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta:
+            return tensor
         gen = torch.Generator().manual_seed(param_seed(seed, global_name))
         values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
         with torch.no_grad():
@@ -92,8 +112,7 @@ def _layer_norm(config: ModelConfig, dtype: torch.dtype,
     norm = fused.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype,
                            use_kernel=config.layernorm_fusion)
     for param in norm.parameters():
-        param.tensor_model_parallel = False
-        param.partition_dim = -1
+        set_tensor_model_parallel_attributes(param, False)
         if config.sequence_parallel:
             sum_gradient_over_tensor_parallel(param, parallel_state)
     return norm
@@ -120,10 +139,13 @@ class PositionEmbedding(nn.Embedding):
 
     def __init__(self, num_positions: int, hidden_size: int, dtype: torch.dtype,
                  init_method: InitMethod) -> None:
-        super().__init__(num_positions, hidden_size, dtype=dtype)
+        # nn.Embedding's own init draws from the global RNG, and the dropout streams that
+        # follow depend on it, so it stays; a meta-device build has nothing to draw
+        table = torch.empty(num_positions, hidden_size, dtype=dtype)
+        super().__init__(num_positions, hidden_size, dtype=dtype,
+                         _weight=table if table.is_meta else None)
         init_method(self.weight)
-        self.weight.tensor_model_parallel = False
-        self.weight.partition_dim = -1
+        set_tensor_model_parallel_attributes(self.weight, False)
 
 
 class Embedding(nn.Module):
@@ -209,7 +231,7 @@ class ParallelTransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  layer_number: int) -> None:
         super().__init__()
-        prefix = f"language_model.transformer.layers.{layer_number}"
+        prefix = f"{LAYER_PREFIX}.{layer_number}"
         dtype = torch_dtype(config.params_dtype)
         self.layer_number = layer_number
         self.dropout_p = config.hidden_dropout
@@ -448,6 +470,24 @@ class GPT2Model(nn.Module):
             return output_layer(hidden)
         return column_parallel_linear(hidden, self.word_embeddings_weight(), None,
                                       self.parallel_state, self.config.sequence_parallel)
+
+
+def compile_transformer_layers(model: nn.Module) -> int:
+    """Compile each transformer layer of `model` (a stage, or every chunk of one) in place with
+    torch.compile, as torchtitan compiles per block; returns how many layers were compiled.
+
+    `nn.Module.compile` keeps the parameter names (checkpoints do not change) and the layers
+    identical in code share one compiled graph. Inside a layer the fused ops take their
+    PyTorch paths, which the compiler fuses (app.model.fused); what lies outside the layers
+    (embedding, final LayerNorm, LM head and loss) keeps its eager ops and csrc/ kernels.
+    The tensor-parallel collectives are traced into the graph; full recompute wraps whole
+    layers from outside; saving and restoring RNG states inside a layer (attention dropout's
+    model-parallel stream, selective recompute) splits its graph there.
+    """
+    layers = [m for m in model.modules() if isinstance(m, ParallelTransformerLayer)]
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, parallel_state: ParallelState,

@@ -171,6 +171,16 @@ def broadcast_object(obj: object, src: int, group: ProcessGroup) -> object:
     return box[0]
 
 
+def gather_object(obj: object, dst: int, group: ProcessGroup) -> Optional[List[object]]:
+    """Every rank's picklable `obj`, in group-rank order, on global rank `dst`; None elsewhere."""
+    if _trivial(group):
+        return [obj]
+    out: Optional[List[object]] = ([None] * dist.get_world_size(group)
+                                   if dist.get_rank() == dst else None)
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
 def barrier(group: ProcessGroup) -> None:
     """Wait until every rank of `group` arrives."""
     if _trivial(group):

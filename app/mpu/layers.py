@@ -2,8 +2,11 @@
 
 Initialisation is independent of the tensor-parallel size: `init_method(full_weight)` fills the
 full fp32 master weight on the CPU (shape [out, in] for the linears, [vocab, h] for the
-embedding) and each rank keeps its contiguous shard. Tensor-parallel parameters carry
-`tensor_model_parallel = True` and `partition_dim`; replicated ones carry False.
+embedding) and each rank keeps its contiguous shard. Each layer marks the parameters it cuts
+(`set_tensor_model_parallel_attributes`): `tensor_model_parallel = True` and the
+`partition_dim` it cut along, or False and -1 for replicated ones. These marks are the only
+statement of how a parameter is split; gradient clipping, Muon, DeepSpeed's universal
+checkpoints and the checkpoint converter (app.model.stage.parameter_records) read them.
 
 `parallel_state=None` means the current default (`parallel_state.get_parallel_state()`), so the
 layers also work in one process without torch.distributed.
@@ -31,7 +34,8 @@ InitMethod = Callable[[torch.Tensor], object]
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
                                          partition_dim: int = -1) -> None:
-    """Mark `param` as split over TP along `partition_dim` (or as replicated, partition_dim -1)."""
+    """Mark `param` as split over TP along `partition_dim` (or as replicated, partition_dim -1):
+    the marks every reader of the split relies on (see the module docstring)."""
     param.tensor_model_parallel = is_parallel
     param.partition_dim = partition_dim if is_parallel else -1
     param.partition_stride = 1

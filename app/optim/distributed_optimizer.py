@@ -54,6 +54,8 @@ from app.mpu.grads import counts_toward_norm, norm_power
 from app.optim.grad_scaler import build_loss_scaler
 from app.optim.mixed_precision import (_PARALLEL_ATTRS, StepOutcome, _bytes, _PrecisionOptimizer,
                                        _state_bytes, check_saved_groups, is_mixed_state)
+from app.optim.model_space import (MAIN, ModelSpaceState, ParamState, common_step,
+                                   hyperparameters, state_keys)
 from app.optim.muon import TensorParallelOrthogonalizer, matrix_specs
 from app.optim.optimizer import build_inner_optimizer, optimizer_param_groups
 
@@ -380,17 +382,11 @@ class DistributedOptimizer(_PrecisionOptimizer):
             result.append(done.reshape(-1)[piece.lo:piece.hi])
         return result
 
-    def _group_keys(self, group: Dict[str, Any]) -> Tuple[str, ...]:
-        """The per-element states a parameter of `group` has once stepped."""
-        if group.get("use_muon") or isinstance(self.inner, torch.optim.SGD):
-            return ("momentum_buffer",)
-        return ("exp_avg", "exp_avg_sq")
-
     def state_dict(self) -> Dict[str, Any]:
         """What the plain wrapper of this precision would save for this model (all ranks call)."""
         self.finish_param_gather()
         states = {id(piece.main): self.inner.state.get(piece.main, {}) for piece in self.pieces}
-        kinds = {k for group in self.inner.param_groups for k in self._group_keys(group)}
+        kinds = {k for group in self.inner.param_groups for k in state_keys(group, self.inner)}
         full = {k: self._full({i: s[k] for i, s in states.items() if k in s})
                 for k in STATE_TENSORS if k in kinds}
         steps = [float(s["step"]) for s in states.values() if "step" in s]
@@ -399,7 +395,7 @@ class DistributedOptimizer(_PrecisionOptimizer):
         state, groups, index = {}, [], 0
         for params, group in zip(self.groups_of_params, self.inner.param_groups):
             ids = list(range(index, index + len(params)))
-            keys = self._group_keys(group)
+            keys = state_keys(group, self.inner)
             for i, p in zip(ids, params):
                 if not any_state:
                     continue
@@ -454,6 +450,47 @@ class DistributedOptimizer(_PrecisionOptimizer):
             names = [n for g in state["param_names"] for n in g]
             values = [v for g in state["fp32_from_fp16_params"] for v in g]
             self.set_main_weights(dict(zip(names, values)))
+
+    def model_space_state(self) -> ModelSpaceState:
+        """This rank's pieces of the optimizer state and of the fp32 main weights by model
+        parameter (app.optim.model_space); the step count is agreed over the data-parallel
+        group, so every data-parallel rank must call it."""
+        self.finish_param_gather()
+        group_of = {id(m): g for g in self.inner.param_groups for m in g["params"]}
+        params = []
+        for piece in self.pieces:
+            keys = state_keys(group_of[id(piece.main)], self.inner)
+            saved = self.inner.state.get(piece.main, {})
+            tensors = {k: saved[k] for k in keys if k in saved}
+            tensors[MAIN] = piece.main.detach()
+            params.append(ParamState(piece.name, (piece.lo, piece.hi), tensors, keys))
+        step = common_step(list(self.inner.state.values()))
+        agreed = collectives.agree([-1.0 if step is None else step], self.group,
+                                   self.param_buffer.device)[0]
+        return ModelSpaceState(params, hyperparameters(self.inner.param_groups),
+                               None if agreed < 0 else agreed,
+                               None if self.scaler is None else self.scaler.state_dict())
+
+    def load_model_space_state(self, state: ModelSpaceState) -> None:
+        """Take this rank's pieces from a model-space state (`state.params` holds exactly the
+        pieces of `model_space_state()`); the main weights are set by `set_main_weights`."""
+        check_saved_groups(state.param_groups, self.inner.param_groups)
+        for group, saved in zip(self.inner.param_groups, state.param_groups):
+            group.update(saved)
+        by_name = {p.name: p for p in state.params}
+        for piece in self.pieces:
+            found = by_name.get(piece.name)
+            tensors = {k: v for k, v in (found.tensors if found else {}).items() if k != MAIN}
+            if not tensors:
+                self.inner.state.pop(piece.main, None)
+                continue
+            entry = {k: v.reshape(-1).to(piece.main.device, torch.float32).clone()
+                     for k, v in tensors.items()}
+            if state.step is not None and "exp_avg" in tensors:
+                entry["step"] = torch.tensor(state.step, dtype=torch.float32)
+            self.inner.state[piece.main] = entry
+        if self.scaler is not None and state.grad_scaler:
+            self.scaler.load_state_dict(state.grad_scaler)
 
     def set_main_weights(self, named_fp32: Dict[str, torch.Tensor]) -> None:
         """Set this rank's fp32 main shards from full fp32 weights by parameter name."""

@@ -54,14 +54,27 @@ def learning_rate_at(iteration: int, *, lr: float, min_lr: float, warmup_iters: 
 
 
 class OptimizerParamScheduler:
-    """Megatron's LR scheduler: `step(n)` advances n iterations and writes the LR into param groups.
+    """Megatron's LR scheduler: `step(n)` advances n steps and writes the LR into param groups.
+
+    A step is an iteration, or with `config.lr_in_samples` (--train-samples or a batch-size
+    schedule) a sample: warmup and decay are then `lr_warmup_samples` / `lr_decay_samples` and
+    each update advances by the iteration's global batch (`increment`, which the engine sets
+    before the iteration; `step()` without an argument uses it, as DeepSpeed calls it), as
+    Megatron's `opt_param_scheduler.step(increment=batch)`.
 
     The constructor writes `get_lr(0)` (0 when warming up), matching Megatron, whose first
-    optimizer step therefore runs at the iteration-0 LR. Groups carrying an `lr_mult` key get
+    optimizer step therefore runs at the step-0 LR. Groups carrying an `lr_mult` key get
     `lr * lr_mult`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
+        self.in_samples = bool(config.lr_in_samples)
+        self.increment = 1
+        """Steps one update advances: 1, or the iteration's global batch in samples."""
+        if self.in_samples:
+            self._setup(optimizer, config, int(config.lr_warmup_samples),
+                        int(config.lr_decay_samples))
+            return
         decay_iters = config.lr_decay_iters
         if decay_iters is None:
             if config.lr_decay_style != "constant":
@@ -71,11 +84,15 @@ class OptimizerParamScheduler:
             decay_iters = max(1, config.lr_warmup_iters)
         if decay_iters <= 0:
             raise ValueError(f"lr_decay_iters must be positive, got {decay_iters}")
+        self._setup(optimizer, config, int(config.lr_warmup_iters), int(decay_iters))
+
+    def _setup(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+               warmup_steps: int, decay_steps: int) -> None:
         self.optimizer = optimizer
         self.max_lr = float(config.lr)
         self.min_lr = float(config.min_lr)
-        self.lr_warmup_steps = int(config.lr_warmup_iters)
-        self.lr_decay_steps = int(decay_iters)
+        self.lr_warmup_steps = warmup_steps
+        self.lr_decay_steps = decay_steps
         self.lr_decay_style = config.lr_decay_style
         self.override = bool(config.override_opt_param_scheduler)
         self.use_checkpoint = bool(config.use_checkpoint_opt_param_scheduler)
@@ -92,9 +109,10 @@ class OptimizerParamScheduler:
         """LR for the current iteration count (the one last written into the optimizer)."""
         return self.get_lr(self.num_steps)
 
-    def step(self, increment: int = 1) -> float:
-        """Advance the iteration count by `increment`; write the new LR into every param group."""
-        self.num_steps += int(increment)
+    def step(self, increment: Optional[int] = None) -> float:
+        """Advance the step count by `increment` (default: `self.increment`, one update's worth);
+        write the new LR into every param group."""
+        self.num_steps += int(self.increment if increment is None else increment)
         new_lr = self.get_lr(self.num_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = new_lr * group.get("lr_mult", 1.0)

@@ -44,6 +44,7 @@ from app.config import OptimizerConfig, PrecisionConfig
 from app.mpu import collectives
 from app.mpu.grads import clip_grad_norm
 from app.optim.grad_scaler import LossScaler, build_loss_scaler
+from app.optim.model_space import ModelSpaceState, from_torch_state, to_torch_state
 from app.optim.muon import Orthogonalize, TensorParallelOrthogonalizer, matrix_specs
 from app.optim.optimizer import build_inner_optimizer, optimizer_param_groups
 
@@ -205,6 +206,19 @@ class Float32Optimizer(_PrecisionOptimizer):
         check_saved_groups(inner["param_groups"], self.inner.param_groups)
         self.inner.load_state_dict(inner)
 
+    def model_space_state(self) -> ModelSpaceState:
+        """This rank's optimizer state by model parameter (app.optim.model_space)."""
+        return from_torch_state(self.inner, self._inner_names())
+
+    def load_model_space_state(self, state: ModelSpaceState) -> None:
+        """Restore the optimizer from a model-space state of this rank's parameters."""
+        check_saved_groups(state.param_groups, self.inner.param_groups)
+        self.inner.load_state_dict(to_torch_state(self.inner, self._inner_names(), state))
+
+    def _inner_names(self) -> List[str]:
+        names = {id(p): n for n, p in self.named_params}
+        return [names[id(p)] for g in self.inner.param_groups for p in g["params"]]
+
     def state_bytes(self) -> Dict[str, int]:
         return {"params": _bytes(self.params), "grads": self.last_grad_bytes,
                 "optimizer": _state_bytes(self.inner)}
@@ -331,6 +345,26 @@ class MixedPrecisionOptimizer(_PrecisionOptimizer):
             for mains, values in zip(groups, saved):
                 for main, value in zip(mains, values):
                     main.copy_(value)
+
+    def _inner_names(self) -> List[str]:
+        names = {id(self.main_of[id(p)]): n for n, p in self.named_params}
+        return [names[id(m)] for g in self.inner.param_groups for m in g["params"]]
+
+    def model_space_state(self) -> ModelSpaceState:
+        """This rank's optimizer state by model parameter, with the fp32 main weights
+        (app.optim.model_space) and the loss scaler's state."""
+        mains = {n: self.main_of[id(p)].detach() for n, p in self.named_params}
+        state = from_torch_state(self.inner, self._inner_names(), mains)
+        state.grad_scaler = None if self.scaler is None else self.scaler.state_dict()
+        return state
+
+    def load_model_space_state(self, state: ModelSpaceState) -> None:
+        """Restore the optimizer and the loss scaler (the main weights are set by
+        `set_main_weights`; a scaler state of another precision is ignored)."""
+        check_saved_groups(state.param_groups, self.inner.param_groups)
+        self.inner.load_state_dict(to_torch_state(self.inner, self._inner_names(), state))
+        if self.scaler is not None and state.grad_scaler:
+            self.scaler.load_state_dict(state.grad_scaler)
 
     def set_main_weights(self, named_fp32: Dict[str, torch.Tensor]) -> None:
         """Set the fp32 main weights from fp32 tensors by model parameter name (exact)."""

@@ -1,5 +1,8 @@
 """Stage partitioning: which global transformer layers each pipeline stage holds (pure).
 
+The one home of this rule: the model stage builder (app.model.stage), and through it training,
+inference and the checkpoint converter, all ask these functions.
+
 Without interleaving stage r of PP holds one contiguous block of L / PP layers. With V model
 chunks per stage (the interleaved schedule) the layers are cut into PP x V blocks of
 L / (PP x V), handed out round-robin: block v x PP + r is chunk v of stage r, so stage 0 of
@@ -34,6 +37,14 @@ def stage_layer_range(num_layers: int, pipeline_model_parallel_size: int,
         raise ValueError(f"pipeline_model_parallel_rank ({pipeline_model_parallel_rank}) is not "
                          f"in [0, {pipeline_model_parallel_size})")
     return partition_layers(num_layers, pipeline_model_parallel_size)[pipeline_model_parallel_rank]
+
+
+def stage_of_layer(num_layers: int, pipeline_model_parallel_size: int, layer: int) -> int:
+    """The stage (without interleaving) that holds global layer `layer`."""
+    for stage, layers in enumerate(partition_layers(num_layers, pipeline_model_parallel_size)):
+        if layer in layers:
+            return stage
+    raise ValueError(f"layer {layer} is not in [0, num_layers={num_layers})")
 
 
 def virtual_stage_layer_ranges(num_layers: int, pipeline_model_parallel_size: int,

@@ -57,9 +57,10 @@ def build_data_iterator(dataset: Any, consumed_samples: int, micro_batch_size: i
 
 
 def check_data_suffices(dataset: Any, split: str, consumed_samples: int, global_batches: int,
-                        global_batch_size: int) -> None:
+                        global_batch_size: int, samples: Optional[int] = None) -> None:
     """Raise ValueError unless `dataset` holds the `global_batches` global batches a run reads
-    from sample `consumed_samples` on (nothing to check without a data set or batches).
+    from sample `consumed_samples` on (nothing to check without a data set or batches); with
+    a batch-size schedule `samples` is what those batches hold.
 
     Called before the loop on every rank, from numbers every rank has, so every rank stops
     alike: running out inside the loop would stop only tensor-parallel rank 0 (the reader) and
@@ -67,12 +68,15 @@ def check_data_suffices(dataset: Any, split: str, consumed_samples: int, global_
     """
     if dataset is None or global_batches <= 0:
         return
-    needed = consumed_samples + global_batches * global_batch_size
+    needed = consumed_samples + (global_batches * global_batch_size if samples is None
+                                 else samples)
     if needed > len(dataset):
+        batches = (f"--global-batch-size {global_batch_size}" if samples is None else
+                   "the batch-size schedule")
         raise ValueError(
             f"the {split} data set holds {len(dataset)} samples, but the run reads up to sample "
-            f"{needed} ({global_batches} global batches of --global-batch-size "
-            f"{global_batch_size} from consumed sample {consumed_samples}, which a resumed run "
+            f"{needed} ({global_batches} global batches of {batches} from consumed sample "
+            f"{consumed_samples}, which a resumed run "
             "takes from its checkpoint, rollback skips included): lower --train-iters, or "
             "build the data sets for this run (they are sized from --train-iters, "
             "--global-batch-size, --eval-interval, --eval-iters and --max-rollbacks)")

@@ -1,12 +1,13 @@
 """Pretrain from a RunConfig: distributed start-up, the run's parts, checkpoint, data, training.
 
 `pretrain_gpt2.py` is the composition root: it parses the flags into a RunConfig once (with
-`arguments/`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
+`arguments.py`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
 start-up checks of --save/--load (all ranks agree: --save writable, its writer lock, no stale
 temporaries; resume or fresh start per app.training.resilience.resume.decide_start; the saved
 layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts of the run
-(app.training.run) -> checkpoint load (all ranks agree) -> datasets sized for the run ->
-Trainer, with the exit-signal handler installed while it trains. `--dry-run`
+(app.training.run) -> the data plan (app.data.plan) -> checkpoint load (all ranks agree; a
+resume keeps the checkpoint's data order, app.training.resilience.data_order) -> datasets built
+or loaded from the cache -> Trainer, with the exit-signal handler installed while it trains. `--dry-run`
 (app.training.planning.preflight) calls the same decision functions in the same order.
 
 `main` maps outcomes to exit codes: 0 for a finished run and for one stopped by a signal after
@@ -19,16 +20,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from app.config import RunConfig, samples_per_split
-from app.data import build_train_valid_test_datasets
+from app.data import build_mock_datasets
+from app.data.gpt_dataset import build_datasets
+from app.data.plan import DataPlan, order_record, plan_datasets
 from app.mpu import collectives
 from app.checkpointing.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
                                       log_launch_notes, nccl_trace_dir, shutdown_distributed,
                                       world_group)
 from app.training.loss import LossFunction
+from app.training.resilience.data_order import check_data_order
 from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.resume import (StartDecision, check_resume, decide_start,
                                             load_on_all_ranks)
@@ -42,23 +46,49 @@ from app.utils.rank_logging import setup_logging
 logger = logging.getLogger(__name__)
 
 
-def _datasets(cfg: RunConfig, rank: int) -> tuple:
-    t = cfg.training
-    num_samples = samples_per_split(cfg)
-    logger.info("building train/valid/test datasets for %s samples from %s", num_samples,
-                cfg.data.data_path)
-    datasets = build_train_valid_test_datasets(
-        cfg.data.data_path, cfg.data.split, num_samples, cfg.model.seq_length, t.seed,
-        cache_path=cfg.data.data_cache_path, vocab_size=cfg.raw_vocab_size,
-        is_builder=rank == 0, barrier=lambda: collectives.barrier(world_group()))
-    if datasets[0] is None:
-        raise ValueError(f"--split {cfg.data.split} leaves no training documents in --data-path "
-                         f"{' '.join(cfg.data.data_path)}; give the first (training) weight a "
-                         "positive value, e.g. --split 969,30,1")
-    if datasets[1] is None and t.eval_iters > 0:
-        logger.warning("--split %s leaves no validation documents: evaluation is skipped "
-                       "(--eval-iters 0 silences this)", cfg.data.split)
+def data_plan(cfg: RunConfig) -> DataPlan:
+    """The run's data plan (app.data.plan: which datasets each split builds, for how many
+    samples); opens every dataset. Raises ValueError when there is no training data."""
+    blends = cfg.data.blends
+    if blends is None:
+        raise ValueError("no training data: give --data-path (or --data-args-path, "
+                         "--train-data-path, --per-split-data-args-path) with the prefix of a "
+                         ".bin/.idx pair made by tools/preprocess_data.py")
+    plan = plan_datasets(blends, cfg.data.split, samples_per_split(cfg), cfg.model.seq_length)
+    if plan.splits[0] is None:
+        where = (f"--split {cfg.data.split} leaves no training documents in {blends.source}"
+                 if blends.per_split is None else f"{blends.source}: the training data holds "
+                 "no sample")
+        raise ValueError(f"{where}; give the first (training) weight of --split a positive "
+                         "value, e.g. --split 969,30,1, or more training data")
+    if plan.splits[1] is None and cfg.training.eval_iters > 0:
+        logger.warning("%s gives no validation data: evaluation is skipped (--eval-iters 0 "
+                       "silences this)", blends.source if blends.per_split is not None
+                       else f"--split {cfg.data.split}")
+    return plan
+
+
+def _datasets(cfg: RunConfig, plan: DataPlan, rank: int) -> tuple:
+    logger.info("building train/valid/test datasets for %s samples from %s",
+                [None if s is None else s.size for s in plan.splits], plan.blends.source)
+    return build_datasets(plan, cfg.training.seed, cache_path=cfg.data.data_cache_path,
+                          vocab_size=cfg.raw_vocab_size, is_builder=rank == 0,
+                          barrier=lambda: collectives.barrier(world_group()))
+
+
+def _mock_datasets(cfg: RunConfig) -> tuple:
+    """--mock-data: synthetic (train, valid, test) datasets of the sizes the run reads."""
+    datasets = build_mock_datasets(samples_per_split(cfg), cfg.model.seq_length,
+                                   cfg.raw_vocab_size, cfg.training.seed)
+    logger.info("--mock-data: %s", "; ".join(d.describe() for d in datasets if d))
     return datasets
+
+
+def mock_order_record(cfg: RunConfig) -> Dict[str, Any]:
+    """The data-order record of a --mock-data run: its samples follow from the seed and the
+    sequence length alone (app.data.mock_dataset)."""
+    return {"mock_data": True, "seed": cfg.training.seed, "seq_length": cfg.model.seq_length,
+            "splits": {}}
 
 
 def _start_checks(cfg: RunConfig, info: DistributedInfo
@@ -94,18 +124,27 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo
     return lock, decision
 
 
-def _load(run: Any, decision: StartDecision, device: Any) -> RunState:
+def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
+          data_order: Dict[str, Any]) -> RunState:
+    """The run's position: fresh, or loaded on every rank; a resume must keep the data order
+    of the checkpoint (app.training.resilience.data_order; every rank decides alike)."""
     if decision.note:
         logger.info(decision.note)
     if decision.load is None:
-        return RunState()
+        return RunState(data_order=data_order)
     loaded = load_on_all_ranks(run.engine, decision.load, device)
     if loaded is None:
         raise CheckpointError(f"--load {decision.load}: its tracker disappeared while starting")
+    if loaded.iteration > 0:  # weights-only loads start at 0: no position to keep
+        consumed = {"train": loaded.consumed_train_samples,
+                    "valid": loaded.consumed_valid_samples}
+        for line in check_data_order(loaded.data_order, data_order, loaded.path, consumed,
+                                     cfg.checkpoint.allow_data_order_change):
+            logger.info(line)
     logger.info("loaded checkpoint %s: resuming at iteration %d, consumed samples %d",
                 loaded.path, loaded.iteration, loaded.consumed_train_samples)
     return RunState(loaded.iteration, loaded.consumed_train_samples,
-                    loaded.consumed_valid_samples)
+                    loaded.consumed_valid_samples, data_order=data_order)
 
 
 def _signal_handler(cfg: RunConfig) -> Optional[ExitSignalHandler]:
@@ -151,8 +190,8 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
                             p.distributed_timeout_minutes, nccl_trace_dir(cfg.checkpoint.save))
     setup_logging(info.rank, info.world_size)
     if arguments_listing:
-        logger.info("------------------------ arguments ------------------------\n%s\n"
-                    "-------------------- end of arguments ---------------------",
+        logger.info("---------- arguments (those not at their --help default) ----------\n%s\n"
+                    "----------------------- end of arguments --------------------------",
                     "\n".join(arguments_listing))
     logger.info("> padded vocab (size: %d) with %d dummy tokens (new size: %d)",
                 cfg.raw_vocab_size, cfg.model.padded_vocab_size - cfg.raw_vocab_size,
@@ -168,10 +207,14 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
             timeout_s + max(30.0, 0.1 * timeout_s), info.rank, info.world_size,
             on_expire=lock.release if lock is not None else None))
         run = build_run(cfg, info.world_size, info.device)
-        state = _load(run, decision, info.device)
+        plan = None if cfg.data.mock_data else data_plan(cfg)
+        order = (mock_order_record(cfg) if plan is None
+                 else order_record(plan, cfg.training.seed))
+        state = _load(cfg, run, decision, info.device, order)
         log_launch_notes(info, state.iteration if decision.load is not None else None)
         handler = _signal_handler(cfg)
-        trainer = run.attach_trainer(_datasets(cfg, info.rank), tokenizer.eod, state,
+        datasets = _mock_datasets(cfg) if plan is None else _datasets(cfg, plan, info.rank)
+        trainer = run.attach_trainer(datasets, tokenizer.eod, state,
                                      loss_function=loss_function, signals=handler,
                                      watchdog=watchdog)
         if handler is not None:

@@ -1,11 +1,12 @@
 """Composition: build the parts of one training run from a RunConfig, in the one right order.
 
     parallel groups and seeds -> (DeepSpeed activation checkpointing) -> fused kernels
-    -> model stage -> engine -> Trainer
+    -> model stage (app.model.stage.build_model_stage, as inference builds it; its layers
+    compiled with --compile-layers) -> engine -> Trainer
 
 `build_run` is used by `app.training.pretrain` (real data) and by the test and benchmark
-helpers (`app.testing.synthetic`), so every run is put together the same way. This is the only
-module that chooses between the engines.
+helper `tests/harness/synthetic.py`, so every run is put together the same way. This is the
+only module that chooses between the engines.
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ import torch
 from app import kernels
 from app.config import RunConfig
 from app.config.deepspeed import zero_stage
-from app.model import GPT2Model
+from app.model.gpt2 import compile_transformer_layers
+from app.model.stage import build_model_stage
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
 from app.mpu.random import model_parallel_seed
 from app.optim import OptimizerParamScheduler, build_optimizer
 from app.optim.distributed_optimizer import DistributedOptimizer
 from app.optim.mixed_precision import build_precision_optimizer
-from app.pipeline import ModelChunks, virtual_stage_layer_ranges
 from app.launch.distributed import world_group
 from app.training.engines.base import Engine
 from app.training.loss import LossFunction
@@ -68,20 +69,6 @@ def prepare_kernels(cfg: RunConfig, device: torch.device) -> None:
                                   or m.cross_entropy_loss_fusion):
         kernels.status()
         kernels.agree_across_ranks(world_group(), device)
-
-
-def build_model(cfg: RunConfig, parallel_state: ParallelState) -> torch.nn.Module:
-    """The GPT-2 stage this rank holds (all layers when there is one pipeline stage); with
-    interleaving, its model chunks (chunk v holds virtual stage v x PP + rank) as ModelChunks."""
-    pp = parallel_state.pipeline_model_parallel_size
-    stage = parallel_state.pipeline_model_parallel_rank
-    vp = cfg.virtual_pipeline_model_parallel_size
-    ranges = virtual_stage_layer_ranges(cfg.model.num_layers, pp, vp, stage)
-    chunks = [GPT2Model(cfg.model, parallel_state, pre_process=stage == 0 and v == 0,
-                        post_process=stage == pp - 1 and v == vp - 1,
-                        layer_range=(layers.start, layers.stop))
-              for v, layers in enumerate(ranges)]
-    return chunks[0] if vp == 1 else ModelChunks(chunks)
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: ParallelState) -> Engine:
@@ -142,14 +129,18 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
         logger.info("activation checkpointing through deepspeed.checkpointing (settings from "
                     "the JSON's activation_checkpointing block)")
     prepare_kernels(cfg, device)
+    vp = cfg.virtual_pipeline_model_parallel_size
     if cfg.deepspeed.enabled and zero_stage(cfg.deepspeed.config) == 3:
         from app.training.engines.deepspeed import partitioned_construction
         with partitioned_construction(cfg, ps):  # each module partitioned once built, on device
-            model = build_model(cfg, ps)
+            model = build_model_stage(cfg.model, ps, vp)
     else:
-        model = build_model(cfg, ps).to(device)
+        model = build_model_stage(cfg.model, ps, vp).to(device)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     logger.info("> parameters on (tensor, pipeline) model-parallel rank (%d, %d): %d",
                 ps.tensor_model_parallel_rank, ps.pipeline_model_parallel_rank, n_params)
+    if cfg.kernels.compile_layers:
+        logger.info("--compile-layers: %d transformer layers compiled with torch.compile (the "
+                    "first iteration compiles them)", compile_transformer_layers(model))
     engine = build_engine(cfg, model, ps)
     return Run(cfg=cfg, ps=ps, model=model, engine=engine, device=device)

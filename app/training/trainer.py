@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from app.config import RunConfig
+from app.config.batch_schedule import check_batches_from, micro_batches
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 from app.training.telemetry import flops
@@ -36,49 +37,12 @@ from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.resilience.rollback import SpikeRollback
 from app.training.resilience.signals import ExitSignalHandler, signal_name
 from app.training.resilience.watchdog import Watchdog, is_peer_failure
+from app.training.state import RunState, StepOutput
+from app.utils import faults
 from app.utils.dtypes import torch_dtype
 from app.utils.rank_logging import LAST_RANK
 
 logger = logging.getLogger(__name__)
-
-LOSS_HOOK: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
-"""Test seam: called with (the iteration's first training sample, a micro-batch's loss) and
-returning the loss to use; tests inject a poisoned (non-finite) loss into a data window."""
-
-
-@dataclass
-class RunState:
-    """Where the run stands; what a checkpoint's client state carries."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    skipped_iterations: int = 0
-
-    def client_state(self) -> Dict[str, int]:
-        return {"iteration": self.iteration,
-                "consumed_train_samples": self.consumed_train_samples,
-                "consumed_valid_samples": self.consumed_valid_samples}
-
-
-@dataclass
-class StepOutput:
-    """What one training iteration (`Trainer.train_step`) or one evaluation batch
-    (`Trainer.eval_step`) produced. `loss` is the mean over micro-batches and data-parallel ranks
-    (None off the last pipeline stage); `metrics` the loss function's extra metrics averaged the
-    same way; `logits` every micro-batch's full-vocabulary logits with `return_logits`. The
-    engine's fields (`grad_norm` .. `nonfinite_loss`, see app.training.engines.base.StepResult)
-    are left at their defaults by evaluation."""
-
-    loss: Optional[float]
-    metrics: Dict[str, float] = field(default_factory=dict)
-    logits: Optional[List[torch.Tensor]] = None
-    grad_norm: Optional[float] = None
-    skipped: bool = False
-    lr: float = float("nan")
-    loss_scale: Optional[float] = None
-    nonfinite: bool = False
-    nonfinite_loss: bool = False
 
 
 @dataclass
@@ -90,6 +54,7 @@ class _Interval:
     skipped: int = 0
     nan: int = 0
     iterations: int = 0
+    samples: int = 0
     seconds: float = 0.0
 
 
@@ -120,7 +85,12 @@ class Trainer:
         self.is_logging_rank = parallel_state.rank == parallel_state.world_size - 1
         self.state = state or RunState()
         t = cfg.training
-        self.num_micro = t.num_micro_batches(parallel_state.data_parallel_size)
+        self.eval_micro = t.num_micro_batches(parallel_state.data_parallel_size)
+        """Micro-batches of an evaluation iteration: --global-batch-size's."""
+        self.num_micro = self.eval_micro
+        """Micro-batches of the iteration running (the batch-size schedule's)."""
+        self.global_batch = t.global_batch_size
+        """The global batch of the iteration running (or of the last one)."""
         self.batches = BatchBuilder(cfg.data, eod, t.micro_batch_size, cfg.model.seq_length,
                                     parallel_state, device)
         self.writer = metrics_lib.MetricsWriter(t.tensorboard_dir, t.metrics_file,
@@ -182,7 +152,9 @@ class Trainer:
     # ------------------------------------------------------------------ one iteration
 
     def _forward_backward(self, iterator, forward_only: bool) -> List[torch.Tensor]:
-        """Run all micro-batches of one iteration through the schedule; losses (last stage)."""
+        """Run all micro-batches of one iteration (training: the schedule's count for this
+        iteration; evaluation: --global-batch-size's) through the pipeline schedule; losses
+        (last stage)."""
         from app.pipeline import get_forward_backward_func
         schedule = get_forward_backward_func(self.ps)
         model, m = self.engine.module, self.cfg.model
@@ -199,7 +171,8 @@ class Trainer:
             next_batch, forward_step = self.stragglers.timed(next_batch, forward_step)
         return schedule(forward_step_func=forward_step,
                         batch_func=next_batch,
-                        model=model, num_microbatches=self.num_micro,
+                        model=model,
+                        num_microbatches=self.eval_micro if forward_only else self.num_micro,
                         loss_func=self._loss_func(forward_only),
                         backward_func=self.engine.backward,
                         output_backward_func=self.engine.backward_output,
@@ -221,11 +194,13 @@ class Trainer:
             self.watchdog.beat(phase, self.state.iteration + 1)
 
     def _loss_func(self, forward_only: bool) -> Callable:
-        """The schedule's loss_func: the objective's, through LOSS_HOOK in training."""
-        if LOSS_HOOK is None or forward_only:
+        """The schedule's loss_func: the objective's, in training through the fault-injection
+        point `faults.TRAINING_LOSS` when a test armed it."""
+        inject = faults.armed(faults.TRAINING_LOSS)
+        if inject is None or forward_only:
             return self.objective.loss_func
         first_sample = self.state.consumed_train_samples
-        return lambda out, batch: LOSS_HOOK(first_sample, self.objective.loss_func(out, batch))
+        return lambda out, batch: inject(first_sample, self.objective.loss_func(out, batch))
 
     def _mean_loss_across_dp(self, losses: List[torch.Tensor]) -> Optional[float]:
         if not losses:
@@ -235,6 +210,20 @@ class Trainer:
             collectives.all_reduce(loss, self.ps.data_parallel_group)
             loss = loss / self.ps.data_parallel_size
         return float(loss)
+
+    def set_batch(self, consumed_samples: int) -> int:
+        """The global batch of the iteration that starts after `consumed_samples` (the
+        batch-size schedule), told to the engine; returns it. Logs a change of batch size."""
+        t, ps = self.cfg.training, self.ps
+        batch = self.cfg.batch_schedule.batch_at(consumed_samples)
+        num_micro = micro_batches(batch, t.micro_batch_size, ps.data_parallel_size)
+        if batch != self.global_batch:
+            self.log(f"batch size {self.global_batch} -> {batch} at consumed samples "
+                     f"{consumed_samples} ({num_micro} micro-batches of {t.micro_batch_size} "
+                     f"per data-parallel rank)")
+        self.global_batch, self.num_micro = batch, num_micro
+        self.engine.set_global_batch(batch, num_micro)
+        return batch
 
     def train_step(self, iterator) -> StepOutput:
         """One iteration: zero grads, accumulate all micro-batches, step. Returns its numbers."""
@@ -295,10 +284,12 @@ class Trainer:
     def _log_interval(self, acc: _Interval, step: StepOutput) -> None:
         t, s = self.cfg.training, self.state
         per_iter = acc.seconds / max(acc.iterations, 1)
-        tokens_per_s = metrics_lib.tokens_per_second(t.global_batch_size,
+        samples_per_iter = acc.samples / max(acc.iterations, 1)
+        tokens_per_s = metrics_lib.tokens_per_second(samples_per_iter,
                                                       self.cfg.model.seq_length, per_iter)
         values = {
             "consumed_samples": s.consumed_train_samples, "lr": step.lr,
+            "global_batch_size": self.global_batch,
             "eta_s": per_iter * max(0, t.train_iters - s.iteration),
             "lm_loss": sum(acc.losses) / len(acc.losses) if acc.losses else float("nan"),
             # Megatron logs the last iteration's norm (None when that step was skipped)
@@ -423,13 +414,16 @@ class Trainer:
             return s
         self._check_data_suffices()
         loop = _Loop(*self._data_iterators())
+        self.global_batch = self.cfg.batch_schedule.batch_at(s.consumed_train_samples)
         while s.iteration < t.train_iters and not loop.exiting:
+            batch = self.set_batch(s.consumed_train_samples)
             t0 = time.time()
             step = self.train_step(loop.train_iter)
             loop.interval.seconds += time.time() - t0
             s.iteration += 1
-            s.consumed_train_samples += t.global_batch_size
+            s.consumed_train_samples += batch
             loop.interval.iterations += 1
+            loop.interval.samples += batch
             if self._observe(step):  # rolled back: new position, fresh iterators and sums
                 loop.train_iter, loop.valid_iter = self._data_iterators()
                 loop.interval = _Interval()
@@ -528,10 +522,18 @@ class Trainer:
 
     def _check_data_suffices(self) -> None:
         """Every rank alike: the training and validation data hold what the iterations left to
-        --train-iters read (evaluations every --eval-interval and one at the end)."""
-        t, s = self.cfg.training, self.state
-        check_data_suffices(self.train_ds, "training", s.consumed_train_samples,
-                            t.train_iters - s.iteration, t.global_batch_size)
+        --train-iters read (evaluations every --eval-interval and one at the end), and every
+        batch size the batch-size schedule takes on the way splits into micro-batches."""
+        t, s, ps = self.cfg.training, self.state, self.ps
+        left = t.train_iters - s.iteration
+        check_batches_from(self.cfg.batch_schedule, s.consumed_train_samples, left,
+                           t.micro_batch_size, ps.data_parallel_size,
+                           ps.pipeline_model_parallel_size
+                           if self.cfg.virtual_pipeline_model_parallel_size > 1 else 1)
+        check_data_suffices(self.train_ds, "training", s.consumed_train_samples, left,
+                            t.global_batch_size,
+                            samples=self.cfg.batch_schedule.samples_in(left,
+                                                                       s.consumed_train_samples))
         if t.eval_iters:
             evals = t.evaluations(s.iteration)
             check_data_suffices(self.valid_ds, "validation", s.consumed_valid_samples,

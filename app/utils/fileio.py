@@ -161,31 +161,20 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_durably(path: str, write: Callable[[IO[bytes]], Any]) -> None:
-    """Call `write(f)` on a new binary file at `path`, then flush and fsync it (no rename).
-
-    On any failure (a full disk, say) the partial file is removed before the error propagates.
-    """
-    try:
-        with open(path, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-        raise
-
-
 @contextlib.contextmanager
 def atomic_open(path: str, mode: str = "wb", *, durable: bool = False,
-                before_replace: Optional[Callable[[], None]] = None,
+                before_replace: Optional[Callable[[str], None]] = None,
                 **open_kwargs: Any) -> Iterator[IO[Any]]:
     """Open a temporary file for writing; on a clean exit rename it to `path`.
 
-    `mode` is "wb" or "w" (text; `open_kwargs` such as encoding are passed on). On an
-    exception the temporary file is removed and the exception propagates. `before_replace` is
-    called after the data is written and before the rename (a seam for crash tests).
+    The project's one write-to-a-temporary-then-rename: checkpoint files
+    (app.checkpointing.commit.write_checked_file), pointer files, dataset caches, the .bin/.idx
+    builder. `mode` is "wb" or "w" (text; `open_kwargs` such as encoding are passed on). On an
+    exception (a full disk, or one raised by `before_replace`) the temporary file is removed,
+    `path` is left as it was and the exception propagates. `before_replace(tmp)` is called with
+    the complete temporary file's path (fsynced when `durable`) just before the rename: what
+    must be on disk before the new file appears (a checksum sidecar, the .bin of an .idx) and
+    the crash tests' seam.
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes new files only (mode 'w' or 'wb'), got {mode!r}")
@@ -197,7 +186,7 @@ def atomic_open(path: str, mode: str = "wb", *, durable: bool = False,
             if durable:
                 os.fsync(f.fileno())
         if before_replace is not None:
-            before_replace()
+            before_replace(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -208,13 +197,13 @@ def atomic_open(path: str, mode: str = "wb", *, durable: bool = False,
 
 
 def atomic_write(path: str, write: Callable[[IO[bytes]], Any], *, durable: bool = False,
-                 before_replace: Optional[Callable[[], None]] = None) -> None:
+                 before_replace: Optional[Callable[[str], None]] = None) -> None:
     """`write(f)` into a temporary binary file, then rename it to `path` (see `atomic_open`)."""
     with atomic_open(path, "wb", durable=durable, before_replace=before_replace) as f:
         write(f)
 
 
 def atomic_write_bytes(path: str, data: bytes, *, durable: bool = False,
-                       before_replace: Optional[Callable[[], None]] = None) -> None:
+                       before_replace: Optional[Callable[[str], None]] = None) -> None:
     """Replace `path` with `data` atomically (see `atomic_open`)."""
     atomic_write(path, lambda f: f.write(data), durable=durable, before_replace=before_replace)

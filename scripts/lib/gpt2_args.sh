@@ -1,7 +1,9 @@
 # Shared by the launch scripts (sourced, not run): repository paths, the data defaults, and
 # GPT2_ARGS, the Megatron flags of the example model. Every value can be overridden from the
 # environment: NUM_LAYERS HIDDEN HEADS SEQ MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS LR MIN_LR
-# SAVE_INTERVAL LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS DATA VOCAB MERGES CHECKPOINT_PATH LOAD_PATH.
+# SAVE_INTERVAL LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS DATA VOCAB MERGES CHECKPOINT_PATH LOAD_PATH;
+# MOCK_DATA=1 trains on synthetic tokens (--mock-data --vocab-size VOCAB_SIZE, default 50257)
+# instead of DATA, VOCAB and MERGES.
 # The caller sets GLOBAL_BATCH (or its data-parallel size) before calling gpt2_args.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV_BIN="${VENV_BIN:-$ROOT/.venv/bin}"
@@ -16,14 +18,19 @@ has_cuda() { "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_availa
 
 # gpt2_args GLOBAL_BATCH CHECKPOINT_PATH: fill the GPT2_ARGS array
 gpt2_args() {
-    local global_batch="$1" ckpt="$2" seq="${SEQ:-256}"
+    local global_batch="$1" ckpt="$2" seq="${SEQ:-256}" data
+    if [ "${MOCK_DATA:-0}" = 1 ]; then
+        data=(--mock-data --vocab-size "${VOCAB_SIZE:-50257}")
+    else
+        data=(--data-path "$DATA" --vocab-file "$VOCAB" --merge-file "$MERGES" --split 969,30,1)
+    fi
     GPT2_ARGS=(
         --num-layers "${NUM_LAYERS:-4}" --hidden-size "${HIDDEN:-256}" --num-attention-heads "${HEADS:-4}"
         --seq-length "$seq" --max-position-embeddings "$seq"
         --micro-batch-size "$MICRO_BATCH" --global-batch-size "$global_batch"
         --train-iters "${TRAIN_ITERS:-300}" --lr "${LR:-1e-3}" --min-lr "${MIN_LR:-1e-4}"
         --lr-decay-style cosine --lr-warmup-fraction 0.02 --weight-decay 0.01 --clip-grad 1.0
-        --data-path "$DATA" --vocab-file "$VOCAB" --merge-file "$MERGES" --split 969,30,1
+        "${data[@]}"
         --save "$ckpt" --load "${LOAD_PATH:-$ckpt}" --save-interval "${SAVE_INTERVAL:-100}"
         --log-interval "${LOG_INTERVAL:-10}" --eval-interval "${EVAL_INTERVAL:-100}"
         --eval-iters "${EVAL_ITERS:-10}"

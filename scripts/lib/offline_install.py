@@ -8,6 +8,7 @@ runs under a cluster's own Python before anything of ours is installed there.
     python scripts/lib/offline_install.py platforms manylinux_2_28_x86_64
     python scripts/lib/offline_install.py wheel-deps deepspeed-0.19.8-py3-none-any.whl --python 3.12
     python scripts/lib/offline_install.py torch-deps --python 3.12
+    python scripts/lib/offline_install.py omit-present DIR --present scripts/lib/gpu_image_packages.txt
     python scripts/lib/offline_install.py manifest DIR --requirements requirements.txt ...
     python scripts/lib/offline_install.py check-manifest DIR --requirements requirements.txt
 """
@@ -34,6 +35,9 @@ TORCH_DEPS_FALLBACK = ["filelock", "typing-extensions>=4.10.0", "sympy>=1.13.3",
                        "networkx>=2.5.1", "jinja2", "fsspec>=0.8.5", "setuptools"]
 """torch's pure-Python dependencies, when no torch is installed where the wheelhouse is built."""
 MANIFEST = "MANIFEST.json"
+KEEP_SMALL_BYTES = 1 << 20
+"""omit-present keeps a present distribution's pure-Python wheel below this size: cheap to
+carry, and there if a requirement wants a newer version than the target's."""
 
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 _MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
@@ -174,9 +178,36 @@ def file_sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def write_manifest(folder: str, requirements: str, python: str, platforms: Sequence[str]) -> Dict:
-    """MANIFEST.json of a wheelhouse: target, the requirements it was built from, its wheels;
-    fails when a torch or CUDA runtime wheel slipped in (the cluster's own torch must stay)."""
+def read_names(path: str) -> List[str]:
+    """The normalized distribution names of a file with one per line (# comments allowed)."""
+    with open(path) as f:
+        return [n for n in (requirement_name(line) for line in f) if n]
+
+
+def omit_present(folder: str, present: Iterable[str],
+                 keep_under: int = KEEP_SMALL_BYTES) -> List[str]:
+    """Delete from wheelhouse `folder` the wheels of the distributions in `present` (the
+    target already has them), except pure-Python wheels smaller than `keep_under` bytes;
+    returns the deleted file names. Offline pip then finds those requirements satisfied by
+    the target's own versions (no requirement of ours pins a version that rules them out)."""
+    present = {normalize(name) for name in present}
+    removed = []
+    for wheel in sorted(os.listdir(folder)):
+        if not wheel.endswith(".whl") or normalize(wheel.split("-", 1)[0]) not in present:
+            continue
+        path = os.path.join(folder, wheel)
+        if wheel.endswith("-none-any.whl") and os.path.getsize(path) < keep_under:
+            continue
+        os.remove(path)
+        removed.append(wheel)
+    return removed
+
+
+def write_manifest(folder: str, requirements: str, python: str, platforms: Sequence[str],
+                   omitted: Sequence[str] = ()) -> Dict:
+    """MANIFEST.json of a wheelhouse: target, the requirements it was built from, its wheels
+    and the distributions left out for the target's own (`omitted`); fails when a torch or
+    CUDA runtime wheel slipped in (the cluster's own torch must stay)."""
     wheels = sorted(n for n in os.listdir(folder) if n.endswith(".whl"))
     bad = [w for w in wheels if requirement_name(w.split("-", 1)[0]) == "torch"
            or requirement_name(w.split("-", 1)[0]).startswith(CUDA_RUNTIME_PREFIXES)]
@@ -185,7 +216,8 @@ def write_manifest(folder: str, requirements: str, python: str, platforms: Seque
                          "its own torch and CUDA)")
     manifest = {"python": python, "platforms": list(platforms),
                 "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "requirements_sha256": file_sha256(requirements), "wheels": wheels}
+                "requirements_sha256": file_sha256(requirements), "wheels": wheels,
+                "omitted_present": sorted(omitted)}
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
@@ -208,6 +240,11 @@ def check_manifest(folder: str, requirements: str) -> int:
     if manifest.get("python") != here:
         print(f"setup: warning: {folder} was built for Python {manifest.get('python')}, this is "
               f"{here}", file=sys.stderr)
+    if manifest.get("omitted_present"):
+        print(f"setup: {folder} leaves out {len(manifest['omitted_present'])} distributions this "
+              f"machine is expected to have ({', '.join(manifest['omitted_present'][:8])}"
+              f"{', ...' if len(manifest['omitted_present']) > 8 else ''}); pip stops and names "
+              "any that is missing")
     return 0
 
 
@@ -226,11 +263,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.add_argument("wheel")
         p.add_argument("--python", required=True, help="target CPython version, e.g. 3.12")
         p.add_argument("--platform", default="manylinux_2_28_x86_64")
+    p = sub.add_parser("omit-present", help="delete the wheels of distributions the target has")
+    p.add_argument("folder")
+    p.add_argument("--present", required=True, help="a file naming them, one per line")
     p = sub.add_parser("manifest", help="write MANIFEST.json into a wheelhouse")
     p.add_argument("folder")
     p.add_argument("--requirements", required=True)
     p.add_argument("--python", required=True)
     p.add_argument("--platform", nargs="+", required=True)
+    p.add_argument("--omitted", nargs="*", default=[],
+                   help="distributions left out for the target's own (omit-present)")
     p = sub.add_parser("check-manifest", help="is DIR a wheelhouse for these requirements?")
     p.add_argument("folder")
     p.add_argument("--requirements", required=True)
@@ -247,8 +289,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env = target_environment(args.python, args.platform)
         requires = wheel_requires(args.wheel) if args.command == "wheel-deps" else torch_requires()
         print("\n".join(runtime_requirements(requires, env)))
+    elif args.command == "omit-present":
+        print("\n".join(omit_present(args.folder, read_names(args.present))))
     elif args.command == "manifest":
-        write_manifest(args.folder, args.requirements, args.python, args.platform)
+        write_manifest(args.folder, args.requirements, args.python, args.platform, args.omitted)
     elif args.command == "check-manifest":
         return check_manifest(args.folder, args.requirements)
     return 0

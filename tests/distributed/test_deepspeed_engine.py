@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -32,7 +32,7 @@ def _lr_trace(config_path):
     import torch.distributed as dist
 
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     cfg = arguments.config_from_argv(ARGV + ["--deepspeed_config", config_path],
                                      dist.get_world_size(), 64)
     run = build_synthetic_run(cfg, 64)
@@ -102,7 +102,7 @@ def _recompute_curves(config_path):
 
     import arguments
     from app.mpu import random as mpu_random
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     argv = ARGV + ["--deepspeed_config", config_path, "--tensor-model-parallel-size", "2",
                    "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
                    "--global-batch-size", "4"]

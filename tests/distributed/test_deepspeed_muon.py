@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -26,7 +26,7 @@ def _run(argv):
 
     import arguments
     from app.mpu import random as mpu_random
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     mpu_random.set_checkpoint_implementation(None)
     run = build_synthetic_run(arguments.config_from_argv(argv, dist.get_world_size(), 64), 128)
     losses = [run["trainer"].train_step(run["iterator"]).loss for _ in range(5)]

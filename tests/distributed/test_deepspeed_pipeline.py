@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from app.testing.distributed import (assert_checks_passed, expect_close, run_checks,
-                                     run_distributed)
+from tests.harness.distributed import (assert_checks_passed, expect_close, run_checks,
+                                       run_distributed)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZERO1 = os.path.join(ROOT, "ds_configs", "zero1.json")
@@ -31,7 +31,7 @@ def _build(flags):
 
     import arguments
     from app.mpu import random as mpu_random
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     mpu_random.set_checkpoint_implementation(None)
     cfg = arguments.config_from_argv(ARGV + flags, dist.get_world_size(), 64)
     return build_synthetic_run(cfg, 256)

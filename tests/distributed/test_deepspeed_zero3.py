@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 20
@@ -57,7 +57,7 @@ def _curve(argv, memory=False):
 
     import arguments
     from app.mpu import random as mpu_random
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     from app.training.planning.memory import estimate_memory
     mpu_random.set_checkpoint_implementation(None)
     cfg = arguments.config_from_argv(argv, dist.get_world_size(), 64)
@@ -77,15 +77,17 @@ def _initial_weights(argv):
     import torch.distributed as dist
 
     import arguments
-    from app.training.run import build_model, build_parallel_state, set_seeds
+    from app.model.stage import build_model_stage
+    from app.training.run import build_parallel_state, set_seeds
     from app.training.engines.deepspeed import partitioned_construction
     cfg = arguments.config_from_argv(argv, dist.get_world_size(), 64)
     ps = build_parallel_state(cfg, dist.get_world_size())
     set_seeds(cfg.training.seed, ps)
     if not cfg.deepspeed.enabled:
-        return {n: p.detach().clone() for n, p in build_model(cfg, ps).named_parameters()}, True
+        model = build_model_stage(cfg.model, ps)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, True
     with partitioned_construction(cfg, ps):
-        model = build_model(cfg, ps)
+        model = build_model_stage(cfg.model, ps)
     params = dict(model.named_parameters())
     pieces = all(p.data.numel() == 0 and p.ds_tensor.numel() == -(-p.ds_numel // 2)
                  for p in params.values())

@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from app.testing.distributed import (assert_checks_passed, expect_close, run_checks,
-                                     run_distributed)
+from tests.harness.distributed import (assert_checks_passed, expect_close, run_checks,
+                                       run_distributed)
 
 ARGV = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--train-iters", "5",
@@ -34,7 +34,7 @@ CASES = {  # name: (flags shared with the reference, parallel flags)
 
 def _build(flags, world):
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, VOCAB), SAMPLES)
 
 

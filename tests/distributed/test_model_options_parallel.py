@@ -4,7 +4,7 @@ custom logits loss, alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xP
 one combination each also in native bf16 and fp16 (to their round-off), one under interleaved 1F1B (TP2xPP2,
 2 virtual stages) and one with the distributed optimizer (TP2xDP2).
 
-Two spawns. Each rank builds every run in-process (app.testing.synthetic.build_synthetic_run,
+Two spawns. Each rank builds every run in-process (tests.harness.synthetic.build_synthetic_run,
 the same path as pretrain_gpt2) and trains 5 iterations (fp32, dropout 0, 4 or 2 micro-batches
 of random tokens); the parent trains the same configuration in one process and compares the
 losses and gradient norms (relative 1e-5, the suite's parity tolerance) and every parameter
@@ -19,7 +19,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 from tests.integration.launch_utils import assert_close_curves
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -94,7 +94,7 @@ def z_loss_cross_entropy(logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
 def _train(flags: List[str], custom_loss: bool, world: int) -> Dict[str, object]:
     """5 iterations of one configuration in this process: curve, metrics, final parameters."""
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     from app.training.loss import LossFunction
     loss = LossFunction(z_loss_cross_entropy, inputs="logits") if custom_loss else None
     cfg = arguments.config_from_argv(BASE + flags, world, RAW_VOCAB)

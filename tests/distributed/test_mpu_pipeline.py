@@ -19,7 +19,7 @@ from app.mpu import collectives
 from app.pipeline import (forward_backward_no_pipelining, forward_backward_pipelining_1f1b,
                           get_forward_backward_func, stage_layer_range)
 from app.pipeline import p2p
-from app.testing.distributed import expect_close, run_checks, run_distributed
+from tests.harness.distributed import expect_close, run_checks, run_distributed
 
 NUM_LAYERS, HIDDEN, MICRO_BATCH, SEQ = 4, 8, 2, 3
 

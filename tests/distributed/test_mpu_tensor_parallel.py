@@ -19,7 +19,7 @@ from app.kernels import library as kernel_library
 from app.mpu import collectives
 from app.mpu.cross_entropy import (fused_vocab_parallel_cross_entropy, grad_reference,
                                    row_stats_reference)
-from app.testing.distributed import expect_close, run_checks, run_distributed
+from tests.harness.distributed import expect_close, run_checks, run_distributed
 
 ATOL, RTOL = 1e-5, 1e-5
 

@@ -14,8 +14,8 @@
 """
 from __future__ import annotations
 
-from app.testing.distributed import (assert_checks_passed, expect_close, run_checks,
-                                     run_distributed)
+from tests.harness.distributed import (assert_checks_passed, expect_close, run_checks,
+                                       run_distributed)
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -31,7 +31,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 def _build(flags, world, argv=ARGV):
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     return build_synthetic_run(arguments.config_from_argv(argv + flags, world, 64), 256)
 
 

@@ -16,7 +16,7 @@ machine with ~10x headroom:
 """
 import pytest
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -33,7 +33,7 @@ VS_FP32_TOL = {"fp16": 2e-4, "bf16": 2e-3}
 
 def _run(extra, world):
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     cfg = arguments.config_from_argv(BASE + extra, world, 64)
     return build_synthetic_run(cfg, 8 * (ITERS + 4))
 

@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 
 SLOW_S = 0.8
 MARGIN = 9.0
@@ -41,7 +41,7 @@ def _train_with_slow_ranks(metrics_file):
     import torch.distributed as dist
 
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     from app.utils.rank_logging import setup_logging
 
     rank = dist.get_rank()

@@ -8,7 +8,8 @@ $CHAOS_PLAN is a JSON list with one entry per attempt (TORCHELASTIC_RESTART_COUN
   the file's temporary copy is complete (with --async-save, from the thread writing it in the
   background; a save starts only once the one before it is committed).
 
-Attempts past the plan's end run undisturbed.
+Attempts past the plan's end run undisturbed. The kills strike at the fault-injection points
+faults.TRAINING_LOSS and faults.SAVE_STAGE (app/utils/faults.py).
 
     CHAOS_PLAN='[[1, "iteration", 5], [0, "write", 2]]' torchrun --max-restarts 2 ... \
         tests/integration/chaos_child.py <pretrain flags>
@@ -19,8 +20,7 @@ import signal
 import sys
 
 import pretrain_gpt2
-from app.checkpointing import commit
-from app.training import trainer
+from app.utils import faults
 
 
 def _install(rank: int, kind: str, n: int) -> None:
@@ -42,9 +42,9 @@ def _install(rank: int, kind: str, n: int) -> None:
     if int(os.environ.get("RANK", "0")) != rank:
         return
     if kind == "iteration":
-        trainer.LOSS_HOOK = kill_in_iteration
+        faults.arm(faults.TRAINING_LOSS, kill_in_iteration)
     elif kind == "write":
-        commit.SAVE_HOOK = kill_in_write
+        faults.arm(faults.SAVE_STAGE, kill_in_write)
     else:
         raise ValueError(f"CHAOS_PLAN: unknown kind {kind!r} (iteration or write)")
 

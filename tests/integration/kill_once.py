@@ -1,6 +1,7 @@
 """`pretrain_gpt2.py` with one fault: the rank named by $KILL_RANK SIGKILLs itself in the forward
 pass of the iteration that starts at training sample $KILL_AT_SAMPLE, on torchrun's first
-attempt only (TORCHELASTIC_RESTART_COUNT 0), so that a restarted attempt trains undisturbed.
+attempt only (TORCHELASTIC_RESTART_COUNT 0), so that a restarted attempt trains undisturbed
+(through the fault-injection point faults.TRAINING_LOSS, app/utils/faults.py).
 
     KILL_RANK=0 KILL_AT_SAMPLE=20 torchrun ... tests/integration/kill_once.py <pretrain flags>
 """
@@ -9,7 +10,7 @@ import signal
 import sys
 
 import pretrain_gpt2
-from app.training import trainer
+from app.utils import faults
 
 
 def _kill_once(first_sample, loss):
@@ -21,5 +22,5 @@ def _kill_once(first_sample, loss):
 
 
 if __name__ == "__main__":
-    trainer.LOSS_HOOK = _kill_once
+    faults.arm(faults.TRAINING_LOSS, _kill_once)
     sys.exit(pretrain_gpt2.main())

@@ -9,10 +9,11 @@ import shutil
 
 import torch
 
-from app.testing.distributed import run_distributed
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import commit, names
 from app.checkpointing import files as ckpt_files
+from app.utils import faults
+from tests.harness.distributed import run_distributed
 from tests.integration.conftest import tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,18 +40,17 @@ def _main(argv):
 
 
 def _full_disk(monkeypatch, when):
-    """Writes of files whose path contains `when` put 1 KiB on disk, then fail with ENOSPC."""
-    real = commit.write_durably
+    """Checkpoint files whose path contains `when` put 1 KiB on disk, then fail with ENOSPC."""
+    real = commit.atomic_open
 
-    def write(path, fn):
-        if when not in path:
-            return real(path, fn)
-
-        def partial(f):
-            f.write(b"\0" * 1024)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        return real(path, partial)
-    monkeypatch.setattr(commit, "write_durably", write)
+    @contextlib.contextmanager
+    def full(path, *args, **kwargs):
+        with real(path, *args, **kwargs) as f:
+            if when in path:
+                f.write(b"\0" * 1024)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            yield f
+    monkeypatch.setattr(commit, "atomic_open", full)
 
 
 def _temporaries(root):
@@ -168,8 +168,7 @@ def test_deepspeed_full_disk_corruption_unsafe_pickle_and_non_finite(tiny_corpus
     assert code == 2 and "non-finite weights" in err, err
 
 
-def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path, monkeypatch,
-                                                          capfd):
+def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path, capfd):
     """SIGTERM twice while the checkpoint of iteration 3 is being written: that save completes,
     the run stops after the next iteration with a checkpoint of it, exit 0, and both load."""
     import signal
@@ -185,7 +184,7 @@ def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path,
             os.kill(os.getpid(), signal.SIGTERM)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
+    faults.arm(faults.SAVE_STAGE, hook)
     try:
         code, err = _main(args)
     finally:
@@ -200,7 +199,7 @@ def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path,
 
 
 def test_a_signal_during_a_background_save_exits_with_every_save_committed(tiny_corpus, tmp_path,
-                                                                            monkeypatch, capfd):
+                                                                            capfd):
     """--async-save: SIGTERM twice while the writer thread writes the checkpoint of iteration
     3: training goes on to the end of iteration 4, whose save is committed before the run exits
     0 with the usual message; both checkpoints load, the tracker names 4."""
@@ -218,7 +217,7 @@ def test_a_signal_during_a_background_save_exits_with_every_save_committed(tiny_
             os.kill(os.getpid(), signal.SIGTERM)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
+    faults.arm(faults.SAVE_STAGE, hook)
     try:
         code, err = _main(args)
     finally:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import ROOT, assert_close_curves, env, run, torchrun, train_curve
 
@@ -345,7 +345,7 @@ def test_lambada_accuracy_on_a_hand_made_file(runs, tmp_path, capsys):
     assert correct >= 3, f"only {correct} usable passages"
     data = tmp_path / "lambada.jsonl"
     data.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
-    from app.testing.tools import load_tool
+    from tests.harness.tools import load_tool
     tool = load_tool("evaluate")
     assert tool.main(["--load", str(hf_dir), "--task", "lambada", "--valid-data", str(data),
                       "--results-file", str(tmp_path / "r.json")]) == 0

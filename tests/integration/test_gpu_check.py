@@ -1,60 +1,97 @@
 """scripts/gpu_check.sh --cpu-dry-run: every step of the GPU check on the CPU with tiny shapes
-(the GPU-only ones skipped with the reason), the figures parsed and the report written."""
+(the GPU-only ones skipped with the reason), in the plan's order, the figures parsed and the
+report written and published; the plan's limits add up to the 8-minute budget, and a step whose
+time is gone is skipped, not run."""
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RAN = ["data_corpus", "data_tokenizer", "data_preprocess", "tests", "bench_kernels_bf16",
-       "bench_train_124M", "train_124M_bf16", "memory_124M", "nanogpt_124M", "train_350M_bf16",
-       "memory_350M", "nanogpt_350M", "train_124M_fp16", "ds_zero2_straight", "ds_zero2_first",
-       "ds_zero2_resumed", "fp32_cpu"]
+ORDER = ["setup", "build_kernels", "nanogpt_124M", "train_124M_bf16", "bench_kernels_bf16",
+         "bench_kernels_fp16", "bench_train_124M", "train_350M_bf16", "train_124M_fp16",
+         "ds_zero2_straight", "ds_zero2_first", "ds_zero2_resumed", "memory_124M",
+         "memory_350M", "fp32_cpu", "fp32_gpu"]
+VALUES = ["0", "1", "1", "1", "2", "2", "2", "3", "4", "5", "5", "5", "6", "6", "7", "7"]
+"""Issue 28's order of value: 1 throughput beside nanoGPT, 2 kernels and fusions, 3 350M,
+4 fp16, 5 ZeRO-2 resume, 6 memory estimate, 7 CPU vs GPU."""
 SKIPPED = ["setup", "build_kernels", "bench_kernels_fp16", "fp32_gpu"]
 
 
-def test_cpu_dry_run_writes_the_whole_report(tmp_path):
-    out = tmp_path / "check"
+def _check(*args, timeout=900):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--cpu-dry-run", "--out",
-                           str(out), "--python", sys.executable], capture_output=True, text=True,
-                          env=env, timeout=600)
+    return subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def test_the_plan_fits_eight_minutes_in_the_order_of_value():
+    proc = _check("--plan")
+    assert proc.returncode == 0, proc.stderr
+    assert "budget 480 s (limits add up to 480 s), install included" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [r[1] for r in rows] == ORDER and [r[0] for r in rows] == VALUES
+    assert sum(int(r[2]) for r in rows if r[2] != "bg") == 480
+
+
+def test_a_step_whose_time_is_gone_is_skipped(tmp_path):
+    proc = _check("--cpu-dry-run", "--budget", "2", "--steps", "fp32_cpu", "--out",
+                  str(tmp_path), "--python", sys.executable)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = json.loads((tmp_path / "report.json").read_text())["steps"]
+    assert list(steps) == ["setup", "fp32_cpu"]
+    assert steps["fp32_cpu"]["status"] == "skipped"
+    assert steps["fp32_cpu"]["reason"].startswith("budget spent")
+
+
+def test_cpu_dry_run_writes_the_whole_report(tmp_path):
+    out, published = tmp_path / "check", tmp_path / "published"
+    proc = _check("--cpu-dry-run", "--out", str(out), "--python", sys.executable, "--publish",
+                  str(published))
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    assert "GPU check plan: budget 480 s" in proc.stdout  # the dry run prints the plan
     report = json.loads((out / "report.json").read_text())
     assert report["mode"] == "cpu-dry-run" and report["environment"]["torch"]
     assert report["environment"]["date"] and report["total_seconds"] > 0
     steps = report["steps"]
-    assert list(steps) == ["setup", *RAN[:3], "build_kernels", RAN[3], RAN[4],
-                           "bench_kernels_fp16", *RAN[5:], "fp32_gpu"]
-    assert all(steps[name]["status"] == "ok" for name in RAN), \
-        {n: steps[n].get("reason") for n in RAN if steps[n]["status"] != "ok"}
+    assert list(steps) == ORDER and [steps[n]["value"] for n in ORDER] == VALUES
+    ran = [name for name in ORDER if name not in SKIPPED]
+    assert all(steps[name]["status"] == "ok" for name in ran), \
+        {n: steps[n].get("reason") for n in ran if steps[n]["status"] != "ok"}
     assert all(steps[name]["status"] == "skipped" and steps[name]["reason"] for name in SKIPPED)
 
-    # a small vocabulary, not GPT-2's 50257-entry BPE
-    assert 256 < steps["data_tokenizer"]["figures"]["vocab_size"] <= 512
-    tests = steps["tests"]["figures"]
-    assert tests["failed"] == tests["errors"] == 0 and tests["skipped"] > 0
     eager = steps["bench_kernels_bf16"]["figures"]["models"]["tiny"]["layer norm / eager"]
     assert eager["ms"] > 0 and eager["vs_eager"] == 1.0
     fusions = steps["bench_train_124M"]["figures"]
-    assert {"ours", "ours-nofuse", "ours-no-layernorm", "nano"} <= set(fusions["impls"])
+    assert {"ours", "ours-nofuse", "ours-no-layernorm", "ours-compiled"} <= set(fusions["impls"])
     assert all(r["tokens_per_s"] > 0 for r in fusions["impls"].values())
 
     res = report["results"]
+    t = res["throughput"]["124M"]
+    assert t["ours_tokens_per_s"] > 0 and t["nano_tokens_per_s"] > 0 and t["ratio"] > 0
+    assert 0 < t["ours_mfu"] < 1.5 and 0 < t["nano_mfu"] < 1.5
+    assert res["throughput"]["350M"]["ours_tokens_per_s"] > 0
     for size in ("124M", "350M"):
-        t = res["throughput"][size]
-        assert t["ours_tokens_per_s"] > 0 and t["nano_tokens_per_s"] > 0 and t["ratio"] > 0
-        assert 0 < t["ours_mfu"] < 1.5 and 0 < t["nano_mfu"] < 1.5
         assert res["memory"][size]["estimate_gib"] > 0
         assert res["memory"][size]["measured_gib"] is None  # no CUDA here
-    assert res["fp16"]["loss_scale_last"] >= 1 and res["fp16"]["skipped_iterations"] is not None
+    fp16 = res["fp16"]  # Megatron's scale from 2^32 skips the first iterations, then steps
+    assert fp16["skipped_at"] and fp16["skipped_at"] == list(range(1, len(fp16["skipped_at"]) + 1))
+    assert fp16["first_stepped_iteration"] and fp16["skipped_after_start"] == 0
     assert res["zero2_resume"]["exact"] is True and res["zero2_resume"]["iterations_compared"] > 0
     assert res["cpu_vs_gpu"]["within"] is None
     goals = {g["goal"]: g["met"] for g in report["goals"]}
     assert goals["ZeRO-2 resume bit-exact"] is True
+    assert goals["fp16: iterations skipped only at the start"] is True
     assert goals["124M MFU >= 45% (bf16, seq 1024)"] is None  # not judged on a CPU
 
     text = (out / "report.md").read_text()
     assert text.startswith("# GPU check (cpu-dry-run)")
-    assert "No figure here says anything about a GPU" in text and "| ds_zero2_resumed | ok |" in text
+    assert "No figure here says anything about a GPU" in text
+    assert "| 5 | ds_zero2_resumed | ok | 600 |" in text
+    assert (published / "report.md").read_text() == text  # published after the last step too
+    with tarfile.open(published / "logs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"steps/train_124M_bf16/log", "steps/train_124M_bf16/metrics.jsonl",
+            "plan.tsv"} <= names
+    assert not any("/ck/" in name for name in names)  # no checkpoints in the logs

@@ -23,7 +23,7 @@ import time
 import psutil
 import pytest
 
-from app.testing.netns import HostsUnavailable, TestHosts
+from tests.harness.netns import HostsUnavailable, TestHosts
 from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
 from tests.integration.launch_utils import (ROOT, assert_close_curves, env, log_of, torchrun,
                                            train_curve, wait_for_iteration)

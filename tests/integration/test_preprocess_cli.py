@@ -6,6 +6,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from app.data.tokenizer import train_gpt2_bpe
@@ -269,3 +270,59 @@ def test_bad_tokenizer_files_stop_preprocessing(corpus, tmp_path, vocab_text, me
                               "--json-keys", "content", "--vocab-file", vocab,
                               "--merge-file", merges])
     assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
+
+
+def test_assemble_drops_empty_sequences_and_ends_documents_with_eod():
+    # documents 0: sequences [1 2] [] [3]; 1: [] (empty); 2: [4 5 6] -- tokens back to back
+    tokens = np.array([1, 2, 3, 4, 5, 6], dtype=np.uint32)
+    lengths, docs = np.array([2, 0, 1, 0, 3]), np.array([0, 0, 0, 1, 2])
+    out, seq, per_doc, empty = preprocess_data.assemble(tokens, lengths, docs, 3, 9, np.uint16)
+    assert out.tolist() == [1, 2, 3, 9, 4, 5, 6, 9] and out.dtype == np.uint16
+    assert seq.tolist() == [2, 2, 4] and per_doc.tolist() == [2, 1] and empty == 1
+    out, seq, per_doc, empty = preprocess_data.assemble(tokens, lengths, docs, 3, None, np.uint16)
+    assert out.tolist() == [1, 2, 3, 4, 5, 6] and seq.tolist() == [2, 1, 3] and empty == 1
+
+
+def test_parquet_input_gives_the_jsonl_output(corpus, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"content": [d["content"] for d in corpus["docs"]],
+                      "path": [d["path"] for d in corpus["docs"]]})
+    parquet = str(tmp_path / "in.parquet")
+    pq.write_table(table, parquet, row_group_size=7)
+    run(corpus, tmp_path / "jsonl", "--workers", "2")
+    run(corpus, tmp_path / "parquet", "--workers", "2", input_path=parquet)
+    for ext in (".bin", ".idx"):
+        assert (open(str(tmp_path / "jsonl_content_document") + ext, "rb").read()
+                == open(str(tmp_path / "parquet_content_document") + ext, "rb").read())
+
+
+@pytest.mark.parametrize("columns,pattern", [
+    ({"text": ["a = 1"]}, r"has no column 'content' \(columns: \['text'\]\).*--json-keys"),
+    ({"content": [1, 2]}, r"column 'content' holds int64, not strings"),
+    ({"content": ["a = 1", None]}, r"row 2: key 'content' holds NoneType"),
+])
+def test_bad_parquet_names_the_file_column_and_row(corpus, tmp_path, columns, pattern):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "bad.parquet")
+    pq.write_table(pa.table(columns), path)
+    with pytest.raises(SystemExit, match=pattern) as info:
+        run(corpus, tmp_path / "out", input_path=path)
+    assert path in str(info.value.code)
+    assert sorted(os.listdir(tmp_path)) == ["bad.parquet"]
+
+
+def test_the_tokenizers_fallback_writes_the_same_files(corpus, tmp_path, monkeypatch):
+    """Without gigatoken (or with it: then the two runs compare its path with the fallback)
+    the worker-process path writes the same bytes."""
+    from app.data.tokenizer import GPT2BPETokenizer
+
+    run(corpus, tmp_path / "fast", "--workers", "2")
+    monkeypatch.setattr(GPT2BPETokenizer, "_gigatoken", lambda self: None)
+    run(corpus, tmp_path / "fallback", "--workers", "2")
+    for ext in (".bin", ".idx"):
+        assert (open(str(tmp_path / "fast_content_document") + ext, "rb").read()
+                == open(str(tmp_path / "fallback_content_document") + ext, "rb").read())

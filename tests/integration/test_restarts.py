@@ -109,11 +109,14 @@ def test_data_parallel_job_restarts_after_rank0_is_killed(tiny_corpus, tmp_path)
     assert not leftovers(str(tmp_path)), "processes of the killed attempt outlived the job"
 
 
-def test_tensor_parallel_job_restarts_after_rank1_is_killed(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_tensor_parallel_job_restarts_after_rank1_is_killed(tiny_corpus, tmp_path, ckpt_format):
     """TP 2 (the layout's subgroups must form again too): rank 1 dies; the restarted attempt
-    replays the iteration after the checkpoint with the first attempt's loss, bit for bit."""
+    replays the iteration after the checkpoint with the first attempt's loss, bit for bit,
+    from legacy or torch_dist checkpoints."""
     ck = str(tmp_path / "ck")
     args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, "--tensor-model-parallel-size", "2",
+                         "--ckpt-format", ckpt_format,
                          "--save", ck, "--load", ck, "--metrics-file", str(tmp_path / "m.jsonl"))
     run_killed_once(args, tmp_path, kill_rank=1)
     rows = train_rows(tmp_path / "m.jsonl")

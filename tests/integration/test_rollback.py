@@ -14,16 +14,16 @@ import torch
 import arguments
 import pretrain_gpt2
 from app.config import samples_per_split
-from app.testing.distributed import run_distributed
-from app.testing.synthetic import RandomTokens
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
-from app.training import trainer as trainer_lib
 from app.training.resilience.resume import load_on_all_ranks
 from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.rollback import SpikeDetector
 from app.training.run import build_run
 from app.training.trainer import RunState
+from app.utils import faults
+from tests.harness.distributed import run_distributed
+from tests.harness.synthetic import RandomTokens
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -130,7 +130,8 @@ NAN_LIMIT_ARGS = [*SPIKE_ARGS, "--max-consecutive-skipped-iterations", "3", "--s
 
 
 def _poison_iterations(first_samples):
-    """A LOSS_HOOK that makes the loss NaN in the iterations starting at `first_samples`."""
+    """A faults.TRAINING_LOSS handler: the loss is NaN in the iterations that start at
+    `first_samples`."""
     return lambda first, loss: loss * float("nan") if first in first_samples else loss
 
 
@@ -140,12 +141,9 @@ def test_nonfinite_run_over_a_save_point_fits_the_data_allowance(tmp_path, caplo
     sized exactly as the run's datasets are still reaches --train-iters."""
     cfg = arguments.config_from_argv([*NAN_LIMIT_ARGS, "--save", str(tmp_path / "ck")], 1, VOCAB)
     data = RandomTokens(samples_per_split(cfg)[0], 16, VOCAB, seed=3)
-    trainer_lib.LOSS_HOOK = _poison_iterations({32, 36, 40})
-    try:
+    with faults.injected(faults.TRAINING_LOSS, _poison_iterations({32, 36, 40})):
         with caplog.at_level(logging.WARNING):
             trainer = _run(cfg, (data, None, None))
-    finally:
-        trainer_lib.LOSS_HOOK = None
     assert "rolled back to iteration 5" in caplog.text, caplog.text
     assert "skipping training samples [20, 44)" in caplog.text
     assert trainer.state.iteration == 30 and trainer.state.consumed_train_samples == 30 * 4 + 24
@@ -177,14 +175,12 @@ def _tp2_data_running_out(save_dir):
         errors["start"] = str(exc)
     # NaN at 10 (the save at 10 is suppressed) and at 12-14 (the limit): going back to 5 skips
     # 9 iterations, more than the allowance of 5 + 3 the data was sized for
-    trainer_lib.LOSS_HOOK = _poison_iterations({36, 44, 48, 52})
     try:
-        data = RandomTokens(samples_per_split(cfg)[0], 16, VOCAB, seed=3)
-        run.attach_trainer((data, None, None), eod=0).train()
+        with faults.injected(faults.TRAINING_LOSS, _poison_iterations({36, 44, 48, 52})):
+            data = RandomTokens(samples_per_split(cfg)[0], 16, VOCAB, seed=3)
+            run.attach_trainer((data, None, None), eod=0).train()
     except TrainingAborted as exc:
         errors["rollback"] = str(exc)
-    finally:
-        trainer_lib.LOSS_HOOK = None
     return errors
 
 
@@ -218,15 +214,12 @@ def test_failure_past_the_retry_limit_stops_without_a_new_checkpoint(tiny_corpus
         bad = any(first_sample in w for w in windows)
         return loss * float("nan") if bad else loss
 
-    trainer_lib.LOSS_HOOK = poison
-    try:
+    with faults.injected(faults.TRAINING_LOSS, poison):
         code = pretrain_gpt2.main(tiny_gpt_args(
             tiny_corpus, tmp_path, "--train-iters", "40", "--log-interval", "1", "--eval-iters",
             "0", "--save", str(ck), "--save-interval", "5", "--rollback-on-spike",
             "--max-rollbacks", "1", "--max-consecutive-skipped-iterations", "2",
             "--metrics-file", str(tmp_path / "m.jsonl")))
-    finally:
-        trainer_lib.LOSS_HOOK = None
     out = capsys.readouterr()
     assert code == 3, out.err[-3000:]
     assert "rolled back to iteration 10" in out.out and "skipping training samples [40, 52)" in out.out

@@ -302,3 +302,10 @@ def test_recompute_spellings_and_groups_against_tp():
                   "12", "--hidden-size", "96", "--tensor-model-parallel-size", "4",
                   "--ffn-hidden-size", "384"],
                  "--num-query-groups (6)", "--tensor-model-parallel-size (4)", world_size=4)
+
+
+def test_compile_layers_is_off_by_default_and_refused_with_deepspeed():
+    assert build([]).kernels.compile_layers is False
+    assert build(["--compile-layers"]).kernels.compile_layers is True
+    expect_error(["--compile-layers", "--deepspeed", "--deepspeed_config", DS_JSON],
+                 "--compile-layers is for the native path", "drop --compile-layers or --deepspeed")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app.mpu.random import load_rng_state_dict, rng_state_dict
+from app.utils import faults
 
 
 def rng_state(tracker=None):
@@ -260,7 +261,7 @@ def test_keep_last_n_rotation(tmp_path):
     assert ckpt.load_checkpoint_dict(s, iteration=4)[0]["iteration"] == 4
 
 
-def test_rotation_happens_only_after_the_tracker_commit(tmp_path, monkeypatch):
+def test_rotation_happens_only_after_the_tracker_commit(tmp_path):
     s = str(tmp_path)
     for it in (1, 2):
         ckpt.save_checkpoint(s, it, make_full_dict(it), keep_last_n=1)
@@ -269,7 +270,7 @@ def test_rotation_happens_only_after_the_tracker_commit(tmp_path, monkeypatch):
     def hook(stage):
         seen.append((stage, names.list_checkpoint_iterations(s), ckpt.read_tracker(s)))
 
-    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
+    faults.arm(faults.SAVE_STAGE, hook)
     ckpt.save_checkpoint(s, 3, make_full_dict(3), keep_last_n=1)
     for stage, present, tracker in seen:
         assert tracker in present, (stage, present, tracker)

@@ -12,6 +12,7 @@ from app.checkpointing import commit, names
 from app.checkpointing import megatron as ckpt
 from app.checkpointing.snapshot import HostBuffers, host_copy
 from app.training.engines.base import Engine
+from app.utils import faults
 from tests.unit.test_checkpoint_safety import (RANK_FILE_STAGES, Crash,
                                                assert_tracker_names_complete_checkpoint,
                                                save_two_ranks, small_dict)
@@ -125,7 +126,7 @@ def test_at_most_one_save_in_flight_and_not_blocking_finish_waits_for_the_write(
     assert engine.save_in_flight is None and ckpt.read_tracker(s) == 20
 
 
-def test_an_error_in_the_background_write_undoes_the_save(tmp_path, monkeypatch):
+def test_an_error_in_the_background_write_undoes_the_save(tmp_path):
     s = str(tmp_path)
     save_two_ranks(s, 10)
 
@@ -133,13 +134,13 @@ def test_an_error_in_the_background_write_undoes_the_save(tmp_path, monkeypatch)
         if stage == "rank_checksum_committed" and threading.current_thread().name != "MainThread":
             raise Crash(stage)
 
-    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
+    faults.arm(faults.SAVE_STAGE, hook)
     pending = [ckpt.start_save(s, 20, host_copy(small_dict(20, 20 + rank)), tp_rank=rank,
                                is_tracker_writer=rank == 0, background=True) for rank in (1, 0)]
     with pytest.raises(Crash):
         for p in pending:
             p.finish()
-    monkeypatch.setattr(commit, "SAVE_HOOK", None)
+    faults.disarm(faults.SAVE_STAGE)
     assert assert_tracker_names_complete_checkpoint(s, tp_size=2) == 10
 
 
@@ -153,7 +154,7 @@ def test_sigkill_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
             def hook(name):
                 if name == stage and threading.current_thread().name != "MainThread":
                     os.kill(os.getpid(), signal.SIGKILL)
-            commit.SAVE_HOOK = hook
+            faults.arm(faults.SAVE_STAGE, hook)
             for rank in (1, 0):
                 ckpt.start_save(s, 20, host_copy(small_dict(20, 20 + rank)), tp_rank=rank,
                                 is_tracker_writer=rank == 0, background=True).finish()

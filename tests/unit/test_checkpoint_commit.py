@@ -7,6 +7,7 @@ import os
 import pytest
 
 from app.checkpointing import commit
+from app.utils import faults
 
 
 def previous_checkpoint(root, iteration=1):
@@ -79,11 +80,11 @@ def test_a_failure_after_the_tracker_on_another_rank_undoes_this_save(tmp_path):
     assert part.undos == 1 and not os.path.exists(part.path)
 
 
-def test_success_writes_latest_then_the_tracker_and_rotates(tmp_path, monkeypatch):
+def test_success_writes_latest_then_the_tracker_and_rotates(tmp_path):
     root = str(tmp_path)
     previous_checkpoint(root, 1)
     stages = []
-    monkeypatch.setattr(commit, "SAVE_HOOK", stages.append)
+    faults.arm(faults.SAVE_STAGE, stages.append)
     for iteration in (2, 3):
         directory = save(root, iteration, RankFiles(root, iteration), [True, True],
                          is_tracker_writer=True, keep_last_n=2, deepspeed_latest=True)
@@ -115,7 +116,7 @@ def kill_at(stage):
 
 
 @pytest.mark.parametrize("stage", ["rank_file_committed", "before_tracker", "tracker_tmp_written"])
-def test_a_first_save_killed_before_its_commit_is_not_a_checkpoint(tmp_path, monkeypatch, stage):
+def test_a_first_save_killed_before_its_commit_is_not_a_checkpoint(tmp_path, stage):
     """A save killed before the tracker names it leaves a marked directory: the next start into
     the same --save starts fresh (no 'checkpoints but no tracker' refusal) and removes it, while a
     directory that no save marked (a lost tracker) is still refused."""
@@ -124,10 +125,10 @@ def test_a_first_save_killed_before_its_commit_is_not_a_checkpoint(tmp_path, mon
     from app.training.resilience.resume import decide_start
     from app.training.resilience.save_dir import claim_save_dir
     root = str(tmp_path / "ck")
-    monkeypatch.setattr(commit, "SAVE_HOOK", kill_at(stage))
+    faults.arm(faults.SAVE_STAGE, kill_at(stage))
     with pytest.raises(Killed):
         save(root, 2, RankFiles(root, 2), [True, True], is_tracker_writer=True)
-    monkeypatch.setattr(commit, "SAVE_HOOK", None)
+    faults.disarm(faults.SAVE_STAGE)
     assert os.path.isdir(os.path.join(root, "iter_0000002"))
     assert names.interrupted_saves(root) == [2]
     same = CheckpointConfig(save=root, load=root)
@@ -140,14 +141,13 @@ def test_a_first_save_killed_before_its_commit_is_not_a_checkpoint(tmp_path, mon
         decide_start(same)
 
 
-def test_a_committed_save_leaves_no_mark_and_a_later_kill_keeps_the_committed_one(tmp_path,
-                                                                                 monkeypatch):
+def test_a_committed_save_leaves_no_mark_and_a_later_kill_keeps_the_committed_one(tmp_path):
     from app.checkpointing import names
     root = str(tmp_path / "ck")
     save(root, 1, RankFiles(root, 1), [True, True], is_tracker_writer=True)
     assert not [n for n in os.listdir(os.path.join(root, "iter_0000001"))
                 if n.startswith(".save-in-progress")]
-    monkeypatch.setattr(commit, "SAVE_HOOK", kill_at("rank_file_committed"))
+    faults.arm(faults.SAVE_STAGE, kill_at("rank_file_committed"))
     with pytest.raises(Killed):
         save(root, 2, RankFiles(root, 2), [True, True], is_tracker_writer=True)
     assert names.interrupted_saves(root) == [2]

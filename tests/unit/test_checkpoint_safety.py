@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app.mpu.random import rng_state_dict
+from app.utils import faults
 
 
 def rng_state(tracker=None):
@@ -64,8 +65,7 @@ TRACKER_STAGES = ("before_tracker", "tracker_tmp_written", "tracker_committed")
 @pytest.mark.parametrize("crashing_rank, stage",
                          [(1, s) for s in RANK_FILE_STAGES]
                          + [(0, s) for s in RANK_FILE_STAGES + TRACKER_STAGES])
-def test_exception_at_any_save_stage_keeps_previous_checkpoint(tmp_path, monkeypatch, stage,
-                                                               crashing_rank):
+def test_exception_at_any_save_stage_keeps_previous_checkpoint(tmp_path, stage, crashing_rank):
     s = str(tmp_path)
     save_two_ranks(s, 10)
     state = {"rank": None}
@@ -74,13 +74,13 @@ def test_exception_at_any_save_stage_keeps_previous_checkpoint(tmp_path, monkeyp
         if name == stage and state["rank"] == crashing_rank:
             raise Crash(name)
 
-    monkeypatch.setattr(commit, "SAVE_HOOK", hook)
+    faults.arm(faults.SAVE_STAGE, hook)
     with pytest.raises(Crash):
         for rank in (1, 0):
             state["rank"] = rank
             ckpt.save_checkpoint(s, 20, small_dict(20, 20 + rank), tp_rank=rank,
                                  is_tracker_writer=rank == 0)
-    monkeypatch.setattr(commit, "SAVE_HOOK", None)
+    faults.disarm(faults.SAVE_STAGE)
     got = assert_tracker_names_complete_checkpoint(s, tp_size=2)
     committed = crashing_rank == 0 and stage == "tracker_committed"
     assert got == (20 if committed else 10)
@@ -94,7 +94,7 @@ def _fork_and_kill_at(stage, target):
             def hook(name):
                 if name == stage:
                     os.kill(os.getpid(), signal.SIGKILL)
-            commit.SAVE_HOOK = hook
+            faults.arm(faults.SAVE_STAGE, hook)
             target()
         finally:
             os._exit(0)

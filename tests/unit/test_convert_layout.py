@@ -1,6 +1,8 @@
-"""The converter's layout arithmetic against the model itself: partition dims, stage parameter
-order, optimizer groups, exact split/merge, vocabulary resizing, HF mapping inverses, shard plans."""
+"""The converter's layout against Megatron's (written out by hand) and against the model's own
+shards: stage parameter order, partition dims, optimizer groups, exact split/merge, vocabulary
+resizing, HF mapping inverses, shard plans."""
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -8,6 +10,8 @@ import torch
 from app.config import ModelConfig
 from app.convert import hf_gpt2, layout
 from app.model import GPT2Model
+from app.model.stage import build_model_stage, parameter_records
+from app.mpu.parallel_state import ParallelState
 from app.optim.param_groups import get_param_groups
 
 L, H, HEADS, V = 4, 32, 4, 128
@@ -18,38 +22,95 @@ def _config() -> ModelConfig:
                        max_position_embeddings=16, padded_vocab_size=V, seed=3)
 
 
+# Megatron's GPT-2 layout, written out by hand: a layer's parameters in module order, and the
+# dimension tensor parallelism splits each (0 rows: column-parallel and vocab-parallel; 1 columns:
+# row-parallel; -1 replicated)
+LAYER = [("input_layernorm.weight", -1), ("input_layernorm.bias", -1),
+         ("attention.query_key_value.weight", 0), ("attention.query_key_value.bias", 0),
+         ("attention.dense.weight", 1), ("attention.dense.bias", -1),
+         ("post_attention_layernorm.weight", -1), ("post_attention_layernorm.bias", -1),
+         ("mlp.dense_h_to_4h.weight", 0), ("mlp.dense_h_to_4h.bias", 0),
+         ("mlp.dense_4h_to_h.weight", 1), ("mlp.dense_4h_to_h.bias", -1)]
+STAGE_LAYERS = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 4: [[0], [1], [2], [3]]}
+
+
+def _expected_stage(pp, stage):
+    """[(name, partition dim)] of one stage, from the hand-written layout above."""
+    out = []
+    if stage == 0:
+        out += [("language_model.embedding.word_embeddings.weight", 0),
+                ("language_model.embedding.position_embeddings.weight", -1)]
+    for i in STAGE_LAYERS[pp][stage]:
+        out += [(f"language_model.transformer.layers.{i}.{suffix}", dim) for suffix, dim in LAYER]
+    if stage == pp - 1:
+        out += [("language_model.transformer.final_layernorm.weight", -1),
+                ("language_model.transformer.final_layernorm.bias", -1)]
+        out += [("word_embeddings.weight", 0)] if pp > 1 else []
+    return out
+
+
 @pytest.mark.parametrize("pp", [1, 2, 4])
-def test_stage_names_partition_dims_and_optimizer_groups_match_the_model(pp):
-    """For every stage the model builds: names in module order, TP partition dims, and the
-    decay / no-decay groups of get_param_groups, all as app.convert.layout predicts."""
+def test_layout_read_from_the_model_is_megatrons(pp):
+    """For every stage: the names in module order and the TP partition dims that the layout
+    reads from the model are Megatron's (written out above); the names are those of the stage
+    training builds, and the decay / no-decay groups those of get_param_groups."""
+    model_layout = layout.Layout(_config(), pp)
     for stage in range(pp):
-        start, end = layout.stage_layer_range(L, pp, stage)
-        model = GPT2Model(_config(), pre_process=stage == 0, post_process=stage == pp - 1,
-                          layer_range=(start, end))
-        params = dict(model.named_parameters())
-        names = layout.stage_parameter_names(L, pp, stage)
-        assert names == list(params) == list(model.state_dict())
-        for name, p in params.items():
-            assert layout.partition_dim(name) == p.partition_dim, name
-            assert layout.stage_of(name, L, pp) == stage
-        by_id = {id(p): n for n, p in params.items()}
+        expected = _expected_stage(pp, stage)
+        names = model_layout.stage_names(stage)
+        assert [(n, model_layout.record(n).partition_dim) for n in names] == expected
+        for name, record in model_layout.stages[stage].items():
+            assert model_layout.stage_of(name) == stage
+            assert record.tied_copy == (name == layout.TIED_HEAD)
+        state = ParallelState(pipeline_model_parallel_size=pp, pipeline_model_parallel_rank=stage,
+                              pipeline_ranks=list(range(pp)))
+        model = build_model_stage(_config(), state)
+        assert names == list(dict(model.named_parameters())) == list(model.state_dict())
+        by_id = {id(p): n for n, p in model.named_parameters()}
         groups = {g["name"]: [by_id[id(p)] for p in g["params"]] for g in get_param_groups(model)}
         assert layout.optimizer_groups(names) == {"decay": groups.get("decay", []),
                                                   "no_decay": groups.get("no_decay", [])}
-
-
-def test_split_merge_round_trip_is_exact_and_replicas_are_checked():
-    model = GPT2Model(_config())
-    for name, p in model.named_parameters():
-        for tp in (1, 2, 4):
-            shards = layout.split_tensor(p.detach(), name, tp)
-            assert torch.equal(layout.merge_shards(shards, name), p.detach()), name
-    with pytest.raises(layout.LayoutError, match="differs"):
-        layout.merge_shards([torch.zeros(3), torch.ones(3)], layout.POSITION_EMBEDDINGS)
-    with pytest.raises(layout.LayoutError, match="not divisible"):
-        layout.split_tensor(torch.zeros(6, 2), layout.WORD_EMBEDDINGS, 4)
+    assert model_layout.record(layout.WORD_EMBEDDINGS).shape == (V, H)  # full shapes (TP 1)
     with pytest.raises(layout.LayoutError, match="lm_head.foo"):
-        layout.partition_dim("lm_head.foo")
+        model_layout.record("lm_head.foo")
+    with pytest.raises(layout.LayoutError, match=r"num_layers \(4\) is not divisible"):
+        layout.Layout(_config(), 3)
+
+
+def test_layout_follows_the_model_options():
+    """Without a learned position table there is none to place; untied embeddings give the
+    last stage a row-split output layer and no tied copy."""
+    config = dataclasses.replace(_config(), position_embedding_type="rope",
+                                 untie_embeddings_and_output_weights=True)
+    model_layout = layout.Layout(config, 2)
+    assert layout.POSITION_EMBEDDINGS not in model_layout.names()
+    assert model_layout.stage_names(1)[-1] == layout.OUTPUT_LAYER
+    assert model_layout.record(layout.OUTPUT_LAYER).partition_dim == 0
+    assert layout.TIED_HEAD not in model_layout.names()
+    with pytest.raises(ValueError, match="carries no tensor-parallel mark"):
+        parameter_records(torch.nn.Linear(2, 2))
+
+
+def test_split_is_what_each_tensor_parallel_rank_holds_and_merge_inverts_it():
+    """The converter's split of the full (TP 1) model gives, for every parameter, exactly the
+    shard that the model built at TP 2 and TP 4 holds on each rank; merging gives it back."""
+    full = dict(GPT2Model(_config()).named_parameters())
+    model_layout = layout.Layout(_config(), 1)
+    for tp in (2, 4):
+        ranks = [dict(GPT2Model(_config(), ParallelState(tensor_model_parallel_size=tp,
+                                                         tensor_model_parallel_rank=r))
+                      .named_parameters()) for r in range(tp)]
+        for name, value in full.items():
+            record = model_layout.record(name)
+            shards = layout.split_tensor(value.detach(), record, tp)
+            for r in range(tp):
+                assert torch.equal(shards[r], ranks[r][name].detach()), (name, tp, r)
+            assert torch.equal(layout.merge_shards(shards, record), value.detach()), name
+    with pytest.raises(layout.LayoutError, match="differs"):
+        layout.merge_shards([torch.zeros(3), torch.ones(3)],
+                            model_layout.record(layout.POSITION_EMBEDDINGS))
+    with pytest.raises(layout.LayoutError, match="not divisible"):
+        layout.split_tensor(torch.zeros(6, 2), model_layout.record(layout.WORD_EMBEDDINGS), 4)
 
 
 def test_resize_vocab_pads_with_zeros_and_refuses_to_cut_real_tokens():

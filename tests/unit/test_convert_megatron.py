@@ -66,3 +66,21 @@ def test_bf16_tp2pp2_with_optimizer_round_trip(tmp_path):
             assert torch.equal(got, want), (name, kind)
     assert final.lr_scheduler == {"num_steps": 7} and final.iteration == 7
     assert final.args.consumed_train_samples == 56
+
+
+def test_untied_output_layer_is_padded_for_the_target_like_the_word_embeddings(tmp_path):
+    """With untied embeddings the output layer's rows are the padded vocabulary too: at TP2 both
+    grow from 144 to 192 rows (zeros appended) and each rank holds its 96 rows of them."""
+    source = _source()
+    source.args.untie_embeddings_and_output_weights = True
+    head = torch.randn(144, H, generator=torch.Generator().manual_seed(1))
+    source.weights[layout.OUTPUT_LAYER] = head
+    write_megatron(source, str(tmp_path / "tp2"), 2, 1, None, None, include_optimizer=False)
+    padded = torch.cat([head, torch.zeros(48, H)])
+    for tp_rank in range(2):
+        state, _ = ckpt.load_checkpoint_dict(str(tmp_path / "tp2"), tp_rank=tp_rank, pp_rank=0,
+                                             pp_size=1)
+        flat = ckpt.from_megatron_model(state["model"])
+        assert layout.TIED_HEAD not in flat
+        assert torch.equal(flat[layout.OUTPUT_LAYER], padded[96 * tp_rank:96 * (tp_rank + 1)])
+        assert flat[layout.WORD_EMBEDDINGS].shape == (96, H)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import arguments
-from app.testing.synthetic import build_synthetic_run
 from app.training import loss as loss_lib
+from tests.harness.synthetic import build_synthetic_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -120,7 +120,7 @@ def test_real_cpu_measurement_is_positive_and_best_of():
 
 def _trainer(extra):
     import arguments
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4",
             "--distributed-backend", "gloo", *extra]

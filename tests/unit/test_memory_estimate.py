@@ -133,7 +133,7 @@ def test_model_states_match_the_engines_tensors_after_a_step(monkeypatch):
 
 
 def _check_states_against_engines():
-    from app.testing.synthetic import build_synthetic_run
+    from tests.harness.synthetic import build_synthetic_run
     for extra in ((), ("--bf16",), ("--fp16", "--initial-loss-scale", "4096"),  # step applied
                   ("--optimizer", "muon"), ("--optimizer", "sgd", "--bf16"),
                   ("--deepspeed", "--deepspeed_config", "ds_configs/zero2.json"),

@@ -7,9 +7,9 @@ import pytest
 
 import arguments
 from app.model.hf_compat import gpt2_export_blockers
-from app.testing.synthetic import build_synthetic_run
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import model_args
+from tests.harness.synthetic import build_synthetic_run
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",

@@ -13,7 +13,7 @@ import torch
 from app.config import ModelConfig
 from app.model import GPT2Model
 from app.mpu.parallel_state import ParallelState, initialize_model_parallel
-from app.testing.distributed import run_distributed
+from tests.harness.distributed import run_distributed
 
 B, S, V = 2, 8, 64
 

@@ -69,3 +69,32 @@ def test_manifest_round_trip_and_refusal_of_torch_wheels(tmp_path, capsys):
     (house / "nvidia_cudnn_cu12-9.1-py3-none-manylinux_2_28_x86_64.whl").write_bytes(b"")
     with pytest.raises(SystemExit, match="nvidia_cudnn"):
         oi.write_manifest(str(house), str(reqs), py, ["manylinux_2_28_x86_64"])
+
+
+def test_omit_present_leaves_out_what_the_target_has_but_small_pure_python_wheels(tmp_path,
+                                                                                  capsys):
+    house = tmp_path / "house"
+    house.mkdir()
+    wheels = {"numpy-2.5.5-cp312-cp312-manylinux_2_28_x86_64.whl": 10,  # compiled: out
+              "transformers-5.24.0-py3-none-any.whl": oi.KEEP_SMALL_BYTES,  # large: out
+              "typing_extensions-4.15.0-py3-none-any.whl": 1000,  # small pure Python: stays
+              "deepspeed-0.19.8-py3-none-any.whl": oi.KEEP_SMALL_BYTES * 2}  # not present
+    for name, size in wheels.items():
+        (house / name).write_bytes(b"x" * size)
+    present = tmp_path / "present.txt"
+    present.write_text("# the image's distributions\nNumPy\ntransformers\ntyping-extensions\n")
+    assert oi.read_names(str(present)) == ["numpy", "transformers", "typing-extensions"]
+    removed = oi.omit_present(str(house), oi.read_names(str(present)))
+    assert removed == ["numpy-2.5.5-cp312-cp312-manylinux_2_28_x86_64.whl",
+                       "transformers-5.24.0-py3-none-any.whl"]
+    assert sorted(p.name for p in house.iterdir()) == [
+        "deepspeed-0.19.8-py3-none-any.whl", "typing_extensions-4.15.0-py3-none-any.whl"]
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text("numpy\ndeepspeed\n")
+    py = "%d.%d" % sys.version_info[:2]
+    manifest = oi.write_manifest(str(house), str(reqs), py, ["manylinux_2_28_x86_64"],
+                                 omitted=["transformers", "numpy"])
+    assert manifest["omitted_present"] == ["numpy", "transformers"]
+    assert oi.check_manifest(str(house), str(reqs)) == 0
+    assert "leaves out 2 distributions this machine is expected to have (numpy, " \
+           "transformers)" in capsys.readouterr().out

@@ -194,10 +194,13 @@ def test_set_checkpoint_implementation_routes_and_restores():
 
 
 def test_partition_layers_keeps_global_indices():
-    from app.pipeline import partition_layers, stage_layer_range
+    from app.pipeline import partition_layers, stage_layer_range, stage_of_layer
     assert partition_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     assert stage_layer_range(12, 3, 2) == range(8, 12)
     assert partition_layers(5, 1) == [range(0, 5)]
+    assert [stage_of_layer(12, 3, layer) for layer in (0, 3, 4, 11)] == [0, 0, 1, 2]
+    with pytest.raises(ValueError, match=r"layer 12 is not in"):
+        stage_of_layer(12, 3, 12)
     with pytest.raises(ValueError, match=r"num_layers \(6\) is not divisible by "
                                          r"pipeline_model_parallel_size \(4\)"):
         partition_layers(6, 4)

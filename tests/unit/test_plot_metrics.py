@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from app.testing.tools import load_tool
+from tests.harness.tools import load_tool
 
 
 def _write(path, rows):

@@ -152,13 +152,14 @@ root, host, live = sys.argv[1], sys.argv[2], sys.argv[3] == "live"
 if host != "here":
     socket.gethostname = lambda: host
 from app.data.indexed_dataset import MMapIndexedDatasetBuilder
-from app.utils.fileio import atomic_open, tmp_path, write_durably
+from app.utils.fileio import atomic_open, tmp_path
 os.makedirs(root)
 writing = atomic_open(os.path.join(root, "tracker.txt"))
 writing.__enter__().write(b"1")
 builder = MMapIndexedDatasetBuilder(os.path.join(root, "corpus.bin"))
 builder.add_item([1, 2])
-write_durably(tmp_path(os.path.join(root, "model.pt")), lambda f: f.write(b"x"))
+with open(tmp_path(os.path.join(root, "model.pt")), "wb") as f:
+    f.write(b"x")
 os.mkdir(tmp_path(os.path.join(root, ".converted")))
 open(os.path.join(tmp_path(os.path.join(root, ".converted")), "part"), "w").close()
 print("ready", flush=True)

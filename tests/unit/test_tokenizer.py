@@ -122,6 +122,22 @@ def test_matches_reference_gpt2_tokenizers(tokenizer_files, text):
     assert ours.detokenize(ids) == text
 
 
+def test_encode_flat_is_tokenize_back_to_back_on_either_backend(tokenizer_files):
+    """The fast batch path (gigatoken when installed) gives the reference BPE's ids, and so does
+    its `tokenizers` fallback; the literal EOD text stays text on both."""
+    vocab_file, merge_file = tokenizer_files
+    texts = list(TRICKY_TEXTS) + ["", "a " + EOD_TOKEN + " b", "x" * 5000, "\r\n\t  \u00a0"]
+    reference = ReferenceBPE(vocab_file, merge_file)
+    want = [reference.encode(t) for t in texts]
+    for fast in (True, False):
+        tok = build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+        if not fast:
+            tok._fast = None  # the `tokenizers` fallback
+        flat, lengths = tok.encode_flat(texts, parallel=False)
+        assert flat.dtype.name == "uint32" and lengths.tolist() == [len(w) for w in want]
+        assert flat.tolist() == [i for w in want for i in w], tok.fast_backend
+
+
 def test_errors_name_the_problem(tmp_path, tokenizer_files):
     vocab_file, merge_file = tokenizer_files
     with pytest.raises(ValueError, match="GPT2BPETokenizer"):

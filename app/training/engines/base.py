@@ -69,7 +69,15 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def step(self) -> StepResult:
-        """Synchronise gradients, clip, update the weights and advance the LR schedule by one."""
+        """Synchronise gradients, clip, update the weights and advance the LR schedule by one
+        update (an iteration, or its global batch when the schedule counts samples)."""
+
+    def set_global_batch(self, global_batch_size: int, num_micro_batches: int) -> None:
+        """The coming iteration's global batch and micro-batches per rank (a batch-size
+        schedule changes them between iterations): a schedule that counts samples advances by
+        the batch."""
+        if getattr(self.lr_scheduler, "in_samples", False):
+            self.lr_scheduler.increment = global_batch_size
 
     def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
                         asynchronous: bool = False) -> str:

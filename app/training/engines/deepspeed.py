@@ -63,6 +63,10 @@ from app.launch.ports import free_port
 from app.training.engines import zero3
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
+from app.utils.third_party import prepare_deepspeed_import, silence_deepspeed_deprecations
+
+prepare_deepspeed_import()  # before any `import deepspeed` below (app/utils/third_party.py)
+silence_deepspeed_deprecations()
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +350,7 @@ class DeepSpeedEngineAdapter(Engine):
             state["scheduler_steps"] = {"num_steps": int(self.lr_scheduler.num_steps)}
         state["args"] = checkpoint_args_namespace(  # lets converters write Megatron's layout
             self.cfg, client_state["consumed_train_samples"],
-            client_state["consumed_valid_samples"], iteration)
+            client_state["consumed_valid_samples"], iteration, client_state.get("data_order"))
         if not self.cfg.checkpoint.no_save_rng:
             state["rng_state"] = rng_state_dict()
         files, directory = self.files, names.checkpoint_dir(save_dir, iteration)

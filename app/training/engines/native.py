@@ -1,4 +1,6 @@
-"""The native engine: our own gradient sync, precision wrapper, AdamW and Megatron checkpoints.
+"""The native engine: our own gradient sync, precision wrapper, AdamW and Megatron checkpoints
+(the legacy `--ckpt-format torch` files, or `torch_dist`, each rank writing its own shards; a
+load reads whichever format the iteration directory holds).
 
 Per iteration: micro-batch losses are scaled (fp16) and back-propagated (`backward`), which also
 notes any non-finite loss; then `step` averages the accumulated gradients over the
@@ -18,14 +20,16 @@ import torch
 from app.config import RunConfig
 from app.mpu.parallel_state import ParallelState
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
+from app.mpu import collectives
 from app.mpu.random import rng_state_dict
-from app.checkpointing import commit
+from app.checkpointing import commit, dcp_files, mcore_state, torch_dist
 from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
 from app.checkpointing.layouts import check_loadable
 from app.checkpointing.snapshot import HostBuffers, host_copy
 from app.checkpointing.model_args import checkpoint_args_namespace
 from app.launch.distributed import world_group
+from app.optim.distributed_optimizer import DistributedOptimizer
 from app.training.engines.base import Engine, StepResult
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
 
@@ -64,13 +68,18 @@ class NativeEngine(Engine):
             allreduce_embedding_grad(None if tied is None else self.optimizer.embedding_grad(tied),
                                      self.ps)
 
+    def set_global_batch(self, global_batch_size: int, num_micro_batches: int) -> None:
+        super().set_global_batch(global_batch_size, num_micro_batches)
+        if hasattr(self.optimizer, "num_micro_batches"):  # the distributed optimizer's buckets
+            self.optimizer.num_micro_batches = num_micro_batches
+
     def step(self) -> StepResult:
         self._sync_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         outcome = self.optimizer.step(self.ps, self.cfg.optimizer.clip_grad, world_group(),
                                       self._nonfinite_loss)
         if not outcome.skipped:
-            self.lr_scheduler.step(1)
+            self.lr_scheduler.step()  # one update: an iteration, or its batch in samples
         return StepResult(grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
                           loss_scale=self.optimizer.loss_scale, nonfinite=outcome.nonfinite,
                           nonfinite_loss=outcome.nonfinite_loss)
@@ -93,12 +102,15 @@ class NativeEngine(Engine):
 
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
                    asynchronous: bool) -> commit.PendingSave:
-        """This rank's Megatron file (data-parallel rank 0 of each model-parallel rank writes;
-        the others only agree); asynchronously from a host copy of the state."""
+        """This rank's part of a checkpoint in --ckpt-format: torch (data-parallel rank 0 of
+        each model-parallel rank writes its Megatron file; the others only agree) or
+        torch_dist (every rank writes its own shards); asynchronously from a host copy."""
+        if self.cfg.checkpoint.ckpt_format == torch_dist.FORMAT:
+            return self._start_torch_dist_save(save_dir, iteration, client_state, asynchronous)
         c = self.cfg.checkpoint
         args_ns = checkpoint_args_namespace(
             self.cfg, client_state["consumed_train_samples"],
-            client_state["consumed_valid_samples"], iteration)
+            client_state["consumed_valid_samples"], iteration, client_state.get("data_order"))
         rng = None if c.no_save_rng else rng_state_dict()
         writer = self.ps.data_parallel_rank == 0  # one replica writes; the others follow it
         state = ckpt.build_checkpoint_dict(
@@ -117,6 +129,74 @@ class NativeEngine(Engine):
                                is_tracker_writer=self.ps.rank == 0,
                                keep_last_n=c.keep_last_n_checkpoints, background=asynchronous,
                                **self._rank_kwargs())
+
+    def _layout(self) -> torch_dist.RankLayout:
+        return torch_dist.RankLayout.of(self.ps, self.cfg.model.num_layers)
+
+    def _start_torch_dist_save(self, save_dir: str, iteration: int,
+                               client_state: Dict[str, Any], asynchronous: bool
+                               ) -> commit.PendingSave:
+        """Every rank writes its share of the model and optimizer boxes (torch_dist)."""
+        c = self.cfg.checkpoint
+        optimizer = None if c.no_save_optim else self.optimizer.model_space_state()
+        common = None
+        if self.ps.rank == 0:
+            distributed = isinstance(self.optimizer, DistributedOptimizer)
+            common = mcore_state.build_common(
+                checkpoint_args_namespace(self.cfg, client_state["consumed_train_samples"],
+                                          client_state["consumed_valid_samples"], iteration),
+                iteration, distributed_optimizer=distributed,
+                scheduler=None if c.no_save_optim else self.lr_scheduler.state_dict(),
+                optimizer=None if optimizer is None else
+                mcore_state.optimizer_part(optimizer, distributed=distributed))
+        entries = torch_dist.save_entries(dict(self.module.state_dict(keep_vars=True)),
+                                          self._layout(), optimizer, common,
+                                          None if c.no_save_rng else rng_state_dict())
+        if asynchronous:  # the previous save is committed: its buffers are free
+            self._host_buffers.new_save()
+            copies = host_copy([e.tensor for e in entries], self._host_buffers)
+            for entry, copy in zip(entries, copies):
+                entry.tensor = copy
+        device = next(self.module.parameters()).device
+        return torch_dist.start_save(
+            save_dir, iteration, entries, rank=self.ps.rank,
+            gather=lambda record: collectives.gather_object(record, 0, world_group()),
+            agree=commit.world_agreement(device), keep_last_n=c.keep_last_n_checkpoints,
+            background=asynchronous)
+
+    def _read_torch_dist(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
+        """Read this rank's boxes of a torch_dist checkpoint, saved at any layout."""
+        template = self.optimizer.model_space_state() if plan.load_optimizer else None
+        where = names.checkpoint_dir(load_dir, plan.iteration)
+        reader = dcp_files.Reader(where)
+        common = torch_dist.read_common(reader)
+        ckpt.check_checkpoint_version(common, where)
+        args = common.get("args")
+        check_saved_args(plan, args, self.cfg, where, reshardable=True)
+        layout = self._layout()
+        state = torch_dist.read_rank_state(where, dict(self.module.state_dict(keep_vars=True)),
+                                           layout, template, common, reader)
+        self._load_weights(state.weights, state.mains, where)
+        scheduler = mcore_state.scheduler_state(common)
+        if plan.load_optimizer:
+            if scheduler is None:
+                raise ckpt.CheckpointError(f"checkpoint in {where} has no opt_param_scheduler; "
+                                           "pass --no-load-optim (or --finetune)")
+            try:
+                self.optimizer.load_model_space_state(state.optimizer)
+            except ValueError as exc:
+                raise ckpt.CheckpointError(f"optimizer state in {where}: {exc}") from exc
+            self.lr_scheduler.load_state_dict(scheduler)
+        saved = (getattr(args, "tensor_model_parallel_size", 1),
+                 getattr(args, "pipeline_model_parallel_size", 1))
+        ours = (layout.tp_size, layout.pp_size)
+        note = "" if saved == ours else (
+            f"the checkpoint was saved at TP x PP {saved[0]} x {saved[1]} and this run is "
+            f"{ours[0]} x {ours[1]}: its RNG states are not restored (as Megatron-LM)")
+        return CheckpointContents(path=where, iteration=plan.iteration, args=args,
+                                  client_state=mcore_state.position(common, plan.iteration),
+                                  rng_state=None if note else state.rng_state,
+                                  scheduler_state=scheduler, rng_note=note)
 
     def _saved_weights(self, state: Dict[str, Any], load_dir: str, iteration: Any,
                        plan: ResumePlan) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
@@ -138,8 +218,11 @@ class NativeEngine(Engine):
                                          pp_size=self.ps.pipeline_model_parallel_size)
 
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
-        """Read this rank's Megatron-layout file; load the weights and, when the plan says so,
-        the optimizer and LR-scheduler states."""
+        """Read this rank's part of the checkpoint (torch_dist, or its legacy Megatron-layout
+        file); load the weights and, when the plan says so, the optimizer and LR-scheduler
+        states."""
+        if dcp_files.is_dcp_checkpoint(names.checkpoint_dir(load_dir, plan.iteration)):
+            return self._read_torch_dist(load_dir, plan)
         check_loadable(load_dir, plan.iteration, deepspeed=False,
                        tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
                        pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
@@ -164,6 +247,7 @@ class NativeEngine(Engine):
         position = {"iteration": iteration if iteration == "release" else int(iteration)}
         for key in ("consumed_train_samples", "consumed_valid_samples"):
             position[key] = int(getattr(args, key, 0) or 0)
+        position["data_order"] = getattr(args, "data_order", None)
         return CheckpointContents(path=where, iteration=iteration, args=args,
                                   client_state=position, rng_state=state.get("rng_state"),
                                   scheduler_state=state.get("lr_scheduler"))

@@ -16,18 +16,19 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from app.config import RunConfig, samples_per_split, split_weights
-from app.data.gpt_dataset import (SPLIT_NAMES, check_token_ids, samples_per_prefix,
-                                  token_id_range)
-from app.data.index_builder import compute_num_epochs, split_document_ranges
-from app.data.indexed_dataset import MMapIndexedDataset
+from app.config import DataConfig, RunConfig, samples_per_split
+from app.config.batch_schedule import check_divisible
+from app.data.mock_dataset import build_mock_datasets
+from app.data.plan import order_record
 from app.checkpointing import CheckpointError
 from app.checkpointing import files as ckpt_files
-from app.checkpointing import layouts, model_args
+from app.checkpointing import dcp_files, layouts, model_args
 from app.launch import interfaces
+from app.training.planning.data_check import check_data
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
+from app.training.resilience.data_order import check_data_order
 from app.training.resilience.resume import (ResumeTarget, check_resume, check_saved_args,
                                             decide_start, require_rng_state)
 from app.training.resilience.save_dir import held_by_live_run, save_dir_problem
@@ -42,6 +43,8 @@ class Report:
 
     sections: List[Tuple[str, List[Tuple[str, str]]]] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    name: str = "preflight"
+    title: str = "preflight (--dry-run)"
 
     def section(self, title: str) -> None:
         self.sections.append((title, []))
@@ -73,14 +76,14 @@ class Report:
 
     def render(self) -> str:
         """The report as text: one block per section, then a summary line."""
-        lines = ["==================== preflight (--dry-run) ===================="]
+        lines = [f"{'=' * 20} {self.title} {'=' * 20}"]
         for title, items in self.sections:
             lines.append(f"[{title}]")
             lines.extend(f"  {level:<5} {message}" for level, message in items)
         elapsed = time.perf_counter() - self.started
         errors, warnings = self.count("ERROR"), self.count("warn")
         verdict = "FAILED" if errors else "passed"
-        lines.append(f"preflight {verdict}: {errors} error(s), {warnings} warning(s) "
+        lines.append(f"{self.name} {verdict}: {errors} error(s), {warnings} warning(s) "
                      f"in {elapsed:.1f} s")
         return "\n".join(lines)
 
@@ -96,11 +99,12 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
     p, t, m = cfg.parallel, cfg.training, cfg.model
     report.ok(f"world size {p.world_size} = tensor {p.tensor_model_parallel_size} x pipeline "
               f"{p.pipeline_model_parallel_size} x data {p.data_parallel_size}")
+    samples = cfg.batch_schedule.samples_in(t.train_iters)
     report.ok(f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x "
               f"{t.num_micro_batches(p.data_parallel_size)} micro-batches x data-parallel "
               f"{p.data_parallel_size}; {t.train_iters} iterations = "
-              f"{t.train_iters * t.global_batch_size:,} samples = "
-              f"{t.train_iters * t.global_batch_size * m.seq_length:,} tokens")
+              f"{samples:,} samples = {samples * m.seq_length:,} tokens")
+    _describe_batch_schedule(report, cfg)
     report.ok(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
               f"heads, seq {m.seq_length}, vocab {cfg.raw_vocab_size} padded to "
               f"{m.padded_vocab_size}, {m.num_parameters():,} parameters, weights "
@@ -123,71 +127,42 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
                   f"{cfg.checkpoint.save_interval} extra iterations of data for the skipped windows")
 
 
-# ---------------------------------------------------------------------------- data
-
-def _check_prefix(report: Report, prefix: str, needed: Sequence[int],
-                  fractions: Tuple[float, float, float], seq_length: int,
-                  vocab_size: Optional[int], cache_dir: Optional[str]) -> None:
-    try:
-        indexed = MMapIndexedDataset(prefix)
-    except (ValueError, OSError) as exc:  # DatasetFormatError is a ValueError
-        report.error(f"--data-path {prefix}: {exc}")
+def _describe_batch_schedule(report: Report, cfg: RunConfig) -> None:
+    """The batch-size schedule's batches, micro-batches and where each starts."""
+    schedule, t, dp = cfg.batch_schedule, cfg.training, cfg.parallel.data_parallel_size
+    if not schedule.varies:
         return
-    docs = indexed.num_documents
-    lengths = indexed.document_token_ranges()[:, 1]
-    report.ok(f"{prefix}: {docs:,} documents, {int(lengths.sum()):,} tokens ({indexed.dtype.name})")
-    if docs == 0:
-        report.error(f"{prefix} holds no documents; re-run tools/preprocess_data.py on a "
-                     "non-empty input or leave it out of --data-path")
-        return
-    if vocab_size is not None:
-        cache = cache_dir or os.path.dirname(os.path.abspath(prefix))
-        lo, hi = token_id_range(indexed, cache)
-        if lo >= 0 and hi < vocab_size:
-            report.ok(f"{prefix}: token ids in [{lo}, {hi}], below the vocabulary size {vocab_size}")
-        else:
-            try:
-                check_token_ids(indexed, vocab_size, cache)
-            except ValueError as exc:
-                report.error(str(exc))
-    for name, (start, end), n in zip(SPLIT_NAMES, split_document_ranges(docs, fractions), needed):
-        tokens = int(lengths[start:end].sum())
-        if n <= 0:
-            continue
-        if end <= start or tokens == 0:
-            level = report.error if name == "train" else report.warn
-            level(f"{prefix}: the {name} split (--split) has no "
-                  f"{'documents' if end <= start else 'tokens'} but {n:,} samples are needed"
-                  + ("; give the first weight of --split a positive value" if name == "train"
-                     else f"; {name} evaluation is skipped"))
-            continue
-        epochs = compute_num_epochs(tokens, seq_length, n)
-        text = (f"{prefix}: {name} documents [{start:,}, {end:,}), {tokens:,} tokens -> "
-                f"{n:,} samples need {epochs} epoch(s)")
-        (report.warn if name == "train" and epochs > 1 else report.ok)(
-            text + (" (the training data repeats)" if name == "train" and epochs > 1 else ""))
-
-
-def check_data(report: Report, data_path: Sequence[str], split: str, seq_length: int,
-               num_samples: Optional[Sequence[int]], vocab_size: Optional[int],
-               cache_dir: Optional[str]) -> None:
-    """Every dataset of the blend opens and validates, its token ids fit the vocabulary, and
-    each split yields its samples (documents, tokens, epochs). `num_samples` None (the
-    configuration failed) checks the files only."""
-    report.section("data")
+    flag = ("--rampup-batch-size " + " ".join(map(str, t.rampup_batch_size))
+            if schedule.rampup else f"--step-batch-size-schedule {t.step_batch_size_schedule!r}")
+    sizes = schedule.sizes_from(0, t.train_iters)
     try:
-        fractions = split_weights(split)
-        entries = samples_per_prefix(data_path, num_samples or (0, 0, 0))
+        check_divisible(sizes, t.micro_batch_size, dp, flag)
     except ValueError as exc:
         report.error(str(exc))
         return
-    for weight, prefix, needed in entries:
-        if len(entries) > 1:
-            report.note(f"blend weight {weight:.4f} for {prefix}")
-        _check_prefix(report, prefix, needed, fractions, seq_length, vocab_size, cache_dir)
+    report.ok(f"{flag}: global batch {' -> '.join(map(str, sizes))}, micro-batches "
+              f"{' -> '.join(str(b // (t.micro_batch_size * dp)) for b in sizes)} per "
+              "data-parallel rank; the LR schedule counts samples (warmup "
+              f"{cfg.optimizer.lr_warmup_samples:,}, decay {cfg.optimizer.lr_decay_samples:,})")
 
 
 # ---------------------------------------------------------------------------- checkpoint
+
+def _verify_integrity(report: Report, layout: layouts.SavedLayout) -> bool:
+    """A torch_dist checkpoint's files against its integrity.json, as loading verifies them."""
+    try:
+        reader = dcp_files.Reader(layout.directory)
+        if reader.manifest is None:
+            report.note(f"{layout.directory} has no {dcp_files.INTEGRITY_FILE} to verify")
+            return True
+        reader.verify(reader.manifest)
+    except CheckpointError as exc:
+        report.error(str(exc))
+        return False
+    report.ok(f"all {len(reader.manifest)} checkpoint file(s) match "
+              f"{dcp_files.INTEGRITY_FILE}")
+    return True
+
 
 def _verify_checksums(report: Report, files: Sequence[str]) -> bool:
     """Every file against its SHA-256 sidecar, as loading verifies it; False after an error."""
@@ -221,10 +196,31 @@ def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> No
         report.error(str(exc))
 
 
-def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget) -> None:
+def _check_data_order(report: Report, cfg: RunConfig, saved: Any, data_order: Optional[dict],
+                      where: str) -> None:
+    """The data-order check a resume makes (app.training.resilience.data_order)."""
+    if data_order is None or not int(getattr(saved, "iteration", 0) or 0):
+        return
+    try:
+        consumed = {name: int(getattr(saved, f"consumed_{name}_samples", 0) or 0)
+                    for name in ("train", "valid")}
+        lines = check_data_order(getattr(saved, "data_order", None), data_order, where,
+                                 consumed, cfg.checkpoint.allow_data_order_change)
+    except CheckpointError as exc:
+        report.error(str(exc))
+        return
+    for line in lines:
+        report.note(line)
+    if not lines:
+        report.ok("the data order is the checkpoint's (seed, sequence length, datasets, "
+                  "weights, documents, epochs)")
+
+
+def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget,
+                       data_order: Optional[dict]) -> None:
     """What loading will check in the saved state, read without its tensors: the model shape
     (`check_saved_args`, as the engines call it), the RNG states the plan restores, the LR
-    schedule under these flags, and where the run resumes."""
+    schedule under these flags, where the run resumes and whether its data order is kept."""
     layout, plan = target.layout, target.plan
     try:
         state = layouts.read_saved_state(layout)
@@ -234,7 +230,8 @@ def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget) -> 
     saved = state.get("args")
     try:
         if saved is not None or not cfg.deepspeed.enabled:  # DeepSpeed's reader skips no args
-            check_saved_args(plan, saved, cfg, layout.directory)
+            check_saved_args(plan, saved, cfg, layout.directory,
+                             reshardable=layout.format == layouts.TORCH_DIST)
     except CheckpointError as exc:
         report.error(f"{layout.directory}: {exc}")
         return
@@ -264,15 +261,17 @@ def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget) -> 
                   f"{getattr(saved, 'consumed_train_samples', '?')}); "
                   + (f"{left} iteration(s) left" if left > 0 else
                      "nothing left to train: raise --train-iters to continue"))
+    _check_data_order(report, cfg, saved, data_order, layout.directory)
 
 
-def check_checkpoint(report: Report, cfg: RunConfig) -> None:
+def check_checkpoint(report: Report, cfg: RunConfig, data_order: Optional[dict] = None) -> None:
     """The start-up decisions of a real run (app.training.pretrain), made by the same functions
     in the same order but without writing anything: --save can be created and written
     (`save_dir_problem`) and no live run holds its writer lock (`held_by_live_run`; the lock is
     not taken); resume, fresh start or refusal (`decide_start`, with --overwrite-checkpoints,
     --finetune, --no-load-*); the saved layout against this run's engine and TP/PP/DP
-    (`check_resume`). Then what loading would find: checksums, model shape, RNG, LR schedule."""
+    (`check_resume`). Then what loading would find: checksums, model shape, RNG, LR schedule,
+    and (given this run's `data_order` record) whether the resume keeps the data order."""
     report.section("checkpoint")
     c = cfg.checkpoint
     if c.save:
@@ -298,8 +297,19 @@ def check_checkpoint(report: Report, cfg: RunConfig) -> None:
                   "(latest_universal), which DeepSpeed re-slices for this layout")
         return
     report.ok(f"--load {c.load}: iteration {target.plan.iteration}, {target.layout.describe()}")
+    if target.layout.format == layouts.TORCH_DIST:
+        p = cfg.parallel
+        report.ok(f"it loads resharded to this run's tensor-parallel size "
+                  f"{p.tensor_model_parallel_size}, pipeline-parallel size "
+                  f"{p.pipeline_model_parallel_size}, data-parallel size {p.data_parallel_size}; "
+                  f"this run saves --ckpt-format {c.ckpt_format}")
+        if _verify_integrity(report, target.layout):
+            _check_saved_state(report, cfg, target)
+        return
+    if c.save:
+        report.ok(f"this run saves --ckpt-format {c.ckpt_format}")
     if _verify_checksums(report, target.layout.model_files + target.layout.optimizer_files):
-        _check_saved_state(report, cfg, target)
+        _check_saved_state(report, cfg, target, data_order)
 
 
 # ---------------------------------------------------------------------------- memory
@@ -349,18 +359,38 @@ def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) 
                  f"{fit}: {hint}, or add --checkpoint-activations")
 
 
-def run_checks(report: Report, cfg: Optional[RunConfig], *, data_path: Sequence[str],
-               split: str, data_cache_path: Optional[str], vocab_size: Optional[int],
-               device_memory_gib: Optional[float]) -> Report:
-    """Every check that can run: the configuration, data, checkpoint and memory sections; with
-    `cfg` None (the configuration failed, already reported) only the data files."""
+def describe_mock_data(report: Report, cfg: Optional[RunConfig]) -> None:
+    """--mock-data: the synthetic samples each split will serve (no file to check)."""
+    report.section("data")
+    if cfg is None:
+        report.note("--mock-data: no data files; the sample counts follow from a valid "
+                    "configuration")
+        return
+    datasets = build_mock_datasets(samples_per_split(cfg), cfg.model.seq_length,
+                                   cfg.raw_vocab_size, cfg.training.seed)
+    for dataset in datasets:
+        if dataset is not None:
+            report.ok(f"--mock-data: {dataset.describe()}; no data files read")
+
+
+def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataConfig],
+               vocab_size: Optional[int], device_memory_gib: Optional[float]) -> Report:
+    """Every check that can run: the configuration, data (or the --mock-data samples),
+    checkpoint and memory sections; with `cfg` None (the configuration failed, already
+    reported) only the data files of `data`."""
     if cfg is not None:
         report.section("configuration")
         describe_config(report, cfg)
         report.add(*interfaces.describe_choice(cfg.parallel.distributed_backend))
-    check_data(report, data_path, split, cfg.model.seq_length if cfg else 1,
-               samples_per_split(cfg) if cfg else None, vocab_size, data_cache_path)
+    data = cfg.data if cfg else data
+    plan = None
+    if data is not None and data.mock_data:
+        describe_mock_data(report, cfg)
+    else:
+        plan = check_data(report, data, samples_per_split(cfg) if cfg else None,
+                          cfg.model.seq_length if cfg else 1, vocab_size)
     if cfg is not None:
-        check_checkpoint(report, cfg)
+        check_checkpoint(report, cfg, None if plan is None else
+                         order_record(plan, cfg.training.seed))
         check_memory(report, cfg, device_memory_gib)
     return report

@@ -86,6 +86,9 @@ class CheckpointContents:
     rng_state: Any = None
     scheduler_state: Optional[Dict[str, Any]] = None
     """The saved LR scheduler's state (its step count continues a --no-load-optim resume)."""
+    rng_note: str = ""
+    """Why the saved RNG states do not apply to this run (a torch_dist checkpoint saved at
+    another TP x PP): then they are not restored, and this says so in the log."""
 
 
 @dataclass
@@ -96,6 +99,8 @@ class LoadResult:
     consumed_train_samples: int
     consumed_valid_samples: int
     path: str
+    data_order: Optional[Dict[str, Any]] = None
+    """The checkpoint's data-order record (app.data.plan.order_record), None when it has none."""
 
 
 @dataclass(frozen=True)
@@ -280,8 +285,9 @@ def plan_resume(c: CheckpointConfig, iteration: names.Iteration) -> ResumePlan:
 
 
 def check_saved_args(plan: ResumePlan, saved: Optional[argparse.Namespace], cfg: RunConfig,
-                     where: str) -> None:
-    """Refuse a checkpoint whose model shape or layout differs from this run's.
+                     where: str, reshardable: bool = False) -> None:
+    """Refuse a checkpoint whose model shape or layout differs from this run's; a
+    `reshardable` one (torch_dist) may have any TP x PP and vocabulary padding.
 
     A checkpoint without `args` (not written by us or by Megatron) is accepted weights-only.
     """
@@ -290,7 +296,8 @@ def check_saved_args(plan: ResumePlan, saved: Optional[argparse.Namespace], cfg:
             raise ckpt.CheckpointError(f"{where} has no 'args', so its model shape cannot be "
                                        "checked; pass --finetune to load its weights only")
         return
-    model_args.check_checkpoint_args(saved, model_args.checkpoint_args_namespace(cfg, 0, 0, 0))
+    model_args.check_checkpoint_args(saved, model_args.checkpoint_args_namespace(cfg, 0, 0, 0),
+                                     reshardable=reshardable)
 
 
 def scheduler_steps(saved_scheduler: Optional[Dict[str, Any]], iteration: int) -> int:
@@ -321,12 +328,15 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
     if not plan.load_optimizer:  # fresh optimizer states, the LR continues where the run was
         engine.lr_scheduler.step(scheduler_steps(contents.scheduler_state, saved_iteration))
         logger.info("--no-load-optim: optimizer states start fresh; the LR schedule continues")
-    if plan.load_rng:
+    if plan.load_rng and contents.rng_note:
+        logger.info("%s", contents.rng_note)
+    elif plan.load_rng:
         require_rng_state(plan, contents.rng_state, contents.path)
         ckpt.apply_rng_state(contents.rng_state, load_rng_state_dict)
     position = contents.client_state
     return LoadResult(saved_iteration, int(position.get("consumed_train_samples", 0)),
-                      int(position.get("consumed_valid_samples", 0)), contents.path)
+                      int(position.get("consumed_valid_samples", 0)), contents.path,
+                      position.get("data_order"))
 
 
 def load_on_all_ranks(engine: Any, load_dir: str, device: torch.device,

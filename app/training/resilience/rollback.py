@@ -140,7 +140,8 @@ class SpikeRollback:
             return
         t, save = self.cfg.training, self.cfg.checkpoint.save
         back_to = latest if isinstance(latest, int) else 0  # "release" restarts the count
-        needed = state.consumed_train_samples + (t.train_iters - back_to) * t.global_batch_size
+        needed = state.consumed_train_samples + self.cfg.batch_schedule.samples_in(
+            t.train_iters - back_to, state.consumed_train_samples)
         if needed <= self.train_samples:
             return
         raise TrainingAborted(

@@ -6,7 +6,10 @@
   module, e.g. a test file). Each rank calls `fn(*args)` after
   `torch.distributed.init_process_group("gloo")`; it reads its rank with
   `torch.distributed.get_rank()`. Return values must be picklable; they come back as a list
-  indexed by rank.
+  indexed by rank. A rank pickles its value itself, with the standard pickle, and sends bytes:
+  torch's multiprocessing pickler would send a tensor as a file descriptor that the parent
+  fetches from the rank's process, which fails (EOFError, FileNotFoundError) once the rank has
+  exited, as it may before a busy parent reads.
 - Rendezvous is a FileStore in a fresh temporary directory; each rank runs torch with one
   thread (the machine has few cores and several ranks share them).
 - A rank that raises makes the parent raise `DistributedTestError` with that rank's traceback
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import shutil
 import tempfile
@@ -48,7 +52,8 @@ def _context() -> Any:
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
                results: Any, args: tuple, backend: str) -> None:
-    """Child entry: init the process group, run fn, report ("ok", value) or ("error", text)."""
+    """Child entry: init the process group, run fn, report ("ok", pickled value) or ("error",
+    text); a value that cannot be pickled is reported as an error."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -58,7 +63,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_file: st
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
-        value = fn(*args)
+        value = pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -100,38 +105,40 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
 
 
 def _collect(procs: List[Any], results: Any, world_size: int, timeout: float) -> List[Any]:
-    """Wait for every rank's report; raise on the first error, a silent death or the timeout."""
+    """Wait for every rank's report; raise on the first error, a rank that exited without
+    reporting, or the timeout."""
     deadline = time.monotonic() + timeout
     values: Dict[int, Any] = {}
     while len(values) < world_size:
-        try:
-            rank, status, value = results.get(timeout=0.2)
-        except queue_module.Empty:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(values))
-                raise TimeoutError(f"run_distributed: ranks {missing} of {world_size} did not "
-                                   f"finish within {timeout:.0f} s (killed)") from None
-            for rank, p in enumerate(procs):
-                if rank not in values and not p.is_alive() and p.exitcode not in (0, None):
-                    _drain_errors(results)
-                    raise DistributedTestError(
-                        f"rank {rank} died with exit code {p.exitcode} without reporting")
+        if _receive(results, values, world_size, wait=0.2):
             continue
-        if status == "error":
-            raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{value}")
-        values[rank] = value
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(values))
+            raise TimeoutError(f"run_distributed: ranks {missing} of {world_size} did not "
+                               f"finish within {timeout:.0f} s (killed)")
+        exited = [rank for rank, p in enumerate(procs) if rank not in values and not p.is_alive()]
+        if exited:
+            # a rank's report is in the pipe before it exits: take what was sent, then judge
+            while len(values) < world_size and _receive(results, values, world_size, wait=0.5):
+                pass
+            for rank in exited:
+                if rank not in values:
+                    raise DistributedTestError(f"rank {rank} of {world_size} exited with code "
+                                               f"{procs[rank].exitcode} without reporting")
     return [values[rank] for rank in range(world_size)]
 
 
-def _drain_errors(results: Any) -> None:
-    """Raise a rank's reported error if one is already queued (better than "died")."""
+def _receive(results: Any, values: Dict[int, Any], world_size: int, wait: float) -> bool:
+    """Take one report off the queue into `values`, raising a rank's reported error; False when
+    none came within `wait` seconds."""
     try:
-        while True:
-            rank, status, value = results.get(timeout=0.5)
-            if status == "error":
-                raise DistributedTestError(f"rank {rank} failed:\n{value}")
+        rank, status, payload = results.get(timeout=wait)
     except queue_module.Empty:
-        return
+        return False
+    if status == "error":
+        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{payload}")
+    values[rank] = pickle.loads(payload)
+    return True
 
 
 _SOFT_FAILURES: List[str] = []

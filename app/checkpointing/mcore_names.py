@@ -1,0 +1,138 @@
+"""Our parameter names <-> Megatron Core's GPT keys in a `torch_dist` checkpoint: the one table.
+
+Megatron Core (checked against core_v0.19.0: GPTModel / TransformerBlock / TransformerLayer
+`sharded_state_dict`, the local spec of gpt_layer_specs.py) names the GPT tensors by module path
+without the layer number: every transformer layer's tensor is one global tensor
+`decoder.layers.<module>.<param>` stacked along a leading layer dimension of size num_layers
+(`non_homogeneous_layers` False, `singleton_local_shards` False). Its local spec keeps the two
+LayerNorms as separate modules but maps their keys to Transformer Engine's fused names
+(`input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` ->
+`mlp.linear_fc1.layer_norm_`), so checkpoints of both specs have the same keys, which are the
+ones below. Our names are Megatron-LM's legacy ones with global layer indices
+(docs/architecture.md). The fused QKV rows are ordered alike in both: per query group, its query
+heads then its key and value head (Megatron Core's `[ng, (np/ng + 2) * hn]`, our
+checkpoint_version 3.0), so no row is permuted.
+
+Optimizer states follow the model keys (megatron/core/dist_checkpointing/optimizer.py and the
+distributed optimizer's `fully_reshardable` format): `optimizer.state.<state>.<model key>` with
+<state> `exp_avg`, `exp_avg_sq`, `momentum_buffer`, and the fp32 main weights as `fp32_param`
+(Float16Optimizer) or `param` (DistributedOptimizer).
+
+Which dimension tensor parallelism splits is not here: it is the parameter's own mark
+(`param.partition_dim`, set by the app.mpu layers; app.convert.layout for offline tensors).
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional, Tuple
+
+OUR_LAYER_PREFIX = "language_model.transformer.layers."
+MCORE_LAYER_PREFIX = "decoder.layers."
+
+LAYER_KEYS: Dict[str, str] = {
+    # our suffix after layers.{i}.         Megatron Core suffix after decoder.layers.
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "attention.query_key_value.weight": "self_attention.linear_qkv.weight",
+    "attention.query_key_value.bias": "self_attention.linear_qkv.bias",
+    "attention.dense.weight": "self_attention.linear_proj.weight",
+    "attention.dense.bias": "self_attention.linear_proj.bias",
+    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "post_attention_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1.weight",
+    "mlp.dense_h_to_4h.bias": "mlp.linear_fc1.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
+}
+"""One transformer layer: our suffix -> Megatron Core's key suffix (stacked over layers)."""
+
+MODEL_KEYS: Dict[str, str] = {
+    "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "language_model.transformer.final_layernorm.weight": "decoder.final_layernorm.weight",
+    "language_model.transformer.final_layernorm.bias": "decoder.final_layernorm.bias",
+    "language_model.output_layer.weight": "output_layer.weight",
+    "word_embeddings.weight": "embedding.word_embeddings.weight",
+}
+"""The tensors outside the layers. `word_embeddings.weight` is the last pipeline stage's tied
+copy of the word embeddings: Megatron Core stores it under the first stage's key as a replica
+(replica_id (1, 0, dp)), so it is read from there and never written."""
+
+TIED_COPY = "word_embeddings.weight"
+
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj",
+                       "mlp.linear_fc1", "mlp.linear_fc2")
+"""The linear layers whose `_extra_state` (None outside Transformer Engine's FP8) Megatron
+Core stores per layer as a ShardedObject `decoder.layers.<module>._extra_state`; a Megatron
+model asks for them on load, so we write them (empty) and ignore them on read."""
+
+OPTIMIZER_PREFIX = "optimizer.state."
+MAIN_WEIGHT_KEYS = ("fp32_param", "param")
+"""The fp32 main weights: Float16Optimizer's name, then DistributedOptimizer's."""
+
+_OUR_LAYER = re.compile(r"^language_model\.transformer\.layers\.(\d+)\.(.+)$")
+_FROM_MCORE = {mcore: ours for ours, mcore in LAYER_KEYS.items()}
+_MODEL_FROM_MCORE = {mcore: ours for ours, mcore in MODEL_KEYS.items() if ours != TIED_COPY}
+
+
+def to_mcore(name: str) -> Tuple[str, Optional[int]]:
+    """(Megatron Core key, global layer index or None) of our parameter `name`; KeyError naming
+    it for a parameter the table does not know."""
+    match = _OUR_LAYER.match(name)
+    if match:
+        suffix = match.group(2)
+        if suffix not in LAYER_KEYS:
+            raise KeyError(f"parameter {name!r} has no Megatron Core key (known layer "
+                           f"parameters: {', '.join(LAYER_KEYS)})")
+        return MCORE_LAYER_PREFIX + LAYER_KEYS[suffix], int(match.group(1))
+    if name not in MODEL_KEYS:
+        raise KeyError(f"parameter {name!r} has no Megatron Core key (app/checkpointing/"
+                       "mcore_names.py lists every GPT-2 parameter)")
+    return MODEL_KEYS[name], None
+
+
+def is_stacked(key: str) -> bool:
+    """Whether the Megatron Core tensor `key` stacks the layers along a leading dimension."""
+    return key.startswith(MCORE_LAYER_PREFIX)
+
+
+def from_mcore(key: str, layer: Optional[int] = None) -> str:
+    """Our parameter name of Megatron Core `key` (of `layer` when the key is stacked);
+    KeyError for a key the table does not know."""
+    if is_stacked(key):
+        suffix = key[len(MCORE_LAYER_PREFIX):]
+        if suffix not in _FROM_MCORE or layer is None:
+            raise KeyError(f"Megatron Core key {key!r} is not a GPT-2 layer tensor we know")
+        return f"{OUR_LAYER_PREFIX}{layer}.{_FROM_MCORE[suffix]}"
+    if key not in _MODEL_FROM_MCORE:
+        raise KeyError(f"Megatron Core key {key!r} is not a GPT-2 tensor we know")
+    return _MODEL_FROM_MCORE[key]
+
+
+def model_keys() -> Tuple[str, ...]:
+    """Every Megatron Core model key the table can produce (stacked layer keys included)."""
+    return tuple(MCORE_LAYER_PREFIX + v for v in LAYER_KEYS.values()) + tuple(_MODEL_FROM_MCORE)
+
+
+def optimizer_key(state: str, key: str) -> str:
+    """`optimizer.state.<state>.<model key>`: one optimizer state tensor of a model tensor."""
+    return f"{OPTIMIZER_PREFIX}{state}.{key}"
+
+
+def split_optimizer_key(key: str) -> Optional[Tuple[str, str]]:
+    """(state, model key) of an `optimizer.state.<state>.<model key>` key; None otherwise."""
+    if not key.startswith(OPTIMIZER_PREFIX):
+        return None
+    state, _, model_key = key[len(OPTIMIZER_PREFIX):].partition(".")
+    return (state, model_key) if model_key else None
+
+
+def extra_state_key(module: str, layer: int, num_layers: int) -> str:
+    """The DCP key of one layer's `_extra_state` object: Megatron Core's ShardedObject unique
+    key `<key>/shard_<offset>_<shape>` with the layer as offset and num_layers as shape."""
+    return f"{MCORE_LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"
+
+
+def object_key(key: str, offset: Tuple[int, ...], shape: Tuple[int, ...]) -> str:
+    """Megatron Core's DCP key of a ShardedObject: `<key>/shard_<o.o>_<s.s>`."""
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"

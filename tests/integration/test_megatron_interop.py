@@ -1,0 +1,92 @@
+"""Megatron-LM's own code reads our torch_dist checkpoints, and we read its.
+
+Needs a Megatron-LM checkout whose Megatron Core imports on CPU (core_v0.19.0 was used; its
+dependencies beyond ours: triton): set MEGATRON_LM to the checkout and, when its dependencies
+live in another environment, MEGATRON_PYTHON to that Python. Skipped otherwise.
+
+- ours -> Megatron: a run saved at TP2 x PP2 (4 ranks, after 3 steps, with its optimizer) is
+  loaded by Megatron Core's dist_checkpointing.load into its GPTModel built with the local spec
+  at TP1 (strict: every key Megatron asks for exists), and Megatron's logits equal ours (1e-4).
+- Megatron -> ours: a GPTModel saved by Megatron Core's dist_checkpointing.save the way
+  Megatron-LM saves (common state with Megatron's args and enums, rng_state, tracker) resumes
+  here (--finetune) at TP2 on two ranks, whose logits equal Megatron's.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.harness.distributed import run_distributed
+from tests.integration.launch_utils import ROOT, env
+
+MEGATRON = os.environ.get("MEGATRON_LM")
+PYTHON = os.environ.get("MEGATRON_PYTHON", sys.executable)
+SIDE = os.path.join(ROOT, "tests", "integration", "megatron_side.py")
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-2", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--make-vocab-size-divisible-by", "8",
+        "--distributed-backend", "gloo", "--ckpt-format", "torch_dist"]
+
+pytestmark = pytest.mark.skipif(not MEGATRON, reason="set MEGATRON_LM to a Megatron-LM checkout "
+                                                     "(and MEGATRON_PYTHON to its Python)")
+
+
+def megatron(*args, cwd):
+    """megatron_side.py under Megatron-LM's Python; its output, after checking it exited 0."""
+    proc = subprocess.run([PYTHON, SIDE, *args], capture_output=True, text=True, cwd=cwd,
+                          env=dict(env(), PYTHONPATH=MEGATRON), timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def _build(flags, world):
+    import arguments
+    from tests.harness.synthetic import build_synthetic_run
+    return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, 64), 64)
+
+
+def _logits(run, tokens):
+    model = run["model"]
+    model.eval()
+    with torch.no_grad():
+        return model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens))
+
+
+def _save_tp2_pp2(directory):
+    run = _build(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4)
+    for _ in range(3):
+        run["trainer"].train_step(run["iterator"])
+    run["engine"].save_checkpoint(directory, 3, dict(iteration=3, consumed_train_samples=12,
+                                                     consumed_valid_samples=0))
+
+
+def test_megatron_reads_our_tp2_pp2_checkpoint(tmp_path):
+    ours = str(tmp_path / "ours")
+    run_distributed(_save_tp2_pp2, 4, ours, timeout=300)
+    loaded = _build(["--load", ours, "--finetune"], 1)
+    loaded["engine"].load_checkpoint(ours)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.save({"tokens": tokens, "logits": _logits(loaded, tokens)}, f"{ours}/probe.pt")
+    print(megatron("read", ours, cwd=tmp_path))
+
+
+def _read_at_tp2(directory):
+    import torch.distributed as dist
+    run = _build(["--tensor-model-parallel-size", "2", "--load", directory, "--finetune"], 2)
+    run["engine"].load_checkpoint(directory)
+    probe = torch.load(f"{directory}/probe.pt")
+    mine = _logits(run, probe["tokens"])  # [b, s, V/2]: this rank's half of the vocabulary
+    width = mine.shape[-1]
+    want = probe["logits"][..., dist.get_rank() * width:(dist.get_rank() + 1) * width]
+    return (mine - want).abs().max().item()
+
+
+def test_we_read_megatrons_checkpoint_at_tp2(tmp_path):
+    theirs = str(tmp_path / "theirs")
+    os.makedirs(theirs)
+    print(megatron("write", theirs, cwd=tmp_path))
+    diffs = run_distributed(_read_at_tp2, 2, theirs, timeout=300)
+    assert max(diffs) < 1e-4, diffs
