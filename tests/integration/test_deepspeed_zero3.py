@@ -6,12 +6,13 @@ path in tests/distributed/test_deepspeed_zero3.py): one run saving at iterations
   SHA-256 sidecar; a run resumed from iteration 3 logs the uninterrupted run's losses bit for
   bit, and refuses a damaged file by its checksum; the log shows the gradient norm, the
   validation loss and the bytes each rank holds;
-- DeepSpeed's own zero_to_fp32 reads the checkpoint, and our converter's Megatron checkpoint
-  holds the same weights; its Hugging Face export greedy-generates what tools/generate.py
+- DeepSpeed's own zero_to_fp32 reads the checkpoint, and our converter's Megatron (legacy)
+  checkpoint holds the same weights; its Hugging Face export greedy-generates what tools/generate.py
   generates from the ZeRO-3 checkpoint itself;
-- at DP 1: ds_to_universal + --universal-checkpoint, and the converter with the Adam moments
-  resumed on the native path, continue the uninterrupted losses within 1e-5; --no-load-optim
-  loads the weights (ZeRO-3 pieces of another DP size) and the LR schedule;
+- at DP 1: ds_to_universal + --universal-checkpoint, and the converter's torch_dist checkpoint
+  with the Adam moments resumed on the native path, continue the uninterrupted losses within
+  1e-5 (its Megatron legacy output is checked above); --no-load-optim loads the weights
+  (ZeRO-3 pieces of another DP size) and the LR schedule;
 - a ZeRO-2 run refuses the ZeRO-3 checkpoint with the fix, before DeepSpeed reads a file.
 """
 import json
@@ -145,13 +146,13 @@ def test_zero3_resumes_at_dp1(tiny_corpus, zero3_dp2):
     print(f"ZeRO-3 DP2 -> universal -> DP1 vs uninterrupted: {worst:.2e}")
 
     run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
-         "deepspeed", "--load", str(tmp / "ck"), "--save", str(tmp / "native"), "--iteration",
-         "3", "--include-optimizer"], tmp)
+         "deepspeed", "--output-format", "torch_dist", "--load", str(tmp / "ck"), "--save",
+         str(tmp / "native"), "--iteration", "3", "--include-optimizer"], tmp)
     pretrain(tiny_gpt_args(tiny_corpus, tmp, *COMMON, "--load", str(tmp / "native"),
                            "--metrics-file", str(tmp / "n.jsonl")))
     worst = assert_close_curves(train_curve(tmp / "n.jsonl"), _later(straight),
-                                what="converted ZeRO-3 DP2 -> native DP1")
-    print(f"ZeRO-3 DP2 -> converter -> native DP1 vs uninterrupted: {worst:.2e}")
+                                what="converted ZeRO-3 DP2 -> torch_dist -> native DP1")
+    print(f"ZeRO-3 DP2 -> converter (torch_dist) -> native DP1 vs uninterrupted: {worst:.2e}")
 
     weights_only = _copy_of_iteration(tmp / "ck", tmp / "weights_only")
     torchrun(1, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO3, "--load", str(weights_only),
