@@ -421,14 +421,15 @@ class DeepSpeedEngineAdapter(Engine):
                 return self._read_weights_zero3(where, plan)
             if self.partitioned:
                 self._check_own_files(where)
+        # this run's param-group settings, which DeepSpeed's ZeRO-3 universal loader overwrites
         groups = [{k: v for k, v in g.items() if k not in ("params", "lr")}
-                  for g in self.ds.optimizer.param_groups]
+                  for g in self.ds.optimizer.param_groups] if universal and self.partitioned else []
         try:
             path, client = self.ds.load_checkpoint(
                 load_dir, tag=tag, load_optimizer_states=plan.load_optimizer,
                 load_lr_scheduler_states=plan.load_optimizer,
                 load_module_only=plan.weights_only)
-            if universal and self.partitioned:
+            if groups:
                 zero3.repair_universal_load(self.ds.optimizer, groups)
         except CheckpointError:
             raise  # a corrupt or unsafe file, refused by CheckedCheckpointEngine
