@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from app.config import (DeepSpeedConfig, DryRunConfig, ModelConfig, ParallelConfig, RunConfig,
@@ -31,6 +32,7 @@ from app.config.deepspeed import load_ds_json, reconcile_ds_config
 from app.config.options import Option, check_unique, flag_group, from_flags, iter_options
 from app.data.tokenizer import pad_vocab_size
 from app.launch.distributed import check_backend, default_backend
+from app.launch.slurm import exit_duration_from_end_time
 
 ROOTS = (RunConfig, DryRunConfig)
 """The config classes whose option fields make the command line."""
@@ -219,6 +221,18 @@ def _model_overrides(args: argparse.Namespace, padded_vocab_size: int,
                 recompute_num_layers=recompute_layers)
 
 
+def _exit_duration(args: argparse.Namespace) -> Dict[str, Any]:
+    """--exit-duration-in-mins, or under Slurm without it the time to the job's end less the
+    margin (app.launch.slurm.exit_duration_from_end_time), with where it came from."""
+    if args.exit_duration_in_mins is not None:
+        return {}
+    derived = exit_duration_from_end_time(os.environ, time.time(),
+                                          args.exit_duration_margin_mins)
+    if derived is None:
+        return {}
+    return dict(exit_duration_in_mins=derived[0], exit_duration_source=derived[1])
+
+
 def _wandb_save_dir(args: argparse.Namespace) -> Optional[str]:
     if args.wandb_save_dir is None and args.wandb_project and args.save:
         return os.path.join(args.save, "wandb")  # Megatron-LM's default
@@ -228,14 +242,16 @@ def _wandb_save_dir(args: argparse.Namespace) -> Optional[str]:
 # ---------------------------------------------------------------------------- conversion
 
 def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: int,
-                     padded_vocab_size: Optional[int] = None) -> RunConfig:
+                     padded_vocab_size: Optional[int] = None,
+                     world_source: str = "") -> RunConfig:
     """Convert the parsed flags once into a validated RunConfig.
 
     Every option field takes its flag's value; the derived values are computed here (module
     docstring). With --deepspeed the JSON is read here, once, and reconciled with the flags
     (`cfg.deepspeed.config`). `padded_vocab_size` None pads `raw_vocab_size` by Megatron's
-    rule. Every rule is checked by the config dataclasses (app.config); a broken one raises
-    ValueError naming the flags and values.
+    rule. `world_source` (where the launcher's world came from) goes into the messages about
+    the world size. Every rule is checked by the config dataclasses (app.config); a broken one
+    raises ValueError naming the flags and values.
     """
     if args.train_iters is None:
         raise ValueError("--train-iters is required")
@@ -250,6 +266,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     params_dtype = "float16" if fp16 else "bfloat16" if bf16 else "float32"
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
     parallel = from_flags(ParallelConfig, values, world_size=world_size,
+                          world_source=world_source,
                           distributed_backend=check_backend(args.distributed_backend))
     cfg = from_flags(
         RunConfig, values, raw_vocab_size=raw_vocab_size, deepspeed=deepspeed, parallel=parallel,
@@ -259,7 +276,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
                        lr_warmup_iters=_warmup_iters(args, decay_iters),
                        optimizer=_optimizer_name(args, ds_json)),
         training=dict(global_batch_size=_global_batch_size(args, ds_json,
-                                                           parallel.data_parallel_size)),
+                                                           parallel.data_parallel_size),
+                      **_exit_duration(args)),
         kernels=dict(build_timeout=(
             default_kernel_build_timeout(args.distributed_timeout_minutes)
             if args.kernel_build_timeout is None else args.kernel_build_timeout)),

@@ -39,6 +39,8 @@ class ParallelConfig:
              "progress for this long (plus a margin) is stopped; fractions allowed")
     world_size: int = 1
     """Ranks in the job (from the launcher; not a flag)."""
+    world_source: str = ""
+    """Where world_size came from (app.launch.distributed.WorldInfo.source), for messages."""
 
     def __post_init__(self) -> None:
         positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
@@ -50,7 +52,9 @@ class ParallelConfig:
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ValueError(
-                f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size "
+                f"world size ({self.world_size}"
+                f"{', from ' + self.world_source if self.world_source else ''}) is not "
+                f"divisible by --tensor-model-parallel-size "
                 f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
                 f"({self.pipeline_model_parallel_size}); launch a multiple of their product")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
