@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 pretrain_gpt2.py --tensor-model-parallel-size 2 ...
     deepspeed pretrain_gpt2.py --deepspeed --deepspeed_config ds_configs/zero2.json ...
     python pretrain_gpt2.py ... --dry-run [--dry-run-world-size 8 --dry-run-device-memory 80]
-    srun --ntasks-per-node 8 python pretrain_gpt2.py ...   (ranks from Slurm; scripts/sbatch_*.sh)
+    srun --ntasks-per-node 8 python pretrain_gpt2.py ...  (ranks from Slurm; scripts/sbatch_*)
 
 The composition root: flags parsed and the world discovered once -> RunConfig (arguments.py) -> app.training.pretrain.pretrain,
 or with --dry-run the preflight report (app.training.planning.preflight) instead of training.

@@ -52,11 +52,11 @@ class ParallelConfig:
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ValueError(
-                f"world size ({self.world_size}"
-                f"{', from ' + self.world_source if self.world_source else ''}) is not "
-                f"divisible by --tensor-model-parallel-size "
+                f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size "
                 f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
-                f"({self.pipeline_model_parallel_size}); launch a multiple of their product")
+                f"({self.pipeline_model_parallel_size}); launch a multiple of their product"
+                + (f" (the world size came from {self.world_source})"
+                   if self.world_source else ""))
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"--distributed-backend must be one of "
                              f"{', '.join(DISTRIBUTED_BACKENDS)}, got {self.distributed_backend!r}")

@@ -22,7 +22,9 @@ Pure functions of an environment mapping: app.launch.distributed applies them.
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Tuple
 
@@ -283,7 +285,54 @@ def exit_duration_from_end_time(environ: Mapping[str, str], now: float,
                      f"margin of {margin:.1f} for the final checkpoint")
 
 
+# ---------------------------------------------------------------------------- batch scripts
+
+def job_layout(environ: Mapping[str, str]) -> Tuple[List[str], List[int], str, int]:
+    """(the job's nodes, tasks on each, master host, master port) in a batch script: from
+    SLURM_JOB_NODELIST and SLURM_TASKS_PER_NODE, MASTER_ADDR / MASTER_PORT when exported."""
+    nodes = expand_hostlist(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+                            or "")
+    tasks = expand_tasks_per_node(environ.get("SLURM_TASKS_PER_NODE") or "1")
+    if not nodes or len(tasks) != len(nodes):
+        raise SlurmLaunchError(
+            f"SLURM_JOB_NODELIST {environ.get('SLURM_JOB_NODELIST')!r} and SLURM_TASKS_PER_NODE "
+            f"{environ.get('SLURM_TASKS_PER_NODE')!r} do not describe the same nodes: run this "
+            "inside a Slurm job (sbatch / salloc)")
+    job_id = _int(environ, "SLURM_JOB_ID", _int(environ, "SLURM_JOBID", 0))
+    return (nodes, tasks, environ.get("MASTER_ADDR") or nodes[0],
+            _int(environ, "MASTER_PORT", job_port(job_id)))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`python -m app.launch.slurm torchrun|hostfile` for scripts/lib/slurm.sh, in a batch
+    script: `torchrun` prints "NODES PROCS_PER_NODE MASTER_HOST MASTER_PORT" (one torchrun per
+    node; every node must have the same task count), `hostfile` prints DeepSpeed hostfile lines
+    ("host slots=N"). Errors: one line on stderr, exit status 2."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if args != ["torchrun"] and args != ["hostfile"]:
+            raise SlurmLaunchError("usage: python -m app.launch.slurm torchrun|hostfile")
+        nodes, tasks, host, port = job_layout(os.environ)
+        if args == ["hostfile"]:
+            print("\n".join(f"{node} slots={count}" for node, count in zip(nodes, tasks)))
+        elif len(set(tasks)) != 1:
+            raise SlurmLaunchError(
+                f"the job has {','.join(map(str, tasks))} tasks on its nodes "
+                f"(SLURM_TASKS_PER_NODE) but one torchrun per node starts the same number of "
+                "ranks on each: submit with --ntasks-per-node")
+        else:
+            print(len(nodes), tasks[0], host, port)
+    except SlurmLaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 __all__ = ["SlurmLaunchError", "SlurmStep", "batch_shell_warning", "check_exported_world",
            "check_launcher_in_step", "exit_duration_from_end_time", "expand_hostlist",
-           "expand_tasks_per_node", "in_job", "job_port", "master_endpoint",
+           "expand_tasks_per_node", "in_job", "job_layout", "job_port", "master_endpoint",
            "step_from_environment"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
