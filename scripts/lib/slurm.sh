@@ -55,6 +55,7 @@ slurm_launch() {
             # it (it would die): ignored there, the ranks install their own handler
             srun --kill-on-bad-exit=1 --ntasks="$nodes" --ntasks-per-node=1 \
                 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \
+                ${SLURM_GPUS_ON_NODE:+--gpus-per-node="$SLURM_GPUS_ON_NODE"} \
                 bash -c 'trap "" USR1; PET_NODE_RANK="$SLURM_NODEID" exec "$@"' torchrun \
                 "$PYTHON" -u -m torch.distributed.run --nnodes "$nodes" --nproc-per-node "$procs" \
                 --master-addr "$host" --master-port "$port" "$ROOT/pretrain_gpt2.py" "$@" ;;

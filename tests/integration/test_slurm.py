@@ -53,9 +53,14 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("slurm")
 
 
+def job_env():
+    """What jobs and srun get: the tests' launch environment without an outer Slurm job's."""
+    return {k: v for k, v in env().items() if not k.startswith("SLURM_")}
+
+
 def script_env(corpus, workdir, run, iters, **extra):
     """The variables of scripts/lib/gpt2_args.sh for a tiny model in `workdir/run`."""
-    e = env()
+    e = job_env()
     e.update(PYTHON=sys.executable, VENV_BIN=os.path.dirname(sys.executable), NUM_LAYERS="2",
              HIDDEN="64", HEADS="4", SEQ="32", MICRO_BATCH="2", TRAIN_ITERS=str(iters),
              LOG_INTERVAL="1", EVAL_ITERS="0", SAVE_INTERVAL="1000", DATA=corpus["prefix"],
@@ -226,7 +231,7 @@ def test_deepspeed_script_one_node_srun_and_two_hosts_deepspeed_launcher(
 def srun(cluster, workdir, run, argv, *options):
     """`srun OPTIONS python pretrain_gpt2.py ARGV` on node1 (two tasks); its output."""
     return cluster.run(["srun", "--nodes=1", "--nodelist=node1", "--ntasks=2", *options,
-                        *argv], env=env(), cwd=ROOT, check=False, timeout=180)
+                        *argv], env=job_env(), cwd=ROOT, check=False, timeout=180)
 
 
 def test_misuse_stops_every_task_with_one_line_and_writes_nothing(cluster, tiny_corpus,
@@ -259,7 +264,7 @@ def test_dry_run_shows_the_world_read_from_slurm(cluster, tiny_corpus, workdir):
     argv = [sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), "--dry-run",
             *gpt2_args(script_env(tiny_corpus, workdir, "dry", SHORT), 2), "--tensor-model-"
             "parallel-size", "2", *extra_args(workdir, "dry")]
-    proc = cluster.run(["srun", "--nodes=2", "--ntasks-per-node=1", *argv], env=env(),
+    proc = cluster.run(["srun", "--nodes=2", "--ntasks-per-node=1", *argv], env=job_env(),
                        cwd=ROOT, check=False, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 of 2 (local rank 0 of 1) from Slurm: SLURM_PROCID, SLURM_NTASKS (srun " \
