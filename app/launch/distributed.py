@@ -237,11 +237,12 @@ def world_from_environment(environ: Mapping[str, str]) -> WorldInfo:
 
 def discover_world(use_mpi: bool = False) -> WorldInfo:
     """This process's world (`world_from_environment`), or MPI's (with `use_mpi`, or when Open
-    MPI's variables are set and RANK is not), exporting RANK, WORLD_SIZE, LOCAL_RANK,
+    MPI's variables are set and neither RANK nor an srun step is), exporting RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT where discovery chose them. Call it once per
     process (pretrain_gpt2.py does) and pass the result on."""
     global _MPI_DISCOVERED
-    mpi = use_mpi or ("OMPI_COMM_WORLD_SIZE" in os.environ and "RANK" not in os.environ)
+    mpi = use_mpi or ("OMPI_COMM_WORLD_SIZE" in os.environ and "RANK" not in os.environ
+                      and not slurm.in_step(os.environ))
     if mpi and not _MPI_DISCOVERED:
         _discover_mpi()
         _MPI_DISCOVERED = True

@@ -162,12 +162,18 @@ def in_job(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"))
 
 
+def in_step(environ: Mapping[str, str]) -> bool:
+    """Whether `srun` started this process (SLURM_STEP_ID and SLURM_PROCID set): not in a batch
+    script, an salloc shell or outside Slurm."""
+    return (bool(environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID"))
+            and "SLURM_PROCID" in environ and in_job(environ))
+
+
 def step_from_environment(environ: Mapping[str, str]) -> Optional[SlurmStep]:
-    """This task's step when `srun` started it (SLURM_STEP_ID and SLURM_PROCID set); None in a
-    batch script, an salloc shell or outside Slurm."""
-    step_id = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
-    if not step_id or "SLURM_PROCID" not in environ or not in_job(environ):
+    """This task's step when `srun` started it (`in_step`), else None."""
+    if not in_step(environ):
         return None
+    step_id = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or ""
     nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
                 or environ.get("SLURM_NODELIST") or "")
     try:
@@ -330,7 +336,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 __all__ = ["SlurmLaunchError", "SlurmStep", "batch_shell_warning", "check_exported_world",
            "check_launcher_in_step", "exit_duration_from_end_time", "expand_hostlist",
-           "expand_tasks_per_node", "in_job", "job_layout", "job_port", "master_endpoint",
+           "expand_tasks_per_node", "in_job", "in_step", "job_layout", "job_port", "master_endpoint",
            "step_from_environment"]
 
 

@@ -162,7 +162,7 @@ class SlurmCluster:
         self._daemon(0, "slurmctld", ["slurmctld", "-D", "-f", self.conf])
         for i, name in enumerate(self.names):
             self._daemon(i, f"slurmd.{name}", ["slurmd", "-D", "-f", self.conf, "-N", name])
-        self._wait_for(self._nodes_idle, "every node idle in sinfo")
+        self._wait_for(self.nodes_idle, "every node idle in sinfo")
 
     def _daemon(self, host: int, name: str, argv: List[str]) -> None:
         out = open(os.path.join(self.folder, "log", f"{name}.out"), "w")
@@ -185,7 +185,8 @@ class SlurmCluster:
             time.sleep(0.2)
         raise SlurmUnavailable(f"no {what} after {self.start_timeout_s:g} s:\n" + self.logs())
 
-    def _nodes_idle(self) -> bool:
+    def nodes_idle(self) -> bool:
+        """Whether every node is idle in sinfo (up, no job running or completing on it)."""
         proc = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
         states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
         return proc.returncode == 0 and all(states.get(n) == "idle" for n in self.names)

@@ -123,7 +123,7 @@ def finished(cluster, job, workdir, run, restarts=0):
     """Wait for `job`; it must have completed with exit code 0."""
     fields = cluster.wait(job, restarts=restarts)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", \
-        f"{fields}\n{job_log(workdir, run)[-5000:]}"
+        f"{fields}\n{job_log(workdir, run)[-5000:]}\n{cluster.logs()}"
     return job_log(workdir, run)
 
 
@@ -141,12 +141,14 @@ def wait_for_train_row(cluster, job, metrics, iteration, timeout=120):
 
 
 def restart_now(cluster, job):
-    """Slurm holds a requeued batch job for two minutes (BeginTime): start it at once."""
+    """Slurm holds a requeued batch job for two minutes (BeginTime): once it is pending again
+    and its nodes are done cleaning up after it (idle), start it at once."""
     import time
     deadline = time.time() + 120
     while time.time() < deadline:
         fields = cluster.job(job)
-        if fields["JobState"] == "PENDING" and fields.get("Restarts") == "1":
+        if (fields["JobState"] == "PENDING" and fields.get("Restarts") == "1"
+                and cluster.nodes_idle()):
             cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
             return
         time.sleep(0.1)
