@@ -43,9 +43,16 @@ def cluster():
     reason = slurm.unavailable_reason() or netns.unavailable_reason()
     if reason:
         pytest.skip(f"no Slurm test cluster here: {reason}")
-    with TestHosts(2) as hosts:
+    hosts = TestHosts(2)
+    try:
+        hosts.__enter__()
+    except HostsUnavailable as exc:
+        pytest.skip(f"no Slurm test cluster here: test hosts cannot be made: {exc}")
+    try:
         with SlurmCluster(hosts) as made:
             yield made
+    finally:
+        hosts.close()
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +148,17 @@ def wait_for_train_row(cluster, job, metrics, iteration, timeout=120):
 
 
 def restart_now(cluster, job):
-    """Slurm holds a requeued batch job for two minutes (BeginTime): once it is pending again
-    and its nodes are done cleaning up after it (idle), start it at once."""
+    """Slurm holds a requeued batch job for two minutes (BeginTime), so that slurmd no longer
+    refuses it as the job it killed: once it is pending again and its nodes are idle, wait
+    2 s (slurmd compares the new credential's time with the kill's in whole seconds) and start
+    it."""
     import time
     deadline = time.time() + 120
     while time.time() < deadline:
         fields = cluster.job(job)
         if (fields["JobState"] == "PENDING" and fields.get("Restarts") == "1"
                 and cluster.nodes_idle()):
+            time.sleep(2.0)
             cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
             return
         time.sleep(0.1)
