@@ -30,7 +30,7 @@ from tests.integration.test_restarts import tensors
 
 NATIVE = os.path.join(ROOT, "scripts", "sbatch_pretrain_gpt2.sh")
 DEEPSPEED = os.path.join(ROOT, "scripts", "sbatch_ds_zero2_pretrain_gpt2_model_parallel.sh")
-ITERS = 40  # long enough to interrupt a run after its iteration 5
+ITERS = 50  # long enough to interrupt a run after its iteration 3
 SHORT = 6
 ONE_NODE = ["--nodes=1", "--nodelist=node1", "--ntasks-per-node=2"]
 TWO_HOSTS = ["--nodes=2", "--ntasks-per-node=1"]
@@ -176,11 +176,11 @@ def assert_same_final_weights(got_ck, want_ck):
 
 def test_srun_one_task_per_rank_requeued_mid_run_resumes_exactly(cluster, tiny_corpus, workdir,
                                                                  native_reference):
-    """Native script, one node, LAUNCHER=srun: `scontrol requeue` after iteration 5."""
+    """Native script, one node, LAUNCHER=srun: `scontrol requeue` after iteration 3."""
     run = "requeue"
     e = script_env(tiny_corpus, workdir, run, ITERS)
     job = submit(cluster, NATIVE, e, workdir, run, ONE_NODE)
-    wait_for_train_row(cluster, job, workdir / run / "metrics.jsonl", 5)
+    wait_for_train_row(cluster, job, workdir / run / "metrics.jsonl", 3)
     cluster.run(["scontrol", "requeue", job])
     restart_now(cluster, job)
     log = finished(cluster, job, workdir, run, restarts=1)
@@ -201,7 +201,7 @@ def test_usr1_saves_exits_0_and_the_job_requeues_itself(cluster, tiny_corpus, wo
     run = "usr1"
     e = script_env(tiny_corpus, workdir, run, ITERS, LAUNCHER="torchrun")
     job = submit(cluster, NATIVE, e, workdir, run, ONE_NODE)
-    wait_for_train_row(cluster, job, workdir / run / "metrics.jsonl", 5)
+    wait_for_train_row(cluster, job, workdir / run / "metrics.jsonl", 3)
     cluster.run(["scancel", "--signal=USR1", job])
     restart_now(cluster, job)
     log = finished(cluster, job, workdir, run, restarts=1)
