@@ -270,15 +270,5 @@ class SlurmCluster:
         raise AssertionError(f"job {job_id} not ended after {timeout} s: {self.job(job_id)}\n"
                              + self.logs())
 
-    def wait_state(self, job_id: str, state: str, timeout: float = 120) -> Dict[str, str]:
-        """Wait until job `job_id` is in `state` (e.g. "RUNNING")."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            fields = self.job(job_id)
-            if fields.get("JobState") == state:
-                return fields
-            time.sleep(0.2)
-        raise AssertionError(f"job {job_id} never {state} in {timeout} s: {self.job(job_id)}")
-
 
 __all__ = ["SlurmCluster", "SlurmUnavailable", "TERMINAL_STATES", "unavailable_reason"]

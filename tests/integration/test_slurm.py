@@ -16,6 +16,7 @@ exported against Slurm's) stops every task with one line naming the fix, writing
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -135,7 +136,6 @@ def finished(cluster, job, workdir, run, restarts=0):
 
 
 def wait_for_train_row(cluster, job, metrics, iteration, timeout=120):
-    import time
     deadline = time.time() + timeout
     while time.time() < deadline:
         if os.path.exists(metrics) and any(r["iteration"] >= iteration and r["kind"] == "train"
@@ -152,7 +152,6 @@ def restart_now(cluster, job):
     refuses it as the job it killed: once it is pending again and its nodes are idle, wait
     2 s (slurmd compares the new credential's time with the kill's in whole seconds) and start
     it."""
-    import time
     deadline = time.time() + 120
     while time.time() < deadline:
         fields = cluster.job(job)
