@@ -1,15 +1,17 @@
 """Convert GPT-2 checkpoints between Megatron's layout (any TP/PP), DeepSpeed and Hugging Face.
 
-    python tools/convert_checkpoint.py --input-format megatron|deepspeed|hf --output-format megatron|hf \
-        --load SRC --save DST [--iteration N] [--target-tensor-model-parallel-size N] \
+    python tools/convert_checkpoint.py --load SRC --save DST [--output-format megatron|hf] \
+        [--input-format megatron|deepspeed|hf] [--iteration N] [--target-tensor-model-parallel-size N] \
         [--target-pipeline-model-parallel-size M] [--target-params-dtype fp32|fp16|bf16] \
         [--include-optimizer] [--max-shard-size 2GB] [--vocab-file F --merge-file F] \
         [--metrics-file RUN/metrics.jsonl] [--print-checkpoint-structure]
 
-The Megatron output is a `release` checkpoint (weights only; load it with --load or --finetune)
-unless --iteration is given; with --include-optimizer it keeps the source's iteration, Adam
-moments, LR schedule and RNG states, so --load resumes the run at the new layout. The output is
-written to a temporary directory and renamed to DST at the end. See docs/conversion.md.
+The input format is detected from the files in SRC (app.convert.detect); --input-format, when
+given, must agree with them. The Megatron output is a `release` checkpoint (weights only; load
+it with --load or --finetune) unless --iteration is given; with --include-optimizer it keeps
+the source's iteration, Adam moments, LR schedule and RNG states, so --load resumes the run at
+the new layout. The output is written to a temporary directory and renamed to DST at the end.
+See docs/conversion.md.
 """
 import argparse
 import logging
@@ -35,7 +37,9 @@ def _iteration(text: str):
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input-format", required=True, choices=["megatron", "deepspeed", "hf"])
+    p.add_argument("--input-format", default=None, choices=["megatron", "deepspeed", "hf"],
+                   help="the source's format (default: detected from its files; when given, it "
+                        "must agree with them)")
     p.add_argument("--output-format", choices=["megatron", "hf"], default="megatron")
     p.add_argument("--load", required=True, help="source: checkpoint directory (--save of the run) "
                    "or a Hugging Face save_pretrained directory")

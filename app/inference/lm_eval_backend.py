@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(it is in requirements.txt)") from exc
 
 from app.data.tokenizer import EOD_TOKEN
-from app.inference.runner import checkpoint_format
+from app.convert.detect import detect_format
 from app.inference.sampling import SamplingConfig
 from app.inference.session import GenerationParams, InferenceSession
 
@@ -95,7 +95,7 @@ class MegatronGPT2LM(TemplateLM):
         ranks = (tensor_model_parallel_size or 1) * (pipeline_model_parallel_size or 1)
         self._spawned: Optional[SpawnedWorld] = None
         if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # no launcher made ranks
-            checkpoint_format(kwargs["load"])  # a wrong path fails here, before any spawn
+            detect_format(kwargs["load"])  # a wrong path fails here, before any spawn
             self._spawned = SpawnedWorld(ranks, kwargs)
         try:
             self.session: Optional[InferenceSession] = InferenceSession(**kwargs)
