@@ -317,12 +317,12 @@ OFFLINE_HINT = (
 
 def _unreachable_errors() -> Tuple[type, ...]:
     """The exceptions that say a dataset could not be fetched: `datasets` raises the builtin
-    ConnectionError (also offline), `requests` its own when a download breaks."""
+    ConnectionError (offline too); httpx, which it downloads with, its own when a transfer breaks."""
     try:
-        from requests.exceptions import ConnectionError as RequestsConnectionError
-    except ImportError:  # pragma: no cover - requests comes with datasets
+        import httpx
+    except ImportError:  # pragma: no cover - httpx comes with datasets
         return (ConnectionError,)
-    return (ConnectionError, RequestsConnectionError)
+    return (ConnectionError, httpx.ConnectError, httpx.TimeoutException)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
