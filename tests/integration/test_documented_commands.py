@@ -11,9 +11,11 @@ listings, ```bash for commands) and, for a shell block, a marker on the line abo
 
 A block without them fails `test_every_block_is_classified`, naming the file and line. The
 runnable blocks of one document run in order in one bash session (a variable one block sets,
-the next can use), with `set -e`, in a sandbox: symlinks to this checkout's files, and the
-quickstart's outputs at the paths it writes them (data/ copied, checkpoints/quickstart and
-runs/quickstart hard-linked, so nothing a document writes reaches another document). The
+the next can use), with `set -e`, in a sandbox of its own: symlinks to this checkout's files,
+and the quickstart's outputs at the paths it writes them (data/ copied; checkpoints/quickstart
+and runs/quickstart hard-linked, so a file a document adds or replaces stays in its sandbox).
+Two documents run at a time; a failure names the file and line of the block, the commands it
+ran and the tail of their output. The
 quickstart itself (scripts/quickstart.sh) runs once per session, made small through its
 environment knobs (a 1 MB corpus, vocabulary 512, 20 iterations; the model keeps its shape,
 so the documents' flags fit its checkpoint), with the Hugging Face Hub unreachable
