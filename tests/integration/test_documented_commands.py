@@ -9,7 +9,9 @@ listings, ```bash for commands) and, for a shell block, a marker on the line abo
                                        --num_gpus 8) becomes --dry-run-world-size 8
     <!-- doc-test: skip (why) -->      not run: it needs a GPU, the network, a cluster, ...
 
-A block without them fails `test_every_block_is_classified`, naming the file and line. The
+A block without them fails `test_every_block_is_classified`, naming the file and line; so
+does an indented code block (four spaces after a paragraph, which markdown shows as code but no
+marker can classify): commands and output are fenced. The
 runnable blocks of one document run in order in one bash session (a variable one block sets,
 the next can use), with `set -e`, in a sandbox of its own: symlinks to this checkout's files,
 and the quickstart's outputs at the paths it writes them (data/ copied; checkpoints/quickstart
@@ -71,11 +73,55 @@ class Block:
         return f"{self.document}:{self.line}"
 
 
+LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])(?:\s|$)")
+
+
+def _fence_end(lines: List[str], i: int, fence: str) -> int:
+    """The index of the line closing the fence `fence` opened at line i (len(lines) if none)."""
+    return next((j for j in range(i + 1, len(lines))
+                 if lines[j].strip().startswith(fence[0] * len(fence))
+                 and not lines[j].strip().strip(fence[0])), len(lines))
+
+
+def _indented(line: str) -> bool:
+    return line.startswith(("    ", "\t"))
+
+
+def indented_code_lines(lines: List[str]) -> List[int]:
+    """0-based indices of the first lines of indented code blocks outside fenced blocks and
+    lists: a non-blank line indented four spaces (or a tab), after a blank line, whose previous
+    non-blank line closes a paragraph (or a heading, table, fence, ...) that is neither indented
+    (by any amount) nor part of a list item. Indented text under a list item, or after another
+    indented line, continues the list; a paragraph's lines run back to the previous blank line,
+    so a list item continued lazily (without indentation) still counts as the list."""
+    found, i = [], 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if opening:
+            i = _fence_end(lines, i, opening.group(2)) + 1
+            continue
+        if _indented(lines[i]) and lines[i].strip() and i > 0 and not lines[i - 1].strip():
+            previous = max((j for j in range(i) if lines[j].strip()), default=None)
+            if previous is not None and not lines[previous][:1].isspace():
+                start = previous
+                while start > 0 and lines[start - 1].strip():
+                    start -= 1
+                if not any(LIST_ITEM.match(line) for line in lines[start:previous + 1]):
+                    found.append(i)
+                    while i + 1 < len(lines) and (_indented(lines[i + 1]) or not lines[i + 1].strip()):
+                        i += 1  # the rest of this block
+        i += 1
+    return found
+
+
 def parse_document(document: str) -> Tuple[List[Block], List[str]]:
     """The fenced blocks of `document` (a path relative to the checkout) and the problems with
-    their classification, each naming the file and line."""
+    their classification and with indented code blocks, each naming the file and line."""
     lines = open(os.path.join(ROOT, document), encoding="utf-8").read().split("\n")
-    blocks, problems, i = [], [], 0
+    blocks, i = [], 0
+    problems = [f"{document}:{k + 1}: an indented code block: fence it, ```bash with a doc-test "
+                "marker above it for commands, ```text for output, formulas and listings"
+                for k in indented_code_lines(lines)]
     while i < len(lines):
         marker = MARKER.match(lines[i])
         if marker:
@@ -87,9 +133,7 @@ def parse_document(document: str) -> Tuple[List[Block], List[str]]:
             i += 1
             continue
         indent, fence, language = opening.groups()
-        end = next((j for j in range(i + 1, len(lines))
-                    if lines[j].strip().startswith(fence[0] * len(fence))
-                    and not lines[j].strip().strip(fence[0])), len(lines))
+        end = _fence_end(lines, i, fence)
         body = [line[len(indent):] if line.startswith(indent) else line.lstrip()
                 for line in lines[i + 1:end]]
         above = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
@@ -182,6 +226,29 @@ def test_every_block_is_classified():
     _, problems = _all_blocks()
     assert not problems, ("fenced blocks in the documentation that say not what they are (see "
                           "tests/integration/test_documented_commands.py):\n" + "\n".join(problems))
+
+
+@pytest.mark.parametrize("markdown,flagged", [
+    # after a paragraph, a heading, a table or a closed fence: markdown shows code
+    ("Run it:\n\n    python x.py\n    python y.py\n\nDone.", [3]),
+    ("## Title\n\n    python x.py", [3]),
+    ("| a | b |\n| --- | --- |\n\n    x = 1", [4]),
+    ("```text\nout\n```\n\n\tpython x.py", [5]),
+    ("- a list\n\nA paragraph ends it.\n\n    code", [5]),
+    ("Para:\n\n    one\n\n    two\n\nText\n\n    three", [3, 9]),  # one block, then another
+    # list continuations: under an item, after an indented paragraph, a lazy continuation
+    ("- item\n\n    more of the item", []),
+    ("1. step\n   text\n\n      python x.py", []),
+    ("- item\n\n  its paragraph\n\n      code in the item", []),
+    ("Intro:\n- item\ncontinued lazily\n\n    still the item", []),
+    # not after a blank line (a paragraph's continuation), or inside a fence
+    ("Text\n    continued", []),
+    ("```bash\nx\n\n    y\n```", []),
+    ("- item\n\n  ```bash\n  x\n\n      y\n  ```\n\n    after the fence", []),
+])
+def test_indented_code_blocks_are_found_outside_lists(markdown, flagged):
+    """Hand-written markdown: the 1-based lines where an indented code block starts."""
+    assert [k + 1 for k in indented_code_lines(markdown.split("\n"))] == flagged
 
 
 def test_launcher_prefixes_become_dry_run_world_sizes():
