@@ -11,16 +11,17 @@ listings, ```bash for commands) and, for a shell block, a marker on the line abo
 
 A block without them fails `test_every_block_is_classified`, naming the file and line; so
 does an indented code block (four spaces after a paragraph, which markdown shows as code but no
-marker can classify): commands and output are fenced. The
-runnable blocks of one document run in order in one bash session (a variable one block sets,
-the next can use), with `set -e`, in a sandbox of its own: symlinks to this checkout's files,
-and the quickstart's outputs at the paths it writes them (data/ copied; checkpoints/quickstart
-and runs/quickstart hard-linked, so a file a document adds or replaces stays in its sandbox).
-Two documents run at a time; a failure names the file and line of the block, the commands it
-ran and the tail of their output. The
-quickstart itself (scripts/quickstart.sh) runs once per session, made small through its
-environment knobs (a 1 MB corpus, vocabulary 512, 20 iterations; the model keeps its shape,
-so the documents' flags fit its checkpoint), with the Hugging Face Hub unreachable
+marker can classify): commands and output are fenced. The runnable blocks of one document
+run in order in one bash session (a variable one block sets, the next can use), with `set -e`,
+in a sandbox of its own: symlinks to this checkout's files, and the quickstart's outputs at the
+paths it writes them (data/, checkpoints/quickstart and runs/quickstart in folders of their
+own holding hard links to its files, so a file a document adds or replaces stays in its
+sandbox). Two documents run at a time; a failure names the file and line of the block, the
+commands it ran and the tail of their output. The quickstart itself (scripts/quickstart.sh)
+runs once per session, made small through its environment knobs (vocabulary 512, 20
+iterations; the model keeps its shape, so the documents' flags fit its checkpoint, and the
+corpus its size, so the documents' resumes to 1000 iterations stay within one epoch of the
+training and validation data and keep the data order), with the Hugging Face Hub unreachable
 (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1): this is also the quickstart's end-to-end test.
 """
 import os
@@ -48,7 +49,7 @@ MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*([\w-]+)\s*(?:\((.*)\))?\s*-->\s*$"
 TRAINING = re.compile(r"^(\s*)(.*?)\bpretrain_gpt2\.py\b(.*)$")
 SANDBOX_OUTPUTS = ("data", "checkpoints", "runs", "exports")
 BLOCK_BANNER = "@@ doc-test block "
-QUICKSTART_KNOBS = {"CORPUS_BYTES": "1000000", "VOCAB_SIZE": "512", "TRAIN_ITERS": "20",
+QUICKSTART_KNOBS = {"VOCAB_SIZE": "512", "TRAIN_ITERS": "20",
                     "EVAL_INTERVAL": "10", "EVAL_ITERS": "2", "SAVE_INTERVAL": "20",
                     "LOG_INTERVAL": "10", "QUICKSTART_CHECK_LOSS": "0", "SAMPLE_SEED": "1"}
 """A quickstart made small (scripts/quickstart.sh documents each knob); 20 iterations cannot
@@ -310,8 +311,7 @@ def _sandbox(quickstart, path) -> str:
         if name not in (".git", *SANDBOX_OUTPUTS):
             os.symlink(os.path.join(ROOT, name), os.path.join(path, name))
     made = quickstart["root"]
-    shutil.copytree(made / "data", os.path.join(path, "data"))
-    for folder in ("checkpoints", "runs"):
+    for folder in ("data", "checkpoints", "runs"):
         shutil.copytree(made / folder, os.path.join(path, folder), copy_function=os.link)
     return str(path)
 
