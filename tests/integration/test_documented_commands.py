@@ -9,16 +9,19 @@ listings, ```bash for commands) and, for a shell block, a marker on the line abo
                                        --num_gpus 8) becomes --dry-run-world-size 8
     <!-- doc-test: skip (why) -->      not run: it needs a GPU, the network, a cluster, ...
 
-A block without them fails `test_every_block_is_classified`, naming the file and line. The
-runnable blocks of one document run in order in one bash session (a variable one block sets,
-the next can use), with `set -e`, in a sandbox of its own: symlinks to this checkout's files,
-and the quickstart's outputs at the paths it writes them (data/ copied; checkpoints/quickstart
-and runs/quickstart hard-linked, so a file a document adds or replaces stays in its sandbox).
-Two documents run at a time; a failure names the file and line of the block, the commands it
-ran and the tail of their output. The
-quickstart itself (scripts/quickstart.sh) runs once per session, made small through its
-environment knobs (a 1 MB corpus, vocabulary 512, 20 iterations; the model keeps its shape,
-so the documents' flags fit its checkpoint), with the Hugging Face Hub unreachable
+A block without them fails `test_every_block_is_classified`, naming the file and line; so
+does an indented code block (four spaces after a paragraph, which markdown shows as code but no
+marker can classify): commands and output are fenced. The runnable blocks of one document
+run in order in one bash session (a variable one block sets, the next can use), with `set -e`,
+in a sandbox of its own: symlinks to this checkout's files, and the quickstart's outputs at the
+paths it writes them (data/, checkpoints/quickstart and runs/quickstart in folders of their
+own holding hard links to its files, so a file a document adds or replaces stays in its
+sandbox). Two documents run at a time; a failure names the file and line of the block, the
+commands it ran and the tail of their output. The quickstart itself (scripts/quickstart.sh)
+runs once per session, made small through its environment knobs (vocabulary 512, 20
+iterations; the model keeps its shape, so the documents' flags fit its checkpoint, and the
+corpus its size, so the documents' resumes to 1000 iterations stay within one epoch of the
+training and validation data and keep the data order), with the Hugging Face Hub unreachable
 (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1): this is also the quickstart's end-to-end test.
 """
 import os
@@ -46,7 +49,7 @@ MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*([\w-]+)\s*(?:\((.*)\))?\s*-->\s*$"
 TRAINING = re.compile(r"^(\s*)(.*?)\bpretrain_gpt2\.py\b(.*)$")
 SANDBOX_OUTPUTS = ("data", "checkpoints", "runs", "exports")
 BLOCK_BANNER = "@@ doc-test block "
-QUICKSTART_KNOBS = {"CORPUS_BYTES": "1000000", "VOCAB_SIZE": "512", "TRAIN_ITERS": "20",
+QUICKSTART_KNOBS = {"VOCAB_SIZE": "512", "TRAIN_ITERS": "20",
                     "EVAL_INTERVAL": "10", "EVAL_ITERS": "2", "SAVE_INTERVAL": "20",
                     "LOG_INTERVAL": "10", "QUICKSTART_CHECK_LOSS": "0", "SAMPLE_SEED": "1"}
 """A quickstart made small (scripts/quickstart.sh documents each knob); 20 iterations cannot
@@ -71,11 +74,55 @@ class Block:
         return f"{self.document}:{self.line}"
 
 
+LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])(?:\s|$)")
+
+
+def _fence_end(lines: List[str], i: int, fence: str) -> int:
+    """The index of the line closing the fence `fence` opened at line i (len(lines) if none)."""
+    return next((j for j in range(i + 1, len(lines))
+                 if lines[j].strip().startswith(fence[0] * len(fence))
+                 and not lines[j].strip().strip(fence[0])), len(lines))
+
+
+def _indented(line: str) -> bool:
+    return line.startswith(("    ", "\t"))
+
+
+def indented_code_lines(lines: List[str]) -> List[int]:
+    """0-based indices of the first lines of indented code blocks outside fenced blocks and
+    lists: a non-blank line indented four spaces (or a tab), after a blank line, whose previous
+    non-blank line closes a paragraph (or a heading, table, fence, ...) that is neither indented
+    (by any amount) nor part of a list item. Indented text under a list item, or after another
+    indented line, continues the list; a paragraph's lines run back to the previous blank line,
+    so a list item continued lazily (without indentation) still counts as the list."""
+    found, i = [], 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if opening:
+            i = _fence_end(lines, i, opening.group(2)) + 1
+            continue
+        if _indented(lines[i]) and lines[i].strip() and i > 0 and not lines[i - 1].strip():
+            previous = max((j for j in range(i) if lines[j].strip()), default=None)
+            if previous is not None and not lines[previous][:1].isspace():
+                start = previous
+                while start > 0 and lines[start - 1].strip():
+                    start -= 1
+                if not any(LIST_ITEM.match(line) for line in lines[start:previous + 1]):
+                    found.append(i)
+                    while i + 1 < len(lines) and (_indented(lines[i + 1]) or not lines[i + 1].strip()):
+                        i += 1  # the rest of this block
+        i += 1
+    return found
+
+
 def parse_document(document: str) -> Tuple[List[Block], List[str]]:
     """The fenced blocks of `document` (a path relative to the checkout) and the problems with
-    their classification, each naming the file and line."""
+    their classification and with indented code blocks, each naming the file and line."""
     lines = open(os.path.join(ROOT, document), encoding="utf-8").read().split("\n")
-    blocks, problems, i = [], [], 0
+    blocks, i = [], 0
+    problems = [f"{document}:{k + 1}: an indented code block: fence it, ```bash with a doc-test "
+                "marker above it for commands, ```text for output, formulas and listings"
+                for k in indented_code_lines(lines)]
     while i < len(lines):
         marker = MARKER.match(lines[i])
         if marker:
@@ -87,9 +134,7 @@ def parse_document(document: str) -> Tuple[List[Block], List[str]]:
             i += 1
             continue
         indent, fence, language = opening.groups()
-        end = next((j for j in range(i + 1, len(lines))
-                    if lines[j].strip().startswith(fence[0] * len(fence))
-                    and not lines[j].strip().strip(fence[0])), len(lines))
+        end = _fence_end(lines, i, fence)
         body = [line[len(indent):] if line.startswith(indent) else line.lstrip()
                 for line in lines[i + 1:end]]
         above = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
@@ -184,6 +229,29 @@ def test_every_block_is_classified():
                           "tests/integration/test_documented_commands.py):\n" + "\n".join(problems))
 
 
+@pytest.mark.parametrize("markdown,flagged", [
+    # after a paragraph, a heading, a table or a closed fence: markdown shows code
+    ("Run it:\n\n    python x.py\n    python y.py\n\nDone.", [3]),
+    ("## Title\n\n    python x.py", [3]),
+    ("| a | b |\n| --- | --- |\n\n    x = 1", [4]),
+    ("```text\nout\n```\n\n\tpython x.py", [5]),
+    ("- a list\n\nA paragraph ends it.\n\n    code", [5]),
+    ("Para:\n\n    one\n\n    two\n\nText\n\n    three", [3, 9]),  # one block, then another
+    # list continuations: under an item, after an indented paragraph, a lazy continuation
+    ("- item\n\n    more of the item", []),
+    ("1. step\n   text\n\n      python x.py", []),
+    ("- item\n\n  its paragraph\n\n      code in the item", []),
+    ("Intro:\n- item\ncontinued lazily\n\n    still the item", []),
+    # not after a blank line (a paragraph's continuation), or inside a fence
+    ("Text\n    continued", []),
+    ("```bash\nx\n\n    y\n```", []),
+    ("- item\n\n  ```bash\n  x\n\n      y\n  ```\n\n    after the fence", []),
+])
+def test_indented_code_blocks_are_found_outside_lists(markdown, flagged):
+    """Hand-written markdown: the 1-based lines where an indented code block starts."""
+    assert [k + 1 for k in indented_code_lines(markdown.split("\n"))] == flagged
+
+
 def test_launcher_prefixes_become_dry_run_world_sizes():
     """Hand-written expectations for the launchers the documents use."""
     assert dry_run_script('torchrun --nproc-per-node 8 --max-restarts 3 pretrain_gpt2.py "${A[@]}" '
@@ -243,8 +311,7 @@ def _sandbox(quickstart, path) -> str:
         if name not in (".git", *SANDBOX_OUTPUTS):
             os.symlink(os.path.join(ROOT, name), os.path.join(path, name))
     made = quickstart["root"]
-    shutil.copytree(made / "data", os.path.join(path, "data"))
-    for folder in ("checkpoints", "runs"):
+    for folder in ("data", "checkpoints", "runs"):
         shutil.copytree(made / folder, os.path.join(path, folder), copy_function=os.link)
     return str(path)
 
