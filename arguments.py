@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from app.config import (DataConfig, DeepSpeedConfig, DryRunConfig, ModelConfig, ParallelConfig,
@@ -32,6 +33,7 @@ from app.config.deepspeed import load_ds_json, reconcile_ds_config
 from app.config.options import Option, check_unique, flag_group, from_flags, iter_options
 from app.data.tokenizer import pad_vocab_size
 from app.launch.distributed import check_backend, default_backend
+from app.launch.slurm import exit_duration_from_end_time
 from app.utils.third_party import prepare_deepspeed_import
 
 ROOTS = (RunConfig, DryRunConfig)
@@ -273,6 +275,18 @@ def _model_overrides(args: argparse.Namespace, padded_vocab_size: int,
                 recompute_num_layers=recompute_layers)
 
 
+def _exit_duration(args: argparse.Namespace) -> Dict[str, Any]:
+    """--exit-duration-in-mins, or under Slurm without it the time to the job's end less the
+    margin (app.launch.slurm.exit_duration_from_end_time), with where it came from."""
+    if args.exit_duration_in_mins is not None:
+        return {}
+    derived = exit_duration_from_end_time(os.environ, time.time(),
+                                          args.exit_duration_margin_mins)
+    if derived is None:
+        return {}
+    return dict(exit_duration_in_mins=derived[0], exit_duration_source=derived[1])
+
+
 def _wandb_save_dir(args: argparse.Namespace) -> Optional[str]:
     if args.wandb_save_dir is None and args.wandb_project and args.save:
         return os.path.join(args.save, "wandb")  # Megatron-LM's default
@@ -282,14 +296,16 @@ def _wandb_save_dir(args: argparse.Namespace) -> Optional[str]:
 # ---------------------------------------------------------------------------- conversion
 
 def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: int,
-                     padded_vocab_size: Optional[int] = None) -> RunConfig:
+                     padded_vocab_size: Optional[int] = None,
+                     world_source: str = "") -> RunConfig:
     """Convert the parsed flags once into a validated RunConfig.
 
     Every option field takes its flag's value; the derived values are computed here (module
     docstring). With --deepspeed the JSON is read here, once, and reconciled with the flags
     (`cfg.deepspeed.config`). `padded_vocab_size` None pads `raw_vocab_size` by Megatron's
-    rule. Every rule is checked by the config dataclasses (app.config); a broken one raises
-    ValueError naming the flags and values.
+    rule. `world_source` (where the launcher's world came from) goes into the messages about
+    the world size. Every rule is checked by the config dataclasses (app.config); a broken one
+    raises ValueError naming the flags and values.
     """
     values = vars(args)
     if padded_vocab_size is None:
@@ -301,6 +317,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
     fp16, bf16, source = _precision_choice(args, ds_json, deepspeed.config_path)
     params_dtype = "float16" if fp16 else "bfloat16" if bf16 else "float32"
     parallel = from_flags(ParallelConfig, values, world_size=world_size,
+                          world_source=world_source,
                           distributed_backend=check_backend(args.distributed_backend))
     global_batch = _global_batch_size(args, ds_json, parallel.data_parallel_size)
     train_iters, lr_samples = _sample_based(args, global_batch)
@@ -312,7 +329,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
         optimizer=dict(lr_decay_iters=decay_iters,
                        lr_warmup_iters=_warmup_iters(args, decay_iters, bool(lr_samples)),
                        optimizer=_optimizer_name(args, ds_json), **lr_samples),
-        training=dict(global_batch_size=global_batch, train_iters=train_iters),
+        training=dict(global_batch_size=global_batch, train_iters=train_iters,
+                      **_exit_duration(args)),
         kernels=dict(build_timeout=(
             default_kernel_build_timeout(args.distributed_timeout_minutes)
             if args.kernel_build_timeout is None else args.kernel_build_timeout)),

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 pretrain_gpt2.py --tensor-model-parallel-size 2 ...
     deepspeed pretrain_gpt2.py --deepspeed --deepspeed_config ds_configs/zero2.json ...
     python pretrain_gpt2.py ... --dry-run [--dry-run-world-size 8 --dry-run-device-memory 80]
+    srun --ntasks-per-node 8 python pretrain_gpt2.py ...  (ranks from Slurm; scripts/sbatch_*)
 
 The composition root: flags parsed and the world discovered once -> RunConfig (arguments.py) -> app.training.pretrain.pretrain,
 or with --dry-run the preflight report (app.training.planning.preflight) instead of training.
@@ -21,6 +22,7 @@ from app.data import build_tokenizer
 from app.training.planning import preflight as preflight_lib
 from app.training import pretrain as pretrain_lib
 from app.launch.distributed import WorldInfo, discover_world
+from app.launch.slurm import SlurmLaunchError
 from app.training.loss import LossFunction
 
 
@@ -32,8 +34,10 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 def _train(args: argparse.Namespace, world: WorldInfo,
            loss_function: Optional[LossFunction] = None) -> Any:
     tokenizer = _tokenizer(args)
-    cfg = arguments.build_run_config(args, world.world_size, tokenizer.vocab_size)
-    return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args), loss_function)
+    cfg = arguments.build_run_config(args, world.world_size, tokenizer.vocab_size,
+                                     world_source=world.source)
+    return pretrain_lib.pretrain(cfg, tokenizer, arguments.format_args(args), loss_function,
+                                 world=world)
 
 
 def preflight(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Report:
@@ -41,6 +45,10 @@ def preflight(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Repor
     ranks, else the launcher's world) and every check of app.training.planning.preflight,
     gathered in one report; nothing trains and no process group starts."""
     report = preflight_lib.Report()
+    report.section("world")
+    report.ok(world.describe())
+    if world.warning:
+        report.warn(world.warning)
     report.section("tokenizer")
     vocab: Optional[int] = None
     try:
@@ -53,8 +61,9 @@ def preflight(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Repor
     cfg, data = None, None
     try:  # with no tokenizer, a placeholder vocabulary still checks the flags and the JSON
         dry = arguments.dry_run_config(args)
-        cfg = arguments.build_run_config(args, dry.world_size or world.world_size,
-                                         vocab or args.make_vocab_size_divisible_by)
+        cfg = arguments.build_run_config(
+            args, dry.world_size or world.world_size, vocab or args.make_vocab_size_divisible_by,
+            world_source="--dry-run-world-size" if dry.world_size else world.source)
         data = cfg.data
     except ValueError as exc:
         report.section("configuration")
@@ -66,7 +75,8 @@ def preflight(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Repor
 
 
 def _start(argv: Optional[List[str]]) -> Tuple[argparse.Namespace, WorldInfo]:
-    """The command line parsed and the world discovered, once per process."""
+    """The command line parsed and the world discovered, once per process. A launch that
+    cannot make the world the run needs raises app.launch.slurm.SlurmLaunchError."""
     args = arguments.parse_args(argv)
     return args, discover_world(args.deepspeed_mpi)
 
@@ -91,7 +101,11 @@ def run(argv: Optional[List[str]] = None, loss_function: Optional[LossFunction] 
 def main(argv: Optional[List[str]] = None, loss_function: Optional[LossFunction] = None) -> int:
     """Command-line entry: exit code 0, or 2 with one clear line for bad flags, data or
     checkpoints (with --dry-run: 2 when the report has an error)."""
-    args, world = _start(argv)
+    try:
+        args, world = _start(argv)
+    except SlurmLaunchError as exc:  # before anything is written
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     if args.dry_run:
         return 2 if _report(args, world).errors else 0
     return pretrain_lib.main(lambda: _train(args, world, loss_function))

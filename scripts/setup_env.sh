@@ -13,7 +13,8 @@
 # supported (scripts/lib/offline_install.py: MIN_TORCH). Environment: WHEELHOUSE, PYTHON, VENV.
 #
 # --with-test-deps (scripts/test.sh) also installs requirements-test.txt (lm-eval, wandb, selenium)
-# and, as root with apt-get, Debian's chromium and chromium-driver for the browser test.
+# and, as root with apt-get, Debian's chromium and chromium-driver for the browser test and
+# slurm-wlm and munge for the Slurm tests (tests/integration/test_slurm.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -85,6 +86,24 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 
+# apt_install_for_tests "PACKAGES" WHAT COMMAND...: as root with apt-get, install PACKAGES
+# unless every COMMAND is already there; on failure the tests for WHAT skip and say why
+apt_install_for_tests() {
+    local packages="$1" what="$2" missing=0 cmd
+    shift 2
+    for cmd in "$@"; do
+        command -v "$cmd" > /dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ] || missing=1
+    done
+    [ "$missing" = 1 ] && command -v apt-get > /dev/null 2>&1 && [ "$(id -u)" = 0 ] || return 0
+    echo "[setup] installing $packages ($what)"
+    # shellcheck disable=SC2086 # the package list splits on purpose
+    if ! { timeout 600 apt-get install -y -qq $packages > /dev/null 2>&1 || {
+            timeout 300 apt-get update -qq > /dev/null 2>&1 &&
+            timeout 600 apt-get install -y -qq $packages > /dev/null 2>&1; }; }; then
+        echo "[setup] could not install $packages; $what will skip and say so"
+    fi
+}
+
 if [ "$TEST_DEPS" = 1 ]; then
     TEST_STAMP="$VENV/.test-requirements.sha256"
     TEST_WANT="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" | sha256sum | cut -d' ' -f1)"
@@ -95,13 +114,6 @@ if [ "$TEST_DEPS" = 1 ]; then
             "$(grep -E '^torch==' "$ROOT/requirements.txt")"
         echo "$TEST_WANT" > "$TEST_STAMP"
     fi
-    if ! command -v chromedriver > /dev/null 2>&1 && command -v apt-get > /dev/null 2>&1 \
-            && [ "$(id -u)" = 0 ]; then
-        echo "[setup] installing chromium and chromium-driver (the browser test)"
-        if ! { timeout 600 apt-get install -y -qq chromium chromium-driver > /dev/null 2>&1 || {
-                timeout 300 apt-get update -qq > /dev/null 2>&1 &&
-                timeout 600 apt-get install -y -qq chromium chromium-driver > /dev/null 2>&1; }; }; then
-            echo "[setup] could not install chromium; the browser test will skip and say so"
-        fi
-    fi
+    apt_install_for_tests "chromium chromium-driver" "the browser test" chromedriver
+    apt_install_for_tests "slurm-wlm munge" "the Slurm tests" slurmctld slurmd munged sbatch
 fi

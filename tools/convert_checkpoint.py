@@ -1,18 +1,20 @@
 """Convert GPT-2 checkpoints between Megatron's layouts (legacy at any TP/PP, torch_dist),
 DeepSpeed and Hugging Face.
 
-    python tools/convert_checkpoint.py --input-format megatron|torch_dist|deepspeed|hf \
-        --output-format megatron|torch_dist|hf \
-        --load SRC --save DST [--iteration N] [--target-tensor-model-parallel-size N] \
+    python tools/convert_checkpoint.py --load SRC --save DST \
+        [--output-format megatron|torch_dist|hf] [--input-format megatron|torch_dist|deepspeed|hf] \
+        [--iteration N] [--target-tensor-model-parallel-size N] \
         [--target-pipeline-model-parallel-size M] [--target-params-dtype fp32|fp16|bf16] \
         [--include-optimizer] [--max-shard-size 2GB] [--vocab-file F --merge-file F] \
         [--metrics-file RUN/metrics.jsonl] [--print-checkpoint-structure]
 
-The megatron (legacy) and torch_dist outputs are a `release` checkpoint (weights only; load it with --load or --finetune)
-unless --iteration is given; with --include-optimizer it keeps the source's iteration, Adam
-moments, LR schedule and RNG states, so --load resumes the run at the new layout (a torch_dist
-output loads at any layout, so the target sizes do not apply to it). The output is
-written to a temporary directory and renamed to DST at the end. See docs/conversion.md.
+The input format is detected from the files in SRC (app.convert.detect); --input-format, when
+given, must agree with them. The megatron (legacy) and torch_dist outputs are a `release`
+checkpoint (weights only; load it with --load or --finetune) unless --iteration is given; with
+--include-optimizer it keeps the source's iteration, Adam moments, LR schedule and RNG states,
+so --load resumes the run at the new layout (a torch_dist output loads at any layout, so the
+target sizes do not apply to it). The output is written to a temporary directory and renamed
+to DST at the end. See docs/conversion.md.
 """
 import argparse
 import logging
@@ -39,9 +41,11 @@ def _iteration(text: str):
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     from app.convert import INPUT_FORMATS, OUTPUT_FORMATS
-    p.add_argument("--input-format", required=True, choices=INPUT_FORMATS,
-                   help="megatron: the legacy mp_rank_XX files; torch_dist: Megatron Core's "
-                        "PyTorch distributed checkpoint (--ckpt-format torch_dist)")
+    p.add_argument("--input-format", default=None, choices=INPUT_FORMATS,
+                   help="the source's format (default: detected from its files; when given, it "
+                        "must agree with them). megatron: the legacy mp_rank_XX files; "
+                        "torch_dist: Megatron Core's PyTorch distributed checkpoint "
+                        "(--ckpt-format torch_dist)")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default="megatron")
     p.add_argument("--load", required=True, help="source: checkpoint directory (--save of the run) "
                    "or a Hugging Face save_pretrained directory")

@@ -39,6 +39,8 @@ class ParallelConfig:
              "progress for this long (plus a margin) is stopped; fractions allowed")
     world_size: int = 1
     """Ranks in the job (from the launcher; not a flag)."""
+    world_source: str = ""
+    """Where world_size came from (app.launch.distributed.WorldInfo.source), for messages."""
 
     def __post_init__(self) -> None:
         positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
@@ -52,7 +54,9 @@ class ParallelConfig:
             raise ValueError(
                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size "
                 f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
-                f"({self.pipeline_model_parallel_size}); launch a multiple of their product")
+                f"({self.pipeline_model_parallel_size}); launch a multiple of their product"
+                + (f" (the world size came from {self.world_source})"
+                   if self.world_source else ""))
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"--distributed-backend must be one of "
                              f"{', '.join(DISTRIBUTED_BACKENDS)}, got {self.distributed_backend!r}")

@@ -49,7 +49,18 @@ class TrainingConfig:
     exit_interval: Optional[int] = option(
         "--exit-interval", default=None,
         help="save and exit when the iteration is a multiple of this")
-    exit_duration_in_mins: Optional[float] = option("--exit-duration-in-mins", default=None)
+    exit_duration_in_mins: Optional[float] = option(
+        "--exit-duration-in-mins", default=None,
+        help="save and exit after this many minutes of training (default under Slurm: the "
+             "time left before the job's end, SLURM_JOB_END_TIME, less "
+             "--exit-duration-margin-mins)")
+    exit_duration_margin_mins: float = option(
+        "--exit-duration-margin-mins", default=10.0,
+        help="under Slurm without --exit-duration-in-mins: stop this many minutes before the "
+             "job's end time (at most 20%% of the time left) to save the final checkpoint")
+    exit_duration_source: Optional[str] = None
+    """How --exit-duration-in-mins was derived when the flag was not given (logged at start);
+    None when it was given or not derived."""
     tensorboard_dir: Optional[str] = option("--tensorboard-dir", default=None)
     metrics_file: Optional[str] = option(
         "--metrics-file", default=None,
@@ -88,6 +99,7 @@ class TrainingConfig:
                          ("eval_interval", "--eval-interval")))
         positive(self, (("exit_interval", "--exit-interval"),
                          ("exit_duration_in_mins", "--exit-duration-in-mins"),
+                         ("exit_duration_margin_mins", "--exit-duration-margin-mins"),
                          ("peak_flops", "--peak-flops")), allow_none=True)
         positive(self, (("straggler_margin", "--straggler-margin"),
                         ("straggler_minmax_count", "--straggler-minmax-count")))

@@ -29,9 +29,10 @@ __all__ = ["ConvertOptions", "ModelCheckpoint", "OptimizerState", "convert", "re
 class ConvertOptions:
     """What tools/convert_checkpoint.py was asked to do (its flags, validated)."""
 
-    input_format: str
-    output_format: str
     load: str
+    input_format: Optional[str] = None
+    """megatron, deepspeed or hf; None: detected from the files in `load` (app.convert.detect)."""
+    output_format: str = "megatron"
     save: Optional[str] = None
     iteration: Optional[object] = None
     """Source iteration to read (int or 'release'); for Megatron output also the one written."""
@@ -48,7 +49,7 @@ class ConvertOptions:
     """The run's --metrics-file JSONL: the hf output's model card reports its last validation loss."""
 
     def __post_init__(self) -> None:
-        if self.input_format not in INPUT_FORMATS:
+        if self.input_format not in (None, *INPUT_FORMATS):
             raise ValueError(f"--input-format {self.input_format!r}: use one of {', '.join(INPUT_FORMATS)}")
         if self.output_format not in OUTPUT_FORMATS:
             raise ValueError(f"--output-format {self.output_format!r}: use one of {', '.join(OUTPUT_FORMATS)}")
@@ -59,19 +60,32 @@ class ConvertOptions:
                              self.target_pipeline_model_parallel_size)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if (self.vocab_file is None) != (self.merge_file is None):
+            raise ValueError("--vocab-file and --merge-file go together")
+        if not self.print_checkpoint_structure and not self.save:
+            raise ValueError("--save DIR is required (unless --print-checkpoint-structure)")
+        self.input_format = _checked_input_format(self.load, self.input_format, self.iteration)
         if self.include_optimizer and "hf" in (self.input_format, self.output_format):
             raise ValueError("--include-optimizer needs a megatron, torch_dist or deepspeed input "
                              "and a megatron or torch_dist output (Hugging Face directories hold "
                              "no optimizer state)")
-        if (self.vocab_file is None) != (self.merge_file is None):
-            raise ValueError("--vocab-file and --merge-file go together")
-        if not os.path.exists(self.load):
-            raise FileNotFoundError(f"--load {self.load} does not exist")
-        if not self.print_checkpoint_structure and not self.save:
-            raise ValueError("--save DIR is required (unless --print-checkpoint-structure)")
         if self.metrics_file is not None and not os.path.isfile(self.metrics_file):
             raise FileNotFoundError(f"--metrics-file {self.metrics_file} does not exist (the JSONL "
                                     "that pretrain_gpt2.py --metrics-file wrote)")
+
+
+def _checked_input_format(load: str, given: Optional[str], iteration: Optional[object]) -> str:
+    """The format of the checkpoint in `load` (app.convert.detect); ValueError when --input-format
+    `given` says otherwise."""
+    from app.convert.detect import detect_format
+    found = detect_format(load, iteration)
+    if given is not None and given != found:
+        raise ValueError(f"--input-format {given}, but --load {load} holds a {found} checkpoint: "
+                         f"drop --input-format (the converter detects the format) or pass "
+                         f"--input-format {found}")
+    if given is None:
+        logger.info("--load %s: a %s checkpoint (detected from its files)", load, found)
+    return found
 
 
 def read_checkpoint(opts: ConvertOptions) -> ModelCheckpoint:

@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(it is in requirements.txt)") from exc
 
 from app.data.tokenizer import EOD_TOKEN
-from app.inference.runner import checkpoint_format
+from app.convert.detect import detect_format
 from app.inference.sampling import SamplingConfig
 from app.inference.session import GenerationParams, InferenceSession
 
@@ -95,7 +95,7 @@ class MegatronGPT2LM(TemplateLM):
         ranks = (tensor_model_parallel_size or 1) * (pipeline_model_parallel_size or 1)
         self._spawned: Optional[SpawnedWorld] = None
         if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # no launcher made ranks
-            checkpoint_format(kwargs["load"])  # a wrong path fails here, before any spawn
+            detect_format(kwargs["load"])  # a wrong path fails here, before any spawn
             self._spawned = SpawnedWorld(ranks, kwargs)
         try:
             self.session: Optional[InferenceSession] = InferenceSession(**kwargs)
@@ -305,12 +305,38 @@ def _follow(rank: int, world: Dict[str, str], session_kwargs: Dict[str, Any]) ->
     session.close()
 
 
+OFFLINE_HINT = (
+    "lm_eval's own tasks (lambada_openai, hellaswag, wikitext, ...) download their datasets from "
+    "the Hugging Face Hub on first use. Run once where the Hub is reachable (the data is then "
+    "cached under ~/.cache/huggingface/datasets, or $HF_DATASETS_CACHE, and later runs with "
+    "HF_DATASETS_OFFLINE=1 read the cache), copy that cache to this machine, or evaluate a "
+    "local task: a YAML over a local JSON/JSONL file, with --include_path DIR "
+    "(docs/inference.md, \"Offline evaluation\")")
+"""What to do when a task's dataset cannot be reached."""
+
+
+def _unreachable_errors() -> Tuple[type, ...]:
+    """The exceptions that say a dataset could not be fetched: `datasets` raises the builtin
+    ConnectionError (offline too); httpx, which it downloads with, its own when a transfer breaks."""
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx comes with datasets
+        return (ConnectionError,)
+    return (ConnectionError, httpx.ConnectError, httpx.TimeoutException)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    """lm_eval's command line with `megatron_gpt2` registered (same flags as `lm_eval`)."""
+    """lm_eval's command line with `megatron_gpt2` registered (same flags as `lm_eval`); exit
+    status 2 with OFFLINE_HINT when a task's dataset cannot be reached."""
     from lm_eval.__main__ import cli_evaluate
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except _unreachable_errors() as exc:
+        print(f"error: a task's dataset could not be fetched: {exc}.\n{OFFLINE_HINT}",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

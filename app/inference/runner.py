@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -21,6 +20,7 @@ from app.checkpointing import megatron as ckpt
 from app.checkpointing import names
 from app.checkpointing.model_args import model_config_from_args
 from app.convert import layout
+from app.convert.detect import detect_format
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
@@ -40,30 +40,10 @@ class LoadedModel:
     tokenizer_files: Dict[str, str]
 
 
-def checkpoint_format(load: str) -> str:
-    """'hf' (config.json), 'deepspeed' (a `latest` tag whose folder holds
-    mp_rank_XX_model_states.pt), 'torch_dist' (the tracker's iteration is a PyTorch distributed
-    checkpoint) or 'megatron' (everything else; its reader names what is missing)."""
-    if not os.path.isdir(load):
-        raise FileNotFoundError(f"--load {load} does not exist (a checkpoint directory or a "
-                                "Hugging Face model directory)")
-    if os.path.isfile(os.path.join(load, "config.json")):
-        return "hf"
-    tag = names.read_latest_tag(load)
-    folder = os.path.join(load, tag) if tag else None
-    if folder and os.path.isdir(folder) and any(
-            names.parse_deepspeed_model_file(n) is not None for n in os.listdir(folder)):
-        return "deepspeed"
-    tracked = names.read_tracker_text(load)
-    if tracked and dcp_files.is_dcp_checkpoint(names.checkpoint_dir(load, tracked)):
-        return "torch_dist"
-    return "megatron"
-
-
 def saved_layout_of(load: str) -> Optional[tuple]:
     """(TP, PP) a Megatron checkpoint was saved with; None for a Hugging Face directory or a
     DeepSpeed checkpoint (both are read whole and split for the layout asked for)."""
-    if checkpoint_format(load) != "megatron":
+    if detect_format(load) != "megatron":
         return None
     from app.convert.megatron import resolve_iteration
     return ckpt.saved_layout(names.checkpoint_dir(load, resolve_iteration(load, None)))
@@ -80,7 +60,7 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
     from app.convert.megatron import read_megatron, target_padded_vocab
     tp, pp = ps.tensor_model_parallel_size, ps.pipeline_model_parallel_size
     saved = saved_layout_of(load)
-    fmt = checkpoint_format(load)
+    fmt = detect_format(load, iteration)
     if fmt == "hf":
         from app.convert.hf_gpt2 import read_hf_dir
         source = read_hf_dir(load)

@@ -43,7 +43,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from app.launch import interfaces
+from app.launch import interfaces, slurm
 from app.launch.ports import pick_master_port
 from app.launch.waits import WaitReport
 
@@ -60,6 +60,8 @@ class DistributedInfo:
     device: torch.device
     nccl_environment: Dict[str, str] = field(default_factory=dict)
     """The NCCL diagnostics variables start-up exported (nccl_diagnostics_environment)."""
+    world: Optional["WorldInfo"] = None
+    """Where the ranks came from (logged at start-up)."""
 
 
 def _routable_address(spans_hosts: bool = False) -> str:
@@ -147,20 +149,108 @@ class WorldInfo:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: Optional[int] = None
+    """Ranks on this node, when the launcher says (None: not known)."""
+    source: str = "a single process (no launcher variables)"
+    """Where the ranks came from (the start-up line and --dry-run name it)."""
+    master: Optional[str] = None
+    """"host:port (how it was chosen)" when discovery chose the rendezvous itself."""
+    exports: Dict[str, str] = field(default_factory=dict)
+    """Variables discovery exports for torch's env:// rendezvous and DeepSpeed."""
+    warning: Optional[str] = None
+    """Logged at start-up (a job of several tasks run outside srun)."""
+
+    def describe(self) -> str:
+        """"rank 0 of 4 (local rank 0 of 2) from <source>[; master <host:port ...>]"."""
+        local = (f"local rank {self.local_rank} of {self.local_world_size}"
+                 if self.local_world_size else f"local rank {self.local_rank}")
+        text = f"rank {self.rank} of {self.world_size} ({local}) from {self.source}"
+        return text + (f"; master {self.master}" if self.master else "")
+
+
+def _launcher(environ: Mapping[str, str]) -> Tuple[Optional[str], Optional[int]]:
+    """(the launcher that set RANK, the nodes its rendezvous counts) from its own variables:
+    torchrun (TORCHELASTIC_RUN_ID, GROUP_WORLD_SIZE) or the deepspeed launcher (CROSS_SIZE);
+    (None, None) when RANK came from elsewhere (exported by a script or container hook)."""
+    def number(name: str) -> Optional[int]:
+        value = environ.get(name, "")
+        return int(value) if value.isdigit() else None
+    if environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun", number("GROUP_WORLD_SIZE")
+    if environ.get("CROSS_SIZE"):
+        return "the deepspeed launcher", number("CROSS_SIZE")
+    return None, None
+
+
+def _from_launcher(environ: Mapping[str, str]) -> WorldInfo:
+    """The world a launcher (or a script) exported as RANK / WORLD_SIZE / LOCAL_RANK, checked
+    against Slurm's when this process is an srun task."""
+    launcher, launcher_nodes = _launcher(environ)
+    step = slurm.step_from_environment(environ)
+    source = launcher or "RANK/WORLD_SIZE in the environment"
+    if step is not None and launcher is not None:
+        slurm.check_launcher_in_step(step, launcher, launcher_nodes)
+        source = f"{launcher} (one per node, {step.job_text()})"
+    elif step is not None:
+        slurm.check_exported_world(step, environ)
+        source = f"RANK/WORLD_SIZE exported in {step.job_text()} (equal to Slurm's)"
+    local_size = environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE") or ""
+    return WorldInfo(rank=int(environ["RANK"]), world_size=int(environ.get("WORLD_SIZE", "1")),
+                     local_rank=int(environ.get("LOCAL_RANK", "0")),
+                     local_world_size=int(local_size) if local_size.isdigit() else None,
+                     source=source)
+
+
+def _from_slurm(step: "slurm.SlurmStep", environ: Mapping[str, str]) -> WorldInfo:
+    """An srun task without launcher variables: Slurm's ranks, exported for env://."""
+    slurm.check_exported_world(step, environ)
+    address, port, chosen = slurm.master_endpoint(step, environ)
+    exports = dict(RANK=str(step.procid), WORLD_SIZE=str(step.ntasks),
+                   LOCAL_RANK=str(step.localid), LOCAL_WORLD_SIZE=str(step.node_tasks),
+                   MASTER_ADDR=address, MASTER_PORT=str(port))
+    return WorldInfo(rank=step.procid, world_size=step.ntasks, local_rank=step.localid,
+                     local_world_size=step.node_tasks,
+                     source=(f"Slurm: SLURM_PROCID, SLURM_NTASKS (srun --ntasks), "
+                             f"SLURM_LOCALID of {step.job_text()} on {len(step.nodes)} "
+                             "node(s)"),
+                     master=f"{address}:{port} ({chosen})", exports=exports)
+
+
+def world_from_environment(environ: Mapping[str, str]) -> WorldInfo:
+    """This process's world from its environment, without side effects:
+
+    - launcher variables (RANK set: torchrun, the deepspeed launcher, a script): theirs, and
+      inside an srun task checked against Slurm's (`app.launch.slurm` misuse checks);
+    - an srun task without them: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, the master the
+      first host of the step's node list and a port from the job id (`exports` holds the
+      variables to export);
+    - otherwise a world of one (with a warning inside a job of several tasks).
+    A wrong combination raises app.launch.slurm.SlurmLaunchError naming the fix."""
+    if "RANK" in environ:
+        return _from_launcher(environ)
+    step = slurm.step_from_environment(environ)
+    if step is not None:
+        return _from_slurm(step, environ)
+    return WorldInfo(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                     warning=slurm.batch_shell_warning(environ))
 
 
 def discover_world(use_mpi: bool = False) -> WorldInfo:
-    """Rank, world size and local rank from the launcher's environment (env://), or from MPI
-    (with `use_mpi`, or when Open MPI's variables are set and RANK is not), which then exports
-    the same variables. A plain `python` run is rank 0 of a world of one."""
+    """This process's world (`world_from_environment`), or MPI's (with `use_mpi`, or when Open
+    MPI's variables are set and neither RANK nor an srun step is), exporting RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT where discovery chose them. Call it once per
+    process (pretrain_gpt2.py does) and pass the result on."""
     global _MPI_DISCOVERED
-    mpi = use_mpi or ("OMPI_COMM_WORLD_SIZE" in os.environ and "RANK" not in os.environ)
+    mpi = use_mpi or ("OMPI_COMM_WORLD_SIZE" in os.environ and "RANK" not in os.environ
+                      and not slurm.in_step(os.environ))
     if mpi and not _MPI_DISCOVERED:
         _discover_mpi()
         _MPI_DISCOVERED = True
-    return WorldInfo(rank=int(os.environ.get("RANK", "0")),
-                     world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                     local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    world = world_from_environment(os.environ)
+    if mpi:
+        world.source = "MPI (mpi4py)"
+    os.environ.update(world.exports)
+    return world
 
 
 def torchrun_restart(environ: Mapping[str, str] = os.environ) -> Optional[Tuple[int, int]]:
@@ -263,9 +353,26 @@ class _Rendezvous:
         return text
 
 
+def cuda_device_index(local_rank: int, local_world_size: Optional[int],
+                      device_count: int) -> int:
+    """The CUDA device of a rank: its local rank, or 0 when the scheduler gave each rank of
+    the node a single GPU of its own (Slurm's --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per
+    task). ValueError when the node runs more ranks than it shows GPUs."""
+    if local_rank < device_count:
+        return local_rank
+    if device_count == 1:
+        return 0
+    raise ValueError(
+        f"local rank {local_rank} (of {local_world_size or '?'} ranks on this node) has no GPU: "
+        f"this process sees {device_count} (CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); start one rank per GPU "
+        "(torchrun --nproc-per-node, srun --ntasks-per-node)")
+
+
 def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
                      timeout_minutes: float = 10.0,
-                     trace_dir: Optional[str] = None) -> DistributedInfo:
+                     trace_dir: Optional[str] = None,
+                     world: Optional[WorldInfo] = None) -> DistributedInfo:
     """Start the default process group if the launcher made a world of several ranks.
 
     `backend` None picks `default_backend()`. Every collective of this group, and of groups
@@ -274,12 +381,16 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
     rendezvous slower than `report_after_s()` is reported while it lasts. With NCCL, PyTorch's
     flight recorder dumps to `trace_dir` (nccl_trace_dir) unless the user configured it.
     A taken rendezvous port raises RendezvousPortInUse. Returns this rank's info; the device is
-    `cuda:LOCAL_RANK` on GPUs and the CPU otherwise.
+    `cuda:cuda_device_index(...)` on GPUs and the CPU otherwise. `world` is the one
+    pretrain_gpt2.py discovered; None discovers it here (`discover_world(use_mpi)`).
     """
-    world = discover_world(use_mpi)
+    world = world if world is not None else discover_world(use_mpi)
     use_cuda = torch.cuda.is_available()
     backend = backend or default_backend()
-    device = torch.device(f"cuda:{world.local_rank}") if use_cuda else torch.device("cpu")
+    device = torch.device("cpu")
+    if use_cuda:
+        device = torch.device("cuda", cuda_device_index(
+            world.local_rank, world.local_world_size, torch.cuda.device_count()))
     if not use_cuda:
         keep_freed_memory()
     if use_cuda:
@@ -310,7 +421,8 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
                     "<MASTER_ADDR>`), or unset it to let start-up choose") from exc
             raise
     return DistributedInfo(rank=world.rank, world_size=world.world_size,
-                           local_rank=world.local_rank, device=device, nccl_environment=nccl)
+                           local_rank=world.local_rank, device=device, nccl_environment=nccl,
+                           world=world)
 
 
 def log_launch_notes(info: DistributedInfo, resumed_from: Optional[int]) -> None:

@@ -28,9 +28,9 @@ from app.data.gpt_dataset import build_datasets
 from app.data.plan import DataPlan, order_record, plan_datasets
 from app.mpu import collectives
 from app.checkpointing.megatron import CheckpointError
-from app.launch.distributed import (DistributedInfo, all_ranks_ok, init_distributed,
-                                      log_launch_notes, nccl_trace_dir, shutdown_distributed,
-                                      world_group)
+from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
+                                    init_distributed, log_launch_notes, nccl_trace_dir,
+                                    shutdown_distributed, world_group)
 from app.training.loss import LossFunction
 from app.training.resilience.data_order import check_data_order
 from app.training.resilience.nonfinite import TrainingAborted
@@ -178,17 +178,33 @@ def _log_precision(cfg: RunConfig) -> None:
     logger.info("> precision: %s weights (from %s)%s", cfg.model.params_dtype, p.source, detail)
 
 
+def _log_world(cfg: RunConfig, info: DistributedInfo) -> None:
+    """The start-up lines naming where the ranks came from and, when derived, the exit time."""
+    if info.world is not None:
+        logger.info("> world: %s", info.world.describe())
+        if info.world.warning:
+            logger.warning(info.world.warning)
+    t = cfg.training
+    if t.exit_duration_source:
+        logger.info("> --exit-duration-in-mins %.1f (from %s)", t.exit_duration_in_mins,
+                    t.exit_duration_source)
+
+
 def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = (),
-             loss_function: Optional[LossFunction] = None) -> Trainer:
+             loss_function: Optional[LossFunction] = None,
+             world: Optional[WorldInfo] = None) -> Trainer:
     """Build everything for `cfg` and train; returns the Trainer (for tests and tools).
 
     `tokenizer` gives the end-of-document id; `arguments_listing` (Megatron's "arguments" block)
-    is printed at start; `loss_function` replaces Megatron's LM loss (app.training.loss).
+    is printed at start; `loss_function` replaces Megatron's LM loss (app.training.loss);
+    `world` is the world pretrain_gpt2.py discovered (None: discovered here).
     """
     p = cfg.parallel
     info = init_distributed(p.distributed_backend, cfg.deepspeed.mpi,
-                            p.distributed_timeout_minutes, nccl_trace_dir(cfg.checkpoint.save))
+                            p.distributed_timeout_minutes, nccl_trace_dir(cfg.checkpoint.save),
+                            world=world)
     setup_logging(info.rank, info.world_size)
+    _log_world(cfg, info)
     if arguments_listing:
         logger.info("---------- arguments (those not at their --help default) ----------\n%s\n"
                     "----------------------- end of arguments --------------------------",

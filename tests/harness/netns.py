@@ -28,7 +28,7 @@ import shutil
 import signal
 import socket
 import subprocess
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from app.utils.processes import pid_alive
 
@@ -168,6 +168,14 @@ class TestHosts:
                 f.write(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
         except OSError as exc:
             raise HostsUnavailable(f"cannot write {directory}/hosts: {exc}") from exc
+
+    def add_host_names(self, names: Mapping[str, str]) -> None:
+        """Make every host resolve each name of `names` ({name: address}), as a cluster's DNS
+        resolves its node names (a line per name in each host's /etc/hosts)."""
+        lines = "".join(f"{address} {name}\n" for name, address in names.items())
+        for name in self.names:
+            with open(os.path.join(NETNS_ETC, name, "hosts"), "a") as f:
+                f.write(lines)
 
     def close(self) -> None:
         """Remove the namespaces this object created (and the processes inside them)."""

@@ -52,11 +52,13 @@ def runs(tiny_corpus, zero2_dp2_run, tmp_path_factory):
     return {"root": tmp, "corpus": tiny_corpus, "args": args}
 
 
-def _export(runs, name, fmt="megatron"):
+def _export(runs, name):
+    """The HF export of checkpoint `name`; its format (Megatron at any layout, DeepSpeed ZeRO-2)
+    is left to the converter to detect."""
     out = runs["root"] / f"hf_{name}"
     if not out.exists():
         c = runs["corpus"]
-        _convert("--input-format", fmt, "--output-format", "hf", "--load", runs["root"] / name,
+        _convert("--output-format", "hf", "--load", runs["root"] / name,
                  "--save", out, "--vocab-file", c["vocab"], "--merge-file", c["merges"],
                  "--iteration", 3)
     return out
@@ -121,7 +123,7 @@ def test_exports_match_hugging_face_at_every_layout(runs):
             "tp2": _last_stage([r[0] for r in two]), "pp2": _last_stage([r[1] for r in two]),
             "tp2pp2": _last_stage([r[0] for r in four])}
     for name in ("tp1", "tp2", "pp2", "tp2pp2", "ds"):
-        hf = _hf_model(_export(runs, name, "deepspeed" if name == "ds" else "megatron"))
+        hf = _hf_model(_export(runs, name))
         with torch.no_grad():
             hf_logits = hf(TOKENS).logits
         if name in ours:
@@ -164,7 +166,7 @@ def _check_ds_export(runs):
         elif name.endswith(".bin"):
             fp32.update(torch.load(str(out / name), weights_only=True))
     assert fp32, f"zero_to_fp32 wrote nothing usable in {out}"
-    hf_dir = _export(runs, "ds", "deepspeed")
+    hf_dir = _export(runs, "ds")
     exported = {}
     for name in os.listdir(hf_dir):
         if name.endswith(".safetensors"):

@@ -184,3 +184,29 @@ def test_bad_model_args_name_the_argument(evaluated):
         MegatronGPT2LM(load=str(evaluated["root"] / "ck"), tokenizer_file="x")
     with pytest.raises(ValueError, match="no 'auto'"):
         MegatronGPT2LM(load=str(evaluated["root"] / "ck"), batch_size="auto")
+
+
+def test_an_unreachable_dataset_says_what_to_do(tmp_path, monkeypatch, capsys):
+    """A task whose dataset is on the Hub, with the Hub unreachable (offline mode): exit status 2
+    and what to do (the cache, or a local task), not `datasets`' traceback. The model is the
+    legacy fixture checkpoint (tests/data/old_checkpoints), which lm_eval builds first."""
+    import datasets
+    from app.inference.lm_eval_backend import main
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    (tmp_path / "hub_task.yaml").write_text(
+        "task: hub_task\ndataset_path: gpt2-megatron-tests/not-on-this-machine\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: \"\"\n"
+        "doc_to_target: \"{{text}}\"\n")
+    fixtures = os.path.join(ROOT, "tests", "data", "old_checkpoints")
+    model_args = (f"load={os.path.join(fixtures, 'native_fp32')},"
+                  f"vocab_file={os.path.join(fixtures, 'data', 'vocab.json')},"
+                  f"merge_file={os.path.join(fixtures, 'data', 'merges.txt')}")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--model", "megatron_gpt2", "--model_args", model_args, "--tasks", "hub_task",
+              "--include_path", str(tmp_path)])
+    assert stopped.value.code == 2
+    message = capsys.readouterr().err
+    assert "Couldn't reach 'gpt2-megatron-tests/not-on-this-machine'" in message, message
+    assert "HF_DATASETS_OFFLINE=1" in message and "--include_path DIR" in message
+    assert "Offline evaluation" in message

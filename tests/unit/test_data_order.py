@@ -1,6 +1,8 @@
 """No silent change of data order on resume: the data-order record of a plan and the resume
 check against hand-built records."""
 import copy
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -60,6 +62,26 @@ def test_other_weights_or_paths_are_named(datasets):
     assert any("weight 0.5 -> 0.4" in c and "blend weights" in c for c in changes)
     changes, _ = order_changes(old, record([a]), READ)
     assert changes and f"train data: {a} {b} -> {a}" in changes[0]
+
+
+def test_the_same_files_read_from_another_folder_keep_the_order(datasets, tmp_path, monkeypatch):
+    """A copy of the files elsewhere, or a relative path to them, is the same dataset; a dataset
+    of the same name with other content is not."""
+    a, b = datasets
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    for prefix in (a, b):
+        for ext in (".bin", ".idx"):
+            shutil.copy(prefix + ext, copies / (os.path.basename(prefix) + ext))
+    old = record(["0.5", a, "0.5", b])
+    monkeypatch.chdir(copies)
+    changes, notes = order_changes(old, record(["0.5", "a", "0.5", "./b"]), READ)
+    assert changes == [] and notes[0].startswith("train data read from a ./b, saved as ")
+    write_dataset(str(copies / "a"), np.full(100, 34))  # a's name, other tokens
+    changes, _ = order_changes(old, record(["0.5", "a", "0.5", "./b"]), READ)
+    assert any("train data a: tokens 2970 -> 3060" in c for c in changes), changes
+    changes, _ = order_changes(old, record(["0.5", b, "0.5", a]), READ)  # swapped
+    assert changes and "train data: " in changes[0]
 
 
 def test_more_samples_within_the_same_epochs_keep_the_order(datasets):

@@ -304,7 +304,7 @@ def check_checkpoint(report: Report, cfg: RunConfig, data_order: Optional[dict] 
                   f"{p.pipeline_model_parallel_size}, data-parallel size {p.data_parallel_size}; "
                   f"this run saves --ckpt-format {c.ckpt_format}")
         if _verify_integrity(report, target.layout):
-            _check_saved_state(report, cfg, target)
+            _check_saved_state(report, cfg, target, data_order)
         return
     if c.save:
         report.ok(f"this run saves --ckpt-format {c.ckpt_format}")

@@ -7,6 +7,10 @@ consumed-sample counts, which only mean the same samples when that record is unc
 `check_data_order` compares the saved record with this run's and refuses the resume, naming
 what changed, unless --allow-data-order-change says the change is intended.
 
+A dataset is known by its file name (as the sample-index cache knows it), documents and
+tokens, not by the folder it is read from: the same files named by a relative instead of an
+absolute path, or copied to another disk, keep the order (a note names the new place).
+
 A changed sample count alone (a longer --train-iters, another --eval-interval, a batch-size
 schedule, a data-parallel size) is accepted when every dataset keeps its epochs: the first
 samples of a dataset and of a blend do not depend on how many are built beyond them. It is
@@ -14,6 +18,7 @@ named in a note.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from app.checkpointing.megatron import CheckpointError
@@ -31,6 +36,11 @@ _WHY = {
 }
 
 
+def _dataset_name(prefix: str) -> str:
+    """A dataset's name: its prefix without the folder (`/a/b/x_text_document` -> x_text_document)."""
+    return os.path.basename(os.path.normpath(prefix))
+
+
 def _part_changes(split: str, old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
     changes = []
     for key in ("weight", "documents", "tokens", "epochs", "separate_last_epoch"):
@@ -45,11 +55,16 @@ def _split_changes(name: str, old: Optional[Dict[str, Any]], new: Optional[Dict[
     """(changes of the order, notes) of one split present in both records."""
     old_prefixes = [p["prefix"] for p in old["parts"]]
     new_prefixes = [p["prefix"] for p in new["parts"]]
-    if old_prefixes != new_prefixes or old.get("blended") != new.get("blended"):
+    if ([_dataset_name(p) for p in old_prefixes] != [_dataset_name(p) for p in new_prefixes]
+            or old.get("blended") != new.get("blended")):
         return [f"{name} data: {' '.join(old_prefixes)} -> {' '.join(new_prefixes)} "
                 f"({_WHY['prefixes']})"], []
     changes = [c for o, n in zip(old["parts"], new["parts"]) for c in _part_changes(name, o, n)]
     notes = []
+    if old_prefixes != new_prefixes and not changes:
+        notes.append(f"{name} data read from {' '.join(new_prefixes)}, saved as "
+                     f"{' '.join(old_prefixes)}: the same file names, documents and tokens, so "
+                     "the order of the samples is unchanged")
     if old.get("samples") != new.get("samples") and not changes:
         notes.append(f"{name} samples {old.get('samples')} -> {new.get('samples')}: the order "
                      "of the samples is unchanged (every dataset keeps its epochs)")
