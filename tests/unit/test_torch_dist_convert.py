@@ -87,11 +87,12 @@ def test_deepspeed_to_torch_dist_keeps_the_fp32_weights_and_moments(tmp_path):
 
 
 def test_generation_tools_load_a_torch_dist_checkpoint(tmp_path):
-    from app.inference.runner import checkpoint_format, load_model
+    from app.convert.detect import detect_format
+    from app.inference.runner import load_model
     from app.mpu.parallel_state import ParallelState
     source = os.path.join(FIXTURES, "native_fp32")
     td = _convert(tmp_path, source, "megatron", "torch_dist", "td", optimizer=False)
-    assert checkpoint_format(td) == "torch_dist"
+    assert detect_format(td) == "torch_dist"
     tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
     position = torch.arange(8).unsqueeze(0)
     with torch.no_grad():
