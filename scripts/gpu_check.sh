@@ -198,11 +198,8 @@ fi
 
 # ---- sizes: GPT-2 124M / 350M at seq 1024 on the GPU, tiny models in the dry run
 if [ "$DRY" = 1 ]; then
-    # DeepSpeed's JIT-built CPU ops in a cache of this Python's own: the shared default
-    # (~/.cache/torch_extensions) is rebuilt, a minute each time, whenever another environment
-    # built it with other flags
-    KEY="$(printf '%s' "$PY" | sha256sum | cut -c1-12)"
-    export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/gpt2-megatron/torch_extensions-$KEY}"
+    source "$ROOT/scripts/lib/torch_extensions.sh"
+    own_torch_extensions "$PY"  # DeepSpeed's JIT-built CPU ops: this Python's own folder
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     VOCAB_SIZE=512 PADDED_VOCAB=512
     MBS_124M="${MBS_124M:-4}" MBS_350M="${MBS_350M:-4}" ITERS="${ITERS:-4}" LOG_INTERVAL=2 WARMUP=1

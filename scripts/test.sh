@@ -6,4 +6,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh" --with-test-deps
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONDONTWRITEBYTECODE=1
+source scripts/lib/torch_extensions.sh
+own_torch_extensions "$ROOT/.venv/bin/python"  # two checkouts' suites build apart
 exec "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=600 tests "$@"
