@@ -7,5 +7,5 @@ bash "$ROOT/scripts/setup_env.sh" --with-test-deps
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONDONTWRITEBYTECODE=1
 source scripts/lib/torch_extensions.sh
-own_torch_extensions "$ROOT/.venv/bin/python"  # two checkouts' suites build apart
+own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
 exec "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=600 tests "$@"

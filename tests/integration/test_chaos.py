@@ -6,10 +6,9 @@ kills one random rank per attempt: in the forward pass of a random iteration, or
 writes a checkpoint file (with --async-save in the thread writing in the background). After K
 kills the job must finish with exit 0, its final checkpoint must hold the uninterrupted run's
 tensors bit for bit, and the last logged loss and grad norm of every iteration must equal the
-uninterrupted run's. Native TP 2 and DeepSpeed ZeRO-2 DP 2, each with and without
---async-save, native TP 2 with --ckpt-format torch_dist and --async-save (its background
-write and the metadata published after it), and ZeRO-3 DP 2 with --async-save, against one
-uninterrupted (synchronous) run per engine. The seed of the kill
+uninterrupted run's. Native TP 2 and DeepSpeed ZeRO-2 DP 2 with synchronous saves, native TP 2
+with --ckpt-format torch_dist and --async-save, and ZeRO-3 DP 2 with --async-save (CASES),
+against one uninterrupted (synchronous) run per engine. The seed of the kill
 plan is printed and in every failure message; set CHAOS_SEED to replay one.
 """
 import glob
@@ -49,10 +48,12 @@ HANG_S = 540
 """A job still running after this long hangs: four attempts of a DeepSpeed job take a few
 minutes on two cores shared with another suite (300 s was not enough under load); below the
 suite's 600 s per-test limit, so this message, with the log, is what a hang reports."""
-CASES = [("native_tp2", False), ("native_tp2", True), ("zero2_dp2", False), ("zero2_dp2", True),
-         ("native_tp2_torch_dist", True), ("zero3_dp2", True)]
-"""ZeRO-3 only with --async-save (its files are written as ZeRO-2's are; the asynchronous path
-covers the synchronous one's writes and adds the host copies)."""
+CASES = [("native_tp2", False), ("zero2_dp2", False), ("native_tp2_torch_dist", True),
+         ("zero3_dp2", True)]
+"""Each engine once with synchronous saves (the default) and once with --async-save: the native
+asynchronous case in the torch_dist format (its background write and the metadata published
+after it), DeepSpeed's with ZeRO-3 (written as ZeRO-2's files are, plus the host copies). The
+legacy format's background write SIGKILLed at each stage: tests/unit/test_checkpoint_async.py."""
 
 
 def kill_plan(rng):

@@ -94,10 +94,10 @@ def test_ds_activation_checkpointing_tp2_trains_identically(tiny_corpus, tmp_pat
     assert_close_curves(train_curve(ckpt), train_curve(plain), what="DS activation checkpointing")
 
 
-def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, tmp_path):
-    common = [*ITERS, "--train-iters", "6", *ds_args(2)]
-    straight = tmp_path / "straight.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(straight)), tmp_path)
+def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, zero2_dp2_run,
+                                                                  tmp_path):
+    common = [*ITERS, "--train-iters", "6", *ds_args(2)]  # = ZERO2_DP2_ARGS but for saving
+    straight = zero2_dp2_run / "straight.jsonl"  # the shared uninterrupted run of these flags
     ck, first, second = tmp_path / "ck", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck), "--exit-interval", "3",
                               "--metrics-file", str(first)), tmp_path)
@@ -206,13 +206,12 @@ def test_no_save_optim_is_refused_with_deepspeed(tiny_corpus, tmp_path):
     assert "--no-save-optim is not available with --deepspeed" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_deepspeed_rotation_no_load_optim_and_finetune(tiny_corpus, tmp_path):
+def test_deepspeed_rotation_no_load_optim_and_finetune(tiny_corpus, zero2_dp2_run, tmp_path):
     """DeepSpeed checkpoints honour --keep-last-n-checkpoints, --no-load-optim (fresh optimizer,
     LR schedule continues) and --finetune (weights only, iteration 0)."""
     from tests.integration.conftest import read_metrics
-    common = [*ITERS, "--train-iters", "6", *ds_args(2)]
-    straight = tmp_path / "straight.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(straight)), tmp_path)
+    common = [*ITERS, "--train-iters", "6", *ds_args(2)]  # = ZERO2_DP2_ARGS but for saving
+    straight = zero2_dp2_run / "straight.jsonl"  # the shared uninterrupted run of these flags
     ck = tmp_path / "ck"
     torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck), "--save-interval", "1",
                               "--keep-last-n-checkpoints", "1", "--exit-interval", "3"), tmp_path)
