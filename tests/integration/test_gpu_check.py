@@ -15,8 +15,8 @@ ORDER = ["setup", "build_kernels", "nanogpt_124M", "train_124M_bf16", "bench_ker
          "ds_zero2_straight", "ds_zero2_first", "ds_zero2_resumed", "memory_124M",
          "memory_350M", "fp32_cpu", "fp32_gpu"]
 VALUES = ["0", "1", "1", "1", "2", "2", "2", "3", "4", "5", "5", "5", "6", "6", "7", "7"]
-"""Issue 28's order of value: 1 throughput beside nanoGPT, 2 kernels and fusions, 3 350M,
-4 fp16, 5 ZeRO-2 resume, 6 memory estimate, 7 CPU vs GPU."""
+"""The plan's order of value (docs/gpu.md): 1 throughput beside nanoGPT, 2 kernels and
+fusions, 3 350M, 4 fp16, 5 ZeRO-2 resume, 6 memory estimate, 7 CPU vs GPU."""
 SKIPPED = ["setup", "build_kernels", "bench_kernels_fp16", "fp32_gpu"]
 
 

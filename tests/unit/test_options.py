@@ -1,8 +1,8 @@
 """app/config/options.py and the parser arguments.py generates from it.
 
-- The command line of wave 3 (recorded from its hand-written parser in
-  tests/data/flags_wave3.json) is still accepted flag by flag with the same dest, default, help,
-  choices and action.
+- Every recorded flag (tests/data/recorded_flags.json, read from the hand-written parser the
+  generated one replaced) is still accepted, spelling by spelling, with the same dest, default,
+  help, choices and action.
 - A config class written only with `option()` fields becomes flags and comes back as the config
   (switches, --x/--no-x, store_false, lists, choices, aliases, nested configs, derived fields).
 """
@@ -17,14 +17,14 @@ import pytest
 import arguments
 from app.config.options import check_unique, from_flags, iter_options, option
 
-WAVE3 = pathlib.Path(__file__).resolve().parents[1] / "data" / "flags_wave3.json"
+RECORDED = pathlib.Path(__file__).resolve().parents[1] / "data" / "recorded_flags.json"
 KINDS = {"_StoreAction": argparse._StoreAction, "_StoreTrueAction": argparse._StoreTrueAction,
          "_StoreFalseAction": argparse._StoreFalseAction,
          "BooleanOptionalAction": argparse.BooleanOptionalAction}
 
 
 def _recorded():
-    return json.loads(WAVE3.read_text())["flags"]
+    return json.loads(RECORDED.read_text())["flags"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def actions():
 
 
 @pytest.mark.parametrize("old", _recorded(), ids=lambda x: x["flags"][0])
-def test_wave3_flag_keeps_its_meaning(actions, old):
+def test_recorded_flag_keeps_its_meaning(actions, old):
     _, by_spelling = actions
     for spelling in old["flags"]:
         assert spelling in by_spelling, f"{spelling} is no longer accepted"
@@ -50,7 +50,7 @@ def test_wave3_flag_keeps_its_meaning(actions, old):
             assert getattr(action.type, "__name__", None) == old["type"]
 
 
-def test_wave3_command_line_parses_to_the_same_values(actions):
+def test_recorded_command_line_parses_to_the_same_values(actions):
     parser, _ = actions
     argv = ["--model-parallel-size", "2", "--batch-size", "3", "--warmup", "0.1",
             "--no-layernorm-fusion", "--muon-no-split-qkv", "--data-path", "0.3", "a", "0.7", "b",
