@@ -162,7 +162,16 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
             continue
         if not hasattr(ckpt_args, name) or not hasattr(current, name):
             continue
-        saved, now = getattr(ckpt_args, name), getattr(current, name)
+        saved, now = _meaning(ckpt_args, name), _meaning(current, name)
         if saved != now:
             raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
                                   f"{now}; pass the same model flags as the run that saved it")
+
+
+def _meaning(args: argparse.Namespace, name: str) -> Any:
+    """The value of `name` as Megatron means it: num_query_groups counts key/value heads only
+    under group_query_attention (Megatron keeps its argparse default 1 otherwise: one group per
+    attention head then)."""
+    if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
+        return getattr(args, "num_attention_heads", None)
+    return getattr(args, name)
