@@ -1,9 +1,9 @@
 """Command-line arguments: the parser generated from the config fields, and the one conversion
 of the parsed flags into an `app.config.RunConfig`.
 
-This is the only module that touches argparse, and nothing under `app/` imports it. Every
-option is declared once, as a field of a config dataclass (`app.config.options.option`): its
-spellings, default, choices and help. This module only assembles the parser from those fields,
+Nothing under `app/` imports this module. Every option is declared once, as a field of a
+config dataclass (`app.config.options.option`): its spellings, default, choices and help. This
+module only assembles the parser from those fields (with `app.config.cli`, which the tools use too),
 adds DeepSpeed's own flags (`deepspeed.add_config_arguments`) and the aliases that are not one
 field's (the older recompute spelling), and computes the derived values: warm-up iterations
 from a fraction, the LR decay length, the global batch, the precision and optimizer taken from
@@ -24,13 +24,14 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from app.config import (DataConfig, DeepSpeedConfig, DryRunConfig, ModelConfig, ParallelConfig,
                         RunConfig, default_kernel_build_timeout, resolve_recompute_flags)
 from app.config.batch_schedule import parse_step_schedule, schedule_of
 from app.config.deepspeed import load_ds_json, reconcile_ds_config
-from app.config.options import Option, check_unique, flag_group, from_flags, iter_options
+from app.config.cli import add_options, collect_options, group_descriptions
+from app.config.options import flag_group, from_flags
 from app.data.tokenizer import pad_vocab_size
 from app.launch.distributed import check_backend, default_backend
 from app.launch.slurm import exit_duration_from_end_time
@@ -41,31 +42,6 @@ ROOTS = (RunConfig, DryRunConfig)
 
 
 # ---------------------------------------------------------------------------- the parser
-
-def _options(roots: Sequence[type]) -> List[Option]:
-    options = [opt for root in roots for opt in iter_options(root)]
-    check_unique(options)
-    return options
-
-
-def _group_descriptions(options: Iterable[Option]) -> Dict[str, str]:
-    """{group title: description} from the FLAG_GROUP of every class that declares options."""
-    return dict(flag_group(opt.owner) for opt in options)
-
-
-def _add_option(group: Any, opt: Option) -> None:
-    """One add_argument from one field (the rules are in app.config.options)."""
-    flag = opt.flag
-    kwargs: Dict[str, Any] = dict(dest=flag.dest, default=opt.default, help=flag.help)
-    if opt.scalar_type is bool:
-        action = flag.action or ("store_true" if opt.default is False else "boolean_optional")
-        kwargs["action"] = (argparse.BooleanOptionalAction if action == "boolean_optional"
-                            else action)
-    else:
-        kwargs.update(type=opt.scalar_type, choices=flag.choices, nargs=flag.nargs,
-                      metavar=flag.metavar)
-    group.add_argument(*flag.spellings, **kwargs)
-
 
 def _add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
     """DeepSpeed's own flags (--deepspeed, --deepspeed_config, --deepscale*), from deepspeed
@@ -97,22 +73,15 @@ def build_parser(roots: Sequence[type] = ROOTS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="GPT-2 pretraining, Megatron-LM style (native or DeepSpeed)",
         allow_abbrev=False)
-    options = _options(roots)
-    descriptions = _group_descriptions(options)
-    groups: Dict[str, Any] = {}
-
-    def group(title: str) -> Any:
-        if title not in groups:
-            groups[title] = parser.add_argument_group(title, descriptions.get(title))
-        return groups[title]
-
+    options = collect_options(roots)
     probe = argparse.ArgumentParser(add_help=False)
     _add_deepspeed_flags(probe)  # DeepSpeed's own definition of a spelling wins
     taken = probe._option_string_actions  # noqa: SLF001 (only way to ask "is it defined?")
-    for opt in options:
-        if not any(spelling in taken for spelling in opt.flag.spellings):
-            _add_option(group(opt.group_title), opt)
-    _add_recompute_aliases(group(flag_group(ModelConfig)[0]))
+    groups = add_options(parser, [opt for opt in options
+                                  if not any(s in taken for s in opt.flag.spellings)],
+                         group_descriptions(options))
+    model_title = flag_group(ModelConfig)[0]
+    _add_recompute_aliases(groups.get(model_title) or parser.add_argument_group(model_title))
     _add_deepspeed_flags(parser)
     return parser
 

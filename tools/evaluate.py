@@ -11,35 +11,47 @@ a loose-JSON file whose --json-key field holds each passage. The last stdout lin
 object with the results (also written to --results-file). Nothing is downloaded. See
 docs/inference.md.
 """
-import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional, Tuple
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config  # noqa: E402
+from app.config.inference import InferenceLoadConfig  # noqa: E402
+from app.config.options import option  # noqa: E402
 
 
-def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--load", required=True, help="checkpoint directory or Hugging Face directory")
-    p.add_argument("--task", required=True, choices=["wikitext", "lambada"])
-    p.add_argument("--valid-data", required=True, help="evaluation file (text or loose JSON)")
-    p.add_argument("--vocab-file")
-    p.add_argument("--merge-file")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=None)
-    p.add_argument("--seq-length", type=int, default=None, help="window (default: the model's positions)")
-    p.add_argument("--overlapping-eval", type=int, default=None,
-                   help="sliding-window stride for wikitext (default: --seq-length, no overlap)")
-    p.add_argument("--strict-lambada", action="store_true", help="score the whole last word")
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--json-key", default="text")
-    p.add_argument("--no-detokenize", action="store_true",
-                   help="wikitext: skip the WikiText detokenizer")
-    p.add_argument("--results-file", help="also write the JSON results here")
-    return p.parse_args(argv)
+@dataclass(kw_only=True)
+class EvaluateOptions:
+    """tools/evaluate.py's command line: the checkpoint, the task and its data."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("evaluation", "the task, its data and the windows")
+
+    checkpoint: InferenceLoadConfig
+    task: str = option("--task", required=True, choices=("wikitext", "lambada"))
+    valid_data: str = option("--valid-data", required=True,
+                             help="evaluation file (text or loose JSON)")
+    seq_length: Optional[int] = option("--seq-length", default=None,
+                                       help="window (default: the model's positions)")
+    overlapping_eval: Optional[int] = option(
+        "--overlapping-eval", default=None,
+        help="sliding-window stride for wikitext (default: --seq-length, no overlap)")
+    strict_lambada: bool = option("--strict-lambada", default=False,
+                                  help="score the whole last word")
+    micro_batch_size: int = option("--micro-batch-size", default=8)
+    json_key: str = option("--json-key", default="text")
+    no_detokenize: bool = option("--no-detokenize", default=False,
+                                 help="wikitext: skip the WikiText detokenizer")
+    results_file: Optional[str] = option("--results-file", default=None,
+                                         help="also write the JSON results here")
+
+
+def get_options(argv: Optional[List[str]] = None) -> EvaluateOptions:
+    """EvaluateOptions from the command line (exit status 2 on a bad one)."""
+    return parse_config(EvaluateOptions, argv, __doc__.split("\n")[0])
 
 
 def _documents(path: str, key: str, loose_json: bool) -> List[str]:
@@ -62,7 +74,7 @@ def _documents(path: str, key: str, loose_json: bool) -> List[str]:
     return docs
 
 
-def _wikitext(session, a) -> dict:
+def _wikitext(session, a: EvaluateOptions, seq_length: int) -> dict:
     from app.inference.zeroshot import PerplexityResult, count_words, perplexity, wikitext_detokenize
     loose = a.valid_data.endswith((".json", ".jsonl"))
     tokens: List[int] = []
@@ -73,21 +85,21 @@ def _wikitext(session, a) -> dict:
         tokens += session.tokenizer.tokenize(text) + ([session.tokenizer.eod] if loose else [])
     if len(tokens) < 2:
         raise ValueError(f"--valid-data {a.valid_data} has fewer than 2 tokens")
-    total, scored = perplexity(session.runner, tokens, a.seq_length, a.overlapping_eval,
+    total, scored = perplexity(session.runner, tokens, seq_length, a.overlapping_eval,
                                session.tokenizer.eod, a.micro_batch_size)
     return PerplexityResult(total, scored, len(tokens), words).metrics()
 
 
-def _lambada(session, a) -> dict:
+def _lambada(session, a: EvaluateOptions, seq_length: int) -> dict:
     from app.inference.zeroshot import lambada_accuracy, lambada_example
     examples = []
     for number, text in enumerate(_documents(a.valid_data, a.json_key, True), start=1):
         context, target = lambada_example(session.tokenizer, text, a.strict_lambada)
         if not context or not target:
             raise ValueError(f"--valid-data {a.valid_data} example {number} has no context or no last word")
-        if len(context) + len(target) - 1 > a.seq_length:
+        if len(context) + len(target) - 1 > seq_length:
             raise ValueError(f"--valid-data {a.valid_data} example {number} is longer than "
-                             f"--seq-length {a.seq_length}")
+                             f"--seq-length {seq_length}")
         examples.append((context, target))
     correct, total = lambada_accuracy(session.runner, examples, session.vocab_size,
                                       session.tokenizer.eod, a.micro_batch_size)
@@ -96,21 +108,21 @@ def _lambada(session, a) -> dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from app.inference.session import configure_tool_logging, session_from_flags
+    from app.inference.session import configure_tool_logging, open_session
     configure_tool_logging("evaluate")
-    a = get_args(argv)
+    a = get_options(argv)
     from app.checkpointing.megatron import CheckpointError
     try:
-        session = session_from_flags(a)
-        a.seq_length = a.seq_length or session.max_positions
-        if not 0 < a.seq_length <= session.max_positions:
-            raise ValueError(f"--seq-length {a.seq_length} must be in [1, {session.max_positions}]")
-        results = (_wikitext if a.task == "wikitext" else _lambada)(session, a)
+        session = open_session(a.checkpoint)
+        seq_length = a.seq_length or session.max_positions
+        if not 0 < seq_length <= session.max_positions:
+            raise ValueError(f"--seq-length {seq_length} must be in [1, {session.max_positions}]")
+        results = (_wikitext if a.task == "wikitext" else _lambada)(session, a, seq_length)
     except (ValueError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    results = {"task": a.task, "valid_data": a.valid_data, "load": a.load,
-               "seq_length": a.seq_length, **results}
+    results = {"task": a.task, "valid_data": a.valid_data, "load": a.checkpoint.load,
+               "seq_length": seq_length, **results}
     if session.is_leader:
         if a.results_file:
             with open(a.results_file, "w", encoding="utf-8") as f:

@@ -11,42 +11,59 @@ prompts of different lengths are batched with left padding. With --output jsonl,
 one JSON object per prompt ({prompt, generated_text, generated_tokens}); everything else,
 including prefill and decode tokens/s, goes to stderr. See docs/inference.md.
 """
-import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional, Tuple
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config  # noqa: E402
+from app.config.inference import InferenceLoadConfig  # noqa: E402
+from app.config.options import option  # noqa: E402
 
 
-def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--load", required=True, help="checkpoint directory or Hugging Face directory")
-    p.add_argument("--vocab-file", help="GPT-2 vocab.json (default: the HF directory's)")
-    p.add_argument("--merge-file", help="GPT-2 merges.txt (default: the HF directory's)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=None)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", nargs="+", action="extend", help="one or more prompts")
-    src.add_argument("--prompts-file", help="one prompt per line ('-' for stdin)")
-    p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --top-k 1)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--top-p-decay", type=float, default=0.0, help="top_p *= decay after each token")
-    p.add_argument("--top-p-bound", type=float, default=0.0, help="lower bound of the decayed top_p")
-    p.add_argument("--num-beams", type=int, default=1)
-    p.add_argument("--length-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--output", choices=["text", "jsonl"], default="text")
-    p.add_argument("--no-kv-cache", action="store_true", help="recompute the prefix every step")
-    return p.parse_args(argv)
+@dataclass(kw_only=True)
+class GenerateOptions:
+    """tools/generate.py's command line: the checkpoint, the prompts and the decoding."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("generation", "the prompts and the decoding")
+
+    checkpoint: InferenceLoadConfig
+    prompt: Optional[List[str]] = option("--prompt", default=None, nargs="+", action="extend",
+                                         help="one or more prompts")
+    prompts_file: Optional[str] = option("--prompts-file", default=None,
+                                         help="one prompt per line ('-' for stdin)")
+    max_new_tokens: int = option("--max-new-tokens", required=True)
+    greedy: bool = option("--greedy", default=False,
+                          help="argmax decoding (same as --top-k 1)")
+    temperature: float = option("--temperature", default=1.0)
+    top_k: int = option("--top-k", default=0)
+    top_p: float = option("--top-p", default=0.0)
+    top_p_decay: float = option("--top-p-decay", default=0.0,
+                                help="top_p *= decay after each token")
+    top_p_bound: float = option("--top-p-bound", default=0.0,
+                                help="lower bound of the decayed top_p")
+    num_beams: int = option("--num-beams", default=1)
+    length_penalty: float = option("--length-penalty", default=1.0)
+    seed: Optional[int] = option("--seed", default=None)
+    output: str = option("--output", default="text", choices=("text", "jsonl"))
+    no_kv_cache: bool = option("--no-kv-cache", default=False,
+                               help="recompute the prefix every step")
+
+    def __post_init__(self) -> None:
+        if self.prompt and self.prompts_file is not None:
+            raise ValueError(f"--prompt and --prompts-file {self.prompts_file} were both given; "
+                             "pass one of them (or neither, for interactive prompts)")
 
 
-def _params(a: argparse.Namespace):
+def get_options(argv: Optional[List[str]] = None) -> GenerateOptions:
+    """GenerateOptions from the command line (exit status 2 on a bad one)."""
+    return parse_config(GenerateOptions, argv, __doc__.split("\n")[0])
+
+
+def _params(a: GenerateOptions):
     from app.inference.sampling import SamplingConfig
     from app.inference.session import GenerationParams
     greedy = a.greedy or (a.num_beams > 1) or (a.top_k == 0 and a.top_p == 0.0 and a.seed is None
@@ -68,7 +85,7 @@ def _print(out: dict, fmt: str) -> None:
           f"{out['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
 
 
-def _batches(a: argparse.Namespace):
+def _batches(a: GenerateOptions):
     """Lists of prompts: all given ones at once, or one per interactive line."""
     if a.prompt:
         yield a.prompt
@@ -91,13 +108,13 @@ def _batches(a: argparse.Namespace):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from app.inference.session import configure_tool_logging, session_from_flags
+    from app.inference.session import configure_tool_logging, open_session
     configure_tool_logging("generate")
-    a = get_args(argv)
+    a = get_options(argv)
     from app.checkpointing.megatron import CheckpointError
     try:
         params = _params(a)
-        session = session_from_flags(a, use_cache=not a.no_kv_cache)
+        session = open_session(a.checkpoint, use_cache=not a.no_kv_cache)
     except (ValueError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,45 +12,53 @@ Open http://HOST:PORT/ in a browser to type a prompt and see its completion. Ran
 and broadcasts each request to the other ranks. --port 0 picks a free port; the address served
 is printed on stderr ("serving on http://HOST:PORT/api"). See docs/inference.md.
 """
-import argparse
 import os
 import signal
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional, Tuple
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config  # noqa: E402
+from app.config.inference import InferenceLoadConfig  # noqa: E402
+from app.config.options import option  # noqa: E402
 
 
-def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--load", required=True, help="checkpoint directory or Hugging Face directory")
-    p.add_argument("--vocab-file")
-    p.add_argument("--merge-file")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=None)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=5000)
-    p.add_argument("--max-batch-size", type=int, default=64,
-                   help="most prompts (and beams) in one request")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                   help="largest request body; larger ones get 413")
-    return p.parse_args(argv)
+@dataclass(kw_only=True)
+class ServerOptions:
+    """tools/run_text_generation_server.py's command line: the checkpoint and the HTTP server."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("server", "the address and the request limits")
+
+    checkpoint: InferenceLoadConfig
+    host: str = option("--host", default="0.0.0.0")
+    port: int = option("--port", default=5000)
+    max_batch_size: int = option("--max-batch-size", default=64,
+                                 help="most prompts (and beams) in one request")
+    max_request_bytes: int = option("--max-request-bytes", default=1 << 20,
+                                    help="largest request body; larger ones get 413")
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--max-batch-size", self.max_batch_size),
+                            ("--max-request-bytes", self.max_request_bytes)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def get_options(argv: Optional[List[str]] = None) -> ServerOptions:
+    """ServerOptions from the command line (exit status 2 on a bad one)."""
+    return parse_config(ServerOptions, argv, __doc__.split("\n")[0])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from app.inference.session import configure_tool_logging, session_from_flags
+    from app.inference.session import configure_tool_logging, open_session
     configure_tool_logging("server")
-    a = get_args(argv)
-    for flag, value in (("--max-batch-size", a.max_batch_size),
-                        ("--max-request-bytes", a.max_request_bytes)):
-        if value < 1:
-            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
+    a = get_options(argv)
     from app.inference.server import create_app
     from app.checkpointing.megatron import CheckpointError
     try:
-        session = session_from_flags(a)
+        session = open_session(a.checkpoint)
     except (ValueError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,9 @@ Rules of the mapping (pure, no argparse here):
   user must give it (--train-iters) or arguments.py derives the value when the flag is absent
   (--global-batch-size) and passes it to `from_flags` as an override;
 - the argparse group is the class's `FLAG_GROUP` (title, description) unless `group=` names
-  another title.
+  another title;
+- `required=True` makes argparse itself demand the flag (a tool's --load; the field then has no
+  default); a list field may collect repeated flags with `action="extend"`.
 Values that are derived from several flags or from the DeepSpeed JSON are passed to
 `from_flags` as overrides; everything else comes from the option's own flag.
 """
@@ -36,6 +38,8 @@ MISSING: Any = dataclasses.MISSING
 
 SWITCH_ACTIONS = ("store_true", "store_false", "boolean_optional")
 """The `action` values a bool option may name."""
+LIST_ACTIONS = ("extend",)
+"""The `action` values a list option may name (`--prompt a b --prompt c` gives [a, b, c])."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class Flag:
     flag_default: Any = None
     """The flag's default when it differs from the field's (see `option`)."""
     has_flag_default: bool = False
+    required: bool = False
+    """argparse refuses a command line without the flag."""
 
     @property
     def dest(self) -> str:
@@ -73,7 +79,8 @@ def option(*spellings: str, default: Any = MISSING, default_factory: Any = MISSI
            help: Optional[str] = None, choices: Optional[typing.Sequence[Any]] = None,
            action: Optional[str] = None, nargs: Any = None,
            metavar: Any = None, group: Optional[str] = None,
-           dest: Optional[str] = None, flag_default: Any = MISSING) -> Any:
+           dest: Optional[str] = None, flag_default: Any = MISSING,
+           required: bool = False) -> Any:
     """A dataclass field that is also the command-line option `spellings[0]` (aliases after it).
 
     `default` / `default_factory` are the field's (and the flag's) default; leave both out for a
@@ -81,13 +88,16 @@ def option(*spellings: str, default: Any = MISSING, default_factory: Any = MISSI
     unless given). See the module docstring for the other arguments."""
     if not spellings or not all(s.startswith("--") for s in spellings):
         raise ValueError(f"option spellings must start with '--', got {spellings!r}")
-    if action is not None and action not in SWITCH_ACTIONS:
-        raise ValueError(f"option {spellings[0]}: action must be one of {SWITCH_ACTIONS}")
+    if action is not None and action not in SWITCH_ACTIONS + LIST_ACTIONS:
+        raise ValueError(f"option {spellings[0]}: action must be one of "
+                         f"{SWITCH_ACTIONS + LIST_ACTIONS}")
+    if required and (default is not MISSING or default_factory is not MISSING):
+        raise ValueError(f"option {spellings[0]}: a required flag has no default")
     flag = Flag(spellings=tuple(spellings), help=help,
                 choices=None if choices is None else tuple(choices), action=action, nargs=nargs,
                 metavar=metavar, group=group, dest_name=dest,
                 flag_default=None if flag_default is MISSING else flag_default,
-                has_flag_default=flag_default is not MISSING)
+                has_flag_default=flag_default is not MISSING, required=required)
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={"flag": flag})
 
@@ -119,11 +129,14 @@ class Option:
 
     @property
     def scalar_type(self) -> Any:
-        """The type of one value: X for Optional[X] and List[X], else the field's type."""
+        """The type of one value: X for Optional[X], List[X] and Optional[List[X]], else the
+        field's type."""
         kind = self.value_type
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if typing.get_origin(kind) in (typing.Union, list, List) and args:
-            return args[0]
+        while typing.get_origin(kind) in (typing.Union, list, List):
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            if not args:
+                break
+            kind = args[0]
         return kind
 
     @property

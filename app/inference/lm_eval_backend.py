@@ -40,16 +40,44 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the lm-evaluation-harness backend needs lm_eval: pip install lm-eval "
                       "(it is in requirements.txt)") from exc
 
+from app.config.inference import InferenceLoadConfig
+from app.config.options import from_flags, iter_options
 from app.data.tokenizer import EOD_TOKEN
 from app.convert.detect import detect_format
 from app.inference.sampling import SamplingConfig
-from app.inference.session import GenerationParams, InferenceSession
+from app.inference.session import GenerationParams, InferenceSession, open_session
 
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "megatron_gpt2"
 _SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
+_OWN_MODEL_ARGS = ("max_gen_toks", "seed", "use_cache")
+"""MegatronGPT2LM's --model_args besides the checkpoint's (InferenceLoadConfig)."""
 Row = Tuple[List[int], List[int]]
+
+
+def checkpoint_of(model_args: Dict[str, Any]) -> InferenceLoadConfig:
+    """The checkpoint that --model_args name: its keys are the dests of InferenceLoadConfig's
+    flags (load, vocab_file, merge_file, tensor_model_parallel_size,
+    pipeline_model_parallel_size), each value cast to the flag's type; ValueError naming a key
+    that is none of these (nor one of MegatronGPT2LM's own), a value of the wrong type, or a
+    missing load."""
+    options = {opt.flag.dest: opt for opt in iter_options(InferenceLoadConfig)}
+    unknown = sorted(set(model_args) - set(options))
+    if unknown:
+        raise ValueError(f"--model_args {', '.join(unknown)} not understood by {MODEL_NAME}; it "
+                         f"takes {', '.join([*options, *_OWN_MODEL_ARGS])}")
+    if model_args.get("load") is None:
+        raise ValueError(f"--model_args load=DIR is required by {MODEL_NAME} (a checkpoint or "
+                         "Hugging Face directory)")
+    values = {}
+    for key, value in model_args.items():
+        kind = options[key].scalar_type
+        try:
+            values[key] = None if value is None else kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"--model_args {key}={value!r}: expected {kind.__name__}") from None
+    return from_flags(InferenceLoadConfig, values)
 
 
 def _batch_size(value: Any) -> int:
@@ -66,39 +94,30 @@ def _batch_size(value: Any) -> int:
 class MegatronGPT2LM(TemplateLM):
     """lm_eval model: log-likelihoods, rolling log-likelihoods and generations of our GPT-2.
 
-    --model_args: load (required), vocab_file, merge_file (default: the files beside an HF
-    directory), tensor_model_parallel_size, pipeline_model_parallel_size, max_gen_toks (default
-    256), seed (sampling tasks, default 1234), use_cache (KV cache, default true).
+    --model_args: the checkpoint's (`checkpoint_of`: load (required), vocab_file, merge_file
+    (default: the files beside an HF directory), tensor_model_parallel_size,
+    pipeline_model_parallel_size, as the tools' flags), max_gen_toks (default 256), seed
+    (sampling tasks, default 1234), use_cache (KV cache, default true).
     """
 
-    def __init__(self, load: str, vocab_file: Optional[str] = None,
-                 merge_file: Optional[str] = None,
-                 tensor_model_parallel_size: Optional[int] = None,
-                 pipeline_model_parallel_size: Optional[int] = None,
-                 batch_size: Any = 1, max_gen_toks: int = 256, seed: int = 1234,
+    def __init__(self, batch_size: Any = 1, max_gen_toks: int = 256, seed: int = 1234,
                  use_cache: bool = True, max_batch_size: Any = None, device: Any = None,
-                 **unknown: Any) -> None:
+                 **model_args: Any) -> None:
         super().__init__()
-        if unknown:
-            raise ValueError(f"--model_args {', '.join(sorted(unknown))} not understood by "
-                             f"{MODEL_NAME}; it takes load, vocab_file, merge_file, "
-                             "tensor_model_parallel_size, pipeline_model_parallel_size, "
-                             "max_gen_toks, seed, use_cache")
+        checkpoint = checkpoint_of(model_args)
         if device not in (None, "cpu") and not str(device).startswith("cuda"):
             raise ValueError(f"--device {device}: {MODEL_NAME} runs on cuda:LOCAL_RANK or the CPU")
         self.batch_size = _batch_size(batch_size)
         self._max_gen_toks, self._seed = int(max_gen_toks), int(seed)
-        kwargs = dict(load=str(load), vocab_file=vocab_file, merge_file=merge_file,
-                      tensor_model_parallel_size=tensor_model_parallel_size,
-                      pipeline_model_parallel_size=pipeline_model_parallel_size,
-                      use_cache=bool(use_cache))
-        ranks = (tensor_model_parallel_size or 1) * (pipeline_model_parallel_size or 1)
+        kwargs = dict(checkpoint=checkpoint, use_cache=bool(use_cache))
+        ranks = ((checkpoint.tensor_model_parallel_size or 1)
+                 * (checkpoint.pipeline_model_parallel_size or 1))
         self._spawned: Optional[SpawnedWorld] = None
         if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # no launcher made ranks
-            detect_format(kwargs["load"])  # a wrong path fails here, before any spawn
+            detect_format(checkpoint.load)  # a wrong path fails here, before any spawn
             self._spawned = SpawnedWorld(ranks, kwargs)
         try:
-            self.session: Optional[InferenceSession] = InferenceSession(**kwargs)
+            self.session: Optional[InferenceSession] = open_session(**kwargs)
         except BaseException:
             if self._spawned is not None:
                 self._spawned.close(timeout=0)
@@ -300,7 +319,7 @@ def _follow(rank: int, world: Dict[str, str], session_kwargs: Dict[str, Any]) ->
     os.environ.update(world, RANK=str(rank), LOCAL_RANK=str(rank))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"[{MODEL_NAME} rank {rank}] %(message)s")
-    session = InferenceSession(**session_kwargs)
+    session = open_session(**session_kwargs)
     session.follow()
     session.close()
 

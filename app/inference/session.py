@@ -13,6 +13,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from app.config.inference import InferenceLoadConfig
 from app.inference.generation import GenerationResult, StopCheck, beam_search, generate
 from app.inference.runner import PipelineRunner, load_model, saved_layout_of
 from app.inference.sampling import SamplingConfig
@@ -194,12 +195,12 @@ def configure_tool_logging(tag: str) -> None:
     logging.basicConfig(level=level, format=f"[{tag}] %(message)s", stream=sys.stderr)
 
 
-def session_from_flags(flags: Any, use_cache: bool = True) -> InferenceSession:
-    """InferenceSession from a tool's parsed flags (load, vocab_file, merge_file,
-    tensor_model_parallel_size, pipeline_model_parallel_size)."""
-    return InferenceSession(flags.load, flags.vocab_file, flags.merge_file,
-                            flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size,
-                            use_cache=use_cache)
+def open_session(checkpoint: InferenceLoadConfig, use_cache: bool = True) -> InferenceSession:
+    """InferenceSession of the checkpoint a tool's --load, --vocab-file, --merge-file and
+    --tensor/--pipeline-model-parallel-size name (or the lm_eval backend's --model_args)."""
+    return InferenceSession(checkpoint.load, checkpoint.vocab_file, checkpoint.merge_file,
+                            checkpoint.tensor_model_parallel_size,
+                            checkpoint.pipeline_model_parallel_size, use_cache=use_cache)
 
 
 def prompt_too_long(session: InferenceSession, prompt: str, max_new_tokens: int) -> Optional[str]:

@@ -1,0 +1,34 @@
+"""The checkpoint an inference tool runs: one declaration of --load, the tokenizer files and the
+layout, shared by tools/generate.py, tools/evaluate.py, tools/run_text_generation_server.py (as
+flags) and the lm-evaluation-harness backend (as --model_args keys, the same names as the dests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Tuple
+
+from app.config.options import option
+
+
+@dataclass(kw_only=True)
+class InferenceLoadConfig:
+    """A checkpoint to run (ours at any TP/PP, a DeepSpeed one or a Hugging Face directory), its
+    GPT-2 BPE files, and the layout to run it at."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = (
+        "checkpoint", "the model to load, its tokenizer and the layout to run it at")
+
+    load: str = option("--load", required=True,
+                       help="checkpoint directory or Hugging Face directory")
+    vocab_file: Optional[str] = option("--vocab-file", default=None,
+                                       help="GPT-2 vocab.json (default: the HF directory's)")
+    merge_file: Optional[str] = option("--merge-file", default=None,
+                                       help="GPT-2 merges.txt (default: the HF directory's)")
+    tensor_model_parallel_size: Optional[int] = option(
+        "--tensor-model-parallel-size", default=None,
+        help="TP degree to run at (default: the checkpoint's when the world is its TP x PP, "
+             "else 1)")
+    pipeline_model_parallel_size: Optional[int] = option(
+        "--pipeline-model-parallel-size", default=None,
+        help="PP degree to run at (default: the checkpoint's when the world is its TP x PP, "
+             "else 1)")
