@@ -12,19 +12,36 @@ architecture built and (for this machine's GPU) loaded.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional, Tuple
 
 import torch
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config
+from app.config.options import option
 from app.kernels import build
+
+
+@dataclass(kw_only=True)
+class BuildKernelsOptions:
+    """tools/build_kernels.py's command line: the architectures, the cache, the time limit."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("kernels", "what to build and where")
+
+    arch: Optional[List[str]] = option(
+        "--arch", default=None, nargs="*",
+        help="compute capabilities such as 8.0 9.0 (default: this GPU's)")
+    build_dir: Optional[str] = option(
+        "--build-dir", default=None,
+        help=f"cache root (default ${build.BUILD_DIR_ENV} or ~/.cache/app_kernels)")
+    timeout: float = option("--timeout", default=1800.0, help="seconds per build")
 
 
 def _build_one(arch: str, root: Path, timeout: float, cuda_home: str) -> bool:
@@ -40,13 +57,7 @@ def _build_one(arch: str, root: Path, timeout: float, cuda_home: str) -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", nargs="*", default=None,
-                        help="compute capabilities such as 8.0 9.0 (default: this GPU's)")
-    parser.add_argument("--build-dir", default=None,
-                        help=f"cache root (default ${build.BUILD_DIR_ENV} or ~/.cache/app_kernels)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per build")
-    args = parser.parse_args(argv)
+    args = parse_config(BuildKernelsOptions, argv, __doc__.splitlines()[0])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cuda_home = build.find_cuda_home()
     if cuda_home is None:

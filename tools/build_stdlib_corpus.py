@@ -10,15 +10,17 @@ size of the collected sources would pass the limit.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import sysconfig
-from typing import Dict, Iterator, List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, Dict, Iterator, List, Optional, Tuple
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config
+from app.config.options import option
 from app.utils.fileio import atomic_open
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -53,15 +55,26 @@ def build_corpus(root: str, output: str, max_bytes: Optional[int] = None) -> Dic
     return counts
 
 
+@dataclass(kw_only=True)
+class StdlibCorpusOptions:
+    """tools/build_stdlib_corpus.py's command line: the output, a size limit, the stdlib."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("corpus", "where to write it and what to read")
+
+    output: str = option("--output", required=True, help="output .jsonl path")
+    max_bytes: Optional[int] = option("--max-bytes", default=None,
+                                      help="stop before this many source bytes")
+    stdlib_dir: str = option("--stdlib-dir",
+                             default_factory=lambda: sysconfig.get_paths()["stdlib"],
+                             help="default: the running Python's standard library")
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.stdlib_dir):
+            raise ValueError(f"--stdlib-dir {self.stdlib_dir!r} is not a directory")
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, int]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("--output", required=True, help="output .jsonl path")
-    p.add_argument("--max-bytes", type=int, default=None, help="stop before this many source bytes")
-    p.add_argument("--stdlib-dir", default=sysconfig.get_paths()["stdlib"],
-                   help="default: the running Python's standard library")
-    args = p.parse_args(argv)
-    if not os.path.isdir(args.stdlib_dir):
-        p.error(f"--stdlib-dir {args.stdlib_dir!r} is not a directory")
+    args = parse_config(StdlibCorpusOptions, argv, __doc__.split("\n")[1])
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     counts = build_corpus(args.stdlib_dir, args.output, args.max_bytes)
     print(f"wrote {args.output}: {counts['files']} files, {counts['bytes']} bytes from "

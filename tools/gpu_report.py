@@ -12,11 +12,11 @@ report after every step). The figures of every step are parsed here; a step that
 whose output does not parse, is recorded as such and the others still count. The machine's
 description (GPU, driver, torch, CUDA) is read once into OUT/environment.json. Writes
 OUT/report.json and OUT/report.md, prints the markdown unless --quiet, and exits 1 when a step
-failed. Standard library only (torch only to describe the environment), so it runs anywhere.
+failed. Standard library and this checkout's app.config only (torch only to describe the
+environment), so it runs anywhere.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -27,7 +27,13 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+
+# this checkout's `app` (its configs import the standard library only)
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config  # noqa: E402
+from app.config.options import option  # noqa: E402
 
 MFU_GOALS = {"124M": 0.45, "350M": 0.50}
 """MFU goals on one H100 (bf16, seq 1024): ahead of llm.c's ~41% and ~46% (docs/gpu.md)."""
@@ -541,12 +547,19 @@ def _check_sections(res: Dict[str, Any]) -> List[str]:
     return lines
 
 
+@dataclass(kw_only=True)
+class GpuReportOptions:
+    """tools/gpu_report.py's command line: the check's folder and how to report."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("report", "the gpu_check.sh folder to report on")
+
+    out: str = option("--out", required=True, help="the gpu_check.sh output folder")
+    mode: str = option("--mode", default="gpu", choices=("gpu", "cpu-dry-run"))
+    quiet: bool = option("--quiet", default=False, help="write the files, print nothing")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="the gpu_check.sh output folder")
-    parser.add_argument("--mode", choices=["gpu", "cpu-dry-run"], default="gpu")
-    parser.add_argument("--quiet", action="store_true", help="write the files, print nothing")
-    args = parser.parse_args(argv)
+    args = parse_config(GpuReportOptions, argv, __doc__.splitlines()[0])
     report = build_report(args.out, args.mode)
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)

@@ -12,35 +12,50 @@ datasheet's dense peak for the dtype (see docs/metrics.md); nothing is measured.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional, Tuple
 
 import torch
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config
+from app.config.options import option
 from app.training.telemetry import flops
 from app.utils.dtypes import torch_dtype
 
 
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(kw_only=True)
+class PeakFlopsOptions:
+    """tools/measure_peak_flops.py's command line: the dtype, the threads, the device."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("peak FLOP/s", "what to measure (or show)")
+
+    dtype: str = option("--dtype", default="fp32", help="fp32, bf16 or fp16 (the run's weights)")
+    threads: Optional[int] = option("--threads", default=None,
+                                    help="torch threads per rank (default: torch's current setting)")
+    force: bool = option("--force", default=False,
+                         help="re-measure even if a value is cached (the cache keeps the best)")
+    reset: bool = option("--reset", default=False,
+                         help="forget the cached value, then measure (after a hardware change)")
+    device: str = option("--device", default_factory=_default_device)
+
+    def __post_init__(self) -> None:
+        try:
+            torch_dtype(self.dtype)
+        except ValueError as exc:
+            raise ValueError(f"--dtype: {exc}") from None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (the run's weights)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per rank (default: torch's current setting)")
-    p.add_argument("--force", action="store_true",
-                   help="re-measure even if a value is cached (the cache keeps the best)")
-    p.add_argument("--reset", action="store_true",
-                   help="forget the cached value, then measure (after a hardware change)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a = p.parse_args(argv)
-    try:
-        dtype = torch_dtype(a.dtype)
-    except ValueError as exc:
-        print(f"error: --dtype: {exc}", file=sys.stderr)
-        return 2
+    a = parse_config(PeakFlopsOptions, argv, __doc__.split("\n\n")[0])
+    dtype = torch_dtype(a.dtype)
     device = torch.device(a.device)
     if device.type == "cuda":
         value, desc = flops.peak_flops(device, dtype)

@@ -23,7 +23,6 @@ with its Rust BPE on --workers threads (the same ids as `tokenizers`); with --sp
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -33,7 +32,7 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, ClassVar, Deque, Dict, Iterator, List, Optional, Tuple
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # --workers N means N cores
 
@@ -42,6 +41,8 @@ import numpy as np
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config
+from app.config.options import option
 from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype,
                                       data_file_path, index_file_path)
 from app.data.sentences import (SentenceSplitter, load_punkt_params,
@@ -58,52 +59,65 @@ BLOCK_ROWS = 8192
 """Parquet rows per block on that path."""
 
 
-def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+@dataclass(kw_only=True)
+class PreprocessOptions:
     """Megatron's preprocess_data.py flags, plus --skip-bad-lines and the Punkt options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("input")
-    g.add_argument("--input", required=True,
-                   help="loose JSON (.json/.jsonl, or .jsonl.gz) or a Parquet file (.parquet)")
-    g.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys (Parquet: columns) to extract; one output pair per key")
-    g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (Punkt)")
-    g.add_argument("--keep-newlines", action="store_true",
-                   help="with --split-sentences, keep the whitespace/newlines between sentences")
-    g.add_argument("--punkt-model", default=None,
-                   help="directory of Punkt parameters (nltk punkt_tab format); default: train "
-                        "Punkt on the first --punkt-train-bytes of the input")
-    g.add_argument("--punkt-train-bytes", type=int, default=4 << 20)
-    g.add_argument("--save-punkt-model", default=None,
-                   help="directory to save the Punkt parameters trained on the input")
-    g.add_argument("--skip-bad-lines", action="store_true",
-                   help="count and skip malformed lines (rows) instead of stopping")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=SUPPORTED_TOKENIZERS)
-    g.add_argument("--vocab-file", "--vocab", dest="vocab_file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to each document")
-    g = p.add_argument_group("output")
-    g.add_argument("--output-prefix", required=True)
-    g.add_argument("--dataset-impl", default="mmap", help="only 'mmap' is supported")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1,
-                   help="cores: gigatoken threads in this process, else worker processes")
-    g.add_argument("--chunk-size", type=int, default=64,
-                   help="lines per task sent to a worker process")
-    g.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
-    args = p.parse_args(argv)
-    if args.dataset_impl != "mmap":
-        p.error(f"--dataset-impl {args.dataset_impl!r} is not supported: only 'mmap' (Megatron's "
-                f"memory-mapped .bin/.idx) is written; drop the flag or pass --dataset-impl mmap")
-    for name in ("workers", "chunk_size", "log_interval"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.keep_newlines and not args.split_sentences:
-        p.error("--keep-newlines only applies with --split-sentences")
-    if not os.path.isfile(args.input):
-        p.error(f"--input {args.input!r} does not exist")
-    return args
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("input", "the corpus and what to take from it")
+
+    input: str = option("--input", required=True,
+                        help="loose JSON (.json/.jsonl, or .jsonl.gz) or a Parquet file (.parquet)")
+    json_keys: List[str] = option("--json-keys", nargs="+", default_factory=lambda: ["text"],
+                                  help="keys (Parquet: columns) to extract; one output pair per key")
+    split_sentences: bool = option("--split-sentences", default=False,
+                                   help="one sequence per sentence (Punkt)")
+    keep_newlines: bool = option(
+        "--keep-newlines", default=False,
+        help="with --split-sentences, keep the whitespace/newlines between sentences")
+    punkt_model: Optional[str] = option(
+        "--punkt-model", default=None,
+        help="directory of Punkt parameters (nltk punkt_tab format); default: train Punkt on "
+             "the first --punkt-train-bytes of the input")
+    punkt_train_bytes: int = option("--punkt-train-bytes", default=4 << 20)
+    save_punkt_model: Optional[str] = option(
+        "--save-punkt-model", default=None,
+        help="directory to save the Punkt parameters trained on the input")
+    skip_bad_lines: bool = option("--skip-bad-lines", default=False,
+                                  help="count and skip malformed lines (rows) instead of stopping")
+    tokenizer_type: str = option("--tokenizer-type", default="GPT2BPETokenizer",
+                                 choices=SUPPORTED_TOKENIZERS, group="tokenizer")
+    vocab_file: Optional[str] = option("--vocab-file", "--vocab", default=None, group="tokenizer")
+    merge_file: Optional[str] = option("--merge-file", default=None, group="tokenizer")
+    append_eod: bool = option("--append-eod", default=False, group="tokenizer",
+                              help="append <|endoftext|> to each document")
+    output_prefix: str = option("--output-prefix", required=True, group="output")
+    dataset_impl: str = option("--dataset-impl", default="mmap", group="output",
+                               help="only 'mmap' is supported")
+    workers: int = option("--workers", default=1, group="runtime",
+                          help="cores: gigatoken threads in this process, else worker processes")
+    chunk_size: int = option("--chunk-size", default=64, group="runtime",
+                             help="lines per task sent to a worker process")
+    log_interval: int = option("--log-interval", default=10000, group="runtime",
+                               help="documents between progress lines")
+
+    def __post_init__(self) -> None:
+        if self.dataset_impl != "mmap":
+            raise ValueError(f"--dataset-impl {self.dataset_impl!r} is not supported: only 'mmap' "
+                             "(Megatron's memory-mapped .bin/.idx) is written; drop the flag or "
+                             "pass --dataset-impl mmap")
+        for name in ("workers", "chunk_size", "log_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                                 f"{getattr(self, name)}")
+        if self.keep_newlines and not self.split_sentences:
+            raise ValueError("--keep-newlines only applies with --split-sentences")
+        if not os.path.isfile(self.input):
+            raise ValueError(f"--input {self.input!r} does not exist")
+
+
+def get_args(argv: Optional[List[str]] = None) -> PreprocessOptions:
+    """PreprocessOptions from the command line (exit status 2 on a bad one)."""
+    return parse_config(PreprocessOptions, argv, __doc__.split("\n")[1])
 
 
 # ----------------------------------------------------------------------------- input
@@ -186,7 +200,7 @@ def sample_text(path: str, key: str, max_bytes: int) -> str:
     return "\n\n".join(parts)
 
 
-def build_punkt_params(args: argparse.Namespace):
+def build_punkt_params(args: PreprocessOptions):
     """Punkt parameters: loaded from --punkt-model, or trained on a sample of the input."""
     if args.punkt_model:
         return load_punkt_params(args.punkt_model)
@@ -243,7 +257,7 @@ class Encoder:
     """Turns raw JSON lines (or Parquet rows) into token sequences; built once per process.
     `parallel`: tokenize on gigatoken's thread pool (this process tokenizes the whole input)."""
 
-    def __init__(self, args: argparse.Namespace, punkt_params=None,
+    def __init__(self, args: PreprocessOptions, punkt_params=None,
                  parallel: Optional[bool] = None, tokenizer: Any = None) -> None:
         self.keys = args.json_keys
         self.append_eod = args.append_eod
@@ -312,7 +326,7 @@ class Encoder:
 _WORKER_ENCODER: Optional[Encoder] = None
 
 
-def _init_worker(args: argparse.Namespace, punkt_params) -> None:
+def _init_worker(args: PreprocessOptions, punkt_params) -> None:
     global _WORKER_ENCODER
     _WORKER_ENCODER = Encoder(args, punkt_params)
 
@@ -357,18 +371,18 @@ class Progress:
         self.bar.close()
 
 
-def output_prefix_for(args: argparse.Namespace, key: str) -> str:
+def output_prefix_for(args: PreprocessOptions, key: str) -> str:
     level = "sentence" if args.split_sentences else "document"
     return f"{args.output_prefix}_{key}_{level}"
 
 
-def in_process(args: argparse.Namespace, tokenizer: Any) -> bool:
+def in_process(args: PreprocessOptions, tokenizer: Any) -> bool:
     """Whether this process tokenizes everything, on gigatoken's --workers threads (else
     --workers processes do, or this one alone with --workers 1)."""
     return tokenizer.fast_backend == "gigatoken" and not args.split_sentences
 
 
-def _results(args: argparse.Namespace, chunks: Iterator[List[Record]], punkt_params,
+def _results(args: PreprocessOptions, chunks: Iterator[List[Record]], punkt_params,
              tokenizer: Any):
     """ChunkResults in input order: from this process (on gigatoken's threads, or alone with
     --workers 1) or from a pool of --workers processes.
@@ -391,7 +405,7 @@ def _results(args: argparse.Namespace, chunks: Iterator[List[Record]], punkt_par
             yield pending.popleft().get()
 
 
-def _chunks(args: argparse.Namespace, stream, tokenizer: Any) -> Iterator[List[Record]]:
+def _chunks(args: PreprocessOptions, stream, tokenizer: Any) -> Iterator[List[Record]]:
     """The input in pieces: blocks of about BLOCK_BYTES (BLOCK_ROWS rows) when this process
     tokenizes them on threads, else --chunk-size lines (rows) per worker task."""
     whole = in_process(args, tokenizer)
@@ -400,7 +414,7 @@ def _chunks(args: argparse.Namespace, stream, tokenizer: Any) -> Iterator[List[R
     return read_blocks(stream, BLOCK_BYTES) if whole else read_chunks(stream, args.chunk_size)
 
 
-def _read_input(args: argparse.Namespace, stream, punkt_params, counts: Dict[str, int],
+def _read_input(args: PreprocessOptions, stream, punkt_params, counts: Dict[str, int],
                 tokenizer: Any):
     """_results over the input's chunks; a truncated or corrupt .gz stops with the file named."""
     try:
@@ -412,7 +426,7 @@ def _read_input(args: argparse.Namespace, stream, punkt_params, counts: Dict[str
                          "(nothing was written)") from None
 
 
-def _check_not_empty(args: argparse.Namespace, counts: Dict[str, int]) -> None:
+def _check_not_empty(args: PreprocessOptions, counts: Dict[str, int]) -> None:
     """Stop (nothing written) when the input gave no document, or a key none with text."""
     if counts["documents"] == 0:
         raise SystemExit(f"{args.input} holds no documents ({counts['blank_lines']} blank and "
@@ -424,7 +438,7 @@ def _check_not_empty(args: argparse.Namespace, counts: Dict[str, int]) -> None:
                              f"under key {key!r}; nothing was written: check --json-keys")
 
 
-def run(args: argparse.Namespace) -> Dict[str, int]:
+def run(args: PreprocessOptions) -> Dict[str, int]:
     """Preprocess per `args`; returns the counters printed at the end. Raises SystemExit on bad input."""
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)

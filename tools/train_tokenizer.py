@@ -9,16 +9,18 @@ values of --json-keys are used; any other file is read as plain UTF-8 text. No n
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
 import sys
-from typing import Iterator, List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, Iterator, List, Optional, Tuple
 
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config.cli import parse_config
+from app.config.options import option
 from app.data.tokenizer import build_tokenizer, train_gpt2_bpe
 
 
@@ -44,18 +46,31 @@ def iter_texts(paths: List[str], json_keys: List[str]) -> Iterator[str]:
                 yield f.read()
 
 
+@dataclass(kw_only=True)
+class TrainTokenizerOptions:
+    """tools/train_tokenizer.py's command line: the corpus, the vocabulary size, the output."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("tokenizer training",
+                                             "what to train on and where to write")
+
+    input: List[str] = option("--input", nargs="+", required=True,
+                              help=".jsonl[.gz] or text files")
+    json_keys: List[str] = option("--json-keys", nargs="+", default_factory=lambda: ["text"],
+                                  help="keys of .jsonl/.json inputs whose text trains the BPE")
+    vocab_size: int = option("--vocab-size", default=50257,
+                             help="upper bound on entries, including 256 bytes and <|endoftext|>")
+    min_frequency: int = option("--min-frequency", default=2)
+    output_dir: str = option("--output-dir", required=True,
+                             help="writes vocab.json and merges.txt here")
+
+    def __post_init__(self) -> None:
+        for path in self.input:
+            if not os.path.isfile(path):
+                raise ValueError(f"--input {path!r} does not exist")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("--input", nargs="+", required=True, help=".jsonl[.gz] or text files")
-    p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--vocab-size", type=int, default=50257,
-                   help="upper bound on entries, including 256 bytes and <|endoftext|>")
-    p.add_argument("--min-frequency", type=int, default=2)
-    p.add_argument("--output-dir", required=True, help="writes vocab.json and merges.txt here")
-    args = p.parse_args(argv)
-    for path in args.input:
-        if not os.path.isfile(path):
-            p.error(f"--input {path!r} does not exist")
+    args = parse_config(TrainTokenizerOptions, argv, __doc__.split("\n")[1])
     vocab, merges = train_gpt2_bpe(iter_texts(args.input, args.json_keys), args.vocab_size,
                                    args.output_dir, args.min_frequency)
     tok = build_tokenizer("GPT2BPETokenizer", vocab, merges)
