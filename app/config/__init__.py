@@ -15,7 +15,9 @@ it is built; derived values are properties or are computed where they are used.
 
 Modules: options (the field-to-flag mapping), model, recompute, parallel (layout and
 precision), optimizer, training (and rollback), data, checkpoint, kernels, deepspeed (and the
-DeepSpeed JSON rules), wandb, preflight (--dry-run), run (RunConfig), rules (shared checks).
+DeepSpeed JSON rules), wandb, preflight (--dry-run), run (RunConfig), rules (shared checks),
+cli (argparse parsers from the fields, for arguments.py and the tools), inference (the
+checkpoint an inference tool runs: InferenceLoadConfig).
 """
 from __future__ import annotations
 
