@@ -74,7 +74,7 @@ class StdlibCorpusOptions:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, int]:
-    args = parse_config(StdlibCorpusOptions, argv, __doc__.split("\n")[1])
+    args = parse_config(StdlibCorpusOptions, argv, __doc__.splitlines()[0])
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     counts = build_corpus(args.stdlib_dir, args.output, args.max_bytes)
     print(f"wrote {args.output}: {counts['files']} files, {counts['bytes']} bytes from "

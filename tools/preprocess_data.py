@@ -117,7 +117,7 @@ class PreprocessOptions:
 
 def get_args(argv: Optional[List[str]] = None) -> PreprocessOptions:
     """PreprocessOptions from the command line (exit status 2 on a bad one)."""
-    return parse_config(PreprocessOptions, argv, __doc__.split("\n")[1])
+    return parse_config(PreprocessOptions, argv, __doc__.splitlines()[0])
 
 
 # ----------------------------------------------------------------------------- input

@@ -70,7 +70,7 @@ class TrainTokenizerOptions:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    args = parse_config(TrainTokenizerOptions, argv, __doc__.split("\n")[1])
+    args = parse_config(TrainTokenizerOptions, argv, __doc__.splitlines()[0])
     vocab, merges = train_gpt2_bpe(iter_texts(args.input, args.json_keys), args.vocab_size,
                                    args.output_dir, args.min_frequency)
     tok = build_tokenizer("GPT2BPETokenizer", vocab, merges)
