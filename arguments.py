@@ -3,7 +3,7 @@ of the parsed flags into an `app.config.RunConfig`.
 
 Nothing under `app/` imports this module. Every option is declared once, as a field of a
 config dataclass (`app.config.options.option`): its spellings, default, choices and help. This
-module only assembles the parser from those fields (with `app.config.cli`, which the tools use too),
+module only assembles the parser from those fields (with `app.config.cli`, as the tools do),
 adds DeepSpeed's own flags (`deepspeed.add_config_arguments`) and the aliases that are not one
 field's (the older recompute spelling), and computes the derived values: warm-up iterations
 from a fraction, the LR decay length, the global batch, the precision and optimizer taken from

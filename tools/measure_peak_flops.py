@@ -38,8 +38,8 @@ class PeakFlopsOptions:
     FLAG_GROUP: ClassVar[Tuple[str, str]] = ("peak FLOP/s", "what to measure (or show)")
 
     dtype: str = option("--dtype", default="fp32", help="fp32, bf16 or fp16 (the run's weights)")
-    threads: Optional[int] = option("--threads", default=None,
-                                    help="torch threads per rank (default: torch's current setting)")
+    threads: Optional[int] = option(
+        "--threads", default=None, help="torch threads per rank (default: torch's current setting)")
     force: bool = option("--force", default=False,
                          help="re-measure even if a value is cached (the cache keeps the best)")
     reset: bool = option("--reset", default=False,

@@ -67,8 +67,9 @@ class PreprocessOptions:
 
     input: str = option("--input", required=True,
                         help="loose JSON (.json/.jsonl, or .jsonl.gz) or a Parquet file (.parquet)")
-    json_keys: List[str] = option("--json-keys", nargs="+", default_factory=lambda: ["text"],
-                                  help="keys (Parquet: columns) to extract; one output pair per key")
+    json_keys: List[str] = option(
+        "--json-keys", nargs="+", default_factory=lambda: ["text"],
+        help="keys (Parquet: columns) to extract; one output pair per key")
     split_sentences: bool = option("--split-sentences", default=False,
                                    help="one sequence per sentence (Punkt)")
     keep_newlines: bool = option(
