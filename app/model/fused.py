@@ -6,9 +6,11 @@
     causal softmax     csrc kernel (s_k <= 16384)                        PyTorch, fp32 arithmetic
     masked softmax     csrc kernel (bool mask [b|1, 1, s_q, s_k])        PyTorch, fp32 arithmetic
     layer_norm         csrc kernel, fp32 statistics                      F.layer_norm
+    rms_norm           csrc kernel, fp32 statistics                      fp32 PyTorch formula
     cross_entropy      csrc kernel, no fp32 copy of the logits           fp32 logits + PyTorch
     bias_gelu          torch.compile'd gelu(x + b)                       eager
     bias_dropout_add   torch.compile'd r + mask * (x + b) / (1 - p)      eager
+    swiglu             torch.compile'd silu(gate) * up                   eager
 
 Every fallback is the reference the kernels are tested against; fused and fallback agree to
 rounding. The first call of each op logs "<op>: <implementation> (<why>)" - why the kernel is
@@ -383,6 +385,62 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, self.use_kernel)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             use_kernel: bool = True) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 arithmetic, x's dtype out.
+
+    `weight` may be fp32 while x is fp16/bf16. `use_kernel` (--layernorm-fusion) allows the
+    CUDA kernel; the fallback is the formula on fp32 copies (one rounding of the output).
+    """
+    if _use_kernel("rms_norm", use_kernel, "--layernorm-fusion", x,
+                   kernel_ops.rms_norm_unsupported(x, weight)):
+        return kernel_ops.rms_norm(x, weight, eps)
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)  # [..., 1]
+    return (x32 * inv_rms * weight.float()).to(x.dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (one `weight`, Megatron's RMSNorm) whose forward is `rms_norm` above."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: Optional[torch.dtype] = None,
+                 use_kernel: bool = True) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=dtype)
+        self.use_kernel = use_kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.use_kernel)
+
+
+def norm(normalization: str, width: int, eps: float, dtype: Optional[torch.dtype] = None,
+         use_kernel: bool = True) -> nn.Module:
+    """A `LayerNorm` or `RMSNorm` (--normalization) over `width` channels, weight 1 (bias 0)."""
+    if normalization == "RMSNorm":
+        return RMSNorm(width, eps=eps, dtype=dtype, use_kernel=use_kernel)
+    if normalization == "LayerNorm":
+        return LayerNorm(width, eps=eps, dtype=dtype, use_kernel=use_kernel)
+    raise ValueError(f"normalization must be LayerNorm or RMSNorm, got {normalization!r}")
+
+
+# ---- SwiGLU ------------------------------------------------------------------------------------
+def _swiglu(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)  # [..., f] each
+    return F.silu(gate) * up
+
+
+def swiglu(x: torch.Tensor, fusion: bool = True) -> torch.Tensor:
+    """silu(gate) * up for x = [gate, up] along the last dim ([..., 2f] -> [..., f]).
+
+    `fusion` (--bias-swiglu-fusion) compiles it into one kernel for CUDA inputs (no [..., f]
+    intermediates kept for backward beyond x).
+    """
+    if _use_compiled("swiglu", fusion, "--bias-swiglu-fusion", x):
+        out = _compiled_call("swiglu", _swiglu, x)
+        if out is not None:
+            return out
+    return _swiglu(x)
 
 
 # ---- cross entropy -----------------------------------------------------------------------------
