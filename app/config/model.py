@@ -35,10 +35,11 @@ class ModelConfig:
     hidden_size: int = option("--hidden-size", default=1024, help="model width h")
     num_attention_heads: int = option("--num-attention-heads", default=16)
     """Must divide hidden_size and be divisible by the tensor-parallel size."""
-    ffn_hidden_size: Optional[int] = option(
-        "--ffn-hidden-size", "--intermediate-size", default=None,
-        help="MLP width; with --swiglu the width of each of the gate and up halves (default "
-             "4 x hidden size; with --swiglu int(8h/3 / 64) x 64, as Megatron)")
+    ffn_hidden_size: Optional[int] = option("--ffn-hidden-size", "--intermediate-size",
+                                            default=None,
+                                            help="MLP width (default 4 x hidden size)")
+    """With --swiglu the width of each of the gate and up halves, by default
+    int(8h/3 / 64) x 64 (Megatron's)."""
     kv_channels: Optional[int] = option(
         "--kv-channels", default=None,
         help="channels of each attention head (default --hidden-size / "
@@ -130,7 +131,8 @@ class ModelConfig:
                                        group="fused kernels",
                                        help="torch.compile'd bias+dropout+residual add (CUDA)")
     layernorm_fusion: bool = option("--layernorm-fusion", default=True, group="fused kernels",
-                                    help="csrc/ LayerNorm and RMSNorm kernels (CUDA)")
+                                    help="csrc/ LayerNorm kernel (CUDA)")
+    """Also the csrc/ RMSNorm kernel (--normalization RMSNorm)."""
     bias_swiglu_fusion: bool = option("--bias-swiglu-fusion", default=True,
                                       group="fused kernels",
                                       help="torch.compile'd silu(gate) * up (CUDA, --swiglu)")

@@ -129,10 +129,11 @@ class ParallelAttention(nn.Module):
             init_method=replicated_kv_init(qkv_init, nh, ng, hd, tp) if replicated else qkv_init,
             parallel_state=parallel_state, params_dtype=dtype, sequence_parallel=sp)
         if replicated:  # k/v rows shared by tp / ng ranks: sum their gradients over those ranks
-            for param in filter(None, (self.query_key_value.weight, self.query_key_value.bias)):
-                sum_gradient_over_tensor_parallel(
-                    param, parallel_state, first_row=self.heads * hd,
-                    replica_set=rank // (tp // ng), num_replica_sets=ng)
+            for param in (self.query_key_value.weight, self.query_key_value.bias):
+                if param is not None:
+                    sum_gradient_over_tensor_parallel(
+                        param, parallel_state, first_row=self.heads * hd,
+                        replica_set=rank // (tp // ng), num_replica_sets=ng)
         # --qk-layernorm: one norm over head channels for all query heads, one for all key
         # heads; replicated over TP, each rank's gradient covers its heads: summed over TP
         self.q_layernorm = self.k_layernorm = None

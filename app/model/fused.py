@@ -397,9 +397,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if _use_kernel("rms_norm", use_kernel, "--layernorm-fusion", x,
                    kernel_ops.rms_norm_unsupported(x, weight)):
         return kernel_ops.rms_norm(x, weight, eps)
-    x32 = x.float()
-    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)  # [..., 1]
-    return (x32 * inv_rms * weight.float()).to(x.dtype)
+    return _RMSNormFunction.apply(x, weight, eps)
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """The arithmetic dtype for x: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """The PyTorch RMSNorm in fp32 keeping only x and 1/rms [..., 1] for backward (what the
+    kernel keeps; autograd through the formula would keep two [..., h] fp32 copies)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.to(_acc(x))
+        rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)  # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd * weight.to(_acc(x))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(_acc(x)) * rstd  # [..., h]
+        gw = grad_y.to(_acc(x)) * weight.to(_acc(x))
+        # d/dx of w x r, r = (mean(x^2) + eps)^-1/2: r (g w - xhat mean(g w xhat))
+        grad_x = rstd * (gw - xhat * (gw * xhat).mean(dim=-1, keepdim=True))
+        grad_w = (grad_y.to(_acc(x)) * xhat).reshape(-1, x.shape[-1]).sum(dim=0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
 
 class RMSNorm(nn.RMSNorm):
@@ -430,6 +455,25 @@ def _swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class _SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up keeping only its input for backward (Megatron's SwiGLUFunction): the
+    [..., f] silu(gate) is recomputed instead of stored."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return _swiglu(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        d_gate = grad * up * sig * (1 + gate * (1 - sig))  # silu'(g) = s (1 + g (1 - s))
+        return torch.cat((d_gate, grad * silu), dim=-1)
+
+
 def swiglu(x: torch.Tensor, fusion: bool = True) -> torch.Tensor:
     """silu(gate) * up for x = [gate, up] along the last dim ([..., 2f] -> [..., f]).
 
@@ -440,7 +484,7 @@ def swiglu(x: torch.Tensor, fusion: bool = True) -> torch.Tensor:
         out = _compiled_call("swiglu", _swiglu, x)
         if out is not None:
             return out
-    return _swiglu(x)
+    return _SwiGLUFunction.apply(x)
 
 
 # ---- cross entropy -----------------------------------------------------------------------------

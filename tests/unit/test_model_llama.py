@@ -120,3 +120,12 @@ def test_logits_match_hugging_face(qk_layernorm):
     tokens = torch.randint(0, V, (B, S))
     want = hf(input_ids=tokens).logits
     torch.testing.assert_close(ours(tokens), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_and_swiglu_gradients_equal_autograd_of_the_formulas():
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b: fused.rms_norm(a, b, 1e-5), (x, w))
+    y = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(fused.swiglu, (y,))
