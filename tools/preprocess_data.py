@@ -82,6 +82,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=SUPPORTED_TOKENIZERS)
     g.add_argument("--vocab-file", "--vocab", dest="vocab_file", default=None)
     g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFaceTokenizer: a directory with tokenizer.json or a Hub name "
+                        "in the local cache (offline)")
     g.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to each document")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True)
@@ -249,7 +252,8 @@ class Encoder:
         self.append_eod = args.append_eod
         self.parallel = parallel
         self.tokenizer = tokenizer or build_tokenizer(args.tokenizer_type, args.vocab_file,
-                                                      args.merge_file)
+                                                      args.merge_file,
+                                                      tokenizer_model=args.tokenizer_model)
         self.dtype = best_fitting_dtype(self.tokenizer.vocab_size)
         self.splitter = (SentenceSplitter(punkt_params, args.keep_newlines)
                          if args.split_sentences else None)
@@ -427,7 +431,8 @@ def _check_not_empty(args: argparse.Namespace, counts: Dict[str, int]) -> None:
 def run(args: argparse.Namespace) -> Dict[str, int]:
     """Preprocess per `args`; returns the counters printed at the end. Raises SystemExit on bad input."""
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
+                                    tokenizer_model=args.tokenizer_model)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     punkt_params = build_punkt_params(args) if args.split_sentences else None

@@ -27,7 +27,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer")
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer")
 
 
 class GPT2BPETokenizer:
@@ -91,10 +91,7 @@ class GPT2BPETokenizer:
             encoded = fast.encode_batch(list(texts), parallel=parallel)
             lengths = np.asarray(ak.num(encoded, axis=1), dtype=np.int64)
             return np.asarray(ak.flatten(encoded), dtype=np.uint32), lengths
-        ids = self.tokenize_batch(texts)
-        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(lengths.sum()))
-        return flat, lengths
+        return flatten_ids(self.tokenize_batch(texts))
 
     def _gigatoken(self):
         """The gigatoken copy of this tokenizer (made once), or None without gigatoken."""
@@ -115,6 +112,63 @@ class GPT2BPETokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text of the token ids (inverse of tokenize for valid UTF-8 text)."""
         return self._tokenizer.decode(list(int(i) for i in ids), skip_special_tokens=False)
+
+
+def flatten_ids(ids: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+    """(tokens uint32 [total], lengths int64 [len(ids)]) of token-id lists, back to back."""
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(lengths.sum()))
+    return flat, lengths
+
+
+class HuggingFaceTokenizer:
+    """Megatron-LM's HuggingFaceTokenizer: transformers' AutoTokenizer of --tokenizer-model, a
+    directory holding tokenizer.json (and tokenizer_config.json) or a Hub name already in the
+    local Hugging Face cache, loaded offline. tokenize(text) is AutoTokenizer(text).input_ids
+    (the tokenizer's own special tokens, e.g. a BOS, included, as Megatron's); `vocab_size` is
+    len(tokenizer) (added tokens included); `eod` is its eos token."""
+
+    def __init__(self, tokenizer_model: Optional[str]) -> None:
+        if not tokenizer_model:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a "
+                             "directory with tokenizer.json, or a Hub name in the local cache")
+        if os.path.isfile(tokenizer_model):
+            raise ValueError(f"--tokenizer-model {tokenizer_model!r} is a file; give the "
+                             "directory that holds tokenizer.json")
+        import transformers
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(tokenizer_model,
+                                                             local_files_only=True)
+        except (OSError, ValueError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc)
+            raise ValueError(f"--tokenizer-model {tokenizer_model!r} cannot be loaded offline "
+                             f"({first}); give a directory holding tokenizer.json, or a Hub "
+                             "name already in the local Hugging Face cache") from None
+        if tok.eos_token_id is None:
+            raise ValueError(f"--tokenizer-model {tokenizer_model!r} has no eos token, which "
+                             "Megatron uses as the end of document; set \"eos_token\" in its "
+                             "tokenizer_config.json")
+        self._tokenizer = tok
+        self.tokenizer_model = tokenizer_model
+        self.vocab_size: int = len(tok)
+        self.eod: int = int(tok.eos_token_id)
+        self.fast_backend = "transformers"
+
+    def tokenize(self, text: str) -> List[int]:
+        """AutoTokenizer(text).input_ids."""
+        return list(self._tokenizer(text).input_ids)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """`[tokenize(t) for t in texts]` in one call."""
+        return [list(x) for x in self._tokenizer(list(texts)).input_ids] if texts else []
+
+    def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+        """(tokens uint32 [total], lengths int64 [len(texts)]): `tokenize` of every text."""
+        return flatten_ids(self.tokenize_batch(texts))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
 
 
 BYTE_SYMBOLS = 256
@@ -192,9 +246,11 @@ def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
-                    vocab_size: Optional[int] = None) -> Union[GPT2BPETokenizer, NullTokenizer]:
+                    vocab_size: Optional[int] = None, tokenizer_model: Optional[str] = None
+                    ) -> Union[GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer]:
     """Tokenizer named by --tokenizer-type (see `tokenizer_type_in_effect`): GPT2BPETokenizer
-    from its vocab/merge files, or NullTokenizer of `vocab_size` (--vocab-size) ids."""
+    from its vocab/merge files, NullTokenizer of `vocab_size` (--vocab-size) ids, or
+    HuggingFaceTokenizer of `tokenizer_model` (--tokenizer-model)."""
     tokenizer_type = tokenizer_type_in_effect(tokenizer_type, vocab_file, vocab_size)
     if tokenizer_type not in SUPPORTED_TOKENIZERS:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
@@ -204,6 +260,8 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: 
             raise ValueError("--tokenizer-type NullTokenizer reads no --vocab-file or "
                              "--merge-file; drop them, or use GPT2BPETokenizer")
         tokenizer = NullTokenizer(vocab_size)
+    elif tokenizer_type == "HuggingFaceTokenizer":
+        tokenizer = HuggingFaceTokenizer(tokenizer_model)
     else:
         tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     logger.info("tokenizer %s: vocab %d, eod %d", tokenizer_type, tokenizer.vocab_size, tokenizer.eod)
