@@ -68,12 +68,14 @@ def test_preprocessing_equals_auto_tokenizer_plus_eod(tmp_path, tokenizer_dir):
 
 def test_bad_tokenizer_model_is_one_clear_error(tmp_path):
     from tools.preprocess_data import main
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
     for args, words in (([], "needs --tokenizer-model"),
                         (["--tokenizer-model", str(tmp_path / "missing")], "missing"),
                         (["--tokenizer-model", _train_tokenizer(tmp_path / "no_eos", eos=None)],
                          "no eos token")):
         with pytest.raises(SystemExit, match=words):
-            main(["--input", str(tmp_path / "absent.jsonl"), "--output-prefix",
+            main(["--input", str(data), "--output-prefix",
                   str(tmp_path / "out"), "--tokenizer-type", "HuggingFaceTokenizer", *args])
     assert not list(tmp_path.glob("out*"))
 
