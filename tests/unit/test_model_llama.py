@@ -71,6 +71,24 @@ def test_defaults_and_parameter_counts():
         _config().require_gpt2_block("the Hugging Face GPT-2 export")
 
 
+def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
+    """The HF GPT-2 export and the converters (via checkpoint_args_blockers) and
+    --ckpt-format torch_dist name each option they do not support yet."""
+    import arguments
+    from app.checkpointing.model_args import checkpoint_args_namespace
+    from app.model.hf_compat import checkpoint_args_blockers
+    llama = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm"]
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2"]
+    cfg = arguments.config_from_argv(base + llama, 1, 64)
+    blockers = checkpoint_args_blockers(checkpoint_args_namespace(cfg, 0, 0, 0))
+    for flag, reason in zip(["--swiglu", "--normalization RMSNorm", "--disable-bias-linear",
+                             "--qk-layernorm"], blockers):
+        assert reason.startswith(flag) and "not supported yet" in reason
+    with pytest.raises(ValueError, match="--ckpt-format torch_dist does not support --swiglu"):
+        arguments.config_from_argv(base + llama + ["--ckpt-format", "torch_dist"], 1, 64)
+
+
 def _hf_state(ours: dict, cfg: ModelConfig, qk_norm_names=None) -> dict:
     """Our parameters under Hugging Face Llama's names and layouts."""
     hd, per_group = cfg.head_dim, HEADS // GROUPS
