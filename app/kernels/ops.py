@@ -60,8 +60,6 @@ def layer_norm_unsupported(x: torch.Tensor, weight: Optional[torch.Tensor],
 
 def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     """None when the RMSNorm kernel takes x [..., h] with this weight."""
-    if not hasattr(_ops(), "rms_norm_forward"):
-        return "the kernel library has no rms_norm (built before it existed)"
     if weight.dtype not in (x.dtype, torch.float32):
         return f"weight {weight.dtype} for input {x.dtype}"
     return _dtype_unsupported(x)
