@@ -87,10 +87,14 @@ class InferenceSession:
         self.args, self.vocab_size = loaded.args, loaded.vocab_size
         vocab_file = vocab_file or loaded.tokenizer_files.get("vocab.json")
         merge_file = merge_file or loaded.tokenizer_files.get("merges.txt")
-        if not (vocab_file and merge_file):
+        if getattr(self.args, "tokenizer_type", None) == "HuggingFaceTokenizer":
+            self.tokenizer = build_tokenizer("HuggingFaceTokenizer", None, None,
+                                             tokenizer_model=self.args.tokenizer_model)
+        elif not (vocab_file and merge_file):
             raise ValueError("--vocab-file and --merge-file are required (the tokenizer of the run "
                              "that trained the checkpoint)")
-        self.tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+        else:
+            self.tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
         if self.tokenizer.vocab_size != self.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the checkpoint "
                              f"was trained with {self.vocab_size}; pass the run's --vocab-file/--merge-file")

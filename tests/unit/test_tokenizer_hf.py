@@ -1,7 +1,7 @@
 """--tokenizer-type HuggingFaceTokenizer (Megatron's meaning): a tokenizer.json trained here
 with `tokenizers` (no downloads); tools/preprocess_data.py writes, document by document, what
 transformers' AutoTokenizer gives plus the eos as eod; bad input is one clear error before any
-work; a tiny run trains on the data without --vocab-file."""
+work; a tiny run trains on the data without --vocab-file and its checkpoint generates text."""
 import contextlib
 import io
 import json
@@ -103,3 +103,10 @@ def test_a_tiny_run_trains_on_it_without_a_vocab_file(tmp_path, tokenizer_dir):
     assert args.tokenizer_type == "HuggingFaceTokenizer"
     assert args.tokenizer_model == tokenizer_dir
     assert (args.swiglu, args.normalization, args.add_bias_linear) == (True, "RMSNorm", False)
+    from app.inference.session import GenerationParams, InferenceSession
+    session = InferenceSession(str(tmp_path / "ckpt"))  # the tokenizer comes from the args
+    assert session.tokenizer.eod == transformers.AutoTokenizer.from_pretrained(
+        tokenizer_dir).eos_token_id
+    out = session.generate(["hello world"], GenerationParams(max_new_tokens=3))
+    (result,) = out["results"]
+    assert result["prompt"] == "hello world" and 1 <= len(result["generated_tokens"]) <= 3
