@@ -27,7 +27,11 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer")
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer",
+                        "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+TOKENIZER_MODEL_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer",
+                         "GPTSentencePieceTokenizer")
+"""The types that read --tokenizer-model instead of --vocab-file."""
 
 
 class GPT2BPETokenizer:
@@ -171,6 +175,87 @@ class HuggingFaceTokenizer:
         return self._tokenizer.decode([int(i) for i in ids])
 
 
+class GPTSentencePieceTokenizer:
+    """Megatron-LM's GPTSentencePieceTokenizer: a SentencePiece `.model` (--tokenizer-model) as
+    it is: tokenize(text) = encode_as_ids(text), `vocab_size` its pieces, `eod` its eos id."""
+
+    def __init__(self, model_file: Optional[str], tokenizer_type: str = "GPTSentencePieceTokenizer"
+                 ) -> None:
+        if not model_file or not os.path.isfile(model_file):
+            raise FileNotFoundError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model, "
+                                    f"a SentencePiece .model file; got {model_file!r}")
+        import sentencepiece
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(f"--tokenizer-model {model_file!r} is not a SentencePiece model "
+                             f"({str(exc).strip()[:200]})") from None
+        self.tokenizer_model = model_file
+        self.vocab_size: int = len(self._sp)
+        self.eod: int = self._sp.eos_id()
+        self.fast_backend = "sentencepiece"
+        if self.eod < 0 and tokenizer_type == "GPTSentencePieceTokenizer":
+            raise ValueError(f"--tokenizer-model {model_file!r} has no eos piece (eos_id -1), "
+                             "which GPTSentencePieceTokenizer uses as the end of document; "
+                             "train it with an eos_id, or use SentencePieceTokenizer")
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(self._sp.encode_as_ids(text))
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.tokenize(text) for text in texts]
+
+    def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+        return flatten_ids(self.tokenize_batch(texts))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._sp.decode_ids([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's SentencePieceTokenizer: the `.model`'s pieces plus Megatron's special tokens
+    <CLS>, <SEP>, <EOD>, <MASK> and the model's pad/bos/eos pieces (<PAD>/<BOS>/<EOS> when it has
+    none), each appended when not a piece already; `eod` is <EOD>. tokenize() turns those tokens'
+    literal text into their ids and SentencePiece-encodes the text between them (NeMo's rule)."""
+
+    def __init__(self, model_file: Optional[str]) -> None:
+        super().__init__(model_file, "SentencePieceTokenizer")
+        vocab = {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
+        self._special: dict = {}
+        for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
+            self._special[token] = vocab.setdefault(token, len(vocab))
+        for get, fallback in ((self._sp.pad_id, "<PAD>"), (self._sp.bos_id, "<BOS>"),
+                              (self._sp.eos_id, "<EOS>")):
+            token = self._sp.id_to_piece(get()) if 0 <= get() < len(self._sp) else fallback
+            self._special[token] = vocab.setdefault(token, len(vocab))
+        self.vocab_size = len(vocab)
+        self.eod = self._special["<EOD>"]
+
+    def tokenize(self, text: str) -> List[int]:
+        ids: List[int] = []
+        start = 0
+        while True:
+            found = [(text.find(t, start), t) for t in self._special if text.find(t, start) >= 0]
+            if not found:
+                break
+            at, token = min(found, key=lambda f: f[0])  # the first one found, in order
+            ids += self._sp.encode_as_ids(text[start:at]) + [self._special[token]]
+            start = at + len(token)
+        return ids + list(self._sp.encode_as_ids(text[start:]))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        inverse = {i: t for t, i in self._special.items()}
+        text, piece = "", []
+        for i in (int(i) for i in ids):
+            if i in inverse:
+                text += self._sp.decode_ids(piece) + " " + inverse[i] + " "
+                piece = []
+            else:
+                piece.append(i)
+        return text + self._sp.decode_ids(piece)
+
+
 BYTE_SYMBOLS = 256
 """Byte-level BPE starts from one symbol per byte; every further vocabulary entry but
 <|endoftext|> comes from a merge."""
@@ -247,10 +332,12 @@ def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
                     vocab_size: Optional[int] = None, tokenizer_model: Optional[str] = None
-                    ) -> Union[GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer]:
+                    ) -> Union[GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer,
+                               GPTSentencePieceTokenizer]:
     """Tokenizer named by --tokenizer-type (see `tokenizer_type_in_effect`): GPT2BPETokenizer
     from its vocab/merge files, NullTokenizer of `vocab_size` (--vocab-size) ids, or
-    HuggingFaceTokenizer of `tokenizer_model` (--tokenizer-model)."""
+    HuggingFaceTokenizer, SentencePieceTokenizer or GPTSentencePieceTokenizer of
+    `tokenizer_model` (--tokenizer-model)."""
     tokenizer_type = tokenizer_type_in_effect(tokenizer_type, vocab_file, vocab_size)
     if tokenizer_type not in SUPPORTED_TOKENIZERS:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
@@ -262,6 +349,10 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: 
         tokenizer = NullTokenizer(vocab_size)
     elif tokenizer_type == "HuggingFaceTokenizer":
         tokenizer = HuggingFaceTokenizer(tokenizer_model)
+    elif tokenizer_type == "SentencePieceTokenizer":
+        tokenizer = SentencePieceTokenizer(tokenizer_model)
+    elif tokenizer_type == "GPTSentencePieceTokenizer":
+        tokenizer = GPTSentencePieceTokenizer(tokenizer_model)
     else:
         tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     logger.info("tokenizer %s: vocab %d, eod %d", tokenizer_type, tokenizer.vocab_size, tokenizer.eod)

@@ -397,6 +397,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if _use_kernel("rms_norm", use_kernel, "--layernorm-fusion", x,
                    kernel_ops.rms_norm_unsupported(x, weight)):
         return kernel_ops.rms_norm(x, weight, eps)
+    if _tracing():  # the compiler fuses the formula and picks what to keep for backward
+        x32 = x.to(_acc(x))
+        return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+                * weight.to(_acc(x))).to(x.dtype)
     return _RMSNormFunction.apply(x, weight, eps)
 
 
@@ -484,7 +488,7 @@ def swiglu(x: torch.Tensor, fusion: bool = True) -> torch.Tensor:
         out = _compiled_call("swiglu", _swiglu, x)
         if out is not None:
             return out
-    return _SwiGLUFunction.apply(x)
+    return _swiglu(x) if _tracing() else _SwiGLUFunction.apply(x)
 
 
 # ---- cross entropy -----------------------------------------------------------------------------
