@@ -84,7 +84,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None,
                    help="HuggingFaceTokenizer: a directory with tokenizer.json or a Hub name "
-                        "in the local cache (offline)")
+                        "in the local cache (offline); (GPT)SentencePieceTokenizer: a .model")
     g.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to each document")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True)

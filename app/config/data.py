@@ -56,7 +56,7 @@ class DataConfig:
     tokenizer_model: Optional[str] = option(
         "--tokenizer-model", default=None,
         help="HuggingFaceTokenizer: a directory with tokenizer.json or a Hub name in the local "
-             "cache (loaded offline)")
+             "cache (loaded offline); (GPT)SentencePieceTokenizer: a .model file")
     merge_file: Optional[str] = option("--merge-file", default=None)
     vocab_size: Optional[int] = option(
         "--vocab-size", default=None,

@@ -10,6 +10,10 @@ document can never inject a document boundary.
 `NullTokenizer` (Megatron-LM's) has no files: a vocabulary size N (--vocab-size), ids 0..N-1
 and the end of document N-1; for --mock-data and for data tokenized elsewhere.
 
+`HuggingFaceTokenizer`, `SentencePieceTokenizer` and `GPTSentencePieceTokenizer` (Megatron-LM's)
+read --tokenizer-model: a directory with tokenizer.json (transformers' AutoTokenizer, offline)
+or a SentencePiece .model file.
+
 `encode_flat` tokenizes a batch into one flat array with gigatoken (a Rust BPE) when it is
 installed: the same ids, computed much faster (bench/bench_preprocess.py).
 

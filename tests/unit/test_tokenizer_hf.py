@@ -110,3 +110,40 @@ def test_a_tiny_run_trains_on_it_without_a_vocab_file(tmp_path, tokenizer_dir):
     out = session.generate(["hello world"], GenerationParams(max_new_tokens=3))
     (result,) = out["results"]
     assert result["prompt"] == "hello world" and 1 <= len(result["generated_tokens"]) <= 3
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    path = tmp_path_factory.mktemp("spm") / "tok.model"
+    with open(path, "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS * 4), model_writer=f,
+                                       vocab_size=60, model_type="bpe", pad_id=3,
+                                       minloglevel=2)
+    return str(path)
+
+
+def test_sentencepiece_tokenizers_follow_megatron(tmp_path, sentencepiece_model):
+    """GPTSentencePieceTokenizer is the .model as it is (eod = its eos, here id 2); the
+    SentencePieceTokenizer appends Megatron's <CLS> <SEP> <EOD> <MASK> after the pieces (the
+    model's pad/bos/eos pieces exist already) and splits text at them."""
+    import sentencepiece
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    sp = sentencepiece.SentencePieceProcessor(model_file=sentencepiece_model)
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", None, None,
+                          tokenizer_model=sentencepiece_model)
+    assert (gpt.vocab_size, gpt.eod) == (60, 2)
+    full = build_tokenizer("SentencePieceTokenizer", None, None,
+                           tokenizer_model=sentencepiece_model)
+    assert (full.vocab_size, full.eod) == (64, 62)  # <CLS> 60, <SEP> 61, <EOD> 62, <MASK> 63
+    assert full.tokenize("the fox<EOD>the dog<MASK>") == (
+        sp.encode_as_ids("the fox") + [62] + sp.encode_as_ids("the dog") + [63])
+    prefix = _preprocess(tmp_path, ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                                    "--tokenizer-model", sentencepiece_model])
+    dataset = IndexedDataset(prefix)
+    texts = [t for t in TEXTS if t]  # no tokens (no BOS here): an empty document is skipped
+    assert len(dataset) == len(texts)
+    for i, text in enumerate(texts):
+        np.testing.assert_array_equal(dataset[i], np.asarray(sp.encode_as_ids(text) + [2]))
+    with pytest.raises(FileNotFoundError, match="needs --tokenizer-model"):
+        build_tokenizer("GPTSentencePieceTokenizer", None, None, tokenizer_model=None)
