@@ -74,6 +74,7 @@ class InferenceSession:
                  pipeline_model_parallel_size: Optional[int] = None,
                  use_cache: bool = True) -> None:
         from app.data import build_tokenizer
+        from app.data.tokenizer import TOKENIZER_MODEL_TYPES
         from app.mpu.parallel_state import ParallelState, initialize_model_parallel
         from app.launch.distributed import init_distributed, world_group
         info = init_distributed()
@@ -87,8 +88,8 @@ class InferenceSession:
         self.args, self.vocab_size = loaded.args, loaded.vocab_size
         vocab_file = vocab_file or loaded.tokenizer_files.get("vocab.json")
         merge_file = merge_file or loaded.tokenizer_files.get("merges.txt")
-        if getattr(self.args, "tokenizer_type", None) == "HuggingFaceTokenizer":
-            self.tokenizer = build_tokenizer("HuggingFaceTokenizer", None, None,
+        if getattr(self.args, "tokenizer_type", None) in TOKENIZER_MODEL_TYPES:
+            self.tokenizer = build_tokenizer(self.args.tokenizer_type, None, None,
                                              tokenizer_model=self.args.tokenizer_model)
         elif not (vocab_file and merge_file):
             raise ValueError("--vocab-file and --merge-file are required (the tokenizer of the run "

@@ -184,3 +184,30 @@ def test_resume_is_exact_and_a_resume_without_the_options_is_refused(tmp_path):
     plain = build_synthetic_run(arguments.config_from_argv(base + llama[1:], 1, 60), 16)
     with pytest.raises(CheckpointError, match="saved with swiglu True"):
         plain["engine"].load_checkpoint(str(tmp_path))
+
+
+def test_flops_count_the_gated_mlp_and_kv_channels():
+    """Megatron's formula: the MLP term 12 h f grows by 3/2 with SwiGLU (gate, up, down); the
+    attention terms use heads x kv-channels for the query width."""
+    from app.training.telemetry.flops import model_flops_per_token
+    gpt2 = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                       padded_vocab_size=128, ffn_hidden_size=256)
+    h, f, s, V = 64, 256, 32, 128
+    assert model_flops_per_token(gpt2) == 2 * (24 * h * h + 12 * h * f + 12 * s * h) + 6 * h * V
+    llama = _config(hidden_size=64, seq_length=32, padded_vocab_size=128, ffn_hidden_size=256,
+                    kv_channels=32)
+    q = 4 * 32
+    assert model_flops_per_token(llama) == (2 * (24 * h * q + 18 * h * f + 12 * s * q)
+                                            + 6 * h * V)
+
+
+def test_muon_and_weight_decay_treat_rms_and_qk_norms_as_norms():
+    from app.optim.param_groups import get_muon_param_groups
+    model = GPT2Model(_config(qk_layernorm=True))
+    groups = {g["name"]: g for g in get_muon_param_groups(model, {"use_muon": True})}
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for p in groups["muon"]["params"]}
+    no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
+    assert all("layernorm" in n for n in no_decay) and len(no_decay) == L * 4 + 1
+    assert {n.split(".")[-2] for n in muon} == {"query_key_value", "dense", "dense_h_to_4h",
+                                                "dense_4h_to_h"}
