@@ -70,6 +70,10 @@ OPTIONS = {
     "sp+llama+qk-layernorm": (SP + LLAMA + ["--qk-layernorm"], False),
     "distributed optimizer llama": (["--use-distributed-optimizer"] + LLAMA, False),
     "deepspeed zero2 llama+qk-layernorm": (ZERO2 + LLAMA + ["--qk-layernorm"], False),
+    "bf16 sp+llama+selective": (["--bf16"] + SP + LLAMA + ["--recompute-granularity",
+                                                          "selective"], False),
+    "interleaved sp+llama+full": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
+                                   "1", "--recompute-granularity", "full"] + SP + LLAMA, False),
 }
 LAYOUT_ONLY = {"--sequence-parallel": 0, "--use-distributed-optimizer": 0,
                "--num-layers-per-virtual-pipeline-stage": 1, "--deepspeed": 0,
@@ -84,13 +88,14 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("untied", 1, 2), ("alibi", 1, 2), ("rope", 1, 2), ("bf16 sp+rope+mqa+untied+selective", 2, 1),
     ("fp16 sp+alibi+gqa2+untied", 2, 1),
     ("llama", 2, 1), ("llama", 1, 2), ("distributed optimizer llama", 1, 1),
+    ("bf16 sp+llama+selective", 2, 1),
     ("deepspeed zero2 llama+qk-layernorm", 1, 1),  # last: DeepSpeed's recompute stays set
 ]
 LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices between stages)
     ("sp", 2, 1), ("sp+rope+gqa2+untied+selective", 2, 1),
     ("sp+learned+untied", 2, 2), ("sp+alibi+mqa+full+resets", 2, 2),
     ("interleaved sp+rope+untied", 2, 2), ("distributed optimizer sp+mqa", 2, 1),
-    ("sp+llama+qk-layernorm", 2, 2),
+    ("sp+llama+qk-layernorm", 2, 2), ("interleaved sp+llama+full", 2, 2),
 ]
 
 
