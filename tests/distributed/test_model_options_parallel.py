@@ -1,8 +1,9 @@
 """Model options at parallel layouts equal one process: sequence parallelism, RoPE,
 ALiBi, GQA, MQA (key/value heads replicated over TP), untied output layer, recompute and a
 custom logits loss, and Llama's block (SwiGLU, RMSNorm, no biases, RoPE, GQA 2, untied; with
---qk-layernorm under SP at TP2xPP2 and under DeepSpeed ZeRO-2 at DP2; with the distributed
-optimizer at DP2), alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
+--qk-layernorm under SP at TP2xPP2, in fp16 at PP2 and under DeepSpeed ZeRO-2 at DP2; with the
+distributed optimizer at DP2; in bf16 with SP and selective recompute at TP2; interleaved with
+full recompute at TP2xPP2), alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
 one combination each also in native bf16 and fp16 (to their round-off), one under interleaved 1F1B (TP2xPP2,
 2 virtual stages) and one with the distributed optimizer (TP2xDP2).
 
@@ -72,6 +73,8 @@ OPTIONS = {
     "deepspeed zero2 llama+qk-layernorm": (ZERO2 + LLAMA + ["--qk-layernorm"], False),
     "bf16 sp+llama+selective": (["--bf16"] + SP + LLAMA + ["--recompute-granularity",
                                                           "selective"], False),
+    "fp16 llama+qk-layernorm": (["--fp16", "--initial-loss-scale", "1024"] + LLAMA
+                                + ["--qk-layernorm"], False),
     "interleaved sp+llama+full": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                                    "1", "--recompute-granularity", "full"] + SP + LLAMA, False),
 }
@@ -88,7 +91,7 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("untied", 1, 2), ("alibi", 1, 2), ("rope", 1, 2), ("bf16 sp+rope+mqa+untied+selective", 2, 1),
     ("fp16 sp+alibi+gqa2+untied", 2, 1),
     ("llama", 2, 1), ("llama", 1, 2), ("distributed optimizer llama", 1, 1),
-    ("bf16 sp+llama+selective", 2, 1),
+    ("bf16 sp+llama+selective", 2, 1), ("fp16 llama+qk-layernorm", 1, 2),
     ("deepspeed zero2 llama+qk-layernorm", 1, 1),  # last: DeepSpeed's recompute stays set
 ]
 LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices between stages)
