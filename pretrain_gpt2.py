@@ -28,7 +28,8 @@ from app.training.loss import LossFunction
 
 def _tokenizer(args: argparse.Namespace) -> Any:
     """--tokenizer-type's tokenizer (NullTokenizer of --vocab-size ids needs no file)."""
-    return build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
+    return build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size,
+                           args.tokenizer_model)
 
 
 def _train(args: argparse.Namespace, world: WorldInfo,

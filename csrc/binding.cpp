@@ -190,6 +190,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   return {grad_input, grad_weight, grad_bias};
 }
 
+// input [..., hidden]; weight [hidden] in input's dtype or float32.
+DType check_rms_norm_weight(const at::Tensor& input, const at::Tensor& weight) {
+  check_tensor(weight, "weight");
+  TORCH_CHECK(input.dim() >= 1 && weight.dim() == 1 && weight.size(0) == input.size(-1),
+              "weight ", weight.sizes(), " must be [hidden] for input ", input.sizes());
+  TORCH_CHECK(weight.scalar_type() == input.scalar_type() || weight.scalar_type() == at::kFloat,
+              "weight must be float32 or the input's dtype (", input.scalar_type(), "), got ",
+              weight.scalar_type());
+  return dtype_of(weight, "weight");
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& input,
+                                                    const at::Tensor& weight, double eps) {
+  check_tensor(input, "input");
+  const DType param_dtype = check_rms_norm_weight(input, weight);
+  const int64_t hidden = input.size(-1), rows = input.numel() / std::max<int64_t>(hidden, 1);
+  const c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor output = at::empty_like(input);
+  at::Tensor rstd = at::empty({rows}, input.options().dtype(at::kFloat));
+  check_launch(app_kernels::rms_norm_forward(dtype_of(input, "input"), param_dtype,
+                                             input.data_ptr(), weight.data_ptr(),
+                                             output.data_ptr(), rstd.data_ptr<float>(), rows,
+                                             static_cast<int>(hidden), static_cast<float>(eps),
+                                             stream_of(input)),
+               "rms_norm_forward");
+  return {output, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_output,
+                                                     const at::Tensor& input,
+                                                     const at::Tensor& weight,
+                                                     const at::Tensor& rstd) {
+  check_tensor(grad_output, "grad_output");
+  check_tensor(input, "input");
+  check_same(grad_output, input, "grad_output", "input");
+  const DType param_dtype = check_rms_norm_weight(input, weight);
+  const int64_t hidden = input.size(-1), rows = input.numel() / std::max<int64_t>(hidden, 1);
+  check_tensor(rstd, "rstd");
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows,
+              "rstd must be float32 [", rows, "]");
+  const c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor grad_input = at::empty_like(input), grad_weight = at::empty_like(weight);
+  const int partials = app_kernels::rms_norm_backward_partials(rows);
+  at::Tensor workspace = at::empty({partials, hidden}, input.options().dtype(at::kFloat));
+  check_launch(app_kernels::rms_norm_backward(
+                   dtype_of(input, "input"), param_dtype, grad_output.data_ptr(),
+                   input.data_ptr(), weight.data_ptr(), rstd.data_ptr<float>(),
+                   grad_input.data_ptr(), grad_weight.data_ptr(), workspace.data_ptr<float>(),
+                   rows, static_cast<int>(hidden), stream_of(input)),
+               "rms_norm_backward");
+  return {grad_input, grad_weight};
+}
+
 // logits [..., vocab] and target [...] int64: returns (rows, vocab).
 std::pair<int64_t, int> check_cross_entropy(const at::Tensor& logits, const at::Tensor& target) {
   check_tensor(logits, "logits");
@@ -255,6 +308,10 @@ TORCH_LIBRARY(app_kernels, m) {
   m.def(
       "layer_norm_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor mean, "
       "Tensor rstd) -> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm_forward(Tensor input, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "rms_norm_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor rstd) "
+      "-> (Tensor, Tensor)");
   m.def(
       "cross_entropy_stats(Tensor logits, Tensor target, int vocab_start) "
       "-> (Tensor, Tensor, Tensor)");
@@ -269,6 +326,8 @@ TORCH_LIBRARY_IMPL(app_kernels, CUDA, m) {
   m.impl("softmax_backward", &softmax_backward);
   m.impl("layer_norm_forward", &layer_norm_forward);
   m.impl("layer_norm_backward", &layer_norm_backward);
+  m.impl("rms_norm_forward", &rms_norm_forward);
+  m.impl("rms_norm_backward", &rms_norm_backward);
   m.impl("cross_entropy_stats", &cross_entropy_stats);
   m.impl("cross_entropy_backward", &cross_entropy_backward);
 }

@@ -58,6 +58,23 @@ cudaError_t layer_norm_backward(DType dtype, DType param_dtype, const void* grad
                                 void* grad_bias, float* workspace, int64_t rows, int hidden,
                                 cudaStream_t stream);
 
+// ---- RMSNorm over the last dim of x [rows, hidden] with fp32 statistics -----------------------
+// y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps), y in x's dtype; weight is
+// `param_dtype` (x's dtype or fp32). rstd: fp32 [rows], saved for backward.
+cudaError_t rms_norm_forward(DType dtype, DType param_dtype, const void* input,
+                             const void* weight, void* output, float* rstd, int64_t rows,
+                             int hidden, float eps, cudaStream_t stream);
+
+// Number of fp32 [hidden] partial rows rms_norm_backward needs in `workspace`.
+int rms_norm_backward_partials(int64_t rows);
+
+// dx (x's dtype) and dweight (param_dtype) of rms_norm_forward; `workspace` holds
+// rms_norm_backward_partials(rows) * hidden floats; fixed reduction order (same bits each run).
+cudaError_t rms_norm_backward(DType dtype, DType param_dtype, const void* grad_output,
+                              const void* input, const void* weight, const float* rstd,
+                              void* grad_input, void* grad_weight, float* workspace,
+                              int64_t rows, int hidden, cudaStream_t stream);
+
 // ---- cross entropy over a vocabulary slice of logits [rows, vocab] ----------------------------
 // One pass over the logits in their own dtype (no fp32 copy): per row the slice's max m, the
 // sum of exp(z - m), and the target's logit when target - vocab_start lies in [0, vocab)

@@ -44,7 +44,8 @@ def prepare(argv: List[str]) -> Report:
     args = arguments.parse_args(argv, roots=arguments.ROOTS + (PrepareCacheConfig,))
     own = from_flags(PrepareCacheConfig, vars(args))
     world_size = own.world_size or discover_world(args.deepspeed_mpi).world_size
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
+                                tokenizer_model=args.tokenizer_model)
     cfg = arguments.build_run_config(args, world_size, tokenizer.vocab_size)
     report = Report(name="prepare_cache", title="prepare_cache")
     report.section("run")

@@ -89,6 +89,10 @@ class PreprocessOptions:
                                  choices=SUPPORTED_TOKENIZERS, group="tokenizer")
     vocab_file: Optional[str] = option("--vocab-file", "--vocab", default=None, group="tokenizer")
     merge_file: Optional[str] = option("--merge-file", default=None, group="tokenizer")
+    tokenizer_model: Optional[str] = option(
+        "--tokenizer-model", default=None, group="tokenizer",
+        help="HuggingFaceTokenizer: a directory with tokenizer.json or a Hub name in the local "
+             "cache (offline); (GPT)SentencePieceTokenizer: a .model")
     append_eod: bool = option("--append-eod", default=False, group="tokenizer",
                               help="append <|endoftext|> to each document")
     output_prefix: str = option("--output-prefix", required=True, group="output")
@@ -264,7 +268,8 @@ class Encoder:
         self.append_eod = args.append_eod
         self.parallel = parallel
         self.tokenizer = tokenizer or build_tokenizer(args.tokenizer_type, args.vocab_file,
-                                                      args.merge_file)
+                                                      args.merge_file,
+                                                      tokenizer_model=args.tokenizer_model)
         self.dtype = best_fitting_dtype(self.tokenizer.vocab_size)
         self.splitter = (SentenceSplitter(punkt_params, args.keep_newlines)
                          if args.split_sentences else None)
@@ -442,7 +447,8 @@ def _check_not_empty(args: PreprocessOptions, counts: Dict[str, int]) -> None:
 def run(args: PreprocessOptions) -> Dict[str, int]:
     """Preprocess per `args`; returns the counters printed at the end. Raises SystemExit on bad input."""
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
+                                    tokenizer_model=args.tokenizer_model)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     punkt_params = build_punkt_params(args) if args.split_sentences else None

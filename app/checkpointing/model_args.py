@@ -21,7 +21,8 @@ from app.utils.dtypes import dtype_name, torch_dtype
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                       "max_position_embeddings", "padded_vocab_size", "tokenizer_type",
                       "position_embedding_type", "rotary_percent", "rotary_base",
-                      "num_query_groups", "untie_embeddings_and_output_weights")
+                      "num_query_groups", "untie_embeddings_and_output_weights",
+                      "swiglu", "normalization", "add_bias_linear", "qk_layernorm", "kv_channels")
 """Fields that must agree between a checkpoint and the run loading it."""
 
 
@@ -58,7 +59,9 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         use_rotary_position_embeddings=m.position_embedding_type == "rope",
         rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
         group_query_attention=m.group_query_attention, num_query_groups=m.num_kv_heads,
-        normalization="LayerNorm", add_bias_linear=True, swiglu=False,
+        normalization=m.normalization, add_bias_linear=m.add_bias_linear, swiglu=m.swiglu,
+        qk_layernorm=m.qk_layernorm, norm_epsilon=m.layernorm_epsilon,
+        bias_swiglu_fusion=m.bias_swiglu_fusion, tokenizer_model=cfg.data.tokenizer_model,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=False,
         sequence_parallel=m.sequence_parallel, recompute_granularity=m.recompute_granularity,
@@ -88,14 +91,15 @@ _ARCHITECTURE: Dict[str, Callable[[Any], Any]] = {
     "ffn_hidden_size": int, "layernorm_epsilon": float, "openai_gelu": bool,
     "attention_softmax_in_fp32": bool, "apply_query_key_layer_scaling": bool,
     "position_embedding_type": str, "rotary_percent": float, "rotary_base": int,
-    "untie_embeddings_and_output_weights": bool}
+    "untie_embeddings_and_output_weights": bool, "kv_channels": int, "swiglu": bool,
+    "normalization": str, "add_bias_linear": bool, "qk_layernorm": bool}
 """Fields besides the shape that decide what the weights compute, with their types."""
 
 _TRAINING: Dict[str, Callable[[Any], Any]] = {
     "hidden_dropout": float, "attention_dropout": float, "init_method_std": float,
     "recompute_granularity": str, "recompute_method": str, "recompute_num_layers": int,
     "sequence_parallel": bool, "bias_gelu_fusion": bool, "bias_dropout_fusion": bool,
-    "masked_softmax_fusion": bool, "use_flash_attn": bool, "fp16_lm_cross_entropy": bool,
+    "masked_softmax_fusion": bool, "bias_swiglu_fusion": bool, "use_flash_attn": bool, "fp16_lm_cross_entropy": bool,
     "seed": int}
 """Fields that change only how the model trains, with their types."""
 
@@ -124,6 +128,8 @@ def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional
     for table in (_ARCHITECTURE,) if for_inference else (_ARCHITECTURE, _TRAINING):
         fields.update({name: convert(getattr(args, name)) for name, convert in table.items()
                        if getattr(args, name, None) is not None})
+    if getattr(args, "layernorm_epsilon", None) is None and getattr(args, "norm_epsilon", None):
+        fields["layernorm_epsilon"] = float(args.norm_epsilon)  # older Megatron's name
     if for_inference:
         fields.update(hidden_dropout=0.0, attention_dropout=0.0)
     fields["group_query_attention"] = bool(getattr(args, "group_query_attention", False))

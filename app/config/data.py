@@ -53,6 +53,10 @@ class DataConfig:
              "tools/prepare_cache.py fills it ahead of a run")
     tokenizer_type: str = option("--tokenizer-type", default="GPT2BPETokenizer")
     vocab_file: Optional[str] = option("--vocab-file", default=None)
+    tokenizer_model: Optional[str] = option(
+        "--tokenizer-model", default=None,
+        help="HuggingFaceTokenizer: a directory with tokenizer.json or a Hub name in the local "
+             "cache (loaded offline); (GPT)SentencePieceTokenizer: a .model file")
     merge_file: Optional[str] = option("--merge-file", default=None)
     vocab_size: Optional[int] = option(
         "--vocab-size", default=None,

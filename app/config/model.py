@@ -21,6 +21,8 @@ RECOMPUTE_METHODS = ("uniform", "block")
 """--recompute-method values (with full recompute)."""
 ATTENTION_BACKENDS = ("auto", "flash", "local")
 """--attention-backend values."""
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+"""--normalization values."""
 
 
 @dataclass(kw_only=True)
@@ -36,6 +38,26 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = option("--ffn-hidden-size", "--intermediate-size",
                                             default=None,
                                             help="MLP width (default 4 x hidden size)")
+    """With --swiglu the width of each of the gate and up halves, by default
+    int(8h/3 / 64) x 64 (Megatron's)."""
+    kv_channels: Optional[int] = option(
+        "--kv-channels", default=None,
+        help="channels of each attention head (default --hidden-size / "
+             "--num-attention-heads); the attention output projection is "
+             "heads x kv-channels -> hidden size")
+    swiglu: bool = option("--swiglu", default=False,
+                          help="gated MLP: silu(x W_gate) * (x W_up) instead of GeLU (Megatron's "
+                               "gated_linear_unit with SiLU)")
+    normalization: str = option(
+        "--normalization", default="LayerNorm", choices=NORMALIZATIONS,
+        help="LayerNorm (weight and bias) or RMSNorm (weight only) for every norm of the model")
+    add_bias_linear: bool = option(
+        "--disable-bias-linear", default=True, action="store_false", dest="add_bias_linear",
+        help="no bias in any linear layer (QKV, attention output, both MLP projections)")
+    qk_layernorm: bool = option(
+        "--qk-layernorm", default=False,
+        help="--normalization over each query and key head (head channels) before RoPE, "
+             "as Megatron Core")
     seq_length: int = option("--seq-length", default=1024, help="tokens per training sample")
     max_position_embeddings: Optional[int] = option(
         "--max-position-embeddings", default=None,
@@ -47,7 +69,9 @@ class ModelConfig:
     """Dropout on embeddings and on the output of attention and MLP."""
     attention_dropout: float = option("--attention-dropout", default=0.1)
     """Dropout on the attention probabilities."""
-    layernorm_epsilon: float = option("--layernorm-epsilon", default=1e-5)
+    layernorm_epsilon: float = option("--norm-epsilon", "--layernorm-epsilon", default=1e-5,
+                                      dest="layernorm_epsilon",
+                                      help="epsilon of every LayerNorm / RMSNorm")
     init_method_std: float = option("--init-method-std", default=0.02)
     """Std of the normal init; the two output projections of a layer use std / sqrt(2 L)."""
     openai_gelu: bool = option("--openai-gelu", default=False,
@@ -108,6 +132,10 @@ class ModelConfig:
                                        help="torch.compile'd bias+dropout+residual add (CUDA)")
     layernorm_fusion: bool = option("--layernorm-fusion", default=True, group="fused kernels",
                                     help="csrc/ LayerNorm kernel (CUDA)")
+    """Also the csrc/ RMSNorm kernel (--normalization RMSNorm)."""
+    bias_swiglu_fusion: bool = option("--bias-swiglu-fusion", default=True,
+                                      group="fused kernels",
+                                      help="torch.compile'd silu(gate) * up (CUDA, --swiglu)")
     cross_entropy_loss_fusion: bool = option(
         "--cross-entropy-loss-fusion", default=True, group="fused kernels",
         help="csrc/ cross-entropy kernels, no fp32 copy of the logits (CUDA)")
@@ -134,8 +162,9 @@ class ModelConfig:
     the run's --seed (TrainingConfig.seed)."""
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:  # construction defaults, not rewrites
-            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.ffn_hidden_size is None:  # construction defaults, not rewrites (Megatron's)
+            self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu
+                                    else 4 * self.hidden_size)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         positive(self, (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
@@ -144,8 +173,14 @@ class ModelConfig:
                          ("max_position_embeddings", "--max-position-embeddings"),
                          ("padded_vocab_size", "padded vocab size"),
                          ("ffn_hidden_size", "--ffn-hidden-size")))
-        divisible("--hidden-size", self.hidden_size, "--num-attention-heads",
-                   self.num_attention_heads)
+        if self.kv_channels is None:  # Megatron's default; without it heads must divide h
+            divisible("--hidden-size", self.hidden_size, "--num-attention-heads",
+                       self.num_attention_heads)
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        positive(self, (("kv_channels", "--kv-channels"),))
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got "
+                             f"{self.normalization!r}")
         if (self.position_embedding_type == "learned_absolute"
                 and self.seq_length > self.max_position_embeddings):
             raise ValueError(
@@ -240,7 +275,27 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Channels of each attention head: --kv-channels (default hidden / heads)."""
+        return self.kv_channels
+
+    @property
+    def llama_features(self) -> List[str]:
+        """The flags in use that change GPT-2's block (what paths written for GPT-2 only, such
+        as the Hugging Face GPT-2 export, must refuse)."""
+        used = [("--swiglu", self.swiglu), ("--normalization RMSNorm",
+                                            self.normalization == "RMSNorm"),
+                ("--disable-bias-linear", not self.add_bias_linear),
+                ("--qk-layernorm", self.qk_layernorm),
+                ("--kv-channels", self.kv_channels * self.num_attention_heads
+                 != self.hidden_size)]
+        return [flag for flag, on in used if on]
+
+    def require_gpt2_block(self, what: str) -> None:
+        """Raise a ValueError naming `what` when this model uses `llama_features`."""
+        if self.llama_features:
+            raise ValueError(f"{what} does not support {', '.join(self.llama_features)} yet "
+                             "(GPT-2's block only); train or convert this model without them, "
+                             "or use the legacy checkpoint format")
 
     @property
     def num_kv_heads(self) -> int:
@@ -282,6 +337,11 @@ class ModelConfig:
         return sum(self.parameter_numels(tensor_model_parallel_size, pipeline_model_parallel_size,
                                          pipeline_rank))
 
+    def norm_numels(self, width: int) -> List[int]:
+        """Parameter sizes of one norm over `width` channels: weight and bias (LayerNorm) or
+        weight only (RMSNorm)."""
+        return [width] * (1 if self.normalization == "RMSNorm" else 2)
+
     def parameter_numels(self, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1,
                          pipeline_rank: int = 0) -> List[int]:
@@ -290,15 +350,25 @@ class ModelConfig:
         learned position table, replicated over TP) on the first stage, and the final LayerNorm
         and the output layer (untied, or the last stage's copy of the tied word embeddings) on
         the last. GQA shrinks the QKV projection (key/value heads replicated when there are
-        fewer groups than TP ranks); RoPE and ALiBi have no position table."""
+        fewer groups than TP ranks); RoPE and ALiBi have no position table; --swiglu doubles
+        the first MLP projection, --disable-bias-linear drops the linears' biases, RMSNorm has
+        no bias, --qk-layernorm adds two head-wide norms per layer."""
         t, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-        h, f, V = self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size
+        h, V = self.hidden_size, self.padded_vocab_size
+        fc1 = self.ffn_hidden_size * (2 if self.swiglu else 1)  # gate and up halves (swiglu)
         kv_heads = max(1, self.num_kv_heads // t)  # fewer groups than TP: one group per rank
         qkv_rows = (self.num_attention_heads // t + 2 * kv_heads) * self.head_dim
-        per_layer = [h, h,  # input LayerNorm
-                     qkv_rows * h, qkv_rows, h * h // t, h,  # QKV (column), dense (row: whole bias)
-                     h, h,  # post-attention LayerNorm
-                     h * f // t, f // t, f * h // t, h]  # MLP h->f (column), f->h (row)
+        attn_width = self.num_attention_heads * self.head_dim // t
+        norm = self.norm_numels(h)
+
+        def linear(rows: int, cols: int, bias_rows: int) -> List[int]:
+            return [rows * cols] + ([bias_rows] if self.add_bias_linear else [])
+        per_layer = (norm  # input norm
+                     + linear(qkv_rows, h, qkv_rows)  # QKV (column)
+                     + (self.norm_numels(self.head_dim) * 2 if self.qk_layernorm else [])
+                     + linear(h, attn_width, h)  # dense (row: whole bias)
+                     + norm  # post-attention norm
+                     + linear(fc1 // t, h, fc1 // t) + linear(h, self.ffn_hidden_size // t, h))
         first, last = pipeline_rank == 0, pipeline_rank == pp - 1
         sizes: List[int] = []
         if first:
@@ -307,7 +377,7 @@ class ModelConfig:
                 sizes.append(self.max_position_embeddings * h)
         sizes += per_layer * (self.num_layers // pp)
         if last:
-            sizes += [h, h]  # final LayerNorm
+            sizes += norm  # final norm
             if self.untie_embeddings_and_output_weights or not first:
                 sizes.append(V * h // t)
         return sizes

@@ -10,6 +10,10 @@ document can never inject a document boundary.
 `NullTokenizer` (Megatron-LM's) has no files: a vocabulary size N (--vocab-size), ids 0..N-1
 and the end of document N-1; for --mock-data and for data tokenized elsewhere.
 
+`HuggingFaceTokenizer`, `SentencePieceTokenizer` and `GPTSentencePieceTokenizer` (Megatron-LM's)
+read --tokenizer-model: a directory with tokenizer.json (transformers' AutoTokenizer, offline)
+or a SentencePiece .model file.
+
 `encode_flat` tokenizes a batch into one flat array with gigatoken (a Rust BPE) when it is
 installed: the same ids, computed much faster (bench/bench_preprocess.py).
 
@@ -27,7 +31,11 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer")
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer",
+                        "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+TOKENIZER_MODEL_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer",
+                         "GPTSentencePieceTokenizer")
+"""The types that read --tokenizer-model instead of --vocab-file."""
 
 
 class GPT2BPETokenizer:
@@ -91,10 +99,7 @@ class GPT2BPETokenizer:
             encoded = fast.encode_batch(list(texts), parallel=parallel)
             lengths = np.asarray(ak.num(encoded, axis=1), dtype=np.int64)
             return np.asarray(ak.flatten(encoded), dtype=np.uint32), lengths
-        ids = self.tokenize_batch(texts)
-        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(lengths.sum()))
-        return flat, lengths
+        return flatten_ids(self.tokenize_batch(texts))
 
     def _gigatoken(self):
         """The gigatoken copy of this tokenizer (made once), or None without gigatoken."""
@@ -115,6 +120,144 @@ class GPT2BPETokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text of the token ids (inverse of tokenize for valid UTF-8 text)."""
         return self._tokenizer.decode(list(int(i) for i in ids), skip_special_tokens=False)
+
+
+def flatten_ids(ids: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+    """(tokens uint32 [total], lengths int64 [len(ids)]) of token-id lists, back to back."""
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(lengths.sum()))
+    return flat, lengths
+
+
+class HuggingFaceTokenizer:
+    """Megatron-LM's HuggingFaceTokenizer: transformers' AutoTokenizer of --tokenizer-model, a
+    directory holding tokenizer.json (and tokenizer_config.json) or a Hub name already in the
+    local Hugging Face cache, loaded offline. tokenize(text) is AutoTokenizer(text).input_ids
+    (the tokenizer's own special tokens, e.g. a BOS, included, as Megatron's); `vocab_size` is
+    len(tokenizer) (added tokens included); `eod` is its eos token."""
+
+    def __init__(self, tokenizer_model: Optional[str]) -> None:
+        if not tokenizer_model:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a "
+                             "directory with tokenizer.json, or a Hub name in the local cache")
+        if os.path.isfile(tokenizer_model):
+            raise ValueError(f"--tokenizer-model {tokenizer_model!r} is a file; give the "
+                             "directory that holds tokenizer.json")
+        import transformers
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(tokenizer_model,
+                                                             local_files_only=True)
+        except (OSError, ValueError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc)
+            raise ValueError(f"--tokenizer-model {tokenizer_model!r} cannot be loaded offline "
+                             f"({first}); give a directory holding tokenizer.json, or a Hub "
+                             "name already in the local Hugging Face cache") from None
+        if tok.eos_token_id is None:
+            raise ValueError(f"--tokenizer-model {tokenizer_model!r} has no eos token, which "
+                             "Megatron uses as the end of document; set \"eos_token\" in its "
+                             "tokenizer_config.json")
+        self._tokenizer = tok
+        self.tokenizer_model = tokenizer_model
+        self.vocab_size: int = len(tok)
+        self.eod: int = int(tok.eos_token_id)
+        self.fast_backend = "transformers"
+
+    def tokenize(self, text: str) -> List[int]:
+        """AutoTokenizer(text).input_ids."""
+        return list(self._tokenizer(text).input_ids)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """`[tokenize(t) for t in texts]` in one call."""
+        return [list(x) for x in self._tokenizer(list(texts)).input_ids] if texts else []
+
+    def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+        """(tokens uint32 [total], lengths int64 [len(texts)]): `tokenize` of every text."""
+        return flatten_ids(self.tokenize_batch(texts))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
+
+
+class GPTSentencePieceTokenizer:
+    """Megatron-LM's GPTSentencePieceTokenizer: a SentencePiece `.model` (--tokenizer-model) as
+    it is: tokenize(text) = encode_as_ids(text), `vocab_size` its pieces, `eod` its eos id."""
+
+    def __init__(self, model_file: Optional[str], tokenizer_type: str = "GPTSentencePieceTokenizer"
+                 ) -> None:
+        if not model_file or not os.path.isfile(model_file):
+            raise FileNotFoundError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model, "
+                                    f"a SentencePiece .model file; got {model_file!r}")
+        import sentencepiece
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(f"--tokenizer-model {model_file!r} is not a SentencePiece model "
+                             f"({str(exc).strip()[:200]})") from None
+        self.tokenizer_model = model_file
+        self.vocab_size: int = len(self._sp)
+        self.eod: int = self._sp.eos_id()
+        self.fast_backend = "sentencepiece"
+        if self.eod < 0 and tokenizer_type == "GPTSentencePieceTokenizer":
+            raise ValueError(f"--tokenizer-model {model_file!r} has no eos piece (eos_id -1), "
+                             "which GPTSentencePieceTokenizer uses as the end of document; "
+                             "train it with an eos_id, or use SentencePieceTokenizer")
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(self._sp.encode_as_ids(text))
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.tokenize(text) for text in texts]
+
+    def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+        return flatten_ids(self.tokenize_batch(texts))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._sp.decode_ids([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's SentencePieceTokenizer: the `.model`'s pieces plus Megatron's special tokens
+    <CLS>, <SEP>, <EOD>, <MASK> and the model's pad/bos/eos pieces (<PAD>/<BOS>/<EOS> when it has
+    none), each appended when not a piece already; `eod` is <EOD>. tokenize() turns those tokens'
+    literal text into their ids and SentencePiece-encodes the text between them (NeMo's rule)."""
+
+    def __init__(self, model_file: Optional[str]) -> None:
+        super().__init__(model_file, "SentencePieceTokenizer")
+        vocab = {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
+        self._special: dict = {}
+        for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
+            self._special[token] = vocab.setdefault(token, len(vocab))
+        for get, fallback in ((self._sp.pad_id, "<PAD>"), (self._sp.bos_id, "<BOS>"),
+                              (self._sp.eos_id, "<EOS>")):
+            token = self._sp.id_to_piece(get()) if 0 <= get() < len(self._sp) else fallback
+            self._special[token] = vocab.setdefault(token, len(vocab))
+        self.vocab_size = len(vocab)
+        self.eod = self._special["<EOD>"]
+
+    def tokenize(self, text: str) -> List[int]:
+        ids: List[int] = []
+        start = 0
+        while True:
+            found = [(text.find(t, start), t) for t in self._special if text.find(t, start) >= 0]
+            if not found:
+                break
+            at, token = min(found, key=lambda f: f[0])  # the first one found, in order
+            ids += self._sp.encode_as_ids(text[start:at]) + [self._special[token]]
+            start = at + len(token)
+        return ids + list(self._sp.encode_as_ids(text[start:]))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        inverse = {i: t for t, i in self._special.items()}
+        text, piece = "", []
+        for i in (int(i) for i in ids):
+            if i in inverse:
+                text += self._sp.decode_ids(piece) + " " + inverse[i] + " "
+                piece = []
+            else:
+                piece.append(i)
+        return text + self._sp.decode_ids(piece)
 
 
 BYTE_SYMBOLS = 256
@@ -192,9 +335,13 @@ def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
-                    vocab_size: Optional[int] = None) -> Union[GPT2BPETokenizer, NullTokenizer]:
+                    vocab_size: Optional[int] = None, tokenizer_model: Optional[str] = None
+                    ) -> Union[GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer,
+                               GPTSentencePieceTokenizer]:
     """Tokenizer named by --tokenizer-type (see `tokenizer_type_in_effect`): GPT2BPETokenizer
-    from its vocab/merge files, or NullTokenizer of `vocab_size` (--vocab-size) ids."""
+    from its vocab/merge files, NullTokenizer of `vocab_size` (--vocab-size) ids, or
+    HuggingFaceTokenizer, SentencePieceTokenizer or GPTSentencePieceTokenizer of
+    `tokenizer_model` (--tokenizer-model)."""
     tokenizer_type = tokenizer_type_in_effect(tokenizer_type, vocab_file, vocab_size)
     if tokenizer_type not in SUPPORTED_TOKENIZERS:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
@@ -204,6 +351,12 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: 
             raise ValueError("--tokenizer-type NullTokenizer reads no --vocab-file or "
                              "--merge-file; drop them, or use GPT2BPETokenizer")
         tokenizer = NullTokenizer(vocab_size)
+    elif tokenizer_type == "HuggingFaceTokenizer":
+        tokenizer = HuggingFaceTokenizer(tokenizer_model)
+    elif tokenizer_type == "SentencePieceTokenizer":
+        tokenizer = SentencePieceTokenizer(tokenizer_model)
+    elif tokenizer_type == "GPTSentencePieceTokenizer":
+        tokenizer = GPTSentencePieceTokenizer(tokenizer_model)
     else:
         tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     logger.info("tokenizer %s: vocab %d, eod %d", tokenizer_type, tokenizer.vocab_size, tokenizer.eod)

@@ -75,6 +75,7 @@ class InferenceSession:
                  pipeline_model_parallel_size: Optional[int] = None,
                  use_cache: bool = True) -> None:
         from app.data import build_tokenizer
+        from app.data.tokenizer import TOKENIZER_MODEL_TYPES
         from app.mpu.parallel_state import ParallelState, initialize_model_parallel
         from app.launch.distributed import init_distributed, world_group
         info = init_distributed()
@@ -88,10 +89,14 @@ class InferenceSession:
         self.args, self.vocab_size = loaded.args, loaded.vocab_size
         vocab_file = vocab_file or loaded.tokenizer_files.get("vocab.json")
         merge_file = merge_file or loaded.tokenizer_files.get("merges.txt")
-        if not (vocab_file and merge_file):
+        if getattr(self.args, "tokenizer_type", None) in TOKENIZER_MODEL_TYPES:
+            self.tokenizer = build_tokenizer(self.args.tokenizer_type, None, None,
+                                             tokenizer_model=self.args.tokenizer_model)
+        elif not (vocab_file and merge_file):
             raise ValueError("--vocab-file and --merge-file are required (the tokenizer of the run "
                              "that trained the checkpoint)")
-        self.tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+        else:
+            self.tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
         if self.tokenizer.vocab_size != self.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the checkpoint "
                              f"was trained with {self.vocab_size}; pass the run's --vocab-file/--merge-file")

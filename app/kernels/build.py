@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CSRC = REPO_ROOT / "csrc"
 LIBRARY_NAME = "app_kernels"
-KERNEL_SOURCES = ("binding.cpp", "softmax.cu", "layer_norm.cu", "cross_entropy.cu")
+KERNEL_SOURCES = ("binding.cpp", "softmax.cu", "layer_norm.cu", "rms_norm.cu",
+                  "cross_entropy.cu")
 KERNEL_HEADERS = ("kernels.h", "common.cuh")
 BUILD_DIR_ENV = "APP_KERNELS_BUILD_DIR"
 _LIBRARY_LINE = "APP_KERNELS_LIBRARY "

@@ -58,6 +58,13 @@ def layer_norm_unsupported(x: torch.Tensor, weight: Optional[torch.Tensor],
     return _dtype_unsupported(x)
 
 
+def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
+    """None when the RMSNorm kernel takes x [..., h] with this weight."""
+    if weight.dtype not in (x.dtype, torch.float32):
+        return f"weight {weight.dtype} for input {x.dtype}"
+    return _dtype_unsupported(x)
+
+
 def cross_entropy_unsupported(logits: torch.Tensor) -> Optional[str]:
     """None when the cross-entropy kernels take logits [..., V]."""
     if logits.shape[-1] >= 2 ** 31:
@@ -113,6 +120,21 @@ class _LayerNorm(torch.autograd.Function):
         return dx, dweight, dbias, None
 
 
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        y, rstd = _ops().rms_norm_forward(x, weight.contiguous(), eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = _ops().rms_norm_backward(grad_y.contiguous(), x, weight.contiguous(), rstd)
+        return dx, dweight, None
+
+
 def causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(scale * scores) with column c > row + s_k - s_q masked; [..., s_q, s_k], CUDA."""
     return _CausalSoftmax.apply(scores, scale)
@@ -128,6 +150,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                eps: float) -> torch.Tensor:
     """LayerNorm over the last dim with fp32 statistics; y in x's dtype, params fp32 or x's."""
     return _LayerNorm.apply(x, weight, bias, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with fp32 statistics; y in x's dtype, weight fp32 or x's."""
+    return _RMSNorm.apply(x, weight, eps)
 
 
 def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int

@@ -27,7 +27,8 @@ from app.config import ModelConfig
 from app.model import fused
 from app.model.positions import RotaryTables, apply_rotary
 from app.mpu import random as mpu_random
-from app.mpu.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from app.mpu.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear,
+                            set_tensor_model_parallel_attributes)
 from app.mpu.mappings import sum_gradient_over_tensor_parallel
 from app.mpu.parallel_state import ParallelState
 from app.mpu.utils import divide
@@ -122,17 +123,29 @@ class ParallelAttention(nn.Module):
         h, sp = config.hidden_size, config.sequence_parallel
         local_rows = (self.heads + 2 * self.kv_heads) * hd
         replicated = ng < tp
+        bias = config.add_bias_linear
         self.query_key_value = ColumnParallelLinear(
-            h, local_rows * tp, gather_output=False,
+            h, local_rows * tp, gather_output=False, bias=bias,
             init_method=replicated_kv_init(qkv_init, nh, ng, hd, tp) if replicated else qkv_init,
             parallel_state=parallel_state, params_dtype=dtype, sequence_parallel=sp)
         if replicated:  # k/v rows shared by tp / ng ranks: sum their gradients over those ranks
             for param in (self.query_key_value.weight, self.query_key_value.bias):
-                sum_gradient_over_tensor_parallel(
-                    param, parallel_state, first_row=self.heads * hd,
-                    replica_set=rank // (tp // ng), num_replica_sets=ng)
+                if param is not None:
+                    sum_gradient_over_tensor_parallel(
+                        param, parallel_state, first_row=self.heads * hd,
+                        replica_set=rank // (tp // ng), num_replica_sets=ng)
+        # --qk-layernorm: one norm over head channels for all query heads, one for all key
+        # heads; replicated over TP, each rank's gradient covers its heads: summed over TP
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = (
+                fused.norm(config.normalization, hd, config.layernorm_epsilon, dtype,
+                           config.layernorm_fusion) for _ in range(2))
+            for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                set_tensor_model_parallel_attributes(param, False)
+                sum_gradient_over_tensor_parallel(param, parallel_state)
         self.dense = RowParallelLinear(
-            h, h, input_is_parallel=True, init_method=dense_init,
+            nh * hd, h, input_is_parallel=True, bias=bias, init_method=dense_init,
             parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True,
             sequence_parallel=sp)
 
@@ -149,6 +162,8 @@ class ParallelAttention(nn.Module):
         q = q.reshape(b, s, self.heads, self.head_dim).transpose(1, 2)  # [b, nh/tp, s, hd]
         k = k.squeeze(3).transpose(1, 2)  # [b, ng/tp, s, hd]
         v = v.squeeze(3).transpose(1, 2)  # [b, ng/tp, s, hd]
+        if self.q_layernorm is not None:  # per head, before RoPE (Megatron Core)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         if inference_cache is not None:  # keys/values of earlier steps come first

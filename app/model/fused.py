@@ -6,9 +6,11 @@
     causal softmax     csrc kernel (s_k <= 16384)                        PyTorch, fp32 arithmetic
     masked softmax     csrc kernel (bool mask [b|1, 1, s_q, s_k])        PyTorch, fp32 arithmetic
     layer_norm         csrc kernel, fp32 statistics                      F.layer_norm
+    rms_norm           csrc kernel, fp32 statistics                      fp32 PyTorch formula
     cross_entropy      csrc kernel, no fp32 copy of the logits           fp32 logits + PyTorch
     bias_gelu          torch.compile'd gelu(x + b)                       eager
     bias_dropout_add   torch.compile'd r + mask * (x + b) / (1 - p)      eager
+    swiglu             torch.compile'd silu(gate) * up                   eager
 
 Every fallback is the reference the kernels are tested against; fused and fallback agree to
 rounding. The first call of each op logs "<op>: <implementation> (<why>)" - why the kernel is
@@ -383,6 +385,110 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, self.use_kernel)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             use_kernel: bool = True) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 arithmetic, x's dtype out.
+
+    `weight` may be fp32 while x is fp16/bf16. `use_kernel` (--layernorm-fusion) allows the
+    CUDA kernel; the fallback is the formula on fp32 copies (one rounding of the output).
+    """
+    if _use_kernel("rms_norm", use_kernel, "--layernorm-fusion", x,
+                   kernel_ops.rms_norm_unsupported(x, weight)):
+        return kernel_ops.rms_norm(x, weight, eps)
+    if _tracing():  # the compiler fuses the formula and picks what to keep for backward
+        x32 = x.to(_acc(x))
+        return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+                * weight.to(_acc(x))).to(x.dtype)
+    return _RMSNormFunction.apply(x, weight, eps)
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """The arithmetic dtype for x: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """The PyTorch RMSNorm in fp32 keeping only x and 1/rms [..., 1] for backward (what the
+    kernel keeps; autograd through the formula would keep two [..., h] fp32 copies)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.to(_acc(x))
+        rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)  # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd * weight.to(_acc(x))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(_acc(x)) * rstd  # [..., h]
+        gw = grad_y.to(_acc(x)) * weight.to(_acc(x))
+        # d/dx of w x r, r = (mean(x^2) + eps)^-1/2: r (g w - xhat mean(g w xhat))
+        grad_x = rstd * (gw - xhat * (gw * xhat).mean(dim=-1, keepdim=True))
+        grad_w = (grad_y.to(_acc(x)) * xhat).reshape(-1, x.shape[-1]).sum(dim=0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (one `weight`, Megatron's RMSNorm) whose forward is `rms_norm` above."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: Optional[torch.dtype] = None,
+                 use_kernel: bool = True) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=dtype)
+        self.use_kernel = use_kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.use_kernel)
+
+
+def norm(normalization: str, width: int, eps: float, dtype: Optional[torch.dtype] = None,
+         use_kernel: bool = True) -> nn.Module:
+    """A `LayerNorm` or `RMSNorm` (--normalization) over `width` channels, weight 1 (bias 0)."""
+    if normalization == "RMSNorm":
+        return RMSNorm(width, eps=eps, dtype=dtype, use_kernel=use_kernel)
+    if normalization == "LayerNorm":
+        return LayerNorm(width, eps=eps, dtype=dtype, use_kernel=use_kernel)
+    raise ValueError(f"normalization must be LayerNorm or RMSNorm, got {normalization!r}")
+
+
+# ---- SwiGLU ------------------------------------------------------------------------------------
+def _swiglu(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)  # [..., f] each
+    return F.silu(gate) * up
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up keeping only its input for backward (Megatron's SwiGLUFunction): the
+    [..., f] silu(gate) is recomputed instead of stored."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return _swiglu(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        d_gate = grad * up * sig * (1 + gate * (1 - sig))  # silu'(g) = s (1 + g (1 - s))
+        return torch.cat((d_gate, grad * silu), dim=-1)
+
+
+def swiglu(x: torch.Tensor, fusion: bool = True) -> torch.Tensor:
+    """silu(gate) * up for x = [gate, up] along the last dim ([..., 2f] -> [..., f]).
+
+    `fusion` (--bias-swiglu-fusion) compiles it into one kernel for CUDA inputs (no [..., f]
+    intermediates kept for backward beyond x).
+    """
+    if _use_compiled("swiglu", fusion, "--bias-swiglu-fusion", x):
+        out = _compiled_call("swiglu", _swiglu, x)
+        if out is not None:
+            return out
+    return _swiglu(x) if _tracing() else _SwiGLUFunction.apply(x)
 
 
 # ---- cross entropy -----------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from app.mpu.layers import (ColumnParallelLinear, RowParallelLinear, VocabParall
 from app.mpu.mappings import (scatter_to_sequence_parallel_region,
                               sum_gradient_over_tensor_parallel)
 from app.mpu.parallel_state import ParallelState, get_parallel_state
+from app.mpu.utils import divide
 from app.utils.dtypes import torch_dtype
 
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
@@ -106,16 +107,32 @@ class ParamInit:
 
 
 def _layer_norm(config: ModelConfig, dtype: torch.dtype,
-                parallel_state: ParallelState) -> nn.LayerNorm:
-    """LayerNorm(h) with weight 1, bias 0, marked replicated across tensor-parallel ranks (with
-    sequence parallelism each rank normalises other tokens, so the gradients are summed)."""
-    norm = fused.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype,
-                           use_kernel=config.layernorm_fusion)
+                parallel_state: ParallelState) -> nn.Module:
+    """LayerNorm(h) with weight 1, bias 0 (or RMSNorm(h), --normalization), marked replicated
+    across tensor-parallel ranks (with sequence parallelism each rank normalises other tokens,
+    so the gradients are summed)."""
+    norm = fused.norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
+                      dtype, config.layernorm_fusion)
     for param in norm.parameters():
         set_tensor_model_parallel_attributes(param, False)
         if config.sequence_parallel:
             sum_gradient_over_tensor_parallel(param, parallel_state)
     return norm
+
+
+def glu_init(full_init: InitMethod, ffn_hidden_size: int, tp: int) -> InitMethod:
+    """init_method for SwiGLU's first projection [2f, h] as ColumnParallelLinear splits it:
+    draws the full [gate (f rows); up (f rows)] weight with `full_init` and stacks each rank's
+    gate shard followed by its up shard, so rank r's contiguous slice is [gate_r; up_r] (as
+    Megatron holds it: the gated product is local to the rank)."""
+    def init(stacked: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(stacked.shape, dtype=torch.float32)
+        full_init(full)
+        gate, up = full.chunk(2)  # [f, h] each
+        parts = [half for pair in zip(gate.chunk(tp), up.chunk(tp)) for half in pair]
+        with torch.no_grad():
+            return stacked.copy_(torch.cat(parts))
+    return init
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -185,40 +202,50 @@ class Embedding(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced).
+    """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced); with --swiglu
+    h -> [gate, up] (2 x ffn, each rank its shard of both) -> silu(gate) * up -> h.
 
-    [b, s, h] -> ([b, s, h], output bias [h]): the last bias is returned for bias+dropout+add
-    ([b, s/tp, h] in and out with sequence parallelism).
+    [b, s, h] -> ([b, s, h], output bias [h] or None): the last bias is returned for
+    bias+dropout+add ([b, s/tp, h] in and out with sequence parallelism).
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, init: ParamInit,
                  prefix: str) -> None:
         super().__init__()
         dtype = torch_dtype(config.params_dtype)
-        self.openai_gelu = config.openai_gelu
+        tp, ffn = parallel_state.tensor_model_parallel_size, config.ffn_hidden_size
+        self.openai_gelu, self.swiglu = config.openai_gelu, config.swiglu
+        self.swiglu_fusion = config.bias_swiglu_fusion
         # The bias goes to the fused bias+GeLU op where that op is fused (CUDA); otherwise it
         # stays inside the GEMM (addmm), which is cheaper than a separate add.
         self.bias_gelu_flag = config.bias_gelu_fusion
-        self.bias_gelu_fusion = fused.bias_gelu_fusion_applies(config.bias_gelu_fusion)
+        self.bias_gelu_fusion = (fused.bias_gelu_fusion_applies(config.bias_gelu_fusion)
+                                 and not config.swiglu)
+        fc1_init = init.normal(f"{prefix}.dense_h_to_4h.weight")
+        if config.swiglu:
+            divide(ffn, tp, "ffn_hidden_size", "tensor_model_parallel_size")
+            fc1_init = glu_init(fc1_init, ffn, tp)
         self.dense_h_to_4h = ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size, gather_output=False,
-            init_method=init.normal(f"{prefix}.dense_h_to_4h.weight"),
+            config.hidden_size, ffn * (2 if config.swiglu else 1), gather_output=False,
+            bias=config.add_bias_linear, init_method=fc1_init,
             parallel_state=parallel_state, params_dtype=dtype,
             skip_bias_add=self.bias_gelu_fusion, sequence_parallel=config.sequence_parallel)
         self.dense_4h_to_h = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
+            ffn, config.hidden_size, input_is_parallel=True, bias=config.add_bias_linear,
             init_method=init.scaled_normal(f"{prefix}.dense_4h_to_h.weight"),
             parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True,
             sequence_parallel=config.sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.bias_gelu_fusion:
-            intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp]
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.swiglu:
+            intermediate = fused.swiglu(self.dense_h_to_4h(x), self.swiglu_fusion)  # [b,s,f/tp]
+        elif self.bias_gelu_fusion:
+            intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp] or None
             intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu)
         else:
             intermediate = fused.bias_gelu(None, self.dense_h_to_4h(x), self.openai_gelu,
                                            self.bias_gelu_flag)  # [b, s, ffn/tp]
-        return self.dense_4h_to_h(intermediate)  # [b, s, h], [h]
+        return self.dense_4h_to_h(intermediate)  # [b, s, h], [h] or None
 
 
 class ParallelTransformerLayer(nn.Module):

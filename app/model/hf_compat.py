@@ -38,8 +38,11 @@ def gpt2_export_blockers(config: ModelConfig) -> List[str]:
 
     Empty when it can. Each reason names the command-line option that set it.
     """
-    return _blockers(config.position_embedding_type, config.num_attention_heads,
-                     config.num_kv_heads, config.untie_embeddings_and_output_weights)
+    return (_blockers(config.position_embedding_type, config.num_attention_heads,
+                      config.num_kv_heads, config.untie_embeddings_and_output_weights)
+            + [f"{flag}: GPT-2's block has LayerNorm, GeLU, biases and heads of hidden / heads "
+               "channels (the Llama export and the converter for this block are not supported "
+               "yet)" for flag in config.llama_features])
 
 
 def checkpoint_args_blockers(args: argparse.Namespace) -> List[str]:

@@ -2,7 +2,8 @@
 
 One spawn of 2 gloo ranks trains a tiny GPT-2 (fp32, dropout 0) with compiled layers at TP2
 with sequence parallelism and full recompute (collectives and recomputation around compiled
-layers), at PP2 and under interleaved 1F1B (PP2, 2 virtual stages); the parent trains each
+layers), at PP2, under interleaved 1F1B (PP2, 2 virtual stages) and, with Llama's block
+(SwiGLU, RMSNorm, no biases, qk-layernorm, RoPE, GQA), at TP2 with sequence parallelism; the parent trains each
 configuration eagerly in one process, the independent reference. Each iteration's loss and
 gradient norm, and every rank's gradient shard of the last iteration, must agree within float
 round-off (the compiler reorders sums: a tensor's relative error ||got - want|| / ||want||
@@ -25,11 +26,15 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--make-vocab-size-divisible-by", "8", "--distributed-backend", "gloo"]
 ITERS, RAW_VOCAB = 3, 64
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm",
+         "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups",
+         "2", "--untie-embeddings-and-output-weights"]
 LAYOUTS = {  # name -> (layout flags on 2 ranks, the single-process reference's flags)
     "TP2 SP full-recompute": (
         ["--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--recompute-granularity", "full"], ["--recompute-granularity", "full"]),
     "PP2": (["--pipeline-model-parallel-size", "2"], []),
+    "TP2 SP llama": (["--tensor-model-parallel-size", "2", "--sequence-parallel"] + LLAMA, LLAMA),
     "PP2 interleaved": (["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                          "--num-layers-per-virtual-pipeline-stage", "1"], ["--num-layers", "4"]),
 }
@@ -80,6 +85,10 @@ def test_compiled_layers_equal_eager_in_one_process(compiled, name):
         for pname, (grad, dim) in got["grads"].items():
             full = want["grads"][WORD_EMBEDDINGS if pname == TIED_COPY else pname][0]
             shard = full if dim == -1 else np.array_split(full, got["tp"], axis=dim)[got["tp_rank"]]
+            if "dense_h_to_4h" in pname and "--swiglu" in LAYOUTS[name][1] and dim != -1:
+                gate, up = (np.array_split(half, got["tp"])[got["tp_rank"]]
+                            for half in np.split(full, 2))  # each rank: its gate and up shards
+                shard = np.concatenate([gate, up])
             error = np.linalg.norm(grad - shard) / max(np.linalg.norm(shard), 1e-12)
             assert error < 1e-4, f"{what}: gradient of {pname}: ||got - want|| / ||want|| " \
                                  f"= {error:.2e}"

@@ -4,7 +4,8 @@ tiny GPT-2 trained 6 iterations gives the native PP2 x DP2 losses and grad norms
 at iteration 3 through DeepSpeed's checkpoints and resumed gives iterations 4-6 of the straight
 run exactly (loss and grad norm), converts to Megatron's per-stage files, and is refused by a
 TP2 run (as many files); the tied embeddings stay equal on the two stages; ZeRO-2 is refused.
-At TP2 x PP2, sequence parallelism, RoPE, GQA and an untied output layer equal the native run."""
+At TP2 x PP2, sequence parallelism, RoPE, GQA and an untied output layer in Llama's block (SwiGLU,
+RMSNorm, no biases, qk-layernorm) equal the native run."""
 from __future__ import annotations
 
 import os
@@ -73,10 +74,13 @@ def _rank_main(tmpdir):
 
     def model_options_match_native():
         """TP2 x PP2 (ZeRO-1 over DP 1): sequence-parallel slices between the stages, RoPE,
-        GQA and an untied output layer (no embedding-group sum) train like the native path."""
+        GQA and an untied output layer (no embedding-group sum), in Llama's block (SwiGLU,
+        RMSNorm, no biases, qk-layernorm), train like the native path."""
         options = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                    "--position-embedding-type", "rope", "--group-query-attention",
-                   "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
+                   "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+                   "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                   "--qk-layernorm"]
         native = _train(_build(options), 3)
         for i, (got, want) in enumerate(zip(_train(_build(DS + options), 3), native)):
             if last:
@@ -139,7 +143,7 @@ def _rank_main(tmpdir):
 
     return run_checks({"DeepSpeed PP2xDP2 == native PP2xDP2": deepspeed_pp2_matches_native_pp2,
                        "DeepSpeed PP2xDP2 resume is exact": resume_is_exact,
-                       "DeepSpeed TP2xPP2 with SP, RoPE, GQA, untied == native":
+                       "DeepSpeed TP2xPP2 with SP, RoPE, GQA, untied, Llama block == native":
                            model_options_match_native,
                        "TP2 cannot load the PP2 files": another_split_is_refused,
                        "ZeRO-2 with PP is refused": zero2_is_refused})

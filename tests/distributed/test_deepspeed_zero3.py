@@ -5,7 +5,8 @@ DP 2 (2 ranks): the model built under deepspeed.zero.Init is partitioned before 
 exists and its gathered initial weights equal the native model's bit for bit (learned positions
 and an untied output layer included); 20 iterations of ZeRO-3, and of ZeRO-3 with parameters
 and optimizer offloaded to the CPU (DeepSpeedCPUAdam), give native DP 2's losses and gradient
-norms within 1e-5; bf16 weights track fp32 within 1e-2; the bytes each rank holds equal
+norms within 1e-5, and so does Llama's block (built partitioned with the native weights);
+bf16 weights track fp32 within 1e-2; the bytes each rank holds equal
 --dry-run's estimate (app.training.planning.memory) exactly.
 
 TP 2 x DP 2 (4 ranks): 20 iterations of ZeRO-3 over the data-parallel group (the mpu) give
@@ -27,6 +28,9 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "1e-3", "--lr-warmup-iters", "3", "--lr-decay-style", "cosine", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--distributed-backend", "gloo",
         "--make-vocab-size-divisible-by", "8"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm",
+         "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups",
+         "2", "--untie-embeddings-and-output-weights"]
 RELEASE_EARLY = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
                  "stage3_param_persistence_threshold": 64}
 """Release each parameter after its module (tiny models stay whole with the defaults), so the
@@ -107,6 +111,12 @@ def _dp2(tmpdir):
     offload = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
     out["offload"] = _curve(ARGV + _config(tmpdir, "z3_offload", **offload))
     out["bf16"] = _curve(ARGV + _config(tmpdir, "z3") + ["--bf16"])
+    llama = ARGV + LLAMA
+    native, zero3 = _initial_weights(llama), _initial_weights(llama + _config(tmpdir, "z3"))
+    out["llama_init_equal"] = native[0].keys() == zero3[0].keys() and all(
+        torch.equal(native[0][k], zero3[0][k]) for k in native[0])
+    out["llama_native"] = _curve(llama)
+    out["llama_zero3"] = _curve(llama + _config(tmpdir, "z3"))
     return out
 
 
@@ -134,6 +144,12 @@ def test_zero3_dp2_and_its_cpu_offload_match_native_dp2(dp2):
         worst = _close(dp2[0][name], dp2[0]["native"], 1e-5)
         print(f"parity {name} DP=2 vs native DP=2 over {ITERS} iterations: {worst:.2e}")
     _close(dp2[0]["bf16"], dp2[0]["native"], 1e-2)
+
+
+def test_zero3_builds_and_trains_the_llama_block_like_native(dp2):
+    """SwiGLU (gate and up shards), RMSNorm, no biases, qk-layernorm, RoPE, GQA, untied."""
+    assert all(rank["llama_init_equal"] for rank in dp2)
+    _close(dp2[0]["llama_zero3"], dp2[0]["llama_native"], 1e-5)
 
 
 def test_zero3_state_bytes_equal_the_estimate(dp2):

@@ -1,6 +1,9 @@
 """Model options at parallel layouts equal one process: sequence parallelism, RoPE,
 ALiBi, GQA, MQA (key/value heads replicated over TP), untied output layer, recompute and a
-custom logits loss, alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
+custom logits loss, and Llama's block (SwiGLU, RMSNorm, no biases, RoPE, GQA 2, untied; with
+--qk-layernorm under SP at TP2xPP2, in fp16 at PP2 and under DeepSpeed ZeRO-2 at DP2; with the
+distributed optimizer at DP2; in bf16 with SP and selective recompute at TP2; interleaved with
+full recompute at TP2xPP2), alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
 one combination each also in native bf16 and fp16 (to their round-off), one under interleaved 1F1B (TP2xPP2,
 2 virtual stages) and one with the distributed optimizer (TP2xDP2).
 
@@ -14,6 +17,7 @@ count or a wrong tie shows up as a drift in these numbers.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List
 
 import pytest
@@ -29,12 +33,16 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--make-vocab-size-divisible-by", "8", "--peak-flops", "1e12",
         "--distributed-backend", "gloo"]
 ITERS, RAW_VOCAB = 5, 64
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SP, UNTIE = ["--sequence-parallel"], ["--untie-embeddings-and-output-weights"]
 ROPE = ["--position-embedding-type", "rope", "--rotary-percent", "0.5"]
 ALIBI = ["--position-embedding-type", "alibi"]
 GQA2 = ["--group-query-attention", "--num-query-groups", "2"]
 MQA = ["--group-query-attention", "--num-query-groups", "1"]
 RESETS = ["--reset-position-ids", "--reset-attention-mask"]  # token 0 is the EOD: explicit masks
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+         "--position-embedding-type", "rope"] + GQA2 + UNTIE  # Llama's block
+ZERO2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json")]
 
 # name -> (model flags, whether the loss is the custom logits loss)
 OPTIONS = {
@@ -59,9 +67,20 @@ OPTIONS = {
     "interleaved sp+rope+untied": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                                     "1"] + SP + ROPE + UNTIE, False),
     "distributed optimizer sp+mqa": (["--use-distributed-optimizer"] + SP + MQA, False),
+    "llama": (LLAMA, False),
+    "sp+llama+qk-layernorm": (SP + LLAMA + ["--qk-layernorm"], False),
+    "distributed optimizer llama": (["--use-distributed-optimizer"] + LLAMA, False),
+    "deepspeed zero2 llama+qk-layernorm": (ZERO2 + LLAMA + ["--qk-layernorm"], False),
+    "bf16 sp+llama+selective": (["--bf16"] + SP + LLAMA + ["--recompute-granularity",
+                                                          "selective"], False),
+    "fp16 llama+qk-layernorm": (["--fp16", "--initial-loss-scale", "1024"] + LLAMA
+                                + ["--qk-layernorm"], False),
+    "interleaved sp+llama+full": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
+                                   "1", "--recompute-granularity", "full"] + SP + LLAMA, False),
 }
 LAYOUT_ONLY = {"--sequence-parallel": 0, "--use-distributed-optimizer": 0,
-               "--num-layers-per-virtual-pipeline-stage": 1}
+               "--num-layers-per-virtual-pipeline-stage": 1, "--deepspeed": 0,
+               "--deepspeed_config": 1}
 """Flags that change how a layout runs, not the numbers (with their argument count): the
 single-process reference runs without them."""
 HALF_TOLERANCE = dict(curve=2e-3, rtol=1e-2, atol=5e-3)  # bf16/fp16 round-off; Adam steps noise
@@ -71,11 +90,15 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("sp+rope+gqa2+untied+selective", 2, 1), ("sp+alibi+mqa+full+resets", 2, 1),
     ("untied", 1, 2), ("alibi", 1, 2), ("rope", 1, 2), ("bf16 sp+rope+mqa+untied+selective", 2, 1),
     ("fp16 sp+alibi+gqa2+untied", 2, 1),
+    ("llama", 2, 1), ("llama", 1, 2), ("distributed optimizer llama", 1, 1),
+    ("bf16 sp+llama+selective", 2, 1), ("fp16 llama+qk-layernorm", 1, 2),
+    ("deepspeed zero2 llama+qk-layernorm", 1, 1),  # last: DeepSpeed's recompute stays set
 ]
 LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices between stages)
     ("sp", 2, 1), ("sp+rope+gqa2+untied+selective", 2, 1),
     ("sp+learned+untied", 2, 2), ("sp+alibi+mqa+full+resets", 2, 2),
     ("interleaved sp+rope+untied", 2, 2), ("distributed optimizer sp+mqa", 2, 1),
+    ("sp+llama+qk-layernorm", 2, 2), ("interleaved sp+llama+full", 2, 2),
 ]
 
 
@@ -167,11 +190,14 @@ def _qkv_rows_of_rank(full: torch.Tensor, tp: int, tp_rank: int, groups: int, he
 
 
 def _expected_shard(name: str, full: torch.Tensor, dim: int, tp: int, tp_rank: int,
-                    groups: int) -> torch.Tensor:
+                    groups: int, swiglu: bool = False) -> torch.Tensor:
     """This rank's part of a single-process parameter: replicated, a contiguous TP slice, or
     (fewer key/value groups than TP ranks) its query heads and their group's key and value."""
     if "query_key_value" in name and groups < tp:
         return _qkv_rows_of_rank(full, tp, tp_rank, groups)
+    if "dense_h_to_4h" in name and dim != -1 and swiglu:  # [gate; up]: each rank both shards
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])
     return full if dim == -1 else full.chunk(tp, dim=dim)[tp_rank]
 
 
@@ -193,7 +219,8 @@ def _compare(results, references, world: int) -> None:
                 ref_name = ("language_model.embedding.word_embeddings.weight"
                             if pname == "word_embeddings.weight" else pname)
                 expected = _expected_shard(pname, torch.from_numpy(want["params"][ref_name][0]),
-                                           dim, tp, got["tp_rank"], groups)
+                                           dim, tp, got["tp_rank"], groups,
+                                           "--swiglu" in OPTIONS[name][0])
                 # atol: zero-gradient entries (the key bias) take round-off-sized Adam steps
                 torch.testing.assert_close(torch.from_numpy(value), expected, rtol=tol["rtol"],
                                            atol=tol["atol"],

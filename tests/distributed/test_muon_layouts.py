@@ -8,7 +8,8 @@
   the losses and grad norms of the same model at TP1. A TP2 checkpoint resumes bit-exactly;
   in this process it is resharded to TP1 with the converter (--include-optimizer, momentum
   buffers included) and the TP1 run continues the TP2 one.
-- 4 ranks: TP2 x DP2 with the distributed optimizer (both TP modes, both overlaps), TP2 x PP2
+- 4 ranks: TP2 x DP2 with the distributed optimizer (both TP modes, both overlaps; also in
+  Llama's block: SwiGLU's gate/up shards, RMSNorm and qk norms, no biases), TP2 x PP2
   (1F1B, duplicated) and TP2 x PP2 interleaved (distributed) equal DP4 at TP1; bf16 with the
   distributed optimizer and Newton-Schulz in bf16 stays close to its DP4 run.
 """
@@ -25,6 +26,9 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--make-vocab-size-divisible-by", "8", "--optimizer", "muon",
         "--muon-fp32-matmul-prec", "high", "--muon-nesterov"]
 TP2 = ["--tensor-model-parallel-size", "2"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm",
+         "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups",
+         "2", "--untie-embeddings-and-output-weights"]
 ITERS, SAVED_AT = 6, 3
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -208,6 +212,8 @@ def _layouts_main():
         "TP2xPP2 interleaved, distributed": layout(
             TP2 + ["--pipeline-model-parallel-size", "2", "--muon-tp-mode", "distributed",
                    "--num-layers-per-virtual-pipeline-stage", "1"]),
+        "TP2xDP2 distributed optimizer, Llama block": layout(  # gate/up shards, RMSNorms
+            TP2 + distributed_optimizer, four + LLAMA, "llama"),
         "bf16 TP2xDP2 distributed optimizer": layout(
             ["--bf16"] + TP2 + distributed_optimizer, bf16, "bf16", rtol=2e-2, atol=0.0),
     })

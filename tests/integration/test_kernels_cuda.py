@@ -168,6 +168,39 @@ def test_layer_norm_kernel_matches_fp32_reference(shape, dtype, fp32_params):
         assert bool(((got.float() - want).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", LN_SHAPES, ids=str)
+@pytest.mark.parametrize("fp32_params", [False, True])
+def test_rms_norm_kernel_matches_fp32_reference(shape, dtype, fp32_params):
+    """The RMSNorm kernel against the formula in fp32 (x / sqrt(mean(x^2) + eps) * w)."""
+    rows, h = shape
+    pdtype = torch.float32 if fp32_params else dtype
+    x = _rand(rows, h, dtype=dtype, scale=2.0, seed=4) + 0.5
+    w = (1 + _rand(h, dtype=torch.float32, scale=0.1, seed=5)).to(pdtype)
+    dy = _rand(rows, h, dtype=dtype, seed=7)
+    xk, wk = (t.clone().requires_grad_() for t in (x, w))
+    y = ops.rms_norm(xk, wk, 1e-5)
+    y.backward(dy)
+    x32, w32 = (t.float().requires_grad_() for t in (x, w))
+    y_ref = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * w32
+    y_ref.backward(dy.float())
+    eps, peps = EPS[dtype], EPS[pdtype]
+    assert y.dtype == dtype and wk.grad.dtype == pdtype
+    torch.testing.assert_close(y.float(), y_ref.detach(), rtol=eps,
+                               atol=1e-5 * y_ref.abs().max().item())
+    torch.testing.assert_close(xk.grad.float(), x32.grad, rtol=eps,
+                               atol=1e-4 * x32.grad.abs().max().item())
+    terms = dy.float() * (y_ref.detach() / w32.detach())
+    bound = 1e-5 * terms.abs().sum(0) + peps * w32.grad.abs() + 1e-6
+    assert bool(((wk.grad.float() - w32.grad).abs() <= bound).all())
+    # the module picks the kernel on CUDA, and gives what the fallback gives
+    fused.reset_selections()
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), y.detach())
+    assert fused.selections()["rms_norm"][0] == "CUDA kernel"
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5, use_kernel=False).float(),
+                               y.detach().float(), rtol=eps, atol=1e-5 * y_ref.abs().max().item())
+
+
 CE_SHAPES = [(1, 1, 7), (2, 17, 50257), (4, 1024, 50304), (1, 3, 1000)]
 
 

@@ -43,7 +43,10 @@ def stage_model(cfg, tp_rank=0, pp_rank=0):
 @pytest.mark.parametrize("options", [
     (), ("--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"),
     ("--group-query-attention", "--num-query-groups", "1", "--position-embedding-type", "alibi"),
-], ids=["gpt2", "rope-untied", "mqa-alibi"])
+    ("--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm",
+     "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
+     "--untie-embeddings-and-output-weights", "--kv-channels", "32"),
+], ids=["gpt2", "rope-untied", "mqa-alibi", "llama"])
 def test_params_per_rank_is_the_largest_stage_shard(tp, pp, options):
     cfg = config("--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                  *options, world=tp * pp)
@@ -89,6 +92,8 @@ def saved_activation_bytes(cfg, pp_rank=0):
      "--recompute-num-layers", "2"),                    # 2 layer inputs + 2 layers kept
     ("--recompute-granularity", "selective"),           # no attention core kept
     ("--recompute-granularity", "selective", "--reset-attention-mask"),
+    ("--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--kv-channels", "32",
+     "--attention-dropout", "0"),     # Llama's block: gate, up and product kept
 ])
 def test_activation_formula_matches_the_tensors_autograd_keeps(extra, backend):
     cfg = config(*extra, "--attention-backend", backend)

@@ -50,7 +50,9 @@ m = 1 byte, 0 when that dropout is off):
                                         dropout; SDPA's fused kernels keep none, so plain
                                         causal attention through SDPA drops this term
 
-which is the paper's s b h (34 + 5 a s / h) for w = 2, t = 1, dropout on. Sequence
+which is the paper's s b h (34 + 5 a s / h) for w = 2, t = 1, dropout on. The 12 is
+(4 q + 2 f) / h for q = heads x kv-channels and MLP width f (GPT-2: q = h, f = 4h); --swiglu
+keeps 3 f (gate, up and their product) instead of 2 f. Sequence
 parallelism divides the replicated part (the 4 w and the masks, and the embedding output) by
 t as well: the paper's s b h / t (34 + 5 a s / h). Full recompute (--recompute-granularity
 full; uniform: c layers per chunk) keeps only each chunk's input, w s b h (/t with sequence
@@ -264,9 +266,10 @@ def muon_matrix_params_per_rank(cfg: RunConfig) -> int:
     rank holds: its tensor-parallel shards of its stage's layers."""
     m, p = cfg.model, cfg.parallel
     t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    h, f = m.hidden_size, m.ffn_hidden_size
+    h, f, q = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.head_dim
     qkv_rows = (m.num_attention_heads // t + 2 * max(1, m.num_kv_heads // t)) * m.head_dim
-    return m.num_layers // pp * (qkv_rows * h + h * h // t + 2 * h * f // t)
+    fc1 = 2 * f if m.swiglu else f  # --swiglu: gate and up halves
+    return m.num_layers // pp * (qkv_rows * h + h * q // t + (fc1 + f) * h // t)
 
 
 def optimizer_state_bytes(cfg: RunConfig, psi: int) -> Tuple[float, str]:
@@ -306,7 +309,12 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     mask_width = 1 if device_type == "cuda" else w
     mask = mask_width if m.hidden_dropout > 0 else 0
     sp = t if m.sequence_parallel else 1  # sequence parallelism splits the replicated part
-    per_layer = s * h * (w * (4 / sp + 12 / t) + 2 * mask / sp)
+    # inside the tensor-parallel region: QKV output and context (4 q), the MLP's hidden
+    # activations (2 f: fc1 output and activation; 3 f with --swiglu: gate, up and product);
+    # 4 q + 2 f = 12 h for GPT-2
+    q, f = a * m.head_dim, m.ffn_hidden_size
+    inner = (4 * q + (3 if m.swiglu else 2) * f) / h
+    per_layer = s * h * (w * (4 / sp + inner / t) + 2 * mask / sp)
     core, scores = 0.0, ""
     if scores_kept(cfg, device_type):
         # the softmax output; with attention dropout also its mask and the dropped copy @ v keeps
@@ -322,7 +330,7 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     where = ("" if pp == 1 else
              f"stage {pipeline_rank} of {pp}, up to {in_flight} micro-batch(es) in flight: ")
     split = "/t" if sp > 1 else ""
-    note = (f"{where}per layer s·b·h·(w(4{split} + 12/t) + 2m{split}){scores} with s = {s}, "
+    note = (f"{where}per layer s·b·h·(w(4{split} + {inner:g}/t) + 2m{split}){scores} with s = {s}, "
             f"h = {h}, a = {a}, t = {t}, w = {w}, m = {mask}; {how}"
             + (f"; output layer (w + 4)·s·b·V/t with V = {V}" if last else ""))
     return StageActivations(pipeline_rank=pipeline_rank, max_in_flight=in_flight,

@@ -43,14 +43,19 @@ CACHE_ENV = "GPT2_PEAK_FLOPS_CACHE"
 # ---------------------------------------------------------------------------- FLOP counts
 
 def _layer_terms(m: ModelConfig) -> tuple:
-    """Per-layer, per-token fwd+bwd FLOPs: (dense GEMMs 24 h^2 + 12 h f, attention core 12 s h)."""
+    """Per-layer, per-token fwd+bwd FLOPs: (dense GEMMs 24 h q + 12 h f g, attention core
+    12 s q), q = heads x kv-channels (= h by default), g = 3/2 with --swiglu (Megatron's
+    gated-linear factor: the gate and up projections and the down projection), else 1."""
     h, f, s = m.hidden_size, m.ffn_hidden_size, m.seq_length
-    return 24.0 * h * h + 12.0 * h * f, 12.0 * s * h
+    q = m.num_attention_heads * m.head_dim
+    gated = 1.5 if m.swiglu else 1.0
+    return 24.0 * h * q + 12.0 * h * f * gated, 12.0 * s * q
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
     """Megatron's model FLOPs per token (fwd+bwd, no recompute): L (24 h^2 + 12 h f + 12 s h)
-    + 6 h V, which is 72 L h^2 (1 + s/(6h) + V/(12 L h)) for the usual f = 4h."""
+    + 6 h V, which is 72 L h^2 (1 + s/(6h) + V/(12 L h)) for the usual f = 4h (see
+    `_layer_terms` for --swiglu and --kv-channels)."""
     dense, core = _layer_terms(m)
     return m.num_layers * (dense + core) + 6.0 * m.hidden_size * m.padded_vocab_size
 

@@ -1,0 +1,149 @@
+"""--tokenizer-type HuggingFaceTokenizer (Megatron's meaning): a tokenizer.json trained here
+with `tokenizers` (no downloads); tools/preprocess_data.py writes, document by document, what
+transformers' AutoTokenizer gives plus the eos as eod; bad input is one clear error before any
+work; a tiny run trains on the data without --vocab-file and its checkpoint generates text."""
+import contextlib
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+
+from app.data.tokenizer import build_tokenizer
+
+transformers = pytest.importorskip("transformers")
+TEXTS = ["hello world, the quick brown fox", "jumps over the lazy dog.", "", "héllo ☃ wörld",
+         "the fox and the dog </s> are friends"] * 8
+
+
+def _train_tokenizer(directory, eos="</s>"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(TEXTS * 4, trainer=trainer)
+    # a BOS before every document, as Llama's tokenizers add
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    config = {"bos_token": "<s>"} | ({"eos_token": eos} if eos else {})
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return _train_tokenizer(tmp_path_factory.mktemp("hf_tok") / "tok")
+
+
+def _preprocess(tmp_path, tokenizer_args):
+    from tools.preprocess_data import main
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    prefix = str(tmp_path / "docs")
+    main(["--input", str(data), "--output-prefix", prefix, "--append-eod",
+          "--workers", "1", *tokenizer_args])
+    return prefix + "_text_document"
+
+
+def test_preprocessing_equals_auto_tokenizer_plus_eod(tmp_path, tokenizer_dir):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    prefix = _preprocess(tmp_path, ["--tokenizer-type", "HuggingFaceTokenizer",
+                                    "--tokenizer-model", tokenizer_dir])
+    reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    ours = build_tokenizer("HuggingFaceTokenizer", None, None, tokenizer_model=tokenizer_dir)
+    assert ours.eod == reference.eos_token_id and ours.vocab_size == len(reference)
+    dataset = IndexedDataset(prefix)  # Megatron Core's reader
+    assert len(dataset) == len(TEXTS)  # an empty text is still [bos] + eod
+    for i, text in enumerate(TEXTS):
+        want = reference(text).input_ids + [reference.eos_token_id]
+        assert want[0] == reference.bos_token_id
+        np.testing.assert_array_equal(dataset[i], np.asarray(want), err_msg=text)
+
+
+def test_bad_tokenizer_model_is_one_clear_error(tmp_path):
+    from tools.preprocess_data import main
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    for args, words in (([], "needs --tokenizer-model"),
+                        (["--tokenizer-model", str(tmp_path / "missing")], "missing"),
+                        (["--tokenizer-model", _train_tokenizer(tmp_path / "no_eos", eos=None)],
+                         "no eos token")):
+        with pytest.raises(SystemExit, match=words):
+            main(["--input", str(data), "--output-prefix",
+                  str(tmp_path / "out"), "--tokenizer-type", "HuggingFaceTokenizer", *args])
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_a_tiny_run_trains_on_it_without_a_vocab_file(tmp_path, tokenizer_dir):
+    from pretrain_gpt2 import main
+    prefix = _preprocess(tmp_path, ["--tokenizer-type", "HuggingFaceTokenizer",
+                                    "--tokenizer-model", tokenizer_dir])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+                     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+                     "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0",
+                     "--data-path", prefix, "--split", "100,0,0",
+                     "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                     tokenizer_dir, "--swiglu", "--normalization", "RMSNorm",
+                     "--disable-bias-linear", "--position-embedding-type", "rope",
+                     "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "0",
+                     "--distributed-backend", "gloo", "--save", str(tmp_path / "ckpt"),
+                     "--save-interval", "2"])
+    assert code == 0, err.getvalue()[-2000:]
+    import torch
+    args = torch.load(next((tmp_path / "ckpt").rglob("model_optim_rng.pt")),
+                      weights_only=False)["args"]
+    assert args.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.tokenizer_model == tokenizer_dir
+    assert (args.swiglu, args.normalization, args.add_bias_linear) == (True, "RMSNorm", False)
+    from app.inference.session import GenerationParams, InferenceSession
+    session = InferenceSession(str(tmp_path / "ckpt"))  # the tokenizer comes from the args
+    assert session.tokenizer.eod == transformers.AutoTokenizer.from_pretrained(
+        tokenizer_dir).eos_token_id
+    out = session.generate(["hello world"], GenerationParams(max_new_tokens=3))
+    (result,) = out["results"]
+    assert result["prompt"] == "hello world" and 1 <= len(result["generated_tokens"]) <= 3
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    path = tmp_path_factory.mktemp("spm") / "tok.model"
+    with open(path, "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS * 4), model_writer=f,
+                                       vocab_size=60, model_type="bpe", pad_id=3,
+                                       minloglevel=2)
+    return str(path)
+
+
+def test_sentencepiece_tokenizers_follow_megatron(tmp_path, sentencepiece_model):
+    """GPTSentencePieceTokenizer is the .model as it is (eod = its eos, here id 2); the
+    SentencePieceTokenizer appends Megatron's <CLS> <SEP> <EOD> <MASK> after the pieces (the
+    model's pad/bos/eos pieces exist already) and splits text at them."""
+    import sentencepiece
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    sp = sentencepiece.SentencePieceProcessor(model_file=sentencepiece_model)
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", None, None,
+                          tokenizer_model=sentencepiece_model)
+    assert (gpt.vocab_size, gpt.eod) == (60, 2)
+    full = build_tokenizer("SentencePieceTokenizer", None, None,
+                           tokenizer_model=sentencepiece_model)
+    assert (full.vocab_size, full.eod) == (64, 62)  # <CLS> 60, <SEP> 61, <EOD> 62, <MASK> 63
+    assert full.tokenize("the fox<EOD>the dog<MASK>") == (
+        sp.encode_as_ids("the fox") + [62] + sp.encode_as_ids("the dog") + [63])
+    prefix = _preprocess(tmp_path, ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                                    "--tokenizer-model", sentencepiece_model])
+    dataset = IndexedDataset(prefix)
+    texts = [t for t in TEXTS if t]  # no tokens (no BOS here): an empty document is skipped
+    assert len(dataset) == len(texts)
+    for i, text in enumerate(texts):
+        np.testing.assert_array_equal(dataset[i], np.asarray(sp.encode_as_ids(text) + [2]))
+    with pytest.raises(FileNotFoundError, match="needs --tokenizer-model"):
+        build_tokenizer("GPTSentencePieceTokenizer", None, None, tokenizer_model=None)
