@@ -112,3 +112,30 @@ def test_a_save_dir_full_throughout_stops_with_exit_5_and_no_hang(tmp_path):
     assert f"could not save the checkpoint of iteration 3 to {ck}" in last.stderr
     assert "save failed (1 in a row" in last.stdout + last.stderr  # iteration 2: went on
     assert listing == []  # no partial checkpoint, no temporary file, the lock released
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2"],
+    ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json"),
+     "--global-batch-size", "8"]], ids=["native-tp2", "deepspeed-zero2-dp2"])
+def test_one_ranks_full_disk_fails_that_save_on_every_rank_and_the_run_goes_on(tmp_path, layout):
+    """Rank 1 alone cannot write its part of the save of iteration 4 (its file of TP rank 1, or
+    its ZeRO-2 optimizer shard, written inside DeepSpeed's save between its barriers): every
+    rank undoes that save and goes on, no rank waits on another, and the run ends with exit 0
+    and the checkpoints of iterations 2 and 6."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         os.path.join(ROOT, "tests", "integration", "disk_full_once.py"), *ARGS, *layout,
+         "--train-iters", "6", "--save-interval", "2", "--save", str(ck),
+         "--metrics-file", str(metrics)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=400,
+        env={**env(), "DISK_FULL_RANK": "1", "DISK_FULL_SAVES": "2"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert names.read_tracker(str(ck)) == 6
+    assert names.list_checkpoint_iterations(str(ck)) == [2, 6] and not _temporaries(str(ck))
+    failed = [r for r in read_metrics(metrics) if r["kind"] == "save_failed"]
+    assert [(r["iteration"], r["latest"]) for r in failed] == [(4, 2)]
+    # the logging rank is the last one, the rank whose disk was full
+    assert "(ENOSPC)" in failed[0]["error"] and str(ck) in failed[0]["error"]
+    assert sorted(train_curve(metrics)) == [1, 2, 3, 4, 5, 6]
