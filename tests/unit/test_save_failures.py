@@ -80,10 +80,28 @@ def test_a_save_on_a_full_disk_is_undone_and_the_next_one_commits(tmp_path, back
     assert iteration == 3 and torch.equal(state["model"]["weights"], STATE["weights"])
 
 
-def test_the_disk_full_fault_fails_the_chosen_saves_only(tmp_path):
+def _raising(error):
+    """A SAVE_STAGE handler that fails the second save of the process with `error`."""
+    started = [0]
+
+    def handler(stage):
+        started[0] += stage == "start"
+        if stage == "rank_tmp_written" and started[0] == 2:
+            raise error
+    return handler
+
+
+@pytest.mark.parametrize("fault,code", [
+    (lambda: faults.disk_full(saves={2}), "ENOSPC"),
+    (lambda: _raising(OSError(errno.EIO, os.strerror(errno.EIO))), "EIO"),
+    (lambda: _raising(PermissionError(errno.EACCES, os.strerror(errno.EACCES))), "EACCES"),
+    (lambda: _raising(TimeoutError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT))),
+     "ETIMEDOUT")], ids=["disk-full", "eio", "permission", "timeout"])
+def test_a_save_that_fails_on_storage_fails_alone(tmp_path, fault, code):
+    """The chosen save fails with its error named, the saves before and after it commit."""
     root = str(tmp_path)
     outcomes = []
-    with faults.injected(faults.SAVE_STAGE, faults.disk_full(saves={2})):
+    with faults.injected(faults.SAVE_STAGE, fault()):
         for iteration in (1, 2, 3):
             try:
                 ckpt.save_checkpoint(root, iteration, {"iteration": iteration, "model": STATE})
@@ -91,7 +109,7 @@ def test_the_disk_full_fault_fails_the_chosen_saves_only(tmp_path):
             except commit.CheckpointSaveError as exc:
                 outcomes.append(str(exc))
     assert outcomes[0] == outcomes[2] == "saved"
-    assert "iteration 2" in outcomes[1] and "(ENOSPC)" in outcomes[1]
+    assert "iteration 2" in outcomes[1] and f"({code})" in outcomes[1]
     assert names.list_checkpoint_iterations(root) == [1, 3] and not _temporaries(root)
 
 
