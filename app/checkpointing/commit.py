@@ -251,8 +251,8 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
             raise
     pending = PendingSave(save_dir, iteration, undo=undo, agree=agree,
                           is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
-                          deepspeed_latest=deepspeed_latest, fresh=fresh, publish=publish)
-    pending._failed = marked
+                          deepspeed_latest=deepspeed_latest, fresh=fresh, publish=publish,
+                          failed=marked)
     pending.run(write, background)
     return pending
 
@@ -269,7 +269,8 @@ class PendingSave:
     def __init__(self, save_dir: str, iteration: names.Iteration, *, undo: Callable[[], None],
                  agree: Callable[[bool], bool], is_tracker_writer: bool,
                  keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool,
-                 publish: Optional[PublishStep] = None) -> None:
+                 publish: Optional[PublishStep] = None,
+                 failed: Optional[Tuple[str, OSError]] = None) -> None:
         self.save_dir, self.iteration = save_dir, iteration
         self.directory = names.checkpoint_dir(save_dir, iteration)
         self.agree = agree
@@ -277,7 +278,7 @@ class PendingSave:
         self._tracker_writer, self._keep_last_n = is_tracker_writer, keep_last_n
         self._deepspeed_latest = deepspeed_latest
         self._publish = publish
-        self._failed: Optional[Tuple[str, OSError]] = None
+        self._failed = failed  # (path, error) of this rank's first failure
         self._raised: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 

@@ -187,3 +187,21 @@ def test_data_loader_workers_stop_when_closed_and_at_an_exit_with_an_error(tmp_p
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 1 and "unexpected pos" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_save_whose_directory_cannot_be_marked_still_writes_and_is_undone(tmp_path,
+                                                                            monkeypatch):
+    """The in-progress mark is the save's first write; when it fails (ENOSPC on the
+    directory) the write step still runs (DeepSpeed's barriers are in it, so every rank must
+    reach them) and the agreement undoes the save."""
+    root, wrote = str(tmp_path), []
+
+    def no_room(directory):
+        os.makedirs(directory, exist_ok=True)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), directory)
+
+    monkeypatch.setattr(commit, "_mark_in_progress", no_room)
+    with pytest.raises(commit.CheckpointSaveError, match=r"\(ENOSPC\)"):
+        commit.commit_save(root, 1, write=lambda: wrote.append(1), undo=lambda: None,
+                           agree=lambda ok: ok, is_tracker_writer=True)
+    assert wrote == [1] and not os.listdir(root)
