@@ -84,11 +84,48 @@ def write_checked_file(path: str, write: Callable[[Any], Any], hidden_sidecar: b
         write_checksums(sidecar, name, digests)
         save_stage("rank_checksum_committed")
 
-    with atomic_open(path, "wb", durable=True, before_replace=list_new_digest) as f:
-        write(f)
+    try:
+        with atomic_open(path, "wb", durable=True, before_replace=list_new_digest) as f:
+            write(f)
+    except RuntimeError as exc:  # torch.save's report of a failed write: an OSError here
+        error = storage_error(exc, path)
+        if error is None:
+            raise
+        raise error from exc
     if len(digests) > 1:  # the old file is gone: its digest no longer verifies anything
         write_checksums(sidecar, name, digests[:1])
     save_stage("rank_file_committed")
+
+
+_TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed",
+                         "iostream error")
+"""Fragments of the RuntimeError torch's zip writer raises when a write fails (on a full disk
+`[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`)."""
+
+
+def storage_error(exc: BaseException, path: str = "") -> Optional[OSError]:
+    """The OSError behind a failed checkpoint write, or None when `exc` is not one.
+
+    `exc` itself when it is an OSError (ENOSPC, EIO, EACCES, a TimeoutError); for torch's
+    RuntimeError of a failed write (`_TORCH_WRITE_FAILURES`), the OSError it was raised while
+    handling (torch.save into a file object: the file's own ENOSPC), else one made from its
+    message: ENOSPC when the file system of `path` has under 1 MiB free, EIO otherwise.
+    """
+    if isinstance(exc, OSError):
+        return exc
+    if not isinstance(exc, RuntimeError) or not any(m in str(exc) for m in _TORCH_WRITE_FAILURES):
+        return None
+    cause: Optional[BaseException] = exc
+    while cause is not None:
+        if isinstance(cause, OSError):
+            return OSError(cause.errno, cause.strerror or str(cause), path or cause.filename)
+        cause = cause.__cause__ or cause.__context__
+    code = errno.EIO
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(os.path.dirname(path) or ".").free < 2**20:
+            code = errno.ENOSPC
+    torch_says = str(exc).splitlines()[0][:200]
+    return OSError(code, f"{os.strerror(code)} (torch: {torch_says})", path or None)
 
 
 def remove_written_file(path: str, stop_at: str) -> None:
@@ -139,7 +176,7 @@ def save_failure(save_dir: str, iteration: names.Iteration, error: Optional[Base
     return CheckpointSaveError(
         f"could not save the checkpoint of iteration {iteration} to {save_dir}: {cause}; "
         f"{free}. The partial files of this save were removed and {still}. Free space or fix "
-        "the directory, then relaunch to resume.")
+        "the directory (a relaunch with --load resumes from the latest checkpoint).")
 
 
 def rotate_checkpoints(save_dir: str, keep_last_n: int, current: int) -> List[int]:
@@ -201,7 +238,11 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
     save_stage("start")
     directory = names.checkpoint_dir(save_dir, iteration)
     fresh = not os.path.isdir(directory)  # before any rank of this save can create it
-    _mark_in_progress(directory)
+    try:
+        _mark_in_progress(directory)
+        marked = None
+    except OSError as exc:  # a full disk: agreed on in finish(), like a failed write
+        marked = (directory, exc)
     if capture is not None:
         try:
             capture()
@@ -210,7 +251,8 @@ def start_save(save_dir: str, iteration: names.Iteration, *, write: WriteStep,
             raise
     pending = PendingSave(save_dir, iteration, undo=undo, agree=agree,
                           is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
-                          deepspeed_latest=deepspeed_latest, fresh=fresh, publish=publish)
+                          deepspeed_latest=deepspeed_latest, fresh=fresh, publish=publish,
+                          failed=marked)
     pending.run(write, background)
     return pending
 
@@ -227,7 +269,8 @@ class PendingSave:
     def __init__(self, save_dir: str, iteration: names.Iteration, *, undo: Callable[[], None],
                  agree: Callable[[bool], bool], is_tracker_writer: bool,
                  keep_last_n: Optional[int], deepspeed_latest: bool, fresh: bool,
-                 publish: Optional[PublishStep] = None) -> None:
+                 publish: Optional[PublishStep] = None,
+                 failed: Optional[Tuple[str, OSError]] = None) -> None:
         self.save_dir, self.iteration = save_dir, iteration
         self.directory = names.checkpoint_dir(save_dir, iteration)
         self.agree = agree
@@ -235,23 +278,45 @@ class PendingSave:
         self._tracker_writer, self._keep_last_n = is_tracker_writer, keep_last_n
         self._deepspeed_latest = deepspeed_latest
         self._publish = publish
-        self._failed: Optional[Tuple[str, OSError]] = None
+        self._failed = failed  # (path, error) of this rank's first failure
         self._raised: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
     def run(self, write: WriteStep, background: bool) -> None:
-        """Run this rank's `write` step, in a thread of its own with `background`."""
+        """Run this rank's `write` step, in a thread of its own with `background`. A write
+        that fails on storage (`storage_error`: a full disk however torch reports it, EIO, a
+        permission error, a timeout) is kept for `finish` to agree on, whichever step raised."""
+        def attempt() -> None:  # runs even after a failed mark: DeepSpeed's barriers are in it
+            try:
+                failed = write()
+            except Exception as exc:  # noqa: BLE001 - anything else propagates
+                error = storage_error(exc, self.directory)
+                if error is None:
+                    raise
+                failed = (self.directory, error)
+            self._failed = self._failed or failed
+
         def step() -> None:
             try:
-                self._failed = write()
+                attempt()
             except BaseException as exc:  # reported by finish(), in the training thread
                 self._raised = exc
         if not background:
-            self._failed = write()  # an exception propagates at once, as it always did
+            attempt()  # another exception propagates at once, as it always did
             return
         self._thread = threading.Thread(target=step, name=f"checkpoint-write-{self.iteration}",
                                         daemon=True)
         self._thread.start()
+
+    def abandon(self, timeout_s: float) -> None:
+        """Give this save up on an exit path that cannot commit it (no collective): wait up
+        to `timeout_s` for this rank's background write, then undo this rank's part; a write
+        still running is left to die with the process (its mark lets the next run that
+        claims --save remove it)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self.written():
+            _undo(self._undo, self.directory, self._fresh)
 
     def written(self) -> bool:
         """Whether this rank's write step is over (its files are durable or it failed)."""

@@ -43,6 +43,11 @@ class CheckpointConfig:
         "--async-save", default=False,
         help="write checkpoint files in the background while training goes on; the checkpoint "
              "becomes the latest once every rank's files are durable (docs/reliability.md)")
+    max_failed_saves: int = option(
+        "--max-failed-saves", default=3,
+        help="stop the run (exit code 5) after this many checkpoint saves in a row failed (a "
+             "full disk, an I/O error); until then a failed save is undone, logged and retried "
+             "at the next --save-interval while training goes on (docs/reliability.md)")
     ckpt_format: str = option(
         "--ckpt-format", default="torch", choices=CKPT_FORMATS,
         help="format of the checkpoints this run saves: torch (Megatron-LM's legacy "
@@ -59,6 +64,9 @@ class CheckpointConfig:
         positive(self, (("save_interval", "--save-interval"),), allow_none=True)
         if self.finetune and not self.load:
             raise ValueError("--finetune needs --load <checkpoint dir>")
+        if self.max_failed_saves < 1:
+            raise ValueError(f"--max-failed-saves must be at least 1, got {self.max_failed_saves} "
+                             "(1 stops the run at the first failed save)")
         if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
             raise ValueError(f"--keep-last-n-checkpoints must be at least 1, got "
                              f"{self.keep_last_n_checkpoints} (leave it out to keep every checkpoint)")

@@ -8,7 +8,9 @@ continues with exactly the samples an uninterrupted run would have seen next.
 """
 from __future__ import annotations
 
+import atexit
 import signal
+import weakref
 from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
@@ -33,6 +35,32 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+def close_data_iterator(iterator: Optional[Iterator]) -> None:
+    """Stop the worker processes of an iterator from `build_data_iterator` (nothing to do
+    without workers); call it on every exit path. The workers ignore SIGTERM
+    (`_ignore_stop_signals`), and the interpreter's exit sends SIGTERM to the live children,
+    then waits for them: a worker left running would make the rank wait forever. A worker
+    still alive after the DataLoader's own shutdown is killed."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is None:
+        return
+    shutdown()
+    for worker in getattr(iterator, "_workers", []):
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=5.0)
+
+
+_LIVE_ITERATORS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _close_live_iterators() -> None:
+    """At interpreter exit, before multiprocessing waits for its children: stop the workers
+    of the iterators still alive (an exception that leaves the trainer keeps them referenced)."""
+    for iterator in list(_LIVE_ITERATORS):
+        close_data_iterator(iterator)
+
+
 def build_data_iterator(dataset: Any, consumed_samples: int, micro_batch_size: int,
                         parallel_state: ParallelState, num_workers: int) -> Optional[Iterator]:
     """An endless-enough iterator of `{"text": [b, s+1]}` micro-batches for this DP rank.
@@ -53,7 +81,13 @@ def build_data_iterator(dataset: Any, consumed_samples: int, micro_batch_size: i
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=_collate,
         persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(0),
         worker_init_fn=_ignore_stop_signals if num_workers > 0 else None)
-    return iter(loader)
+    iterator = iter(loader)
+    if num_workers > 0:
+        # registered after multiprocessing's exit hook (the workers imported it): runs first
+        atexit.unregister(_close_live_iterators)
+        atexit.register(_close_live_iterators)
+        _LIVE_ITERATORS.add(iterator)
+    return iterator
 
 
 def check_data_suffices(dataset: Any, split: str, consumed_samples: int, global_batches: int,

@@ -13,7 +13,8 @@ or loaded from the cache -> Trainer, with the exit-signal handler installed whil
 `main` maps outcomes to exit codes: 0 for a finished run and for one stopped by a signal after
 its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3 for a run
 stopped by the non-finite policy (app.training.resilience.nonfinite); 4 (EXIT_PEER_FAILURE) when another
-rank died, stopped or hung.
+rank died, stopped or hung; 5 (EXIT_SAVE_FAILED) when checkpoints could not be saved
+(--max-failed-saves in a row, or the run's last save; app.training.resilience.saving).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.resume import (StartDecision, check_resume, decide_start,
                                             load_on_all_ranks)
 from app.training.run import build_run
+from app.training.resilience.saving import SaveFailed
 from app.training.resilience.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
 from app.training.resilience.signals import ExitSignalHandler, LauncherWatch, detect_launcher, handler_enabled
 from app.training.trainer import RunState, Trainer
@@ -243,7 +245,8 @@ def main(run: Callable[[], Any]) -> int:
     """Call `run()` (which builds the config and trains) and return the process exit code:
     configuration, data and checkpoint errors print one clear line and give 2; the non-finite
     policy stopping the run gives 3; a dead, stopped or hung peer gives 4 (PeerFailure, without
-    waiting for the other ranks); the process group is torn down otherwise."""
+    waiting for the other ranks); checkpoints that could not be saved give 5 (SaveFailed); the
+    process group is torn down otherwise."""
     try:
         run()
     except PeerFailure as exc:
@@ -257,6 +260,10 @@ def main(run: Callable[[], Any]) -> int:
         print(f"error: training stopped: {exc}", file=sys.stderr, flush=True)
         shutdown_distributed(graceful=False)
         return 3
+    except SaveFailed as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        shutdown_distributed(graceful=False)
+        return exc.exit_code
     shutdown_distributed(graceful=True)
     return 0
 

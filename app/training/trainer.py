@@ -12,7 +12,6 @@ another rank died or timed out becomes a PeerFailure naming this rank and the ph
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -29,12 +28,14 @@ from app.training.telemetry import flops
 from app.training.telemetry import metrics as metrics_lib
 from app.training.telemetry.stragglers import StragglerDetector
 from app.launch.distributed import world_group
-from app.training.data_loading import BatchBuilder, build_data_iterator, check_data_suffices
+from app.training.data_loading import (BatchBuilder, build_data_iterator, check_data_suffices,
+                                       close_data_iterator)
 from app.training.engines.base import Engine
 from app.checkpointing.megatron import CheckpointError
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
 from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.resilience.rollback import SpikeRollback
+from app.training.resilience.saving import CheckpointSaver, SaveFailed, flagged
 from app.training.resilience.signals import ExitSignalHandler, signal_name
 from app.training.resilience.watchdog import Watchdog, is_peer_failure
 from app.training.state import RunState, StepOutput
@@ -114,7 +115,10 @@ class Trainer:
                      f"{self.recompute})")
         self.nonfinite = NonFinitePolicy(t.max_consecutive_skipped_iterations,
                                          t.check_for_nan_in_loss_and_grad)
-        self.rollback = (SpikeRollback(cfg, engine, device, _length(self.train_ds))
+        self.saver = CheckpointSaver(cfg.checkpoint, engine, self.writer, self.log,
+                                     saving=lambda: flagged(self.signals))
+        self.rollback = (SpikeRollback(cfg, engine, device, _length(self.train_ds),
+                                       finish_save=lambda: self._finish_save(blocking=True))
                          if cfg.rollback.enabled else None)
         self.start_time = time.time()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
@@ -331,48 +335,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def _save(self) -> None:
-        save = self.cfg.checkpoint.save
-        if not save:
-            return
+    def _save(self, final: bool) -> bool:
+        """Save the checkpoint of this iteration (every rank); False when the save failed and
+        training goes on (app.training.resilience.saving; SaveFailed when the run stops)."""
         self._beat("checkpoint save")
-        t0 = time.time()
-        background = self.cfg.checkpoint.async_save
-        with self._saving():
-            path = self.engine.save_checkpoint(save, self.state.iteration,
-                                               self.state.client_state(), asynchronous=background)
-        if background:
-            self._save_started = time.time()
-            self.log(f"saving checkpoint at iteration {self.state.iteration} to {path} in the "
-                     f"background (training blocked {time.time() - t0:.2f} s)")
-        else:
-            self.log(f"saved checkpoint at iteration {self.state.iteration} to {path} "
-                     f"({time.time() - t0:.2f} s)")
+        return self.saver.save(self.state.iteration, self.state.client_state(), final=final)
 
-    def _finish_save(self, blocking: bool) -> None:
+    def _finish_save(self, blocking: bool, final: bool = False) -> None:
         """Commit the checkpoint being written in the background (--async-save) once every rank
         has written its files: at once with `blocking` (before exiting), else only if they all
-        have (checked every iteration; one agreement while a save is in flight)."""
-        iteration = self.engine.save_in_flight
-        if iteration is None:
-            return
-        self._beat("checkpoint save")
-        with self._saving():
-            path = self.engine.finish_save(blocking)
-        if path is not None:
-            self.log(f"saved checkpoint at iteration {iteration} to {path} (in the background, "
-                     f"{time.time() - self._save_started:.2f} s)")
-
-    @contextlib.contextmanager
-    def _saving(self):
-        """Tell the signal handler that a checkpoint is being written (a second signal waits)."""
-        if self.signals is not None:
-            self.signals.saving = True
-        try:
-            yield
-        finally:
-            if self.signals is not None:
-                self.signals.saving = False
+        have (checked every iteration; one agreement while a save is in flight). `final`: it is
+        the save that ends the run (its failure stops the run)."""
+        if self.engine.save_in_flight is not None:
+            self._beat("checkpoint save")
+            self.saver.finish(blocking, final)
 
     def _stop_request(self) -> Tuple[bool, int]:
         """(the --exit-duration-in-mins budget is spent, the signal to stop on or 0), the same on
@@ -393,7 +369,7 @@ class Trainer:
         (when a watchdog is attached)."""
         try:
             return self._train()
-        except (TrainingAborted, CheckpointError):
+        except (TrainingAborted, CheckpointError, SaveFailed):
             raise
         except RuntimeError as exc:
             if self.watchdog is not None and is_peer_failure(exc):
@@ -414,6 +390,21 @@ class Trainer:
             return s
         self._check_data_suffices()
         loop = _Loop(*self._data_iterators())
+        ended = False
+        try:
+            self._iterate(loop)
+            self._end(loop)
+            ended = True
+        finally:  # every exit path: no data-loader worker or background writer outlives this
+            if not ended:
+                self.saver.abandon()
+            loop.close()
+            self.writer.close()
+        return s
+
+    def _iterate(self, loop: "_Loop") -> None:
+        """Iterations until --train-iters or an agreed exit."""
+        t, s = self.cfg.training, self.state
         self.global_batch = self.cfg.batch_schedule.batch_at(s.consumed_train_samples)
         while s.iteration < t.train_iters and not loop.exiting:
             batch = self.set_batch(s.consumed_train_samples)
@@ -425,6 +416,7 @@ class Trainer:
             loop.interval.iterations += 1
             loop.interval.samples += batch
             if self._observe(step):  # rolled back: new position, fresh iterators and sums
+                loop.close()
                 loop.train_iter, loop.valid_iter = self._data_iterators()
                 loop.interval = _Interval()
                 continue
@@ -434,15 +426,18 @@ class Trainer:
             loop.exiting = self._should_exit()
             self._finish_save(blocking=loop.exiting)
             self._maybe_save(loop)
-        self._finish_save(blocking=True)  # the last save is complete before the run ends
+
+    def _end(self, loop: "_Loop") -> None:
+        """After the last iteration: the last save committed (its failure stops the run), then
+        the exit message, or the final evaluation and save."""
+        s = self.state
+        self._finish_save(blocking=True, final=self.engine.save_in_flight == s.iteration)
         if self.stop_signal:
             self._log_signal_exit(loop.last_saved)
         elif loop.exiting:
             self.log(f"exiting at iteration {s.iteration} (exit condition reached)")
         else:
             self._finish(loop.valid_iter, loop.last_saved)
-        self.writer.close()
-        return s
 
     def _data_iterators(self) -> Tuple[Any, Any]:
         """Training and validation iterators from the run's consumed-sample positions."""
@@ -501,8 +496,8 @@ class Trainer:
             logger.warning("iteration %d: not saving a checkpoint during a run of non-finite "
                            "iterations", s.iteration, extra=LAST_RANK)
             return
-        self._save()
-        loop.last_saved = s.iteration
+        if self._save(final=loop.exiting or s.iteration >= self.cfg.training.train_iters):
+            loop.last_saved = s.iteration
 
     def _log_signal_exit(self, last_saved: Optional[int]) -> None:
         c, s = self.cfg.checkpoint, self.state
@@ -562,8 +557,7 @@ class Trainer:
             self._report_eval("valid", self.evaluate(valid_iter, t.eval_iters))
             s.consumed_valid_samples += t.eval_iters * t.global_batch_size
         if self.cfg.checkpoint.save and last_saved != s.iteration and not self.nonfinite.in_streak:
-            self._save()
-            self._finish_save(blocking=True)
+            self._save(final=True)
         if t.eval_iters and self.test_ds is not None:
             test_iter = build_data_iterator(self.test_ds, 0, t.micro_batch_size, self.ps, 0)
             self._report_eval("test", self.evaluate(test_iter, t.eval_iters))
@@ -579,6 +573,11 @@ class _Loop:
     interval: _Interval = field(default_factory=_Interval)
     last_saved: Optional[int] = None
     exiting: bool = False
+
+    def close(self) -> None:
+        """Stop the iterators' data-loader workers (app.training.data_loading)."""
+        close_data_iterator(self.train_iter)
+        close_data_iterator(self.valid_iter)
 
 
 def _length(dataset: Any) -> Optional[int]:

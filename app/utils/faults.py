@@ -22,11 +22,16 @@ child). The points (`POINTS` holds this table):
 
 Handlers are process-wide (every thread sees them). docs/reliability.md lists the tests that
 use each point.
+
+Ready-made faults: `disk_full(saves)` is a `SAVE_STAGE` handler that makes chosen saves of this
+process fail the way torch.save fails on a full disk (`torch_disk_full_error`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional
+import errno
+import os
+from typing import Any, Callable, Collection, Dict, Iterator, Optional
 
 SAVE_STAGE = "checkpoint.save_stage"
 TRAINING_LOSS = "training.loss"
@@ -93,3 +98,36 @@ def fire(point: str, *args: Any) -> Any:
     the point is not armed."""
     handler = _handlers.get(point)
     return None if handler is None else handler(*args)
+
+
+# ---------------------------------------------------------------------------- ready-made faults
+
+TORCH_DISK_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos {written} vs {expected}"
+"""torch.save's message (torch 2.x) when the file system fills while it writes a checkpoint."""
+
+
+def torch_disk_full_error(written: int = 704, expected: int = 598) -> RuntimeError:
+    """The RuntimeError torch.save raises into a file object on a full disk: TORCH_DISK_FULL,
+    raised while handling the file's OSError(ENOSPC), as torch raises it."""
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+        try:
+            raise RuntimeError(TORCH_DISK_FULL.format(written=written, expected=expected))
+        except RuntimeError as exc:
+            return exc
+
+
+def disk_full(saves: Optional[Collection[int]] = None,
+              stage: str = "rank_tmp_written") -> Callable[[str], None]:
+    """A `SAVE_STAGE` handler: the saves of this process numbered in `saves` (1, 2, ... in
+    the order they start; None: every save) fail at `stage` of each file with
+    `torch_disk_full_error`, the error torch.save gives on a full disk."""
+    started = [0]
+
+    def handler(name: str) -> None:
+        if name == "start":
+            started[0] += 1
+        if name == stage and (saves is None or started[0] in saves):
+            raise torch_disk_full_error()
+    return handler

@@ -1,6 +1,7 @@
 """Checkpoint faults on both paths: a full disk during a save, flipped bytes, a crafted pickle
-that would run a command, non-finite weights. Each must end with a clear error (exit 2),
-nothing executed, no temporary file left and the previous checkpoint still the latest."""
+that would run a command, non-finite weights. Each must end with a clear error (exit 2; exit 5
+when the run's last save failed), nothing executed, no temporary file left and the previous
+checkpoint still the latest; a disk full for one interval only costs that checkpoint."""
 import contextlib
 import errno
 import io
@@ -14,7 +15,7 @@ from app.checkpointing import commit, names
 from app.checkpointing import files as ckpt_files
 from app.utils import faults
 from tests.harness.distributed import run_distributed
-from tests.integration.conftest import tiny_gpt_args
+from tests.integration.conftest import read_metrics, tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = ["--log-interval", "1", "--eval-iters", "0", "--peak-flops", "1e11"]
@@ -77,7 +78,8 @@ def test_native_full_disk_and_non_finite_weights(tiny_corpus, tmp_path, monkeypa
                          "--load", ck, "--save-interval", "2")
     _full_disk(monkeypatch, "iter_0000004")
     code, err = _main(args)
-    assert code == 2, err
+    assert code == 5, err  # the run's last save failed: never exit 0 as if all were saved
+    assert "the run's last checkpoint could not be saved" in err
     assert "could not save the checkpoint of iteration 4" in err and "ENOSPC" in err
     assert "latest checkpoint is still iteration 2" in err and "Traceback" not in err
     assert not os.path.exists(os.path.join(ck, "iter_0000004")) and not _temporaries(ck)
@@ -108,6 +110,16 @@ def _deepspeed_faults(corpus, tmp):
                                        _temporaries(ck))
     out["finish"] = _main(args)[0], ckpt.read_tracker(ck), sorted(
         os.listdir(os.path.join(ck, "iter_0000004")))
+    # full for one interval, the save written in the background: that save is undone, the run
+    # goes on and finishes with exit 0
+    once = os.path.join(tmp, "once")
+    with faults.injected(faults.SAVE_STAGE, faults.disk_full(saves={2})):
+        code, err = _main([a if a != ck else once for a in args]
+                          + ["--save-interval", "1", "--async-save", "--metrics-file",
+                             os.path.join(tmp, "once.jsonl")])
+    out["once"] = (code, err, ckpt.read_tracker(once), names.list_checkpoint_iterations(once),
+                   _temporaries(once), [r for r in read_metrics(os.path.join(tmp, "once.jsonl"))
+                                        if r["kind"] == "save_failed"])
     more = list(args)
     more[more.index("--train-iters") + 1] = "6"  # more iterations than were saved
 
@@ -148,12 +160,16 @@ class _Path(str):
 def test_deepspeed_full_disk_corruption_unsafe_pickle_and_non_finite(tiny_corpus, tmp_path):
     got = run_distributed(_deepspeed_faults, 1, tiny_corpus, str(tmp_path), timeout=600)[0]
     code, err, tracker, listing, temporaries = got["enospc"]
-    assert code == 2 and "could not save the checkpoint of iteration 4" in err, err
+    assert code == 5 and "could not save the checkpoint of iteration 4" in err, err
     assert "ENOSPC" in err and "latest checkpoint is still iteration 2" in err
     assert tracker == 2 and "iter_0000004" not in listing and not temporaries
     assert open(os.path.join(tmp_path, "ck", "latest")).read() == "iter_0000004"  # 2nd run
     code, tracker, files = got["finish"]
     assert code == 0 and tracker == 4
+    code, err, tracker, saved, temporaries, failed = got["once"]
+    assert code == 0 and tracker == 4 and saved == [1, 3, 4] and not temporaries, err
+    assert [(r["iteration"], r["latest"]) for r in failed] == [(2, 1)]
+    assert "(ENOSPC)" in failed[0]["error"]
     # DeepSpeed's files have sidecars, hidden so that DeepSpeed's tools do not take them for its own
     assert ".mp_rank_00_model_states.pt.sha256" in files
     assert all(f".{f}.sha256" in files for f in files if f.endswith(".pt"))

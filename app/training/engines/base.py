@@ -104,6 +104,14 @@ class Engine(abc.ABC):
         self._pending_save = None
         return pending.finish()
 
+    def abandon_save(self, timeout_s: float) -> None:
+        """On an exit path that cannot commit (an error, no collective): end the save in
+        flight, waiting up to `timeout_s` for its background writer, and remove this rank's
+        files of it (commit.PendingSave.abandon); the tracker never named it."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.abandon(timeout_s)
+
     @property
     def save_in_flight(self) -> Optional[int]:
         """The iteration of the save being written in the background, or None."""

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import math
 from collections import deque
-from typing import Any, Deque, Optional
+from typing import Any, Callable, Deque, Optional
 
 import torch
 
@@ -82,9 +82,13 @@ class SpikeRollback:
     """The rollback of one run: detection, agreement across ranks, reload, data skip, budget."""
 
     def __init__(self, cfg: RunConfig, engine: Any, device: torch.device,
-                 train_samples: Optional[int] = None) -> None:
-        """`train_samples`: the training data set's length (None: not checked)."""
+                 train_samples: Optional[int] = None,
+                 finish_save: Optional[Callable[[], None]] = None) -> None:
+        """`train_samples`: the training data set's length (None: not checked);
+        `finish_save()` commits a save still being written (default: the engine's; the
+        trainer's also handles a failed one, app.training.resilience.saving)."""
         self.cfg, self.engine, self.device = cfg, engine, device
+        self.finish_save = finish_save or engine.finish_save
         self.train_samples = train_samples
         self.detector = SpikeDetector(cfg.rollback)
         self.rollbacks = 0
@@ -106,7 +110,7 @@ class SpikeRollback:
         if not self._agree(reason is not None):
             return False
         reason = reason or "another rank saw the trigger"
-        self.engine.finish_save()  # a save still being written (--async-save) counts
+        self.finish_save()  # a save still being written (--async-save) counts
         save = self.cfg.checkpoint.save
         latest = names.read_tracker(save)
         budget = self.cfg.rollback.max_rollbacks
