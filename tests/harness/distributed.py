@@ -15,8 +15,12 @@
 - A rank that raises makes the parent raise `DistributedTestError` with that rank's traceback
   text; the other ranks (possibly blocked in a collective) are killed. Ranks still running at
   `timeout` seconds are killed and `TimeoutError` names them. A failure never hangs.
-- Children are forked from a forkserver that has torch pre-imported, so only the first call
-  of a session pays for importing torch.
+- Children are forked from a forkserver that has torch and the trainer (pretrain_gpt2, app)
+  pre-imported, so only the first call of a session pays for importing them.
+- `run_pretrain(world_size, argv)` trains `pretrain_gpt2.py argv` on that many ranks this way
+  (as torchrun would, without its launcher and a fresh interpreter per rank; the ranks see the
+  caller's environment, as a launched command would) and returns each rank's output: for tests
+  whose point is the numbers, not the launcher.
 
 To check many things in one spawn, a rank function can call `run_checks({name: check}, *args)`
 and return its {name: None or traceback text}; inside checks, `expect_close` records a
@@ -46,7 +50,9 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+        # the trainer too (pretrain_gpt2 imports app's training path, not DeepSpeed): ~1.5 s of
+        # imports per rank that every rank of every test would otherwise repeat
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pretrain_gpt2"])
     return _CTX
 
 
@@ -75,8 +81,11 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_file: st
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = 120.0, backend: str = "gloo") -> List[Any]:
+                    timeout: float = 120.0, backend: str = "gloo",
+                    daemon: bool = True) -> List[Any]:
     """fn(*args) on `world_size` gloo ranks; returns [rank 0's value, rank 1's value, ...].
+    With daemon=False a rank may start processes of its own (data-loader workers); it is
+    killed all the same when the call ends.
 
     Raises DistributedTestError with the first failing rank's traceback, or TimeoutError when
     ranks are still running after `timeout` seconds; surviving ranks are killed either way.
@@ -88,7 +97,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, name=f"rank{rank}",
                          args=(fn, rank, world_size, os.path.join(tmp, "rendezvous"), results,
-                               args, backend), daemon=True)
+                               args, backend), daemon=daemon)
              for rank in range(world_size)]
     try:
         for p in procs:
@@ -182,6 +191,54 @@ def run_checks(checks: Mapping[str, Callable[..., None]], *args: Any) -> Dict[st
         if failed.item() > 0:
             stopped = name
     return outcome
+
+
+def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str]) -> str:
+    """Rank side of run_pretrain: the caller's environment plus the variables a launcher gives
+    this rank, its output (file descriptors 1 and 2) to a file of its own, then
+    pretrain_gpt2.run(argv), which adopts the process group already started; returns the
+    output, or raises with its end."""
+    import sys
+
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
+                      LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29400")
+    from pretrain_gpt2 import run
+
+    path = os.path.join(log_dir, f"rank{rank}.log")
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        run(list(argv))
+    except BaseException as exc:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(path, errors="replace") as f:
+            raise RuntimeError(f"rank {rank}'s output ended:\n{f.read()[-4000:]}") from exc
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def run_pretrain(world_size: int, argv: List[str], timeout: float = 300.0) -> List[str]:
+    """`pretrain_gpt2.py argv` on `world_size` gloo ranks as under torchrun, but in children
+    forked from run_distributed's forkserver (no launcher, no fresh interpreter per rank): for
+    tests whose point is what a layout trains to, not the launcher. The ranks run with this
+    process's environment (os.environ now, not the forkserver's of the session's first call).
+    Returns each rank's output (stdout and stderr), in rank order; raises as run_distributed,
+    with the failing rank's output."""
+    log_dir = tempfile.mkdtemp(prefix="run_pretrain_")
+    try:
+        return run_distributed(_pretrain_on_rank, world_size, list(argv), log_dir,
+                               dict(os.environ), timeout=timeout, daemon=False)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def assert_checks_passed(outcomes: List[Dict[str, Optional[str]]]) -> None:

@@ -73,10 +73,11 @@ def zero2_dp2_run(tiny_corpus, tmp_path_factory):
     """A DeepSpeed ZeRO-2 run on two ranks (ZERO2_DP2_ARGS): its checkpoints of iterations 3 and 6
     in `ck/` and its losses in `straight.jsonl`; shared by the conversion and reshape tests."""
     import os
-    from tests.integration.launch_utils import ROOT, torchrun
+    from tests.harness.distributed import run_pretrain
+    from tests.integration.launch_utils import ROOT
     tmp = tmp_path_factory.mktemp("zero2_dp2")
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *ZERO2_DP2_ARGS, "--deepspeed", "--deepspeed_config",
-                              os.path.join(ROOT, "ds_configs", "zero2.json"),
-                              "--save", str(tmp / "ck"), "--metrics-file",
-                              str(tmp / "straight.jsonl")), tmp)
+    zero2 = os.path.join(ROOT, "ds_configs", "zero2.json")
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp, *ZERO2_DP2_ARGS, "--deepspeed",
+                                  "--deepspeed_config", zero2, "--save", str(tmp / "ck"),
+                                  "--metrics-file", str(tmp / "straight.jsonl")))
     return tmp

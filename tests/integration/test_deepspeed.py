@@ -1,5 +1,9 @@
 """The DeepSpeed path end to end on CPU (gloo, fp32): ZeRO-1/2 parity with the native path,
-TP + ZeRO-2, exact resume through DeepSpeed checkpoints, zero_to_fp32, and the launchers."""
+TP + ZeRO-2, exact resume through DeepSpeed checkpoints, zero_to_fp32, and the launchers.
+
+The launchers (deepspeed, torchrun, two-node deepspeed, mpirun) each start the runs of their
+own test; the others train through pretrain_gpt2 in forked ranks
+(tests.harness.distributed.run_pretrain), and error exits run the command line."""
 import os
 import subprocess
 import sys
@@ -8,6 +12,7 @@ import pytest
 import torch
 
 from app.launch.ports import free_port
+from tests.harness.distributed import run_pretrain
 from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import (BIN, ROOT, assert_close_curves, env, run, torchrun,
                                             train_curve)
@@ -29,7 +34,8 @@ def deepspeed_launch(nproc: int, args, cwd, extra_launcher=()):
 @pytest.fixture(scope="module")
 def native_dp2(tiny_corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("native_dp2")
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *ITERS, "--metrics-file", str(tmp / "m.jsonl")), tmp)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp, *ITERS, "--metrics-file",
+                                  str(tmp / "m.jsonl")))
     return train_curve(tmp / "m.jsonl")
 
 
@@ -58,10 +64,10 @@ def test_zero2_bf16_dp2_tracks_fp32(tiny_corpus, native_dp2, tmp_path):
     config = tmp_path / "zero2_bf16.json"
     config.write_text(json.dumps(ds))
     metrics = tmp_path / "m.jsonl"
-    proc = torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--deepspeed",
-                                     "--deepspeed_config", str(config),
-                                     "--metrics-file", str(metrics)), tmp_path)
-    assert "dtype torch.bfloat16" in proc.stdout and "bf16.enabled" in proc.stdout
+    out = "".join(run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--deepspeed",
+                                                "--deepspeed_config", str(config),
+                                                "--metrics-file", str(metrics))))
+    assert "dtype torch.bfloat16" in out and "bf16.enabled" in out
     got = train_curve(metrics)
     assert sorted(got) == sorted(native_dp2)
     for it, (loss, _) in got.items():
@@ -71,10 +77,10 @@ def test_zero2_bf16_dp2_tracks_fp32(tiny_corpus, native_dp2, tmp_path):
 def test_tp2_zero2_matches_native_tp2(tiny_corpus, tmp_path):
     tp = ["--tensor-model-parallel-size", "2"]
     native, zero2 = tmp_path / "native.jsonl", tmp_path / "zero2.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *tp, "--metrics-file", str(native)),
-             tmp_path)
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *tp, *ds_args(2),
-                              "--metrics-file", str(zero2)), tmp_path)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *tp, "--metrics-file",
+                                  str(native)))
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *tp, *ds_args(2),
+                                  "--metrics-file", str(zero2)))
     worst = assert_close_curves(train_curve(zero2), train_curve(native), what="TP2 ZeRO-2")
     print(f"parity TP=2 ZeRO-2 vs native TP=2: {worst:.2e}")
 
@@ -86,11 +92,12 @@ def test_ds_activation_checkpointing_tp2_trains_identically(tiny_corpus, tmp_pat
     common = [*ITERS, "--tensor-model-parallel-size", "2", *ds_args(2),
               "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     plain, ckpt = tmp_path / "plain.jsonl", tmp_path / "ckpt.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(plain)), tmp_path)
-    out = torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--checkpoint-activations",
-                                    "--deepspeed-activation-checkpointing",
-                                    "--metrics-file", str(ckpt)), tmp_path)
-    assert "activation checkpointing through deepspeed" in out.stdout.lower()
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(plain)))
+    out = "".join(run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *common,
+                                                "--checkpoint-activations",
+                                                "--deepspeed-activation-checkpointing",
+                                                "--metrics-file", str(ckpt))))
+    assert "activation checkpointing through deepspeed" in out.lower()
     assert_close_curves(train_curve(ckpt), train_curve(plain), what="DS activation checkpointing")
 
 
@@ -99,12 +106,12 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, z
     common = [*ITERS, "--train-iters", "6", *ds_args(2)]  # = ZERO2_DP2_ARGS but for saving
     straight = zero2_dp2_run / "straight.jsonl"  # the shared uninterrupted run of these flags
     ck, first, second = tmp_path / "ck", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck), "--exit-interval", "3",
-                              "--metrics-file", str(first)), tmp_path)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck),
+                                  "--exit-interval", "3", "--metrics-file", str(first)))
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert (ck / "latest").read_text().strip() == "iter_0000003"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck), "--save", str(ck),
-                              "--metrics-file", str(second)), tmp_path)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck), "--save",
+                                  str(ck), "--metrics-file", str(second)))
     assert {**train_curve(first), **train_curve(second)} == train_curve(straight)
 
     # a model of another shape fails with a clear message, not a traceback
@@ -213,21 +220,22 @@ def test_deepspeed_rotation_no_load_optim_and_finetune(tiny_corpus, zero2_dp2_ru
     common = [*ITERS, "--train-iters", "6", *ds_args(2)]  # = ZERO2_DP2_ARGS but for saving
     straight = zero2_dp2_run / "straight.jsonl"  # the shared uninterrupted run of these flags
     ck = tmp_path / "ck"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck), "--save-interval", "1",
-                              "--keep-last-n-checkpoints", "1", "--exit-interval", "3"), tmp_path)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck),
+                                  "--save-interval", "1", "--keep-last-n-checkpoints", "1",
+                                  "--exit-interval", "3"))
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
     resumed = tmp_path / "resumed.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck), "--no-load-optim",
-                              "--metrics-file", str(resumed)), tmp_path)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck),
+                                  "--no-load-optim", "--metrics-file", str(resumed)))
     want = {r["iteration"]: r for r in read_metrics(straight) if r["kind"] == "train"}
     got = {r["iteration"]: r for r in read_metrics(resumed) if r["kind"] == "train"}
     assert sorted(got) == [4, 5, 6]
     assert all(got[it]["lr"] == want[it]["lr"] for it in got)
     assert got[4]["lm_loss"] == want[4]["lm_loss"] and got[5]["lm_loss"] != want[5]["lm_loss"]
     tuned = tmp_path / "tuned.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--train-iters", "1", "--load", str(ck),
-                              "--finetune", "--lr-warmup-iters", "0", "--metrics-file", str(tuned)),
-             tmp_path)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--train-iters", "1", "--load",
+                                  str(ck), "--finetune", "--lr-warmup-iters", "0",
+                                  "--metrics-file", str(tuned)))
     rows = [r for r in read_metrics(tuned) if r["kind"] == "train"]
     assert [(r["iteration"], r["consumed_samples"]) for r in rows] == [(1, 8)]
     # the data restarts at sample 0: batch 1 again, now seen by the trained weights of iteration 3

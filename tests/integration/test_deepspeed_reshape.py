@@ -2,12 +2,14 @@
 universal checkpoint (ds_to_universal.py, then --universal-checkpoint) at DP2 -> DP1 and
 DP1 -> TP2, and through tools/convert_checkpoint.py (ZeRO shards with Adam state -> a Megatron
 checkpoint resumed on the native path). Each resumed run continues with the losses of the run
-that was not interrupted."""
+that was not interrupted. The runs train through pretrain_gpt2 in forked ranks
+(tests.harness.distributed.run_pretrain); DeepSpeed's and our converters run as commands."""
 import os
 import sys
 
+from tests.harness.distributed import run_pretrain
 from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
-from tests.integration.launch_utils import ROOT, assert_close_curves, run, torchrun, train_curve
+from tests.integration.launch_utils import ROOT, assert_close_curves, run, train_curve
 
 ZERO2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json")]
 COMMON = ZERO2_DP2_ARGS
@@ -29,8 +31,8 @@ def test_universal_checkpoint_dp2_to_dp1(tiny_corpus, zero2_dp2_run):
     tmp = zero2_dp2_run
     _to_universal(tmp / "ck")
     resumed = tmp / "dp1.jsonl"
-    torchrun(1, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO2, "--load", str(tmp / "ck"),
-                              "--universal-checkpoint", "--metrics-file", str(resumed)), tmp)
+    run_pretrain(1, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO2, "--load", str(tmp / "ck"),
+                                  "--universal-checkpoint", "--metrics-file", str(resumed)))
     assert_close_curves(train_curve(resumed), _later(train_curve(tmp / "straight.jsonl")),
                         rel=1e-5, what="universal DP2 -> DP1")
 
@@ -52,14 +54,14 @@ def test_converter_dp2_zero2_to_native_with_adam_state(tiny_corpus, zero2_dp2_ru
 
 
 def test_universal_checkpoint_dp1_to_tp2(tiny_corpus, tmp_path):
-    torchrun(1, tiny_gpt_args(tiny_corpus, tmp_path, *COMMON, *ZERO2, "--save",
-                              str(tmp_path / "ck"), "--metrics-file", str(tmp_path / "dp1.jsonl")),
-             tmp_path)
+    run_pretrain(1, tiny_gpt_args(tiny_corpus, tmp_path, *COMMON, *ZERO2, "--save",
+                                  str(tmp_path / "ck"), "--metrics-file",
+                                  str(tmp_path / "dp1.jsonl")))
     _to_universal(tmp_path / "ck")
     resumed = tmp_path / "tp2.jsonl"
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp_path, *COMMON, *ZERO2, "--load",
-                              str(tmp_path / "ck"), "--universal-checkpoint",
-                              "--tensor-model-parallel-size", "2", "--metrics-file", str(resumed)),
-             tmp_path)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *COMMON, *ZERO2, "--load",
+                                  str(tmp_path / "ck"), "--universal-checkpoint",
+                                  "--tensor-model-parallel-size", "2", "--metrics-file",
+                                  str(resumed)))
     assert_close_curves(train_curve(resumed), _later(train_curve(tmp_path / "dp1.jsonl")),
                         rel=1e-5, what="universal DP1 -> TP2")

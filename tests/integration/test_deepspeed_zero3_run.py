@@ -14,6 +14,9 @@ path in tests/distributed/test_deepspeed_zero3.py): one run saving at iterations
   1e-5 (its Megatron legacy output is checked above); --no-load-optim loads the weights
   (ZeRO-3 pieces of another DP size) and the LR schedule;
 - a ZeRO-2 run refuses the ZeRO-3 checkpoint with the fix, before DeepSpeed reads a file.
+
+Runs that must succeed train through pretrain_gpt2 in forked ranks
+(tests.harness.distributed.run_pretrain); the refusals run the command line (exit codes).
 """
 import json
 import os
@@ -24,9 +27,9 @@ import sys
 import pytest
 import torch
 
+from tests.harness.distributed import run_pretrain
 from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
-from tests.integration.launch_utils import (ROOT, assert_close_curves, env, run, torchrun,
-                                            train_curve)
+from tests.integration.launch_utils import ROOT, assert_close_curves, env, run, train_curve
 
 ZERO3 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero3.json")]
 COMMON = [*ZERO2_DP2_ARGS, "--eval-interval", "3"]
@@ -42,10 +45,10 @@ def zero3_dp2(tiny_corpus, tmp_path_factory):
     """The uninterrupted ZeRO-3 DP 2 run: its checkpoints of 3 and 6 in `ck/`, its metrics in
     `straight.jsonl`, its output."""
     tmp = tmp_path_factory.mktemp("zero3_dp2")
-    proc = torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *EVAL, *ZERO3, "--save",
-                                     str(tmp / "ck"), "--metrics-file",
-                                     str(tmp / "straight.jsonl")), tmp)
-    return tmp, proc.stdout + proc.stderr
+    outs = run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *EVAL, *ZERO3, "--save",
+                                         str(tmp / "ck"), "--metrics-file",
+                                         str(tmp / "straight.jsonl")))
+    return tmp, "".join(outs)
 
 
 def _copy_of_iteration(ck, dest, iteration=3):
@@ -73,8 +76,8 @@ def test_zero3_files_resume_and_log(tiny_corpus, zero3_dp2):
     straight = train_curve(tmp / "straight.jsonl")
     assert all(norm > 0 for _, norm in straight.values()), straight
     resumed_dir = _copy_of_iteration(tmp / "ck", tmp / "resume")
-    torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *EVAL, *ZERO3, "--load",
-                              str(resumed_dir), "--metrics-file", str(tmp / "resumed.jsonl")), tmp)
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *EVAL, *ZERO3, "--load",
+                                  str(resumed_dir), "--metrics-file", str(tmp / "resumed.jsonl")))
     assert train_curve(tmp / "resumed.jsonl") == _later(straight)
 
     # integrity: a flipped byte in one rank's ZeRO-3 pieces is refused by its checksum
@@ -138,9 +141,8 @@ def test_zero3_resumes_at_dp1(tiny_corpus, zero3_dp2):
          str(universal / "iter_0000003"), "--output_folder",
          str(universal / "iter_0000003_universal"), "--num_extract_workers", "1",
          "--num_merge_workers", "1"], tmp)
-    torchrun(1, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO3, "--load", str(universal),
-                              "--universal-checkpoint", "--metrics-file", str(tmp / "u.jsonl")),
-             tmp)
+    run_pretrain(1, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO3, "--load", str(universal),
+                                  "--universal-checkpoint", "--metrics-file", str(tmp / "u.jsonl")))
     worst = assert_close_curves(train_curve(tmp / "u.jsonl"), _later(straight),
                                 what="universal ZeRO-3 DP2 -> DP1")
     print(f"ZeRO-3 DP2 -> universal -> DP1 vs uninterrupted: {worst:.2e}")
@@ -155,8 +157,8 @@ def test_zero3_resumes_at_dp1(tiny_corpus, zero3_dp2):
     print(f"ZeRO-3 DP2 -> converter (torch_dist) -> native DP1 vs uninterrupted: {worst:.2e}")
 
     weights_only = _copy_of_iteration(tmp / "ck", tmp / "weights_only")
-    torchrun(1, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO3, "--load", str(weights_only),
-                              "--no-load-optim", "--metrics-file", str(tmp / "w.jsonl")), tmp)
+    run_pretrain(1, tiny_gpt_args(tiny_corpus, tmp, *COMMON, *ZERO3, "--load", str(weights_only),
+                                  "--no-load-optim", "--metrics-file", str(tmp / "w.jsonl")))
     first = train_curve(tmp / "w.jsonl")[4]
     assert abs(first[0] - straight[4][0]) <= 1e-6 * straight[4][0], (first, straight[4])
 

@@ -2,10 +2,12 @@
 tensor-parallel rank 0 reads the synthetic samples and broadcasts them, the run gives the
 losses and gradient norms of one native process (fp32, dropout 0; no data file and no
 tokenizer file anywhere). One launch: the samples reach the model through the same sampler and
-batch builder at every layout and on both engines."""
+batch builder at every layout and on both engines. The two ranks are forked
+(tests.harness.distributed.run_pretrain), not launched: the point is the numbers."""
 import os
 
-from tests.integration.launch_utils import assert_close_curves, torchrun, train_curve
+from tests.harness.distributed import run_pretrain
+from tests.integration.launch_utils import assert_close_curves, train_curve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -20,9 +22,9 @@ def test_mock_data_under_deepspeed_at_tp2_trains_as_one_process(tmp_path):
     from pretrain_gpt2 import run
     one, zero1 = tmp_path / "one.jsonl", tmp_path / "zero1.jsonl"
     run(ARGS + ["--metrics-file", str(one)])
-    torchrun(2, ARGS + ["--tensor-model-parallel-size", "2", "--deepspeed", "--deepspeed_config",
-                        os.path.join(ROOT, "ds_configs", "zero1.json"),
-                        "--metrics-file", str(zero1)], tmp_path)
+    run_pretrain(2, ARGS + ["--tensor-model-parallel-size", "2", "--deepspeed",
+                            "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero1.json"),
+                            "--metrics-file", str(zero1)])
     reference = train_curve(one)
     assert len(reference) == 4 and 4.0 < reference[1][0] < 5.0  # ~ln(96): random tokens
     assert_close_curves(train_curve(zero1), reference, what="--mock-data DeepSpeed ZeRO-1 TP2")

@@ -23,10 +23,11 @@ import time
 import psutil
 import pytest
 
+from tests.harness.distributed import run_pretrain
 from tests.harness.netns import HostsUnavailable, TestHosts
 from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
-from tests.integration.launch_utils import (ROOT, assert_close_curves, env, log_of, torchrun,
-                                           train_curve, wait_for_iteration)
+from tests.integration.launch_utils import (ROOT, assert_close_curves, env, log_of, train_curve,
+                                           wait_for_iteration)
 
 SCRIPT = os.path.join(ROOT, "pretrain_gpt2.py")
 ZERO2 = os.path.join(ROOT, "ds_configs", "zero2.json")
@@ -124,8 +125,10 @@ def assert_peer_failure(log, rank):
 
 
 def single_host_curve(corpus, tmp, nproc, args):
+    """The curve of `args` on `nproc` ranks of this host (forked: the reference's launcher does
+    not matter)."""
     metrics = tmp / "metrics.jsonl"
-    torchrun(nproc, tiny_gpt_args(corpus, tmp, *args, "--metrics-file", str(metrics)), tmp)
+    run_pretrain(nproc, tiny_gpt_args(corpus, tmp, *args, "--metrics-file", str(metrics)))
     return train_curve(metrics)
 
 

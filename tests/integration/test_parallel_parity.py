@@ -1,10 +1,15 @@
 """Whole-model parity: the tiny GPT-2 trained 5 iterations (fp32, dropout off) gives the same
 loss and grad norm at every parallel layout as in one process (relative difference < 1e-5),
-and a checkpoint saved at TP=2 x PP=2 resumes exactly."""
+and a checkpoint saved at TP=2 x PP=2 resumes exactly.
+
+The layouts train through pretrain_gpt2 in forked ranks (tests.harness.distributed.run_pretrain):
+the point is the numbers; the launchers have their own tests (test_deepspeed.py,
+test_reliability_launch.py, test_restarts.py)."""
 import pytest
 
+from tests.harness.distributed import run_pretrain
 from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import assert_close_curves, torchrun, train_curve
+from tests.integration.launch_utils import assert_close_curves, train_curve
 
 ITERS = ["--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "8",
@@ -39,6 +44,17 @@ def _tp_split_dim(name):
     return None
 
 
+@pytest.fixture(scope="module")
+def tp2_pp2_saved(tiny_corpus, tmp_path_factory):
+    """The TP=2 x PP=2 run of ITERS on 4 ranks, saving at its end: its metrics and checkpoint,
+    read by the layout parity test and the shard test."""
+    tmp = tmp_path_factory.mktemp("tp2_pp2")
+    run_pretrain(4, tiny_gpt_args(tiny_corpus, tmp, *ITERS, "--tensor-model-parallel-size", "2",
+                                  "--pipeline-model-parallel-size", "2", "--save", str(tmp / "ck"),
+                                  "--metrics-file", str(tmp / "metrics.jsonl")))
+    return tmp
+
+
 LAYOUTS = [  # (ranks, tensor-parallel, pipeline-parallel)
     pytest.param(2, 2, 1, id="TP2"),
     pytest.param(2, 1, 2, id="PP2"),
@@ -49,25 +65,27 @@ LAYOUTS = [  # (ranks, tensor-parallel, pipeline-parallel)
 
 
 @pytest.mark.parametrize("ranks,tp,pp", LAYOUTS)
-def test_layout_matches_single_process(tiny_corpus, reference, tmp_path, ranks, tp, pp):
-    metrics = tmp_path / "metrics.jsonl"
-    torchrun(ranks, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS,
-                                  "--tensor-model-parallel-size", str(tp),
-                                  "--pipeline-model-parallel-size", str(pp),
-                                  "--metrics-file", str(metrics)), tmp_path)
+def test_layout_matches_single_process(tiny_corpus, reference, request, tmp_path, ranks, tp,
+                                       pp):
+    if (ranks, tp, pp) == (4, 2, 2):  # the run the shard test reads too
+        metrics = request.getfixturevalue("tp2_pp2_saved") / "metrics.jsonl"
+    else:
+        metrics = tmp_path / "metrics.jsonl"
+        run_pretrain(ranks, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS,
+                                          "--tensor-model-parallel-size", str(tp),
+                                          "--pipeline-model-parallel-size", str(pp),
+                                          "--metrics-file", str(metrics)))
     worst = assert_close_curves(train_curve(metrics), reference["curve"],
                                 what=f"TP{tp} PP{pp} on {ranks}")
     print(f"parity TP={tp} PP={pp} ranks={ranks}: max relative difference {worst:.2e}")
 
 
-def test_tp2_pp2_checkpoint_shards_equal_single_process_weights(tiny_corpus, reference_weights,
-                                                                tmp_path):
+def test_tp2_pp2_checkpoint_shards_equal_single_process_weights(reference_weights,
+                                                                tp2_pp2_saved):
     """Each rank's file of a TP=2 x PP=2 run holds its shard of the single-process weights."""
     import torch
     from app.checkpointing import megatron as ckpt
-    ck = tmp_path / "ck"
-    torchrun(4, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--tensor-model-parallel-size", "2",
-                              "--pipeline-model-parallel-size", "2", "--save", str(ck)), tmp_path)
+    ck = tp2_pp2_saved / "ck"
     seen = set()
     for tp_rank in (0, 1):
         for pp_rank in (0, 1):
@@ -92,15 +110,14 @@ def test_resume_tp2_pp2_is_exact(tiny_corpus, tmp_path):
               "--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.1",
               "--attention-dropout", "0.1"]
     straight = tmp_path / "straight.jsonl"
-    torchrun(4, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(straight)),
-             tmp_path)
+    run_pretrain(4, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--metrics-file", str(straight)))
     ck, first, second = tmp_path / "ck", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    torchrun(4, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck),
-                              "--exit-interval", "3", "--metrics-file", str(first)), tmp_path)
+    run_pretrain(4, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--save", str(ck),
+                                  "--exit-interval", "3", "--metrics-file", str(first)))
     assert sorted(p.name for p in (ck / "iter_0000003").iterdir() if p.is_dir()) == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    torchrun(4, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck),
-                              "--metrics-file", str(second)), tmp_path)
+    run_pretrain(4, tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck),
+                                  "--metrics-file", str(second)))
     got = {**train_curve(first), **train_curve(second)}
     assert got == train_curve(straight)
 

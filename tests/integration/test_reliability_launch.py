@@ -22,6 +22,7 @@ import time
 import psutil
 import pytest
 
+from tests.harness.distributed import run_pretrain
 from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import BIN, ROOT, env, log_of, train_curve, wait_for_iteration
 
@@ -89,15 +90,14 @@ def deepspeed_cmd(nproc, args):
 
 
 def run_chain(tmp_path, launch, args, *, signal_to, kill_rank):
-    """Uninterrupted run; a run stopped by SIGTERM at a random iteration k (`signal_to` picks
+    """Uninterrupted run (two forked ranks: its losses are the reference, its launcher does not
+    matter); launched: a run stopped by SIGTERM at a random iteration k (`signal_to` picks
     the process); a resumed run saving every 3 iterations whose rank `kill_rank` gets kill -9;
     a last run resuming from the surviving checkpoint to the end. Checks exit codes, the
     checkpoints and that every logged loss equals the uninterrupted run's."""
     ck = str(tmp_path / "ck")
     metrics = {name: str(tmp_path / f"{name}.jsonl") for name in ("straight", "a", "b", "c")}
-    straight = start(launch([*args, "--metrics-file", metrics["straight"]]),
-                     str(tmp_path / "straight.log"))
-    assert finish(straight) == 0, log_of(straight, 4000)
+    run_pretrain(2, [*args, "--metrics-file", metrics["straight"]])
     want = curve(metrics["straight"])
 
     resumable = [*args, "--save", ck, "--load", ck]

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from app.checkpointing.files import safe_torch_load
+from tests.harness.distributed import run_pretrain
 from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.integration.launch_utils import ROOT, env, torchrun
+from tests.integration.launch_utils import ROOT, env
 
 CHILD = os.path.join(ROOT, "tests", "integration", "kill_once.py")
 TRAIN_ITERS, SAVED, KILLED_IN = 8, 4, 6  # killed in iteration 6: resumes from 4, replays 5
@@ -95,8 +96,8 @@ def test_data_parallel_job_restarts_after_rank0_is_killed(tiny_corpus, tmp_path)
     dies; the restart takes the lock over at once and ends equal to an uninterrupted run."""
     args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, "--num-workers", "1")
     straight, ck = str(tmp_path / "straight"), str(tmp_path / "ck")
-    torchrun(2, [*args, "--save", straight, "--metrics-file", str(tmp_path / "straight.jsonl")],
-             tmp_path)
+    # the reference run: forked ranks (run_pretrain), its launcher does not matter
+    run_pretrain(2, [*args, "--save", straight, "--metrics-file", str(tmp_path / "straight.jsonl")])
     log = run_killed_once([*args, "--save", ck, "--load", ck, "--metrics-file",
                            str(tmp_path / "restarted.jsonl")], tmp_path, kill_rank=0)
     assert "took over the stale writer lock" in log and "on this host is gone" in log, log

@@ -4,7 +4,7 @@ each a test host (network namespace) with its own slurmd and 2 CPUs (tests.harne
 The batch scripts are submitted with `sbatch` from the checkout, as a user would, and must:
 - train on one node and across the two hosts, with `srun` starting one task per rank (ranks
   from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), one torchrun per node, or
-  `deepspeed --launcher slurm`, giving the losses and grad norms of the same run under torchrun
+  `deepspeed --launcher slurm`, giving the losses and grad norms of the same run (forked ranks)
   on one host (native DP 2, DeepSpeed ZeRO-2 TP 2);
 - resume exactly: a `scontrol requeue` mid-run (SIGTERM: the ranks save, the job is requeued)
   and a USR1 (what `#SBATCH --signal=USR1@N` sends before the time limit: the ranks save and
@@ -23,10 +23,11 @@ import torch
 
 from app.checkpointing.files import safe_torch_load
 from tests.harness import netns, slurm
+from tests.harness.distributed import run_pretrain
 from tests.harness.netns import HostsUnavailable, TestHosts
 from tests.harness.slurm import SlurmCluster
 from tests.integration.conftest import read_metrics
-from tests.integration.launch_utils import ROOT, env, torchrun, train_curve
+from tests.integration.launch_utils import ROOT, env, train_curve
 from tests.integration.test_restarts import tensors
 
 NATIVE = os.path.join(ROOT, "scripts", "sbatch_pretrain_gpt2.sh")
@@ -100,18 +101,19 @@ DS_FLAGS = ["--model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
 
 @pytest.fixture(scope="module")
 def native_reference(tiny_corpus, workdir):
-    """The native DP 2 run of the native script's flags under torchrun, uninterrupted: its
-    curve and its checkpoint of the last iteration."""
+    """The native DP 2 run of the native script's flags on two forked ranks (run_pretrain; the
+    reference's launcher does not matter), uninterrupted: its curve and its checkpoint of the
+    last iteration."""
     e = script_env(tiny_corpus, workdir, "native_ref", ITERS)
-    torchrun(2, gpt2_args(e, 4) + extra_args(workdir, "native_ref"), workdir)
+    run_pretrain(2, gpt2_args(e, 4) + extra_args(workdir, "native_ref"))
     return workdir / "native_ref"
 
 
 @pytest.fixture(scope="module")
 def deepspeed_reference(tiny_corpus, workdir):
-    """The DeepSpeed ZeRO-2 TP 2 run of the DeepSpeed script's flags under torchrun."""
+    """The DeepSpeed ZeRO-2 TP 2 run of the DeepSpeed script's flags on two forked ranks."""
     e = script_env(tiny_corpus, workdir, "ds_ref", SHORT)
-    torchrun(2, gpt2_args(e, 2) + DS_FLAGS + extra_args(workdir, "ds_ref"), workdir)
+    run_pretrain(2, gpt2_args(e, 2) + DS_FLAGS + extra_args(workdir, "ds_ref"))
     return train_curve(workdir / "ds_ref" / "metrics.jsonl")
 
 
