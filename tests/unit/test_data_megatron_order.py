@@ -114,8 +114,8 @@ def _check_sampler(ours, theirs, consumed, gbs, mbs, dp):
 
 @pytest.mark.parametrize("dp", [1, 2])
 def test_one_dataset_over_several_epochs(corpora, tmp_path, dp):
-    # train (276 documents, ~330 samples an epoch): several epochs, the last kept apart;
-    # valid (18 documents): many epochs; test (6 documents): less than one
+    # train (276 documents, 353 samples an epoch): 3 epochs shuffled together; valid (18
+    # documents, 21 samples an epoch): 10 epochs, the last shuffled apart; test: one epoch
     sizes = (1000, 200, 5)
     ours = _ours(sizes, str(tmp_path), data_path=[corpora["a"]], split="92,6,2")
     theirs = _megatron(sizes, data_path=[corpora["a"]], split="92,6,2")
