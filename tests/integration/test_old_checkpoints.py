@@ -4,7 +4,10 @@ tests/data/old_checkpoints holds checkpoints of iteration 2 of three 4-iteration
 native fp16 with its dynamic loss scale, DeepSpeed ZeRO-1), the tokenizer and data they trained
 on, their command lines (commands.json) and the train rows of iterations 3 and 4 of the runs
 that wrote them, uninterrupted (expected.json); make_fixtures.py shows how they were made. Each
-checkpoint is resumed here through the command line, as a user would, to iteration 4.
+checkpoint is resumed here through the command line, as a user would, to iteration 4. Since
+the data order became Megatron Core's (docs/data.md), iterations 3 and 4 read other samples than
+the runs that wrote the checkpoints did: expected.json's rows are those of the resumed runs at
+that change (tests/data/old_checkpoints re-recorded by resuming each checkpoint once).
 
 The numbers are bitwise equal in the environment they were recorded in (expected.json's
 "environment": torch version and CPU kernel family); elsewhere kernels may round differently, so
