@@ -8,7 +8,7 @@ from typing import ClassVar, Optional, Tuple
 from app.config.options import option
 from app.config.rules import positive
 
-CP_COMM_TYPES = ("p2p",)
+CP_COMM_TYPES = ("p2p", "a2a")
 """Context-parallel attention schemes (--cp-comm-type; app.mpu.context_parallel)."""
 DISTRIBUTED_BACKENDS = ("gloo", "nccl")
 """torch.distributed backends a run may use (--distributed-backend)."""
@@ -36,7 +36,8 @@ class ParallelConfig:
              "(docs/parallelism.md); gradients are averaged over data x context ranks")
     cp_comm_type: str = option(
         "--cp-comm-type", default="p2p", choices=CP_COMM_TYPES,
-        help="context-parallel attention: p2p = ring of key/value blocks merged by log-sum-exp")
+        help="context-parallel attention: p2p = ring of key/value blocks merged by log-sum-exp; "
+             "a2a = all-to-all over heads (Ulysses; heads per TP rank divisible by C)")
     distributed_backend: str = option(
         "--distributed-backend", default="gloo", flag_default=None, choices=DISTRIBUTED_BACKENDS,
         help="default: nccl when CUDA is available, else gloo")

@@ -133,6 +133,16 @@ class RunConfig:
         if m.sequence_parallel:
             divisible("--seq-length / --context-parallel-size", m.seq_length // cp,
                       "--tensor-model-parallel-size", p.tensor_model_parallel_size)
+        if p.cp_comm_type == "a2a":
+            tp = p.tensor_model_parallel_size
+            for flag, heads in (("--num-attention-heads", m.num_attention_heads),
+                                ("--num-query-groups", m.num_kv_heads)):
+                if heads % tp or (heads // tp) % cp:
+                    raise ValueError(
+                        f"--cp-comm-type a2a splits each tensor-parallel rank's heads over the "
+                        f"context ranks: {flag} ({heads}) / --tensor-model-parallel-size ({tp}) "
+                        f"is not divisible by --context-parallel-size ({cp}); use p2p or "
+                        "change the sizes")
         refused = [
             (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
              p.pipeline_model_parallel_size),

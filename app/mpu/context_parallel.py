@@ -15,13 +15,18 @@ blocks are merged with the log-sum-exp rule
     lse = log sum_b exp(lse_b),   out = sum_b exp(lse_b - lse) out_b
 
 which is the softmax over all keys. The backward is autograd's: a shift's gradient travels the
-ring the other way. The loss is the one-process mean: per-token loss sums and token counts
+ring the other way.
+
+Attention ("a2a", Ulysses): an all-to-all turns this rank's s/C tokens of every head into the
+whole sequence of 1/C of the heads; the ordinary causal attention runs on it (in sequence
+order), and a second all-to-all turns the result back. Needs the query and key/value heads of a
+tensor-parallel rank divisible by C. The loss is the one-process mean: per-token loss sums and token counts
 are added over the context group (`context_parallel_mean_loss`).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +34,6 @@ import torch.nn.functional as F
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 
-CP_COMM_TYPES = ("p2p",)
-"""Attention communication schemes of --cp-comm-type."""
 
 
 def chunk_ids(cp_size: int, cp_rank: int) -> Tuple[int, int]:
@@ -173,3 +176,42 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(out)
         lses.append(lse)
     return merge_blocks(outs, lses).to(q.dtype)
+
+
+class _AllToAll(torch.autograd.Function):
+    """x split in C along `scatter_dim` (part j to context rank j), the parts received
+    concatenated along `gather_dim` in rank order; the gradient takes the inverse way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: object, scatter_dim: int,  # type: ignore[override]
+                gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        parts = x.chunk(collectives.group_size(group), dim=scatter_dim)
+        return torch.cat(collectives.all_to_all(parts, group), dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        parts = grad.chunk(collectives.group_size(ctx.group), dim=ctx.gather_dim)
+        back = torch.cat(collectives.all_to_all(parts, ctx.group), dim=ctx.scatter_dim)
+        return back, None, None, None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      parallel_state: ParallelState,
+                      attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                      ) -> torch.Tensor:
+    """Causal attention by all-to-all over heads: q [b, nh, s/C, hd], k, v [b, ng, s/C, hd]
+    (this rank's tokens) -> [b, nh, s/C, hd]. `attend(q, k, v)` is plain causal attention of a
+    whole sequence in order ([b, nh/C, s, hd] -> same)."""
+    cp, group = parallel_state.context_parallel_size, parallel_state.context_parallel_group
+    s_local = q.shape[2]
+    # the gathered sequence holds rank 0's tokens, then rank 1's, ...: restore sequence order
+    gathered = torch.cat([token_indices(s_local, cp, r, q.device) for r in range(cp)])  # [s]
+    order = torch.argsort(gathered)  # sequence position -> index in the gathered layout
+
+    def to_heads(x: torch.Tensor) -> torch.Tensor:  # [b, n, s/C, hd] -> [b, n/C, s, hd]
+        return _AllToAll.apply(x, group, 1, 2).index_select(2, order)
+
+    out = attend(to_heads(q), to_heads(k), to_heads(v))  # [b, nh/C, s, hd], sequence order
+    out = out.index_select(2, gathered)  # back to the gathered layout
+    return _AllToAll.apply(out, group, 2, 1)  # [b, nh, s/C, hd]

@@ -107,6 +107,8 @@ class ParallelState:
     data_context_parallel_group: ProcessGroup = None
     """DP x CP: every rank holding the same weights (gradients are averaged over it)."""
     data_context_parallel_rank: int = 0
+    cp_comm_type: str = "p2p"
+    """Context-parallel attention: "p2p" (key/value ring) or "a2a" (all-to-all over heads)."""
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -236,7 +238,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int = 1,
                               timeout: Optional[datetime.timedelta] = None,
-                              context_parallel_size: int = 1) -> ParallelState:
+                              context_parallel_size: int = 1,
+                              cp_comm_type: str = "p2p") -> ParallelState:
     """Create the TP / CP / DP / DPxCP / PP / model / embedding groups of this world; return this
     rank's state.
 
@@ -294,6 +297,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         context_parallel_ranks=list(kwargs["context"][1]),
         data_context_parallel_group=kwargs["data_context"][0],
         data_context_parallel_rank=kwargs["data_context"][1].index(rank),
+        cp_comm_type=cp_comm_type,
     )
     set_parallel_state(state)
     return state

@@ -48,7 +48,8 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
     return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                      cfg.virtual_pipeline_model_parallel_size,
                                      timeout=timeout,
-                                     context_parallel_size=p.context_parallel_size)
+                                     context_parallel_size=p.context_parallel_size,
+                                     cp_comm_type=p.cp_comm_type)
 
 
 def set_seeds(seed: int, parallel_state: ParallelState) -> None:
