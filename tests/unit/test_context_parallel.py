@@ -1,7 +1,8 @@
 """Context parallelism without processes: the rank layout against Megatron Core's
 RankGenerator, the batch slicing against Megatron Core's get_batch_on_this_cp_rank, the ring's
 block arithmetic (per-block causal masks and log-sum-exp merge, simulated for every context
-rank) against PyTorch's causal SDPA, and the configuration errors."""
+rank) against PyTorch's causal SDPA, the --dry-run activation estimate at CP2 against the
+tensors autograd keeps, and the configuration errors."""
 from __future__ import annotations
 
 import pytest
@@ -102,3 +103,19 @@ def test_world_not_divisible_by_context_names_the_sizes():
     with pytest.raises((ValueError, SystemExit)) as err:
         arguments.config_from_argv(BASE + ["--context-parallel-size", "4"], 6, 64)
     assert "--context-parallel-size (4)" in str(err.value)
+
+
+def test_activation_estimate_at_cp2_matches_the_tensors_autograd_keeps(monkeypatch):
+    """One context rank's forward in this process (the ring's shift hands back a copy of the
+    rank's own keys/values, which is what a received block costs): s/C tokens per layer plus
+    the ring blocks' fp32 scores and probabilities."""
+    from app.mpu import context_parallel
+    from app.training.planning.memory import stage_activations
+    from tests.unit.test_memory_estimate import config, saved_activation_bytes
+    monkeypatch.setattr(context_parallel, "ring_shift", lambda x, state: x.clone())
+    cfg = config("--context-parallel-size", "2", "--attention-dropout", "0", world=2)
+    want = stage_activations(cfg, "cpu").forward * cfg.training.micro_batch_size
+    got = saved_activation_bytes(cfg)
+    assert abs(want - got) / got < 0.1, (want, got)
+    single = config("--attention-dropout", "0")
+    assert want < stage_activations(single, "cpu").forward * single.training.micro_batch_size
