@@ -119,3 +119,12 @@ def test_activation_estimate_at_cp2_matches_the_tensors_autograd_keeps(monkeypat
     assert abs(want - got) / got < 0.1, (want, got)
     single = config("--attention-dropout", "0")
     assert want < stage_activations(single, "cpu").forward * single.training.micro_batch_size
+
+
+def test_distributed_optimizer_estimate_shards_over_data_x_context():
+    """CP2 x DP2 holds 4 copies of the weights: the optimizer states are 1/4 of DP1's."""
+    from app.training.planning.memory import estimate_memory
+    from tests.unit.test_memory_estimate import config
+    sharded = config("--context-parallel-size", "2", "--use-distributed-optimizer", world=4)
+    whole = config()
+    assert estimate_memory(sharded).optimizer * 4 == estimate_memory(whole).optimizer

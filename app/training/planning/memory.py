@@ -180,7 +180,8 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     """weights, gradients, optimizer and DeepSpeed bucket bytes, and how they were counted."""
     half = cfg.precision.fp16 or cfg.precision.bf16
     w = 2 if half else 4
-    dp = cfg.parallel.data_parallel_size
+    # the distributed optimizer shards over every rank holding the same weights: data x context
+    dp = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size
     ds = cfg.deepspeed.config if cfg.deepspeed.enabled else None
     zero = (ds or {}).get("zero_optimization", {}) or {}
     stage = int(zero.get("stage", 0)) if ds is not None else 0
