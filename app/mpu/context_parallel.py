@@ -9,8 +9,9 @@ positions (learned or RoPE) are the tokens' global positions, taken from the sli
 Attention ("p2p", a ring): each rank's queries meet every rank's keys/values. The key/value
 block travels around the context group (C - 1 shifts to the next rank); for each block the
 rank computes the scores of its queries against it with the exact causal mask of the two
-blocks' global token indices, the block's log-sum-exp and its softmax-weighted values; the
-blocks are merged with the log-sum-exp rule
+blocks' global token indices (after the rank's own block only half of each block pair can be
+unmasked, and only that half is computed: `ring_block`), the block's log-sum-exp and its
+softmax-weighted values; the blocks are merged with the log-sum-exp rule
 
     lse = log sum_b exp(lse_b),   out = sum_b exp(lse_b - lse) out_b
 
@@ -126,22 +127,49 @@ def ring_shift(x: torch.Tensor, parallel_state: ParallelState) -> torch.Tensor:
                             ranks[(rank - 1) % cp])
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor,
-                    scale: float, dropout_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    masked: Optional[torch.Tensor], scale: float, dropout_p: float
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries q [b, n, sq, hd] to one key/value block k, v [b, n, sk, hd] (fp32)
-    with `masked` [sq, sk] True = not attended: (out_b [b, n, sq, hd], lse_b [b, n, sq]).
+    with `masked` [sq, sk] True = not attended (None: every key attended):
+    (out_b [b, n, sq, hd], lse_b [b, n, sq]).
 
     out_b is normalised within the block; a row with every key masked gets an lse at the
     dtype's minimum, so its merge weight exp(lse_b - lse) is 0. Dropout on the in-block
     probabilities equals dropout on the merged ones (the merge weight is a per-row factor).
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, n, sq, sk]
-    scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
+    if masked is not None:
+        scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
     lse = torch.logsumexp(scores, dim=-1)  # [b, n, sq]
     probs = torch.exp(scores - lse.unsqueeze(-1))  # [b, n, sq, sk]
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p, True)
     return torch.matmul(probs, v), lse
+
+
+def ring_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_size: int, cp_rank: int,
+               source: int, scale: float, dropout_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out_b, lse_b) of context rank `cp_rank`'s queries q [b, n, s/C, hd] against context
+    rank `source`'s keys/values [b, n, s/C, hd], computing only what the causal mask lets
+    through (Megatron's load-balanced ring):
+
+    - its own block: both chunks, with the causal mask of their global token indices;
+    - an earlier rank's (source < rank): its early chunk precedes both of ours and its late
+      chunk follows both: all queries against the early half of the keys, no mask;
+    - a later rank's: our early chunk precedes both of its chunks, our late chunk follows both:
+      the late half of the queries against all keys, no mask; the early rows get no weight.
+    """
+    half = q.shape[2] // 2
+    if source == cp_rank:
+        q_index = token_indices(q.shape[2], cp_size, cp_rank, q.device)  # [s/C]
+        masked = q_index.unsqueeze(0) > q_index.unsqueeze(1)  # [s/C (q), s/C (k)]
+        return block_attention(q, k, v, masked, scale, dropout_p)
+    if source < cp_rank:
+        return block_attention(q, k[:, :, :half], v[:, :, :half], None, scale, dropout_p)
+    out, lse = block_attention(q[:, :, half:], k, v, None, scale, dropout_p)
+    return (torch.cat([torch.zeros_like(out), out], dim=2),
+            torch.cat([torch.full_like(lse, torch.finfo(lse.dtype).min), lse], dim=2))
 
 
 def merge_blocks(outs: List[torch.Tensor], lses: List[torch.Tensor]) -> torch.Tensor:
@@ -159,20 +187,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sequence's keys/values, given this rank's k, v [b, ng, s/C, hd] (ng divides nh: grouped
     queries); returns [b, nh, s/C, hd] in q's dtype. Arithmetic in fp32, scale 1/sqrt(hd)."""
     cp, rank = parallel_state.context_parallel_size, parallel_state.context_parallel_rank
-    b, nh, s_local, hd = q.shape
+    nh, hd = q.shape[1], q.shape[3]
     repeat = nh // k.shape[1]
-    q_index = token_indices(s_local, cp, rank, q.device)  # [s/C]
     qf, scale = q.float(), 1.0 / math.sqrt(hd)
     kv = torch.stack([k, v])  # [2, b, ng, s/C, hd]: one message per ring step
     outs, lses = [], []
     for step in range(cp):
         if step:
             kv = ring_shift(kv, parallel_state)
-        source = (rank - step) % cp
-        k_index = token_indices(s_local, cp, source, q.device)  # [s/C]
-        masked = k_index.unsqueeze(0) > q_index.unsqueeze(1)  # [s/C (q), s/C (k)]
         kb, vb = (t.float().repeat_interleave(repeat, dim=1) for t in kv)  # [b, nh, s/C, hd]
-        out, lse = block_attention(qf, kb, vb, masked, scale, dropout_p)
+        out, lse = ring_block(qf, kb, vb, cp, rank, (rank - step) % cp, scale, dropout_p)
         outs.append(out)
         lses.append(lse)
     return merge_blocks(outs, lses).to(q.dtype)

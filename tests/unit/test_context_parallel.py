@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from app import mpu
 from app.mpu.context_parallel import (block_attention, get_batch_on_this_cp_rank,
-                                      merge_blocks, token_indices)
+                                      merge_blocks, ring_block, token_indices)
 from app.mpu.parallel_state import ParallelState
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -59,7 +59,7 @@ def test_batch_slicing_matches_megatron_core(cp, monkeypatch):
         assert got["position_ids"][0].tolist() == token_indices(s // cp, cp, rank).tolist()
 
 
-@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("cp", [2, 3, 4])
 def test_ring_blocks_merged_by_log_sum_exp_equal_causal_attention(cp):
     torch.manual_seed(0)
     b, n, s, hd = 2, 3, 4 * cp, 8
@@ -72,11 +72,18 @@ def test_ring_blocks_merged_by_log_sum_exp_equal_causal_attention(cp):
         for step in range(cp):  # the blocks in the order the ring delivers them
             source = (rank - step) % cp
             k_index = token_indices(local, cp, source)
-            masked = k_index.unsqueeze(0) > q_index.unsqueeze(1)
-            out, lse = block_attention(q[:, :, q_index], k[:, :, k_index], v[:, :, k_index],
-                                       masked, hd ** -0.5, 0.0)
+            out, lse = ring_block(q[:, :, q_index], k[:, :, k_index], v[:, :, k_index], cp,
+                                  rank, source, hd ** -0.5, 0.0)
             outs.append(out)
             lses.append(lse)
+            # the half-blocks it skips are the fully masked ones: the masked full block agrees
+            masked = k_index.unsqueeze(0) > q_index.unsqueeze(1)
+            full_out, full_lse = block_attention(q[:, :, q_index], k[:, :, k_index],
+                                                 v[:, :, k_index], masked, hd ** -0.5, 0.0)
+            seen = ~masked.all(dim=1)  # query rows with any key of this block
+            torch.testing.assert_close(out[:, :, seen], full_out[:, :, seen])
+            torch.testing.assert_close(lse[:, :, seen], full_lse[:, :, seen])
+            assert (lse[:, :, ~seen] == torch.finfo(lse.dtype).min).all()
         torch.testing.assert_close(merge_blocks(outs, lses), want[:, :, q_index])
 
 

@@ -38,9 +38,10 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
             under a billion parameters gathered whole between its forward and backward.
 
 Context parallelism (--context-parallel-size C) gives each rank s/C tokens of every sequence:
-every per-token term below uses s/C; the p2p ring keeps, per block of the C key/value blocks,
-fp32 scores and probabilities and the block's fp32 keys, values and output:
-(a (s/C) s 8 + 12 s q) b / t with s the whole sequence; a2a attends a/C heads over the whole s.
+every per-token term below uses s/C; the p2p ring keeps fp32 scores and probabilities of its
+own block and of the half block it computes of each of the C-1 others, and each block's fp32
+keys, values and output: (a (s/C)^2 (C+1)/2 8 + 12 s q) b / t with s the whole sequence; a2a
+attends a/C heads over the whole s.
 
 Activations, bytes per micro-batch per transformer layer (Korthikanti et al. 2022, eq. 2 with
 tensor parallelism t, generalised to an activation width of w bytes and dropout masks of
@@ -324,10 +325,11 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     per_layer = s * h * (w * (4 / sp + inner / t) + 2 * mask / sp)
     core, scores = 0.0, ""
     if c > 1 and p.cp_comm_type == "p2p":
-        # the ring keeps, for each of its c key/value blocks, the fp32 scores and probabilities
-        # [a, s/c, s/c], the block's fp32 keys and values and its output [s/c, q]
-        core = (a * s * (s * c) * 8 + 3 * c * s * q * 4) / t
-        scores = f" + (a·(s/C)·s·8 + 12·s·q)·b/t (ring blocks, C = {c})"
+        # the ring keeps fp32 scores and probabilities [a, s/c, s/c] of its own block and of
+        # the half block computed for each of the c - 1 others, and for each of the c blocks
+        # the fp32 keys and values and its output [s/c, q]
+        core = (a * s * s * (c + 1) / 2 * 8 + 3 * c * s * q * 4) / t
+        scores = f" + (a·(s/C)²·(C+1)/2·8 + 12·s·q)·b/t (ring blocks, C = {c})"
     elif c > 1 and scores_kept(cfg, device_type):  # a2a: a/C heads over the whole sequence
         width = 2 * w + mask_width if m.attention_dropout > 0 else w
         core = (a / c) * (s * c) ** 2 * width / t
