@@ -149,8 +149,6 @@ class RunConfig:
             (self.deepspeed.enabled, "--deepspeed", True),
             (m.position_embedding_type == "alibi", "--position-embedding-type", "alibi"),
             (self.data.reset_attention_mask, "--reset-attention-mask", True),
-            (m.recompute_granularity is not None, "--recompute-granularity",
-             m.recompute_granularity),
             (self.checkpoint.ckpt_format != "torch", "--ckpt-format", self.checkpoint.ckpt_format),
         ]
         for bad, flag, value in refused:

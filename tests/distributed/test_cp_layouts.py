@@ -1,15 +1,16 @@
 """Context parallelism (--context-parallel-size 2) equals one process, two spawns:
 
 - CP2 (2 ranks): p2p (key/value ring) and a2a (all-to-all over heads), with learned positions
-  and with RoPE + grouped-query attention, and p2p in bf16 (to bf16's round-off); a legacy checkpoint saved at iteration 2 resumes at
-  CP2 bit-exactly, and (in this process) resumes at CP1 continuing the CP2 run's losses.
+  and with RoPE + grouped-query attention, with full and selective recompute, and p2p in bf16
+  (to bf16's round-off); a legacy checkpoint saved at iteration 2 resumes at CP2 bit-exactly,
+  and (in this process) resumes at CP1 continuing the CP2 run's losses.
 - CP2 x DP2 and CP2 x TP2 (4 ranks): p2p and a2a, learned positions and RoPE (+ GQA), the
   TP2 runs with sequence parallelism, one CP2 x DP2 run with the distributed optimizer.
 
 Each rank trains 4 iterations (fp32, dropout 0, 4 micro-batches of 2 random sequences of 16
 tokens per iteration); the parent trains the same model in one process (without the layout
-flags) and compares losses and gradient norms (relative 1e-5; bf16 2e-3), and at TP1 every parameter
-after training. A wrong chunk assignment, RoPE position, causal mask between blocks,
+flags) and compares losses and gradient norms (relative 1e-5; bf16 2e-3), and at TP1 every
+parameter after training. A wrong chunk assignment, RoPE position, causal mask between blocks,
 log-sum-exp merge, loss reduction over the context group or gradient reduction over data x
 context ranks shows up as a drift in these numbers.
 """
@@ -39,10 +40,17 @@ FP32 = dict(curve=1e-5, rtol=1e-4, atol=1e-5)
 CP2, A2A = ["--context-parallel-size", "2"], ["--cp-comm-type", "a2a"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 DIST_OPT = ["--use-distributed-optimizer"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]  # the ring's shifts rerun in backward
 LAYOUTS_2 = {  # name -> (model, layout flags)
     "CP2 p2p learned": ("learned", CP2), "CP2 p2p rope+gqa2": ("rope+gqa2", CP2),
     "CP2 a2a learned": ("learned", CP2 + A2A), "CP2 a2a rope+gqa2": ("rope+gqa2", CP2 + A2A),
     "CP2 p2p bf16 rope+gqa2": ("bf16 rope+gqa2", CP2),
+    "CP2 p2p rope+gqa2 full recompute": ("rope+gqa2", CP2 + FULL),
+    "CP2 p2p learned selective recompute": ("learned", CP2 + ["--recompute-granularity",
+                                                              "selective"]),
+    "CP2 a2a rope+gqa2 selective recompute": ("rope+gqa2", CP2 + A2A + [
+        "--recompute-granularity", "selective"]),
 }
 LAYOUTS_4 = {
     "CP2xDP2 p2p learned": ("learned", CP2), "CP2xDP2 p2p rope+gqa2": ("rope+gqa2", CP2),

@@ -93,7 +93,6 @@ def test_ring_blocks_merged_by_log_sum_exp_equal_causal_attention(cp):
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
     (["--position-embedding-type", "alibi"], "--position-embedding-type alibi"),
     (["--reset-attention-mask"], "--reset-attention-mask"),
-    (["--recompute-granularity", "full"], "--recompute-granularity full"),
     (["--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "2"],
      "--num-query-groups (2) / --tensor-model-parallel-size (1) is not divisible by "
      "--context-parallel-size (4)"),
