@@ -8,13 +8,15 @@ from typing import ClassVar, Optional, Tuple
 from app.config.options import option
 from app.config.rules import positive
 
+CP_COMM_TYPES = ("p2p", "a2a")
+"""Context-parallel attention schemes (--cp-comm-type; app.mpu.context_parallel)."""
 DISTRIBUTED_BACKENDS = ("gloo", "nccl")
 """torch.distributed backends a run may use (--distributed-backend)."""
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """Parallel layout: world = tensor x pipeline x data (Megatron's rank order)."""
+    """Parallel layout: world = tensor x context x data x pipeline (Megatron Core's rank order)."""
 
     FLAG_GROUP: ClassVar[Tuple[str, str]] = ("parallel", "model parallelism and process launch")
 
@@ -27,6 +29,15 @@ class ParallelConfig:
              "layers, assigned round-robin (stage r holds virtual stages r, r+PP, ...); needs PP "
              "> 1, N dividing the layers per stage and the micro-batches per iteration a multiple"
              " of PP; native path only")
+    context_parallel_size: int = option(
+        "--context-parallel-size", default=1,
+        help="ranks sharing each sequence: it is cut into 2C chunks, rank i holding chunks i and "
+             "2C-1-i; attention passes keys/values around the context group "
+             "(docs/parallelism.md); gradients are averaged over data x context ranks")
+    cp_comm_type: str = option(
+        "--cp-comm-type", default="p2p", choices=CP_COMM_TYPES,
+        help="context-parallel attention: p2p = ring of key/value blocks merged by log-sum-exp; "
+             "a2a = all-to-all over heads (Ulysses; heads per TP rank divisible by C)")
     distributed_backend: str = option(
         "--distributed-backend", default="gloo", flag_default=None, choices=DISTRIBUTED_BACKENDS,
         help="default: nccl when CUDA is available, else gloo")
@@ -45,25 +56,32 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+                         ("context_parallel_size", "--context-parallel-size"),
                          ("world_size", "world size"),
                          ("distributed_timeout_minutes", "--distributed-timeout-minutes")))
         positive(self, (("num_layers_per_virtual_pipeline_stage",
                           "--num-layers-per-virtual-pipeline-stage"),), allow_none=True)
-        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        mp = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+              * self.context_parallel_size)
         if self.world_size % mp:
             raise ValueError(
                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size "
                 f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
-                f"({self.pipeline_model_parallel_size}); launch a multiple of their product"
+                f"({self.pipeline_model_parallel_size}) x --context-parallel-size "
+                f"({self.context_parallel_size}); launch a multiple of their product"
                 + (f" (the world size came from {self.world_source})"
                    if self.world_source else ""))
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got "
+                             f"{self.cp_comm_type!r}")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"--distributed-backend must be one of "
                              f"{', '.join(DISTRIBUTED_BACKENDS)}, got {self.distributed_backend!r}")
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self.world_size // (self.tensor_model_parallel_size
+                                   * self.pipeline_model_parallel_size * self.context_parallel_size)
 
 
 

@@ -62,6 +62,7 @@ class RunConfig:
         self.batch_schedule = self._build_batch_schedule()
         self._check_virtual_pipeline()
         self._check_deepspeed_pipeline()
+        self._check_context_parallel()
         if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
             raise ValueError("--rollback-on-spike reloads the latest checkpoint: give --save and "
                              "--save-interval (a rollback skips the data read since that "
@@ -121,6 +122,40 @@ class RunConfig:
                              "in samples: OptimizerConfig.lr_in_samples must be set (arguments.py "
                              "does it)")
         return schedule
+
+    def _check_context_parallel(self) -> None:
+        """--context-parallel-size C: the sequence in 2C equal chunks (each split again over TP
+        with sequence parallelism) and only the options the ring attention supports."""
+        m, p, cp = self.model, self.parallel, self.parallel.context_parallel_size
+        if cp == 1:
+            return
+        divisible("--seq-length", m.seq_length, "2 x --context-parallel-size", 2 * cp)
+        if m.sequence_parallel:
+            divisible("--seq-length / --context-parallel-size", m.seq_length // cp,
+                      "--tensor-model-parallel-size", p.tensor_model_parallel_size)
+        if p.cp_comm_type == "a2a":
+            tp = p.tensor_model_parallel_size
+            for flag, heads in (("--num-attention-heads", m.num_attention_heads),
+                                ("--num-query-groups", m.num_kv_heads)):
+                if heads % tp or (heads // tp) % cp:
+                    raise ValueError(
+                        f"--cp-comm-type a2a splits each tensor-parallel rank's heads over the "
+                        f"context ranks: {flag} ({heads}) / --tensor-model-parallel-size ({tp}) "
+                        f"is not divisible by --context-parallel-size ({cp}); use p2p or "
+                        "change the sizes")
+        refused = [
+            (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
+             p.pipeline_model_parallel_size),
+            (self.deepspeed.enabled, "--deepspeed", True),
+            (m.position_embedding_type == "alibi", "--position-embedding-type", "alibi"),
+            (self.data.reset_attention_mask, "--reset-attention-mask", True),
+            (self.checkpoint.ckpt_format != "torch", "--ckpt-format", self.checkpoint.ckpt_format),
+        ]
+        for bad, flag, value in refused:
+            if bad:
+                raise ValueError(
+                    f"--context-parallel-size {cp} does not support {flag} {value} yet "
+                    "(docs/parallelism.md, context parallelism); drop one of them")
 
     def _check_model_options_against_layout(self) -> None:
         """Sequence parallelism, query groups and recompute against TP / PP / DeepSpeed."""

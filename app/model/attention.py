@@ -27,6 +27,7 @@ from app.config import ModelConfig
 from app.model import fused
 from app.model.positions import RotaryTables, apply_rotary
 from app.mpu import random as mpu_random
+from app.mpu.context_parallel import ring_attention, ulysses_attention
 from app.mpu.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear,
                             set_tensor_model_parallel_attributes)
 from app.mpu.mappings import sum_gradient_over_tensor_parallel
@@ -119,6 +120,9 @@ class ParallelAttention(nn.Module):
         self.softmax_in_fp32 = (config.attention_softmax_in_fp32
                                 or config.apply_query_key_layer_scaling)
         self.selective_recompute = config.recompute_granularity == "selective"
+        # context parallelism: this rank holds 2 of the sequence's 2C chunks; keys/values ring
+        self.context = parallel_state if parallel_state.context_parallel_size > 1 else None
+        self.cp_comm_type = parallel_state.cp_comm_type
         dtype = torch_dtype(config.params_dtype)
         h, sp = config.hidden_size, config.sequence_parallel
         local_rows = (self.heads + 2 * self.kv_heads) * hd
@@ -194,6 +198,16 @@ class ParallelAttention(nn.Module):
         Without a mask, s_q == s_k is plain causal; queries after cached keys (decoding with an
         inference cache) get the bottom-right causal mask: query i sees keys 0..s_k - s_q + i.
         """
+        if self.context is not None and self.cp_comm_type == "a2a":  # whole sequence, nh/C
+            return ulysses_attention(q, k, v, self.context, functools.partial(
+                self._attend_local, attention_mask=None, dropout_p=dropout_p))
+        if self.context is not None:  # plain causal over the whole sequence's global indices
+            return ring_attention(q, k, v, self.context, dropout_p)  # [b, nh/tp, s/C, hd]
+        return self._attend_local(q, k, v, attention_mask, dropout_p)
+
+    def _attend_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
+        """`_attend` on the keys/values this rank holds (no context parallelism)."""
         s_q, s_k = q.shape[2], k.shape[2]
         if attention_mask is None and s_q != s_k:
             rows = torch.arange(s_q, device=q.device).unsqueeze(1) + (s_k - s_q)

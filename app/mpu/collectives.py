@@ -82,6 +82,17 @@ def all_gather_dim(tensor: torch.Tensor, group: ProcessGroup, dim: int) -> torch
     return torch.cat(all_gather(tensor, group), dim=dim)
 
 
+def all_to_all(parts: Sequence[torch.Tensor], group: ProcessGroup) -> List[torch.Tensor]:
+    """parts[j] goes to group rank j; returns what each rank j sent to this one (shaped like
+    this rank's parts[j] there), in group-rank order."""
+    if _trivial(group):
+        return list(parts)
+    parts = [p.contiguous() for p in parts]
+    received = [torch.empty_like(p) for p in parts]
+    dist.all_to_all(received, parts, group=group)
+    return received
+
+
 def split_dim(tensor: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     """This rank's contiguous chunk along `dim`: n -> n / group_size (no communication)."""
     if _trivial(group):

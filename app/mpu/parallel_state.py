@@ -1,10 +1,13 @@
-"""Process groups of a tensor x pipeline x data parallel layout (Megatron's rank order).
+"""Process groups of a tensor x context x data x pipeline layout (Megatron Core's rank order,
+"tp-cp-ep-dp-pp" with one expert rank).
 
-Global rank r of a world of size W = TP * DP * PP is laid out as
+Global rank r of a world of size W = TP * CP * DP * PP is laid out as
 
-    r = pp_rank * (DP * TP) + dp_rank * TP + tp_rank
+    r = pp_rank * (DP * CP * TP) + dp_rank * (CP * TP) + cp_rank * TP + tp_rank
 
-so tensor-parallel ranks are adjacent (they share a node), then data-parallel, then pipeline.
+so tensor-parallel ranks are adjacent (they share a node), then context-parallel (ranks
+holding other chunks of the same sequences), then data-parallel, then pipeline. Gradients are
+averaged over data x context ranks ("data_context": every rank holding the same weights).
 `rank_layout` is the pure arithmetic (unit-tested without processes); `initialize_model_parallel`
 creates the torch.distributed groups and returns a `ParallelState`, which is also the object
 passed to DeepSpeed as `mpu=` (it has the `get_model_parallel_*` / `get_data_parallel_*` methods).
@@ -14,6 +17,7 @@ passed to DeepSpeed as `mpu=` (it has the `get_model_parallel_*` / `get_data_par
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -24,39 +28,49 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for "just this pro
 
 
 def rank_layout(world_size: int, tensor_model_parallel_size: int,
-                pipeline_model_parallel_size: int) -> Dict[str, List[List[int]]]:
-    """Global ranks of every group of each kind, in Megatron's order (pure arithmetic).
+                pipeline_model_parallel_size: int,
+                context_parallel_size: int = 1) -> Dict[str, List[List[int]]]:
+    """Global ranks of every group of each kind, in Megatron Core's order (pure arithmetic).
 
-    Returns {"tensor", "data", "pipeline", "model", "embedding"} -> list of rank lists. "model" is
-    TP x PP (everything sharing one data-parallel index); "embedding" holds the first and last
-    stage of each pipeline (just the one stage when PP = 1).
+    Returns {"tensor", "context", "data", "data_context", "pipeline", "model", "embedding"} ->
+    list of rank lists. "model" is TP x PP (everything sharing one data and context index);
+    "data_context" is DP x CP (the gradient all-reduce group); "embedding" holds the first and
+    last stage of each pipeline (just the one stage when PP = 1).
     """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     for name, value in (("world size", world_size), ("tensor_model_parallel_size", tp),
-                        ("pipeline_model_parallel_size", pp)):
+                        ("pipeline_model_parallel_size", pp), ("context_parallel_size", cp)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    if world_size % (tp * pp):
+    if world_size % (tp * pp * cp):
         raise ValueError(
             f"world size ({world_size}) is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"pipeline_model_parallel_size ({pp})")
-    dp = world_size // (tp * pp)
+            f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp})")
+    dp = world_size // (tp * pp * cp)
 
-    def rank(t: int, d: int, p: int) -> int:
-        return p * dp * tp + d * tp + t
+    def rank(t: int, d: int, p: int, c: int = 0) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
 
-    tensor = [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    data = [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    pipeline = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    model = [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
+    tensor = [[rank(t, d, p, c) for t in range(tp)]
+              for p in range(pp) for d in range(dp) for c in range(cp)]
+    context = [[rank(t, d, p, c) for c in range(cp)]
+               for p in range(pp) for d in range(dp) for t in range(tp)]
+    data = [[rank(t, d, p, c) for d in range(dp)]
+            for p in range(pp) for c in range(cp) for t in range(tp)]
+    data_context = [[rank(t, d, p, c) for d in range(dp) for c in range(cp)]
+                    for p in range(pp) for t in range(tp)]
+    pipeline = [[rank(t, d, p, c) for p in range(pp)]
+                for d in range(dp) for c in range(cp) for t in range(tp)]
+    model = [[rank(t, d, p, c) for p in range(pp) for t in range(tp)]
+             for d in range(dp) for c in range(cp)]
     embedding = [sorted({ranks[0], ranks[-1]}) for ranks in pipeline]
-    return {"tensor": tensor, "data": data, "pipeline": pipeline, "model": model,
-            "embedding": embedding}
+    return {"tensor": tensor, "context": context, "data": data, "data_context": data_context,
+            "pipeline": pipeline, "model": model, "embedding": embedding}
 
 
 @dataclass
 class ParallelState:
-    """Sizes, ranks and process groups of this rank in a TP x PP x DP layout.
+    """Sizes, ranks and process groups of this rank in a TP x CP x DP x PP layout.
 
     Groups are None when the layout has a single process; `app.mpu.collectives` treats a None
     group (or a group of one rank) as "nothing to communicate".
@@ -84,6 +98,17 @@ class ParallelState:
     data_parallel_ranks: List[int] = field(default_factory=lambda: [0])
     virtual_pipeline_model_parallel_size: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B when > 1)."""
+    context_parallel_size: int = 1
+    """Ranks sharing each sequence (app.mpu.context_parallel); 1 = no context parallelism."""
+    context_parallel_rank: int = 0
+    context_parallel_group: ProcessGroup = None
+    context_parallel_ranks: List[int] = field(default_factory=lambda: [0])
+    """Global ranks of this rank's context group, in context-rank order (ring neighbours)."""
+    data_context_parallel_group: ProcessGroup = None
+    """DP x CP: every rank holding the same weights (gradients are averaged over it)."""
+    data_context_parallel_rank: int = 0
+    cp_comm_type: str = "p2p"
+    """Context-parallel attention: "p2p" (key/value ring) or "a2a" (all-to-all over heads)."""
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -98,7 +123,20 @@ class ParallelState:
     @property
     def world_size(self) -> int:
         return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                * self.data_parallel_size)
+                * self.data_parallel_size * self.context_parallel_size)
+
+    def gradient_state(self) -> "ParallelState":
+        """This state with the data-parallel group widened to data x context (what gradients
+        are averaged and the distributed optimizer sharded over, as Megatron Core does); the
+        state itself without context parallelism."""
+        if self.context_parallel_size == 1:
+            return self
+        return dataclasses.replace(
+            self, data_parallel_group=self.data_context_parallel_group,
+            data_parallel_size=self.data_parallel_size * self.context_parallel_size,
+            data_parallel_rank=self.data_context_parallel_rank,
+            context_parallel_size=1, context_parallel_rank=0, context_parallel_group=None,
+            context_parallel_ranks=[self.rank])
 
     @property
     def model_parallel_size(self) -> int:
@@ -199,8 +237,11 @@ def destroy_model_parallel() -> None:
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int = 1,
-                              timeout: Optional[datetime.timedelta] = None) -> ParallelState:
-    """Create the TP / DP / PP / model / embedding groups of this world; return this rank's state.
+                              timeout: Optional[datetime.timedelta] = None,
+                              context_parallel_size: int = 1,
+                              cp_comm_type: str = "p2p") -> ParallelState:
+    """Create the TP / CP / DP / DPxCP / PP / model / embedding groups of this world; return this
+    rank's state.
 
     Must run on every rank after `torch.distributed.init_process_group` (group creation is
     collective). Every collective on these groups fails after `timeout` (torch's default for
@@ -209,7 +250,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     `virtual_pipeline_model_parallel_size` (model chunks per pipeline rank) is only recorded.
     """
     if not dist.is_available() or not dist.is_initialized():
-        if tensor_model_parallel_size == 1 and pipeline_model_parallel_size == 1:
+        if (tensor_model_parallel_size == 1 and pipeline_model_parallel_size == 1
+                and context_parallel_size == 1):
             state = ParallelState.single()
             set_parallel_state(state)
             return state
@@ -218,10 +260,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             f"pipeline_model_parallel_size ({pipeline_model_parallel_size}) > 1 needs "
             "torch.distributed.init_process_group() first (launch with torchrun)")
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    layout = rank_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    layout = rank_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                         context_parallel_size)
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     kwargs: Dict[str, Any] = {}
-    for kind in ("tensor", "data", "pipeline", "model", "embedding"):
+    for kind in ("tensor", "context", "data", "data_context", "pipeline", "model", "embedding"):
         mine = None
         for ranks in layout[kind]:
             group = dist.new_group(ranks, timeout=timeout)  # collective: every rank, every group
@@ -234,7 +277,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     state = ParallelState(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        data_parallel_size=world_size // (tp * pp),
+        data_parallel_size=world_size // (tp * pp * cp),
         tensor_model_parallel_rank=tp_ranks.index(rank),
         pipeline_model_parallel_rank=pp_ranks.index(rank),
         data_parallel_rank=dp_ranks.index(rank),
@@ -248,6 +291,13 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         tensor_model_parallel_ranks=list(tp_ranks),
         data_parallel_ranks=list(dp_ranks),
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=cp,
+        context_parallel_rank=kwargs["context"][1].index(rank),
+        context_parallel_group=kwargs["context"][0],
+        context_parallel_ranks=list(kwargs["context"][1]),
+        data_context_parallel_group=kwargs["data_context"][0],
+        data_context_parallel_rank=kwargs["data_context"][1].index(rank),
+        cp_comm_type=cp_comm_type,
     )
     set_parallel_state(state)
     return state

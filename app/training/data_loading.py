@@ -18,6 +18,7 @@ import torch
 
 from app.config import DataConfig
 from app.data import MegatronPretrainingSampler, get_batch
+from app.mpu.context_parallel import get_batch_on_this_cp_rank
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 
@@ -138,5 +139,6 @@ class BatchBuilder:
         if self.ps.tensor_model_parallel_size > 1:
             collectives.broadcast(text, self.ps.tensor_model_parallel_src_rank,
                                   self.ps.tensor_model_parallel_group)
-        return get_batch(text, self.eod, self.cfg.reset_position_ids,
-                         self.cfg.reset_attention_mask, self.cfg.eod_mask_loss)
+        batch = get_batch(text, self.eod, self.cfg.reset_position_ids,
+                          self.cfg.reset_attention_mask, self.cfg.eod_mask_loss)
+        return get_batch_on_this_cp_rank(batch, self.ps)  # [b, s / C] with context parallelism

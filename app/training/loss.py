@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Mapping, Tuple, Union
 import torch
 
 from app.model.gpt2 import lm_loss
+from app.mpu.context_parallel import context_parallel_mean_loss
 from app.mpu.mappings import gather_from_tensor_model_parallel_region
 
 Metrics = Mapping[str, Union[torch.Tensor, float]]
@@ -85,6 +86,11 @@ class MicroBatchObjective:
     def __init__(self, loss_function: LossFunction, parallel_state: object,
                  return_logits: bool = False) -> None:
         self.loss_function, self.ps, self.return_logits = loss_function, parallel_state, return_logits
+        self.context_parallel = getattr(parallel_state, "context_parallel_size", 1) > 1
+        if self.context_parallel and (loss_function is not DEFAULT_LOSS or return_logits):
+            raise ValueError("--context-parallel-size > 1 trains with the default language-model"
+                             " loss only (each rank holds part of every sequence); drop the "
+                             "custom loss function / return_logits or the context parallelism")
         self.wants_logits = loss_function.takes_logits or return_logits
         self.metrics: List[Dict[str, torch.Tensor]] = []
         self.logits: List[torch.Tensor] = []
@@ -106,6 +112,8 @@ class MicroBatchObjective:
                 full = gather_from_tensor_model_parallel_region(output, self.ps)  # [b, s, V]
             self.logits.append(full.detach())
             output = lm_loss(output, batch["labels"], self.ps)  # [b, s] fp32
+        if self.context_parallel:  # the whole sequence's mean over the context group
+            return context_parallel_mean_loss(output, batch["loss_mask"], self.ps)
         loss, metrics = self.loss_function.fn(output, batch)
         if metrics:
             self.metrics.append({name: torch.as_tensor(value).detach().float().reshape(())

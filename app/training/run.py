@@ -47,7 +47,9 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
         return ParallelState.single()
     return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                      cfg.virtual_pipeline_model_parallel_size,
-                                     timeout=timeout)
+                                     timeout=timeout,
+                                     context_parallel_size=p.context_parallel_size,
+                                     cp_comm_type=p.cp_comm_type)
 
 
 def set_seeds(seed: int, parallel_state: ParallelState) -> None:
@@ -83,8 +85,8 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Paralle
         return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state)
     from app.training.engines.native import NativeEngine
     if cfg.optimizer.use_distributed_optimizer:  # a sibling wrapper with the same interface
-        wrapper = DistributedOptimizer(
-            model, cfg.optimizer, cfg.precision, parallel_state,
+        wrapper = DistributedOptimizer(  # sharded over data x context ranks (Megatron Core)
+            model, cfg.optimizer, cfg.precision, parallel_state.gradient_state(),
             cfg.training.num_micro_batches(parallel_state.data_parallel_size))
     else:
         wrapper = build_precision_optimizer(model, cfg.optimizer, cfg.precision, parallel_state)

@@ -31,7 +31,10 @@ def stage_model(cfg, tp_rank=0, pp_rank=0):
     p = cfg.parallel
     ps = ParallelState(tensor_model_parallel_size=p.tensor_model_parallel_size,
                        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                       tensor_model_parallel_rank=tp_rank, pipeline_model_parallel_rank=pp_rank)
+                       tensor_model_parallel_rank=tp_rank, pipeline_model_parallel_rank=pp_rank,
+                       context_parallel_size=p.context_parallel_size,
+                       context_parallel_ranks=list(range(p.context_parallel_size)),
+                       cp_comm_type=p.cp_comm_type)
     pp = p.pipeline_model_parallel_size
     per = cfg.model.num_layers // pp
     model_parallel_seed(1, ParallelState.single())
@@ -61,7 +64,7 @@ def saved_activation_bytes(cfg, pp_rank=0):
     received activation does in a pipeline)."""
     model = stage_model(cfg, pp_rank=pp_rank)
     model.train()
-    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length // cfg.parallel.context_parallel_size
     ids = torch.randint(0, cfg.raw_vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     if pp_rank > 0:
         model.set_input_tensor(torch.randn(b, s, cfg.model.hidden_size, requires_grad=True))

@@ -61,8 +61,9 @@ class NativeEngine(Engine):
 
     def _sync_gradients(self) -> None:
         grads = self.optimizer.reduction_grads()  # every parameter's, zeros where unused
-        if self.ps.data_parallel_size > 1:
-            allreduce_grad_tensors(grads, self.ps.data_parallel_group)
+        replicas = self.ps.gradient_state()  # data x context ranks hold the same weights
+        if replicas.data_parallel_size > 1:
+            allreduce_grad_tensors(grads, replicas.data_parallel_group)
         if self.ps.pipeline_model_parallel_size > 1:
             tied = self.module.shared_embedding_weight()  # None without a tie to keep
             allreduce_embedding_grad(None if tied is None else self.optimizer.embedding_grad(tied),
@@ -112,7 +113,8 @@ class NativeEngine(Engine):
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration, client_state.get("data_order"))
         rng = None if c.no_save_rng else rng_state_dict()
-        writer = self.ps.data_parallel_rank == 0  # one replica writes; the others follow it
+        # one replica writes (data and context rank 0); the others follow it
+        writer = self.ps.gradient_state().data_parallel_rank == 0
         state = ckpt.build_checkpoint_dict(
             iteration, self.module.state_dict(),
             None if c.no_save_optim else self.optimizer.state_dict(),

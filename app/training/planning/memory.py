@@ -37,6 +37,12 @@ Model states, bytes per rank (the ZeRO paper's accounting, Rajbhandari et al. 20
             output layer, meet a layer's MLP weight); the defaults (1e9 each) keep a model
             under a billion parameters gathered whole between its forward and backward.
 
+Context parallelism (--context-parallel-size C) gives each rank s/C tokens of every sequence:
+every per-token term below uses s/C; the p2p ring keeps fp32 scores and probabilities of its
+own block and of the half block it computes of each of the C-1 others, and each block's fp32
+keys, values and output: (a (s/C)^2 (C+1)/2 8 + 12 s q) b / t with s the whole sequence; a2a
+attends a/C heads over the whole s.
+
 Activations, bytes per micro-batch per transformer layer (Korthikanti et al. 2022, eq. 2 with
 tensor parallelism t, generalised to an activation width of w bytes and dropout masks of
 m = 1 byte, 0 when that dropout is off):
@@ -175,7 +181,8 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     """weights, gradients, optimizer and DeepSpeed bucket bytes, and how they were counted."""
     half = cfg.precision.fp16 or cfg.precision.bf16
     w = 2 if half else 4
-    dp = cfg.parallel.data_parallel_size
+    # the distributed optimizer shards over every rank holding the same weights: data x context
+    dp = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size
     ds = cfg.deepspeed.config if cfg.deepspeed.enabled else None
     zero = (ds or {}).get("zero_optimization", {}) or {}
     stage = int(zero.get("stage", 0)) if ds is not None else 0
@@ -304,7 +311,8 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     """
     m, p = cfg.model, cfg.parallel
     t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    s, h, a, V = m.seq_length, m.hidden_size, m.num_attention_heads, m.padded_vocab_size
+    c = p.context_parallel_size  # each rank holds s / c tokens of every sequence
+    s, h, a, V = m.seq_length // c, m.hidden_size, m.num_attention_heads, m.padded_vocab_size
     w = 2 if (cfg.precision.fp16 or cfg.precision.bf16) else 4
     mask_width = 1 if device_type == "cuda" else w
     mask = mask_width if m.hidden_dropout > 0 else 0
@@ -316,7 +324,17 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     inner = (4 * q + (3 if m.swiglu else 2) * f) / h
     per_layer = s * h * (w * (4 / sp + inner / t) + 2 * mask / sp)
     core, scores = 0.0, ""
-    if scores_kept(cfg, device_type):
+    if c > 1 and p.cp_comm_type == "p2p":
+        # the ring keeps fp32 scores and probabilities [a, s/c, s/c] of its own block and of
+        # the half block computed for each of the c - 1 others, and for each of the c blocks
+        # the fp32 keys and values and its output [s/c, q]
+        core = (a * s * s * (c + 1) / 2 * 8 + 3 * c * s * q * 4) / t
+        scores = f" + (a·(s/C)²·(C+1)/2·8 + 12·s·q)·b/t (ring blocks, C = {c})"
+    elif c > 1 and scores_kept(cfg, device_type):  # a2a: a/C heads over the whole sequence
+        width = 2 * w + mask_width if m.attention_dropout > 0 else w
+        core = (a / c) * (s * c) ** 2 * width / t
+        scores = f" + (a/C)·s²·b·{'(2w + m)' if m.attention_dropout > 0 else 'w'}/t (C = {c})"
+    elif scores_kept(cfg, device_type):
         # the softmax output; with attention dropout also its mask and the dropped copy @ v keeps
         width = 2 * w + mask_width if m.attention_dropout > 0 else w
         core = a * s * s * width / t
@@ -330,7 +348,8 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     where = ("" if pp == 1 else
              f"stage {pipeline_rank} of {pp}, up to {in_flight} micro-batch(es) in flight: ")
     split = "/t" if sp > 1 else ""
-    note = (f"{where}per layer s·b·h·(w(4{split} + {inner:g}/t) + 2m{split}){scores} with s = {s}, "
+    tokens = f"s/C = {s}" if c > 1 else f"s = {s}"
+    note = (f"{where}per layer s·b·h·(w(4{split} + {inner:g}/t) + 2m{split}){scores} with {tokens}, "
             f"h = {h}, a = {a}, t = {t}, w = {w}, m = {mask}; {how}"
             + (f"; output layer (w + 4)·s·b·V/t with V = {V}" if last else ""))
     return StageActivations(pipeline_rank=pipeline_rank, max_in_flight=in_flight,

@@ -97,8 +97,11 @@ def _gib(n: float) -> str:
 def describe_config(report: Report, cfg: RunConfig) -> None:
     """The layout, batch sizes and engine the flags (and the DeepSpeed JSON) resolve to."""
     p, t, m = cfg.parallel, cfg.training, cfg.model
+    context = (f" x context {p.context_parallel_size} ({p.cp_comm_type}, "
+               f"{m.seq_length // p.context_parallel_size} tokens of each sequence per rank)"
+               if p.context_parallel_size > 1 else "")
     report.ok(f"world size {p.world_size} = tensor {p.tensor_model_parallel_size} x pipeline "
-              f"{p.pipeline_model_parallel_size} x data {p.data_parallel_size}")
+              f"{p.pipeline_model_parallel_size} x data {p.data_parallel_size}{context}")
     samples = cfg.batch_schedule.samples_in(t.train_iters)
     report.ok(f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x "
               f"{t.num_micro_batches(p.data_parallel_size)} micro-batches x data-parallel "

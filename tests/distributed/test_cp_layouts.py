@@ -1,0 +1,169 @@
+"""Context parallelism (--context-parallel-size 2) equals one process, two spawns:
+
+- CP2 (2 ranks): p2p (key/value ring) and a2a (all-to-all over heads), with learned positions
+  and with RoPE + grouped-query attention, with full and selective recompute, and p2p in bf16
+  (to bf16's round-off); a legacy checkpoint saved at iteration 2 resumes at CP2 bit-exactly,
+  and (in this process) resumes at CP1 continuing the CP2 run's losses.
+- CP2 x DP2 and CP2 x TP2 (4 ranks): p2p and a2a, learned positions and RoPE (+ GQA), the
+  TP2 runs with sequence parallelism, one CP2 x DP2 run with the distributed optimizer.
+
+Each rank trains 4 iterations (fp32, dropout 0, 4 micro-batches of 2 random sequences of 16
+tokens per iteration); the parent trains the same model in one process (without the layout
+flags) and compares losses and gradient norms (relative 1e-5; bf16 2e-3), and at TP1 every
+parameter after training. A wrong chunk assignment, RoPE position, causal mask between blocks,
+log-sum-exp merge, loss reduction over the context group or gradient reduction over data x
+context ranks shows up as a drift in these numbers.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+
+from tests.harness.distributed import (assert_checks_passed, expect_close, run_checks,
+                                       run_distributed)
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3", "--min-lr", "1e-4",
+        "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--make-vocab-size-divisible-by", "8", "--distributed-backend", "gloo"]
+ITERS, SAVED_AT, RAW_VOCAB = 4, 2, 64
+ROPE_GQA = ["--position-embedding-type", "rope", "--rotary-percent", "0.5",
+            "--group-query-attention", "--num-query-groups", "2"]
+MODELS = {"learned": [], "rope+gqa2": ROPE_GQA,
+          "rope": ["--position-embedding-type", "rope"],
+          "bf16 rope+gqa2": ["--bf16"] + ROPE_GQA}
+HALF = dict(curve=2e-3, rtol=1e-2, atol=5e-3)  # bf16 round-off (the ring's arithmetic is fp32)
+FP32 = dict(curve=1e-5, rtol=1e-4, atol=1e-5)
+CP2, A2A = ["--context-parallel-size", "2"], ["--cp-comm-type", "a2a"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+DIST_OPT = ["--use-distributed-optimizer"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]  # the ring's shifts rerun in backward
+LAYOUTS_2 = {  # name -> (model, layout flags)
+    "CP2 p2p learned": ("learned", CP2), "CP2 p2p rope+gqa2": ("rope+gqa2", CP2),
+    "CP2 a2a learned": ("learned", CP2 + A2A), "CP2 a2a rope+gqa2": ("rope+gqa2", CP2 + A2A),
+    "CP2 p2p bf16 rope+gqa2": ("bf16 rope+gqa2", CP2),
+    "CP2 p2p rope+gqa2 full recompute": ("rope+gqa2", CP2 + FULL),
+    "CP2 p2p learned selective recompute": ("learned", CP2 + ["--recompute-granularity",
+                                                              "selective"]),
+    "CP2 a2a rope+gqa2 selective recompute": ("rope+gqa2", CP2 + A2A + [
+        "--recompute-granularity", "selective"]),
+}
+LAYOUTS_4 = {
+    "CP2xDP2 p2p learned": ("learned", CP2), "CP2xDP2 p2p rope+gqa2": ("rope+gqa2", CP2),
+    "CP2xDP2 a2a rope": ("rope", CP2 + A2A),
+    "CP2xDP2 p2p rope+gqa2 distributed optimizer": ("rope+gqa2", CP2 + DIST_OPT),
+    "CP2xTP2 p2p sp learned": ("learned", CP2 + TP2_SP),
+    "CP2xTP2 p2p sp rope+gqa2": ("rope+gqa2", CP2 + TP2_SP),
+    "CP2xTP2 a2a sp rope": ("rope", CP2 + A2A + TP2_SP),
+}
+
+
+def _build(flags: List[str], world: int, load: str = ""):
+    import arguments
+    from tests.harness.synthetic import build_synthetic_run
+    argv = BASE + flags + (["--load", load] if load else [])
+    return build_synthetic_run(arguments.config_from_argv(argv, world, RAW_VOCAB), 8 * ITERS)
+
+
+def _train(run, iterations: int, iterator=None):
+    iterator = run["iterator"] if iterator is None else iterator
+    return [(s.loss, s.grad_norm) for s in
+            (run["trainer"].train_step(iterator) for _ in range(iterations))]
+
+
+def _params(run) -> Dict[str, torch.Tensor]:
+    # numpy-backed copies: a rank's shared-memory tensors are gone once it exits
+    return {name: torch.from_numpy(p.detach().float().numpy().copy())
+            for name, p in run["model"].named_parameters()}
+
+
+def _resume(flags: List[str], world: int, load_dir: str):
+    """A run loaded from `load_dir`, with its data iterator at the saved position."""
+    from app.training.data_loading import build_data_iterator
+    run = _build(flags, world, load_dir)
+    loaded = run["engine"].load_checkpoint(load_dir)
+    assert loaded.iteration == SAVED_AT, loaded
+    iterator = build_data_iterator(run["trainer"].train_ds, loaded.consumed_train_samples, 2,
+                                   run["ps"], 0)
+    return run, iterator
+
+
+def _rank(layouts, save_dir: str = ""):
+    """Train every layout; with `save_dir` also save the first one at SAVED_AT and check that
+    it resumes at the same layout bit-exactly."""
+    import torch.distributed as dist
+    world, results = dist.get_world_size(), {}
+    checks = {}
+    for name, (model, layout) in layouts.items():
+        def train(name=name, flags=MODELS[model] + layout):
+            run = _build(flags, world)
+            curve = _train(run, SAVED_AT)
+            if save_dir and not results:
+                run["engine"].save_checkpoint(save_dir, SAVED_AT, dict(
+                    iteration=SAVED_AT, consumed_train_samples=8 * SAVED_AT,
+                    consumed_valid_samples=0))
+            curve += _train(run, ITERS - SAVED_AT)
+            results[name] = (curve, _params(run), run["ps"].tensor_model_parallel_size)
+        checks[name] = train
+    if save_dir:
+        first_name, (first_model, first_layout) = next(iter(layouts.items()))
+
+        def resumes_bit_exactly():
+            run, iterator = _resume(MODELS[first_model] + first_layout, world, save_dir)
+            got, want = _train(run, ITERS - SAVED_AT, iterator), results[first_name][0]
+            for i, ((loss, norm), (w_loss, w_norm)) in enumerate(zip(got, want[SAVED_AT:])):
+                expect_close(loss, w_loss, f"resumed loss at {i}", rtol=0.0, atol=0.0)
+                expect_close(norm, w_norm, f"resumed grad norm at {i}", rtol=0.0, atol=0.0)
+        checks["resume at CP2 is bit-exact"] = resumes_bit_exactly
+    return run_checks(checks), results
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One process, same seed, no layout flags: (curve, parameters) of each model."""
+    out = {}
+    for model, flags in MODELS.items():
+        run = _build(flags, 1)
+        out[model] = (_train(run, ITERS), _params(run))
+    return out
+
+
+def _compare(outcomes, layouts, references) -> None:
+    assert_checks_passed([outcome for outcome, _ in outcomes])
+    for rank, (_, results) in enumerate(outcomes):
+        for name, (model, _) in layouts.items():
+            curve, params, tp = results[name]
+            want_curve, want_params = references[model]
+            tol = HALF if "bf16" in model else FP32
+            for i, ((loss, norm), (w_loss, w_norm)) in enumerate(zip(curve, want_curve)):
+                what = f"{name} rank {rank} iteration {i + 1}"
+                assert loss == pytest.approx(w_loss, rel=tol["curve"]), f"{what}: loss"
+                assert norm == pytest.approx(w_norm, rel=tol["curve"]), f"{what}: grad norm"
+            if tp == 1:
+                for pname, value in params.items():
+                    torch.testing.assert_close(value, want_params[pname], rtol=tol["rtol"],
+                                               atol=tol["atol"],
+                                               msg=lambda m, n=pname: f"{name} {n}: {m}")
+
+
+def test_cp2_p2p_and_a2a_equal_one_process_and_resume(references, tmp_path):
+    save_dir = str(tmp_path / "ck")
+    outcomes = run_distributed(_rank, 2, LAYOUTS_2, save_dir, timeout=400)
+    _compare(outcomes, LAYOUTS_2, references)
+    # the CP2 checkpoint resumes in one process, continuing the CP2 run
+    first_name, (first_model, _) = next(iter(LAYOUTS_2.items()))
+    run, iterator = _resume(MODELS[first_model], 1, save_dir)
+    got = _train(run, ITERS - SAVED_AT, iterator)
+    want = outcomes[0][1][first_name][0][SAVED_AT:]
+    for (loss, norm), (w_loss, w_norm) in zip(got, want):
+        assert loss == pytest.approx(w_loss, rel=1e-5)
+        assert norm == pytest.approx(w_norm, rel=1e-5)
+
+
+def test_cp2xdp2_and_cp2xtp2_equal_one_process(references):
+    outcomes = run_distributed(_rank, 4, LAYOUTS_4, timeout=400)
+    _compare(outcomes, LAYOUTS_4, references)
