@@ -99,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from app.inference.session import configure_tool_logging, session_from_flags
     configure_tool_logging("evaluate")
     a = get_args(argv)
-    from app.checkpointing.megatron import CheckpointError
+    from app.checkpoint.megatron import CheckpointError
     try:
         session = session_from_flags(a)
         a.seq_length = a.seq_length or session.max_positions

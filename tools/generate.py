@@ -94,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from app.inference.session import configure_tool_logging, session_from_flags
     configure_tool_logging("generate")
     a = get_args(argv)
-    from app.checkpointing.megatron import CheckpointError
+    from app.checkpoint.megatron import CheckpointError
     try:
         params = _params(a)
         session = session_from_flags(a, use_cache=not a.no_kv_cache)

@@ -48,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
     from app.inference.server import create_app
-    from app.checkpointing.megatron import CheckpointError
+    from app.checkpoint.megatron import CheckpointError
     try:
         session = session_from_flags(a)
     except (ValueError, CheckpointError, FileNotFoundError) as exc:

@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(it is in requirements.txt)") from exc
 
 from app.data.tokenizer import EOD_TOKEN
-from app.convert.detect import detect_format
+from app.checkpoint.formats import detect_format
 from app.inference.sampling import SamplingConfig
 from app.inference.session import GenerationParams, InferenceSession
 

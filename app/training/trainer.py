@@ -31,7 +31,7 @@ from app.training.telemetry.stragglers import StragglerDetector
 from app.launch.distributed import world_group
 from app.training.data_loading import BatchBuilder, build_data_iterator, check_data_suffices
 from app.training.engines.base import Engine
-from app.checkpointing.megatron import CheckpointError
+from app.checkpoint.megatron import CheckpointError
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
 from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.resilience.rollback import SpikeRollback
@@ -512,7 +512,7 @@ class Trainer:
                      "it (its state is not finite); exit status 0. The latest checkpoint in "
                      f"{c.save} is the one to resume from")
         elif c.save:
-            from app.checkpointing.megatron import checkpoint_dir
+            from app.checkpoint.megatron import checkpoint_dir
             self.log(f"exiting after {name}: saved the checkpoint of iteration {s.iteration} to "
                      f"{checkpoint_dir(c.save, s.iteration)}; exit status 0. Relaunch with "
                      f"--load {c.save} to resume")

@@ -24,7 +24,7 @@ def reference(tiny_corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_weights(reference, tmp_path_factory):
-    from app.checkpointing import megatron as ckpt
+    from app.checkpoint import megatron as ckpt
     state, _ = ckpt.load_checkpoint_dict(str(reference["checkpoint"]))
     return ckpt.from_megatron_model(state["model"])
 
@@ -64,7 +64,7 @@ def test_tp2_pp2_checkpoint_shards_equal_single_process_weights(tiny_corpus, ref
                                                                 tmp_path):
     """Each rank's file of a TP=2 x PP=2 run holds its shard of the single-process weights."""
     import torch
-    from app.checkpointing import megatron as ckpt
+    from app.checkpoint import megatron as ckpt
     ck = tmp_path / "ck"
     torchrun(4, tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--tensor-model-parallel-size", "2",
                               "--pipeline-model-parallel-size", "2", "--save", str(ck)), tmp_path)

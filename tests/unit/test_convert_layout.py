@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.convert import hf_gpt2, layout
+from app.checkpoint import hf_gpt2, layout
 from app.model import GPT2Model
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu.parallel_state import ParallelState

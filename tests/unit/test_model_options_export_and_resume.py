@@ -7,8 +7,8 @@ import pytest
 
 import arguments
 from app.model.hf_compat import gpt2_export_blockers
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import model_args
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import model_args
 from tests.harness.synthetic import build_synthetic_run
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -84,12 +84,12 @@ def test_saved_args_give_the_same_blockers_and_the_converter_refuses(tmp_path):
     """The converter refuses to reshard or export a checkpoint with these options (naming each);
     inference at the saved layout builds the same model from the saved args."""
     import torch
-    from app.convert.hf_gpt2 import write_hf_dir
-    from app.convert.layout import LayoutError
-    from app.convert.megatron import read_megatron
-    from app.convert.state import ModelCheckpoint
+    from app.checkpoint.hf_gpt2 import write_hf_dir
+    from app.checkpoint.layout import LayoutError
+    from app.checkpoint.megatron_whole import read_megatron
+    from app.checkpoint.state import ModelCheckpoint
     from app.inference.runner import load_model
-    from app.model.hf_compat import checkpoint_args_blockers
+    from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
     from app.mpu.parallel_state import ParallelState
     cfg = _cfg(*OPTIONS)
     args = model_args.checkpoint_args_namespace(cfg, 0, 0, 0)

@@ -32,9 +32,9 @@ DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replace
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
 verified and with torch.load(weights_only=True) and an allow-list (`deepspeed_safe_globals`),
 where DeepSpeed's own engine unpickles anything (weights_only=False), so a crafted checkpoint
-could run code on --load. `app.checkpointing.deepspeed_files` holds the same safe read for
+could run code on --load. `app.checkpoint.deepspeed_files` holds the same safe read for
 tools. Saves go through the same two-phase commit as the native engine's
-(app.checkpointing.commit): a save that fails on any rank (a full disk) is undone everywhere;
+(app.checkpoint.commit): a save that fails on any rank (a full disk) is undone everywhere;
 `latest` and our tracker are written only after every rank's files are complete.
 """
 from __future__ import annotations
@@ -51,11 +51,11 @@ import torch
 from app.config import RunConfig
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
-from app.checkpointing import CheckpointError, commit, layouts, names
-from app.checkpointing import files as ckpt_files
-from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
-from app.checkpointing.model_args import checkpoint_args_namespace
-from app.checkpointing.snapshot import HostBuffers, host_copy
+from app.checkpoint import CheckpointError, commit, layouts, names
+from app.checkpoint import files as ckpt_files
+from app.checkpoint.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
+from app.checkpoint.model_args import checkpoint_args_namespace
+from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.config.deepspeed import offloads_optimizer, zero_stage
 from app.launch.distributed import world_group
 from app.launch import waits
@@ -338,7 +338,7 @@ class DeepSpeedEngineAdapter(Engine):
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
                    asynchronous: bool) -> commit.PendingSave:
         """engine.save_checkpoint under tag iter_XXXXXXX as the write step of the two-phase
-        commit (app.checkpointing.commit): once every rank's files are complete, rank 0 writes
+        commit (app.checkpoint.commit): once every rank's files are complete, rank 0 writes
         `latest` and our tracker and rotates; a failed save on any rank is undone on every rank
         (CheckpointSaveError). With `asynchronous`, engine.save_checkpoint runs here but its
         files are host copies written later in the background (DeepSpeed's default Torch

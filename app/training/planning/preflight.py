@@ -22,9 +22,9 @@ from app.config import DataConfig, RunConfig, samples_per_split
 from app.config.batch_schedule import check_divisible
 from app.data.mock_dataset import build_mock_datasets
 from app.data.plan import order_record
-from app.checkpointing import CheckpointError
-from app.checkpointing import files as ckpt_files
-from app.checkpointing import dcp_files, layouts, model_args
+from app.checkpoint import CheckpointError
+from app.checkpoint import files as ckpt_files
+from app.checkpoint import dcp_files, layouts, model_args
 from app.launch import interfaces
 from app.training.planning.data_check import check_data
 from app.training.planning.memory import FIT_FRACTION, estimate_memory

@@ -1,8 +1,8 @@
 """Read a `torch_dist` checkpoint into a ModelCheckpoint, and write one from it (one process).
 
-A torch_dist checkpoint (app.checkpointing.torch_dist) already holds global tensors under
+A torch_dist checkpoint (app.checkpoint.torch_dist) already holds global tensors under
 Megatron Core's keys, so reading is one full read per key (the stacked layer tensors cut back
-into our per-layer names, app.checkpointing.mcore_names) and writing is one box per tensor from
+into our per-layer names, app.checkpoint.mcore_names) and writing is one box per tensor from
 a single rank: its TP x PP is irrelevant, training reshards it on load. Mixed-precision
 checkpoints give their fp32 main weights (`optimizer.state.fp32_param` / `.param`), as the
 legacy reader does. Checkpoints written by Megatron-LM itself are read the same way (its
@@ -17,14 +17,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from app.checkpointing import dcp_files, mcore_names, mcore_state, torch_dist
-from app.checkpointing import megatron as ckpt
-from app.checkpointing.names import checkpoint_dir, write_tracker
-from app.convert import layout
-from app.convert.megatron import resolve_iteration, target_args
-from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress, cast_weights,
+from app.checkpoint import dcp_files, mcore_names, mcore_state, torch_dist
+from app.checkpoint import megatron as ckpt
+from app.checkpoint.names import checkpoint_dir, write_tracker
+from app.checkpoint import layout
+from app.checkpoint.megatron_whole import resolve_iteration, target_args
+from app.checkpoint.state import (Iteration, ModelCheckpoint, OptimizerState, Progress, cast_weights,
                                describe)
-from app.model.hf_compat import checkpoint_args_blockers
+from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
 from app.optim.model_space import MAIN, MOMENTS, MOMENTUM, ModelSpaceState, ParamState
 from app.utils.dtypes import torch_dtype
 
@@ -86,7 +86,7 @@ def read_torch_dist(load_dir: str, iteration: Optional[Iteration] = None,
     directory = checkpoint_dir(load_dir, iteration)
     if not dcp_files.is_dcp_checkpoint(directory):
         raise ckpt.CheckpointError(f"{directory} is not a torch_dist checkpoint (no metadata.json "
-                                   "or .metadata); use --input-format megatron or deepspeed")
+                                   "or .metadata); use --input-format torch or deepspeed")
     reader = dcp_files.Reader(directory)
     common = torch_dist.read_common(reader)
     ckpt.check_checkpoint_version(common, directory)
@@ -204,3 +204,17 @@ def write_torch_dist(source: ModelCheckpoint, save_dir: str, dtype_name: Optiona
     dcp_files.publish(directory, [record])
     write_tracker(save_dir, iteration)
     return iteration
+
+
+def write_converted(source: ModelCheckpoint, save_dir: str, opts: Any) -> str:
+    """The converter's write (opts: app.checkpoint.convert.ConvertOptions); returns what was
+    written, in words."""
+    iteration = opts.iteration
+    if opts.include_optimizer and iteration is None:
+        iteration = source.iteration
+    written = write_torch_dist(source, save_dir, opts.target_params_dtype, iteration,
+                               opts.include_optimizer)
+    if (opts.target_tensor_model_parallel_size, opts.target_pipeline_model_parallel_size) != (1, 1):
+        logger.warning("--target-*-parallel-size is ignored for --output-format torch_dist: "
+                       "it loads at any layout")
+    return f"torch_dist checkpoint (iteration {written}; loads at any TP x PP x DP)"

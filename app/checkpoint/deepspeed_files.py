@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from app.checkpointing import files as ckpt_files
+from app.checkpoint import files as ckpt_files
 
 
 def deepspeed_safe_globals() -> List[Any]:

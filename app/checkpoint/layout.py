@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from app.checkpointing.model_args import model_config_from_args
+from app.checkpoint.model_args import model_config_from_args
 from app.config import ModelConfig
 from app.model.gpt2 import (OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD, WORD_EMBEDDINGS,
                             layer_param_name, parse_layer)

@@ -12,12 +12,12 @@ DeepSpeed's layout under `{load}/{tag}/` (tag `iter_0000100`, named by the `late
 
 At ZeRO-3 the module file is per data-parallel rank too, `zero_pp_rank_{dp}_mp_rank_{mp:02d}_
 model_states.pt` (its weights empty: they live only in the optimizer files' fp32 pieces), and
-the optimizer files hold each parameter split on its own (app.checkpointing.zero3 merges them).
+the optimizer files hold each parameter split on its own (app.checkpoint.zero3 merges them).
 Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (the pipeline stages of a
 PP > 1 run; TP from the saved args). For each of them the DP slices of each group are concatenated and cut into parameters in the
 order of `param_shapes` (DeepSpeed's zero_to_fp32 does the same for a single TP rank); then
-the TP shards are merged by app.convert.layout. The files pickle DeepSpeed objects; they are read
-the safe way (app.checkpointing.deepspeed_files.load_deepspeed_file: SHA-256 sidecar verified,
+the TP shards are merged by app.checkpoint.layout. The files pickle DeepSpeed objects; they are read
+the safe way (app.checkpoint.deepspeed_files.load_deepspeed_file: SHA-256 sidecar verified,
 weights_only with an allow-list of DeepSpeed's classes), so a crafted file is refused, never run.
 """
 from __future__ import annotations
@@ -30,43 +30,37 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from app.convert import layout
-from app.convert.state import ModelCheckpoint, OptimizerState, Progress
-from app.checkpointing import megatron as ckpt
-from app.checkpointing.names import (iteration_tag, parse_deepspeed_model_file,
-                                     parse_deepspeed_optim_file, parse_zero3_model_file,
-                                     read_latest_tag)
-from app.checkpointing.zero3 import merge_zero3
+from app.checkpoint import layout
+from app.checkpoint.state import ModelCheckpoint, OptimizerState, Progress, describe
+from app.checkpoint import megatron as ckpt
+from app.checkpoint.names import (parse_deepspeed_model_file, parse_deepspeed_optim_file,
+                                  parse_zero3_model_file, resolve_iteration)
+from app.checkpoint.zero3 import merge_zero3
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_tag(load_dir: str, iteration: Optional[Any]) -> str:
-    """`iter_{n:07d}` for --iteration n, else the tag named by DeepSpeed's `latest` file."""
-    if iteration is not None:
-        tag: Optional[str] = iteration_tag(iteration)
-    else:
-        tag = read_latest_tag(load_dir)
-    if tag is None:
-        raise ckpt.CheckpointError(f"--load {load_dir} has no DeepSpeed 'latest' file; pass "
-                                   "--iteration N, or is it a Megatron checkpoint (--input-format megatron)?")
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise ckpt.CheckpointError(f"DeepSpeed checkpoint {os.path.join(load_dir, tag)} does not exist")
-    return tag
+def describe_deepspeed(load_dir: str, iteration: Optional[Any] = None) -> List[str]:
+    """Lines describing every .pt file of a DeepSpeed checkpoint: keys, shapes, dtypes."""
+    directory, _ = resolve_iteration(load_dir, iteration)
+    lines: List[str] = []
+    for name in sorted(n for n in os.listdir(directory) if n.endswith(".pt")):
+        lines.append(f"{os.path.relpath(os.path.join(directory, name), load_dir)}:")
+        lines += describe(load_file(os.path.join(directory, name)), 1)
+    return lines
 
 
 def load_file(path: str) -> Dict[str, Any]:
     """One DeepSpeed file, read safely (checksum, weights_only with DeepSpeed's allow-list);
     CheckpointError naming the file when it is damaged or would run code."""
-    from app.checkpointing.deepspeed_files import load_deepspeed_file
+    from app.checkpoint.deepspeed_files import load_deepspeed_file
     return load_deepspeed_file(path)
 
 
 def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
                    include_optimizer: bool = False) -> ModelCheckpoint:
     """The whole model of a DeepSpeed checkpoint of ours (fp32 masters), any DP and TP size."""
-    tag = resolve_tag(load_dir, iteration)
-    directory = os.path.join(load_dir, tag)
+    directory, _ = resolve_iteration(load_dir, iteration)
     model_files = sorted((mp_rank, name) for name in os.listdir(directory)
                          for mp_rank in [parse_deepspeed_model_file(name)]
                          if mp_rank is not None and parse_zero3_model_file(name) in (None, (0, mp_rank)))
@@ -104,7 +98,7 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
         first_file = os.path.join(directory, model_files[0][1])
         raise ckpt.CheckpointError(f"{first_file} has no 'args' (not written by pretrain_gpt2.py "
                                    "--deepspeed?): its model shape is unknown")
-    from app.convert.megatron import merge_ranks
+    from app.checkpoint.megatron_whole import merge_ranks
     result = ModelCheckpoint(args=argparse.Namespace(**vars(args)),
                              weights=merge_ranks(args, weights_per_rank, tp, pp, "weights"),
                              iteration=int(first.get("iteration", 0)), source_layout=(tp, pp))
@@ -182,7 +176,7 @@ def _consolidate(model_states: Dict[str, Any], optim_paths: List[str], directory
 
 def _consolidate_zero3(model_states: Dict[str, Any], parts: List[Dict[str, Any]], directory: str,
                        include_optimizer: bool, progress: Progress):
-    """`_consolidate` for ZeRO-3 files (app.checkpointing.zero3): weights, moments, steps, and
+    """`_consolidate` for ZeRO-3 files (app.checkpoint.zero3): weights, moments, steps, and
     the hyper-parameters of the 'decay' and 'no_decay' groups."""
     merged = merge_zero3(model_states["param_shapes"], parts, directory, include_optimizer)
     hparams = {("no_decay" if layout.is_no_weight_decay(name) else "decay"): group

@@ -1,5 +1,5 @@
 """Read a Megatron-layout checkpoint at any TP/PP into a ModelCheckpoint, and write one at any
-target TP/PP/dtype (the files app.checkpointing.megatron reads and writes; see docs/checkpoints.md).
+target TP/PP/dtype (the files app.checkpoint.megatron reads and writes; see docs/checkpoints.md).
 
 Reading merges every rank's shard of every parameter (and, when present, of its Adam moments)
 into full tensors; writing splits them for the target layout. The padded vocabulary is
@@ -16,35 +16,41 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from app.convert import layout
-from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
+from app.checkpoint import layout
+from app.checkpoint.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
                                cast_weights)
-from app.model.hf_compat import checkpoint_args_blockers
+from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
 from app.optim.distributed_optimizer import STATE_TENSORS
 from app.optim.mixed_precision import is_mixed_state
 from app.pipeline.partition import stage_layer_range, stage_of_layer
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
-from app.checkpointing.names import (TRACKER_FILENAME, list_checkpoint_iterations, read_tracker,
-                                     write_tracker)
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
+from app.checkpoint.names import write_tracker
+from app.checkpoint.state import describe
 from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_iteration(load_dir: str, iteration: Optional[Iteration]) -> Iteration:
-    """The iteration to read: `iteration` if given (int or 'release'), else the tracker's."""
-    if iteration is not None:
-        directory = names.checkpoint_dir(load_dir, iteration)
-        if not os.path.isdir(directory):
-            raise ckpt.CheckpointError(f"--iteration {iteration}: {directory} does not exist "
-                                       f"(iterations present: {list_checkpoint_iterations(load_dir)})")
-        return iteration
-    found = read_tracker(load_dir)
+    """The iteration to read (names.resolve_iteration); CheckpointError when `load_dir`'s
+    pointer names a tag that is no iteration (DeepSpeed's global_stepN)."""
+    folder, found = names.resolve_iteration(load_dir, iteration)
     if found is None:
-        raise ckpt.CheckpointError(f"--load {load_dir} has no {TRACKER_FILENAME}; pass "
-                                   "--iteration N (or release) or point --load at a Megatron checkpoint")
+        raise ckpt.CheckpointError(f"{folder} is not an iteration folder of a Megatron-layout "
+                                   "checkpoint; pass --iteration N (or release)")
     return found
+
+
+def describe_megatron(load_dir: str, iteration: Optional[Iteration] = None) -> List[str]:
+    """Lines describing every rank file of a Megatron-layout checkpoint: keys, shapes, dtypes."""
+    iteration = resolve_iteration(load_dir, iteration)
+    (tp, pp), files = read_rank_files(load_dir, iteration)
+    lines = [f"Megatron checkpoint {load_dir}, iteration {iteration}: TP {tp}, PP {pp}"]
+    for (tp_rank, pp_rank), state in sorted(files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(f"rank file (tp {tp_rank}, pp {pp_rank}):")
+        lines += describe(state, 1)
+    return lines
 
 
 def read_rank_files(load_dir: str, iteration: Iteration
@@ -281,6 +287,25 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
     write_tracker(save_dir, iteration)
     progress.report(final=True)
     return iteration
+
+
+def write_converted(source: ModelCheckpoint, save_dir: str, opts: Any) -> str:
+    """The converter's write (opts: app.checkpoint.convert.ConvertOptions); returns what was
+    written, in words."""
+    tp, pp = opts.target_tensor_model_parallel_size, opts.target_pipeline_model_parallel_size
+    iteration = opts.iteration
+    if opts.include_optimizer and iteration is None:
+        iteration = source.iteration
+    written = write_megatron(source, save_dir, tp, pp, opts.target_params_dtype, iteration,
+                             opts.include_optimizer)
+    if opts.include_optimizer:
+        logger.info("wrote iteration %s with the optimizer state: --load resumes it with "
+                    "its Adam moments and LR schedule", written)
+    else:
+        logger.info("wrote %s weights only: load it with --load (a release checkpoint) or "
+                    "--finetune; training starts at iteration 0 with a fresh optimizer",
+                    "a release checkpoint of" if written == "release" else f"iteration {written},")
+    return f"Megatron checkpoint (iteration {written}, TP {tp}, PP {pp})"
 
 
 def _optimizer_shard(opt: OptimizerState, placement: layout.Layout, stage: int, tp: int,
