@@ -4,18 +4,21 @@ Names are ours (Megatron's, flat, global layer indices; see docs/architecture.md
 pipeline stage holds, in module order, and the dimension tensor parallelism splits each
 parameter along are not restated here: `Layout` reads them from the model itself
 (`app.model.stage.stage_parameters`, a stage built on the meta device, and the marks its
-parallel layers put on each parameter). A full tensor is split into tensor-parallel shards
-along that dimension by contiguous chunks, exactly what the parallel layers keep (the fused
-QKV rows are ordered [heads, (q, k, v), head_dim], so a contiguous chunk holds whole heads);
-merging concatenates the shards back, so split/merge round trips are exact.
+parallel layers put on each parameter). Where a TP shard lies in the full tensor is the one
+rule the torch_dist format uses too (`app.checkpoint.sharding.place`): contiguous chunks along
+that dimension (the fused QKV rows are ordered by query group, so a chunk holds whole groups),
+and under grouped-query attention with fewer key/value groups than TP ranks, each rank's query
+rows plus its group's key/value rows, shared by the ranks of that group. Merging places the
+shards back (checking that shared rows agree), so split/merge round trips are exact.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from app.checkpoint import sharding
 from app.checkpoint.model_args import model_config_from_args
 from app.config import ModelConfig
 from app.model.gpt2 import (OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD, WORD_EMBEDDINGS,
@@ -56,6 +59,7 @@ class Layout:
             raise LayoutError(str(exc)) from exc
         self._stage_of = {name: stage for stage, records in enumerate(self.stages)
                           for name in records}
+        self.config = config
 
     @classmethod
     def of_args(cls, args: argparse.Namespace, pipeline_model_parallel_size: int,
@@ -78,6 +82,23 @@ class Layout:
         stage = self.stage_of(name)
         return self.stages[stage][name]
 
+    def replicated_rows(self, name: str, tp: int) -> Optional[Tuple[int, int]]:
+        """(first_row, ranks): the rows [first_row:] of `name`'s TP shard that `ranks` ranks
+        share at tensor-parallel size `tp` (the fused QKV weight and bias under grouped-query
+        attention with fewer key/value groups than ranks, app.model.attention); else None."""
+        groups, heads = self.config.num_kv_heads, self.config.num_attention_heads
+        if groups >= tp or (parse_layer(name) or (0, ""))[1] not in FUSED_QKV:
+            return None
+        return heads // tp * self.config.head_dim, tp // groups
+
+    def split(self, name: str, full: torch.Tensor, tp: int) -> List[torch.Tensor]:
+        """The `tp` shards of parameter `name` (split_tensor with its shared rows)."""
+        return split_tensor(full, self.record(name), tp, self.replicated_rows(name, tp))
+
+    def merge(self, name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full tensor of parameter `name` from its TP shards (merge_shards)."""
+        return merge_shards(shards, self.record(name), self.replicated_rows(name, len(shards)))
+
     def stage_of(self, name: str) -> int:
         """The pipeline stage holding `name`; LayoutError for a name this model does not have."""
         if name not in self._stage_of:
@@ -88,34 +109,93 @@ class Layout:
         return self._stage_of[name]
 
 
-def split_tensor(full: torch.Tensor, record: ParameterRecord, tp: int) -> List[torch.Tensor]:
-    """The `tp` contiguous shards of `full` along `record.partition_dim` (replicas when -1)."""
-    dim = record.partition_dim
-    if dim < 0 or tp == 1:
+def _shard_shape(full: Sequence[int], dim: int, tp: int,
+                 replicated_rows: Optional[Tuple[int, int]], name: str) -> Tuple[int, ...]:
+    """The shape of one TP shard of a tensor of shape `full` (see sharding.place)."""
+    full = tuple(int(s) for s in full)
+    if replicated_rows is not None:
+        first_row, ranks = replicated_rows
+        sets = tp // ranks  # groups of ranks, each holding one set of shared rows
+        if full[0] % sets:
+            raise LayoutError(f"{name}: {full[0]} rows do not split into {sets} key/value groups")
+        return (full[0] // sets - (ranks - 1) * first_row,) + full[1:]
+    if full[dim] % tp:
+        raise LayoutError(f"{name}: dimension {dim} of shape {full} is not divisible by the "
+                          f"tensor-parallel size {tp}")
+    return full[:dim] + (full[dim] // tp,) + full[dim + 1:]
+
+
+def _box(start: Sequence[int], size: Sequence[int]) -> Tuple[slice, ...]:
+    return tuple(slice(a, a + n) for a, n in zip(start, size))
+
+
+def _placements(full_shape: Sequence[int], record: ParameterRecord, tp: int,
+                replicated_rows: Optional[Tuple[int, int]]) -> List[sharding.Placement]:
+    """Each TP rank's placement of its shard in the full tensor (sharding.place)."""
+    local = _shard_shape(full_shape, record.partition_dim, tp, replicated_rows, record.name)
+    found = [sharding.place(record.name, local, partition_dim=record.partition_dim, tp_rank=rank,
+                            tp_size=tp, replicated_rows=replicated_rows) for rank in range(tp)]
+    if found[0].global_shape != tuple(full_shape):
+        raise LayoutError(f"{record.name}: shards of {local} place into "
+                          f"{found[0].global_shape}, not the full shape {tuple(full_shape)}")
+    return found
+
+
+def split_tensor(full: torch.Tensor, record: ParameterRecord, tp: int,
+                 replicated_rows: Optional[Tuple[int, int]] = None) -> List[torch.Tensor]:
+    """The `tp` shards of `full` as the TP ranks hold them (replicas when partition_dim is -1):
+    the boxes sharding.place gives, with `replicated_rows` (Layout.replicated_rows) shared."""
+    if record.partition_dim < 0 or tp == 1:
         return [full] * tp
-    if full.shape[dim] % tp:
-        raise LayoutError(f"{record.name}: dimension {dim} of shape {tuple(full.shape)} is not "
-                          f"divisible by the tensor-parallel size {tp}")
-    return [t.clone() for t in torch.chunk(full, tp, dim=dim)]
+    shards = []
+    for placement in _placements(full.shape, record, tp, replicated_rows):
+        local = _shard_shape(full.shape, record.partition_dim, tp, replicated_rows, record.name)
+        shard = full.new_empty(local)
+        for region in placement.regions:
+            shard[_box(region.local_start, region.size)] = \
+                full[_box(region.global_offset, region.size)]
+        shards.append(shard)
+    return shards
 
 
-def merge_shards(shards: Sequence[torch.Tensor], record: ParameterRecord) -> torch.Tensor:
-    """Inverse of split_tensor: concatenate along `record.partition_dim`, or check the replicas."""
-    dim = record.partition_dim
-    if dim < 0 or len(shards) == 1:
+def merge_shards(shards: Sequence[torch.Tensor], record: ParameterRecord,
+                 replicated_rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Inverse of split_tensor: each shard placed back (sharding.place); replicas and shared
+    rows must agree (LayoutError naming the rank otherwise)."""
+    tp = len(shards)
+    if record.partition_dim < 0 or tp == 1:
         first = shards[0]
         for rank, other in enumerate(shards[1:], start=1):
             if other.shape != first.shape or not torch.equal(other, first):
                 raise LayoutError(f"{record.name} is replicated across tensor-parallel ranks but "
                                   f"rank {rank}'s copy differs from rank 0's")
         return first
-    return torch.cat(list(shards), dim=dim)
+    first_row, ranks = replicated_rows or (0, 1)
+    sets = tp // ranks
+    rows = sets * (ranks * first_row + shards[0].shape[0] - first_row) if replicated_rows \
+        else None
+    dim = record.partition_dim
+    shape = list(shards[0].shape)
+    shape[0 if rows else dim] = rows if rows else shape[dim] * tp
+    full = shards[0].new_empty(shape)  # [full rows or columns of the parameter]
+    for rank, placement in enumerate(_placements(shape, record, tp, replicated_rows)):
+        for region in placement.regions:
+            piece = shards[rank][_box(region.local_start, region.size)]
+            target = _box(region.global_offset, region.size)
+            if region.copy_index and not torch.equal(full[target], piece):
+                raise LayoutError(f"{record.name}: tensor-parallel rank {rank}'s copy of the "
+                                  "key/value rows it shares differs from its group's first rank's")
+            full[target] = piece
+    return full
 
 
 def is_no_weight_decay(name: str) -> bool:
     """Biases and LayerNorm parameters (the optimizer's no-decay group), as get_param_groups."""
     return name.endswith(".bias") or "layernorm" in name
 
+
+FUSED_QKV = ("attention.query_key_value.weight", "attention.query_key_value.bias")
+"""The layer parameters whose key/value rows grouped-query attention may share over TP ranks."""
 
 MUON_MATRICES = ("attention.query_key_value.weight", "attention.dense.weight",
                  "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight")

@@ -19,7 +19,6 @@ import torch
 from app.checkpoint import layout
 from app.checkpoint.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
                                cast_weights)
-from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
 from app.optim.distributed_optimizer import STATE_TENSORS
 from app.optim.mixed_precision import is_mixed_state
 from app.pipeline.partition import stage_layer_range, stage_of_layer
@@ -81,12 +80,6 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
     if args is None:
         raise ckpt.CheckpointError(f"{names.checkpoint_dir(load_dir, iteration)} has no 'args': its "
                                    "model shape is unknown, so it cannot be converted")
-    blockers = checkpoint_args_blockers(args)
-    if blockers:
-        raise ckpt.CheckpointError(
-            f"{names.checkpoint_dir(load_dir, iteration)} cannot be converted or resharded: the "
-            "converter maps the GPT-2 parameter layout only, and this model was trained with "
-            + "; ".join(blockers) + ". Load it at the tensor/pipeline layout it was saved with")
     flat = {}
     for key, state in files.items():
         flat[key] = ckpt.from_megatron_model(state["model"])
@@ -133,7 +126,7 @@ def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[s
             if name not in rank_dict:
                 raise ckpt.CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) has no {name!r}")
             shards.append(rank_dict[name])
-        merged[name] = layout.merge_shards(shards, placement.record(name))
+        merged[name] = placement.merge(name, shards)
         progress.add(merged[name])
     known = set(placement.names())
     for (tp_rank, stage), rank_dict in per_rank.items():
@@ -270,7 +263,7 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
     for stage in range(pp):
         names = placement.stage_names(stage)
         for tp_rank in range(tp):
-            flat = {n: layout.split_tensor(weights[n], placement.record(n), tp)[tp_rank]
+            flat = {n: placement.split(n, weights[n], tp)[tp_rank]
                     for n in names}
             for tensor in flat.values():
                 progress.add(tensor)
@@ -332,7 +325,7 @@ def _optimizer_shard(opt: OptimizerState, placement: layout.Layout, stage: int, 
                 full = entry[kind]
                 if source_name in layout.VOCABULARY:
                     full = layout.resize_vocab(full, rows, vocab_size, f"{kind} of {source_name}")
-                split[kind] = layout.split_tensor(full, placement.record(name), tp)[tp_rank]
+                split[kind] = placement.split(name, full, tp)[tp_rank]
             state[index] = split
             indices.append(index)
             index += 1
@@ -348,7 +341,7 @@ def _mixed_state(adam: Dict[str, Any], full: Dict[str, torch.Tensor], placement:
     the loss scaler's, and the fp32 main weights with their names, per param group."""
     groups = [g for g in layout.optimizer_groups(placement.stage_names(stage),
                                                  "muon" in opt.group_hparams).values() if g]
-    mains = [[layout.split_tensor(full[n].float(), placement.record(n), tp)[tp_rank] for n in group]
+    mains = [[placement.split(n, full[n].float(), tp)[tp_rank] for n in group]
              for group in groups]
     return {"optimizer": adam, "grad_scaler": opt.grad_scaler, "fp32_from_fp16_params": mains,
             "param_names": groups}

@@ -24,7 +24,6 @@ from app.checkpoint import layout
 from app.checkpoint.megatron_whole import resolve_iteration, target_args
 from app.checkpoint.state import (Iteration, ModelCheckpoint, OptimizerState, Progress, cast_weights,
                                describe)
-from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
 from app.optim.model_space import MAIN, MOMENTS, MOMENTUM, ModelSpaceState, ParamState
 from app.utils.dtypes import torch_dtype
 
@@ -93,11 +92,6 @@ def read_torch_dist(load_dir: str, iteration: Optional[Iteration] = None,
     args = common.get("args")
     if args is None:
         raise ckpt.CheckpointError(f"{directory} has no 'args': its model shape is unknown")
-    blockers = checkpoint_args_blockers(args)
-    if blockers:
-        raise ckpt.CheckpointError(f"{directory} cannot be converted: the converter maps the "
-                                   "GPT-2 parameter layout only, and this model was trained with "
-                                   + "; ".join(blockers))
     num_layers = int(args.num_layers)
     progress = Progress("reading torch_dist")
     weights = _by_name(reader, "", num_layers, progress)

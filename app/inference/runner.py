@@ -69,9 +69,10 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
     rows = target_padded_vocab(args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
     weights = layout.pad_vocabulary(source.weights, rows, getattr(args, "vocab_size", None))
     model = _build(args, rows, ps)
+    placement = layout.Layout.of_args(args, pp, rows)
     try:  # each tensor split as the parallel layer that holds it marks it
-        flat = {name: layout.split_tensor(weights[name], record, tp)[ps.tensor_model_parallel_rank]
-                for name, record in parameter_records(model).items()}
+        flat = {name: placement.split(name, weights[name], tp)[ps.tensor_model_parallel_rank]
+                for name in parameter_records(model)}
     except KeyError as exc:
         raise ckpt.CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
                                    "the model its args describe holds") from exc
