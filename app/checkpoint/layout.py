@@ -21,17 +21,16 @@ import torch
 from app.checkpoint import sharding
 from app.checkpoint.model_args import model_config_from_args
 from app.config import ModelConfig
-from app.model.gpt2 import (OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD, WORD_EMBEDDINGS,
-                            layer_param_name, parse_layer)
-from app.model.stage import ParameterRecord, stage_parameters
+from app.config.param_names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD,
+                                    WORD_EMBEDDINGS, layer_param_name, parse_layer)
+from app.model.stage import ParameterRecord, build_model_stage, stage_parameters
+from app.mpu.parallel_state import ParallelState
+from app.optim.param_groups import get_muon_param_groups, get_param_groups
 
-__all__ = ["FINAL_NORM", "MUON_MATRICES", "OUTPUT_LAYER", "POSITION_EMBEDDINGS", "TIED_HEAD",
-           "VOCABULARY", "WORD_EMBEDDINGS", "Layout", "LayoutError", "is_no_weight_decay",
-           "layer_param_name", "merge_shards", "optimizer_groups", "parse_layer", "pad_vocabulary",
-           "resize_vocab", "split_tensor"]
+__all__ = ["FINAL_NORM", "OUTPUT_LAYER", "POSITION_EMBEDDINGS", "TIED_HEAD", "VOCABULARY",
+           "WORD_EMBEDDINGS", "Layout", "LayoutError", "layer_param_name", "merge_shards",
+           "parse_layer", "pad_vocabulary", "resize_vocab", "split_tensor"]
 
-FINAL_NORM = ("language_model.transformer.final_layernorm.weight",
-              "language_model.transformer.final_layernorm.bias")
 VOCABULARY = (WORD_EMBEDDINGS, OUTPUT_LAYER)
 """The full tensors whose rows are the padded vocabulary (the tied copy is the first's)."""
 
@@ -60,6 +59,7 @@ class Layout:
         self._stage_of = {name: stage for stage, records in enumerate(self.stages)
                           for name in records}
         self.config = config
+        self._groups: Dict[bool, Dict[str, str]] = {}
 
     @classmethod
     def of_args(cls, args: argparse.Namespace, pipeline_model_parallel_size: int,
@@ -98,6 +98,37 @@ class Layout:
     def merge(self, name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         """The full tensor of parameter `name` from its TP shards (merge_shards)."""
         return merge_shards(shards, self.record(name), self.replicated_rows(name, len(shards)))
+
+    def optimizer_groups(self, names: Sequence[str], muon: bool = False) -> Dict[str, List[str]]:
+        """{group name: the `names` in it, in their order}, groups in the optimizer's order:
+        the model's own groups (app.optim.get_param_groups; with `muon`,
+        get_muon_param_groups), asked of each stage built on the meta device."""
+        if muon not in self._groups:
+            self._groups[muon] = self._model_groups(muon)
+        group_of = self._groups[muon]
+        unknown = [n for n in names if n not in group_of]
+        if unknown:
+            self.stage_of(unknown[0])  # LayoutError naming it
+        order = list(dict.fromkeys(group_of.values()))
+        return {group: [n for n in names if group_of[n] == group] for group in order}
+
+    def group_of(self, name: str) -> str:
+        """The name of the model's own optimizer group (decay or no_decay) holding `name`."""
+        return next(g for g, members in self.optimizer_groups([name]).items() if members)
+
+    def _model_groups(self, muon: bool) -> Dict[str, str]:
+        """{parameter name: its optimizer group's name} over every stage of the model."""
+        pp = len(self.stages)
+        found: Dict[str, str] = {}
+        for stage in range(pp):
+            ps = ParallelState(pipeline_model_parallel_size=pp, pipeline_model_parallel_rank=stage,
+                               pipeline_ranks=list(range(pp)))
+            with torch.device("meta"):
+                module = build_model_stage(self.config, ps)
+            name_of = {id(p): n for n, p in module.named_parameters()}
+            groups = get_muon_param_groups(module, {}) if muon else get_param_groups(module)
+            found.update({name_of[id(p)]: g["name"] for g in groups for p in g["params"]})
+        return found
 
     def stage_of(self, name: str) -> int:
         """The pipeline stage holding `name`; LayoutError for a name this model does not have."""
@@ -189,29 +220,8 @@ def merge_shards(shards: Sequence[torch.Tensor], record: ParameterRecord,
     return full
 
 
-def is_no_weight_decay(name: str) -> bool:
-    """Biases and LayerNorm parameters (the optimizer's no-decay group), as get_param_groups."""
-    return name.endswith(".bias") or "layernorm" in name
-
-
 FUSED_QKV = ("attention.query_key_value.weight", "attention.query_key_value.bias")
 """The layer parameters whose key/value rows grouped-query attention may share over TP ranks."""
-
-MUON_MATRICES = ("attention.query_key_value.weight", "attention.dense.weight",
-                 "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight")
-"""The layer weights --optimizer muon orthogonalises (app.optim.get_muon_param_groups)."""
-
-
-def optimizer_groups(names: Sequence[str], muon: bool = False) -> Dict[str, List[str]]:
-    """{'decay': [...], 'no_decay': [...]}: `names` split as app.optim.get_param_groups does;
-    with `muon`, {'muon', 'decay', 'no_decay'} as app.optim.get_muon_param_groups does (the
-    transformer layers' MUON_MATRICES first)."""
-    chosen = [n for n in names if muon and (parse_layer(n) or (0, ""))[1] in MUON_MATRICES]
-    rest = [n for n in names if n not in chosen]
-    groups = {"muon": chosen} if muon else {}
-    groups.update(decay=[n for n in rest if not is_no_weight_decay(n)],
-                  no_decay=[n for n in rest if is_no_weight_decay(n)])
-    return groups
 
 
 def resize_vocab(tensor: torch.Tensor, rows: int, vocab_size: Optional[int], name: str

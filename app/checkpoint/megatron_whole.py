@@ -19,6 +19,7 @@ import torch
 from app.checkpoint import layout
 from app.checkpoint.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
                                cast_weights)
+from app.data import pad_vocab_size
 from app.optim.distributed_optimizer import STATE_TENSORS
 from app.optim.mixed_precision import is_mixed_state
 from app.pipeline.partition import stage_layer_range, stage_of_layer
@@ -158,7 +159,7 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
         if opt is None:
             raise ckpt.CheckpointError(f"--include-optimizer: {load_dir} (tp {tp_rank}, pp {stage}) "
                                        "has no optimizer state (saved with --no-save-optim?)")
-        index_to_name = _index_names(opt, placement.stage_names(stage),
+        index_to_name = _index_names(opt, placement, placement.stage_names(stage),
                                      f"{load_dir} (tp {tp_rank}, pp {stage})")
         for index, name in index_to_name.items():
             entry = opt["state"].get(index)
@@ -187,10 +188,11 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
     return OptimizerState(per_param=per_param, group_hparams=hparams)
 
 
-def _index_names(opt: Dict[str, Any], names: List[str], where: str) -> Dict[int, str]:
+def _index_names(opt: Dict[str, Any], placement: layout.Layout, names: List[str], where: str
+                 ) -> Dict[int, str]:
     """{optimizer index: parameter name} of one stage from its groups' 'params' lists."""
     saved = opt.get("param_groups", [])
-    groups = layout.optimizer_groups(names, muon=any(g.get("name") == "muon" for g in saved))
+    groups = placement.optimizer_groups(names, muon=any(g.get("name") == "muon" for g in saved))
     mapping: Dict[int, str] = {}
     order = [g["name"] if "name" in g else ("decay", "no_decay")[i] for i, g in enumerate(saved)]
     for group, group_name in zip(saved, order):
@@ -209,7 +211,6 @@ def _index_names(opt: Dict[str, Any], names: List[str], where: str) -> Dict[int,
 def target_padded_vocab(args: argparse.Namespace, rows: int, tp: int) -> int:
     """Padded vocabulary rows for tensor-parallel size `tp` (Megatron's rule when the tokenizer
     size is known; else the current rows, which must divide by `tp`)."""
-    from app.data import pad_vocab_size
     vocab = getattr(args, "vocab_size", None)
     if vocab:
         multiple = int(getattr(args, "make_vocab_size_divisible_by", 128) or 128)
@@ -306,7 +307,8 @@ def _optimizer_shard(opt: OptimizerState, placement: layout.Layout, stage: int, 
     """torch.optim state dict of one rank: groups (muon,) decay, no_decay over the stage's
     parameters, as app.optim.get_param_groups builds them, with each parameter's states split
     like its weight."""
-    groups = layout.optimizer_groups(placement.stage_names(stage), muon="muon" in opt.group_hparams)
+    groups = placement.optimizer_groups(placement.stage_names(stage),
+                                        muon="muon" in opt.group_hparams)
     state: Dict[int, Dict[str, torch.Tensor]] = {}
     param_groups = []
     index = 0
@@ -339,7 +341,7 @@ def _mixed_state(adam: Dict[str, Any], full: Dict[str, torch.Tensor], placement:
                  stage: int, tp: int, tp_rank: int, opt: OptimizerState) -> Dict[str, Any]:
     """Megatron's Float16Optimizer layout (what a native fp16/bf16 run saves): AdamW's state,
     the loss scaler's, and the fp32 main weights with their names, per param group."""
-    groups = [g for g in layout.optimizer_groups(placement.stage_names(stage),
+    groups = [g for g in placement.optimizer_groups(placement.stage_names(stage),
                                                  "muon" in opt.group_hparams).values() if g]
     mains = [[placement.split(n, full[n].float(), tp)[tp_rank] for n in group]
              for group in groups]

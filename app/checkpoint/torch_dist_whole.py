@@ -142,11 +142,11 @@ def _rng_states(reader: dcp_files.Reader, tp: int, pp: int) -> Dict[Tuple[int, i
     return out
 
 
-def _model_space(opt: OptimizerState, weights: Dict[str, torch.Tensor], half: bool
-                 ) -> ModelSpaceState:
+def _model_space(opt: OptimizerState, weights: Dict[str, torch.Tensor], half: bool,
+                 placement: layout.Layout) -> ModelSpaceState:
     """The whole model's optimizer state as one rank's model-space state."""
     muon = "muon" in opt.group_hparams
-    groups = layout.optimizer_groups(list(weights), muon=muon)
+    groups = placement.optimizer_groups(list(weights), muon=muon)
     params: List[ParamState] = []
     step = None
     for group_name, members in groups.items():
@@ -183,7 +183,8 @@ def write_torch_dist(source: ModelCheckpoint, save_dir: str, dtype_name: Optiona
     rows = weights[layout.WORD_EMBEDDINGS].shape[0]
     args = target_args(source, 1, 1, dtype, rows, iteration)
     args.data_parallel_size, args.world_size = 1, 1
-    state = _model_space(opt, full, dtype != torch.float32) if opt else None
+    state = _model_space(opt, full, dtype != torch.float32,
+                         layout.Layout.of_args(args, 1, rows)) if opt else None
     common = mcore_state.build_common(
         args, iteration, scheduler=source.lr_scheduler if opt else None,
         optimizer=None if state is None else mcore_state.optimizer_part(state, distributed=False),

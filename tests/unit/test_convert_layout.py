@@ -12,7 +12,6 @@ from app.checkpoint import hf_gpt2, layout
 from app.model import GPT2Model
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu.parallel_state import ParallelState
-from app.optim.param_groups import get_param_groups
 
 L, H, HEADS, V = 4, 32, 4, 128
 
@@ -53,7 +52,7 @@ def _expected_stage(pp, stage):
 def test_layout_read_from_the_model_is_megatrons(pp):
     """For every stage: the names in module order and the TP partition dims that the layout
     reads from the model are Megatron's (written out above); the names are those of the stage
-    training builds, and the decay / no-decay groups those of get_param_groups."""
+    training builds, and the optimizer groups Megatron's (written out by hand)."""
     model_layout = layout.Layout(_config(), pp)
     for stage in range(pp):
         expected = _expected_stage(pp, stage)
@@ -66,10 +65,15 @@ def test_layout_read_from_the_model_is_megatrons(pp):
                               pipeline_ranks=list(range(pp)))
         model = build_model_stage(_config(), state)
         assert names == list(dict(model.named_parameters())) == list(model.state_dict())
-        by_id = {id(p): n for n, p in model.named_parameters()}
-        groups = {g["name"]: [by_id[id(p)] for p in g["params"]] for g in get_param_groups(model)}
-        assert layout.optimizer_groups(names) == {"decay": groups.get("decay", []),
-                                                  "no_decay": groups.get("no_decay", [])}
+        # Megatron's rule, by hand: biases and LayerNorm parameters take no weight decay
+        no_decay = [n for n in names if n.endswith(".bias") or "layernorm" in n]
+        assert model_layout.optimizer_groups(names) == {
+            "decay": [n for n in names if n not in no_decay], "no_decay": no_decay}
+        muon = [n for n in names if n.endswith(("query_key_value.weight", "dense.weight",
+                                                "dense_h_to_4h.weight", "dense_4h_to_h.weight"))]
+        assert model_layout.optimizer_groups(names, muon=True) == {
+            "muon": muon, "decay": [n for n in names if n not in no_decay + muon],
+            "no_decay": no_decay}
     assert model_layout.record(layout.WORD_EMBEDDINGS).shape == (V, H)  # full shapes (TP 1)
     with pytest.raises(layout.LayoutError, match="lm_head.foo"):
         model_layout.record("lm_head.foo")
