@@ -22,6 +22,7 @@ import torch
 
 from app.checkpoint import layout
 from app.checkpoint.model_args import model_config_from_args
+from app.checkpoint.model_card import model_card
 from app.checkpoint.state import ModelCheckpoint, Progress, describe
 from app.model.hf_compat import gpt2_export_blockers
 from app.utils.dtypes import torch_dtype
@@ -351,7 +352,6 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, dtype: Optional[torch.dt
     if vocab_file and merge_file:
         written.update(write_tokenizer_files(out_dir, vocab_file, merge_file,
                                              int(args.max_position_embeddings)))
-    from app.checkpoint.model_card import model_card
     card = model_card(args, source.iteration, sum(t.numel() for t in tensors.values()),
                       model_path or out_dir, metrics_file)
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:

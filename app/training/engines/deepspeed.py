@@ -50,7 +50,10 @@ import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
+from app.mpu import random as mpu_random
 from app.mpu.parallel_state import ParallelState
+from app.mpu.random import get_rng_tracker, rng_state_dict
+from app.optim import OptimizerParamScheduler, get_param_groups
 from app.checkpoint import CheckpointError, commit, layouts, names
 from app.checkpoint import files as ckpt_files
 from app.checkpoint.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
@@ -194,7 +197,6 @@ class DeepSpeedEngineAdapter(Engine):
                 param.ds_pipe_replicated = True
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
-            from app.optim import OptimizerParamScheduler, get_param_groups
             kwargs["model_parameters"] = get_param_groups(model)
             if "scheduler" not in ds:
                 kwargs["lr_scheduler"] = lambda opt: OptimizerParamScheduler(opt, cfg.optimizer)
@@ -343,7 +345,6 @@ class DeepSpeedEngineAdapter(Engine):
         (CheckpointSaveError). With `asynchronous`, engine.save_checkpoint runs here but its
         files are host copies written later in the background (DeepSpeed's default Torch
         checkpoint engine only; another one writes synchronously)."""
-        from app.mpu.random import rng_state_dict
         tag = names.iteration_tag(iteration)
         state = dict(client_state)
         if hasattr(self.lr_scheduler, "num_steps"):  # for --no-load-optim resumes
@@ -477,7 +478,6 @@ class DeepSpeedEngineAdapter(Engine):
         saved RNG states with this run's model-parallel dropout stream when the TP size changed
         (each TP rank needs its own stream; the saved ones belong to the old ranks)."""
         import copy
-        from app.mpu.random import get_rng_tracker
         saved_tp = int(getattr(args, "tensor_model_parallel_size", 1))
         args = copy.copy(args)
         args.tensor_model_parallel_size = self.ps.tensor_model_parallel_size
@@ -544,7 +544,6 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: ParallelS
     app.mpu.random then hands the model DeepSpeed's checkpoint function and tracker.
     """
     import deepspeed
-    from app.mpu import random as mpu_random
     ds = cfg.deepspeed.config
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")
     chunks = cfg.recompute_plan().checkpointed_regions  # what DeepSpeed sizes its buffers by

@@ -26,6 +26,7 @@ from app.checkpoint import CheckpointError
 from app.checkpoint import files as ckpt_files
 from app.checkpoint import dcp_files, layouts, model_args
 from app.launch import interfaces
+from app.optim import OptimizerParamScheduler
 from app.training.planning.data_check import check_data
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
 from app.training.resilience.data_order import check_data_order
@@ -188,7 +189,6 @@ def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> No
     if not saved:
         return
     import torch
-    from app.optim import OptimizerParamScheduler
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optimizer.lr)
     try:
         OptimizerParamScheduler(optimizer, cfg.optimizer).load_state_dict(saved)
