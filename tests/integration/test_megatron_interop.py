@@ -1,15 +1,17 @@
-"""Megatron-LM's own code reads our torch_dist checkpoints, and we read its.
+"""Megatron-LM's own code reads our torch_dist checkpoints, and we read its (torch_dist and the
+legacy --ckpt-format torch).
 
-Needs a Megatron-LM checkout whose Megatron Core imports on CPU (core_v0.19.0 was used; its
-dependencies beyond ours: triton): set MEGATRON_LM to the checkout and, when its dependencies
-live in another environment, MEGATRON_PYTHON to that Python. Skipped otherwise.
+Megatron's side (megatron_side.py) runs Megatron Core from the installed megatron-core
+(requirements-test.txt), or from a Megatron-LM checkout when MEGATRON_LM names one (and
+MEGATRON_PYTHON, when given, the Python with its dependencies).
 
 - ours -> Megatron: a run saved at TP2 x PP2 (4 ranks, after 3 steps, with its optimizer) is
   loaded by Megatron Core's dist_checkpointing.load into its GPTModel built with the local spec
   at TP1 (strict: every key Megatron asks for exists), and Megatron's logits equal ours (1e-4).
-- Megatron -> ours: a GPTModel saved by Megatron Core's dist_checkpointing.save the way
-  Megatron-LM saves (common state with Megatron's args and enums, rng_state, tracker) resumes
-  here (--finetune) at TP2 on two ranks, whose logits equal Megatron's.
+- Megatron -> ours: a GPTModel saved the way Megatron-LM saves, with the args Megatron-LM's own
+  parse_args made for the same flags (tests/data/megatron_args: num_query_groups 1 without
+  --group-query-attention, ...), resumes here (--finetune): the torch_dist save at TP2 on two
+  ranks and the legacy mp_rank_00/model_optim_rng.pt at TP1, with Megatron's logits.
 """
 import os
 import subprocess
@@ -24,20 +26,20 @@ from tests.integration.launch_utils import ROOT, env
 MEGATRON = os.environ.get("MEGATRON_LM")
 PYTHON = os.environ.get("MEGATRON_PYTHON", sys.executable)
 SIDE = os.path.join(ROOT, "tests", "integration", "megatron_side.py")
+VOCAB = 320  # tests/data/old_checkpoints/data/vocab.json, as in the recorded Megatron args
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-2", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--make-vocab-size-divisible-by", "8",
         "--distributed-backend", "gloo", "--ckpt-format", "torch_dist"]
 
-pytestmark = pytest.mark.skipif(not MEGATRON, reason="set MEGATRON_LM to a Megatron-LM checkout "
-                                                     "(and MEGATRON_PYTHON to its Python)")
-
 
 def megatron(*args, cwd):
-    """megatron_side.py under Megatron-LM's Python; its output, after checking it exited 0."""
+    """megatron_side.py under Megatron Core (installed, or MEGATRON_LM's checkout); its output,
+    after checking it exited 0."""
+    path = os.pathsep.join(p for p in (MEGATRON, ROOT) if p)
     proc = subprocess.run([PYTHON, SIDE, *args], capture_output=True, text=True, cwd=cwd,
-                          env=dict(env(), PYTHONPATH=MEGATRON), timeout=600)
+                          env=dict(env(), PYTHONPATH=path), timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout
 
@@ -45,7 +47,7 @@ def megatron(*args, cwd):
 def _build(flags, world):
     import arguments
     from tests.harness.synthetic import build_synthetic_run
-    return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, 64), 64)
+    return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, VOCAB), VOCAB)
 
 
 def _logits(run, tokens):
@@ -68,7 +70,7 @@ def test_megatron_reads_our_tp2_pp2_checkpoint(tmp_path):
     run_distributed(_save_tp2_pp2, 4, ours, timeout=300)
     loaded = _build(["--load", ours, "--finetune"], 1)
     loaded["engine"].load_checkpoint(ours)
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.save({"tokens": tokens, "logits": _logits(loaded, tokens)}, f"{ours}/probe.pt")
     print(megatron("read", ours, cwd=tmp_path))
 
@@ -87,6 +89,19 @@ def _read_at_tp2(directory):
 def test_we_read_megatrons_checkpoint_at_tp2(tmp_path):
     theirs = str(tmp_path / "theirs")
     os.makedirs(theirs)
-    print(megatron("write", theirs, cwd=tmp_path))
+    print(megatron("write", theirs, "torch_dist", cwd=tmp_path))
     diffs = run_distributed(_read_at_tp2, 2, theirs, timeout=300)
     assert max(diffs) < 1e-4, diffs
+
+
+def test_we_read_megatrons_legacy_checkpoint(tmp_path):
+    """Megatron-LM's --ckpt-format torch save of Megatron Core's GPTModel (its flat
+    state_dict_for_save_checkpoint, Megatron's pickled args with their enums) loads here."""
+    theirs = str(tmp_path / "theirs")
+    os.makedirs(theirs)
+    print(megatron("write", theirs, "torch", cwd=tmp_path))
+    assert os.path.isfile(f"{theirs}/iter_0000003/mp_rank_00/model_optim_rng.pt")
+    run = _build(["--ckpt-format", "torch", "--load", theirs, "--finetune"], 1)
+    run["engine"].load_checkpoint(theirs)
+    probe = torch.load(f"{theirs}/probe.pt")
+    assert (_logits(run, probe["tokens"]) - probe["logits"]).abs().max().item() < 1e-4
