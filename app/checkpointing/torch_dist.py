@@ -6,7 +6,8 @@ the model tensors under Megatron Core's keys and global shapes (app.checkpointin
 layers stacked), the optimizer states beside them in model space (`optimizer.state.<state>.<key>`,
 app.optim.model_space), and as ShardedObjects the common state (`common_state`: args,
 iteration, checkpoint_version, opt_param_scheduler, the optimizer's non-tensor part,
-content_metadata), each (pipeline, tensor) rank's RNG states (`rng_state`, a (PP, TP) grid) and
+content_metadata; also written as `common.pt`, the only place Megatron Core 0.16-0.18 read it
+from, while 0.19 and later read either), each (pipeline, tensor) rank's RNG states (`rng_state`, a (PP, TP) grid) and
 the layers' empty `_extra_state`s. The tracker and iteration directory names are the legacy
 format's (app.checkpointing.names).
 
@@ -24,6 +25,7 @@ another global shape is refused with the key and both shapes.
 """
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -33,8 +35,10 @@ import torch
 from app.checkpointing import (CheckpointError, commit, dcp_files, mcore_names, mcore_state,
                                sharding)
 from app.checkpointing.dcp_files import Entry, RankFiles
+from app.checkpointing.files import sha256_file
 from app.checkpointing.names import Iteration, checkpoint_dir
 from app.optim.mixed_precision import check_saved_groups
+from app.utils.fileio import atomic_write_bytes
 from app.optim.model_space import MAIN, ModelSpaceState, ParamState
 
 FORMAT = "torch_dist"
@@ -170,11 +174,18 @@ def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *,
     failed rank sends None, and then nothing is published and the save is undone everywhere."""
     directory = checkpoint_dir(save_dir, iteration)
     written: List[RankFiles] = []
+    common = next((e.data for e in entries if e.key == COMMON_KEY), None)
 
     def write() -> Optional[Tuple[str, OSError]]:
         try:
             written.append(dcp_files.write_rank_files(directory, rank, entries,
                                                       commit.save_stage))
+            if common is not None:  # Megatron Core before 0.19 reads only common.pt
+                path = os.path.join(directory, dcp_files.COMMON_PT)
+                buffer = io.BytesIO()  # the dict itself, as Megatron Core's save_common
+                torch.save(dcp_files.load_object(common, path)[0], buffer)
+                atomic_write_bytes(path, buffer.getvalue(), durable=True)
+                written[0].digests[dcp_files.COMMON_PT] = sha256_file(path)
         except OSError as exc:
             return os.path.join(directory, f"__{rank}_0.distcp"), exc
         return None
@@ -192,7 +203,8 @@ def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *,
     def undo() -> None:
         names = [n for r in written for n in dcp_files.rank_file_names(r)]
         if rank == 0:
-            names += [dcp_files.DCP_METADATA, dcp_files.CONFIG_FILE, dcp_files.INTEGRITY_FILE]
+            names += [dcp_files.DCP_METADATA, dcp_files.CONFIG_FILE, dcp_files.INTEGRITY_FILE,
+                      dcp_files.COMMON_PT]
         for name in names:
             commit.remove_written_file(os.path.join(directory, name), directory)
 

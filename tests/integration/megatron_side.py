@@ -6,7 +6,8 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              common state, load the latest iteration with
                                              dist_checkpointing.load, and compare its logits on
                                              DIR/probe.pt's tokens with the logits stored there
-    python megatron_side.py write DIR FORMAT build a GPTModel from the args Megatron-LM's own
+    python megatron_side.py write DIR FORMAT [SPLIT DATA_PATH...]
+                                             build a GPTModel from the args Megatron-LM's own
                                              parse_args made (tests/data/megatron_args,
                                              core_v0.16.1), save it at iteration 3 as
                                              Megatron-LM's save_checkpoint does in FORMAT
@@ -14,7 +15,11 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              state, rng_state object and tracker; torch: the legacy
                                              mp_rank_00/model_optim_rng.pt with the model's
                                              state_dict_for_save_checkpoint) and store its logits
-                                             on fixed tokens in DIR/probe.pt
+                                             on fixed tokens in DIR/probe.pt; with SPLIT and
+                                             DATA_PATH (Megatron's --split, --data-path), also
+                                             the losses of the global batches after iteration 3
+                                             up to --train-iters, on Megatron's datasets, in
+                                             DIR/megatron_losses.json
 
 The model is built as Megatron-LM's core_transformer_config_from_args builds it from those args
 (num_query_groups only under group_query_attention, ...). Only Megatron's own modules build, save
@@ -23,6 +28,7 @@ buffer, the RNG tracker fork around dropout 0, and the writer's torch.cuda.synch
 current_device); its arithmetic is untouched.
 """
 import contextlib
+import json
 import os
 import random
 import sys
@@ -117,6 +123,77 @@ def read(directory):
     return 0 if diff < 1e-4 else 1
 
 
+class _GPT2Tokenizer:
+    """What Megatron's GPTDataset asks of Megatron-LM's _GPT2BPETokenizer (not in the
+    megatron-core wheel): its vocabulary size, eod id and unique_identifiers (which name the
+    cache files); `pad` raises as Megatron's does."""
+
+    def __init__(self, vocab_file, merge_file):
+        with open(vocab_file) as f:
+            vocab = json.load(f)
+        self.vocab_size, self.eod = len(vocab), vocab["<|endoftext|>"]
+        self.unique_identifiers = {"class": "_GPT2BPETokenizer",
+                                   "tokenizer_path": [vocab_file, merge_file]}
+
+    @property
+    def pad(self):
+        raise NotImplementedError("GPT2BPETokenizer has no pad token")
+
+
+def train_dataset(args):
+    """Megatron's training dataset for `args`: BlendedMegatronDatasetBuilder + GPTDataset with
+    the config pretrain_gpt.py's core_gpt_dataset_config_from_args builds, for the sample counts
+    of training.py's get_train_valid_test_num_samples."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path), blend_per_split=None, split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
+        tokenizer=_GPT2Tokenizer(args.vocab_file, args.merge_file), reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        fast_cache_load=args.dataloader_fast_cache_load, sequences_per_dataset=None,
+        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+        context_parallel_size=args.context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+        hybrid_context_parallel=args.hybrid_context_parallel)
+    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    counts = [args.train_iters * args.global_batch_size, eval_iters * args.global_batch_size,
+              args.eval_iters * args.global_batch_size]
+    return BlendedMegatronDatasetBuilder(GPTDataset, counts, lambda: True, config).build()[0]
+
+
+def next_losses(model, args, first_iteration, last_iteration):
+    """{iteration: Megatron's "lm loss"} of the global batches after the checkpoint: iteration
+    i takes samples [(i-1) * gbs, i * gbs) (the single sampler); per-token losses from
+    GPTModel's forward with labels, averaged over the loss mask as pretrain_gpt.py's loss_func
+    and training_log do (sum of masked losses / sum of the mask over the global batch)."""
+    dataset = train_dataset(args)
+    gbs, out = args.global_batch_size, {}
+    model.eval()
+    for iteration in range(first_iteration, last_iteration + 1):
+        samples = [dataset[i] for i in range((iteration - 1) * gbs, iteration * gbs)]
+        batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+                 for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        mask = torch.stack([s["attention_mask"] for s in samples])  # [b, 1, s, s] True: masked
+        with torch.no_grad():
+            losses = model(batch["tokens"], batch["position_ids"], mask,
+                           labels=batch["labels"])  # [b, s]
+        loss_mask = batch["loss_mask"].view(-1).float()
+        out[str(iteration)] = float((losses.view(-1).float() * loss_mask).sum() / loss_mask.sum())
+    return out
+
+
 def _rng_state():
     """Megatron's per-rank RNG record (get_rng_state) as a CPU run has it: no CUDA state."""
     from megatron.core import tensor_parallel
@@ -125,7 +202,7 @@ def _rng_state():
              "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}]
 
 
-def write(directory, ckpt_format="torch_dist"):
+def write(directory, ckpt_format="torch_dist", split=None, *data_path):
     parallel_state = setup()
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -163,6 +240,13 @@ def write(directory, ckpt_format="torch_dist"):
                            generator=torch.Generator().manual_seed(1))
     torch.save({"tokens": tokens, "logits": logits(model, tokens)},
                os.path.join(directory, "probe.pt"))
+    if data_path:  # the losses of the next global batches, with Megatron's data and loss
+        args = megatron_args(flag_set, data_path=list(data_path), split=split, eval_iters=0,
+                             eval_interval=1000, data_cache_path=os.path.join(directory, "cache"))
+        losses = next_losses(model, args, ITERATION + 1, args.train_iters)
+        with open(os.path.join(directory, "megatron_losses.json"), "w") as f:
+            json.dump(losses, f)
+        print(f"megatron losses of iterations {sorted(losses)}: {losses}")
     print(f"megatron wrote {ckpt_format}: {sorted(os.listdir(ckpt))}")
     return 0
 
