@@ -6,6 +6,12 @@ a few fields Megatron tools read; `model_config_from_args` is its inverse on the
 fields (for inference and conversion; older checkpoints' missing fields take ModelConfig's
 defaults). Three ModelConfig fields have no Megatron arg and are not stored (NOT_SAVED).
 `check_checkpoint_args` compares the fields that must agree (MODEL_SHAPE_FIELDS) and the layout.
+
+Args written by Megatron-LM itself (core_v0.16.1 to today's main; tests/data/megatron_args holds
+what its parse_args makes) are read with Megatron's meaning (`_meaning`): e.g. num_query_groups is
+its argparse default 1 unless --group-query-attention. The args that change the arithmetic in
+ways this code does not build (FIXED_ARCHITECTURE: RMSNorm, SwiGLU, no bias, ...) are refused by
+name.
 """
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ FIXED_ARCHITECTURE: Dict[str, Any] = {
 Namespace lacking one means). A ModelConfig without a field of that name builds only the
 default; a checkpoint with another value is refused by name."""
 
-MODEL_SHAPE_FIELDS = (*FIXED_ARCHITECTURE, "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                      "max_position_embeddings", "padded_vocab_size", "tokenizer_type",
+MODEL_SHAPE_FIELDS = (*FIXED_ARCHITECTURE, "num_layers", "hidden_size", "num_attention_heads",
+                      "ffn_hidden_size", "max_position_embeddings", "padded_vocab_size",
+                      "tokenizer_type",
                       "position_embedding_type", "rotary_percent", "rotary_base",
                       "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights")
 """Fields that must agree between a checkpoint and the run loading it (`_meaning` says how an

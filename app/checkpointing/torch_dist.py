@@ -7,8 +7,8 @@ layers stacked), the optimizer states beside them in model space (`optimizer.sta
 app.optim.model_space), and as ShardedObjects the common state (`common_state`: args,
 iteration, checkpoint_version, opt_param_scheduler, the optimizer's non-tensor part,
 content_metadata; also written as `common.pt`, the only place Megatron Core 0.16-0.18 read it
-from, while 0.19 and later read either), each (pipeline, tensor) rank's RNG states (`rng_state`, a (PP, TP) grid) and
-the layers' empty `_extra_state`s. The tracker and iteration directory names are the legacy
+from, while 0.19 and later read either), each (pipeline, tensor) rank's RNG states
+(`rng_state`, a (PP, TP) grid) and the layers' empty `_extra_state`s. The tracker and iteration directory names are the legacy
 format's (app.checkpointing.names).
 
 Saving (`save_entries`, `start_save`): each rank turns its local tensors into boxes of the
@@ -162,6 +162,20 @@ def save_entries(params: Dict[str, torch.Tensor], layout: RankLayout,
     return entries
 
 
+def write_common_pt(directory: str, entries: Sequence[Entry], record: RankFiles) -> None:
+    """When `entries` hold the common state (rank 0's): write it also as `common.pt`, the dict
+    itself as Megatron Core's save_common writes it (0.16 to 0.18 read only that; 0.19 and later
+    read either), and add its SHA-256 to `record`, this rank's, for integrity.json."""
+    common = next((e.data for e in entries if e.key == COMMON_KEY), None)
+    if common is None:
+        return
+    path = os.path.join(directory, dcp_files.COMMON_PT)
+    buffer = io.BytesIO()
+    torch.save(dcp_files.load_object(common, path)[0], buffer)
+    atomic_write_bytes(path, buffer.getvalue(), durable=True)
+    record.digests[dcp_files.COMMON_PT] = sha256_file(path)
+
+
 def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *, rank: int,
                gather: Callable[[Optional[RankFiles]], Optional[List[Optional[RankFiles]]]],
                agree: Callable[[bool], bool], keep_last_n: Optional[int] = None,
@@ -174,18 +188,12 @@ def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *,
     failed rank sends None, and then nothing is published and the save is undone everywhere."""
     directory = checkpoint_dir(save_dir, iteration)
     written: List[RankFiles] = []
-    common = next((e.data for e in entries if e.key == COMMON_KEY), None)
 
     def write() -> Optional[Tuple[str, OSError]]:
         try:
             written.append(dcp_files.write_rank_files(directory, rank, entries,
                                                       commit.save_stage))
-            if common is not None:  # Megatron Core before 0.19 reads only common.pt
-                path = os.path.join(directory, dcp_files.COMMON_PT)
-                buffer = io.BytesIO()  # the dict itself, as Megatron Core's save_common
-                torch.save(dcp_files.load_object(common, path)[0], buffer)
-                atomic_write_bytes(path, buffer.getvalue(), durable=True)
-                written[0].digests[dcp_files.COMMON_PT] = sha256_file(path)
+            write_common_pt(directory, entries, written[0])
         except OSError as exc:
             return os.path.join(directory, f"__{rank}_0.distcp"), exc
         return None

@@ -131,13 +131,15 @@ def _reversed_corpus(prefix):
 
 
 @pytest.mark.xfail(strict=False, reason=DATA_ORDER_PENDING)
-@pytest.mark.parametrize("blend", ["one_dataset", "blend_0.3_0.7"])
-def test_a_megatron_run_continues_here_with_megatrons_losses(blend, tmp_path):
+@pytest.mark.parametrize("ckpt_format, blend", [("torch_dist", "one_dataset"),
+                                                ("torch_dist", "blend_0.3_0.7"),
+                                                ("torch", "one_dataset")])
+def test_a_megatron_run_continues_here_with_megatrons_losses(ckpt_format, blend, tmp_path):
     """The issue's done-when: Megatron Core's own code writes iteration 3 of a run (its
     GPTModel, the args its parse_args made); pretrain_gpt2.py resumes it with --no-load-optim
     and --lr 0, and the losses it logs at iterations 4-6 equal the losses Megatron's model gives
     on the global batches Megatron would feed next (its dataset builder and GPTDataset, its
-    loss averaging), to 1e-5."""
+    loss averaging), to 1e-5; from its torch_dist checkpoint and from its legacy files."""
     from tests.integration.conftest import read_metrics
     from tests.integration.launch_utils import run
     data_path = [f"{DATA}/corpus_text_document"]
@@ -146,7 +148,7 @@ def test_a_megatron_run_continues_here_with_megatrons_losses(blend, tmp_path):
         data_path = ["0.3", data_path[0], "0.7", str(tmp_path / "reversed_text_document")]
     theirs = str(tmp_path / "theirs")
     os.makedirs(theirs)
-    print(megatron("write", theirs, "torch_dist", "100,0,0", *data_path, cwd=tmp_path))
+    print(megatron("write", theirs, ckpt_format, "100,0,0", *data_path, cwd=tmp_path))
     with open(f"{theirs}/megatron_losses.json") as f:
         expected = json.load(f)
     metrics = str(tmp_path / "metrics.jsonl")
@@ -155,7 +157,7 @@ def test_a_megatron_run_continues_here_with_megatrons_losses(blend, tmp_path):
          "--min-lr", "0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
          "--data-path", *data_path, "--split", "100,0,0", "--vocab-file", f"{DATA}/vocab.json",
          "--merge-file", f"{DATA}/merges.txt", "--data-cache-path", str(tmp_path / "cache"),
-         "--num-workers", "0", "--load", theirs, "--no-load-optim",
+         "--num-workers", "0", "--ckpt-format", ckpt_format, "--load", theirs, "--no-load-optim",
          "--metrics-file", metrics], tmp_path)
     ours = {str(r["iteration"]): r["lm_loss"] for r in read_metrics(metrics)
             if r["kind"] == "train"}

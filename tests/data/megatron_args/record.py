@@ -57,7 +57,8 @@ def encode(value):
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else {"__float__": repr(value)}
+        finite = value == value and abs(value) != float("inf")
+        return value if finite else {"__float__": repr(value)}
     if isinstance(value, enum.Enum):
         return {"__enum__": f"{type(value).__module__}.{type(value).__qualname__}",
                 "name": value.name}
