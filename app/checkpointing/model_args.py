@@ -36,9 +36,8 @@ default; a checkpoint with another value is refused by name."""
 
 MODEL_SHAPE_FIELDS = (*FIXED_ARCHITECTURE, "num_layers", "hidden_size", "num_attention_heads",
                       "ffn_hidden_size", "max_position_embeddings", "padded_vocab_size",
-                      "tokenizer_type",
-                      "position_embedding_type", "rotary_percent", "rotary_base",
-                      "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights")
+                      "tokenizer_type", "position_embedding_type", "rotary_percent",
+                      "rotary_base", "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights")
 """Fields that must agree between a checkpoint and the run loading it (`_meaning` says how an
 absent or unused field reads)."""
 

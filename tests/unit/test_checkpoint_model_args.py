@@ -1,16 +1,21 @@
 """A checkpoint's `args` both ways: the ModelConfig read back from the args written for it is the
-same ModelConfig, for every option the args record; older args fall back to the defaults."""
+same ModelConfig, for every option the args record; older args fall back to the defaults. And the
+args Megatron-LM's own parse_args makes (tests/data/megatron_args, core_v0.16.1 and today's main)
+are accepted for the matching run and refused, naming the field and both values, for another."""
 import argparse
+import json
 
 import pytest
 import torch
 
+import arguments
 from app.checkpointing import CheckpointError
-from app.checkpointing.model_args import (NOT_SAVED, checkpoint_args_namespace,
-                                          model_config_from_args)
+from app.checkpointing.model_args import (NOT_SAVED, check_checkpoint_args,
+                                          checkpoint_args_namespace, model_config_from_args)
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
+from tests.data.megatron_args import fixtures
 
 
 def run_config(model: ModelConfig, tp: int = 1, bf16: bool = False) -> RunConfig:
@@ -97,9 +102,6 @@ def test_older_args_take_the_defaults_and_a_missing_shape_is_named():
 # tests/data/megatron_args holds the Namespaces that Megatron-LM's parse_args + validate_args
 # (+ its tokenizer build) made for a few flag sets, at core_v0.16.1 and at today's main.
 
-from app.checkpointing.model_args import check_checkpoint_args  # noqa: E402
-from tests.data.megatron_args import fixtures  # noqa: E402
-
 BUILDABLE = ("gpt2", "gpt2_legacy", "gqa", "rope_untied")
 MEGATRON_COMPARES = ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
                      "max_position_embeddings", "make_vocab_size_divisible_by",
@@ -110,11 +112,10 @@ checkpointing.py), so a checkpoint of ours must hold Megatron's values."""
 
 def our_run(version, flag_set, *extra):
     """Our RunConfig for the command line Megatron parsed (its argv, plus `extra`)."""
-    import arguments
     argv = [a if not a.startswith("tests/") else f"{fixtures.ROOT}/{a}"
             for a in fixtures.record(version, flag_set)["argv"]]
     with open(f"{fixtures.ROOT}/tests/data/old_checkpoints/data/vocab.json") as f:
-        raw_vocab = len(__import__("json").load(f))
+        raw_vocab = len(json.load(f))
     return arguments.config_from_argv([*argv, *extra], 1, raw_vocab)
 
 
