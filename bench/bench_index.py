@@ -23,8 +23,8 @@ import numpy as np
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.data import MMapIndexedDataset, build_train_valid_test_datasets
-from app.data.index_builder import (build_doc_idx, build_sample_idx, build_shuffle_idx,
-                                    compute_num_epochs)
+from app.data.index_builder import (build_document_index, build_sample_index,
+                                    build_shuffle_index, compute_num_epochs)
 
 
 def write_synthetic(prefix: str, num_docs: int, tokens: int, seed: int = 0) -> np.ndarray:
@@ -66,10 +66,12 @@ def main() -> None:
         print(f"mmap open + validation: {t_open * 1e3:.1f} ms (anchor ~70 ms for 13.7 M docs)")
         num_samples = int(args.epochs * (total_tokens - 1) // args.seq_length)
         epochs = compute_num_epochs(total_tokens, args.seq_length, num_samples)
-        doc_idx, t_doc = timed(build_doc_idx, args.num_docs, epochs, 1234)
-        sample_idx, t_sample = timed(build_sample_idx, lengths, doc_idx, args.seq_length)
+        random_state = np.random.RandomState(1234)
+        doc_idx, t_doc = timed(build_document_index, np.arange(args.num_docs), epochs,
+                               random_state, False)
+        sample_idx, t_sample = timed(build_sample_index, lengths, doc_idx, args.seq_length)
         n = sample_idx.shape[0] - 1
-        shuffle_idx, t_shuffle = timed(build_shuffle_idx, n, n, 1234)
+        shuffle_idx, t_shuffle = timed(build_shuffle_index, n, n, random_state)
         print(f"epochs {epochs}, samples {n}")
         print(f"doc-idx:     {t_doc:.3f} s, {t_doc / doc_idx.size * 1e9:.1f} ns/doc entry")
         print(f"sample-idx:  {t_sample:.3f} s, {t_sample / n * 1e9:.1f} ns/sample (anchor ~35), "

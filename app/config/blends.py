@@ -9,6 +9,7 @@ Megatron-LM's rules (`get_blend_from_list`, `get_blend_and_blend_per_split`):
   they build (decided when the datasets are built, `Blend.weights` None);
 - `--data-path BLEND` or `--data-args-path FILE` (the same words in a file, separated by any
   whitespace): one blend whose documents `--split` divides into train/valid/test;
+- weights are normalised as Megatron's builder normalises them (`normalize`, float64);
 - `--train-data-path BLEND --valid-data-path BLEND --test-data-path BLEND` or
   `--per-split-data-args-path FILE` (JSON with the keys `train`, `valid`, `test`, each a blend
   as one string or a list of words, or null): one blend per split, each dataset used whole, and
@@ -20,6 +21,8 @@ import json
 import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 SPLIT_NAMES = ("train", "valid", "test")
 DEFAULT_SPLIT = "969,30,1"
@@ -62,6 +65,13 @@ class DataBlends:
         return out
 
 
+def normalize(weights: Sequence[float]) -> List[float]:
+    """Weights divided by their sum in float64, as Megatron normalises blend and split weights
+    (numpy's sum, so that the sample counts derived from them are Megatron's to the sample)."""
+    array = np.asarray(weights, dtype=np.float64)
+    return (array / np.sum(array)).tolist()
+
+
 def _weight(word: Any) -> Optional[float]:
     try:
         return float(word)
@@ -92,8 +102,7 @@ def parse_blend(words: Sequence[Any], where: str) -> Blend:
     if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
         raise ValueError(f"{where} weights {weights} must be finite and non-negative with a "
                          "positive sum")
-    total = sum(weights)
-    return Blend(tuple(words[1::2]), tuple(w / total for w in weights))
+    return Blend(tuple(words[1::2]), tuple(normalize(weights)))
 
 
 def read_data_args(path: str) -> Blend:

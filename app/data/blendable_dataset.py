@@ -1,4 +1,4 @@
-"""Weighted, deterministic blend of several datasets (Megatron's BlendableDataset semantics)."""
+"""Weighted, deterministic blend of several datasets in Megatron Core's order (BlendedDataset)."""
 from __future__ import annotations
 
 import os
@@ -6,16 +6,19 @@ from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
-from app.data.index_builder import blend_indices
+from app.config.blends import normalize
+from app.data.index_builder import blend_indices, exhaustive_blend_indices
 from app.data.index_cache import IndexCache, load_or_build
 
-BLEND_VERSION = "blend-v1"
+BLEND_VERSION = "blend-v2-megatron-core"
 """Bumped whenever blend_indices changes, so that cached blends of older versions are not reused."""
 BLEND_KINDS = ("dataset_index", "dataset_sample_index")
 
 
 class BlendableDataset:
-    """`size` samples drawn from `datasets` in proportion to `weights`, in a fixed interleaving.
+    """`size` samples drawn from `datasets` in proportion to `weights`, in Megatron's
+    interleaving (app.data.index_builder.blend_indices; `size` None: exactly `weights[d]`
+    samples of dataset d, the weights then being sample counts, `exhaustive_blend_indices`).
 
     Sample i is `datasets[dataset_index[i]][dataset_sample_index[i]]`; after any prefix of the
     samples each dataset's share equals its weight to within one sample. With `cache_dir` the
@@ -23,7 +26,7 @@ class BlendableDataset:
     `cache`, whose files the entry's key names) and `built` says whether this call built it.
     """
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], size: int,
+    def __init__(self, datasets: Sequence, weights: Sequence[float], size: Optional[int],
                  name: str = "blend", cache_dir: Optional[str] = None, is_builder: bool = True,
                  barrier: Callable[[], None] = lambda: None) -> None:
         if len(datasets) != len(weights) or not datasets:
@@ -32,15 +35,20 @@ class BlendableDataset:
         if len(datasets) > np.iinfo(np.int16).max:
             raise ValueError(f"at most {np.iinfo(np.int16).max} datasets can be blended")
         self.datasets = list(datasets)
-        self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
-        self.size = int(size)
-        build = lambda: blend_indices(self.weights, self.size)  # noqa: E731
+        if size is None:
+            self.weights = [int(w) for w in weights]
+            self.size = sum(self.weights)
+            build = lambda: exhaustive_blend_indices(self.weights)  # noqa: E731
+        else:
+            self.weights = normalize(weights)
+            self.size = int(size)
+            build = lambda: blend_indices(self.weights, self.size)  # noqa: E731
         self.built = True
         if cache_dir is None:
             self.dataset_index, self.dataset_sample_index = build()
         else:
             desc = {"version": BLEND_VERSION, "split": name, "size": self.size,
-                    "weights": [float(w) for w in self.weights],
+                    "weights": list(self.weights), "exhaustive": size is None,
                     "datasets": [os.path.basename(ds.cache.description_file)
                                  for ds in self.datasets]}
             self.cache = IndexCache(cache_dir, f"blend_{name}", desc, BLEND_KINDS)

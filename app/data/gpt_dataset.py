@@ -95,33 +95,39 @@ def check_token_ids(indexed: MMapIndexedDataset, vocab_size: int, cache_dir: str
 
 
 class GPTDataset:
-    """Samples of seq_length + 1 tokens from documents [start, end) of an indexed dataset.
+    """Samples of seq_length + 1 tokens from documents [start, end) of an indexed dataset, in
+    Megatron Core's order (app.data.index_builder; a document is a sequence of the .idx, as in
+    Megatron's GPTDataset).
 
     `ds[i]` -> {"text": np.int64 [seq_length + 1]}; `len(ds)` >= the num_samples requested (whole
-    epochs are indexed). Indices are built by the builder rank and cached (app.data.index_cache);
-    `built` says whether this instance built them or loaded them from `cache_dir`.
+    epochs are indexed; num_samples None: one epoch). Indices are built by the builder rank and
+    cached (app.data.index_cache); `built` says whether this instance built them or loaded them
+    from `cache_dir`.
     """
 
     def __init__(self, name: str, indexed: MMapIndexedDataset, documents: Tuple[int, int],
-                 num_samples: int, seq_length: int, seed: int, cache_dir: str,
+                 num_samples: Optional[int], seq_length: int, seed: int, cache_dir: str,
                  is_builder: bool = True, barrier: Callable[[], None] = lambda: None) -> None:
         start, end = documents
-        if not 0 <= start < end <= indexed.num_documents:
+        count = int(indexed.sizes.size)
+        if not 0 <= start < end <= count:
             raise ValueError(f"{name} split of {indexed.prefix}: document range [{start}, {end}) "
-                             f"is empty or outside [0, {indexed.num_documents})")
+                             f"is empty or outside [0, {count})")
         self.name, self.indexed, self.seq_length = name, indexed, seq_length
-        ranges = indexed.document_token_ranges()[start:end]
-        self._doc_start, self._doc_length = ranges[:, 0].copy(), ranges[:, 1].copy()
+        self._seq_start = indexed.sequence_starts()
+        self._seq_length = indexed.sizes
+        split_lengths = np.asarray(self._seq_length[start:end], dtype=np.int32)
         desc = {"version": INDEX_VERSION, "dataset": os.path.basename(indexed.prefix),
-                "split": name, "documents": [start, end], "num_samples": int(num_samples),
-                "seq_length": int(seq_length), "seed": int(seed),
-                "total_documents": indexed.num_documents,
-                "tokens": int(self._doc_length.sum())}
+                "split": name, "documents": [start, end],
+                "num_samples": None if num_samples is None else int(num_samples),
+                "seq_length": int(seq_length), "seed": int(seed), "total_documents": count,
+                "tokens": int(split_lengths.sum(dtype=np.int64))}
         self.cache = IndexCache(cache_dir, f"{desc['dataset']}_{name}", desc, INDEX_KINDS,
-                                content=self._doc_length.tobytes())
+                                content=split_lengths.tobytes())
         self.cache_files, self.description_file = self.cache.files, self.cache.description_file
-        build = lambda: build_indices(self._doc_length, desc["num_samples"],  # noqa: E731
-                                      desc["seq_length"], desc["seed"])
+        documents_ids = np.arange(start, end, dtype=np.int32)
+        build = lambda: build_indices(self._seq_length, documents_ids,  # noqa: E731
+                                      num_samples, seq_length, seed)
         arrays, self.built = load_or_build(
             self.cache, build, is_builder, barrier,
             f"{name} indices of {desc['dataset']} ({num_samples} samples)")
@@ -134,7 +140,7 @@ class GPTDataset:
         i = int(self.shuffle_idx[idx])
         (p0, o0), (p1, o1) = self.sample_idx[i:i + 2].tolist()
         docs = self.doc_idx[p0:p1 + 1]
-        starts, lengths = self._doc_start[docs].tolist(), self._doc_length[docs].tolist()
+        starts, lengths = self._seq_start[docs].tolist(), self._seq_length[docs].tolist()
         tokens = self.indexed.tokens
         text = np.empty(self.seq_length + 1, dtype=np.int64)
         filled = 0
@@ -158,7 +164,7 @@ def _split_dataset(plan: SplitPlan, data: DataPlan, seed: int, cache_path: Optio
     for prefix in plan.left_out:
         logger.warning("%s split of %s is empty; it is left out of the blend", plan.name, prefix)
     return BlendableDataset(
-        parts, plan.blend_weights(), plan.size, name=plan.name,
+        parts, plan.blend_inputs(), plan.size, name=plan.name,
         cache_dir=cache_dir_of(plan.parts[0].prefix, cache_path), is_builder=is_builder,
         barrier=barrier)
 

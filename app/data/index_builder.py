@@ -1,137 +1,202 @@
-"""Pure, vectorised builders of the GPT sample indices (Megatron's doc / sample / shuffle index).
+"""Pure builders of the GPT sample indices and of blend interleavings, in Megatron Core's order.
 
-Definitions, for one split of `D` documents with token counts `doc_lengths[D]`:
+Given the same flags and files, every array here equals the one megatron-core (0.16) builds, so
+sample i of a split is Megatron's sample i (tests/unit/test_data_megatron_order.py compares
+them token for token). Definitions, for one split whose documents are the ids `documents` of
+an indexed dataset (Megatron splits a GPT dataset by *sequence*: an entry of the .idx), with
+token counts `sequence_lengths[documents]` summing to T per epoch:
 
-- epochs: the smallest E such that E passes over the split give `num_samples` samples of
-  `seq_length + 1` tokens, where consecutive samples share one token (the last input token of a
-  sample is the first of the next): `(E * tokens_per_epoch - 1) // seq_length >= num_samples`.
-- doc index `[E * D]`: the concatenation of one independent permutation of the documents per epoch.
-- sample index `[S + 1, 2]`: row i is (position in the doc index, token offset in that document)
-  of the first token of sample i; sample i runs to row i + 1 inclusive. Empty documents are
-  skipped. S = `(E * tokens_per_epoch - 1) // seq_length`.
-- shuffle index `[S]`: a permutation of the samples. As in Megatron, when the last epoch is needed
-  for less than 80% of its samples, the samples of the first E - 1 epochs and those of the last
-  epoch are permuted separately (so the partial epoch is not mixed into the earlier ones).
+- epochs E: the smallest E with `E * T >= num_samples * seq_length + 1` (1 when the number of
+  samples is not given); samples of `seq_length + 1` tokens, consecutive samples sharing one
+  token, give `S = (E * T - 1) // seq_length` samples in all.
+- last epoch kept apart: when E > 1 and the last epoch supplies fewer than
+  `int(0.8 * ((T - 1) // seq_length))` of the samples, i.e. `num_samples -
+  ((E - 1) * T - 1) // seq_length`.
+- one `numpy.random.RandomState(seed)` draws everything, in this order: the document index
+  `[E * D]` int32 (the document ids repeated E times, shuffled as one array; with the last
+  epoch apart, the first E - 1 epochs shuffled together, then the last one alone), then the
+  shuffle index `[S]` (a permutation of the samples; with the last epoch apart, samples
+  `[0, ((E - 1) * T - 1) // seq_length)` and the rest permuted separately, in that order).
+- sample index `[S + 1, 2]`: row i is (position in the document index, token offset in that
+  document) of global token `i * seq_length` of the concatenated documents; sample i runs to row
+  i + 1 inclusive. Documents without tokens are never a sample's start or end.
+- split of a dataset by `--split`: Megatron's split matrix (`split_bounds`), each split the
+  documents `[round(lo * N), round(hi * N))`.
+- blends: `blend_indices` (a size and weights) and `exhaustive_blend_indices` (a number of
+  samples per dataset) give (dataset index int16, sample within that dataset int64) per blend
+  sample by Megatron's greedy rule: each sample goes to the dataset whose count lags its share
+  most (`weight * max(i, 1) - count`, the first such dataset on a tie), computed in doubles
+  exactly as Megatron's C++ helper does.
 
-Everything is deterministic given the seed; no Python loop runs per document or per sample.
+Everything is deterministic given its arguments; only the blends loop in Python per sample.
 """
 from __future__ import annotations
 
-from typing import Tuple
+import re
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-INDEX_VERSION = "gpt-index-v1"
-"""Bumped whenever the algorithm changes, so that cached indices of older versions are not reused."""
+from app.config.blends import normalize
+
+INDEX_VERSION = "gpt-index-v2-megatron-core"
+"""Bumped whenever the algorithm changes, so that cached indices of older versions are not reused
+(v1, before Megatron Core's order: one PCG64 permutation per epoch)."""
+
+LAST_EPOCH_THRESHOLD = 0.80
+"""The share of an epoch's samples under which Megatron shuffles the last epoch apart."""
 
 
-def _rng(seed: int, purpose: int) -> np.random.Generator:
-    """Independent deterministic stream for (seed, purpose)."""
-    return np.random.Generator(np.random.PCG64([int(seed) & 0xFFFFFFFF, purpose]))
-
-
-def compute_num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Smallest number of epochs that yields at least num_samples samples (see module doc)."""
+def compute_num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int]) -> int:
+    """Smallest number of epochs that yields at least num_samples samples (1 when None)."""
     if tokens_per_epoch <= 0:
         raise ValueError("the split has no tokens; use more data or a different --split")
-    if seq_length <= 0 or num_samples <= 0:
-        raise ValueError(f"seq_length ({seq_length}) and num_samples ({num_samples}) must be positive")
-    # (E * T - 1) // s >= n  <=>  E * T >= n * s + 1
+    if num_samples is None:
+        return 1
+    if seq_length <= 0 or num_samples < 0:
+        raise ValueError(f"seq_length ({seq_length}) must be positive and num_samples "
+                         f"({num_samples}) non-negative")
+    # E * T >= n * s + 1
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
 
-def separate_last_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int,
+def samples_before_last_epoch(tokens_per_epoch: int, seq_length: int, num_epochs: int) -> int:
+    """Samples the first num_epochs - 1 epochs hold: ((E - 1) * T - 1) // s."""
+    return ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+
+
+def separate_last_epoch(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int],
                         num_epochs: int) -> bool:
-    """True when the last epoch contributes < 80% of an epoch's samples (Megatron's rule)."""
-    if num_epochs == 1:
+    """True when the last epoch supplies < 80% of an epoch's samples (Megatron's rule)."""
+    if num_epochs == 1 or num_samples is None:
         return False
-    from_earlier = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    from_last = num_samples - samples_before_last_epoch(tokens_per_epoch, seq_length, num_epochs)
     per_epoch = (tokens_per_epoch - 1) // seq_length
-    return (num_samples - from_earlier) < int(0.80 * per_epoch)
+    return from_last < int(LAST_EPOCH_THRESHOLD * per_epoch)
 
 
-def build_doc_idx(num_documents: int, num_epochs: int, seed: int) -> np.ndarray:
-    """int32 [num_epochs * num_documents]: one random permutation of range(D) per epoch."""
-    rng = _rng(seed, 1)
-    doc_idx = np.empty((num_epochs, num_documents), dtype=np.int32)
-    for epoch in doc_idx:  # in-place shuffles of int32 rows: ~2x faster than Generator.permuted
-        epoch[:] = np.arange(num_documents, dtype=np.int32)
-        rng.shuffle(epoch)
-    return doc_idx.reshape(-1)
+def build_document_index(documents: np.ndarray, num_epochs: int,
+                         random_state: np.random.RandomState, separate_last: bool) -> np.ndarray:
+    """int32 [num_epochs * D]: `documents` repeated num_epochs times, shuffled in place by
+    `random_state` as one array, or (separate_last) the first epochs and the last apart."""
+    if separate_last and num_epochs > 1:
+        first = build_document_index(documents, num_epochs - 1, random_state, False)
+        last = build_document_index(documents, 1, random_state, False)
+        return np.concatenate((first, last))
+    document_index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+    random_state.shuffle(document_index)
+    return document_index
 
 
-def build_sample_idx(doc_lengths: np.ndarray, doc_idx: np.ndarray, seq_length: int) -> np.ndarray:
-    """[S + 1, 2] (doc-index position, offset) of each sample start; int32 if it fits, else int64."""
-    lengths = np.asarray(doc_lengths, dtype=np.int64)[doc_idx]
-    ends = np.cumsum(lengths)  # ends[k]: global token position just past doc_idx[k]
+def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
+                       seq_length: int) -> np.ndarray:
+    """[S + 1, 2] (document-index position, offset) of each sample start (module doc), int32
+    when the positions and offsets fit, else int64. Vectorised: no loop per sample."""
+    lengths = np.asarray(sequence_lengths, dtype=np.int64)[document_index]
+    ends = np.cumsum(lengths)  # ends[k]: global token position just past document_index[k]
     total = int(ends[-1]) if ends.size else 0
     num_samples = (total - 1) // seq_length if total > 0 else 0
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    position = np.searchsorted(ends, starts, side="right")  # first doc ending after the token
+    position = np.searchsorted(ends, starts, side="right")  # the document holding the token
     offset = starts - (ends[position] - lengths[position])
-    out_dtype = np.int32 if max(doc_idx.size, int(lengths.max(initial=0))) < 2 ** 31 else np.int64
-    sample_idx = np.empty((num_samples + 1, 2), dtype=out_dtype)
-    sample_idx[:, 0] = position
-    sample_idx[:, 1] = offset
-    return sample_idx
+    out_dtype = np.int32 if max(document_index.size, int(lengths.max(initial=0))) < 2 ** 31 \
+        else np.int64
+    sample_index = np.empty((num_samples + 1, 2), dtype=out_dtype)
+    sample_index[:, 0] = position
+    sample_index[:, 1] = offset
+    return sample_index
 
 
-def build_shuffle_idx(num_samples_first: int, total_samples: int, seed: int) -> np.ndarray:
-    """Permutation of range(total): [0, first) and [first, total) permuted separately."""
-    dtype = np.uint32 if total_samples < 2 ** 32 - 1 else np.int64
-    rng = _rng(seed, 2)
-    first = rng.permutation(np.arange(num_samples_first, dtype=dtype))
-    last = rng.permutation(np.arange(num_samples_first, total_samples, dtype=dtype))
-    return np.concatenate([first, last])
+def build_shuffle_index(num_samples_first: int, total_samples: int,
+                        random_state: np.random.RandomState) -> np.ndarray:
+    """Permutation of range(total): [0, first) shuffled, then [first, total) shuffled, by
+    `random_state`; uint32 unless total needs int64."""
+    dtype = np.uint32 if total_samples < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples_first, dtype=dtype)
+    random_state.shuffle(first)
+    if num_samples_first == total_samples:
+        return first
+    last = np.arange(num_samples_first, total_samples, dtype=dtype)
+    random_state.shuffle(last)
+    return np.concatenate((first, last))
 
 
-def build_indices(doc_lengths: np.ndarray, num_samples: int, seq_length: int,
-                  seed: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(doc_idx, sample_idx, shuffle_idx) for a split whose documents have `doc_lengths` tokens."""
-    doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
-    tokens_per_epoch = int(doc_lengths.sum())
+def build_indices(sequence_lengths: np.ndarray, documents: np.ndarray,
+                  num_samples: Optional[int], seq_length: int, seed: int
+                  ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(document index, sample index, shuffle index) of a split over the ids `documents` of a
+    dataset whose sequences have `sequence_lengths` tokens (module doc); num_samples None:
+    one epoch."""
+    sequence_lengths = np.asarray(sequence_lengths)
+    documents = np.asarray(documents, dtype=np.int32)
+    tokens_per_epoch = int(sequence_lengths[documents].sum(dtype=np.int64))
     num_epochs = compute_num_epochs(tokens_per_epoch, seq_length, num_samples)
-    doc_idx = build_doc_idx(doc_lengths.size, num_epochs, seed)
-    sample_idx = build_sample_idx(doc_lengths, doc_idx, seq_length)
-    total = sample_idx.shape[0] - 1
-    if separate_last_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs):
-        first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
-    else:
-        first = total
-    shuffle_idx = build_shuffle_idx(first, total, seed)
-    return doc_idx, sample_idx, shuffle_idx
+    separate = separate_last_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs)
+    random_state = np.random.RandomState(seed)
+    document_index = build_document_index(documents, num_epochs, random_state, separate)
+    sample_index = build_sample_index(sequence_lengths, document_index, seq_length)
+    total = sample_index.shape[0] - 1
+    first = (samples_before_last_epoch(tokens_per_epoch, seq_length, num_epochs)
+             if separate else total)
+    return document_index, sample_index, build_shuffle_index(first, total, random_state)
 
 
-def split_document_ranges(num_documents: int, weights: Tuple[float, float, float]
-                          ) -> Tuple[Tuple[int, int], ...]:
-    """[start, end) document ranges of train/valid/test: boundaries at round(cumulative weight x D)."""
-    bounds = [0]
-    acc = 0.0
-    for w in weights:
-        acc += w
-        bounds.append(min(num_documents, int(round(acc * num_documents))))
-    bounds[-1] = num_documents
-    return tuple((bounds[i], bounds[i + 1]) for i in range(3))
+def split_bounds(split: str) -> List[Optional[Tuple[float, float]]]:
+    """Megatron's split matrix of `--split` ('969,30,1'): (lo, hi) fractions of each of
+    train/valid/test, None for a split of weight 0. The numbers are found as Megatron finds
+    them (digits and dots), normalised in float64 and summed from 0 in order."""
+    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not parts or len(parts) > 3 or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r} is invalid: give up to three non-negative "
+                         "weights with a positive sum, e.g. 969,30,1")
+    fractions = normalize(parts + [0.0] * (3 - len(parts)))
+    bounds: List[float] = [0]
+    for fraction in fractions:
+        bounds.append(bounds[-1] + fraction)
+    return [(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-def blend_indices(weights: np.ndarray, size: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(dataset_index, dataset_sample_index) for `size` samples drawn in proportion to `weights`.
+def split_document_ranges(num_documents: int, split: str
+                          ) -> Tuple[Optional[Tuple[int, int]], ...]:
+    """[start, end) document ranges of train/valid/test by `split_bounds` (None: weight 0)."""
+    return tuple(None if b is None else (int(round(b[0] * float(num_documents))),
+                                         int(round(b[1] * float(num_documents))))
+                 for b in split_bounds(split))
 
-    Dataset d's j-th sample is placed at time (j + 0.5) / w_d and all datasets are merged by time
-    (ties by dataset order), so after any prefix of i samples each dataset has w_d * i samples
-    up to rounding (within one). Deterministic, no randomness needed.
-    """
-    weights = np.asarray(weights, dtype=np.float64)
-    weights = weights / weights.sum()
-    times, which, ordinal = [], [], []
-    for d, w in enumerate(weights):
-        if w <= 0:
-            continue
-        count = int(np.ceil(w * size)) + 1
-        j = np.arange(count, dtype=np.int64)
-        times.append((j + 0.5) / w)
-        which.append(np.full(count, d, dtype=np.int16))
-        ordinal.append(j)
-    t, d_all, j_all = np.concatenate(times), np.concatenate(which), np.concatenate(ordinal)
-    order = np.lexsort((d_all, t))[:size]
-    return d_all[order], j_all[order]
+
+def _greedy_blend(weights: Sequence[float], size: int, capacity: Optional[Sequence[int]]
+                  ) -> Tuple[np.ndarray, np.ndarray]:
+    """Megatron's greedy interleaving of `size` samples (module doc); with `capacity`, dataset d
+    stops being a candidate once it has given capacity[d] samples."""
+    w = [float(x) for x in weights]
+    counts = [0] * len(w)
+    candidates = [d for d in range(len(w)) if capacity is None or capacity[d] > 0]
+    dataset_index = np.empty(size, dtype=np.int16)
+    dataset_sample_index = np.empty(size, dtype=np.int64)
+    for i in range(size):
+        x = float(i) if i > 1 else 1.0  # Megatron's max(i, 1)
+        best, best_error = -1, -np.inf
+        for d in candidates:
+            error = w[d] * x - counts[d]  # in doubles, as the C++ helper computes it
+            if error > best_error:
+                best, best_error = d, error
+        dataset_index[i] = best
+        dataset_sample_index[i] = counts[best]
+        counts[best] += 1
+        if capacity is not None and counts[best] == capacity[best]:
+            candidates.remove(best)
+    return dataset_index, dataset_sample_index
+
+
+def blend_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(dataset_index int16, dataset_sample_index int64) of `size` blend samples drawn by
+    Megatron's greedy rule (module doc) from datasets of normalised `weights`."""
+    return _greedy_blend(weights, size, None)
+
+
+def exhaustive_blend_indices(sizes: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """(dataset_index, dataset_sample_index) taking exactly sizes[d] samples of dataset d, in
+    Megatron's greedy order with weights sizes / sum(sizes); a dataset leaves once spent."""
+    sizes = [int(s) for s in sizes]
+    total = sum(sizes)
+    return _greedy_blend([s / float(total) for s in sizes], total, sizes)

@@ -227,6 +227,12 @@ class MMapIndexedDataset:
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
 
+    def sequence_starts(self) -> np.ndarray:
+        """int64 [num_sequences]: the first token of each sequence in `tokens` (computed once)."""
+        if getattr(self, "_sequence_starts", None) is None:
+            self._sequence_starts = np.asarray(self.pointers, dtype=np.int64) // self.dtype.itemsize
+        return self._sequence_starts
+
     def document_token_ranges(self) -> np.ndarray:
         """int64 [num_documents, 2]: (first token, token count) of each document in `tokens`.
 

@@ -14,9 +14,13 @@ For each split with `n` samples needed (`app.config.samples_per_split`):
   split is a blend of `min(n, total)` samples weighted by the datasets' sample counts.
 
 With --data-path / --data-args-path every prefix's documents are divided by --split
-(`split_document_ranges`); with per-split blends each dataset is used whole. A split with no
-samples needed, or no documents, is None; a dataset of a blend whose part of the split is
-empty is left out of that blend (named in `SplitPlan.left_out`).
+(`split_document_ranges`: Megatron's split matrix); with per-split blends each dataset is used
+whole. A document is a sequence of the .idx, as Megatron's GPTDataset counts them (the same
+thing unless the data was preprocessed with --split-sentences). Weights are normalised in
+float64 as Megatron normalises them (`index_builder.normalize`), so the sample counts are
+Megatron's to the sample. A split with no samples needed, or no documents, is None; a dataset
+of a blend whose part of the split is empty is left out of that blend (named in
+`SplitPlan.left_out`; Megatron fails there).
 
 `order_record` condenses a plan into what decides the order of each split's samples (the
 checkpoint keeps it; app.training.resilience.data_order compares it on resume).
@@ -27,12 +31,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from app.config.blends import SPLIT_NAMES, Blend, DataBlends
-from app.config.rules import split_weights
-from app.data.index_builder import (compute_num_epochs, separate_last_epoch,
+import numpy as np
+
+from app.config.blends import SPLIT_NAMES, Blend, DataBlends, normalize
+from app.data.index_builder import (INDEX_VERSION, compute_num_epochs, separate_last_epoch,
                                     split_document_ranges)
 from app.data.indexed_dataset import MMapIndexedDataset, data_file_path
 
+ORDER_VERSION = 2
+"""The data-order record's version: 1 was this trainer's own order (one PCG64 permutation per
+epoch, its own blend interleaving), 2 is Megatron Core's (app.data.index_builder)."""
 MID_LEVEL_SURPLUS = 0.005
 """Megatron's default --mid-level-dataset-surplus: extra samples each blended dataset builds."""
 
@@ -72,11 +80,15 @@ class SplitPlan:
     left_out: Tuple[str, ...] = field(default_factory=tuple)
     """Prefixes of the blend whose part of this split has no documents or no weight."""
 
+    def blend_inputs(self) -> List[float]:
+        """The weights Megatron's BlendedDataset is given: the parts' normalised weights, or
+        their sample counts when `by_size` (it normalises them again)."""
+        return [float(p.num_samples) if self.by_size else float(p.weight or 0.0)
+                for p in self.parts]
+
     def blend_weights(self) -> List[float]:
-        """The weights the blend interleaves by (normalised over the parts present)."""
-        raw = [float(p.num_samples) if self.by_size else float(p.weight or 0.0)
-               for p in self.parts]
-        return [w / sum(raw) for w in raw]
+        """The weights the blend interleaves by: `blend_inputs` normalised in float64."""
+        return normalize(self.blend_inputs())
 
 
 @dataclass
@@ -92,7 +104,7 @@ class DataPlan:
 def _open(prefix: str, opened: Dict[str, MMapIndexedDataset]) -> MMapIndexedDataset:
     if prefix not in opened:
         indexed = MMapIndexedDataset(prefix)
-        if indexed.num_documents == 0:
+        if indexed.num_documents == 0 or len(indexed) == 0:
             raise ValueError(f"{data_file_path(prefix)} holds no documents (an empty input was "
                              "preprocessed?); re-run tools/preprocess_data.py on a non-empty "
                              "input or leave this prefix out of the data flags")
@@ -107,7 +119,7 @@ def _part(indexed: MMapIndexedDataset, prefix: str, split: str, documents: Tuple
     start, end = documents
     if end <= start:
         return None
-    tokens = int(indexed.document_token_ranges()[start:end, 1].sum())
+    tokens = int(indexed.sizes[start:end].sum(dtype=np.int64))
     samples = (tokens - 1) // seq_length if num_samples is None else num_samples
     if samples <= 0 or tokens <= 0:
         return None
@@ -155,17 +167,16 @@ def plan_datasets(blends: DataBlends, split: str, num_samples: Sequence[int],
     plans: List[Optional[SplitPlan]] = []
     if blends.per_split is None:
         assert blends.blend is not None
-        fractions = split_weights(split)
         for i, name in enumerate(SPLIT_NAMES):
             def ranges(prefix: str, i: int = i) -> Tuple[int, int]:
-                count = _open(prefix, opened).num_documents
-                return split_document_ranges(count, fractions)[i]
+                bounds = split_document_ranges(len(_open(prefix, opened)), split)[i]
+                return (0, 0) if bounds is None else bounds
             plans.append(_plan_split(blends.blend, name, num_samples[i], ranges, opened,
                                      seq_length, single_when_one=False))
     else:
         for i, name in enumerate(SPLIT_NAMES):
             blend = blends.per_split[i]
-            whole = lambda prefix: (0, _open(prefix, opened).num_documents)  # noqa: E731
+            whole = lambda prefix: (0, len(_open(prefix, opened)))  # noqa: E731
             plans.append(None if blend is None else _plan_split(
                 blend, name, num_samples[i], whole, opened, seq_length, single_when_one=True))
     return DataPlan(tuple(plans), opened, blends, seq_length)  # type: ignore[arg-type]
@@ -173,7 +184,8 @@ def plan_datasets(blends: DataBlends, split: str, num_samples: Sequence[int],
 
 def order_record(plan: DataPlan, seed: int) -> Dict[str, Any]:
     """What decides the order of the training and validation samples, as plain values (saved
-    in checkpoints): the seed, the sequence length, and per split each dataset's prefix, blend
+    in checkpoints): the version of the ordering rules (`ORDER_VERSION`; 2 is Megatron Core's
+    order), the seed, the sequence length, and per split each dataset's prefix, blend
     weight, documents, tokens, epochs and whether its last epoch is shuffled apart, plus (not
     deciding the order) the split's sample count. Within a dataset and a blend the first k
     samples do not depend on how many are built beyond them, so only these matter."""
@@ -189,5 +201,5 @@ def order_record(plan: DataPlan, seed: int) -> Dict[str, Any]:
                        "tokens": p.tokens, "epochs": p.epochs(s),
                        "separate_last_epoch": p.separate_last_epoch(s)}
                       for p, w in zip(split_plan.parts, weights)]}
-    return {"version": 1, "seed": int(seed), "seq_length": int(s),
-            "source": plan.blends.source, "splits": splits}
+    return {"version": ORDER_VERSION, "order": INDEX_VERSION, "seed": int(seed),
+            "seq_length": int(s), "source": plan.blends.source, "splits": splits}

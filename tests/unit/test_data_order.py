@@ -110,3 +110,19 @@ def test_refused_unless_allowed_and_older_checkpoints_are_noted(datasets):
     assert "--allow-data-order-change: the data order changes" in lines[0]
     assert check_data_order(old, copy.deepcopy(old), "x", READ, allow_change=False) == []
     assert "records no data order" in check_data_order(None, new, "x", READ, False)[0]
+
+
+def test_a_record_of_the_order_before_megatron_cores_is_refused_with_the_way_on(datasets):
+    """Version 1 records (this trainer's own shuffle) name other samples for the same counts:
+    refused while a split has been read, with --allow-data-order-change as the way on."""
+    a, _ = datasets
+    current = record([a])
+    assert current["version"] == 2
+    old = dict(copy.deepcopy(current), version=1)
+    old.pop("order")
+    with pytest.raises(CheckpointError, match=r"version 1 -> 2.*Megatron Core's order.*"
+                                              r"--allow-data-order-change"):
+        check_data_order(old, current, "ck/iter_0000010", READ, allow_change=False)
+    lines = check_data_order(old, current, "ck/iter_0000010", READ, allow_change=True)
+    assert "version 1 -> 2" in lines[0]
+    assert check_data_order(old, current, "ck", {"train": 0, "valid": 0}, False) == []

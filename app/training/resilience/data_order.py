@@ -11,6 +11,10 @@ A dataset is known by its file name (as the sample-index cache knows it), docume
 tokens, not by the folder it is read from: the same files named by a relative instead of an
 absolute path, or copied to another disk, keep the order (a note names the new place).
 
+A record of an older version of the ordering rules (version 1: this trainer's order before it
+read Megatron Core's) names other samples for the same counts: the resume is refused like any
+other change of order, and --allow-data-order-change continues in the new order.
+
 A changed sample count alone (a longer --train-iters, another --eval-interval, a batch-size
 schedule, a data-parallel size) is accepted when every dataset keeps its epochs: the first
 samples of a dataset and of a blend do not depend on how many are built beyond them. It is
@@ -34,6 +38,10 @@ _WHY = {
               "--global-batch-size or the batch-size schedule, --eval-interval, --eval-iters)",
     "separate_last_epoch": "the sample count, which changes how its last epoch is shuffled",
 }
+
+
+_VERSIONS = {2: "this version reads Megatron Core's order: GPTDataset's document, sample and "
+                "shuffle indices, BlendedDataset's interleaving, Megatron's split matrix"}
 
 
 def _dataset_name(prefix: str) -> str:
@@ -77,6 +85,12 @@ def order_changes(saved: Dict[str, Any], current: Dict[str, Any],
     between two data-order records (pure). Only a split the saved run has read from
     (`consumed[name]` > 0) and this run reads has an order to keep."""
     changes: List[str] = []
+    if saved.get("version", 1) != current.get("version", 1) and any(
+            consumed.get(name, 0) > 0 for name in ("train", "valid")):
+        changes.append(
+            f"the data-order rules, version {saved.get('version', 1)} -> "
+            f"{current.get('version', 1)} ({_VERSIONS.get(current.get('version'), 'newer')}; "
+            "the same consumed-sample counts name other samples, docs/data.md)")
     for key, flag in (("mock_data", "--mock-data"), ("seed", "--seed"),
                       ("seq_length", "--seq-length")):
         if saved.get(key) != current.get(key):
