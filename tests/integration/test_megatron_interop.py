@@ -111,9 +111,6 @@ def test_we_read_megatrons_legacy_checkpoint(tmp_path):
 # ---------------------------------------------------------------- a Megatron run continues here
 
 DATA = os.path.join(ROOT, "tests", "data", "old_checkpoints", "data")
-DATA_ORDER_PENDING = ("our data order becomes Megatron Core's (BlendedMegatronDatasetBuilder + "
-                      "GPTDataset) on branch w5-data; until it lands the batches after the "
-                      "checkpoint differ")
 
 
 def _reversed_corpus(prefix):
@@ -130,7 +127,6 @@ def _reversed_corpus(prefix):
     builder.finalize(f"{prefix}.idx")
 
 
-@pytest.mark.xfail(strict=False, reason=DATA_ORDER_PENDING)
 @pytest.mark.parametrize("ckpt_format, blend", [("torch_dist", "one_dataset"),
                                                 ("torch_dist", "blend_0.3_0.7"),
                                                 ("torch", "one_dataset")])
