@@ -1,11 +1,16 @@
-"""Plot training metrics from one or several --metrics-file JSONL files into one PNG.
+"""Plot training metrics of our runs (--metrics-file JSONL) and Megatron-LM runs (their TensorBoard
+event files) into one PNG.
 
-    python tools/plot_metrics.py --metrics-file runs/a/metrics.jsonl [--metrics-file runs/b/metrics.jsonl ...] \
-        [--label a --label b] --output runs/metrics.png
+    python tools/plot_metrics.py --metrics-file runs/a/metrics.jsonl [--metrics-file ...] \
+        [--tensorboard-dir megatron_run/tensorboard ...] [--label a --label megatron] \
+        --output runs/metrics.png
 
 Panels over iterations: loss (train, and valid as markers), learning rate, gradient norm, loss
-scale, tokens/s and MFU; a panel whose metric no file has is left out. Runs are overlaid, one
-colour per file. Prints the path of the PNG.
+scale, tokens/s and MFU; a panel whose metric no run has is left out. Runs are overlaid, one
+colour per run. Megatron-LM's scalars are read under the tags its training_log and evaluation
+write (megatron/training/training.py): "lm loss", "lm loss validation", "learning-rate",
+"grad-norm", "loss-scale" (the "... vs samples" copies are not used). --label names the runs in
+order: the --metrics-file ones first, then the --tensorboard-dir ones. Prints the PNG's path.
 """
 import argparse
 import json
@@ -16,16 +21,24 @@ from typing import Dict, List, Optional
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+MEGATRON_TAGS = {"lm loss": ("train", "lm_loss"), "lm loss validation": ("valid", "lm_loss"),
+                 "learning-rate": ("train", "lr"), "grad-norm": ("train", "grad_norm"),
+                 "loss-scale": ("train", "loss_scale")}
+"""Megatron-LM's TensorBoard tag -> (row kind, our metrics key)."""
+
 PANELS = (("lm_loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"))
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--metrics-file", action="append", required=True,
+    p.add_argument("--metrics-file", action="append", default=[],
                    help="a metrics JSONL written by pretrain_gpt2.py --metrics-file (repeatable)")
+    p.add_argument("--tensorboard-dir", action="append", default=[],
+                   help="a Megatron-LM run's --tensorboard-dir (or one event file; repeatable)")
     p.add_argument("--label", action="append", default=None,
-                   help="legend label per --metrics-file (default: the file's directory name)")
+                   help="legend label per run, --metrics-file ones first (default: the "
+                        "directory name)")
     p.add_argument("--output", default="metrics.png", help="PNG to write")
     p.add_argument("--title", default=None)
     return p.parse_args(argv)
@@ -42,6 +55,27 @@ def read_rows(path: str) -> List[Dict]:
                 except ValueError as exc:
                     raise ValueError(f"{path} line {number} is not JSON: {exc}") from exc
     return rows
+
+
+def read_tensorboard(path: str) -> List[Dict]:
+    """Rows like a metrics file's ({kind, iteration, key: value}) from the Megatron-LM scalars
+    (MEGATRON_TAGS) of the TensorBoard event files in directory `path` (or the file `path`);
+    ValueError when it holds none of them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(path, size_guidance={"scalars": 0})
+    events.Reload()
+    rows: Dict = {}
+    for tag in events.Tags().get("scalars", []):
+        if tag in MEGATRON_TAGS:
+            kind, key = MEGATRON_TAGS[tag]
+            for event in events.Scalars(tag):
+                row = rows.setdefault((kind, event.step),
+                                      {"kind": kind, "iteration": event.step})
+                row[key] = event.value
+    if not rows:
+        raise ValueError(f"--tensorboard-dir {path} holds none of Megatron-LM's scalars "
+                         f"({', '.join(MEGATRON_TAGS)})")
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[1], k[0]))]
 
 
 def series(rows: List[Dict], kind: str, key: str):
@@ -92,17 +126,24 @@ def plot(runs: Dict[str, List[Dict]], output: str, title: Optional[str] = None) 
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = get_args(argv)
+    sources = [(p, read_rows) for p in a.metrics_file] + \
+        [(p, read_tensorboard) for p in a.tensorboard_dir]
+    if not sources:
+        print("error: give at least one --metrics-file or --tensorboard-dir", file=sys.stderr)
+        return 2
     labels = a.label or [os.path.basename(os.path.dirname(os.path.abspath(p))) or p
-                         for p in a.metrics_file]
-    if len(labels) != len(a.metrics_file):
-        print(f"error: {len(labels)} --label for {len(a.metrics_file)} --metrics-file", file=sys.stderr)
+                         for p, _ in sources]
+    if len(labels) != len(sources):
+        print(f"error: {len(labels)} --label for {len(sources)} runs (--metrics-file and "
+              "--tensorboard-dir)", file=sys.stderr)
         return 2
     try:
         runs = {}
-        for label, path in zip(labels, a.metrics_file):
-            if not os.path.isfile(path):
-                raise ValueError(f"--metrics-file {path} does not exist")
-            runs[label if label not in runs else f"{label} ({path})"] = read_rows(path)
+        for label, (path, read) in zip(labels, sources):
+            if not os.path.exists(path):
+                flag = "--metrics-file" if read is read_rows else "--tensorboard-dir"
+                raise ValueError(f"{flag} {path} does not exist")
+            runs[label if label not in runs else f"{label} ({path})"] = read(path)
         print(plot(runs, a.output, a.title))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -37,7 +37,7 @@ import signal
 import types
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -263,13 +263,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"refused {module}.{name}")
 
 
-def _megatron_globals(data: bytes) -> List[Tuple[Any, str]]:
-    """(ForeignObject, name) for every `megatron.*` global a torch.save blob pickles."""
+def megatron_args_globals(source: Union[bytes, str]) -> List[Any]:
+    """What Megatron-LM's pickled args need beyond the checkpoint allow-list: SimpleNamespace,
+    PosixPath, Signals, Namespace, and (ForeignObject, name) for every `megatron.*` global that
+    the torch.save blob (bytes) or file (path) `source` pickles."""
+    extra: List[Any] = [types.SimpleNamespace, pathlib.PosixPath, signal.Signals,
+                        argparse.Namespace]
     try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(
+            io.BytesIO(source) if isinstance(source, bytes) else source)
     except Exception:  # noqa: BLE001 - not a zip archive: the load itself reports it
-        return []
-    return [(ForeignObject, name) for name in found if name.split(".")[0] == "megatron"]
+        return extra
+    return extra + [(ForeignObject, name) for name in found if name.split(".")[0] == "megatron"]
 
 
 def load_object(data: bytes, where: str) -> Any:
@@ -277,10 +282,8 @@ def load_object(data: bytes, where: str) -> Any:
     the checkpoint allow-list plus SimpleNamespace, PosixPath and Signals (Megatron's args hold
     them), Megatron's own classes as ForeignObject. Raises CheckpointError naming `where`
     (UnsafeCheckpointError for anything that could run code)."""
-    extra = [types.SimpleNamespace, pathlib.PosixPath, signal.Signals, argparse.Namespace]
     try:
-        with torch.serialization.safe_globals(allowed_globals() + extra
-                                              + _megatron_globals(data)):
+        with torch.serialization.safe_globals(allowed_globals() + megatron_args_globals(data)):
             value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(

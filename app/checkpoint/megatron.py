@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from app.checkpoint import CheckpointError, layouts
-from app.checkpoint import commit
+from app.checkpoint import CheckpointError, commit, dcp_files, layouts, mcore_names
 from app.checkpoint.commit import PendingSave, remove_written_file, write_checked_file
 from app.checkpoint.files import safe_torch_load, verify_checksum
 from app.checkpoint.names import Iteration, checkpoint_dir, checkpoint_path, read_tracker
@@ -101,6 +101,47 @@ def from_megatron_model(nested: Dict[str, Any]) -> Dict[str, Any]:
         else:
             raise CheckpointError(f"unexpected top-level model key {top!r} in checkpoint "
                                   f"(expected 'language_model' or '{_HEAD_KEY}')")
+    return flat
+
+
+_MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MCORE_LOCAL_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                      "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+"""Megatron Core's local-spec LayerNorm names -> the fused names of mcore_names' table."""
+
+
+def is_mcore_model(model: Dict[str, Any]) -> bool:
+    """Whether a checkpoint's `model` entry is Megatron Core's flat GPTModel state dict
+    (Megatron-LM's `--ckpt-format torch` save of a Megatron Core model) rather than the
+    legacy nested `language_model` dict."""
+    return "language_model" not in model and any(
+        k.startswith(("embedding.", "decoder.")) for k in model)
+
+
+def from_mcore_model(model: Dict[str, Any], layer_offset: int = 0) -> Dict[str, Any]:
+    """Megatron Core's flat GPTModel state dict (`state_dict_for_save_checkpoint`) -> our flat
+    state dict. Its layer numbers are the stage's own; `layer_offset` (the stage's first global
+    layer) makes them global. `_extra_state` entries (Transformer Engine's FP8 metadata, None
+    here) are dropped; a key mcore_names does not know raises CheckpointError naming it."""
+    flat: Dict[str, Any] = {}
+    for key, value in model.items():
+        if key.endswith("._extra_state"):
+            continue
+        match = _MCORE_LAYER.match(key)
+        try:
+            if match:
+                suffix = match.group(2)
+                for local, fused in _MCORE_LOCAL_NORMS.items():
+                    if suffix.startswith(local):
+                        suffix = fused + suffix[len(local):]
+                name = mcore_names.from_mcore(mcore_names.MCORE_LAYER_PREFIX + suffix,
+                                              int(match.group(1)) + layer_offset)
+            else:
+                name = mcore_names.from_mcore(key)
+        except KeyError as exc:
+            raise CheckpointError(f"Megatron Core checkpoint entry {key!r} is not part of the "
+                                  f"GPT-2 this code builds: {exc}") from exc
+        flat[name] = value
     return flat
 
 
@@ -237,7 +278,7 @@ def start_save(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, Any], *
 # ---------------------------------------------------------------------------- reading
 
 def _torch_load(path: str) -> Dict[str, Any]:
-    state = safe_torch_load(path)
+    state = safe_torch_load(path, extra_safe_globals=dcp_files.megatron_args_globals(path))
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint file {path} is not a Megatron checkpoint dict "
                               "(no 'model' entry)")
@@ -289,6 +330,10 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
     if iteration != "release" and saved is not None and saved != iteration:
         raise CheckpointError(f"checkpoint file {path} says iteration {saved} but lies in the "
                               f"directory of iteration {iteration}")
+    if is_mcore_model(state["model"]):  # Megatron Core's model saved as --ckpt-format torch
+        layers = int(getattr(state.get("args"), "num_layers", 0) or 0)
+        state["model"] = to_megatron_model(from_mcore_model(state["model"],
+                                                            pp_rank * (layers // pp_size)))
     return state, iteration
 
 

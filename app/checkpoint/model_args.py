@@ -6,10 +6,17 @@ a few fields Megatron tools read; `model_config_from_args` is its inverse on the
 fields (for inference and conversion; older checkpoints' missing fields take ModelConfig's
 defaults). Three ModelConfig fields have no Megatron arg and are not stored (NOT_SAVED).
 `check_checkpoint_args` compares the fields that must agree (MODEL_SHAPE_FIELDS) and the layout.
+
+Args written by Megatron-LM itself (core_v0.16.1 to today's main; tests/data/megatron_args holds
+what its parse_args makes) are read with Megatron's meaning (`_meaning`): e.g. num_query_groups is
+its argparse default 1 unless --group-query-attention. The args that change the arithmetic in
+ways this code does not build (the FIXED_ARCHITECTURE fields that ModelConfig lacks: squared
+ReLU, layernorm-1p, experts, ...) are refused by name.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -18,12 +25,22 @@ from app.checkpoint import CheckpointError
 from app.config import ModelConfig, RunConfig
 from app.utils.dtypes import dtype_name, torch_dtype
 
-MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                      "max_position_embeddings", "padded_vocab_size", "tokenizer_type",
-                      "position_embedding_type", "rotary_percent", "rotary_base",
-                      "num_query_groups", "untie_embeddings_and_output_weights",
-                      "swiglu", "normalization", "add_bias_linear", "qk_layernorm", "kv_channels")
-"""Fields that must agree between a checkpoint and the run loading it."""
+FIXED_ARCHITECTURE: Dict[str, Any] = {
+    "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
+    "squared_relu": False, "qk_layernorm": False, "apply_layernorm_1p": False,
+    "apply_residual_connection_post_layernorm": False, "num_experts": None,
+    "multi_latent_attention": False}
+"""Megatron args that change the model's arithmetic, with Megatron's defaults (what an args
+Namespace lacking one means). A ModelConfig without a field of that name builds only the
+default; a checkpoint with another value is refused by name."""
+
+MODEL_SHAPE_FIELDS = (*FIXED_ARCHITECTURE, "num_layers", "hidden_size", "num_attention_heads",
+                      "ffn_hidden_size", "max_position_embeddings", "padded_vocab_size",
+                      "tokenizer_type", "position_embedding_type", "rotary_percent",
+                      "rotary_base", "num_query_groups", "kv_channels",
+                      "untie_embeddings_and_output_weights")
+"""Fields that must agree between a checkpoint and the run loading it (`_meaning` says how an
+absent or unused field reads)."""
 
 
 def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
@@ -55,15 +72,14 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         fp16_lm_cross_entropy=m.fp16_lm_cross_entropy,
         accumulate_allreduce_grads_in_fp32=cfg.precision.grads_accumulate_in_fp32,
         position_embedding_type=m.position_embedding_type,
-        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        add_position_embedding=True,  # Megatron's deprecated flag: False only with rope
         use_rotary_position_embeddings=m.position_embedding_type == "rope",
         rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
         group_query_attention=m.group_query_attention, num_query_groups=m.num_kv_heads,
-        normalization=m.normalization, add_bias_linear=m.add_bias_linear, swiglu=m.swiglu,
-        qk_layernorm=m.qk_layernorm, norm_epsilon=m.layernorm_epsilon,
-        bias_swiglu_fusion=m.bias_swiglu_fusion, tokenizer_model=cfg.data.tokenizer_model,
+        **{name: getattr(m, name, default) for name, default in FIXED_ARCHITECTURE.items()},
+        norm_epsilon=m.layernorm_epsilon, bias_swiglu_fusion=m.bias_swiglu_fusion,
+        tokenizer_model=cfg.data.tokenizer_model,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        apply_residual_connection_post_layernorm=False,
         sequence_parallel=m.sequence_parallel, recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -99,8 +115,8 @@ _TRAINING: Dict[str, Callable[[Any], Any]] = {
     "hidden_dropout": float, "attention_dropout": float, "init_method_std": float,
     "recompute_granularity": str, "recompute_method": str, "recompute_num_layers": int,
     "sequence_parallel": bool, "bias_gelu_fusion": bool, "bias_dropout_fusion": bool,
-    "masked_softmax_fusion": bool, "bias_swiglu_fusion": bool, "use_flash_attn": bool, "fp16_lm_cross_entropy": bool,
-    "seed": int}
+    "masked_softmax_fusion": bool, "bias_swiglu_fusion": bool, "use_flash_attn": bool,
+    "fp16_lm_cross_entropy": bool, "seed": int}
 """Fields that change only how the model trains, with their types."""
 
 
@@ -132,6 +148,8 @@ def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional
         fields["layernorm_epsilon"] = float(args.norm_epsilon)  # older Megatron's name
     if for_inference:
         fields.update(hidden_dropout=0.0, attention_dropout=0.0)
+    fields["position_embedding_type"] = _meaning(args, "position_embedding_type")
+    fields.update(_architecture(args))
     fields["group_query_attention"] = bool(getattr(args, "group_query_attention", False))
     if fields["group_query_attention"] and getattr(args, "num_query_groups", None) is not None:
         fields["num_query_groups"] = int(args.num_query_groups)
@@ -142,6 +160,29 @@ def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional
     except ValueError as exc:
         raise CheckpointError(f"the checkpoint's args describe a model this code cannot build: "
                               f"{exc}") from exc
+
+
+def _architecture(args: argparse.Namespace) -> Dict[str, Any]:
+    """The FIXED_ARCHITECTURE fields that ModelConfig has, from `args`; CheckpointError naming
+    a field whose value this code cannot build (a ModelConfig without that field, or a
+    kv_channels other than hidden_size / num_attention_heads)."""
+    out: Dict[str, Any] = {}
+    for name, default in FIXED_ARCHITECTURE.items():
+        value = _meaning(args, name)
+        if name in _MODEL_FIELDS:
+            out[name] = value
+        elif value != default:
+            raise CheckpointError(f"the checkpoint's args describe a model this code cannot "
+                                  f"build: {name} {value} (this code builds only {name} "
+                                  f"{default})")
+    channels = _meaning(args, "kv_channels")
+    per_head = int(args.hidden_size) // int(args.num_attention_heads)
+    if "kv_channels" not in _MODEL_FIELDS and channels is not _UNKNOWN and \
+            int(channels) != per_head:
+        raise CheckpointError(f"the checkpoint's args describe a model this code cannot build: "
+                              f"kv_channels {channels} (this code builds hidden_size / "
+                              f"num_attention_heads = {per_head})")
+    return out
 
 
 def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
@@ -166,18 +207,43 @@ def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
     for name in MODEL_SHAPE_FIELDS:
         if reshardable and name == "padded_vocab_size":
             continue
-        if not hasattr(ckpt_args, name) or not hasattr(current, name):
-            continue
         saved, now = _meaning(ckpt_args, name), _meaning(current, name)
-        if saved != now:
-            raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
-                                  f"{now}; pass the same model flags as the run that saved it")
+        if saved is _UNKNOWN or now is _UNKNOWN or saved == now:
+            continue
+        fix = "pass the same model flags as the run that saved it"
+        if name in FIXED_ARCHITECTURE and name not in _MODEL_FIELDS:
+            fix = f"this code builds only {name} {FIXED_ARCHITECTURE[name]}"
+        raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
+                              f"{now}; {fix}")
+
+
+_UNKNOWN = object()
+_MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
 
 def _meaning(args: argparse.Namespace, name: str) -> Any:
-    """The value of `name` as Megatron means it: num_query_groups counts key/value heads only
-    under group_query_attention (Megatron keeps its argparse default 1 otherwise: one group per
-    attention head then)."""
+    """The value of `name` as Megatron means it (megatron/training/arguments.py, core_v0.16.1
+    to today's main), or _UNKNOWN for a shape field the args lack.
+
+    num_query_groups counts key/value groups only under group_query_attention (Megatron keeps
+    its argparse default 1 otherwise: one group per head then); kv_channels None is
+    hidden_size / num_attention_heads; rotary_percent and rotary_base mean nothing without
+    rope; position_embedding_type is rope under the older use_rotary_position_embeddings; an
+    absent FIXED_ARCHITECTURE field (None for apply_layernorm_1p) has Megatron's default.
+    """
+    value = getattr(args, name, None)
+    heads = getattr(args, "num_attention_heads", None)
     if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
-        return getattr(args, "num_attention_heads", None)
-    return getattr(args, name)
+        return heads if heads is not None else _UNKNOWN
+    if name == "kv_channels" and value is None and heads:
+        hidden = getattr(args, "hidden_size", None)
+        return hidden // heads if hidden else _UNKNOWN
+    if name == "position_embedding_type" and value is None:
+        rope = getattr(args, "use_rotary_position_embeddings", False)
+        return "rope" if rope else "learned_absolute"
+    if name in ("rotary_percent", "rotary_base") and \
+            _meaning(args, "position_embedding_type") != "rope":
+        return None
+    if name in FIXED_ARCHITECTURE:
+        return FIXED_ARCHITECTURE[name] if value is None else value
+    return _UNKNOWN if value is None else value

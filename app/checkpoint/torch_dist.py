@@ -6,8 +6,9 @@ the model tensors under Megatron Core's keys and global shapes (app.checkpoint.m
 layers stacked), the optimizer states beside them in model space (`optimizer.state.<state>.<key>`,
 app.optim.model_space), and as ShardedObjects the common state (`common_state`: args,
 iteration, checkpoint_version, opt_param_scheduler, the optimizer's non-tensor part,
-content_metadata), each (pipeline, tensor) rank's RNG states (`rng_state`, a (PP, TP) grid) and
-the layers' empty `_extra_state`s. The tracker and iteration directory names are the legacy
+content_metadata; also written as `common.pt`, the only place Megatron Core 0.16-0.18 read it
+from, while 0.19 and later read either), each (pipeline, tensor) rank's RNG states
+(`rng_state`, a (PP, TP) grid) and the layers' empty `_extra_state`s. The tracker and iteration directory names are the legacy
 format's (app.checkpoint.names).
 
 Saving (`save_entries`, `start_save`): each rank turns its local tensors into boxes of the
@@ -24,6 +25,7 @@ another global shape is refused with the key and both shapes.
 """
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -33,8 +35,10 @@ import torch
 from app.checkpoint import (CheckpointError, commit, dcp_files, mcore_names, mcore_state,
                                sharding)
 from app.checkpoint.dcp_files import Entry, RankFiles
+from app.checkpoint.files import sha256_file
 from app.checkpoint.names import Iteration, checkpoint_dir
 from app.optim.mixed_precision import check_saved_groups
+from app.utils.fileio import atomic_write_bytes
 from app.optim.model_space import MAIN, ModelSpaceState, ParamState
 
 FORMAT = "torch_dist"
@@ -158,6 +162,20 @@ def save_entries(params: Dict[str, torch.Tensor], layout: RankLayout,
     return entries
 
 
+def write_common_pt(directory: str, entries: Sequence[Entry], record: RankFiles) -> None:
+    """When `entries` hold the common state (rank 0's): write it also as `common.pt`, the dict
+    itself as Megatron Core's save_common writes it (0.16 to 0.18 read only that; 0.19 and later
+    read either), and add its SHA-256 to `record`, this rank's, for integrity.json."""
+    common = next((e.data for e in entries if e.key == COMMON_KEY), None)
+    if common is None:
+        return
+    path = os.path.join(directory, dcp_files.COMMON_PT)
+    buffer = io.BytesIO()
+    torch.save(dcp_files.load_object(common, path)[0], buffer)
+    atomic_write_bytes(path, buffer.getvalue(), durable=True)
+    record.digests[dcp_files.COMMON_PT] = sha256_file(path)
+
+
 def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *, rank: int,
                gather: Callable[[Optional[RankFiles]], Optional[List[Optional[RankFiles]]]],
                agree: Callable[[bool], bool], keep_last_n: Optional[int] = None,
@@ -175,6 +193,7 @@ def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *,
         try:
             written.append(dcp_files.write_rank_files(directory, rank, entries,
                                                       commit.save_stage))
+            write_common_pt(directory, entries, written[0])
         except OSError as exc:
             return os.path.join(directory, f"__{rank}_0.distcp"), exc
         return None
@@ -192,7 +211,8 @@ def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *,
     def undo() -> None:
         names = [n for r in written for n in dcp_files.rank_file_names(r)]
         if rank == 0:
-            names += [dcp_files.DCP_METADATA, dcp_files.CONFIG_FILE, dcp_files.INTEGRITY_FILE]
+            names += [dcp_files.DCP_METADATA, dcp_files.CONFIG_FILE, dcp_files.INTEGRITY_FILE,
+                      dcp_files.COMMON_PT]
         for name in names:
             commit.remove_written_file(os.path.join(directory, name), directory)
 

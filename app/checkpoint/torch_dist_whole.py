@@ -196,6 +196,7 @@ def write_torch_dist(source: ModelCheckpoint, save_dir: str, dtype_name: Optiona
     directory = checkpoint_dir(save_dir, iteration)
     os.makedirs(directory, exist_ok=True)
     record = dcp_files.write_rank_files(directory, 0, entries)
+    torch_dist.write_common_pt(directory, entries, record)
     dcp_files.publish(directory, [record])
     write_tracker(save_dir, iteration)
     return iteration

@@ -1,16 +1,19 @@
-"""Megatron-LM's own code reads our torch_dist checkpoints, and we read its.
+"""Megatron-LM's own code reads our torch_dist checkpoints, and we read its (torch_dist and the
+legacy --ckpt-format torch).
 
-Needs a Megatron-LM checkout whose Megatron Core imports on CPU (core_v0.19.0 was used; its
-dependencies beyond ours: triton): set MEGATRON_LM to the checkout and, when its dependencies
-live in another environment, MEGATRON_PYTHON to that Python. Skipped otherwise.
+Megatron's side (megatron_side.py) runs Megatron Core from the installed megatron-core
+(requirements-test.txt), or from a Megatron-LM checkout when MEGATRON_LM names one (and
+MEGATRON_PYTHON, when given, the Python with its dependencies).
 
 - ours -> Megatron: a run saved at TP2 x PP2 (4 ranks, after 3 steps, with its optimizer) is
   loaded by Megatron Core's dist_checkpointing.load into its GPTModel built with the local spec
   at TP1 (strict: every key Megatron asks for exists), and Megatron's logits equal ours (1e-4).
-- Megatron -> ours: a GPTModel saved by Megatron Core's dist_checkpointing.save the way
-  Megatron-LM saves (common state with Megatron's args and enums, rng_state, tracker) resumes
-  here (--finetune) at TP2 on two ranks, whose logits equal Megatron's.
+- Megatron -> ours: a GPTModel saved the way Megatron-LM saves, with the args Megatron-LM's own
+  parse_args made for the same flags (tests/data/megatron_args: num_query_groups 1 without
+  --group-query-attention, ...), resumes here (--finetune): the torch_dist save at TP2 on two
+  ranks and the legacy mp_rank_00/model_optim_rng.pt at TP1, with Megatron's logits.
 """
+import json
 import os
 import subprocess
 import sys
@@ -24,20 +27,20 @@ from tests.integration.launch_utils import ROOT, env
 MEGATRON = os.environ.get("MEGATRON_LM")
 PYTHON = os.environ.get("MEGATRON_PYTHON", sys.executable)
 SIDE = os.path.join(ROOT, "tests", "integration", "megatron_side.py")
+VOCAB = 320  # tests/data/old_checkpoints/data/vocab.json, as in the recorded Megatron args
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-2", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--make-vocab-size-divisible-by", "8",
         "--distributed-backend", "gloo", "--ckpt-format", "torch_dist"]
 
-pytestmark = pytest.mark.skipif(not MEGATRON, reason="set MEGATRON_LM to a Megatron-LM checkout "
-                                                     "(and MEGATRON_PYTHON to its Python)")
-
 
 def megatron(*args, cwd):
-    """megatron_side.py under Megatron-LM's Python; its output, after checking it exited 0."""
+    """megatron_side.py under Megatron Core (installed, or MEGATRON_LM's checkout); its output,
+    after checking it exited 0."""
+    path = os.pathsep.join(p for p in (MEGATRON, ROOT) if p)
     proc = subprocess.run([PYTHON, SIDE, *args], capture_output=True, text=True, cwd=cwd,
-                          env=dict(env(), PYTHONPATH=MEGATRON), timeout=600)
+                          env=dict(env(), PYTHONPATH=path), timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout
 
@@ -45,7 +48,7 @@ def megatron(*args, cwd):
 def _build(flags, world):
     import arguments
     from tests.harness.synthetic import build_synthetic_run
-    return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, 64), 64)
+    return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, VOCAB), VOCAB)
 
 
 def _logits(run, tokens):
@@ -68,7 +71,7 @@ def test_megatron_reads_our_tp2_pp2_checkpoint(tmp_path):
     run_distributed(_save_tp2_pp2, 4, ours, timeout=300)
     loaded = _build(["--load", ours, "--finetune"], 1)
     loaded["engine"].load_checkpoint(ours)
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.save({"tokens": tokens, "logits": _logits(loaded, tokens)}, f"{ours}/probe.pt")
     print(megatron("read", ours, cwd=tmp_path))
 
@@ -87,6 +90,73 @@ def _read_at_tp2(directory):
 def test_we_read_megatrons_checkpoint_at_tp2(tmp_path):
     theirs = str(tmp_path / "theirs")
     os.makedirs(theirs)
-    print(megatron("write", theirs, cwd=tmp_path))
+    print(megatron("write", theirs, "torch_dist", cwd=tmp_path))
     diffs = run_distributed(_read_at_tp2, 2, theirs, timeout=300)
     assert max(diffs) < 1e-4, diffs
+
+
+def test_we_read_megatrons_legacy_checkpoint(tmp_path):
+    """Megatron-LM's --ckpt-format torch save of Megatron Core's GPTModel (its flat
+    state_dict_for_save_checkpoint, Megatron's pickled args with their enums) loads here."""
+    theirs = str(tmp_path / "theirs")
+    os.makedirs(theirs)
+    print(megatron("write", theirs, "torch", cwd=tmp_path))
+    assert os.path.isfile(f"{theirs}/iter_0000003/mp_rank_00/model_optim_rng.pt")
+    run = _build(["--ckpt-format", "torch", "--load", theirs, "--finetune"], 1)
+    run["engine"].load_checkpoint(theirs)
+    probe = torch.load(f"{theirs}/probe.pt")
+    assert (_logits(run, probe["tokens"]) - probe["logits"]).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------- a Megatron run continues here
+
+DATA = os.path.join(ROOT, "tests", "data", "old_checkpoints", "data")
+
+
+def _reversed_corpus(prefix):
+    """A second dataset for the blend: the corpus's documents in reverse order, written by
+    Megatron Core's own IndexedDatasetBuilder."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    source = IndexedDataset(f"{DATA}/corpus_text_document")
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=source.index.dtype)
+    for i in reversed(range(len(source.document_indices) - 1)):
+        first, last = source.document_indices[i], source.document_indices[i + 1]
+        for j in range(first, last):
+            builder.add_item(torch.from_numpy(source[j].astype("int64")))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+@pytest.mark.parametrize("ckpt_format, blend", [("torch_dist", "one_dataset"),
+                                                ("torch_dist", "blend_0.3_0.7"),
+                                                ("torch", "one_dataset")])
+def test_a_megatron_run_continues_here_with_megatrons_losses(ckpt_format, blend, tmp_path):
+    """The issue's done-when: Megatron Core's own code writes iteration 3 of a run (its
+    GPTModel, the args its parse_args made); pretrain_gpt2.py resumes it with --no-load-optim
+    and --lr 0, and the losses it logs at iterations 4-6 equal the losses Megatron's model gives
+    on the global batches Megatron would feed next (its dataset builder and GPTDataset, its
+    loss averaging), to 1e-5; from its torch_dist checkpoint and from its legacy files."""
+    from tests.integration.conftest import read_metrics
+    from tests.integration.launch_utils import run
+    data_path = [f"{DATA}/corpus_text_document"]
+    if blend != "one_dataset":
+        _reversed_corpus(str(tmp_path / "reversed_text_document"))
+        data_path = ["0.3", data_path[0], "0.7", str(tmp_path / "reversed_text_document")]
+    theirs = str(tmp_path / "theirs")
+    os.makedirs(theirs)
+    print(megatron("write", theirs, ckpt_format, "100,0,0", *data_path, cwd=tmp_path))
+    with open(f"{theirs}/megatron_losses.json") as f:
+        expected = json.load(f)
+    metrics = str(tmp_path / "metrics.jsonl")
+    flags = [a for a in ARGV if a not in ("--lr", "1e-2")]
+    run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *flags, "--lr", "0",
+         "--min-lr", "0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
+         "--data-path", *data_path, "--split", "100,0,0", "--vocab-file", f"{DATA}/vocab.json",
+         "--merge-file", f"{DATA}/merges.txt", "--data-cache-path", str(tmp_path / "cache"),
+         "--num-workers", "0", "--ckpt-format", ckpt_format, "--load", theirs, "--no-load-optim",
+         "--metrics-file", metrics], tmp_path)
+    ours = {str(r["iteration"]): r["lm_loss"] for r in read_metrics(metrics)
+            if r["kind"] == "train"}
+    assert sorted(ours) == ["4", "5", "6"], ours
+    for iteration, loss in expected.items():
+        assert ours[iteration] == pytest.approx(loss, abs=1e-5), (iteration, ours, expected)

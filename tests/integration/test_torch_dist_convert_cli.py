@@ -35,7 +35,7 @@ def test_old_checkpoint_converted_to_torch_dist_resumes_with_the_same_losses(nam
          "--load", os.path.join(FIXTURES, name), "--save", str(converted)], tmp_path)
     saved = COMMANDS["saved_iteration"]
     assert sorted(os.listdir(converted / f"iter_{saved:07d}")) == [
-        ".metadata", "__0_0.distcp", "integrity.json", "metadata.json"]
+        ".metadata", "__0_0.distcp", "common.pt", "integrity.json", "metadata.json"]
     args = native_command(name, tmp_path) + ["--load", str(converted)]
     if name == "native_fp16":
         report = run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *args,

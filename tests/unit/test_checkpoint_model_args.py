@@ -1,16 +1,21 @@
 """A checkpoint's `args` both ways: the ModelConfig read back from the args written for it is the
-same ModelConfig, for every option the args record; older args fall back to the defaults."""
+same ModelConfig, for every option the args record; older args fall back to the defaults. And the
+args Megatron-LM's own parse_args makes (tests/data/megatron_args, core_v0.16.1 and today's main)
+are accepted for the matching run and refused, naming the field and both values, for another."""
 import argparse
+import json
 
 import pytest
 import torch
 
+import arguments
 from app.checkpoint import CheckpointError
-from app.checkpoint.model_args import (NOT_SAVED, checkpoint_args_namespace,
-                                          model_config_from_args)
+from app.checkpoint.model_args import (NOT_SAVED, check_checkpoint_args,
+                                          checkpoint_args_namespace, model_config_from_args)
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
+from tests.data.megatron_args import fixtures
 
 
 def run_config(model: ModelConfig, tp: int = 1, bf16: bool = False) -> RunConfig:
@@ -91,3 +96,97 @@ def test_older_args_take_the_defaults_and_a_missing_shape_is_named():
                                                   max_position_embeddings=8))
     with pytest.raises(CheckpointError, match="cannot build.*--position-embedding-type"):
         model_config_from_args(argparse.Namespace(**vars(old), position_embedding_type="none"))
+
+
+# ---------------------------------------------------------------- Megatron-LM's own args
+# tests/data/megatron_args holds the Namespaces that Megatron-LM's parse_args + validate_args
+# (+ its tokenizer build) made for a few flag sets, at core_v0.16.1 and at today's main.
+
+BUILDABLE = ("gpt2", "gpt2_legacy", "gqa", "rope_untied")
+MEGATRON_COMPARES = ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
+                     "max_position_embeddings", "make_vocab_size_divisible_by",
+                     "padded_vocab_size", "tokenizer_type")
+"""The fields Megatron-LM's own check_checkpoint_args compares (megatron/training/
+checkpointing.py), so a checkpoint of ours must hold Megatron's values."""
+
+
+def our_run(version, flag_set, *extra):
+    """Our RunConfig for the command line Megatron parsed (its argv, plus `extra`)."""
+    argv = [a if not a.startswith("tests/") else f"{fixtures.ROOT}/{a}"
+            for a in fixtures.record(version, flag_set)["argv"]]
+    with open(f"{fixtures.ROOT}/tests/data/old_checkpoints/data/vocab.json") as f:
+        raw_vocab = len(json.load(f))
+    return arguments.config_from_argv([*argv, *extra], 1, raw_vocab)
+
+
+@pytest.mark.parametrize("version", fixtures.VERSIONS)
+@pytest.mark.parametrize("flag_set", BUILDABLE)
+def test_megatrons_args_load_into_the_same_run(version, flag_set):
+    megatron = fixtures.load(version, flag_set, consumed_train_samples=12, iteration=3)
+    ours = our_run(version, flag_set)
+    check_checkpoint_args(megatron, checkpoint_args_namespace(ours, 0, 0, 0), reshardable=True)
+    check_checkpoint_args(megatron, checkpoint_args_namespace(ours, 0, 0, 0))
+    built = model_config_from_args(megatron)
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+              "num_kv_heads", "head_dim", "padded_vocab_size", "max_position_embeddings",
+              "seq_length", "position_embedding_type", "untie_embeddings_and_output_weights",
+              "layernorm_epsilon", "openai_gelu", "hidden_dropout", "params_dtype")
+    assert {f: getattr(built, f) for f in fields} == {f: getattr(ours.model, f) for f in fields}
+    saved = checkpoint_args_namespace(ours, 0, 0, 0)
+    assert {f: getattr(saved, f) for f in MEGATRON_COMPARES} == \
+        {f: getattr(megatron, f) for f in MEGATRON_COMPARES}
+
+
+@pytest.mark.parametrize("version", fixtures.VERSIONS)
+def test_a_real_mismatch_with_megatrons_args_names_the_field_and_both_values(version):
+    cases = [  # (Megatron's flag set, our flags after its plain GPT-2 ones, the message)
+        ("gpt2", ["--hidden-size", "64"], "hidden_size 32 but this run uses 64"),
+        ("gqa", [], "num_query_groups 2 but this run uses 4"),
+        ("gpt2", ["--group-query-attention", "--num-query-groups", "2"],
+         "num_query_groups 4 but this run uses 2"),
+        ("rope_untied", ["--untie-embeddings-and-output-weights"],
+         "position_embedding_type rope but this run uses learned_absolute"),
+        ("gpt2", ["--untie-embeddings-and-output-weights"],
+         "untie_embeddings_and_output_weights False but this run uses True"),
+        ("gpt2", ["--ffn-hidden-size", "96"], "ffn_hidden_size 128 but this run uses 96")]
+    for flag_set, extra, message in cases:
+        ours = checkpoint_args_namespace(our_run(version, "gpt2", *extra), 0, 0, 0)
+        with pytest.raises(CheckpointError, match=message):
+            check_checkpoint_args(fixtures.load(version, flag_set), ours, reshardable=True)
+
+
+@pytest.mark.parametrize("version", fixtures.VERSIONS)
+def test_swiglu_rmsnorm_without_bias_is_refused_by_name(version):
+    """Megatron's --swiglu --normalization RMSNorm --disable-bias-linear: refused by name while
+    ModelConfig has no such options, read when it has them."""
+    megatron = fixtures.load(version, "swiglu_rmsnorm")
+    assert (megatron.normalization, megatron.swiglu, megatron.add_bias_linear) == \
+        ("RMSNorm", True, False)
+    unbuildable = [f for f in ("normalization", "swiglu", "add_bias_linear")
+                   if not hasattr(ModelConfig(**SHAPE), f)]
+    if not unbuildable:
+        built = model_config_from_args(megatron)
+        assert (built.normalization, built.swiglu, built.add_bias_linear) == \
+            ("RMSNorm", True, False)
+        return
+    first = unbuildable[0]
+    value = getattr(megatron, first)
+    with pytest.raises(CheckpointError, match=f"cannot build: {first} {value}"):
+        model_config_from_args(megatron)
+    with pytest.raises(CheckpointError, match=f"saved with {first} {value} but this run uses"):
+        check_checkpoint_args(megatron, checkpoint_args_namespace(our_run(version, "gpt2"),
+                                                                  0, 0, 0))
+
+
+def test_the_recorded_args_are_megatrons_own():
+    """The fixtures hold what Megatron's parse_args made: its argparse default
+    num_query_groups 1 without --group-query-attention (the value that used to be refused), the
+    padded vocabulary of its tokenizer build, and validate_args' derived fields."""
+    for version in fixtures.VERSIONS:
+        plain = fixtures.load(version, "gpt2")
+        assert (plain.group_query_attention, plain.num_query_groups) == (False, 1)
+        assert (plain.ffn_hidden_size, plain.kv_channels, plain.padded_vocab_size) == (128, 8, 320)
+        assert plain.params_dtype == torch.float32 and plain.world_size == 1
+        rope = fixtures.load(version, "rope_untied")
+        assert (rope.position_embedding_type, rope.add_position_embedding) == ("rope", True)
+        assert fixtures.record(version, "gpt2")["megatron"] == version

@@ -45,8 +45,8 @@ def test_checkpoint_args_record_the_options():
                "--rotary-base", "500", "--group-query-attention", "--num-query-groups", "2",
                "--untie-embeddings-and-output-weights", "--recompute-granularity", "full")
     ns = model_args.checkpoint_args_namespace(cfg, 0, 0, 0)
-    assert (ns.position_embedding_type, ns.add_position_embedding,
-            ns.use_rotary_position_embeddings) == ("rope", False, True)
+    assert (ns.position_embedding_type, ns.add_position_embedding,  # Megatron's: True with rope
+            ns.use_rotary_position_embeddings) == ("rope", True, True)
     assert (ns.rotary_percent, ns.rotary_base) == (0.5, 500)
     assert (ns.group_query_attention, ns.num_query_groups) == (True, 2)
     assert ns.untie_embeddings_and_output_weights is True

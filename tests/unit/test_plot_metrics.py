@@ -58,3 +58,39 @@ def test_two_runs_overlaid_and_errors(tmp_path, capsys, monkeypatch):
     assert tool.main(["--metrics-file", str(tmp_path / "bad.jsonl"), "--output", str(out)]) == 2
     assert "line 2" in capsys.readouterr().err
     assert tool.main(["--metrics-file", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_megatrons_tensorboard_scalars_beside_our_metrics(tmp_path, monkeypatch):
+    """A Megatron-LM run's TensorBoard events (written by SummaryWriter under the tags Megatron's
+    training_log and evaluation use) and our metrics file on one figure."""
+    pytest.importorskip("matplotlib")
+    from torch.utils.tensorboard import SummaryWriter
+    tool = load_tool("plot_metrics")
+    figures = _capture_figures(monkeypatch)
+    board = tmp_path / "megatron" / "tensorboard"
+    writer = SummaryWriter(str(board))
+    for iteration, loss in ((4, 5.5), (5, 5.25), (6, 5.0)):
+        writer.add_scalar("lm loss", loss, iteration)
+        writer.add_scalar("lm loss vs samples", loss + 1, iteration * 4)
+        writer.add_scalar("learning-rate", 1e-4 * iteration, iteration)
+        writer.add_scalar("grad-norm", 2.0, iteration)
+        writer.add_scalar("batch-size", 4, iteration)
+    writer.add_scalar("lm loss validation", 5.125, 6)
+    writer.close()
+    ours = _write(tmp_path / "ours.jsonl", [{"kind": "train", "iteration": i, "lm_loss": 5.5,
+                                             "lr": 0.0} for i in (4, 5, 6)])
+    out = tmp_path / "both.png"
+    assert tool.main(["--metrics-file", ours, "--tensorboard-dir", str(board), "--label", "ours",
+                      "--label", "megatron", "--output", str(out)]) == 0
+    (fig,) = figures
+    drawn = [ax for ax in fig.axes if ax.axison]
+    assert [ax.get_title() for ax in drawn] == ["loss", "learning rate", "grad norm"]
+    loss = _lines(drawn[0])
+    assert loss.keys() == {"ours train", "megatron train", "megatron valid"}
+    assert loss["megatron train"] == ([4, 5, 6], [5.5, 5.25, 5.0])
+    assert loss["megatron valid"] == ([6], [5.125])
+    assert _lines(drawn[1])["megatron"][1] == pytest.approx([4e-4, 5e-4, 6e-4])
+    assert tool.main(["--tensorboard-dir", str(tmp_path / "empty_dir_missing")]) == 2
+    other = tmp_path / "other"
+    SummaryWriter(str(other)).close()
+    assert tool.main(["--tensorboard-dir", str(other)]) == 2

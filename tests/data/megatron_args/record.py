@@ -1,0 +1,178 @@
+"""Record the `args` Namespace that Megatron-LM's own parse_args + validate_args (+ its tokenizer
+build, which sets padded_vocab_size) make for a few GPT flag sets, at a Megatron-LM version.
+
+    python tests/data/megatron_args/record.py core_v0.16.1 [HEAD ...]
+
+For each version: `git archive <version> megatron` of the Megatron-LM mirror
+($MEGATRON_MIRROR, default /work/.mirror/NVIDIA+Megatron-LM/repo) is extracted into a temporary
+directory and imported from there (ahead of the installed megatron-core), and for every flag set
+of FLAG_SETS a fresh Python runs `megatron.training.arguments.parse_args` (sys.argv is the flag
+set), `validate_args(args, {})` and `megatron.training.global_vars._build_tokenizer(args)`
+(GPT2BPETokenizer from tests/data/old_checkpoints/data's vocab.json and merges.txt; today's
+main builds it through the Hugging Face hub, offline here, so there padded_vocab_size comes from
+Megatron's own vocab_size_with_padding of the vocab.json size, as `padded_vocab_size_by` says). The
+namespace is written as `<version>/<flag set>.json` (`encode`'s type tags; `fixtures.load` reads
+them back).
+
+Only the environment is stood in for, never Megatron's arithmetic: the modules that compile
+Triton GPU kernels at import (triton is not installed on a CPU machine) are replaced by stubs
+whose functions raise if called (none is called by argument parsing); on Python 3.11, today's
+main imports `typing.override` (3.12), taken from typing_extensions (the same decorator).
+"""
+import enum
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+MIRROR = os.environ.get("MEGATRON_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo")
+TOKENIZER = os.path.join(ROOT, "tests", "data", "old_checkpoints", "data")
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-2",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--make-vocab-size-divisible-by", "8",
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f"{TOKENIZER}/vocab.json",
+        "--merge-file", f"{TOKENIZER}/merges.txt", "--ckpt-format", "torch_dist",
+        "--seed", "1234"]
+FLAG_SETS = {
+    "gpt2": [],
+    "gpt2_legacy": ["--ckpt-format", "torch"],
+    "gqa": ["--group-query-attention", "--num-query-groups", "2"],
+    "rope_untied": ["--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"],
+    "swiglu_rmsnorm": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"],
+}
+"""Flag sets (after BASE): the run each fixture describes."""
+
+
+def encode(value):
+    """A JSON value for one arg: plain JSON values as they are, others tagged by type."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        finite = value == value and abs(value) != float("inf")
+        return value if finite else {"__float__": repr(value)}
+    if isinstance(value, enum.Enum):
+        return {"__enum__": f"{type(value).__module__}.{type(value).__qualname__}",
+                "name": value.name}
+    if isinstance(value, (list, tuple)):
+        items = [encode(v) for v in value]
+        return items if isinstance(value, list) else {"__tuple__": items}
+    if isinstance(value, dict):
+        return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return {"__dtype__": str(value).replace("torch.", "")}
+    return {"__repr__": repr(value), "type": f"{type(value).__module__}.{type(value).__qualname__}"}
+
+
+class _KernelStubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stands in for Megatron modules that import triton: every function raises if called."""
+
+    def __init__(self, names):
+        self.names = set(names)
+
+    def find_spec(self, name, path, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name in self.names else None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+
+        def attribute(attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+
+            def unavailable(*args, **kwargs):
+                raise NotImplementedError(f"{spec.name}.{attr} is a Triton kernel (stubbed)")
+            return unavailable
+        module.__getattr__ = attribute
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def triton_modules(tree):
+    """Dotted names of the modules under `tree`/megatron that import triton at top level."""
+    found = {"megatron.core.transformer.custom_layers.batch_invariant_kernels"}
+    for folder, _, files in os.walk(os.path.join(tree, "megatron")):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and re.search(r"^(import|from) triton\b",
+                                                  open(path, encoding="utf-8").read(), re.M):
+                found.add(os.path.relpath(path, tree)[:-3].replace(os.sep, "."))
+    return found
+
+
+def child(tree, flag_set, out):
+    """In a fresh process: parse, validate and build the tokenizer; write the namespace."""
+    import typing
+    if not hasattr(typing, "override"):  # Python 3.12's; typing_extensions has the same one
+        import typing_extensions
+        typing.override = typing_extensions.override
+    sys.path.insert(0, tree)
+    sys.meta_path.insert(0, _KernelStubs(triton_modules(tree)))
+    sys.argv = ["pretrain_gpt.py", *BASE, *FLAG_SETS[flag_set]]
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args, validate_args
+    args = parse_args()
+    validate_args(args, {})
+    padding = "the tokenizer build"
+    try:
+        global_vars._build_tokenizer(args)
+    except (OSError, ValueError) as exc:  # main builds GPT2BPETokenizer via the Hugging Face hub
+        if "huggingface.co" not in str(exc):
+            raise
+        builder = sys.modules[global_vars.build_tokenizer.__module__]
+        pad = getattr(builder, "vocab_size_with_padding", None) or builder._vocab_size_with_padding
+        with open(args.vocab_file) as f:
+            args.padded_vocab_size = pad(len(json.load(f)), args)
+        padding = (f"{pad.__module__}.{pad.__name__}(len(vocab.json)): the tokenizer build "
+                   f"needs the network ({type(exc).__name__})")
+    with open(out, "w") as f:
+        json.dump({"argv": sys.argv[1:], "padded_vocab_size_by": padding,
+                   "args": {k: encode(v) for k, v in
+                                                   sorted(vars(args).items())}}, f, indent=0)
+        f.write("\n")
+
+
+def record(version):
+    """Write `<version>/<flag set>.json` for every flag set, from the mirror's `version`."""
+    commit = subprocess.check_output(["git", "-C", MIRROR, "rev-parse", f"{version}^{{commit}}"],
+                                     text=True).strip()
+    target = os.path.join(HERE, version)
+    os.makedirs(target, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tree:
+        archive = subprocess.Popen(["git", "-C", MIRROR, "archive", commit, "megatron"],
+                                   stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", tree], stdin=archive.stdout, check=True)
+        archive.wait()
+        for flag_set in FLAG_SETS:
+            out = os.path.join(target, f"{flag_set}.json")
+            subprocess.run([sys.executable, __file__, "--child", tree, flag_set, out], check=True,
+                           cwd=tree, stdout=subprocess.DEVNULL,
+                           env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+            with open(out) as f:
+                data = json.load(f)
+            data = {"megatron": version, "commit": commit, **data}
+            data["argv"] = [a.replace(ROOT + os.sep, "") for a in data["argv"]]
+            for key in ("vocab_file", "merge_file"):  # the repository's files, not this machine's
+                data["args"][key] = data["args"][key].replace(ROOT + os.sep, "")
+            with open(out, "w") as f:
+                json.dump(data, f, indent=0, sort_keys=False)
+                f.write("\n")
+            print(f"{out}: {len(data['args'])} args")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--child":
+        child(*sys.argv[2:5])
+    else:
+        for name in sys.argv[1:]:
+            record(name)
