@@ -10,7 +10,7 @@ call the training loop makes. The stall is the time that call blocks the trainin
 synchronous, the whole save (state dict, torch.save, SHA-256 sidecar, fsync, tracker);
 asynchronous, the state dict, its copy to host memory and the hand-off to the writing thread.
 The first asynchronous save allocates the host buffers (page faults: several times the copy);
-later ones reuse them (app.checkpointing.snapshot.HostBuffers), so the ratio uses saves 2..N.
+later ones reuse them (app.checkpoint.snapshot.HostBuffers), so the ratio uses saves 2..N.
 One training step runs before each pair of saves, so the state changes in place between them.
 The background write that follows is timed too (until every file is durable and committed).
 Goal: the asynchronous stall at most 10% of the synchronous save.

@@ -43,9 +43,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from app.config.inference import InferenceLoadConfig
 from app.config.options import from_flags, iter_options
 from app.data.tokenizer import EOD_TOKEN
-from app.convert.detect import detect_format
+from app.checkpoint.formats import detect_format
 from app.inference.sampling import SamplingConfig
 from app.inference.session import GenerationParams, InferenceSession, open_session
+from app.launch.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +290,6 @@ class SpawnedWorld:
     _VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 
     def __init__(self, world_size: int, session_kwargs: Dict[str, Any]) -> None:
-        from app.launch.ports import free_port
         world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
                  "WORLD_SIZE": str(world_size)}
         self._saved = {k: os.environ.get(k) for k in self._VARIABLES}

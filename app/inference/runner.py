@@ -15,12 +15,13 @@ from typing import Dict, Optional
 
 import torch
 
-from app.checkpointing import dcp_files
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
-from app.checkpointing.model_args import model_config_from_args
-from app.convert import layout
-from app.convert.detect import detect_format
+from app.checkpoint import dcp_files
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
+from app.checkpoint.model_args import model_config_from_args
+from app.checkpoint import layout
+from app.checkpoint import formats
+from app.checkpoint.megatron_whole import target_padded_vocab
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
@@ -43,47 +44,35 @@ class LoadedModel:
 def saved_layout_of(load: str) -> Optional[tuple]:
     """(TP, PP) a Megatron checkpoint was saved with; None for a Hugging Face directory or a
     DeepSpeed checkpoint (both are read whole and split for the layout asked for)."""
-    if detect_format(load) != "megatron":
+    if formats.detect_format(load) != formats.TORCH:
         return None
-    from app.convert.megatron import resolve_iteration
-    return ckpt.saved_layout(names.checkpoint_dir(load, resolve_iteration(load, None)))
+    return ckpt.saved_layout(names.resolve_iteration(load)[0])
 
 
 def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
     """This rank's stage of the model in `load` (Megatron legacy or torch_dist, or DeepSpeed
     checkpoint, or HF directory), eval mode.
 
-    When the layout of `ps` is a Megatron checkpoint's, each rank reads only its own file;
-    otherwise the whole checkpoint is read (DeepSpeed: its fp32 master weights, through the
-    converter's reader) and resharded in memory (app.convert).
+    When the layout of `ps` is a legacy Megatron checkpoint's, each rank reads only its own
+    file; otherwise the whole checkpoint is read through its format's registry reader
+    (app.checkpoint.formats; DeepSpeed: its fp32 master weights) and resharded in memory.
     """
-    from app.convert.megatron import read_megatron, target_padded_vocab
     tp, pp = ps.tensor_model_parallel_size, ps.pipeline_model_parallel_size
     saved = saved_layout_of(load)
-    fmt = detect_format(load, iteration)
-    if fmt == "hf":
-        from app.convert.hf_gpt2 import read_hf_dir
-        source = read_hf_dir(load)
-    elif fmt == "deepspeed":
-        from app.convert.deepspeed import read_deepspeed
-        source = read_deepspeed(load, iteration)
-    elif fmt == "torch_dist":
-        from app.convert.torch_dist import read_torch_dist
-        source = read_torch_dist(load, iteration)
-    elif saved is not None and tuple(saved) == (tp, pp) and iteration is None:
+    if saved is not None and tuple(saved) == (tp, pp) and iteration is None:
         return _load_own_file(load, ps)
-    else:
-        if saved is not None:
-            logger.info("checkpoint %s was saved at TP %d x PP %d; resharding it in memory for "
-                        "TP %d x PP %d", load, saved[0], saved[1], tp, pp)
-        source = read_megatron(load, iteration)
+    if saved is not None:
+        logger.info("checkpoint %s was saved at TP %d x PP %d; resharding it in memory for "
+                    "TP %d x PP %d", load, saved[0], saved[1], tp, pp)
+    source = formats.detect(load, iteration).read(load, iteration)
     args = source.args
     rows = target_padded_vocab(args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
     weights = layout.pad_vocabulary(source.weights, rows, getattr(args, "vocab_size", None))
     model = _build(args, rows, ps)
+    placement = layout.Layout.of_args(args, pp, rows)
     try:  # each tensor split as the parallel layer that holds it marks it
-        flat = {name: layout.split_tensor(weights[name], record, tp)[ps.tensor_model_parallel_rank]
-                for name, record in parameter_records(model).items()}
+        flat = {name: placement.split(name, weights[name], tp)[ps.tensor_model_parallel_rank]
+                for name in parameter_records(model)}
     except KeyError as exc:
         raise ckpt.CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
                                    "the model its args describe holds") from exc

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from app.launch import interfaces, slurm
 from app.launch.ports import pick_master_port
+from app.mpu import collectives
 from app.launch.waits import WaitReport
 
 logger = logging.getLogger(__name__)
@@ -507,7 +508,6 @@ def world_group():
 def all_ranks_ok(ok: bool, device: torch.device) -> bool:
     """Whether `ok` holds on every rank (an all-reduce of one flag over the world; also a
     barrier). `device` holds the flag (NCCL reduces device tensors only)."""
-    from app.mpu import collectives
     return collectives.agree([not ok], world_group(), device)[0] == 0.0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import re
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -33,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import ModelConfig, recompute_plan
+from app.config.param_names import (LAYER_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS,  # noqa: F401
+                                    TIED_HEAD, WORD_EMBEDDINGS, layer_param_name, parse_layer)
 from app.model import fused
 from app.model.attention import InferenceCache, ParallelAttention
 from app.model.positions import RotaryEmbedding, RotaryTables, alibi_bias, alibi_slopes
@@ -45,26 +46,7 @@ from app.mpu.parallel_state import ParallelState, get_parallel_state
 from app.mpu.utils import divide
 from app.utils.dtypes import torch_dtype
 
-WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
-POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
-OUTPUT_LAYER = "language_model.output_layer.weight"
-TIED_HEAD = "word_embeddings.weight"
-"""The last stage's copy of the tied word embeddings (PP > 1; see GPT2Model)."""
-LAYER_PREFIX = "language_model.transformer.layers"
-_LAYER_NAME = re.compile(rf"^{re.escape(LAYER_PREFIX)}\.(\d+)\.(.+)$")
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
-
-
-def layer_param_name(layer: int, suffix: str) -> str:
-    """`language_model.transformer.layers.{layer}.{suffix}`: a layer's parameter by its global
-    index."""
-    return f"{LAYER_PREFIX}.{layer}.{suffix}"
-
-
-def parse_layer(name: str) -> Optional[Tuple[int, str]]:
-    """(global layer index, suffix) of a transformer-layer parameter; None for other names."""
-    match = _LAYER_NAME.match(name)
-    return (int(match.group(1)), match.group(2)) if match else None
 
 
 # ---- initialisation ----------------------------------------------------------------------------

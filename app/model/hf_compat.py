@@ -1,18 +1,16 @@
 """What a Hugging Face GPT-2 (`GPT2LMHeadModel`) can express of our model's options.
 
-The checkpoint converter (tools/convert_checkpoint.py, app.convert) handles the GPT-2
-parameter layout only: before exporting to Hugging Face, and before reading a Megatron
-checkpoint to reshard it, it asks `gpt2_export_blockers` (a ModelConfig) or
-`checkpoint_args_blockers` (a checkpoint's saved `args`) and refuses with the returned reasons.
+The checkpoint converter (tools/convert_checkpoint.py, app.checkpoint.convert) writes and reads
+the Hugging Face GPT-2 parameter layout only: before exporting to Hugging Face it asks
+`gpt2_export_blockers` (app.checkpoint.hf_gpt2 passes it a checkpoint's saved `args` read
+as a ModelConfig) and refuses with the returned reasons.
 Options that change only how training runs (sequence parallelism, recompute, dropout, fusions)
 do not block.
 """
 from __future__ import annotations
 
-import argparse
 from typing import List
 
-from app.checkpointing.model_args import model_config_from_args
 from app.config import ModelConfig
 
 
@@ -44,8 +42,3 @@ def gpt2_export_blockers(config: ModelConfig) -> List[str]:
                "channels (the Llama export and the converter for this block are not supported "
                "yet)" for flag in config.llama_features])
 
-
-def checkpoint_args_blockers(args: argparse.Namespace) -> List[str]:
-    """`gpt2_export_blockers` of the model a checkpoint's saved `args` describe (read by
-    app.checkpointing.model_args; a field an older checkpoint lacks means GPT-2's choice)."""
-    return gpt2_export_blockers(model_config_from_args(args, for_inference=True))

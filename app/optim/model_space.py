@@ -1,6 +1,6 @@
 """Optimizer state in model space: per model parameter, the state tensors this rank holds.
 
-The layout-free form a sharded checkpoint (app.checkpointing.torch_dist) writes and reads,
+The layout-free form a sharded checkpoint (app.checkpoint.torch_dist) writes and reads,
 whatever wrapper holds the state: `Float32Optimizer` and `MixedPrecisionOptimizer` hold every
 parameter's whole local (tensor-parallel) tensor, the `DistributedOptimizer` a flat range of it
 (`piece`). Each wrapper's `model_space_state()` gives this rank's `ModelSpaceState` (no

@@ -28,7 +28,7 @@ from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
 from app.data.plan import DataPlan, order_record, plan_datasets
 from app.mpu import collectives
-from app.checkpointing.megatron import CheckpointError
+from app.checkpoint.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
                                     shutdown_distributed, world_group)

@@ -29,6 +29,7 @@ from app.optim.distributed_optimizer import DistributedOptimizer
 from app.optim.mixed_precision import build_precision_optimizer
 from app.launch.distributed import world_group
 from app.training.engines.base import Engine
+from app.training.engines.native import NativeEngine
 from app.training.loss import LossFunction
 from app.training.trainer import RunState, Trainer
 
@@ -41,7 +42,7 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
     p = cfg.parallel
     timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
     if cfg.deepspeed.enabled:
-        from app.training.engines.deepspeed import ensure_distributed
+        from app.training.engines.deepspeed import ensure_distributed  # deferred: imports deepspeed
         ensure_distributed(p.distributed_backend, p.distributed_timeout_minutes)
     elif world_size == 1:
         return ParallelState.single()
@@ -79,11 +80,10 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, parallel_state: Paralle
     DeepSpeed is imported only when asked for, inside app.training.engines.deepspeed.
     """
     if cfg.deepspeed.enabled:  # DeepSpeed brings its own fp16/bf16 optimizer wrapping ours
-        from app.training.engines.deepspeed import DeepSpeedEngineAdapter
+        from app.training.engines.deepspeed import DeepSpeedEngineAdapter  # deferred: imports deepspeed
         optimizer = build_optimizer(model, cfg.optimizer)
         scheduler = OptimizerParamScheduler(optimizer, cfg.optimizer)
         return DeepSpeedEngineAdapter(cfg, model, optimizer, scheduler, parallel_state)
-    from app.training.engines.native import NativeEngine
     if cfg.optimizer.use_distributed_optimizer:  # a sibling wrapper with the same interface
         wrapper = DistributedOptimizer(  # sharded over data x context ranks (Megatron Core)
             model, cfg.optimizer, cfg.precision, parallel_state.gradient_state(),
@@ -126,14 +126,14 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
     ps = build_parallel_state(cfg, world_size)
     set_seeds(cfg.training.seed, ps)
     if cfg.deepspeed.enabled and cfg.deepspeed.activation_checkpointing:
-        from app.training.engines.deepspeed import configure_activation_checkpointing
+        from app.training.engines.deepspeed import configure_activation_checkpointing  # deferred: imports deepspeed
         configure_activation_checkpointing(cfg, ps)
         logger.info("activation checkpointing through deepspeed.checkpointing (settings from "
                     "the JSON's activation_checkpointing block)")
     prepare_kernels(cfg, device)
     vp = cfg.virtual_pipeline_model_parallel_size
     if cfg.deepspeed.enabled and zero_stage(cfg.deepspeed.config) == 3:
-        from app.training.engines.deepspeed import partitioned_construction
+        from app.training.engines.deepspeed import partitioned_construction  # deferred: imports deepspeed
         with partitioned_construction(cfg, ps):  # each module partitioned once built, on device
             model = build_model_stage(cfg.model, ps, vp)
     else:

@@ -31,7 +31,9 @@ from app.launch.distributed import world_group
 from app.training.data_loading import (BatchBuilder, build_data_iterator, check_data_suffices,
                                        close_data_iterator)
 from app.training.engines.base import Engine
-from app.checkpointing.megatron import CheckpointError
+from app.checkpoint.megatron import CheckpointError
+from app.checkpoint.names import checkpoint_dir
+from app.pipeline import get_forward_backward_func
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
 from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.resilience.rollback import SpikeRollback
@@ -159,7 +161,6 @@ class Trainer:
         """Run all micro-batches of one iteration (training: the schedule's count for this
         iteration; evaluation: --global-batch-size's) through the pipeline schedule; losses
         (last stage)."""
-        from app.pipeline import get_forward_backward_func
         schedule = get_forward_backward_func(self.ps)
         model, m = self.engine.module, self.cfg.model
         # sequence parallelism passes [b, s/tp, h] slices between pipeline stages
@@ -507,7 +508,6 @@ class Trainer:
                      "it (its state is not finite); exit status 0. The latest checkpoint in "
                      f"{c.save} is the one to resume from")
         elif c.save:
-            from app.checkpointing.megatron import checkpoint_dir
             self.log(f"exiting after {name}: saved the checkpoint of iteration {s.iteration} to "
                      f"{checkpoint_dir(c.save, s.iteration)}; exit status 0. Relaunch with "
                      f"--load {c.save} to resume")

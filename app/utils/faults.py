@@ -10,7 +10,7 @@ or with `arm(point, handler)` for the rest of the test (tests/conftest.py disarm
 after each test) or of a process it owns (a wrapper script around `pretrain_gpt2.main`, a forked
 child). The points (`POINTS` holds this table):
 
-- `SAVE_STAGE` ("checkpoint.save_stage"), in `app.checkpointing.commit`: the handler is called
+- `SAVE_STAGE` ("checkpoint.save_stage"), in `app.checkpoint.commit`: the handler is called
   with the name of each stage of a save as it is reached (`commit.SAVE_STAGES`, in order; the
   per-file stages once per file), in the thread doing that stage (the background writer thread
   with --async-save). It returns nothing; to inject a fault it raises, sends a signal or kills

@@ -168,7 +168,7 @@ def atomic_open(path: str, mode: str = "wb", *, durable: bool = False,
     """Open a temporary file for writing; on a clean exit rename it to `path`.
 
     The project's one write-to-a-temporary-then-rename: checkpoint files
-    (app.checkpointing.commit.write_checked_file), pointer files, dataset caches, the .bin/.idx
+    (app.checkpoint.commit.write_checked_file), pointer files, dataset caches, the .bin/.idx
     builder. `mode` is "wb" or "w" (text; `open_kwargs` such as encoding are passed on). On an
     exception (a full disk, or one raised by `before_replace`) the temporary file is removed,
     `path` is left as it was and the exception propagates. `before_replace(tmp)` is called with

@@ -163,7 +163,7 @@ def _tp2_main(save_dir):
 def test_muon_at_tp2_equals_tp1_resumes_exactly_and_reshards_to_tp1(tmp_path):
     import torch
 
-    from app.convert import ConvertOptions, convert
+    from app.checkpoint.convert import ConvertOptions, convert
     save_dir, tp1_dir = str(tmp_path / "tp2"), str(tmp_path / "tp1")
     results = run_distributed(_tp2_main, 2, save_dir, timeout=300)
     assert_checks_passed([outcome for outcome, _ in results])

@@ -24,8 +24,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from app.checkpointing.deepspeed_files import load_deepspeed_file
-from app.checkpointing.files import safe_torch_load
+from app.checkpoint.deepspeed_files import load_deepspeed_file
+from app.checkpoint.files import safe_torch_load
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 from tests.integration.launch_utils import ROOT, env, torchrun
 from tests.integration.test_restarts import tensors

@@ -10,9 +10,9 @@ import shutil
 
 import torch
 
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import commit, names
-from app.checkpointing import files as ckpt_files
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import commit, names
+from app.checkpoint import files as ckpt_files
 from app.utils import faults
 from tests.harness.distributed import run_distributed
 from tests.integration.conftest import read_metrics, tiny_gpt_args

@@ -153,7 +153,7 @@ def _check_ds_export(runs):
     """The ZeRO-2 export against DeepSpeed's own consolidation (its zero_to_fp32 script) and
     against our model built from those weights (logits)."""
     from safetensors.torch import load_file
-    from app.convert.hf_gpt2 import to_hf_state
+    from app.checkpoint.hf_gpt2 import to_hf_state
     ck = runs["root"] / "ds"
     out = runs["root"] / "ds_fp32"
     if not out.exists():
@@ -205,7 +205,7 @@ def test_tools_generate_jsonl_at_tp2_equals_hf_greedy(runs):
 def test_resharding_round_trip_is_bit_exact_with_optimizer(runs):
     """TP1 -> TP2xPP2 -> TP4 -> TP1 (--include-optimizer): every weight, Adam moment, step,
     LR-scheduler state and RNG state comes back bit for bit."""
-    from app.checkpointing import megatron as ckpt
+    from app.checkpoint import megatron as ckpt
     root = runs["root"]
     hops = [("tp1", None), ("rt_tp2pp2", (2, 2)), ("rt_tp4", (4, 1)), ("rt_tp1", (1, 1))]
     for (src, _), (dst, (tp, pp)) in zip(hops, hops[1:]):

@@ -4,7 +4,7 @@ way (--data-args-path) and a longer run within the same epochs resume."""
 import pytest
 
 import pretrain_gpt2
-from app.checkpointing import CheckpointError
+from app.checkpoint import CheckpointError
 from tests.integration.conftest import tiny_gpt_args
 
 COMMON = ["--train-iters", "4", "--lr-decay-iters", "8", "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1",

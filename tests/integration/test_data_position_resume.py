@@ -12,7 +12,7 @@ multiset over the data-parallel ranks, with those of one uninterrupted run.
 import shutil
 import sys
 
-from app.checkpointing.names import checkpoint_dir, tracker_path
+from app.checkpoint.names import checkpoint_dir, tracker_path
 from app.data import MegatronPretrainingSampler
 from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import ROOT, run

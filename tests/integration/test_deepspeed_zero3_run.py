@@ -105,7 +105,7 @@ def test_zero3_converts_like_zero_to_fp32_and_generates(tiny_corpus, zero3_dp2):
     convert = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
                "--input-format", "deepspeed", "--load", str(ck), "--iteration", "6"]
     run([*convert, "--save", str(tmp / "megatron")], tmp)
-    from app.checkpointing import megatron as ckpt
+    from app.checkpoint import megatron as ckpt
     state, iteration = ckpt.load_checkpoint_dict(str(tmp / "megatron"))
     flat = ckpt.from_megatron_model(state["model"])
     assert iteration == 6 and set(flat) == set(fp32)

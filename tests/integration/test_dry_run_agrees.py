@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import pytest
 
-from app.checkpointing import names
+from app.checkpoint import names
 from app.data import MMapIndexedDatasetBuilder
 from app.training.resilience.save_dir import LOCK_FILENAME
 from tests.integration.conftest import tiny_gpt_args

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
 from app.utils import faults
 from tests.harness.filesystems import Ballast, small_tmpfs
 from tests.integration.conftest import read_metrics

@@ -89,7 +89,7 @@ def test_checkpoints_of_another_layout_or_format(tiny_corpus, tmp_path, capsys, 
     code, report = dry_run(capsys, tiny_corpus, tmp_path, "--load", str(ck))
     found = " ".join(errors(report))
     assert code == 2 and "saved with tensor-parallel size 2" in found, report
-    assert "tools/convert_checkpoint.py --input-format megatron" in found
+    assert "tools/convert_checkpoint.py --input-format torch" in found
     shutil.rmtree(ck / "iter_0000001" / "mp_rank_01")
     code, report = dry_run(capsys, tiny_corpus, tmp_path, "--load", str(ck), "--deepspeed",
                            "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json"))

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from app.checkpointing.files import safe_torch_load
+from app.checkpoint.files import safe_torch_load
 from tests.harness.distributed import run_pretrain
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 from tests.integration.launch_utils import ROOT, env

@@ -14,8 +14,8 @@ import torch
 import arguments
 import pretrain_gpt2
 from app.config import samples_per_split
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
 from app.training.resilience.resume import load_on_all_ranks
 from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.rollback import SpikeDetector

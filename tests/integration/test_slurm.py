@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from app.checkpointing.files import safe_torch_load
+from app.checkpoint.files import safe_torch_load
 from tests.harness import netns, slurm
 from tests.harness.distributed import run_pretrain
 from tests.harness.netns import HostsUnavailable, TestHosts

@@ -21,9 +21,9 @@ def rng_state(tracker=None):
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import commit, names
-from app.checkpointing.model_args import check_checkpoint_args, checkpoint_args_namespace
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import commit, names
+from app.checkpoint.model_args import check_checkpoint_args, checkpoint_args_namespace
 
 LAYER_PARAMS = {  # name -> shape as a function of h (PyTorch [out, in])
     "input_layernorm.weight": lambda h: (h,), "input_layernorm.bias": lambda h: (h,),

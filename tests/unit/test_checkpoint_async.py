@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from app.checkpointing import commit, names
-from app.checkpointing import megatron as ckpt
-from app.checkpointing.snapshot import HostBuffers, host_copy
+from app.checkpoint import commit, names
+from app.checkpoint import megatron as ckpt
+from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.training.engines.base import Engine
 from app.utils import faults
 from tests.unit.test_checkpoint_safety import (RANK_FILE_STAGES, Crash,

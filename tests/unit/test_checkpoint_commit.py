@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from app.checkpointing import commit
+from app.checkpoint import commit
 from app.utils import faults
 
 
@@ -120,7 +120,7 @@ def test_a_first_save_killed_before_its_commit_is_not_a_checkpoint(tmp_path, sta
     """A save killed before the tracker names it leaves a marked directory: the next start into
     the same --save starts fresh (no 'checkpoints but no tracker' refusal) and removes it, while a
     directory that no save marked (a lost tracker) is still refused."""
-    from app.checkpointing import names
+    from app.checkpoint import names
     from app.config import CheckpointConfig
     from app.training.resilience.resume import decide_start
     from app.training.resilience.save_dir import claim_save_dir
@@ -142,7 +142,7 @@ def test_a_first_save_killed_before_its_commit_is_not_a_checkpoint(tmp_path, sta
 
 
 def test_a_committed_save_leaves_no_mark_and_a_later_kill_keeps_the_committed_one(tmp_path):
-    from app.checkpointing import names
+    from app.checkpoint import names
     root = str(tmp_path / "ck")
     save(root, 1, RankFiles(root, 1), [True, True], is_tracker_writer=True)
     assert not [n for n in os.listdir(os.path.join(root, "iter_0000001"))

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
-from app.checkpointing.layouts import (DEEPSPEED, MEGATRON, check_loadable,
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
+from app.checkpoint.layouts import (DEEPSPEED, TORCH, check_loadable,
                                              inspect_directory, loadable_problem)
 
 
@@ -52,7 +52,7 @@ def problem(layout, root, deepspeed, tp=1, pp=1, dp=1, load_optimizer=True):
 def test_layouts_are_read_from_the_names(tmp_path):
     meg = inspect_directory(megatron_dir(str(tmp_path / "m"), tp=2, pp=3))
     assert (meg.format, meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size,
-            meg.data_parallel_size, len(meg.model_files), meg.missing) == (MEGATRON, 2, 3, None, 6, [])
+            meg.data_parallel_size, len(meg.model_files), meg.missing) == (TORCH, 2, 3, None, 6, [])
     ds = inspect_directory(deepspeed_dir(str(tmp_path / "d"), tp=2, dp=4, prefix="bf16_"))
     assert (ds.format, ds.tensor_model_parallel_size, ds.data_parallel_size,
             len(ds.model_files), len(ds.optimizer_files), ds.missing) == (DEEPSPEED, 2, 4, 2, 8, [])
@@ -87,7 +87,7 @@ def test_megatron_layout_change_names_the_converter(tmp_path):
     layout = inspect_directory(megatron_dir(root, tp=2, pp=1))
     message = problem(layout, root, deepspeed=False, tp=1, pp=2)
     assert "tensor-parallel size 2 and pipeline-parallel size 1; this run uses 1 and 2" in message
-    assert ("tools/convert_checkpoint.py --input-format megatron --output-format megatron "
+    assert ("tools/convert_checkpoint.py --input-format torch --output-format torch "
             f"--load {root}") in message
     assert "--target-tensor-model-parallel-size 1 --target-pipeline-model-parallel-size 2" in message
 
@@ -110,7 +110,7 @@ def test_deepspeed_dp2_to_tp2_names_the_tensor_parallel_change(tmp_path):
 
 
 def test_universal_tag_is_read_from_latest_universal_or_refused_with_the_command(tmp_path):
-    from app.checkpointing.layouts import universal_tag
+    from app.checkpoint.layouts import universal_tag
     with pytest.raises(ckpt.CheckpointError) as exc:
         universal_tag(str(tmp_path))
     assert f"{tmp_path}/latest_universal does not exist" in str(exc.value)
@@ -132,7 +132,7 @@ def zero3_dir(root, tp, dp, skip=()):
 
 
 def test_zero3_layout_and_the_stage_refusals(tmp_path):
-    from app.checkpointing.layouts import stage_problem
+    from app.checkpoint.layouts import stage_problem
     z3 = inspect_directory(zero3_dir(str(tmp_path / "z3"), tp=2, dp=3))
     assert (z3.format, z3.tensor_model_parallel_size, z3.data_parallel_size, z3.partitioned_weights,
             len(z3.model_files), len(z3.optimizer_files), z3.missing) == (DEEPSPEED, 2, 3, True, 6, 6, [])

@@ -5,8 +5,8 @@ import argparse
 import pytest
 import torch
 
-from app.checkpointing import CheckpointError
-from app.checkpointing.model_args import (NOT_SAVED, checkpoint_args_namespace,
+from app.checkpoint import CheckpointError
+from app.checkpoint.model_args import (NOT_SAVED, checkpoint_args_namespace,
                                           model_config_from_args)
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from app.checkpointing import CheckpointError, names
+from app.checkpoint import CheckpointError, names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -90,6 +90,6 @@ def test_deepspeed_latest_round_trip_and_on_disk_text(tmp_path):
 
 def test_names_import_without_torch():
     """Tools that only list or name checkpoints must not pay for (or need) torch."""
-    code = "import sys, app.checkpointing.names; sys.exit('torch' in sys.modules)"
+    code = "import sys, app.checkpoint.names; sys.exit('torch' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=ROOT)
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env).returncode == 0

@@ -18,9 +18,9 @@ def rng_state(tracker=None):
     state["rng_tracker_states"] = dict(tracker or {})
     return state
 
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import commit, names
-from app.checkpointing import files as ckpt_files
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import commit, names
+from app.checkpoint import files as ckpt_files
 
 H = 4
 

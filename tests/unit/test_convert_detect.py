@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from app.checkpointing import CheckpointError
-from app.convert import ConvertOptions, read_checkpoint
-from app.convert.detect import detect_format
+from app.checkpoint import CheckpointError
+from app.checkpoint.convert import ConvertOptions, read_checkpoint
+from app.checkpoint.formats import detect_format
 from tools import convert_checkpoint
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "data", "old_checkpoints")
@@ -25,8 +25,8 @@ def _weights(load, **options):
 
 
 def test_fixtures_of_earlier_code_are_recognised():
-    assert detect_format(MEGATRON_FIXTURE) == "megatron"
-    assert detect_format(os.path.join(FIXTURES, "native_fp16"), 2) == "megatron"
+    assert detect_format(MEGATRON_FIXTURE) == "torch"
+    assert detect_format(os.path.join(FIXTURES, "native_fp16"), 2) == "torch"
     assert detect_format(DEEPSPEED_FIXTURE) == "deepspeed"
 
 
@@ -39,7 +39,7 @@ def test_every_output_of_the_converter_is_recognised_and_read_back(tmp_path):
     assert os.path.isdir(tmp_path / "tp2pp2" / "release" / "mp_rank_01_001")
     assert convert_checkpoint.main(["--load", str(tmp_path / "tp2pp2"), "--output-format", "hf",
                                     "--save", str(tmp_path / "hf")]) == 0
-    assert detect_format(str(tmp_path / "tp2pp2")) == "megatron"
+    assert detect_format(str(tmp_path / "tp2pp2")) == "torch"
     assert detect_format(str(tmp_path / "hf")) == "hf"
     transformers = pytest.importorskip("transformers")
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
@@ -63,8 +63,9 @@ def test_deepspeed_checkpoint_under_deepspeeds_own_tag(tmp_path):
 
 
 def test_a_contradicting_input_format_is_refused_and_writes_nothing(tmp_path, capsys):
-    for load, wrong, found in ((DEEPSPEED_FIXTURE, "megatron", "deepspeed"),
-                               (MEGATRON_FIXTURE, "deepspeed", "megatron")):
+    for load, wrong, found in ((DEEPSPEED_FIXTURE, "megatron", "deepspeed"),  # an alias of torch
+                               (DEEPSPEED_FIXTURE, "torch", "deepspeed"),
+                               (MEGATRON_FIXTURE, "deepspeed", "torch")):
         save = tmp_path / f"out_{wrong}"
         assert convert_checkpoint.main(["--input-format", wrong, "--load", load,
                                         "--save", str(save)]) == 2

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.convert import hf_gpt2, layout
+from app.checkpoint import hf_gpt2, layout
 from app.model import GPT2Model
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu.parallel_state import ParallelState
-from app.optim.param_groups import get_param_groups
 
 L, H, HEADS, V = 4, 32, 4, 128
 
@@ -53,7 +52,7 @@ def _expected_stage(pp, stage):
 def test_layout_read_from_the_model_is_megatrons(pp):
     """For every stage: the names in module order and the TP partition dims that the layout
     reads from the model are Megatron's (written out above); the names are those of the stage
-    training builds, and the decay / no-decay groups those of get_param_groups."""
+    training builds, and the optimizer groups Megatron's (written out by hand)."""
     model_layout = layout.Layout(_config(), pp)
     for stage in range(pp):
         expected = _expected_stage(pp, stage)
@@ -66,10 +65,15 @@ def test_layout_read_from_the_model_is_megatrons(pp):
                               pipeline_ranks=list(range(pp)))
         model = build_model_stage(_config(), state)
         assert names == list(dict(model.named_parameters())) == list(model.state_dict())
-        by_id = {id(p): n for n, p in model.named_parameters()}
-        groups = {g["name"]: [by_id[id(p)] for p in g["params"]] for g in get_param_groups(model)}
-        assert layout.optimizer_groups(names) == {"decay": groups.get("decay", []),
-                                                  "no_decay": groups.get("no_decay", [])}
+        # Megatron's rule, by hand: biases and LayerNorm parameters take no weight decay
+        no_decay = [n for n in names if n.endswith(".bias") or "layernorm" in n]
+        assert model_layout.optimizer_groups(names) == {
+            "decay": [n for n in names if n not in no_decay], "no_decay": no_decay}
+        muon = [n for n in names if n.endswith(("query_key_value.weight", "dense.weight",
+                                                "dense_h_to_4h.weight", "dense_4h_to_h.weight"))]
+        assert model_layout.optimizer_groups(names, muon=True) == {
+            "muon": muon, "decay": [n for n in names if n not in no_decay + muon],
+            "no_decay": no_decay}
     assert model_layout.record(layout.WORD_EMBEDDINGS).shape == (V, H)  # full shapes (TP 1)
     with pytest.raises(layout.LayoutError, match="lm_head.foo"):
         model_layout.record("lm_head.foo")
@@ -91,26 +95,40 @@ def test_layout_follows_the_model_options():
         parameter_records(torch.nn.Linear(2, 2))
 
 
-def test_split_is_what_each_tensor_parallel_rank_holds_and_merge_inverts_it():
+@pytest.mark.parametrize("options", [{}, dict(position_embedding_type="rope",
+                                               group_query_attention=True, num_query_groups=2,
+                                               untie_embeddings_and_output_weights=True)],
+                         ids=["gpt2", "rope-gqa2-untied"])
+def test_split_is_what_each_tensor_parallel_rank_holds_and_merge_inverts_it(options):
     """The converter's split of the full (TP 1) model gives, for every parameter, exactly the
-    shard that the model built at TP 2 and TP 4 holds on each rank; merging gives it back."""
-    full = dict(GPT2Model(_config()).named_parameters())
-    model_layout = layout.Layout(_config(), 1)
+    shard that the model built at TP 2 and TP 4 holds on each rank (with 2 query groups at TP 4
+    each group's key/value rows on two ranks); merging gives it back."""
+    config = dataclasses.replace(_config(), **options)
+    full = dict(GPT2Model(config).named_parameters())
+    model_layout = layout.Layout(config, 1)
     for tp in (2, 4):
-        ranks = [dict(GPT2Model(_config(), ParallelState(tensor_model_parallel_size=tp,
-                                                         tensor_model_parallel_rank=r))
+        ranks = [dict(GPT2Model(config, ParallelState(tensor_model_parallel_size=tp,
+                                                      tensor_model_parallel_rank=r))
                       .named_parameters()) for r in range(tp)]
         for name, value in full.items():
-            record = model_layout.record(name)
-            shards = layout.split_tensor(value.detach(), record, tp)
+            shards = model_layout.split(name, value.detach(), tp)
             for r in range(tp):
                 assert torch.equal(shards[r], ranks[r][name].detach()), (name, tp, r)
-            assert torch.equal(layout.merge_shards(shards, record), value.detach()), name
+            assert torch.equal(model_layout.merge(name, shards), value.detach()), name
+    if options:  # the rows two ranks share must agree
+        name = layout.layer_param_name(0, "attention.query_key_value.weight")
+        shards = model_layout.split(name, full[name].detach(), 4)
+        shards[1] = shards[1].clone()
+        shards[1][-1] += 1
+        with pytest.raises(layout.LayoutError, match="rank 1's copy"):
+            model_layout.merge(name, shards)
+        return
+    record = model_layout.record(layout.WORD_EMBEDDINGS)
     with pytest.raises(layout.LayoutError, match="differs"):
         layout.merge_shards([torch.zeros(3), torch.ones(3)],
                             model_layout.record(layout.POSITION_EMBEDDINGS))
     with pytest.raises(layout.LayoutError, match="not divisible"):
-        layout.split_tensor(torch.zeros(6, 2), model_layout.record(layout.WORD_EMBEDDINGS), 4)
+        layout.split_tensor(torch.zeros(6, 2), record, 4)
 
 
 def test_resize_vocab_pads_with_zeros_and_refuses_to_cut_real_tokens():

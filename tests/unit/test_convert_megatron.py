@@ -1,4 +1,4 @@
-"""Megatron writer and reader of app.convert without training: a whole model with Adam state
+"""Megatron writer and reader of app.checkpoint.convert without training: a whole model with Adam state
 written at TP2 x PP2 in bf16 (Megatron's Float16Optimizer layout, fp32 main weights kept) and
 read back, with the padded vocabulary growing for TP2 and shrinking again for TP1."""
 import argparse
@@ -6,12 +6,12 @@ import argparse
 import torch
 
 from app.config import ModelConfig
-from app.convert import layout
-from app.convert.megatron import read_megatron, write_megatron
-from app.convert.state import ModelCheckpoint, OptimizerState
+from app.checkpoint import layout
+from app.checkpoint.megatron_whole import read_megatron, write_megatron
+from app.checkpoint.state import ModelCheckpoint, OptimizerState
 from app.model import GPT2Model
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
 
 L, H, HEADS, VOCAB, MULTIPLE = 4, 32, 4, 100, 48  # padded: 144 at TP1, 192 at TP2
 

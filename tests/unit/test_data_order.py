@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from app.checkpointing import CheckpointError
+from app.checkpoint import CheckpointError
 from app.config import DataConfig
 from app.data.plan import order_record, plan_datasets
 from app.training.resilience.data_order import check_data_order, order_changes

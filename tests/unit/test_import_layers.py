@@ -14,13 +14,14 @@ LAYERS = [
     ["app.utils"],
     ["app.config"],
     ["app.mpu"],
-    ["app.data", "app.optim", "app.kernels", "app.checkpointing", "app.launch"],
+    ["app.data", "app.optim", "app.kernels", "app.launch"],
     ["app.model", "app.pipeline"],
+    ["app.checkpoint"],
     ["app.training.telemetry", "app.training.loss", "app.training.data_loading"],
     ["app.training.resilience"],
     ["app.training.planning", "app.training.engines"],
     ["app.training.trainer", "app.training.state"],
-    ["app.training.run", "app.convert", "app.inference"],
+    ["app.training.run", "app.inference"],
     ["app.training.pretrain"],
 ]
 
@@ -90,11 +91,11 @@ def test_library_never_imports_the_command_line_or_the_tests():
 
 
 def test_conversion_and_inference_do_not_import_training():
-    """The checkpoint format lives in app.checkpointing and process start-up in app.launch, so
+    """The checkpoint format lives in app.checkpoint and process start-up in app.launch, so
     converting, generating and serving never pull in the training loop or its engines."""
     leaks = sorted(f"{m} imports {t}" for m, ts in graph().items() for t in ts
-                   if m.split(".")[:2] in (["app", "convert"], ["app", "inference"],
-                                           ["app", "checkpointing"], ["app", "launch"])
+                   if m.split(".")[:2] in (["app", "checkpoint"], ["app", "inference"],
+                                           ["app", "launch"])
                    and t.startswith("app.training"))
     assert not leaks, "\n".join(leaks)
 

@@ -1,11 +1,11 @@
 """Our GPT-2 (dropout 0) against Hugging Face's GPT2LMHeadModel with the same weights copied in
-through app.convert.hf_gpt2's mapping (logits, loss and gradients agree)."""
+through app.checkpoint.hf_gpt2's mapping (logits, loss and gradients agree)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from app.config import ModelConfig
-from app.convert.hf_gpt2 import to_hf_state
+from app.checkpoint.hf_gpt2 import to_hf_state
 from app.model import GPT2Model
 
 transformers = pytest.importorskip("transformers")
@@ -20,7 +20,7 @@ def _config(openai_gelu: bool) -> ModelConfig:
 
 
 def _hf_tensors(ours: dict) -> dict:
-    """Our state (params or grads, by our names) in HF's names and layouts (app.convert's mapping)."""
+    """Our state (params or grads, by our names) in HF's names and layouts (app.checkpoint.convert's mapping)."""
     return to_hf_state(ours, L, HEADS)
 
 

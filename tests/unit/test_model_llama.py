@@ -72,11 +72,13 @@ def test_defaults_and_parameter_counts():
 
 
 def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
-    """The HF GPT-2 export and the converters (via checkpoint_args_blockers) and
-    --ckpt-format torch_dist name each option they do not support yet."""
+    """The HF GPT-2 export (checkpoint_args_blockers), the converters' layout (Layout.of_args)
+    and --ckpt-format torch_dist name each option they do not support yet."""
     import arguments
-    from app.checkpointing.model_args import checkpoint_args_namespace
-    from app.model.hf_compat import checkpoint_args_blockers
+    from app.checkpoint import CheckpointError
+    from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
+    from app.checkpoint.layout import Layout
+    from app.checkpoint.model_args import checkpoint_args_namespace
     llama = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm"]
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2"]
@@ -85,6 +87,9 @@ def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
     for flag, reason in zip(["--swiglu", "--normalization RMSNorm", "--disable-bias-linear",
                              "--qk-layernorm"], blockers):
         assert reason.startswith(flag) and "not supported yet" in reason
+    with pytest.raises(CheckpointError, match="uses --swiglu, --normalization RMSNorm.*not "
+                                              "supported yet"):
+        Layout.of_args(checkpoint_args_namespace(cfg, 0, 0, 0), 1)
     with pytest.raises(ValueError, match="--ckpt-format torch_dist does not support --swiglu"):
         arguments.config_from_argv(base + llama + ["--ckpt-format", "torch_dist"], 1, 64)
 
@@ -154,7 +159,7 @@ def test_resume_is_exact_and_a_resume_without_the_options_is_refused(tmp_path):
     losses and gradient norms of 4 uninterrupted steps (bit for bit); a run without --swiglu
     is refused naming the field."""
     import arguments
-    from app.checkpointing import CheckpointError
+    from app.checkpoint import CheckpointError
     from tests.harness.synthetic import build_synthetic_run
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4",

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from app.config import CheckpointConfig
-from app.convert.state import Progress as ConvertProgress
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
+from app.checkpoint.state import Progress as ConvertProgress
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
 from app.training.resilience import resume
 from app.launch.ports import pick_master_port, port_is_free
 from app.training.telemetry.metrics import format_duration, format_train_log

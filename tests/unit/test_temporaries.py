@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.checkpointing.megatron import write_checked_file
-from app.convert.state import staged_directory
+from app.checkpoint.megatron import write_checked_file
+from app.checkpoint.state import staged_directory
 from app.data.indexed_dataset import MMapIndexedDatasetBuilder
 from app.kernels import build
 from app.training.resilience.save_dir import ensure_writable_dir

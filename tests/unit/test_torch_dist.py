@@ -15,9 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from app.checkpointing import CheckpointError, dcp_files, mcore_names, mcore_state, sharding
-from app.checkpointing import torch_dist
-from app.checkpointing.files import UnsafeCheckpointError
+from app.checkpoint import CheckpointError, dcp_files, mcore_names, mcore_state, sharding
+from app.checkpoint import torch_dist
+from app.checkpoint.files import UnsafeCheckpointError
 from app.optim.model_space import ModelSpaceState, ParamState
 
 # Megatron Core core_v0.19.0, GPTModel(get_gpt_layer_local_spec()), 3 layers, hidden 32, 4 heads,
@@ -348,7 +348,9 @@ def test_megatron_objects_in_the_common_state_load_as_inert_stand_ins():
     import enum
     import sys
     import types
-    names = ("megatron", "megatron.core", "megatron.core.enums")  # Megatron-LM is not installed
+    # a Megatron class pickled under its own module name, which the reader never imports
+    names = ("megatron", "megatron.core", "megatron.core.enums")
+    saved = {n: sys.modules.get(n) for n in names}  # megatron-core may be imported already
     module = types.ModuleType(names[-1])
     module.ModelType = enum.Enum("ModelType", "encoder_or_decoder", module=names[-1])
     sys.modules.update({n: module for n in names})
@@ -357,8 +359,11 @@ def test_megatron_objects_in_the_common_state_load_as_inert_stand_ins():
         torch.save([{"args": argparse.Namespace(model_type=module.ModelType.encoder_or_decoder,
                                                 num_layers=2)}], blob)
     finally:
-        for name in names:
-            del sys.modules[name]
+        for name, before in saved.items():
+            if before is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = before
     value = dcp_files.load_object(blob.getvalue(), "common_state")
     assert value[0]["args"].num_layers == 2
     assert isinstance(value[0]["args"].model_type, dcp_files.ForeignObject)
@@ -381,7 +386,7 @@ def test_ckpt_format_flags():
 
 
 def test_layout_of_a_torch_dist_directory(saved, tmp_path):
-    from app.checkpointing import layouts
+    from app.checkpoint import layouts
     directory, *_ = saved
     layout = layouts.inspect_directory(directory)
     assert (layout.format, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
@@ -408,7 +413,7 @@ def test_a_failed_save_is_undone_and_a_corrupt_file_is_refused(tmp_path, monkeyp
     file of it is left); a flipped byte in a shard file stops the load naming the file."""
     import errno
     import arguments
-    from app.checkpointing import commit, names
+    from app.checkpoint import commit, names
     from tests.harness.synthetic import build_synthetic_run
     argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
             "--seq-length", "4", "--max-position-embeddings", "4", "--micro-batch-size", "1",

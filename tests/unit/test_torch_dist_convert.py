@@ -10,7 +10,7 @@ import numpy
 import torch
 import torch.distributed.checkpoint as dcp
 
-from app.convert import ConvertOptions, convert, read_checkpoint
+from app.checkpoint.convert import ConvertOptions, convert, read_checkpoint
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "old_checkpoints")
 
@@ -87,7 +87,7 @@ def test_deepspeed_to_torch_dist_keeps_the_fp32_weights_and_moments(tmp_path):
 
 
 def test_generation_tools_load_a_torch_dist_checkpoint(tmp_path):
-    from app.convert.detect import detect_format
+    from app.checkpoint.formats import detect_format
     from app.inference.runner import load_model
     from app.mpu.parallel_state import ParallelState
     source = os.path.join(FIXTURES, "native_fp32")

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from app.checkpointing import commit
+from app.checkpoint import commit
 from app.config import RunConfig
 from app.training.resilience.resume import (CheckpointContents, LoadResult, ResumePlan,
                                  resume_from_checkpoint)
@@ -120,7 +120,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
                    asynchronous: bool) -> commit.PendingSave:
-        """Begin this rank's part of a checkpoint of `iteration` (app.checkpointing.commit's
+        """Begin this rank's part of a checkpoint of `iteration` (app.checkpoint.commit's
         `start_save`); with `asynchronous` copy the state and write it in the background."""
 
     @abc.abstractmethod

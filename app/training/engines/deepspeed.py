@@ -32,9 +32,9 @@ DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replace
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
 verified and with torch.load(weights_only=True) and an allow-list (`deepspeed_safe_globals`),
 where DeepSpeed's own engine unpickles anything (weights_only=False), so a crafted checkpoint
-could run code on --load. `app.checkpointing.deepspeed_files` holds the same safe read for
+could run code on --load. `app.checkpoint.deepspeed_files` holds the same safe read for
 tools. Saves go through the same two-phase commit as the native engine's
-(app.checkpointing.commit): a save that fails on any rank (a full disk) is undone everywhere;
+(app.checkpoint.commit): a save that fails on any rank (a full disk) is undone everywhere;
 `latest` and our tracker are written only after every rank's files are complete.
 """
 from __future__ import annotations
@@ -50,12 +50,15 @@ import torch
 
 from app.config import RunConfig
 from app.mpu import collectives
+from app.mpu import random as mpu_random
 from app.mpu.parallel_state import ParallelState
-from app.checkpointing import CheckpointError, commit, layouts, names
-from app.checkpointing import files as ckpt_files
-from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
-from app.checkpointing.model_args import checkpoint_args_namespace
-from app.checkpointing.snapshot import HostBuffers, host_copy
+from app.mpu.random import get_rng_tracker, rng_state_dict
+from app.optim import OptimizerParamScheduler, get_param_groups
+from app.checkpoint import CheckpointError, commit, layouts, names
+from app.checkpoint import files as ckpt_files
+from app.checkpoint.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
+from app.checkpoint.model_args import checkpoint_args_namespace
+from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.config.deepspeed import offloads_optimizer, zero_stage
 from app.launch.distributed import world_group
 from app.launch import waits
@@ -194,7 +197,6 @@ class DeepSpeedEngineAdapter(Engine):
                 param.ds_pipe_replicated = True
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
-            from app.optim import OptimizerParamScheduler, get_param_groups
             kwargs["model_parameters"] = get_param_groups(model)
             if "scheduler" not in ds:
                 kwargs["lr_scheduler"] = lambda opt: OptimizerParamScheduler(opt, cfg.optimizer)
@@ -338,12 +340,11 @@ class DeepSpeedEngineAdapter(Engine):
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
                    asynchronous: bool) -> commit.PendingSave:
         """engine.save_checkpoint under tag iter_XXXXXXX as the write step of the two-phase
-        commit (app.checkpointing.commit): once every rank's files are complete, rank 0 writes
+        commit (app.checkpoint.commit): once every rank's files are complete, rank 0 writes
         `latest` and our tracker and rotates; a failed save on any rank is undone on every rank
         (CheckpointSaveError). With `asynchronous`, engine.save_checkpoint runs here but its
         files are host copies written later in the background (DeepSpeed's default Torch
         checkpoint engine only; another one writes synchronously)."""
-        from app.mpu.random import rng_state_dict
         tag = names.iteration_tag(iteration)
         state = dict(client_state)
         if hasattr(self.lr_scheduler, "num_steps"):  # for --no-load-optim resumes
@@ -477,7 +478,6 @@ class DeepSpeedEngineAdapter(Engine):
         saved RNG states with this run's model-parallel dropout stream when the TP size changed
         (each TP rank needs its own stream; the saved ones belong to the old ranks)."""
         import copy
-        from app.mpu.random import get_rng_tracker
         saved_tp = int(getattr(args, "tensor_model_parallel_size", 1))
         args = copy.copy(args)
         args.tensor_model_parallel_size = self.ps.tensor_model_parallel_size
@@ -544,7 +544,6 @@ def configure_activation_checkpointing(cfg: RunConfig, parallel_state: ParallelS
     app.mpu.random then hands the model DeepSpeed's checkpoint function and tracker.
     """
     import deepspeed
-    from app.mpu import random as mpu_random
     ds = cfg.deepspeed.config
     given = ds.get("activation_checkpointing", {}).get("number_checkpoints")
     chunks = cfg.recompute_plan().checkpointed_regions  # what DeepSpeed sizes its buffers by

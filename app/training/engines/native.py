@@ -22,12 +22,12 @@ from app.mpu.parallel_state import ParallelState
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu import collectives
 from app.mpu.random import rng_state_dict
-from app.checkpointing import commit, dcp_files, mcore_state, torch_dist
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
-from app.checkpointing.layouts import check_loadable
-from app.checkpointing.snapshot import HostBuffers, host_copy
-from app.checkpointing.model_args import checkpoint_args_namespace
+from app.checkpoint import commit, dcp_files, mcore_state, torch_dist
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
+from app.checkpoint.layouts import check_loadable, inspect_directory
+from app.checkpoint.snapshot import HostBuffers, host_copy
+from app.checkpoint.model_args import checkpoint_args_namespace
 from app.launch.distributed import world_group
 from app.optim.distributed_optimizer import DistributedOptimizer
 from app.training.engines.base import Engine, StepResult
@@ -221,10 +221,15 @@ class NativeEngine(Engine):
 
     def read_checkpoint(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """Read this rank's part of the checkpoint (torch_dist, or its legacy Megatron-layout
-        file); load the weights and, when the plan says so, the optimizer and LR-scheduler
-        states."""
-        if dcp_files.is_dcp_checkpoint(names.checkpoint_dir(load_dir, plan.iteration)):
-            return self._read_torch_dist(load_dir, plan)
+        file, by the format its files show); load the weights and, when the plan says so, the
+        optimizer and LR-scheduler states."""
+        saved = inspect_directory(names.checkpoint_dir(load_dir, plan.iteration))
+        readers = {names.TORCH_DIST: self._read_torch_dist}
+        return readers.get(saved and saved.format, self._read_legacy)(load_dir, plan)
+
+    def _read_legacy(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
+        """Read this rank's legacy Megatron-layout file (`--ckpt-format torch`); any other
+        layout is refused by check_loadable with the conversion command."""
         check_loadable(load_dir, plan.iteration, deepspeed=False,
                        tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
                        pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,

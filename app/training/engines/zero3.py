@@ -19,10 +19,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from app.checkpointing import CheckpointError, layouts, names
-from app.checkpointing import files as ckpt_files
-from app.checkpointing.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
-from app.checkpointing.zero3 import merge_zero3
+from app.checkpoint import CheckpointError, layouts, names
+from app.checkpoint import files as ckpt_files
+from app.checkpoint.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
+from app.checkpoint.zero3 import merge_zero3
 from app.launch.distributed import world_group
 from app.mpu import collectives
 from app.training.engines.base import optimizer_state_bytes, tensor_bytes

@@ -22,10 +22,11 @@ from app.config import DataConfig, RunConfig, samples_per_split
 from app.config.batch_schedule import check_divisible
 from app.data.mock_dataset import build_mock_datasets
 from app.data.plan import order_record
-from app.checkpointing import CheckpointError
-from app.checkpointing import files as ckpt_files
-from app.checkpointing import dcp_files, layouts, model_args
+from app.checkpoint import CheckpointError
+from app.checkpoint import files as ckpt_files
+from app.checkpoint import dcp_files, layouts, model_args
 from app.launch import interfaces
+from app.optim import OptimizerParamScheduler
 from app.training.planning.data_check import check_data
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
 from app.training.resilience.data_order import check_data_order
@@ -191,7 +192,6 @@ def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> No
     if not saved:
         return
     import torch
-    from app.optim import OptimizerParamScheduler
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optimizer.lr)
     try:
         OptimizerParamScheduler(optimizer, cfg.optimizer).load_state_dict(saved)

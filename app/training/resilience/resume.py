@@ -1,6 +1,6 @@
 """The resume policy, shared by both engines: what a checkpoint restores and how ranks agree.
 
-Format and policy are apart. `app.checkpointing.megatron` reads and writes Megatron's files; each
+Format and policy are apart. `app.checkpoint.megatron` reads and writes Megatron's files; each
 engine implements only `read_checkpoint(load_dir, plan)`, which reads its own files and applies
 what the plan asks for (weights always, optimizer and LR-schedule state when
 `plan.load_optimizer`). Everything else is decided here, once:
@@ -51,9 +51,9 @@ from app.config import CheckpointConfig, RunConfig
 from app.config.deepspeed import zero_stage
 from app.mpu import collectives
 from app.mpu.random import load_rng_state_dict
-from app.checkpointing import layouts
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import model_args, names
+from app.checkpoint import layouts
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import model_args, names
 from app.launch.distributed import world_group
 
 logger = logging.getLogger(__name__)

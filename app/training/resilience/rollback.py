@@ -38,7 +38,7 @@ import torch
 
 from app.config import RollbackConfig, RunConfig
 from app.mpu import collectives
-from app.checkpointing import names
+from app.checkpoint import names
 from app.launch.distributed import world_group
 from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.resume import load_on_all_ranks

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from app.checkpointing import names
+from app.checkpoint import names
 from app.utils.fileio import remove_temporaries, tmp_path
 from app.utils.lease import Lease, LeaseHeld
 

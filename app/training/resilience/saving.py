@@ -1,7 +1,7 @@
 """Checkpoint saves from the training loop, and what a save that fails does to the run.
 
 A save that fails (a full disk however torch reports it, an I/O or permission error, a timeout)
-is undone on every rank by the two-phase commit (app.checkpointing.commit: this save's partial
+is undone on every rank by the two-phase commit (app.checkpoint.commit: this save's partial
 files are removed, the previous checkpoint stays the latest, and every rank raises
 CheckpointSaveError at the same point, so they all decide alike). `CheckpointSaver` turns it
 into one log line naming the directory and the error and a `save_failed` record in the metrics;
@@ -18,8 +18,8 @@ import contextlib
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from app.checkpointing import names
-from app.checkpointing.commit import CheckpointSaveError
+from app.checkpoint import names
+from app.checkpoint.commit import CheckpointSaveError
 from app.config.checkpoint import CheckpointConfig
 
 EXIT_SAVE_FAILED = 5

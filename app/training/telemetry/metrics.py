@@ -242,7 +242,7 @@ class MetricsWriter:
         if not enabled:
             return
         if wandb is not None and wandb.enabled:
-            from app.training.telemetry.wandb_writer import WandbWriter
+            from app.training.telemetry.wandb_writer import WandbWriter  # deferred: imports wandb
             self._wandb = WandbWriter(wandb, run_config)
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # lazy: slow import

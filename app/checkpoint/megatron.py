@@ -1,6 +1,6 @@
 """Megatron-LM-layout checkpoints: the state dict, its writer and its safe reader, RNG state.
 
-On disk exactly Megatron-LM's legacy layout, so its tools read our files (app.checkpointing.names
+On disk exactly Megatron-LM's legacy layout, so its tools read our files (app.checkpoint.names
 spells every name): `{save}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`
 and the tracker `{save}/latest_checkpointed_iteration.txt`.
 
@@ -11,11 +11,11 @@ readers ignore it. Files are unpickled with weights_only=True and a small allow-
 
 Each file holds Megatron's dict: `iteration`, `checkpoint_version` (3.0), `args` (an
 argparse.Namespace with the model shape, the parallel layout and the data position; see
-app.checkpointing.model_args), `model` (nested: language_model -> embedding / transformer),
+app.checkpoint.model_args), `model` (nested: language_model -> embedding / transformer),
 `optimizer`, `lr_scheduler` and `rng_state` (a list with one dict per saved rank state). See
 docs/checkpoints.md.
 
-Crash safety is app.checkpointing.commit's: every file is written under a temporary name,
+Crash safety is app.checkpoint.commit's: every file is written under a temporary name,
 fsynced and renamed; all ranks agree before one rank replaces the tracker atomically, so the
 tracker never names an iteration with a missing or partial file. Old iterations are rotated
 away only after that. A save that fails on any rank (a full disk) is undone on every rank
@@ -29,11 +29,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from app.checkpointing import CheckpointError, layouts
-from app.checkpointing import commit
-from app.checkpointing.commit import PendingSave, remove_written_file, write_checked_file
-from app.checkpointing.files import safe_torch_load, verify_checksum
-from app.checkpointing.names import Iteration, checkpoint_dir, checkpoint_path, read_tracker
+from app.checkpoint import CheckpointError, layouts
+from app.checkpoint import commit
+from app.checkpoint.commit import PendingSave, remove_written_file, write_checked_file
+from app.checkpoint.files import safe_torch_load, verify_checksum
+from app.checkpoint.names import Iteration, checkpoint_dir, checkpoint_path, read_tracker
 
 CHECKPOINT_VERSION = 3.0
 """3.0: fused QKV rows ordered [heads, (q, k, v), head_dim]."""
@@ -184,7 +184,7 @@ def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, An
                     agree: Optional[Callable[[bool], bool]] = None) -> str:
     """Write this rank's file of `iteration`, then (one rank) commit the tracker. Crash-safe.
 
-    Every writing rank calls this (app.checkpointing.commit.commit_save: ranks that write no
+    Every writing rank calls this (app.checkpoint.commit.commit_save: ranks that write no
     file call that with a step that writes nothing). Ranks synchronise twice: after this
     rank's file is committed and after the tracker is committed. `agree(ok)` does it when given
     (every rank passes whether its part succeeded and gets whether all did, e.g. an
@@ -207,7 +207,7 @@ def start_save(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, Any], *
                background: bool = False) -> PendingSave:
     """`save_checkpoint` (same arguments) up to this rank's file, written in a background
     thread with `background` (then `ckpt_dict` must be a copy nobody changes, e.g.
-    app.checkpointing.snapshot.host_copy's); `PendingSave.finish` commits it."""
+    app.checkpoint.snapshot.host_copy's); `PendingSave.finish` commits it."""
     if agree is None:
         def agree(ok: bool) -> bool:
             barrier()
@@ -246,10 +246,10 @@ def _torch_load(path: str) -> Dict[str, Any]:
 
 def saved_layout(directory: str) -> Optional[Tuple[int, int]]:
     """(tensor, pipeline) parallel sizes of the Megatron-layout checkpoint in `directory`, read
-    from the names of its mp_rank_XX / mp_rank_XX_YYY folders (app.checkpointing.layouts);
+    from the names of its mp_rank_XX / mp_rank_XX_YYY folders (app.checkpoint.layouts);
     None when it holds none."""
     layout = layouts.inspect_directory(directory)
-    if layout is None or layout.format != layouts.MEGATRON:
+    if layout is None or layout.format != layouts.TORCH:
         return None
     return layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
 

@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from app.convert import layout
-from app.convert.state import ModelCheckpoint, Progress
-from app.model.hf_compat import checkpoint_args_blockers
+from app.checkpoint import layout
+from app.checkpoint.model_args import model_config_from_args
+from app.checkpoint.model_card import model_card
+from app.checkpoint.state import ModelCheckpoint, Progress, describe
+from app.model.hf_compat import gpt2_export_blockers
+from app.utils.dtypes import torch_dtype
+
+logger = logging.getLogger(__name__)
 
 HF_PREFIX = "transformer."
 _NORMS = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"))
@@ -36,6 +42,12 @@ BIN_WEIGHTS = "pytorch_model.bin"
 
 class HFConversionError(ValueError):
     """A Hugging Face file or key that cannot be mapped; the message names it."""
+
+
+def checkpoint_args_blockers(args: argparse.Namespace) -> List[str]:
+    """`gpt2_export_blockers` of the model a checkpoint's saved `args` describe (read by
+    app.checkpoint.model_args; a field an older checkpoint lacks means GPT-2's choice)."""
+    return gpt2_export_blockers(model_config_from_args(args, for_inference=True))
 
 
 def qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -210,6 +222,35 @@ def read_hf_dir(path: str, make_vocab_size_divisible_by: int = 128) -> ModelChec
     return ModelCheckpoint(args=args, weights=weights, tokenizer_files=tokenizer)
 
 
+def read_converted(path: str, iteration: Optional[object] = None, include_optimizer: bool = False,
+                   make_vocab_size_divisible_by: int = 128) -> ModelCheckpoint:
+    """The registry's read (app.checkpoint.formats): `read_hf_dir`; a Hugging Face directory
+    has one version (`iteration` unused) and no optimizer state (`include_optimizer` refused by
+    app.checkpoint.convert before this is called)."""
+    return read_hf_dir(path, make_vocab_size_divisible_by)
+
+
+def describe_hf(path: str, iteration: Optional[object] = None) -> List[str]:
+    """Lines describing a Hugging Face directory: the args it implies, then every tensor."""
+    source = read_hf_dir(path)
+    lines = [f"Hugging Face directory {path}", *describe(vars(source.args))]
+    return lines + describe(dict(read_hf_tensors(path)))
+
+
+def write_converted(source: ModelCheckpoint, out_dir: str, opts: Any) -> str:
+    """The converter's write (opts: app.checkpoint.convert.ConvertOptions); returns what was
+    written, in words."""
+    if (opts.target_tensor_model_parallel_size, opts.target_pipeline_model_parallel_size) != (1, 1):
+        logger.warning("--target-*-parallel-size is ignored for --output-format hf")
+    dtype = torch_dtype(opts.target_params_dtype) if opts.target_params_dtype else None
+    write_hf_dir(source, out_dir, dtype, opts.max_shard_size, opts.vocab_file, opts.merge_file,
+                 opts.metrics_file, os.path.abspath(opts.save))
+    if not (opts.vocab_file or source.tokenizer_files):
+        logger.warning("no tokenizer files written: pass --vocab-file and --merge-file so "
+                       "AutoTokenizer.from_pretrained works")
+    return "Hugging Face GPT-2 directory"
+
+
 def read_hf_tensors(path: str) -> Dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     progress = Progress("reading Hugging Face weights")
@@ -267,7 +308,7 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, dtype: Optional[torch.dt
                  merge_file: Optional[str] = None, metrics_file: Optional[str] = None,
                  model_path: Optional[str] = None) -> Dict[str, str]:
     """Write config.json, generation_config.json, safetensors, tokenizer files and the model card
-    README.md (app.convert.model_card; `metrics_file` gives its validation loss, `model_path`
+    README.md (app.checkpoint.model_card; `metrics_file` gives its validation loss, `model_path`
     the path its examples load, default `out_dir`) to `out_dir`.
 
     The vocabulary is trimmed to the tokenizer's size (args.vocab_size). Returns the files
@@ -311,7 +352,6 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, dtype: Optional[torch.dt
     if vocab_file and merge_file:
         written.update(write_tokenizer_files(out_dir, vocab_file, merge_file,
                                              int(args.max_position_embeddings)))
-    from app.convert.model_card import model_card
     card = model_card(args, source.iteration, sum(t.numel() for t in tensors.values()),
                       model_path or out_dir, metrics_file)
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from app.checkpointing import files as ckpt_files
+from app.checkpoint import files as ckpt_files
+from app.utils.third_party import prepare_deepspeed_import
 
 
 def deepspeed_safe_globals() -> List[Any]:
     """The classes DeepSpeed pickles into its checkpoint files besides tensors and containers
     (loss scalers, the ZeRO stage enum, ZeRO's fragment addresses): the allow-list for reading
     them with weights_only=True."""
-    from app.utils.third_party import prepare_deepspeed_import
     prepare_deepspeed_import()  # DeepSpeed's CPU-accelerator warning, silenced at its source
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum

@@ -5,7 +5,7 @@ a hidden `.f.sha256` beside DeepSpeed's (`sidecar_path`). `verify_checksum` comp
 with its sidecar before anything unpickles it; `safe_torch_load` unpickles with
 weights_only=True and an allow-list (`allowed_globals` plus the caller's), and
 `check_pickled_globals` scans a file that another library will unpickle itself. Errors name
-the file and the fix. The crash-safe writer using these is app.checkpointing.commit.
+the file and the fix. The crash-safe writer using these is app.checkpoint.commit.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 import torch
 
-from app.checkpointing import CheckpointError
+from app.checkpoint import CheckpointError
 from app.utils.fileio import atomic_write_bytes
 
 CHECKSUM_SUFFIX = ".sha256"

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from app.checkpointing import CheckpointError
+from app.checkpoint import CheckpointError
 from app.optim.model_space import MAIN, ModelSpaceState
 
 CHECKPOINT_VERSION = 3.0

@@ -1,8 +1,8 @@
 """Read a `torch_dist` checkpoint into a ModelCheckpoint, and write one from it (one process).
 
-A torch_dist checkpoint (app.checkpointing.torch_dist) already holds global tensors under
+A torch_dist checkpoint (app.checkpoint.torch_dist) already holds global tensors under
 Megatron Core's keys, so reading is one full read per key (the stacked layer tensors cut back
-into our per-layer names, app.checkpointing.mcore_names) and writing is one box per tensor from
+into our per-layer names, app.checkpoint.mcore_names) and writing is one box per tensor from
 a single rank: its TP x PP is irrelevant, training reshards it on load. Mixed-precision
 checkpoints give their fp32 main weights (`optimizer.state.fp32_param` / `.param`), as the
 legacy reader does. Checkpoints written by Megatron-LM itself are read the same way (its
@@ -17,14 +17,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from app.checkpointing import dcp_files, mcore_names, mcore_state, torch_dist
-from app.checkpointing import megatron as ckpt
-from app.checkpointing.names import checkpoint_dir, write_tracker
-from app.convert import layout
-from app.convert.megatron import resolve_iteration, target_args
-from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress, cast_weights,
+from app.checkpoint import dcp_files, mcore_names, mcore_state, torch_dist
+from app.checkpoint import megatron as ckpt
+from app.checkpoint.names import checkpoint_dir, write_tracker
+from app.checkpoint import layout
+from app.checkpoint.megatron_whole import resolve_iteration, target_args
+from app.checkpoint.state import (Iteration, ModelCheckpoint, OptimizerState, Progress, cast_weights,
                                describe)
-from app.model.hf_compat import checkpoint_args_blockers
 from app.optim.model_space import MAIN, MOMENTS, MOMENTUM, ModelSpaceState, ParamState
 from app.utils.dtypes import torch_dtype
 
@@ -86,18 +85,13 @@ def read_torch_dist(load_dir: str, iteration: Optional[Iteration] = None,
     directory = checkpoint_dir(load_dir, iteration)
     if not dcp_files.is_dcp_checkpoint(directory):
         raise ckpt.CheckpointError(f"{directory} is not a torch_dist checkpoint (no metadata.json "
-                                   "or .metadata); use --input-format megatron or deepspeed")
+                                   "or .metadata); use --input-format torch or deepspeed")
     reader = dcp_files.Reader(directory)
     common = torch_dist.read_common(reader)
     ckpt.check_checkpoint_version(common, directory)
     args = common.get("args")
     if args is None:
         raise ckpt.CheckpointError(f"{directory} has no 'args': its model shape is unknown")
-    blockers = checkpoint_args_blockers(args)
-    if blockers:
-        raise ckpt.CheckpointError(f"{directory} cannot be converted: the converter maps the "
-                                   "GPT-2 parameter layout only, and this model was trained with "
-                                   + "; ".join(blockers))
     num_layers = int(args.num_layers)
     progress = Progress("reading torch_dist")
     weights = _by_name(reader, "", num_layers, progress)
@@ -148,11 +142,11 @@ def _rng_states(reader: dcp_files.Reader, tp: int, pp: int) -> Dict[Tuple[int, i
     return out
 
 
-def _model_space(opt: OptimizerState, weights: Dict[str, torch.Tensor], half: bool
-                 ) -> ModelSpaceState:
+def _model_space(opt: OptimizerState, weights: Dict[str, torch.Tensor], half: bool,
+                 placement: layout.Layout) -> ModelSpaceState:
     """The whole model's optimizer state as one rank's model-space state."""
     muon = "muon" in opt.group_hparams
-    groups = layout.optimizer_groups(list(weights), muon=muon)
+    groups = placement.optimizer_groups(list(weights), muon=muon)
     params: List[ParamState] = []
     step = None
     for group_name, members in groups.items():
@@ -189,7 +183,8 @@ def write_torch_dist(source: ModelCheckpoint, save_dir: str, dtype_name: Optiona
     rows = weights[layout.WORD_EMBEDDINGS].shape[0]
     args = target_args(source, 1, 1, dtype, rows, iteration)
     args.data_parallel_size, args.world_size = 1, 1
-    state = _model_space(opt, full, dtype != torch.float32) if opt else None
+    state = _model_space(opt, full, dtype != torch.float32,
+                         layout.Layout.of_args(args, 1, rows)) if opt else None
     common = mcore_state.build_common(
         args, iteration, scheduler=source.lr_scheduler if opt else None,
         optimizer=None if state is None else mcore_state.optimizer_part(state, distributed=False),
@@ -204,3 +199,17 @@ def write_torch_dist(source: ModelCheckpoint, save_dir: str, dtype_name: Optiona
     dcp_files.publish(directory, [record])
     write_tracker(save_dir, iteration)
     return iteration
+
+
+def write_converted(source: ModelCheckpoint, save_dir: str, opts: Any) -> str:
+    """The converter's write (opts: app.checkpoint.convert.ConvertOptions); returns what was
+    written, in words."""
+    iteration = opts.iteration
+    if opts.include_optimizer and iteration is None:
+        iteration = source.iteration
+    written = write_torch_dist(source, save_dir, opts.target_params_dtype, iteration,
+                               opts.include_optimizer)
+    if (opts.target_tensor_model_parallel_size, opts.target_pipeline_model_parallel_size) != (1, 1):
+        logger.warning("--target-*-parallel-size is ignored for --output-format torch_dist: "
+                       "it loads at any layout")
+    return f"torch_dist checkpoint (iteration {written}; loads at any TP x PP x DP)"

@@ -7,7 +7,7 @@ command), instead of an error from deep inside DeepSpeed or torch.
 
 Three formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
 
-- "megatron" (the native path, Megatron-LM's layout): `mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`,
+- "torch" (the native path, Megatron-LM's legacy layout, `--ckpt-format torch`): `mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`,
   one file per tensor x pipeline rank (data-parallel replicas write nothing of their own);
 - "deepspeed": `mp_rank_{tp:02d}_model_states.pt` per tensor-parallel rank (per model-parallel
   rank pp_rank x TP + tp_rank with pipeline stages, read as TP x PP ranks), plus, with ZeRO,
@@ -15,7 +15,7 @@ Three formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
   (ZeRO's partitions of the optimizer states). At ZeRO-3, where the weights are partitioned
   too, the module files are per data-parallel x tensor rank as well:
   `zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt`;
-- "torch_dist" (Megatron Core's `--ckpt-format torch_dist`, app.checkpointing.torch_dist):
+- "torch_dist" (Megatron Core's `--ckpt-format torch_dist`, app.checkpoint.torch_dist):
   `metadata.json`, `.metadata` and `__<rank>_0.distcp` files; the native path loads it at any
   layout, so its saved TP x PP x DP (read from its common state) is only reported.
 """
@@ -25,12 +25,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from app.checkpointing import CheckpointError, dcp_files, mcore_state, names, torch_dist
-from app.checkpointing import files as ckpt_files
+from app.checkpoint import CheckpointError, dcp_files, mcore_state, names, torch_dist
+from app.checkpoint import files as ckpt_files
+from app.checkpoint.names import DEEPSPEED, TORCH, TORCH_DIST
 
-MEGATRON = "megatron"
-DEEPSPEED = "deepspeed"
-TORCH_DIST = "torch_dist"
 
 CONVERTER = "tools/convert_checkpoint.py"
 
@@ -41,7 +39,7 @@ class SavedLayout:
 
     directory: str
     format: str
-    """MEGATRON, DEEPSPEED or TORCH_DIST."""
+    """TORCH, DEEPSPEED or TORCH_DIST."""
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     data_parallel_size: Optional[int]
@@ -65,7 +63,8 @@ class SavedLayout:
         stage = "ZeRO-3 " if self.partitioned_weights else "ZeRO "
         dp = f", {stage}partitions over {self.data_parallel_size} data-parallel ranks" \
             if self.data_parallel_size else ""
-        return (f"{self.format} layout, tensor-parallel size {self.tensor_model_parallel_size}, "
+        kind = "legacy Megatron (torch)" if self.format == TORCH else self.format
+        return (f"{kind} layout, tensor-parallel size {self.tensor_model_parallel_size}, "
                 f"pipeline-parallel size {self.pipeline_model_parallel_size}{dp}")
 
 
@@ -84,7 +83,7 @@ def _megatron_layout(directory: str, entries: List[str]) -> Optional[SavedLayout
         for p in range(pp):
             path = os.path.join(directory, names.rank_dir_name(t, p, pp), names.MODEL_FILENAME)
             (present if os.path.isfile(path) else missing).append(path)
-    return SavedLayout(directory, MEGATRON, tp, pp, None, present, [], missing)
+    return SavedLayout(directory, TORCH, tp, pp, None, present, [], missing)
 
 
 def _deepspeed_layout(directory: str, entries: List[str]) -> Optional[SavedLayout]:
@@ -151,7 +150,7 @@ def inspect_directory(directory: str) -> Optional[SavedLayout]:
 
 def load_command_hint(load_dir: str, target_tp: int, target_pp: int, source_format: str) -> str:
     """The conversion command that writes a Megatron-layout copy at the run's TP x PP."""
-    return (f"python {CONVERTER} --input-format {source_format} --output-format megatron "
+    return (f"python {CONVERTER} --input-format {source_format} --output-format torch "
             f"--load {load_dir} --save <new dir> --target-tensor-model-parallel-size {target_tp} "
             f"--target-pipeline-model-parallel-size {target_pp}, then --load <new dir>")
 
@@ -176,7 +175,7 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
                     "(DeepSpeed reads its own files): resume it without --deepspeed (and its "
                     "--deepspeed_config)")
         return None  # any layout: it is resharded on load
-    if deepspeed and layout.format == MEGATRON:
+    if deepspeed and layout.format == TORCH:
         return (f"checkpoint {where} is a Megatron-layout checkpoint of the native path "
                 "(mp_rank_XX/model_optim_rng.pt), but this is a --deepspeed run, which reads "
                 "DeepSpeed's files (mp_rank_XX_model_states.pt): resume it without --deepspeed "
@@ -193,9 +192,9 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
     if (saved_tp, saved_pp) != (tp, pp):
         change = (f"it was saved with tensor-parallel size {saved_tp} and pipeline-parallel size "
                   f"{saved_pp}; this run uses {tp} and {pp}")
-        if layout.format == MEGATRON:
+        if layout.format == TORCH:
             return (f"checkpoint {where}: {change}; reshard it: "
-                    + load_command_hint(load_dir, tp, pp, MEGATRON))
+                    + load_command_hint(load_dir, tp, pp, TORCH))
         return (f"checkpoint {where}: {change}; DeepSpeed cannot change the tensor-parallel size "
                 f"of a checkpoint: resume with --tensor-model-parallel-size {saved_tp}, or "
                 "convert it to the native path at the new size: "

@@ -50,8 +50,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from app.checkpointing import CheckpointError
-from app.checkpointing.files import UnsafeCheckpointError, allowed_globals, sha256_file
+from app.checkpoint import CheckpointError
+from app.checkpoint.files import UnsafeCheckpointError, allowed_globals, sha256_file
 from app.utils.fileio import atomic_write_bytes, fsync_dir, tmp_path
 
 DCP_METADATA = ".metadata"
@@ -126,7 +126,7 @@ def write_rank_files(directory: str, rank: int, entries: Sequence[Entry],
     torch's FileSystemWriter writes and fsyncs the file in a temporary directory (a
     `fileio.tmp_path` name inside `directory`); it is hashed and renamed into place. `stage`
     hears "rank_tmp_written" before and "rank_file_committed" after the rename (the crash
-    tests' seam, app.checkpointing.commit.save_stage). A rank with nothing to write writes no
+    tests' seam, app.checkpoint.commit.save_stage). A rank with nothing to write writes no
     file. Raises OSError as the writer does (a full disk).
     """
     if not entries:

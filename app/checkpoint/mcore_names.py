@@ -19,14 +19,17 @@ distributed optimizer's `fully_reshardable` format): `optimizer.state.<state>.<m
 (Float16Optimizer) or `param` (DistributedOptimizer).
 
 Which dimension tensor parallelism splits is not here: it is the parameter's own mark
-(`param.partition_dim`, set by the app.mpu layers; app.convert.layout for offline tensors).
+(`param.partition_dim`, set by the app.mpu layers; app.checkpoint.layout for offline tensors).
 """
 from __future__ import annotations
 
 import re
 from typing import Dict, Optional, Tuple
 
-OUR_LAYER_PREFIX = "language_model.transformer.layers."
+from app.config.param_names import (FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS,
+                                    TIED_HEAD, WORD_EMBEDDINGS)
+
+OUR_LAYER_PREFIX = LAYER_PREFIX + "."
 MCORE_LAYER_PREFIX = "decoder.layers."
 
 LAYER_KEYS: Dict[str, str] = {
@@ -47,18 +50,18 @@ LAYER_KEYS: Dict[str, str] = {
 """One transformer layer: our suffix -> Megatron Core's key suffix (stacked over layers)."""
 
 MODEL_KEYS: Dict[str, str] = {
-    "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
-    "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
-    "language_model.transformer.final_layernorm.weight": "decoder.final_layernorm.weight",
-    "language_model.transformer.final_layernorm.bias": "decoder.final_layernorm.bias",
-    "language_model.output_layer.weight": "output_layer.weight",
-    "word_embeddings.weight": "embedding.word_embeddings.weight",
+    WORD_EMBEDDINGS: "embedding.word_embeddings.weight",
+    POSITION_EMBEDDINGS: "embedding.position_embeddings.weight",
+    FINAL_NORM[0]: "decoder.final_layernorm.weight",
+    FINAL_NORM[1]: "decoder.final_layernorm.bias",
+    OUTPUT_LAYER: "output_layer.weight",
+    TIED_HEAD: "embedding.word_embeddings.weight",
 }
 """The tensors outside the layers. `word_embeddings.weight` is the last pipeline stage's tied
 copy of the word embeddings: Megatron Core stores it under the first stage's key as a replica
 (replica_id (1, 0, dp)), so it is read from there and never written."""
 
-TIED_COPY = "word_embeddings.weight"
+TIED_COPY = TIED_HEAD
 
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj",
                        "mlp.linear_fc1", "mlp.linear_fc2")
@@ -70,7 +73,7 @@ OPTIMIZER_PREFIX = "optimizer.state."
 MAIN_WEIGHT_KEYS = ("fp32_param", "param")
 """The fp32 main weights: Float16Optimizer's name, then DistributedOptimizer's."""
 
-_OUR_LAYER = re.compile(r"^language_model\.transformer\.layers\.(\d+)\.(.+)$")
+_OUR_LAYER = re.compile(rf"^{re.escape(OUR_LAYER_PREFIX)}(\d+)\.(.+)$")
 _FROM_MCORE = {mcore: ours for ours, mcore in LAYER_KEYS.items()}
 _MODEL_FROM_MCORE = {mcore: ours for ours, mcore in MODEL_KEYS.items() if ours != TIED_COPY}
 
@@ -86,7 +89,7 @@ def to_mcore(name: str) -> Tuple[str, Optional[int]]:
                            f"parameters: {', '.join(LAYER_KEYS)})")
         return MCORE_LAYER_PREFIX + LAYER_KEYS[suffix], int(match.group(1))
     if name not in MODEL_KEYS:
-        raise KeyError(f"parameter {name!r} has no Megatron Core key (app/checkpointing/"
+        raise KeyError(f"parameter {name!r} has no Megatron Core key (app/checkpoint/"
                        "mcore_names.py lists every GPT-2 parameter)")
     return MODEL_KEYS[name], None
 

@@ -12,12 +12,12 @@ DeepSpeed's layout under `{load}/{tag}/` (tag `iter_0000100`, named by the `late
 
 At ZeRO-3 the module file is per data-parallel rank too, `zero_pp_rank_{dp}_mp_rank_{mp:02d}_
 model_states.pt` (its weights empty: they live only in the optimizer files' fp32 pieces), and
-the optimizer files hold each parameter split on its own (app.checkpointing.zero3 merges them).
+the optimizer files hold each parameter split on its own (app.checkpoint.zero3 merges them).
 Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (the pipeline stages of a
 PP > 1 run; TP from the saved args). For each of them the DP slices of each group are concatenated and cut into parameters in the
 order of `param_shapes` (DeepSpeed's zero_to_fp32 does the same for a single TP rank); then
-the TP shards are merged by app.convert.layout. The files pickle DeepSpeed objects; they are read
-the safe way (app.checkpointing.deepspeed_files.load_deepspeed_file: SHA-256 sidecar verified,
+the TP shards are merged by app.checkpoint.layout. The files pickle DeepSpeed objects; they are read
+the safe way (app.checkpoint.deepspeed_files.load_deepspeed_file: SHA-256 sidecar verified,
 weights_only with an allow-list of DeepSpeed's classes), so a crafted file is refused, never run.
 """
 from __future__ import annotations
@@ -26,47 +26,42 @@ import argparse
 import logging
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from app.convert import layout
-from app.convert.state import ModelCheckpoint, OptimizerState, Progress
-from app.checkpointing import megatron as ckpt
-from app.checkpointing.names import (iteration_tag, parse_deepspeed_model_file,
-                                     parse_deepspeed_optim_file, parse_zero3_model_file,
-                                     read_latest_tag)
-from app.checkpointing.zero3 import merge_zero3
+from app.checkpoint import layout
+from app.checkpoint.state import ModelCheckpoint, OptimizerState, Progress, describe
+from app.checkpoint import megatron as ckpt
+from app.checkpoint.deepspeed_files import load_deepspeed_file
+from app.checkpoint.megatron_whole import merge_ranks
+from app.checkpoint.names import (parse_deepspeed_model_file, parse_deepspeed_optim_file,
+                                  parse_zero3_model_file, resolve_iteration)
+from app.checkpoint.zero3 import merge_zero3
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_tag(load_dir: str, iteration: Optional[Any]) -> str:
-    """`iter_{n:07d}` for --iteration n, else the tag named by DeepSpeed's `latest` file."""
-    if iteration is not None:
-        tag: Optional[str] = iteration_tag(iteration)
-    else:
-        tag = read_latest_tag(load_dir)
-    if tag is None:
-        raise ckpt.CheckpointError(f"--load {load_dir} has no DeepSpeed 'latest' file; pass "
-                                   "--iteration N, or is it a Megatron checkpoint (--input-format megatron)?")
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise ckpt.CheckpointError(f"DeepSpeed checkpoint {os.path.join(load_dir, tag)} does not exist")
-    return tag
+def describe_deepspeed(load_dir: str, iteration: Optional[Any] = None) -> List[str]:
+    """Lines describing every .pt file of a DeepSpeed checkpoint: keys, shapes, dtypes."""
+    directory, _ = resolve_iteration(load_dir, iteration)
+    lines: List[str] = []
+    for name in sorted(n for n in os.listdir(directory) if n.endswith(".pt")):
+        lines.append(f"{os.path.relpath(os.path.join(directory, name), load_dir)}:")
+        lines += describe(load_file(os.path.join(directory, name)), 1)
+    return lines
 
 
 def load_file(path: str) -> Dict[str, Any]:
     """One DeepSpeed file, read safely (checksum, weights_only with DeepSpeed's allow-list);
     CheckpointError naming the file when it is damaged or would run code."""
-    from app.checkpointing.deepspeed_files import load_deepspeed_file
     return load_deepspeed_file(path)
 
 
 def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
                    include_optimizer: bool = False) -> ModelCheckpoint:
     """The whole model of a DeepSpeed checkpoint of ours (fp32 masters), any DP and TP size."""
-    tag = resolve_tag(load_dir, iteration)
-    directory = os.path.join(load_dir, tag)
+    directory, _ = resolve_iteration(load_dir, iteration)
     model_files = sorted((mp_rank, name) for name in os.listdir(directory)
                          for mp_rank in [parse_deepspeed_model_file(name)]
                          if mp_rank is not None and parse_zero3_model_file(name) in (None, (0, mp_rank)))
@@ -82,12 +77,14 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
         "exp_avg": {}, "exp_avg_sq": {}}
     steps: Dict[str, torch.Tensor] = {}
     hparams: Dict[str, Dict[str, Any]] = {}
+    group_of = _group_namer(first.get("args"), pp)
     for mp_rank, name in model_files:
         states = first if mp_rank == 0 else load_file(os.path.join(directory, name))
         tp_rank, pp_rank = mp_rank % tp, mp_rank // tp
         optim = _optim_files(directory, mp_rank)
         if optim:
-            weights, moments, step, groups = _consolidate(states, optim, directory, include_optimizer)
+            weights, moments, step, groups = _consolidate(states, optim, directory, include_optimizer,
+                                                          group_of)
             hparams.update(groups)
             steps.update(step)
         elif include_optimizer:
@@ -104,7 +101,6 @@ def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
         first_file = os.path.join(directory, model_files[0][1])
         raise ckpt.CheckpointError(f"{first_file} has no 'args' (not written by pretrain_gpt2.py "
                                    "--deepspeed?): its model shape is unknown")
-    from app.convert.megatron import merge_ranks
     result = ModelCheckpoint(args=argparse.Namespace(**vars(args)),
                              weights=merge_ranks(args, weights_per_rank, tp, pp, "weights"),
                              iteration=int(first.get("iteration", 0)), source_layout=(tp, pp))
@@ -132,14 +128,28 @@ def _optim_files(directory: str, mp_rank: int) -> List[str]:
     return [path for _, path in sorted(found)]
 
 
+def _group_namer(args: Any, pp: int) -> Callable[[str], str]:
+    """name -> the model's own optimizer group holding it (layout.Layout.group_of), the model
+    built from `args` on first use."""
+    built: List[layout.Layout] = []
+
+    def group_of(name: str) -> str:
+        if not built:
+            built.append(layout.Layout.of_args(args, pp))
+        return built[0].group_of(name)
+    return group_of
+
+
 def _consolidate(model_states: Dict[str, Any], optim_paths: List[str], directory: str,
-                 include_optimizer: bool):
-    """Full fp32 weights (and Adam moments) of one TP rank from its DP-partitioned ZeRO files."""
+                 include_optimizer: bool, group_of: Callable[[str], str]):
+    """Full fp32 weights (and Adam moments) of one TP rank from its DP-partitioned ZeRO files;
+    `group_of` names a parameter's optimizer group."""
     progress = Progress(f"reading ZeRO partitions of {os.path.basename(optim_paths[0])}")
     parts = [load_file(p)["optimizer_state_dict"] for p in optim_paths]
     stage = int(parts[0].get("zero_stage", 0))
     if stage == 3:
-        return _consolidate_zero3(model_states, parts, directory, include_optimizer, progress)
+        return _consolidate_zero3(model_states, parts, directory, include_optimizer, progress,
+                                  group_of)
     if stage not in (1, 2):
         raise ckpt.CheckpointError(f"{directory}: ZeRO stage {stage} is not supported (ZeRO-1/2/3)")
     dp = parts[0]["partition_count"]
@@ -172,7 +182,7 @@ def _consolidate(model_states: Dict[str, Any], optim_paths: List[str], directory
             if "param_groups" in base[0]:
                 group = base[0]["param_groups"][g]
                 names = list(group_shapes)
-                group_name = "no_decay" if layout.is_no_weight_decay(names[0]) else "decay"
+                group_name = group_of(names[0])
                 hparams[group_name] = {k: v for k, v in group.items() if k != "params"}
     for t in weights.values():
         progress.add(t)
@@ -181,11 +191,12 @@ def _consolidate(model_states: Dict[str, Any], optim_paths: List[str], directory
 
 
 def _consolidate_zero3(model_states: Dict[str, Any], parts: List[Dict[str, Any]], directory: str,
-                       include_optimizer: bool, progress: Progress):
-    """`_consolidate` for ZeRO-3 files (app.checkpointing.zero3): weights, moments, steps, and
+                       include_optimizer: bool, progress: Progress,
+                       group_of: Callable[[str], str]):
+    """`_consolidate` for ZeRO-3 files (app.checkpoint.zero3): weights, moments, steps, and
     the hyper-parameters of the 'decay' and 'no_decay' groups."""
     merged = merge_zero3(model_states["param_shapes"], parts, directory, include_optimizer)
-    hparams = {("no_decay" if layout.is_no_weight_decay(name) else "decay"): group
+    hparams = {group_of(name): group
                for name, group in merged.hparams.items()}
     for t in merged.weights.values():
         progress.add(t)

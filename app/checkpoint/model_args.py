@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from app.checkpointing import CheckpointError
+from app.checkpoint import CheckpointError
 from app.config import ModelConfig, RunConfig
 from app.utils.dtypes import dtype_name, torch_dtype
 

@@ -1,5 +1,5 @@
 """Read a Megatron-layout checkpoint at any TP/PP into a ModelCheckpoint, and write one at any
-target TP/PP/dtype (the files app.checkpointing.megatron reads and writes; see docs/checkpoints.md).
+target TP/PP/dtype (the files app.checkpoint.megatron reads and writes; see docs/checkpoints.md).
 
 Reading merges every rank's shard of every parameter (and, when present, of its Adam moments)
 into full tensors; writing splits them for the target layout. The padded vocabulary is
@@ -16,35 +16,41 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from app.convert import layout
-from app.convert.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
+from app.checkpoint import layout
+from app.checkpoint.state import (Iteration, ModelCheckpoint, OptimizerState, Progress,
                                cast_weights)
-from app.model.hf_compat import checkpoint_args_blockers
+from app.data import pad_vocab_size
 from app.optim.distributed_optimizer import STATE_TENSORS
 from app.optim.mixed_precision import is_mixed_state
 from app.pipeline.partition import stage_layer_range, stage_of_layer
-from app.checkpointing import megatron as ckpt
-from app.checkpointing import names
-from app.checkpointing.names import (TRACKER_FILENAME, list_checkpoint_iterations, read_tracker,
-                                     write_tracker)
+from app.checkpoint import megatron as ckpt
+from app.checkpoint import names
+from app.checkpoint.names import write_tracker
+from app.checkpoint.state import describe
 from app.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_iteration(load_dir: str, iteration: Optional[Iteration]) -> Iteration:
-    """The iteration to read: `iteration` if given (int or 'release'), else the tracker's."""
-    if iteration is not None:
-        directory = names.checkpoint_dir(load_dir, iteration)
-        if not os.path.isdir(directory):
-            raise ckpt.CheckpointError(f"--iteration {iteration}: {directory} does not exist "
-                                       f"(iterations present: {list_checkpoint_iterations(load_dir)})")
-        return iteration
-    found = read_tracker(load_dir)
+    """The iteration to read (names.resolve_iteration); CheckpointError when `load_dir`'s
+    pointer names a tag that is no iteration (DeepSpeed's global_stepN)."""
+    folder, found = names.resolve_iteration(load_dir, iteration)
     if found is None:
-        raise ckpt.CheckpointError(f"--load {load_dir} has no {TRACKER_FILENAME}; pass "
-                                   "--iteration N (or release) or point --load at a Megatron checkpoint")
+        raise ckpt.CheckpointError(f"{folder} is not an iteration folder of a Megatron-layout "
+                                   "checkpoint; pass --iteration N (or release)")
     return found
+
+
+def describe_megatron(load_dir: str, iteration: Optional[Iteration] = None) -> List[str]:
+    """Lines describing every rank file of a Megatron-layout checkpoint: keys, shapes, dtypes."""
+    iteration = resolve_iteration(load_dir, iteration)
+    (tp, pp), files = read_rank_files(load_dir, iteration)
+    lines = [f"Megatron checkpoint {load_dir}, iteration {iteration}: TP {tp}, PP {pp}"]
+    for (tp_rank, pp_rank), state in sorted(files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(f"rank file (tp {tp_rank}, pp {pp_rank}):")
+        lines += describe(state, 1)
+    return lines
 
 
 def read_rank_files(load_dir: str, iteration: Iteration
@@ -75,12 +81,6 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
     if args is None:
         raise ckpt.CheckpointError(f"{names.checkpoint_dir(load_dir, iteration)} has no 'args': its "
                                    "model shape is unknown, so it cannot be converted")
-    blockers = checkpoint_args_blockers(args)
-    if blockers:
-        raise ckpt.CheckpointError(
-            f"{names.checkpoint_dir(load_dir, iteration)} cannot be converted or resharded: the "
-            "converter maps the GPT-2 parameter layout only, and this model was trained with "
-            + "; ".join(blockers) + ". Load it at the tensor/pipeline layout it was saved with")
     flat = {}
     for key, state in files.items():
         flat[key] = ckpt.from_megatron_model(state["model"])
@@ -127,7 +127,7 @@ def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[s
             if name not in rank_dict:
                 raise ckpt.CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) has no {name!r}")
             shards.append(rank_dict[name])
-        merged[name] = layout.merge_shards(shards, placement.record(name))
+        merged[name] = placement.merge(name, shards)
         progress.add(merged[name])
     known = set(placement.names())
     for (tp_rank, stage), rank_dict in per_rank.items():
@@ -159,7 +159,7 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
         if opt is None:
             raise ckpt.CheckpointError(f"--include-optimizer: {load_dir} (tp {tp_rank}, pp {stage}) "
                                        "has no optimizer state (saved with --no-save-optim?)")
-        index_to_name = _index_names(opt, placement.stage_names(stage),
+        index_to_name = _index_names(opt, placement, placement.stage_names(stage),
                                      f"{load_dir} (tp {tp_rank}, pp {stage})")
         for index, name in index_to_name.items():
             entry = opt["state"].get(index)
@@ -188,10 +188,11 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
     return OptimizerState(per_param=per_param, group_hparams=hparams)
 
 
-def _index_names(opt: Dict[str, Any], names: List[str], where: str) -> Dict[int, str]:
+def _index_names(opt: Dict[str, Any], placement: layout.Layout, names: List[str], where: str
+                 ) -> Dict[int, str]:
     """{optimizer index: parameter name} of one stage from its groups' 'params' lists."""
     saved = opt.get("param_groups", [])
-    groups = layout.optimizer_groups(names, muon=any(g.get("name") == "muon" for g in saved))
+    groups = placement.optimizer_groups(names, muon=any(g.get("name") == "muon" for g in saved))
     mapping: Dict[int, str] = {}
     order = [g["name"] if "name" in g else ("decay", "no_decay")[i] for i, g in enumerate(saved)]
     for group, group_name in zip(saved, order):
@@ -210,7 +211,6 @@ def _index_names(opt: Dict[str, Any], names: List[str], where: str) -> Dict[int,
 def target_padded_vocab(args: argparse.Namespace, rows: int, tp: int) -> int:
     """Padded vocabulary rows for tensor-parallel size `tp` (Megatron's rule when the tokenizer
     size is known; else the current rows, which must divide by `tp`)."""
-    from app.data import pad_vocab_size
     vocab = getattr(args, "vocab_size", None)
     if vocab:
         multiple = int(getattr(args, "make_vocab_size_divisible_by", 128) or 128)
@@ -264,7 +264,7 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
     for stage in range(pp):
         names = placement.stage_names(stage)
         for tp_rank in range(tp):
-            flat = {n: layout.split_tensor(weights[n], placement.record(n), tp)[tp_rank]
+            flat = {n: placement.split(n, weights[n], tp)[tp_rank]
                     for n in names}
             for tensor in flat.values():
                 progress.add(tensor)
@@ -283,12 +283,32 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
     return iteration
 
 
+def write_converted(source: ModelCheckpoint, save_dir: str, opts: Any) -> str:
+    """The converter's write (opts: app.checkpoint.convert.ConvertOptions); returns what was
+    written, in words."""
+    tp, pp = opts.target_tensor_model_parallel_size, opts.target_pipeline_model_parallel_size
+    iteration = opts.iteration
+    if opts.include_optimizer and iteration is None:
+        iteration = source.iteration
+    written = write_megatron(source, save_dir, tp, pp, opts.target_params_dtype, iteration,
+                             opts.include_optimizer)
+    if opts.include_optimizer:
+        logger.info("wrote iteration %s with the optimizer state: --load resumes it with "
+                    "its Adam moments and LR schedule", written)
+    else:
+        logger.info("wrote %s weights only: load it with --load (a release checkpoint) or "
+                    "--finetune; training starts at iteration 0 with a fresh optimizer",
+                    "a release checkpoint of" if written == "release" else f"iteration {written},")
+    return f"Megatron checkpoint (iteration {written}, TP {tp}, PP {pp})"
+
+
 def _optimizer_shard(opt: OptimizerState, placement: layout.Layout, stage: int, tp: int,
                      tp_rank: int, rows: int, vocab_size: Optional[int]) -> Dict[str, Any]:
     """torch.optim state dict of one rank: groups (muon,) decay, no_decay over the stage's
     parameters, as app.optim.get_param_groups builds them, with each parameter's states split
     like its weight."""
-    groups = layout.optimizer_groups(placement.stage_names(stage), muon="muon" in opt.group_hparams)
+    groups = placement.optimizer_groups(placement.stage_names(stage),
+                                        muon="muon" in opt.group_hparams)
     state: Dict[int, Dict[str, torch.Tensor]] = {}
     param_groups = []
     index = 0
@@ -307,7 +327,7 @@ def _optimizer_shard(opt: OptimizerState, placement: layout.Layout, stage: int, 
                 full = entry[kind]
                 if source_name in layout.VOCABULARY:
                     full = layout.resize_vocab(full, rows, vocab_size, f"{kind} of {source_name}")
-                split[kind] = layout.split_tensor(full, placement.record(name), tp)[tp_rank]
+                split[kind] = placement.split(name, full, tp)[tp_rank]
             state[index] = split
             indices.append(index)
             index += 1
@@ -321,9 +341,9 @@ def _mixed_state(adam: Dict[str, Any], full: Dict[str, torch.Tensor], placement:
                  stage: int, tp: int, tp_rank: int, opt: OptimizerState) -> Dict[str, Any]:
     """Megatron's Float16Optimizer layout (what a native fp16/bf16 run saves): AdamW's state,
     the loss scaler's, and the fp32 main weights with their names, per param group."""
-    groups = [g for g in layout.optimizer_groups(placement.stage_names(stage),
+    groups = [g for g in placement.optimizer_groups(placement.stage_names(stage),
                                                  "muon" in opt.group_hparams).values() if g]
-    mains = [[layout.split_tensor(full[n].float(), placement.record(n), tp)[tp_rank] for n in group]
+    mains = [[placement.split(n, full[n].float(), tp)[tp_rank] for n in group]
              for group in groups]
     return {"optimizer": adam, "grad_scaler": opt.grad_scaler, "fp32_from_fp16_params": mains,
             "param_names": groups}

@@ -1,21 +1,21 @@
 """Megatron-LM's `--ckpt-format torch_dist` for our GPT-2: every rank writes its own shards, and
 a checkpoint saved at one TP x PP x DP loads at any other.
 
-The directory of an iteration is Megatron Core's (app.checkpointing.dcp_files has the files):
-the model tensors under Megatron Core's keys and global shapes (app.checkpointing.mcore_names,
+The directory of an iteration is Megatron Core's (app.checkpoint.dcp_files has the files):
+the model tensors under Megatron Core's keys and global shapes (app.checkpoint.mcore_names,
 layers stacked), the optimizer states beside them in model space (`optimizer.state.<state>.<key>`,
 app.optim.model_space), and as ShardedObjects the common state (`common_state`: args,
 iteration, checkpoint_version, opt_param_scheduler, the optimizer's non-tensor part,
 content_metadata), each (pipeline, tensor) rank's RNG states (`rng_state`, a (PP, TP) grid) and
 the layers' empty `_extra_state`s. The tracker and iteration directory names are the legacy
-format's (app.checkpointing.names).
+format's (app.checkpoint.names).
 
 Saving (`save_entries`, `start_save`): each rank turns its local tensors into boxes of the
-global tensors (app.checkpointing.sharding), keeps those it must write (replicas are spread over
+global tensors (app.checkpoint.sharding), keeps those it must write (replicas are spread over
 the data-parallel and, for replicated parameters, tensor-parallel ranks; the distributed
 optimizer's shards are each written by their owner) and writes them in its own file, no rank
 gathering another's tensors; then rank 0 gathers the small per-rank records and writes the
-global metadata. The commit is app.checkpointing.commit's (crash-safe, one tracker, undo on any
+global metadata. The commit is app.checkpoint.commit's (crash-safe, one tracker, undo on any
 failure), with the write step optionally in the background (--async-save).
 
 Loading (`read_rank_state`): each rank reads exactly the boxes of its own local tensors and
@@ -30,10 +30,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from app.checkpointing import (CheckpointError, commit, dcp_files, mcore_names, mcore_state,
+from app.checkpoint import (CheckpointError, commit, dcp_files, mcore_names, mcore_state,
                                sharding)
-from app.checkpointing.dcp_files import Entry, RankFiles
-from app.checkpointing.names import Iteration, checkpoint_dir
+from app.checkpoint.dcp_files import Entry, RankFiles
+from app.checkpoint.names import Iteration, checkpoint_dir
 from app.optim.mixed_precision import check_saved_groups
 from app.optim.model_space import MAIN, ModelSpaceState, ParamState
 
@@ -165,7 +165,7 @@ def start_save(save_dir: str, iteration: Iteration, entries: Sequence[Entry], *,
                capture: Optional[Callable[[], None]] = None) -> commit.PendingSave:
     """Write this rank's `entries` as its `__<rank>_0.distcp` of `iteration`, then (in
     `PendingSave.finish`) gather every rank's record to rank 0, which writes the global
-    metadata, and commit (app.checkpointing.commit; rank 0 writes the tracker). Every rank
+    metadata, and commit (app.checkpoint.commit; rank 0 writes the tracker). Every rank
     calls this. `gather(record)` returns every rank's record on rank 0 (None elsewhere); a
     failed rank sends None, and then nothing is published and the save is undone everywhere."""
     directory = checkpoint_dir(save_dir, iteration)

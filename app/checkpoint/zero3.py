@@ -29,7 +29,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from app.checkpointing import CheckpointError
+from app.checkpoint import CheckpointError
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 """The per-element optimizer states merged (Adam's moments)."""

@@ -32,8 +32,8 @@ import socket
 import threading
 from typing import Any, Callable, List, Optional, Tuple
 
-from app.checkpointing import CheckpointError, names
-from app.checkpointing.files import read_checksums, sha256_file, sidecar_path, write_checksums
+from app.checkpoint import CheckpointError, names
+from app.checkpoint.files import read_checksums, sha256_file, sidecar_path, write_checksums
 from app.launch.distributed import all_ranks_ok
 from app.utils import faults
 from app.utils.fileio import atomic_open
@@ -55,7 +55,7 @@ Returns (path, error) when its own writing failed, None otherwise. Must not rais
 
 def save_stage(name: str) -> None:
     """This rank's save reached stage `name` (one of SAVE_STAGES): the fault-injection point
-    (also for the torch_dist format's rank files, app.checkpointing.dcp_files)."""
+    (also for the torch_dist format's rank files, app.checkpoint.dcp_files)."""
     faults.fire(faults.SAVE_STAGE, name)
 
 

@@ -1,7 +1,7 @@
 """Where every file of a checkpoint lives, what it is called, and the pointer files that name the
 latest one: the only place that spells a checkpoint name (no torch needed).
 
-Megatron-LM's layout (the native engine's; app.checkpointing.megatron holds the file content)::
+Megatron-LM's layout (the native engine's; app.checkpoint.megatron holds the file content)::
 
     {save}/latest_checkpointed_iteration.txt        the tracker: "<iteration>" or "release"
     {save}/iter_{iteration:07d}/mp_rank_{tp:02d}/model_optim_rng.pt             (PP == 1)
@@ -26,10 +26,34 @@ import os
 import re
 from typing import Callable, List, Optional, Tuple, Union
 
-from app.checkpointing import CheckpointError
+from app.checkpoint import CheckpointError
 from app.utils.fileio import atomic_write_bytes
 
 Iteration = Union[int, str]  # an iteration number or "release"
+
+# ---------------------------------------------------------------------------- format names
+
+TORCH = "torch"
+"""Megatron-LM's legacy format (`--ckpt-format torch`): mp_rank_XX[_YYY]/model_optim_rng.pt."""
+TORCH_DIST = "torch_dist"
+"""Megatron Core's distributed checkpoint (`--ckpt-format torch_dist`): PyTorch DCP files."""
+DEEPSPEED = "deepspeed"
+"""DeepSpeed's layout (ZeRO-1/2/3, and ds_to_universal's universal checkpoint)."""
+HF = "hf"
+"""A Hugging Face GPT-2 directory (save_pretrained's config.json and weights)."""
+FORMATS = (TORCH, TORCH_DIST, DEEPSPEED, HF)
+FORMAT_ALIASES = {"megatron": TORCH, "legacy": TORCH, "huggingface": HF}
+"""Older spellings accepted on the command line (`megatron` was the converter's legacy name)."""
+
+
+def canonical_format(name: str, flag: str = "--input-format") -> str:
+    """The canonical name of format `name` (an alias allowed); ValueError naming `flag`."""
+    found = FORMAT_ALIASES.get(name, name)
+    if found not in FORMATS:
+        raise ValueError(f"{flag} {name!r}: use one of {', '.join(FORMATS)} "
+                         f"(or the alias{'es' if len(FORMAT_ALIASES) > 1 else ''} "
+                         f"{', '.join(FORMAT_ALIASES)})")
+    return found
 
 RELEASE = "release"
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -226,6 +250,31 @@ def read_latest_tag(directory: str, file_name: str = LATEST_FILENAME) -> Optiona
     """The tag DeepSpeed's `latest` (or `latest_universal`, by `file_name`) names under
     `directory`, stripped; None when the file does not exist."""
     return _read_pointer(os.path.join(directory, file_name))
+
+
+def resolve_iteration(load_dir: str, iteration: Optional[Iteration] = None
+                      ) -> Tuple[str, Optional[Iteration]]:
+    """(folder, iteration) to read in `load_dir`: `iteration`'s folder when given; else the tag
+    DeepSpeed's `latest` names (its iteration None for a tag like global_step100); else the
+    iteration the tracker names. CheckpointError naming what the folder holds otherwise."""
+    if iteration is not None:
+        folder = checkpoint_dir(load_dir, iteration)
+        if not os.path.isdir(folder):
+            raise CheckpointError(f"--iteration {iteration}: {folder} does not exist (iterations "
+                                  f"present: {list_checkpoint_iterations(load_dir)})")
+        return folder, iteration
+    tag = read_latest_tag(load_dir)
+    if tag and os.path.isdir(os.path.join(load_dir, tag)):
+        return os.path.join(load_dir, tag), RELEASE if tag == RELEASE else tag_iteration(tag)
+    tracked = read_tracker(load_dir)  # CheckpointError when it names a missing folder
+    if tracked is not None:
+        return checkpoint_dir(load_dir, tracked), tracked
+    listing = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
+    raise CheckpointError(
+        f"--load {load_dir} is not a checkpoint: it has no {TRACKER_FILENAME} (Megatron), no "
+        f"'{LATEST_FILENAME}' file naming a tag (DeepSpeed) and no config.json (Hugging Face) "
+        f"(it holds: {', '.join(listing[:6]) or 'nothing'}{' ...' if len(listing) > 6 else ''}); "
+        "point --load at a run's --save directory, or pass --iteration N")
 
 
 def write_latest_tag(directory: str, tag: str) -> None:

@@ -1,0 +1,263 @@
+"""Where each GPT-2 parameter lives in a TP x PP layout, for the converter: no files, no processes.
+
+Names are ours (Megatron's, flat, global layer indices; see docs/architecture.md). What each
+pipeline stage holds, in module order, and the dimension tensor parallelism splits each
+parameter along are not restated here: `Layout` reads them from the model itself
+(`app.model.stage.stage_parameters`, a stage built on the meta device, and the marks its
+parallel layers put on each parameter). Where a TP shard lies in the full tensor is the one
+rule the torch_dist format uses too (`app.checkpoint.sharding.place`): contiguous chunks along
+that dimension (the fused QKV rows are ordered by query group, so a chunk holds whole groups),
+and under grouped-query attention with fewer key/value groups than TP ranks, each rank's query
+rows plus its group's key/value rows, shared by the ranks of that group. Merging places the
+shards back (checking that shared rows agree), so split/merge round trips are exact.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from app.checkpoint import CheckpointError, sharding
+from app.checkpoint.model_args import model_config_from_args
+from app.config import ModelConfig
+from app.config.param_names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD,
+                                    WORD_EMBEDDINGS, layer_param_name, parse_layer)
+from app.model.stage import ParameterRecord, build_model_stage, stage_parameters
+from app.mpu.parallel_state import ParallelState
+from app.optim.param_groups import get_muon_param_groups, get_param_groups
+
+__all__ = ["FINAL_NORM", "OUTPUT_LAYER", "POSITION_EMBEDDINGS", "TIED_HEAD", "VOCABULARY",
+           "WORD_EMBEDDINGS", "Layout", "LayoutError", "layer_param_name", "merge_shards",
+           "parse_layer", "pad_vocabulary", "resize_vocab", "split_tensor"]
+
+VOCABULARY = (WORD_EMBEDDINGS, OUTPUT_LAYER)
+"""The full tensors whose rows are the padded vocabulary (the tied copy is the first's)."""
+
+
+class LayoutError(ValueError):
+    """A parameter name or shape that the GPT-2 layout cannot place; the message names it."""
+
+
+class Layout:
+    """The parameters of one model split over `pipeline_model_parallel_size` stages (no
+    interleaving): each stage's names in module order (= its state_dict and optimizer order)
+    and each parameter's record, as the model built from `config` holds them.
+
+    Stage 0 holds the embeddings, stage s the layers app.pipeline.partition gives it, the last
+    stage the final LayerNorm (and the output layer, or with PP > 1 and tied embeddings the
+    copy `word_embeddings.weight`). Raises LayoutError when the layers do not divide into the
+    stages.
+    """
+
+    def __init__(self, config: ModelConfig, pipeline_model_parallel_size: int) -> None:
+        pp = pipeline_model_parallel_size
+        try:
+            self.stages = [stage_parameters(config, pp, stage) for stage in range(pp)]
+        except ValueError as exc:  # the layers do not divide into the stages
+            raise LayoutError(str(exc)) from exc
+        self._stage_of = {name: stage for stage, records in enumerate(self.stages)
+                          for name in records}
+        self.config = config
+        self._groups: Dict[bool, Dict[str, str]] = {}
+
+    @classmethod
+    def of_args(cls, args: argparse.Namespace, pipeline_model_parallel_size: int,
+                padded_vocab_size: Optional[int] = None) -> "Layout":
+        """The layout of the model a checkpoint's `args` describe, with `padded_vocab_size`
+        rows when given (raises CheckpointError when the args lack the model's shape, or
+        describe the Llama block, whose gated MLP shards this layout does not place yet)."""
+        config = model_config_from_args(args, padded_vocab_size, for_inference=True)
+        if config.llama_features:
+            raise CheckpointError(
+                f"the checkpoint's model uses {', '.join(config.llama_features)}: converting or "
+                "resharding the Llama block is not supported yet; load it at the layout it was "
+                "saved with (same --tensor-model-parallel-size and "
+                "--pipeline-model-parallel-size)")
+        return cls(config, pipeline_model_parallel_size)
+
+    def stage_names(self, stage: int) -> List[str]:
+        """Parameter names of `stage`, in module order."""
+        return list(self.stages[stage])
+
+    def names(self) -> List[str]:
+        """Every stage's names, stage 0 first (with the last stage's tied copy, if any)."""
+        return list(self._stage_of)
+
+    def record(self, name: str) -> ParameterRecord:
+        """The record of `name`; LayoutError for a name this model does not have."""
+        stage = self.stage_of(name)
+        return self.stages[stage][name]
+
+    def replicated_rows(self, name: str, tp: int) -> Optional[Tuple[int, int]]:
+        """(first_row, ranks): the rows [first_row:] of `name`'s TP shard that `ranks` ranks
+        share at tensor-parallel size `tp` (the fused QKV weight and bias under grouped-query
+        attention with fewer key/value groups than ranks, app.model.attention); else None."""
+        groups, heads = self.config.num_kv_heads, self.config.num_attention_heads
+        if groups >= tp or (parse_layer(name) or (0, ""))[1] not in FUSED_QKV:
+            return None
+        return heads // tp * self.config.head_dim, tp // groups
+
+    def split(self, name: str, full: torch.Tensor, tp: int) -> List[torch.Tensor]:
+        """The `tp` shards of parameter `name` (split_tensor with its shared rows)."""
+        return split_tensor(full, self.record(name), tp, self.replicated_rows(name, tp))
+
+    def merge(self, name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full tensor of parameter `name` from its TP shards (merge_shards)."""
+        return merge_shards(shards, self.record(name), self.replicated_rows(name, len(shards)))
+
+    def optimizer_groups(self, names: Sequence[str], muon: bool = False) -> Dict[str, List[str]]:
+        """{group name: the `names` in it, in their order}, groups in the optimizer's order:
+        the model's own groups (app.optim.get_param_groups; with `muon`,
+        get_muon_param_groups), asked of each stage built on the meta device."""
+        if muon not in self._groups:
+            self._groups[muon] = self._model_groups(muon)
+        group_of = self._groups[muon]
+        unknown = [n for n in names if n not in group_of]
+        if unknown:
+            self.stage_of(unknown[0])  # LayoutError naming it
+        order = list(dict.fromkeys(group_of.values()))
+        return {group: [n for n in names if group_of[n] == group] for group in order}
+
+    def group_of(self, name: str) -> str:
+        """The name of the model's own optimizer group (decay or no_decay) holding `name`."""
+        return next(g for g, members in self.optimizer_groups([name]).items() if members)
+
+    def _model_groups(self, muon: bool) -> Dict[str, str]:
+        """{parameter name: its optimizer group's name} over every stage of the model."""
+        pp = len(self.stages)
+        found: Dict[str, str] = {}
+        for stage in range(pp):
+            ps = ParallelState(pipeline_model_parallel_size=pp, pipeline_model_parallel_rank=stage,
+                               pipeline_ranks=list(range(pp)))
+            with torch.device("meta"):
+                module = build_model_stage(self.config, ps)
+            name_of = {id(p): n for n, p in module.named_parameters()}
+            groups = get_muon_param_groups(module, {}) if muon else get_param_groups(module)
+            found.update({name_of[id(p)]: g["name"] for g in groups for p in g["params"]})
+        return found
+
+    def stage_of(self, name: str) -> int:
+        """The pipeline stage holding `name`; LayoutError for a name this model does not have."""
+        if name not in self._stage_of:
+            raise LayoutError(f"parameter {name!r} is not part of this GPT-2 model (expected "
+                              "language_model.embedding.*, language_model.transformer.layers.N.*, "
+                              "language_model.transformer.final_layernorm.*, "
+                              "language_model.output_layer.weight or word_embeddings.weight)")
+        return self._stage_of[name]
+
+
+def _shard_shape(full: Sequence[int], dim: int, tp: int,
+                 replicated_rows: Optional[Tuple[int, int]], name: str) -> Tuple[int, ...]:
+    """The shape of one TP shard of a tensor of shape `full` (see sharding.place)."""
+    full = tuple(int(s) for s in full)
+    if replicated_rows is not None:
+        first_row, ranks = replicated_rows
+        sets = tp // ranks  # groups of ranks, each holding one set of shared rows
+        if full[0] % sets:
+            raise LayoutError(f"{name}: {full[0]} rows do not split into {sets} key/value groups")
+        return (full[0] // sets - (ranks - 1) * first_row,) + full[1:]
+    if full[dim] % tp:
+        raise LayoutError(f"{name}: dimension {dim} of shape {full} is not divisible by the "
+                          f"tensor-parallel size {tp}")
+    return full[:dim] + (full[dim] // tp,) + full[dim + 1:]
+
+
+def _box(start: Sequence[int], size: Sequence[int]) -> Tuple[slice, ...]:
+    return tuple(slice(a, a + n) for a, n in zip(start, size))
+
+
+def _placements(full_shape: Sequence[int], record: ParameterRecord, tp: int,
+                replicated_rows: Optional[Tuple[int, int]]) -> List[sharding.Placement]:
+    """Each TP rank's placement of its shard in the full tensor (sharding.place)."""
+    local = _shard_shape(full_shape, record.partition_dim, tp, replicated_rows, record.name)
+    found = [sharding.place(record.name, local, partition_dim=record.partition_dim, tp_rank=rank,
+                            tp_size=tp, replicated_rows=replicated_rows) for rank in range(tp)]
+    if found[0].global_shape != tuple(full_shape):
+        raise LayoutError(f"{record.name}: shards of {local} place into "
+                          f"{found[0].global_shape}, not the full shape {tuple(full_shape)}")
+    return found
+
+
+def split_tensor(full: torch.Tensor, record: ParameterRecord, tp: int,
+                 replicated_rows: Optional[Tuple[int, int]] = None) -> List[torch.Tensor]:
+    """The `tp` shards of `full` as the TP ranks hold them (replicas when partition_dim is -1):
+    the boxes sharding.place gives, with `replicated_rows` (Layout.replicated_rows) shared."""
+    if record.partition_dim < 0 or tp == 1:
+        return [full] * tp
+    shards = []
+    for placement in _placements(full.shape, record, tp, replicated_rows):
+        local = _shard_shape(full.shape, record.partition_dim, tp, replicated_rows, record.name)
+        shard = full.new_empty(local)
+        for region in placement.regions:
+            shard[_box(region.local_start, region.size)] = \
+                full[_box(region.global_offset, region.size)]
+        shards.append(shard)
+    return shards
+
+
+def merge_shards(shards: Sequence[torch.Tensor], record: ParameterRecord,
+                 replicated_rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Inverse of split_tensor: each shard placed back (sharding.place); replicas and shared
+    rows must agree (LayoutError naming the rank otherwise)."""
+    tp = len(shards)
+    if record.partition_dim < 0 or tp == 1:
+        first = shards[0]
+        for rank, other in enumerate(shards[1:], start=1):
+            if other.shape != first.shape or not torch.equal(other, first):
+                raise LayoutError(f"{record.name} is replicated across tensor-parallel ranks but "
+                                  f"rank {rank}'s copy differs from rank 0's")
+        return first
+    first_row, ranks = replicated_rows or (0, 1)
+    sets = tp // ranks
+    rows = sets * (ranks * first_row + shards[0].shape[0] - first_row) if replicated_rows \
+        else None
+    dim = record.partition_dim
+    shape = list(shards[0].shape)
+    shape[0 if rows else dim] = rows if rows else shape[dim] * tp
+    full = shards[0].new_empty(shape)  # [full rows or columns of the parameter]
+    for rank, placement in enumerate(_placements(shape, record, tp, replicated_rows)):
+        for region in placement.regions:
+            piece = shards[rank][_box(region.local_start, region.size)]
+            target = _box(region.global_offset, region.size)
+            if region.copy_index and not torch.equal(full[target], piece):
+                raise LayoutError(f"{record.name}: tensor-parallel rank {rank}'s copy of the "
+                                  "key/value rows it shares differs from its group's first rank's")
+            full[target] = piece
+    return full
+
+
+FUSED_QKV = ("attention.query_key_value.weight", "attention.query_key_value.bias")
+"""The layer parameters whose key/value rows grouped-query attention may share over TP ranks."""
+
+
+def resize_vocab(tensor: torch.Tensor, rows: int, vocab_size: Optional[int], name: str
+                 ) -> torch.Tensor:
+    """`tensor` [V, ...] with `rows` rows: padding rows appended as zeros, or dropped.
+
+    Only padding rows (index >= vocab_size, the tokenizer's size) may be dropped; a request
+    that would cut real tokens raises LayoutError naming the sizes.
+    """
+    have = tensor.shape[0]
+    if rows == have:
+        return tensor
+    if rows < have:
+        if vocab_size is not None and rows < vocab_size:
+            raise LayoutError(f"{name}: cannot shrink the vocabulary to {rows} rows; the "
+                              f"tokenizer has {vocab_size} tokens")
+        return tensor[:rows].clone()
+    pad = torch.zeros((rows - have,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, pad], dim=0)
+
+
+def pad_vocabulary(weights: Dict[str, torch.Tensor], rows: int, vocab_size: Optional[int]
+                   ) -> Dict[str, torch.Tensor]:
+    """`weights` with each VOCABULARY tensor resized to `rows` (resize_vocab) and, for tied
+    embeddings, the last stage's copy `TIED_HEAD` set to the word embeddings."""
+    out = dict(weights)
+    for name in VOCABULARY:
+        if name in out:
+            out[name] = resize_vocab(out[name], rows, vocab_size, name)
+    if OUTPUT_LAYER not in out:
+        out[TIED_HEAD] = out[WORD_EMBEDDINGS]
+    return out
