@@ -84,6 +84,7 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
         num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
         virtual_pipeline_model_parallel_size=(cfg.virtual_pipeline_model_parallel_size
                                               if p.num_layers_per_virtual_pipeline_stage else None),

@@ -50,7 +50,8 @@ allow_shape_mismatch, so their padding may differ between the saving and the loa
 
 @dataclass(frozen=True)
 class RankLayout:
-    """This rank's place in the TP x PP x DP layout and the model's depth."""
+    """This rank's place in the TP x PP x DP layout and the model's depth (dp: the replicas of
+    the weights, data x context ranks with context parallelism: ParallelState.gradient_state)."""
 
     tp_rank: int
     tp_size: int

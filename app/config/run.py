@@ -149,7 +149,6 @@ class RunConfig:
             (self.deepspeed.enabled, "--deepspeed", True),
             (m.position_embedding_type == "alibi", "--position-embedding-type", "alibi"),
             (self.data.reset_attention_mask, "--reset-attention-mask", True),
-            (self.checkpoint.ckpt_format != "torch", "--ckpt-format", self.checkpoint.ckpt_format),
         ]
         for bad, flag, value in refused:
             if bad:

@@ -2,8 +2,9 @@
 
 - CP2 (2 ranks): p2p (key/value ring) and a2a (all-to-all over heads), with learned positions
   and with RoPE + grouped-query attention, with full and selective recompute, and p2p in bf16
-  (to bf16's round-off); a legacy checkpoint saved at iteration 2 resumes at CP2 bit-exactly,
-  and (in this process) resumes at CP1 continuing the CP2 run's losses.
+  (to bf16's round-off); a legacy checkpoint and a torch_dist one (RoPE + GQA, distributed
+  optimizer sharded over data x context ranks) saved at iteration 2 resume at CP2 bit-exactly,
+  and (in this process) resume at CP1 continuing the CP2 runs' losses.
 - CP2 x DP2 and CP2 x TP2 (4 ranks): p2p and a2a, learned positions and RoPE (+ GQA), the
   TP2 runs with sequence parallelism, one CP2 x DP2 run with the distributed optimizer.
 
@@ -40,6 +41,7 @@ FP32 = dict(curve=1e-5, rtol=1e-4, atol=1e-5)
 CP2, A2A = ["--context-parallel-size", "2"], ["--cp-comm-type", "a2a"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 DIST_OPT = ["--use-distributed-optimizer"]
+TORCH_DIST = ["--ckpt-format", "torch_dist"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1"]  # the ring's shifts rerun in backward
 LAYOUTS_2 = {  # name -> (model, layout flags)
@@ -51,7 +53,11 @@ LAYOUTS_2 = {  # name -> (model, layout flags)
                                                               "selective"]),
     "CP2 a2a rope+gqa2 selective recompute": ("rope+gqa2", CP2 + A2A + [
         "--recompute-granularity", "selective"]),
+    "CP2 p2p rope+gqa2 distributed optimizer torch_dist": ("rope+gqa2",
+                                                           CP2 + DIST_OPT + TORCH_DIST),
 }
+SAVED = {"CP2 p2p learned": ("legacy", []),  # layout -> (folder, flags of the CP1 resume)
+         "CP2 p2p rope+gqa2 distributed optimizer torch_dist": ("torch_dist", TORCH_DIST)}
 LAYOUTS_4 = {
     "CP2xDP2 p2p learned": ("learned", CP2), "CP2xDP2 p2p rope+gqa2": ("rope+gqa2", CP2),
     "CP2xDP2 a2a rope": ("rope", CP2 + A2A),
@@ -93,8 +99,10 @@ def _resume(flags: List[str], world: int, load_dir: str):
 
 
 def _rank(layouts, save_dir: str = ""):
-    """Train every layout; with `save_dir` also save the first one at SAVED_AT and check that
-    it resumes at the same layout bit-exactly."""
+    """Train every layout; with `save_dir` also save the SAVED ones at SAVED_AT (each in its
+    folder) and check that they resume at the same layout bit-exactly."""
+    import os
+
     import torch.distributed as dist
     world, results = dist.get_world_size(), {}
     checks = {}
@@ -102,23 +110,23 @@ def _rank(layouts, save_dir: str = ""):
         def train(name=name, flags=MODELS[model] + layout):
             run = _build(flags, world)
             curve = _train(run, SAVED_AT)
-            if save_dir and not results:
-                run["engine"].save_checkpoint(save_dir, SAVED_AT, dict(
+            if save_dir and name in SAVED:
+                folder = os.path.join(save_dir, SAVED[name][0])
+                run["engine"].save_checkpoint(folder, SAVED_AT, dict(
                     iteration=SAVED_AT, consumed_train_samples=8 * SAVED_AT,
                     consumed_valid_samples=0))
             curve += _train(run, ITERS - SAVED_AT)
             results[name] = (curve, _params(run), run["ps"].tensor_model_parallel_size)
         checks[name] = train
-    if save_dir:
-        first_name, (first_model, first_layout) = next(iter(layouts.items()))
-
-        def resumes_bit_exactly():
-            run, iterator = _resume(MODELS[first_model] + first_layout, world, save_dir)
-            got, want = _train(run, ITERS - SAVED_AT, iterator), results[first_name][0]
+    for saved, (folder, _) in SAVED.items() if save_dir else ():
+        def resumes_bit_exactly(saved=saved, folder=os.path.join(save_dir, folder)):
+            model, layout = layouts[saved]
+            run, iterator = _resume(MODELS[model] + layout, world, folder)
+            got, want = _train(run, ITERS - SAVED_AT, iterator), results[saved][0]
             for i, ((loss, norm), (w_loss, w_norm)) in enumerate(zip(got, want[SAVED_AT:])):
                 expect_close(loss, w_loss, f"resumed loss at {i}", rtol=0.0, atol=0.0)
                 expect_close(norm, w_norm, f"resumed grad norm at {i}", rtol=0.0, atol=0.0)
-        checks["resume at CP2 is bit-exact"] = resumes_bit_exactly
+        checks[f"{saved}: resume at CP2 is bit-exact"] = resumes_bit_exactly
     return run_checks(checks), results
 
 
@@ -154,14 +162,18 @@ def test_cp2_p2p_and_a2a_equal_one_process_and_resume(references, tmp_path):
     save_dir = str(tmp_path / "ck")
     outcomes = run_distributed(_rank, 2, LAYOUTS_2, save_dir, timeout=400)
     _compare(outcomes, LAYOUTS_2, references)
-    # the CP2 checkpoint resumes in one process, continuing the CP2 run
-    first_name, (first_model, _) = next(iter(LAYOUTS_2.items()))
-    run, iterator = _resume(MODELS[first_model], 1, save_dir)
-    got = _train(run, ITERS - SAVED_AT, iterator)
-    want = outcomes[0][1][first_name][0][SAVED_AT:]
-    for (loss, norm), (w_loss, w_norm) in zip(got, want):
-        assert loss == pytest.approx(w_loss, rel=1e-5)
-        assert norm == pytest.approx(w_norm, rel=1e-5)
+    # each CP2 checkpoint resumes in one process, continuing the CP2 run
+    for saved, (folder, flags) in SAVED.items():
+        model, _ = LAYOUTS_2[saved]
+        run, iterator = _resume(MODELS[model] + flags, 1, str(tmp_path / "ck" / folder))
+        got = _train(run, ITERS - SAVED_AT, iterator)
+        want = outcomes[0][1][saved][0][SAVED_AT:]
+        for i, ((loss, norm), (w_loss, w_norm)) in enumerate(zip(got, want)):
+            assert loss == pytest.approx(w_loss, rel=1e-5), f"{saved} at CP1, {i}: loss"
+            assert norm == pytest.approx(w_norm, rel=1e-5), f"{saved} at CP1, {i}: grad norm"
+    args = torch.load(str(tmp_path / "ck" / "legacy" / "iter_0000002" / "mp_rank_00"
+                          / "model_optim_rng.pt"), weights_only=False)["args"]
+    assert args.context_parallel_size == 2  # Megatron's name
 
 
 def test_cp2xdp2_and_cp2xtp2_equal_one_process(references):

@@ -133,7 +133,8 @@ class NativeEngine(Engine):
                                **self._rank_kwargs())
 
     def _layout(self) -> torch_dist.RankLayout:
-        return torch_dist.RankLayout.of(self.ps, self.cfg.model.num_layers)
+        # weights are not split by context: data x context ranks are the replicas
+        return torch_dist.RankLayout.of(self.ps.gradient_state(), self.cfg.model.num_layers)
 
     def _start_torch_dist_save(self, save_dir: str, iteration: int,
                                client_state: Dict[str, Any], asynchronous: bool
