@@ -23,6 +23,7 @@ from typing import Any, Dict, Tuple
 
 from app.inference.sampling import SamplingConfig
 from app.inference.session import GenerationParams, InferenceSession, prompt_too_long
+from app.inference.web_page import PAGE
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,7 @@ def parse_request(body: Any, max_batch: int) -> Tuple[list, GenerationParams]:
 def create_app(session: InferenceSession, max_batch: int = 64,
                max_request_bytes: int = 1 << 20):
     """The Flask application serving `session` at /api (PUT and POST) and its page at /."""
-    from flask import Flask, Response, jsonify, request
-    from app.inference.web_page import PAGE
+    from flask import Flask, Response, jsonify, request  # optional: only the server needs it
     app = Flask("gpt2_text_generation")
     app.config["MAX_CONTENT_LENGTH"] = max_request_bytes
     lock = threading.Lock()

@@ -14,11 +14,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from app.config.inference import InferenceLoadConfig
+from app.data import build_tokenizer
+from app.data.tokenizer import TOKENIZER_MODEL_TYPES
 from app.inference.generation import GenerationResult, StopCheck, beam_search, generate
 from app.inference.runner import PipelineRunner, load_model, saved_layout_of
 from app.inference.sampling import SamplingConfig
 from app.inference.scoring import continuation_logprobs
+from app.launch.distributed import init_distributed, shutdown_distributed, world_group
 from app.mpu import collectives
+from app.mpu.parallel_state import ParallelState, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +78,6 @@ class InferenceSession:
                  merge_file: Optional[str] = None, tensor_model_parallel_size: Optional[int] = None,
                  pipeline_model_parallel_size: Optional[int] = None,
                  use_cache: bool = True) -> None:
-        from app.data import build_tokenizer
-        from app.data.tokenizer import TOKENIZER_MODEL_TYPES
-        from app.mpu.parallel_state import ParallelState, initialize_model_parallel
-        from app.launch.distributed import init_distributed, world_group
         info = init_distributed()
         self.rank, self.device = info.rank, info.device
         tp, pp = resolve_layout(load, info.world_size, tensor_model_parallel_size,
@@ -187,7 +187,6 @@ class InferenceSession:
                 "decode_tokens_per_s": merged.decode_tokens_per_s}
 
     def close(self) -> None:
-        from app.launch.distributed import shutdown_distributed
         shutdown_distributed(graceful=True)
 
 
