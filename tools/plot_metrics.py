@@ -12,14 +12,17 @@ write (megatron/training/training.py): "lm loss", "lm loss validation", "learnin
 "grad-norm", "loss-scale" (the "... vs samples" copies are not used). --label names the runs in
 order: the --metrics-file ones first, then the --tensorboard-dir ones. Prints the PNG's path.
 """
-import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from app.config.cli import parse_config  # noqa: E402
+from app.config.options import option  # noqa: E402
 
 MEGATRON_TAGS = {"lm loss": ("train", "lm_loss"), "lm loss validation": ("valid", "lm_loss"),
                  "learning-rate": ("train", "lr"), "grad-norm": ("train", "grad_norm"),
@@ -30,18 +33,34 @@ PANELS = (("lm_loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"))
 
 
-def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--metrics-file", action="append", default=[],
-                   help="a metrics JSONL written by pretrain_gpt2.py --metrics-file (repeatable)")
-    p.add_argument("--tensorboard-dir", action="append", default=[],
-                   help="a Megatron-LM run's --tensorboard-dir (or one event file; repeatable)")
-    p.add_argument("--label", action="append", default=None,
-                   help="legend label per run, --metrics-file ones first (default: the "
-                        "directory name)")
-    p.add_argument("--output", default="metrics.png", help="PNG to write")
-    p.add_argument("--title", default=None)
-    return p.parse_args(argv)
+@dataclass(kw_only=True)
+class PlotOptions:
+    """What to plot: our metrics files and Megatron-LM's TensorBoard runs, one curve each."""
+
+    metrics_file: List[str] = option(
+        "--metrics-file", nargs="+", action="extend", default_factory=list,
+        help="a metrics JSONL written by pretrain_gpt2.py --metrics-file (repeatable)")
+    tensorboard_dir: List[str] = option(
+        "--tensorboard-dir", nargs="+", action="extend", default_factory=list,
+        help="a Megatron-LM run's --tensorboard-dir (or one event file; repeatable)")
+    label: Optional[List[str]] = option(
+        "--label", nargs="+", action="extend", default=None,
+        help="legend label per run, --metrics-file ones first (default: the directory name)")
+    output: str = option("--output", default="metrics.png", help="PNG to write")
+    title: Optional[str] = option("--title", default=None)
+
+    def __post_init__(self) -> None:
+        runs = len(self.metrics_file) + len(self.tensorboard_dir)
+        if not runs:
+            raise ValueError("give at least one --metrics-file or --tensorboard-dir")
+        if self.label is not None and len(self.label) != runs:
+            raise ValueError(f"{len(self.label)} --label for {runs} runs (--metrics-file and "
+                             "--tensorboard-dir)")
+
+
+def get_args(argv: Optional[List[str]] = None) -> PlotOptions:
+    """PlotOptions from the command line (exit status 2 on a bad one)."""
+    return parse_config(PlotOptions, argv, __doc__.splitlines()[0])
 
 
 def read_rows(path: str) -> List[Dict]:
@@ -128,15 +147,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = get_args(argv)
     sources = [(p, read_rows) for p in a.metrics_file] + \
         [(p, read_tensorboard) for p in a.tensorboard_dir]
-    if not sources:
-        print("error: give at least one --metrics-file or --tensorboard-dir", file=sys.stderr)
-        return 2
     labels = a.label or [os.path.basename(os.path.dirname(os.path.abspath(p))) or p
                          for p, _ in sources]
-    if len(labels) != len(sources):
-        print(f"error: {len(labels)} --label for {len(sources)} runs (--metrics-file and "
-              "--tensorboard-dir)", file=sys.stderr)
-        return 2
     try:
         runs = {}
         for label, (path, read) in zip(labels, sources):

@@ -94,3 +94,16 @@ def test_megatrons_tensorboard_scalars_beside_our_metrics(tmp_path, monkeypatch)
     other = tmp_path / "other"
     SummaryWriter(str(other)).close()
     assert tool.main(["--tensorboard-dir", str(other)]) == 2
+
+
+def test_usage_errors_name_the_flags(tmp_path, capsys):
+    """No run, or a --label count that does not match the runs: usage errors (exit 2)."""
+    tool = load_tool("plot_metrics")
+    ours = _write(tmp_path / "m.jsonl", [{"kind": "train", "iteration": 1, "lm_loss": 5.0}])
+    for argv, said in (([], "give at least one --metrics-file or --tensorboard-dir"),
+                       (["--metrics-file", ours, "--label", "a", "--label", "b"],
+                        "2 --label for 1 runs")):
+        with pytest.raises(SystemExit) as stop:
+            tool.main(argv)
+        assert stop.value.code == 2
+        assert said in capsys.readouterr().err

@@ -25,7 +25,7 @@ OPTIONS = {"generate": "GenerateOptions", "evaluate": "EvaluateOptions",
            "run_text_generation_server": "ServerOptions", "preprocess_data": "PreprocessOptions",
            "train_tokenizer": "TrainTokenizerOptions", "measure_peak_flops": "PeakFlopsOptions",
            "build_stdlib_corpus": "StdlibCorpusOptions", "gpu_report": "GpuReportOptions",
-           "build_kernels": "BuildKernelsOptions"}
+           "build_kernels": "BuildKernelsOptions", "plot_metrics": "PlotOptions"}
 """Each tool (tools/NAME.py) and the class its command line is parsed into."""
 KINDS = {"_StoreAction": argparse._StoreAction, "_StoreTrueAction": argparse._StoreTrueAction,
          "_ExtendAction": argparse._ExtendAction}
