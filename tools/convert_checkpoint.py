@@ -16,7 +16,6 @@ so --load resumes the run at the new layout (a torch_dist output loads at any la
 target sizes do not apply to it). The output is written to a temporary directory and renamed
 to DST at the end. See docs/conversion.md.
 """
-import argparse
 import logging
 import os
 import sys
@@ -25,65 +24,26 @@ from typing import List, Optional
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _iteration(text: str):
-    if text == "release":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--iteration {text!r}: expected a number or 'release'")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--iteration must be >= 0, got {value}")
-    return value
+from app.checkpoint.convert import ConvertOptions  # noqa: E402
+from app.config.cli import parse_config  # noqa: E402
 
 
-def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    from app.checkpoint.convert import INPUT_NAMES, OUTPUT_FORMATS, OUTPUT_NAMES
-    p.add_argument("--input-format", default=None, choices=INPUT_NAMES,
-                   help="the source's format (default: detected from its files; when given, it "
-                        "must agree with them). torch (alias megatron): the legacy mp_rank_XX "
-                        "files (--ckpt-format torch); torch_dist: Megatron Core's PyTorch "
-                        "distributed checkpoint (--ckpt-format torch_dist)")
-    p.add_argument("--output-format", choices=OUTPUT_NAMES,
-                   default="torch", help=f"one of {', '.join(OUTPUT_FORMATS)} (megatron: "
-                   "an alias of torch)")
-    p.add_argument("--load", required=True, help="source: checkpoint directory (--save of the run) "
-                   "or a Hugging Face save_pretrained directory")
-    p.add_argument("--save", help="target directory (must not exist or be empty)")
-    p.add_argument("--iteration", type=_iteration, default=None,
-                   help="source iteration (default: the latest); for torch output also the "
-                        "iteration written (default: release)")
-    p.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--target-params-dtype", choices=["fp32", "fp16", "bf16"], default=None,
-                   help="dtype of the written weights (default: the source's)")
-    p.add_argument("--include-optimizer", action="store_true",
-                   help="also carry the optimizer state, LR schedule and RNG states (torch "
-                        "or torch_dist output)")
-    p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (hf output)")
-    p.add_argument("--vocab-file", help="GPT-2 vocab.json copied into the hf output")
-    p.add_argument("--merge-file", help="GPT-2 merges.txt copied into the hf output")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="Megatron's vocabulary padding multiple for hf input (default 128)")
-    p.add_argument("--metrics-file", default=None,
-                   help="hf output: the run's --metrics-file JSONL; the model card (README.md) "
-                        "reports its last validation loss")
-    p.add_argument("--print-checkpoint-structure", action="store_true",
-                   help="print every key, shape and dtype of the source (and convert too if --save)")
-    return p.parse_args(argv)
+def get_options(argv: Optional[List[str]] = None) -> ConvertOptions:
+    """The command line as ConvertOptions; a bad flag is a usage error (exit status 2)."""
+    return parse_config(ConvertOptions, argv, __doc__.split("\n")[0])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[convert] %(message)s", stream=sys.stderr)
-    a = get_args(argv)
-    from app.checkpoint.convert import ConvertOptions, convert, print_structure
+    from app.checkpoint.convert import convert, print_structure
     from app.checkpoint.hf_gpt2 import HFConversionError
     from app.checkpoint.layout import LayoutError
     from app.checkpoint.megatron import CheckpointError
     try:
-        opts = ConvertOptions(**{k: v for k, v in vars(a).items()})
+        opts = get_options(argv)
+    except SystemExit as stop:  # a usage error (reported) or --help: main returns the status
+        return stop.code
+    try:
         if opts.print_checkpoint_structure:
             print("\n".join(print_structure(opts)))
             if not opts.save:

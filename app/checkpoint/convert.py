@@ -7,15 +7,17 @@ tools/convert_checkpoint.py runs. See docs/conversion.md.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import ClassVar, List, Optional, Tuple
 
 from app.checkpoint import formats
 from app.checkpoint.names import FORMAT_ALIASES, canonical_format
 from app.checkpoint.state import ModelCheckpoint, OptimizerState, staged_directory
+from app.config.options import option
 
 logger = logging.getLogger(__name__)
 
@@ -30,29 +32,74 @@ __all__ = ["ConvertOptions", "ModelCheckpoint", "OptimizerState", "convert", "re
            "print_structure"]
 
 
-@dataclass
-class ConvertOptions:
-    """What tools/convert_checkpoint.py was asked to do (its flags, validated)."""
+def _iteration(text: str) -> object:
+    """--iteration's value: a number >= 0 or 'release' (argparse's type for the flag)."""
+    if text == "release":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--iteration {text!r}: expected a number or 'release'")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--iteration must be >= 0, got {value}")
+    return value
 
-    load: str
-    input_format: Optional[str] = None
+
+@dataclass(kw_only=True)
+class ConvertOptions:
+    """tools/convert_checkpoint.py's command line (its flags, validated)."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("conversion", "the source, the target and what "
+                                             "is carried")
+
+    input_format: Optional[str] = option(
+        "--input-format", default=None, choices=INPUT_NAMES,
+        help="the source's format (default: detected from its files; when given, it must agree "
+             "with them). torch (alias megatron): the legacy mp_rank_XX files (--ckpt-format "
+             "torch); torch_dist: Megatron Core's PyTorch distributed checkpoint (--ckpt-format "
+             "torch_dist)")
     """A name of app.checkpoint.formats (or an alias: megatron = torch); None: detected from the
     files in `load`."""
-    output_format: str = "torch"
-    save: Optional[str] = None
-    iteration: Optional[object] = None
+    output_format: str = option("--output-format", default="torch", choices=OUTPUT_NAMES,
+                                help=f"one of {', '.join(OUTPUT_FORMATS)} (megatron: an alias "
+                                     "of torch)")
+    load: str = option("--load", required=True,
+                       help="source: checkpoint directory (--save of the run) or a Hugging Face "
+                            "save_pretrained directory")
+    save: Optional[str] = option("--save", default=None,
+                                 help="target directory (must not exist or be empty)")
+    iteration: Optional[object] = option(
+        "--iteration", default=None, parse=_iteration,
+        help="source iteration (default: the latest); for torch output also the iteration "
+             "written (default: release)")
     """Source iteration to read (int or 'release'); for Megatron output also the one written."""
-    target_tensor_model_parallel_size: int = 1
-    target_pipeline_model_parallel_size: int = 1
-    target_params_dtype: Optional[str] = None
-    include_optimizer: bool = False
-    max_shard_size: str = "2GB"
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    make_vocab_size_divisible_by: int = 128
-    print_checkpoint_structure: bool = False
-    metrics_file: Optional[str] = None
-    """The run's --metrics-file JSONL: the hf output's model card reports its last validation loss."""
+    target_tensor_model_parallel_size: int = option("--target-tensor-model-parallel-size",
+                                                    default=1)
+    target_pipeline_model_parallel_size: int = option("--target-pipeline-model-parallel-size",
+                                                      default=1)
+    target_params_dtype: Optional[str] = option(
+        "--target-params-dtype", default=None, choices=DTYPES,
+        help="dtype of the written weights (default: the source's)")
+    include_optimizer: bool = option(
+        "--include-optimizer", default=False,
+        help="also carry the optimizer state, LR schedule and RNG states (torch or torch_dist "
+             "output)")
+    max_shard_size: str = option("--max-shard-size", default="2GB",
+                                 help="largest safetensors file (hf output)")
+    vocab_file: Optional[str] = option("--vocab-file", default=None,
+                                       help="GPT-2 vocab.json copied into the hf output")
+    merge_file: Optional[str] = option("--merge-file", default=None,
+                                       help="GPT-2 merges.txt copied into the hf output")
+    make_vocab_size_divisible_by: int = option(
+        "--make-vocab-size-divisible-by", default=128,
+        help="Megatron's vocabulary padding multiple for hf input (default 128)")
+    metrics_file: Optional[str] = option(
+        "--metrics-file", default=None,
+        help="hf output: the run's --metrics-file JSONL; the model card (README.md) reports its "
+             "last validation loss")
+    print_checkpoint_structure: bool = option(
+        "--print-checkpoint-structure", default=False,
+        help="print every key, shape and dtype of the source (and convert too if --save)")
 
     def __post_init__(self) -> None:
         self.output_format = canonical_format(self.output_format, "--output-format")

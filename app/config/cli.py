@@ -43,7 +43,7 @@ def add_option(group: Any, opt: Option) -> None:
         kwargs["action"] = (argparse.BooleanOptionalAction if action == "boolean_optional"
                             else action)
     else:
-        kwargs.update(type=opt.scalar_type, choices=flag.choices, nargs=flag.nargs,
+        kwargs.update(type=flag.parse or opt.scalar_type, choices=flag.choices, nargs=flag.nargs,
                       metavar=flag.metavar)
         if flag.action:
             kwargs["action"] = flag.action

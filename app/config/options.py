@@ -22,6 +22,8 @@ Rules of the mapping (pure, no argparse here):
   (--global-batch-size) and passes it to `from_flags` as an override;
 - the argparse group is the class's `FLAG_GROUP` (title, description) unless `group=` names
   another title;
+- `parse=f` reads the flag's text with `f` instead of the field's type (a value of several types:
+  --iteration takes a number or 'release'); f raises argparse.ArgumentTypeError with its message;
 - `required=True` makes argparse itself demand the flag (a tool's --load; the field then has no
   default); a list field may collect repeated flags with `action="extend"`.
 Values that are derived from several flags or from the DeepSpeed JSON are passed to
@@ -54,6 +56,8 @@ class Flag:
     """argparse's nargs: '*', '+', '?' or a count."""
     metavar: Any = None
     """argparse's metavar: a name, or a tuple of names for a counted nargs."""
+    parse: Any = None
+    """argparse's type when the field's type cannot read the text (an int or 'release')."""
     group: Optional[str] = None
     dest_name: Optional[str] = None
     flag_default: Any = None
@@ -80,7 +84,7 @@ def option(*spellings: str, default: Any = MISSING, default_factory: Any = MISSI
            action: Optional[str] = None, nargs: Any = None,
            metavar: Any = None, group: Optional[str] = None,
            dest: Optional[str] = None, flag_default: Any = MISSING,
-           required: bool = False) -> Any:
+           required: bool = False, parse: Any = None) -> Any:
     """A dataclass field that is also the command-line option `spellings[0]` (aliases after it).
 
     `default` / `default_factory` are the field's (and the flag's) default; leave both out for a
@@ -95,7 +99,7 @@ def option(*spellings: str, default: Any = MISSING, default_factory: Any = MISSI
         raise ValueError(f"option {spellings[0]}: a required flag has no default")
     flag = Flag(spellings=tuple(spellings), help=help,
                 choices=None if choices is None else tuple(choices), action=action, nargs=nargs,
-                metavar=metavar, group=group, dest_name=dest,
+                metavar=metavar, parse=parse, group=group, dest_name=dest,
                 flag_default=None if flag_default is MISSING else flag_default,
                 has_flag_default=flag_default is not MISSING, required=required)
     return dataclasses.field(default=default, default_factory=default_factory,

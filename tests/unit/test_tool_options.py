@@ -25,7 +25,8 @@ OPTIONS = {"generate": "GenerateOptions", "evaluate": "EvaluateOptions",
            "run_text_generation_server": "ServerOptions", "preprocess_data": "PreprocessOptions",
            "train_tokenizer": "TrainTokenizerOptions", "measure_peak_flops": "PeakFlopsOptions",
            "build_stdlib_corpus": "StdlibCorpusOptions", "gpu_report": "GpuReportOptions",
-           "build_kernels": "BuildKernelsOptions", "plot_metrics": "PlotOptions"}
+           "build_kernels": "BuildKernelsOptions", "plot_metrics": "PlotOptions",
+           "convert_checkpoint": "ConvertOptions"}
 """Each tool (tools/NAME.py) and the class its command line is parsed into."""
 KINDS = {"_StoreAction": argparse._StoreAction, "_StoreTrueAction": argparse._StoreTrueAction,
          "_ExtendAction": argparse._ExtendAction}
@@ -131,6 +132,15 @@ def test_evaluate_and_server_command_lines_parse_to_the_old_values(tmp_path):
     ("build_stdlib_corpus", ["--output", "o", "--stdlib-dir", "no-such-dir"],
      "--stdlib-dir 'no-such-dir' is not a directory"),
     ("gpu_report", ["--out", "o", "--mode", "tpu"], "--mode: invalid choice"),
+    ("convert_checkpoint", ["--load", "ck", "--iteration", "last"],
+     "--iteration 'last': expected a number or 'release'"),
+    ("convert_checkpoint", ["--load", "ck", "--iteration", "-1"], "--iteration must be >= 0, got -1"),
+    ("convert_checkpoint", ["--load", "ck", "--output-format", "deepspeed"],
+     "--output-format: invalid choice"),
+    ("convert_checkpoint", ["--load", "ck", "--save", "o", "--target-pipeline-model-parallel-size",
+                            "0"], "--target-pipeline-model-parallel-size must be >= 1, got 0"),
+    ("convert_checkpoint", ["--load", "ck"],
+     "--save DIR is required (unless --print-checkpoint-structure)"),
 ])
 def test_bad_command_lines_are_usage_errors(tool, argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
