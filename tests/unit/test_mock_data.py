@@ -92,3 +92,22 @@ def test_dry_run_reports_the_mock_samples_and_no_file(capsys):
             "[0, 33333) (ids counting up modulo 100) in the order of seed 1234; no data files "
             "read") in text
     assert "12 valid samples" in text and "4 test samples" in text
+
+
+def test_mock_order_record_refuses_the_old_mock_order_and_sees_epochs():
+    from app.training.pretrain import mock_order_record
+    from app.training.resilience.data_order import order_changes
+    cfg = arguments.config_from_argv(TINY + ["--mock-data", "--vocab-size", "100"], 1, 100)
+    record = mock_order_record(cfg, build_mock_datasets((20, 12, 4), 16, 100, seed=1234))
+    part = record["splits"]["train"]["parts"][0]
+    assert (part["documents"], part["epochs"], part["separate_last_epoch"]) == ([0, 33333], 1,
+                                                                                False)
+    assert part["tokens"] == int(MockDocuments(100, 99).sizes[:33333].sum())
+    old = {"mock_data": True, "seed": 1234, "seq_length": 16, "splits": {}}  # before version 2
+    changes, _ = order_changes(old, record, {"train": 8})
+    assert len(changes) == 1 and "data-order rules, version 1 -> 2" in changes[0]
+    # more samples than one epoch of the train third holds: another order
+    many = mock_order_record(cfg, build_mock_datasets((part["tokens"] // 16 + 1, 0, 0), 16, 100,
+                                                      seed=1234))
+    changes, _ = order_changes(record, many, {"train": 8})
+    assert any("epochs 1 -> 2" in c for c in changes), changes
