@@ -27,9 +27,9 @@ class DataConfig:
         help="a dataset prefix, or weight prefix pairs: 0.7 a 0.3 b")
     mock_data: bool = option(
         "--mock-data", default=False,
-        help="no data files: token ids drawn uniformly from the vocabulary by --seed, for "
-             "throughput runs and checks (Megatron's flag; app.data.mock_dataset); instead of "
-             "--data-path")
+        help="no data files: Megatron Core's mock documents (ids counting up) in its order for "
+             "--seed, for throughput runs and checks (Megatron's flag; app.data.mock_dataset); "
+             "instead of --data-path")
     split: str = option("--split", default=DEFAULT_SPLIT)
     train_data_path: List[str] = option(
         "--train-data-path", default_factory=list, nargs="*",

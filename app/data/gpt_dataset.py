@@ -137,20 +137,27 @@ class GPTDataset:
         return int(self.shuffle_idx.shape[0])
 
     def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
-        i = int(self.shuffle_idx[idx])
-        (p0, o0), (p1, o1) = self.sample_idx[i:i + 2].tolist()
-        docs = self.doc_idx[p0:p1 + 1]
-        starts, lengths = self._seq_start[docs].tolist(), self._seq_length[docs].tolist()
-        tokens = self.indexed.tokens
-        text = np.empty(self.seq_length + 1, dtype=np.int64)
-        filled = 0
-        for k, (base, length) in enumerate(zip(starts, lengths)):
-            lo = o0 if k == 0 else 0
-            hi = o1 + 1 if k == len(starts) - 1 else length
-            text[filled:filled + hi - lo] = tokens[base + lo:base + hi]
-            filled += hi - lo
-        assert filled == self.seq_length + 1, (filled, self.seq_length)
-        return {"text": text}
+        tokens, starts = self.indexed.tokens, self._seq_start
+        return {"text": sample_tokens(
+            self, idx, lambda doc, lo, hi: tokens[starts[doc] + lo:starts[doc] + hi])}
+
+
+def sample_tokens(indices, idx: int, read: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
+    """Sample `idx` (int64 [seq_length + 1]) of `indices`, which has Megatron's `doc_idx`,
+    `sample_idx`, `shuffle_idx` (app.data.index_builder), `seq_length` and the documents'
+    lengths `_seq_length`; `read(doc, lo, hi)` gives tokens [lo, hi) of document `doc`."""
+    i = int(indices.shuffle_idx[idx])
+    (p0, o0), (p1, o1) = indices.sample_idx[i:i + 2].tolist()
+    docs = indices.doc_idx[p0:p1 + 1].tolist()
+    text = np.empty(indices.seq_length + 1, dtype=np.int64)  # [seq_length + 1]
+    filled = 0
+    for k, doc in enumerate(docs):
+        lo = o0 if k == 0 else 0
+        hi = o1 + 1 if k == len(docs) - 1 else int(indices._seq_length[doc])
+        text[filled:filled + hi - lo] = read(doc, lo, hi)
+        filled += hi - lo
+    assert filled == indices.seq_length + 1, (filled, indices.seq_length)
+    return text
 
 
 def _split_dataset(plan: SplitPlan, data: DataPlan, seed: int, cache_path: Optional[str],

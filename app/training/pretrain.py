@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 from app.config import RunConfig, samples_per_split
 from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
-from app.data.plan import DataPlan, order_record, plan_datasets
+from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
 from app.mpu import collectives
 from app.checkpoint.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
@@ -78,19 +78,23 @@ def _datasets(cfg: RunConfig, plan: DataPlan, rank: int) -> tuple:
                           barrier=lambda: collectives.barrier(world_group()))
 
 
-def _mock_datasets(cfg: RunConfig) -> tuple:
-    """--mock-data: synthetic (train, valid, test) datasets of the sizes the run reads."""
+def _mock_datasets(cfg: RunConfig, eod: int) -> tuple:
+    """--mock-data: Megatron's mock (train, valid, test) datasets of the sizes the run reads,
+    documents ending in the tokenizer's `eod`."""
     datasets = build_mock_datasets(samples_per_split(cfg), cfg.model.seq_length,
-                                   cfg.raw_vocab_size, cfg.training.seed)
+                                   cfg.raw_vocab_size, cfg.training.seed, eod)
     logger.info("--mock-data: %s", "; ".join(d.describe() for d in datasets if d))
     return datasets
 
 
-def mock_order_record(cfg: RunConfig) -> Dict[str, Any]:
-    """The data-order record of a --mock-data run: its samples follow from the seed and the
-    sequence length alone (app.data.mock_dataset)."""
-    return {"mock_data": True, "seed": cfg.training.seed, "seq_length": cfg.model.seq_length,
-            "splits": {}}
+def mock_order_record(cfg: RunConfig, datasets: Sequence) -> Dict[str, Any]:
+    """The data-order record of a --mock-data run over its (train, valid, test) `datasets`:
+    Megatron's mock documents in Megatron Core's order (ORDER_VERSION), decided by the seed,
+    the sequence length and each split's epochs (--split does not apply: Megatron divides
+    them in thirds; app.data.mock_dataset)."""
+    return {"version": ORDER_VERSION, "mock_data": True, "seed": cfg.training.seed,
+            "seq_length": cfg.model.seq_length,
+            "splits": {d.split: d.order_entry() for d in datasets[:2] if d is not None}}
 
 
 def _start_checks(cfg: RunConfig, info: DistributedInfo
@@ -226,12 +230,13 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
             on_expire=lock.release if lock is not None else None))
         run = build_run(cfg, info.world_size, info.device)
         plan = None if cfg.data.mock_data else data_plan(cfg)
-        order = (mock_order_record(cfg) if plan is None
+        mock = _mock_datasets(cfg, tokenizer.eod) if plan is None else None
+        order = (mock_order_record(cfg, mock) if plan is None
                  else order_record(plan, cfg.training.seed))
         state = _load(cfg, run, decision, info.device, order)
         log_launch_notes(info, state.iteration if decision.load is not None else None)
         handler = _signal_handler(cfg)
-        datasets = _mock_datasets(cfg) if plan is None else _datasets(cfg, plan, info.rank)
+        datasets = mock if plan is None else _datasets(cfg, plan, info.rank)
         trainer = run.attach_trainer(datasets, tokenizer.eod, state,
                                      loss_function=loss_function, signals=handler,
                                      watchdog=watchdog)

@@ -160,3 +160,24 @@ def test_dataset_smaller_than_one_global_batch(corpora, tmp_path, dp):
     assert ours[1] is None and ours[2] is None
     _check_split(ours[0], theirs[0], sizes[0])
     _check_sampler(ours[0], theirs[0], consumed=32, gbs=32, mbs=4, dp=dp)
+
+
+def test_mock_data_is_megatrons_mock_dataset():
+    """--mock-data: our train/valid/test samples are megatron-core's MockGPTDataset's (built by
+    BlendedMegatronDatasetBuilder with no blend, so mock; documents past VOCAB tokens wrap)."""
+    from app.data.mock_dataset import build_mock_datasets
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+    sizes = (40, 12, 8)
+    config = GPTDatasetConfig(
+        random_seed=SEED, sequence_length=SEQ, blend=None, split="969,30,1",
+        tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = mcore_builder.BlendedMegatronDatasetBuilder(
+            MockGPTDataset, list(sizes), lambda: True, config).build()
+    ours = build_mock_datasets(sizes, SEQ, VOCAB, SEED)
+    for our, their, count in zip(ours, theirs, sizes):
+        assert len(our) == len(their)
+        _check_split(our, their, count)
+    _check_sampler(ours[0], theirs[0], consumed=8, gbs=8, mbs=2, dp=2)

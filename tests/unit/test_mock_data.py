@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import arguments
-from app.data import MockGPTDataset, NullTokenizer, build_mock_datasets, build_tokenizer
+from app.data import NullTokenizer, build_mock_datasets, build_tokenizer
+from app.data.mock_dataset import MockDocuments
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -12,46 +13,50 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--eval-iters", "1", "--distributed-backend", "gloo"]
 
 
-def test_samples_depend_only_on_seed_split_and_index():
-    a = MockGPTDataset(50, 31, 97, seed=7)
-    b = MockGPTDataset(50, 31, 97, seed=7)
-    backwards = [b[i]["text"] for i in reversed(range(50))][::-1]  # read in another order
-    for i in range(50):
-        sample = a[i]["text"]
-        assert sample.dtype == np.int64 and sample.shape == (32,)
-        np.testing.assert_array_equal(sample, backwards[i])
-    other_seed = MockGPTDataset(50, 31, 97, seed=8)[3]["text"]
-    valid = MockGPTDataset(50, 31, 97, seed=7, split="valid")[3]["text"]
-    assert not np.array_equal(a[3]["text"], other_seed)
-    assert not np.array_equal(a[3]["text"], valid)
-    assert not np.array_equal(a[3]["text"], a[4]["text"])
+def test_mock_documents_are_megatrons():
+    # Megatron's MockGPTLowLevelDataset: 100,000 lengths from default_rng(0) in [1, 4096),
+    # document of length L = 1 .. L - 1 modulo the vocabulary, then the end of document
+    docs = MockDocuments(vocab_size=10, eod=9)
+    assert len(docs) == 100_000 and docs.sizes.dtype == np.int32
+    np.testing.assert_array_equal(
+        docs.sizes, np.random.default_rng(0).integers(1, 4096, 100_000, dtype=np.int32))
+    length = int(docs.sizes[0])
+    whole = docs.read(0, 0, length)
+    assert whole[-1] == 9 and whole.dtype == np.int64
+    np.testing.assert_array_equal(whole[:12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2])
+    np.testing.assert_array_equal(docs.read(0, 5, 8), whole[5:8])
+
+
+def test_samples_are_consecutive_document_tokens_and_depend_on_seed():
+    train, _, test = build_mock_datasets((12, 0, 3), 31, 97, seed=7)
+    sample = train[0]["text"]
+    assert sample.dtype == np.int64 and sample.shape == (32,)
+    # inside a document each id is the previous one + 1 modulo 97, or the end of document (96)
+    step = (sample[1:] - sample[:-1]) % 97
+    assert np.all((step == 1) | (sample[1:] == 96) | (sample[:-1] == 96))
+    other_seed = build_mock_datasets((12, 0, 0), 31, 97, seed=8)[0]
+    assert not np.array_equal(sample, other_seed[0]["text"])
+    assert not np.array_equal(sample, test[0]["text"])
     with pytest.raises(IndexError, match="out of range"):
-        a[50]
-
-
-def test_ids_are_uniform_over_the_whole_vocabulary():
-    vocab = 50
-    tokens = np.concatenate([s["text"] for s in MockGPTDataset(400, 99, vocab, seed=1)])
-    assert tokens.min() == 0 and tokens.max() == vocab - 1
-    counts = np.bincount(tokens, minlength=vocab)  # 40,000 draws, 800 expected per id
-    chi2 = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
-    assert chi2 < 100, chi2  # 49 degrees of freedom: p < 1e-4 above ~95
+        train[len(train)]
 
 
 def test_a_dataloader_worker_serves_the_same_samples():
-    data = MockGPTDataset(8, 15, 64, seed=3)
+    data = build_mock_datasets((8, 0, 0), 15, 64, seed=3)[0]
     loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=1)
-    got = torch.cat([batch["text"] for batch in loader])
+    got = torch.cat([batch["text"] for batch, _ in zip(loader, range(2))])
     want = np.stack([data[i]["text"] for i in range(8)])
     np.testing.assert_array_equal(got.numpy(), want)
 
 
 def test_build_mock_datasets_sizes_each_split_and_skips_empty_ones():
     train, valid, test = build_mock_datasets((12, 0, 3), 16, 100, seed=5)
-    assert (len(train), valid, len(test)) == (12, None, 3)
-    assert (train.split, test.split) == ("train", "test")
+    assert valid is None and (train.split, test.split) == ("train", "test")
+    assert (train.num_samples, test.num_samples) == (12, 3) and len(train) >= 12
+    # Megatron's thirds of the documents, whatever --split says
+    assert (train.documents, test.documents) == ((0, 33333), (66667, 100000))
     with pytest.raises(ValueError, match="vocab_size must be positive"):
-        MockGPTDataset(4, 16, 0, seed=1)
+        MockDocuments(0, 0)
 
 
 def test_null_tokenizer_and_when_vocab_size_selects_it(tmp_path):
@@ -83,6 +88,26 @@ def test_dry_run_reports_the_mock_samples_and_no_file(capsys):
     assert not report.errors, text
     assert "NullTokenizer: vocabulary 100, end-of-document id 99" in text
     # 5 iterations x 4 samples; 2 evaluations (at 2 and 4) + the last x 1 batch of 4
-    assert ("--mock-data: 20 train samples of 17 token ids drawn uniformly from [0, 100) by "
-            "seed 1234; no data files read") in text
+    assert ("--mock-data: 20 train samples of 17 token ids from Megatron's mock documents "
+            "[0, 33333) (ids counting up modulo 100) in the order of seed 1234; no data files "
+            "read") in text
     assert "12 valid samples" in text and "4 test samples" in text
+
+
+def test_mock_order_record_refuses_the_old_mock_order_and_sees_epochs():
+    from app.training.pretrain import mock_order_record
+    from app.training.resilience.data_order import order_changes
+    cfg = arguments.config_from_argv(TINY + ["--mock-data", "--vocab-size", "100"], 1, 100)
+    record = mock_order_record(cfg, build_mock_datasets((20, 12, 4), 16, 100, seed=1234))
+    part = record["splits"]["train"]["parts"][0]
+    assert (part["documents"], part["epochs"], part["separate_last_epoch"]) == ([0, 33333], 1,
+                                                                                False)
+    assert part["tokens"] == int(MockDocuments(100, 99).sizes[:33333].sum())
+    old = {"mock_data": True, "seed": 1234, "seq_length": 16, "splits": {}}  # before version 2
+    changes, _ = order_changes(old, record, {"train": 8})
+    assert len(changes) == 1 and "data-order rules, version 1 -> 2" in changes[0]
+    # more samples than one epoch of the train third holds: another order
+    many = mock_order_record(cfg, build_mock_datasets((part["tokens"] // 16 + 1, 0, 0), 16, 100,
+                                                      seed=1234))
+    changes, _ = order_changes(record, many, {"train": 8})
+    assert any("epochs 1 -> 2" in c for c in changes), changes
