@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from app.checkpoint import CheckpointError, dcp_files, names
+from app.checkpoint import CheckpointError, layouts, names
 from app.checkpoint import deepspeed_whole, hf_gpt2, megatron_whole, torch_dist_whole
 from app.checkpoint.names import DEEPSPEED, HF, TORCH, TORCH_DIST, canonical_format
 from app.checkpoint.state import ModelCheckpoint
@@ -95,13 +95,10 @@ def detect_format(load: str, iteration: Optional[names.Iteration] = None) -> str
     if os.path.isfile(os.path.join(load, "config.json")):
         return HF
     folder, _ = names.resolve_iteration(load, iteration)
+    saved = layouts.inspect_directory(folder)  # the one file-name rule, shared with the engines
+    if saved is not None:
+        return saved.format
     entries = os.listdir(folder)
-    if dcp_files.is_dcp_checkpoint(folder):
-        return TORCH_DIST
-    if any(names.parse_deepspeed_model_file(name) is not None for name in entries):
-        return DEEPSPEED
-    if any(names.parse_rank_dir(name) is not None for name in entries):
-        return TORCH
     raise CheckpointError(
         f"{folder} holds neither DeepSpeed's mp_rank_XX_model_states.pt, Megatron's "
         f"mp_rank_XX/model_optim_rng.pt nor a torch_dist checkpoint's metadata (it holds: "
