@@ -112,3 +112,21 @@ inline int element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2;
     }                                                                    \
     return cudaErrorInvalidValue;                                        \
   }()
+
+namespace app_kernels {
+namespace detail {
+
+// Calls f(T{}, W{}) with T the CUDA type of `dtype` and W that of `param_dtype` (T itself, or
+// float for fp32 parameters); cudaErrorInvalidValue for any other pairing. The norms use it.
+template <typename F>
+cudaError_t dispatch_types(DType dtype, DType param_dtype, F&& f) {
+  if (param_dtype != DType::kFloat32 && param_dtype != dtype) return cudaErrorInvalidValue;
+  const bool fp32_params = param_dtype == DType::kFloat32;
+  return APP_DISPATCH_DTYPE(dtype, scalar_t, [&] {
+    if (fp32_params) return f(scalar_t{}, float{});
+    return f(scalar_t{}, scalar_t{});
+  });
+}
+
+}  // namespace detail
+}  // namespace app_kernels

@@ -13,6 +13,7 @@ namespace app_kernels {
 namespace {
 
 using detail::SumOp;
+using detail::dispatch_types;
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxPartials = 1024;  // warps of the backward: rows are dealt out among them
@@ -323,17 +324,6 @@ cudaError_t run_layer_norm(const LayerNormLaunch<T, W>& l, bool vec, bool backwa
     return dispatch_hidden<LayerNormLaunch<T, W>, kVec>(l, backward_pass);
   }
   return dispatch_hidden<LayerNormLaunch<T, W>, 1>(l, backward_pass);
-}
-
-// Binds T to dtype and W to param_dtype (either T or float).
-template <typename F>
-cudaError_t dispatch_types(DType dtype, DType param_dtype, F&& f) {
-  if (param_dtype != DType::kFloat32 && param_dtype != dtype) return cudaErrorInvalidValue;
-  const bool fp32_params = param_dtype == DType::kFloat32;
-  return APP_DISPATCH_DTYPE(dtype, scalar_t, [&] {
-    if (fp32_params) return f(scalar_t{}, float{});
-    return f(scalar_t{}, scalar_t{});
-  });
 }
 
 }  // namespace

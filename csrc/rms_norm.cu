@@ -13,6 +13,7 @@ namespace app_kernels {
 namespace {
 
 using detail::SumOp;
+using detail::dispatch_types;
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxPartials = 1024;  // warps of the backward: rows are dealt out among them
@@ -92,17 +93,6 @@ rms_norm_reduce_partials(const float* __restrict__ partials, W* __restrict__ gra
   if (threadIdx.y != 0 || col >= hidden) return;
   for (int i = 1; i < kSlices; ++i) s += slice[i][threadIdx.x];
   grad_weight[col] = detail::from_float<W>(s);
-}
-
-// Binds T to dtype and W to param_dtype (either T or float).
-template <typename F>
-cudaError_t dispatch_types(DType dtype, DType param_dtype, F&& f) {
-  if (param_dtype != DType::kFloat32 && param_dtype != dtype) return cudaErrorInvalidValue;
-  const bool fp32_params = param_dtype == DType::kFloat32;
-  return APP_DISPATCH_DTYPE(dtype, scalar_t, [&] {
-    if (fp32_params) return f(scalar_t{}, float{});
-    return f(scalar_t{}, scalar_t{});
-  });
 }
 
 }  // namespace
