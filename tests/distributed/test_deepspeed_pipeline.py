@@ -12,6 +12,7 @@ import os
 
 from tests.harness.distributed import (assert_checks_passed, expect_close, run_checks,
                                        run_distributed)
+from tests.harness.synthetic import train_steps as _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZERO1 = os.path.join(ROOT, "ds_configs", "zero1.json")
@@ -36,12 +37,6 @@ def _build(flags):
     mpu_random.set_checkpoint_implementation(None)
     cfg = arguments.config_from_argv(ARGV + flags, dist.get_world_size(), 64)
     return build_synthetic_run(cfg, 256)
-
-
-def _train(run, iterations, iterator=None):
-    iterator = run["iterator"] if iterator is None else iterator
-    return [(s.loss, s.grad_norm) for s in
-            (run["trainer"].train_step(iterator) for _ in range(iterations))]
 
 
 def _rank_main(tmpdir):

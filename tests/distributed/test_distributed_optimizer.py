@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tests.harness.distributed import (assert_checks_passed, expect_close, run_checks,
                                        run_distributed)
+from tests.harness.synthetic import train_steps as _train
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -28,12 +29,6 @@ def _build(flags, world):
     import arguments
     from tests.harness.synthetic import build_synthetic_run
     return build_synthetic_run(arguments.config_from_argv(ARGV + flags, world, 64), 256)
-
-
-def _train(run, iterations, iterator=None):
-    iterator = run["iterator"] if iterator is None else iterator
-    return [(s.loss, s.grad_norm) for s in
-            (run["trainer"].train_step(iterator) for _ in range(iterations))]
 
 
 def _resume(flags, world, load_dir):

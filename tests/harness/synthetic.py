@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -49,3 +49,12 @@ def build_synthetic_run(cfg: RunConfig, num_samples: int,
     iterator = build_data_iterator(data, 0, cfg.training.micro_batch_size, run.ps, 0)
     return dict(cfg=cfg, ps=run.ps, model=run.model, engine=run.engine, trainer=trainer,
                 iterator=iterator)
+
+
+def train_steps(run: Dict[str, Any], iterations: int,
+                iterator: Any = None) -> List[Tuple[float, float]]:
+    """(loss, grad norm) of `iterations` train steps of a build_synthetic_run run, on its own
+    iterator unless `iterator` is given."""
+    iterator = run["iterator"] if iterator is None else iterator
+    return [(s.loss, s.grad_norm) for s in
+            (run["trainer"].train_step(iterator) for _ in range(iterations))]
