@@ -7,10 +7,11 @@ read, describe and write) and `convert` reads through one entry and writes throu
 pointer files; `files` checksums and reads files safely; `commit` writes them crash-safely and
 makes a save the latest one on every rank or on none; `megatron` is the legacy per-rank state
 dict, `model_args` its `args` <-> ModelConfig; `layouts` reads a saved layout from file names;
-`deepspeed_files` and `zero3` read DeepSpeed's files. `torch_dist` is Megatron Core's
+`deepspeed` reads DeepSpeed's files (safely; one model-parallel rank whole, for the engine's
+weights-only load and the converter alike; the whole model). `torch_dist` is Megatron Core's
 distributed checkpoint per rank, built on `mcore_names`, `sharding` (boxes of global tensors:
 the one rule of where a TP shard lies), `dcp_files` and `mcore_state`. Whole models:
-`megatron_whole`, `torch_dist_whole`, `deepspeed_whole`, `hf_gpt2`, with `layout` (a full
+`megatron_whole`, `torch_dist_whole`, `deepspeed`, `hf_gpt2`, with `layout` (a full
 tensor's TP shards and PP stages, the model's optimizer groups) and `state` (ModelCheckpoint).
 No policy lives here: when to save, what to resume and what to refuse are
 app.training.resilience's.

@@ -7,7 +7,7 @@ lm-eval backend) calls `detect` and then `lookup(name).read`; the converter writ
     hf          DIR/config.json (Hugging Face save_pretrained)                 app.checkpoint.hf_gpt2
     deepspeed   DIR/{tag}/mp_rank_XX_model_states.pt (ZeRO-3: zero_pp_rank_D_mp_rank_XX_model_states.pt),
                 the tag named by DIR/latest (our runs: iter_0000100; DeepSpeed's own default:
-                global_step100)                                             app.checkpoint.deepspeed_whole
+                global_step100)                                             app.checkpoint.deepspeed
     torch       DIR/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt, the iteration named by
                 DIR/latest_checkpointed_iteration.txt (Megatron-LM's legacy layout; ours; the
                 converter's old name `megatron` is an alias)               app.checkpoint.megatron_whole
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from app.checkpoint import CheckpointError, layouts, names
-from app.checkpoint import deepspeed_whole, hf_gpt2, megatron_whole, torch_dist_whole
+from app.checkpoint import deepspeed, hf_gpt2, megatron_whole, torch_dist_whole
 from app.checkpoint.names import DEEPSPEED, HF, TORCH, TORCH_DIST, canonical_format
 from app.checkpoint.state import ModelCheckpoint
 
@@ -66,8 +66,8 @@ REGISTRY: Dict[str, Format] = {
                   megatron_whole.describe_megatron, megatron_whole.write_converted),
     TORCH_DIST: Format(TORCH_DIST, _saved_vocabulary(torch_dist_whole.read_torch_dist),
                        torch_dist_whole.describe_torch_dist, torch_dist_whole.write_converted),
-    DEEPSPEED: Format(DEEPSPEED, _saved_vocabulary(deepspeed_whole.read_deepspeed),
-                      deepspeed_whole.describe_deepspeed),
+    DEEPSPEED: Format(DEEPSPEED, _saved_vocabulary(deepspeed.read_deepspeed),
+                      deepspeed.describe_deepspeed),
     HF: Format(HF, hf_gpt2.read_converted, hf_gpt2.describe_hf, hf_gpt2.write_converted,
                optimizer=False),
 }
