@@ -5,13 +5,14 @@ legacy Megatron layout, `torch_dist`, `deepspeed`, `hf`; one `detect`; each entr
 read, describe and write) and `convert` reads through one entry and writes through another.
 `names` says where every file lives, the format names, the one iteration resolver and the
 pointer files; `files` checksums and reads files safely; `commit` writes them crash-safely and
-makes a save the latest one on every rank or on none; `megatron` is the legacy per-rank state
-dict, `model_args` its `args` <-> ModelConfig; `layouts` reads a saved layout from file names;
+makes a save the latest one on every rank or on none; `megatron` is the legacy format (the
+state dict per rank, the whole model), `model_args` its `args` <-> ModelConfig; `layouts`
+reads a saved layout from file names;
 `deepspeed` reads DeepSpeed's files (safely; one model-parallel rank whole, for the engine's
 weights-only load and the converter alike; the whole model). `torch_dist` is Megatron Core's
 distributed checkpoint per rank, built on `mcore_names`, `sharding` (boxes of global tensors:
 the one rule of where a TP shard lies), `dcp_files` and `mcore_state`. Whole models:
-`megatron_whole`, `torch_dist_whole`, `deepspeed`, `hf_gpt2`, with `layout` (a full
+`megatron`, `torch_dist_whole`, `deepspeed`, `hf_gpt2`, with `layout` (a full
 tensor's TP shards and PP stages, the model's optimizer groups) and `state` (ModelCheckpoint).
 No policy lives here: when to save, what to resume and what to refuse are
 app.training.resilience's.

@@ -58,7 +58,7 @@ import torch
 
 from app.checkpoint import CheckpointError, layout
 from app.checkpoint import files as ckpt_files
-from app.checkpoint.megatron_whole import merge_ranks
+from app.checkpoint.layout import merge_ranks
 from app.checkpoint.names import (parse_deepspeed_model_file, parse_deepspeed_optim_file,
                                   parse_zero3_model_file, resolve_iteration)
 from app.checkpoint.state import ModelCheckpoint, OptimizerState, Progress, describe

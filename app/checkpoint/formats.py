@@ -10,7 +10,7 @@ lm-eval backend) calls `detect` and then `lookup(name).read`; the converter writ
                 global_step100)                                             app.checkpoint.deepspeed
     torch       DIR/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt, the iteration named by
                 DIR/latest_checkpointed_iteration.txt (Megatron-LM's legacy layout; ours; the
-                converter's old name `megatron` is an alias)               app.checkpoint.megatron_whole
+                converter's old name `megatron` is an alias)               app.checkpoint.megatron
     torch_dist  DIR/iter_0000100/{metadata.json, .metadata, __<rank>_0.distcp} (Megatron Core's
                 --ckpt-format torch_dist; the small metadata.json names the backend)
                                                                           app.checkpoint.torch_dist_whole
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from app.checkpoint import CheckpointError, layouts, names
-from app.checkpoint import deepspeed, hf_gpt2, megatron_whole, torch_dist_whole
+from app.checkpoint import deepspeed, hf_gpt2, megatron, torch_dist_whole
 from app.checkpoint.names import DEEPSPEED, HF, TORCH, TORCH_DIST, canonical_format
 from app.checkpoint.state import ModelCheckpoint
 
@@ -62,8 +62,8 @@ def _saved_vocabulary(read: Callable[..., ModelCheckpoint]) -> Callable[..., Mod
 
 
 REGISTRY: Dict[str, Format] = {
-    TORCH: Format(TORCH, _saved_vocabulary(megatron_whole.read_megatron),
-                  megatron_whole.describe_megatron, megatron_whole.write_converted),
+    TORCH: Format(TORCH, _saved_vocabulary(megatron.read_megatron),
+                  megatron.describe_megatron, megatron.write_converted),
     TORCH_DIST: Format(TORCH_DIST, _saved_vocabulary(torch_dist_whole.read_torch_dist),
                        torch_dist_whole.describe_torch_dist, torch_dist_whole.write_converted),
     DEEPSPEED: Format(DEEPSPEED, _saved_vocabulary(deepspeed.read_deepspeed),

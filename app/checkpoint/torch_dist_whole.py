@@ -19,9 +19,9 @@ import torch
 
 from app.checkpoint import dcp_files, mcore_names, mcore_state, torch_dist
 from app.checkpoint import megatron as ckpt
-from app.checkpoint.names import checkpoint_dir, write_tracker
+from app.checkpoint.names import checkpoint_dir, resolve_iteration_number, write_tracker
 from app.checkpoint import layout
-from app.checkpoint.megatron_whole import resolve_iteration, target_args
+from app.checkpoint.layout import target_args
 from app.checkpoint.state import (Iteration, ModelCheckpoint, OptimizerState, Progress, cast_weights,
                                describe)
 from app.optim.model_space import MAIN, MOMENTS, MOMENTUM, ModelSpaceState, ParamState
@@ -62,7 +62,7 @@ def _by_name(reader: dcp_files.Reader, prefix: str, num_layers: int, progress: P
 def describe_torch_dist(load_dir: str, iteration: Optional[Iteration] = None) -> List[str]:
     """Lines describing a torch_dist checkpoint: every stored key with its global shape, dtype
     and number of chunks, every object, then the common state."""
-    iteration = resolve_iteration(load_dir, iteration)
+    iteration = resolve_iteration_number(load_dir, iteration)
     directory = checkpoint_dir(load_dir, iteration)
     reader = dcp_files.Reader(directory)
     lines = [f"torch_dist checkpoint {directory} ({len(reader.keys())} keys):"]
@@ -81,7 +81,7 @@ def read_torch_dist(load_dir: str, iteration: Optional[Iteration] = None,
                     include_optimizer: bool = False) -> ModelCheckpoint:
     """The whole model (and, with `include_optimizer`, its optimizer state, LR schedule and RNG
     states) of a torch_dist checkpoint."""
-    iteration = resolve_iteration(load_dir, iteration)
+    iteration = resolve_iteration_number(load_dir, iteration)
     directory = checkpoint_dir(load_dir, iteration)
     if not dcp_files.is_dcp_checkpoint(directory):
         raise ckpt.CheckpointError(f"{directory} is not a torch_dist checkpoint (no metadata.json "
