@@ -350,13 +350,13 @@ def read_rank_files(load_dir: str, iteration: Iteration
     found = saved_layout(directory)
     if found is None:
         raise CheckpointError(f"{directory} holds no mp_rank_XX folders: not a Megatron-layout "
-                                   "checkpoint (a DeepSpeed one? use --input-format deepspeed)")
+                              "checkpoint (a DeepSpeed one? use --input-format deepspeed)")
     tp, pp = found
     files = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             state, _ = load_checkpoint_dict(load_dir, tp_rank=tp_rank, pp_rank=pp_rank,
-                                                 pp_size=pp, iteration=iteration, tp_size=tp)
+                                            pp_size=pp, iteration=iteration, tp_size=tp)
             check_checkpoint_version(state, directory)
             files[(tp_rank, pp_rank)] = state
     return (tp, pp), files
@@ -370,7 +370,7 @@ def read_megatron(load_dir: str, iteration: Optional[Iteration] = None,
     args = files[(0, 0)].get("args")
     if args is None:
         raise CheckpointError(f"{names.checkpoint_dir(load_dir, iteration)} has no 'args': its "
-                                   "model shape is unknown, so it cannot be converted")
+                              "model shape is unknown, so it cannot be converted")
     flat = {}
     for key, state in files.items():
         flat[key] = from_megatron_model(state["model"])
@@ -412,15 +412,15 @@ def _read_optimizer(args: argparse.Namespace, files: Dict[Tuple[int, int], Dict[
             opt = opt["optimizer"]
         if opt is None:
             raise CheckpointError(f"--include-optimizer: {load_dir} (tp {tp_rank}, pp {stage}) "
-                                       "has no optimizer state (saved with --no-save-optim?)")
+                                  "has no optimizer state (saved with --no-save-optim?)")
         index_to_name = _index_names(opt, placement, placement.stage_names(stage),
                                      f"{load_dir} (tp {tp_rank}, pp {stage})")
         for index, name in index_to_name.items():
             entry = opt["state"].get(index)
             if not entry:
                 raise CheckpointError(f"--include-optimizer: no optimizer state for {name!r} "
-                                           f"in {load_dir} (tp {tp_rank}, pp {stage}); was it "
-                                           "saved before the first step?")
+                                      f"in {load_dir} (tp {tp_rank}, pp {stage}); was it "
+                                      "saved before the first step?")
             for kind in per_rank:
                 if kind in entry:
                     per_rank[kind][(tp_rank, stage)][name] = entry[kind]
@@ -506,7 +506,7 @@ def write_megatron(source: ModelCheckpoint, save_dir: str, tp: int, pp: int,
                 iteration, flat, optimizer, source.lr_scheduler if opt else None,
                 _rng_for(source, tp_rank, stage, pp) if opt else None, args)
             save_checkpoint(save_dir, iteration, state, tp_rank=tp_rank, pp_rank=stage,
-                                 pp_size=pp, is_tracker_writer=False)
+                            pp_size=pp, is_tracker_writer=False)
     write_tracker(save_dir, iteration)
     progress.report(final=True)
     return iteration
@@ -550,7 +550,7 @@ def _optimizer_shard(opt: OptimizerState, placement: layout.Layout, stage: int, 
             entry = opt.per_param.get(source_name)
             if entry is None:
                 raise CheckpointError(f"--include-optimizer: no optimizer state for "
-                                           f"{source_name!r}")
+                                      f"{source_name!r}")
             split = {"step": entry["step"].clone()} if "step" in entry else {}
             for kind in (k for k in STATE_TENSORS if k in entry):
                 full = entry[kind]
