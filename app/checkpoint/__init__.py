@@ -12,7 +12,7 @@ reads a saved layout from file names;
 weights-only load and the converter alike; the whole model). `torch_dist` is Megatron Core's
 distributed checkpoint per rank, built on `mcore_names`, `sharding` (boxes of global tensors:
 the one rule of where a TP shard lies), `dcp_files` and `mcore_state`. Whole models:
-`megatron`, `torch_dist_whole`, `deepspeed`, `hf_gpt2`, with `layout` (a full
+`megatron`, `torch_dist`, `deepspeed`, `hf_gpt2`, with `layout` (a full
 tensor's TP shards and PP stages, the model's optimizer groups) and `state` (ModelCheckpoint).
 No policy lives here: when to save, what to resume and what to refuse are
 app.training.resilience's.

@@ -13,7 +13,7 @@ lm-eval backend) calls `detect` and then `lookup(name).read`; the converter writ
                 converter's old name `megatron` is an alias)               app.checkpoint.megatron
     torch_dist  DIR/iter_0000100/{metadata.json, .metadata, __<rank>_0.distcp} (Megatron Core's
                 --ckpt-format torch_dist; the small metadata.json names the backend)
-                                                                          app.checkpoint.torch_dist_whole
+                                                                          app.checkpoint.torch_dist
 
 `detect` judges from file names (and torch_dist's small metadata.json); no checkpoint file is
 opened. Reading a whole checkpoint gives a layout-free `ModelCheckpoint` (app.checkpoint.state);
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from app.checkpoint import CheckpointError, layouts, names
-from app.checkpoint import deepspeed, hf_gpt2, megatron, torch_dist_whole
+from app.checkpoint import deepspeed, hf_gpt2, megatron, torch_dist
 from app.checkpoint.names import DEEPSPEED, HF, TORCH, TORCH_DIST, canonical_format
 from app.checkpoint.state import ModelCheckpoint
 
@@ -64,8 +64,8 @@ def _saved_vocabulary(read: Callable[..., ModelCheckpoint]) -> Callable[..., Mod
 REGISTRY: Dict[str, Format] = {
     TORCH: Format(TORCH, _saved_vocabulary(megatron.read_megatron),
                   megatron.describe_megatron, megatron.write_converted),
-    TORCH_DIST: Format(TORCH_DIST, _saved_vocabulary(torch_dist_whole.read_torch_dist),
-                       torch_dist_whole.describe_torch_dist, torch_dist_whole.write_converted),
+    TORCH_DIST: Format(TORCH_DIST, _saved_vocabulary(torch_dist.read_torch_dist),
+                       torch_dist.describe_torch_dist, torch_dist.write_converted),
     DEEPSPEED: Format(DEEPSPEED, _saved_vocabulary(deepspeed.read_deepspeed),
                       deepspeed.describe_deepspeed),
     HF: Format(HF, hf_gpt2.read_converted, hf_gpt2.describe_hf, hf_gpt2.write_converted,
