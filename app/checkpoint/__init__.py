@@ -3,17 +3,17 @@
 `formats` is the registry (one entry per format under its --ckpt-format name: `torch` the
 legacy Megatron layout, `torch_dist`, `deepspeed`, `hf`; one `detect`; each entry's whole-model
 read, describe and write) and `convert` reads through one entry and writes through another.
-`names` says where every file lives, the format names, the one iteration resolver and the
-pointer files; `files` checksums and reads files safely; `commit` writes them crash-safely and
-makes a save the latest one on every rank or on none; `megatron` is the legacy per-rank state
-dict, `model_args` its `args` <-> ModelConfig; `layouts` reads a saved layout from file names;
-`deepspeed_files` and `zero3` read DeepSpeed's files. `torch_dist` is Megatron Core's
-distributed checkpoint per rank, built on `mcore_names`, `sharding` (boxes of global tensors:
-the one rule of where a TP shard lies), `dcp_files` and `mcore_state`. Whole models:
-`megatron_whole`, `torch_dist_whole`, `deepspeed_whole`, `hf_gpt2`, with `layout` (a full
-tensor's TP shards and PP stages, the model's optimizer groups) and `state` (ModelCheckpoint).
-No policy lives here: when to save, what to resume and what to refuse are
-app.training.resilience's.
+Each format is one module that reads and writes it per rank and whole: `megatron` (legacy),
+`torch_dist` (Megatron Core's distributed checkpoint), `deepspeed` (DeepSpeed's files, read
+safely: one model-parallel rank whole for the engine's ZeRO-3 weights-only load and the
+converter alike, and the whole model) and `hf_gpt2`. They share: `names` (where every file
+lives, the format names, the one iteration resolver, the pointer files), `layouts` (a saved
+layout from file names), `files` (checksums, safe reads), `commit` (crash-safe writes; a save
+becomes the latest on every rank or on none), `layout` (a full tensor's TP shards and PP
+stages, the model's optimizer groups, merging ranks), `sharding` (boxes of global tensors: the
+one rule of where a TP shard lies), `mcore_names`, `mcore_state`, `dcp_files`, `model_args`
+(`args` <-> ModelConfig) and `state` (ModelCheckpoint). No policy lives here: when to save,
+what to resume and what to refuse are app.training.resilience's.
 """
 
 

@@ -442,3 +442,10 @@ class _BoxPlanner(LoadPlanner):
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
 
+
+def read_full(reader: Reader, key: str) -> torch.Tensor:
+    """The whole stored tensor `key`."""
+    meta = reader.tensor_meta(key)
+    out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    reader.read([(key, (0,) * out.dim(), out)])
+    return out

@@ -7,13 +7,13 @@ lm-eval backend) calls `detect` and then `lookup(name).read`; the converter writ
     hf          DIR/config.json (Hugging Face save_pretrained)                 app.checkpoint.hf_gpt2
     deepspeed   DIR/{tag}/mp_rank_XX_model_states.pt (ZeRO-3: zero_pp_rank_D_mp_rank_XX_model_states.pt),
                 the tag named by DIR/latest (our runs: iter_0000100; DeepSpeed's own default:
-                global_step100)                                             app.checkpoint.deepspeed_whole
+                global_step100)                                             app.checkpoint.deepspeed
     torch       DIR/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt, the iteration named by
                 DIR/latest_checkpointed_iteration.txt (Megatron-LM's legacy layout; ours; the
-                converter's old name `megatron` is an alias)               app.checkpoint.megatron_whole
+                converter's old name `megatron` is an alias)               app.checkpoint.megatron
     torch_dist  DIR/iter_0000100/{metadata.json, .metadata, __<rank>_0.distcp} (Megatron Core's
                 --ckpt-format torch_dist; the small metadata.json names the backend)
-                                                                          app.checkpoint.torch_dist_whole
+                                                                          app.checkpoint.torch_dist
 
 `detect` judges from file names (and torch_dist's small metadata.json); no checkpoint file is
 opened. Reading a whole checkpoint gives a layout-free `ModelCheckpoint` (app.checkpoint.state);
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from app.checkpoint import CheckpointError, layouts, names
-from app.checkpoint import deepspeed_whole, hf_gpt2, megatron_whole, torch_dist_whole
+from app.checkpoint import deepspeed, hf_gpt2, megatron, torch_dist
 from app.checkpoint.names import DEEPSPEED, HF, TORCH, TORCH_DIST, canonical_format
 from app.checkpoint.state import ModelCheckpoint
 
@@ -62,12 +62,12 @@ def _saved_vocabulary(read: Callable[..., ModelCheckpoint]) -> Callable[..., Mod
 
 
 REGISTRY: Dict[str, Format] = {
-    TORCH: Format(TORCH, _saved_vocabulary(megatron_whole.read_megatron),
-                  megatron_whole.describe_megatron, megatron_whole.write_converted),
-    TORCH_DIST: Format(TORCH_DIST, _saved_vocabulary(torch_dist_whole.read_torch_dist),
-                       torch_dist_whole.describe_torch_dist, torch_dist_whole.write_converted),
-    DEEPSPEED: Format(DEEPSPEED, _saved_vocabulary(deepspeed_whole.read_deepspeed),
-                      deepspeed_whole.describe_deepspeed),
+    TORCH: Format(TORCH, _saved_vocabulary(megatron.read_megatron),
+                  megatron.describe_megatron, megatron.write_converted),
+    TORCH_DIST: Format(TORCH_DIST, _saved_vocabulary(torch_dist.read_torch_dist),
+                       torch_dist.describe_torch_dist, torch_dist.write_converted),
+    DEEPSPEED: Format(DEEPSPEED, _saved_vocabulary(deepspeed.read_deepspeed),
+                      deepspeed.describe_deepspeed),
     HF: Format(HF, hf_gpt2.read_converted, hf_gpt2.describe_hf, hf_gpt2.write_converted,
                optimizer=False),
 }

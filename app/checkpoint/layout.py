@@ -14,26 +14,35 @@ projection (--swiglu) is [gate; up] in full and [gate_r; up_r] on rank r, as Meg
 The Llama block's other parameters (RMSNorm weights, QK-norms, no biases) are whatever the
 model built from the config holds. Merging places the shards back (checking that shared rows
 agree), so split/merge round trips are exact.
+`merge_ranks` merges every rank's flat dict of a whole checkpoint; `target_args` and
+`target_padded_vocab` give a written checkpoint's args at its target layout.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from app.checkpoint import sharding
 from app.checkpoint.model_args import model_config_from_args
+from app.checkpoint.state import Iteration, ModelCheckpoint, Progress
 from app.config import ModelConfig
 from app.config.param_names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD,
                                     WORD_EMBEDDINGS, layer_param_name, parse_layer)
+from app.data import pad_vocab_size
 from app.model.stage import ParameterRecord, build_model_stage, stage_parameters
 from app.mpu.parallel_state import ParallelState
 from app.optim.param_groups import get_muon_param_groups, get_param_groups
 
 __all__ = ["FINAL_NORM", "OUTPUT_LAYER", "POSITION_EMBEDDINGS", "TIED_HEAD", "VOCABULARY",
            "WORD_EMBEDDINGS", "Layout", "LayoutError", "layer_param_name", "merge_shards",
-           "parse_layer", "pad_vocabulary", "resize_vocab", "split_tensor"]
+           "merge_ranks", "parse_layer", "pad_vocabulary", "resize_vocab", "split_tensor",
+           "target_args", "target_padded_vocab"]
+
+logger = logging.getLogger(__name__)
 
 VOCABULARY = (WORD_EMBEDDINGS, OUTPUT_LAYER)
 """The full tensors whose rows are the padded vocabulary (the tied copy is the first's)."""
@@ -259,3 +268,68 @@ def pad_vocabulary(weights: Dict[str, torch.Tensor], rows: int, vocab_size: Opti
     if OUTPUT_LAYER not in out:
         out[TIED_HEAD] = out[WORD_EMBEDDINGS]
     return out
+
+
+# ---------------------------------------------------------------------------- whole checkpoints
+
+def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
+                tp: int, pp: int, what: str, only: Optional[set] = None) -> Dict[str, torch.Tensor]:
+    """Full tensors from per-rank flat dicts (of the names in `only`, when given); the last
+    stage's tied copy must equal stage 0's."""
+    placement = Layout.of_args(args, pp)
+    progress = Progress(f"reading {what}")
+    merged: Dict[str, torch.Tensor] = {}
+    # the stage whose file holds each name: contiguous stages, or an interleaved run's chunks
+    holder = {name: stage for (tp_rank, stage), rank_dict in per_rank.items() if tp_rank == 0
+              for name in rank_dict}
+    for name in placement.names():
+        if only is not None and name not in only:
+            continue
+        stage = holder.get(name, placement.stage_of(name))
+        shards = []
+        for tp_rank in range(tp):
+            rank_dict = per_rank[(tp_rank, stage)]
+            if name not in rank_dict:
+                raise CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) has no {name!r}")
+            shards.append(rank_dict[name])
+        merged[name] = placement.merge(name, shards)
+        progress.add(merged[name])
+    known = set(placement.names())
+    for (tp_rank, stage), rank_dict in per_rank.items():
+        unknown = sorted(set(rank_dict) - known)
+        if unknown:
+            raise CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) holds {unknown[0]!r}, "
+                                  "which the GPT-2 layout cannot map")
+    tied = merged.pop(TIED_HEAD, None)
+    if tied is not None and not torch.equal(tied, merged[WORD_EMBEDDINGS]):
+        logger.warning("the last stage's tied word embeddings differ from the first stage's; "
+                       "using the first stage's")
+    progress.report(final=True)
+    return merged
+
+
+def target_padded_vocab(args: argparse.Namespace, rows: int, tp: int) -> int:
+    """Padded vocabulary rows for tensor-parallel size `tp` (Megatron's rule when the tokenizer
+    size is known; else the current rows, which must divide by `tp`)."""
+    vocab = getattr(args, "vocab_size", None)
+    if vocab:
+        multiple = int(getattr(args, "make_vocab_size_divisible_by", 128) or 128)
+        return pad_vocab_size(int(vocab), multiple, tp)
+    if rows % tp:
+        raise LayoutError(f"the checkpoint records no tokenizer vocab_size and its {rows} "
+                          f"vocabulary rows do not divide by the target TP size {tp}")
+    return rows
+
+
+def target_args(source: ModelCheckpoint, tp: int, pp: int, dtype: torch.dtype,
+                padded_vocab: int, iteration: Iteration) -> argparse.Namespace:
+    """The source's args with the target layout, padded vocabulary, dtype and iteration."""
+    args = copy.copy(source.args)
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.world_size = tp * pp * dp
+    args.padded_vocab_size = padded_vocab
+    args.params_dtype = dtype
+    args.fp16, args.bf16 = dtype == torch.float16, dtype == torch.bfloat16
+    args.iteration = 0 if iteration == "release" else int(iteration)
+    return args

@@ -29,8 +29,9 @@ Which dimension tensor parallelism splits is not here: it is the parameter's own
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
+from app.checkpoint import CheckpointError
 from app.config.param_names import (FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS,
                                     TIED_HEAD, WORD_EMBEDDINGS)
 
@@ -148,3 +149,43 @@ def extra_state_key(module: str, layer: int, num_layers: int) -> str:
 def object_key(key: str, offset: Tuple[int, ...], shape: Tuple[int, ...]) -> str:
     """Megatron Core's DCP key of a ShardedObject: `<key>/shard_<o.o>_<s.s>`."""
     return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+
+
+_MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MCORE_LOCAL_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                      "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+"""Megatron Core's local-spec LayerNorm names -> the fused names of the table above."""
+
+
+def is_mcore_model(model: Dict[str, Any]) -> bool:
+    """Whether a checkpoint's `model` entry is Megatron Core's flat GPTModel state dict
+    (Megatron-LM's `--ckpt-format torch` save of a Megatron Core model) rather than the
+    legacy nested `language_model` dict."""
+    return "language_model" not in model and any(
+        k.startswith(("embedding.", "decoder.")) for k in model)
+
+
+def from_mcore_model(model: Dict[str, Any], layer_offset: int = 0) -> Dict[str, Any]:
+    """Megatron Core's flat GPTModel state dict (`state_dict_for_save_checkpoint`) -> our flat
+    state dict. Its layer numbers are the stage's own; `layer_offset` (the stage's first global
+    layer) makes them global. `_extra_state` entries (Transformer Engine's FP8 metadata, None
+    here) are dropped; a key this table does not know raises CheckpointError naming it."""
+    flat: Dict[str, Any] = {}
+    for key, value in model.items():
+        if key.endswith("._extra_state"):
+            continue
+        match = _MCORE_LAYER.match(key)
+        try:
+            if match:
+                suffix = match.group(2)
+                for local, fused in _MCORE_LOCAL_NORMS.items():
+                    if suffix.startswith(local):
+                        suffix = fused + suffix[len(local):]
+                name = from_mcore(MCORE_LAYER_PREFIX + suffix, int(match.group(1)) + layer_offset)
+            else:
+                name = from_mcore(key)
+        except KeyError as exc:
+            raise CheckpointError(f"Megatron Core checkpoint entry {key!r} is not part of the "
+                                  f"GPT-2 this code builds: {exc}") from exc
+        flat[name] = value
+    return flat

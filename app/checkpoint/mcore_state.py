@@ -24,6 +24,7 @@ from app.checkpoint import CheckpointError
 from app.optim.model_space import MAIN, ModelSpaceState
 
 CHECKPOINT_VERSION = 3.0
+"""3.0: fused QKV rows ordered [heads, (q, k, v), head_dim]."""
 RESHARDABLE = "fully_reshardable"
 LAYOUT_BOUND = ("dp_reshardable", "dp_zero_gather_scatter", "fully_sharded_bucket_space")
 """Megatron's distributed-optimizer formats tied to its buffer layout: not readable here."""
@@ -132,3 +133,17 @@ def position(common: Dict[str, Any], iteration: Any) -> Dict[str, Any]:
     for key in ("consumed_train_samples", "consumed_valid_samples"):
         out[key] = int(getattr(args, key, 0) or 0)
     return out
+
+
+def check_checkpoint_version(state: Dict[str, Any], where: str) -> None:
+    """Refuse checkpoints whose fused QKV rows are not ordered [heads, (q, k, v), head_dim].
+
+    Megatron checkpoints before version 3.0 order them differently; loading one as is would
+    scramble attention without any shape error.
+    """
+    version = float(state.get("checkpoint_version", 0) or 0)
+    if version < CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{where} has checkpoint_version {version}: its fused QKV rows are ordered "
+            f"differently from version {CHECKPOINT_VERSION}; convert it first (Megatron-LM's "
+            "checkpoint conversion to version 3.0)")

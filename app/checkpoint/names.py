@@ -277,6 +277,16 @@ def resolve_iteration(load_dir: str, iteration: Optional[Iteration] = None
         "point --load at a run's --save directory, or pass --iteration N")
 
 
+def resolve_iteration_number(load_dir: str, iteration: Optional[Iteration]) -> Iteration:
+    """The iteration to read (resolve_iteration); CheckpointError when `load_dir`'s
+    pointer names a tag that is no iteration (DeepSpeed's global_stepN)."""
+    folder, found = resolve_iteration(load_dir, iteration)
+    if found is None:
+        raise CheckpointError(f"{folder} is not an iteration folder of a Megatron-layout "
+                              "checkpoint; pass --iteration N (or release)")
+    return found
+
+
 def write_latest_tag(directory: str, tag: str) -> None:
     """Atomically and durably replace DeepSpeed's `latest` with `tag` (no newline, as DeepSpeed)."""
     atomic_write_bytes(os.path.join(directory, LATEST_FILENAME), tag.encode("ascii"),

@@ -21,7 +21,7 @@ from app.checkpoint import names
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint import layout
 from app.checkpoint import formats
-from app.checkpoint.megatron_whole import target_padded_vocab
+from app.checkpoint.layout import target_padded_vocab
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState

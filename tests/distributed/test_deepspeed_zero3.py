@@ -6,7 +6,8 @@ exists and its gathered initial weights equal the native model's bit for bit (le
 and an untied output layer included); 20 iterations of ZeRO-3, and of ZeRO-3 with parameters
 and optimizer offloaded to the CPU (DeepSpeedCPUAdam), give native DP 2's losses and gradient
 norms within 1e-5, and so does Llama's block (built partitioned with the native weights);
-bf16 weights track fp32 within 1e-2; the bytes each rank holds equal
+bf16 weights track fp32 within 1e-2, and their save reads the same weights in the engine's
+weights-only load and the converter (DeepSpeed's zero_to_fp32's); the bytes each rank holds equal
 --dry-run's estimate (app.training.planning.memory) exactly.
 
 TP 2 x DP 2 (4 ranks): 20 iterations of ZeRO-3 over the data-parallel group (the mpu) give
@@ -55,8 +56,10 @@ def _config(tmpdir, name, **zero):
     return ["--deepspeed", "--deepspeed_config", path]
 
 
-def _curve(argv, memory=False):
-    """(loss, grad norm) of ITERS iterations; with `memory` also (state bytes, estimate)."""
+def _curve(argv, memory=False, save_dir=None):
+    """(loss, grad norm) of ITERS iterations; with `memory` also (state bytes, estimate); with
+    `save_dir` also the module's weights after a save at ITERS, one more step and a weights-only
+    load of that save (`_save_and_reload`)."""
     import torch.distributed as dist
 
     import arguments
@@ -65,19 +68,43 @@ def _curve(argv, memory=False):
     from app.training.planning.memory import estimate_memory
     mpu_random.set_checkpoint_implementation(None)
     cfg = arguments.config_from_argv(argv, dist.get_world_size(), 64)
-    run = build_synthetic_run(cfg, 8 * ITERS)
+    run = build_synthetic_run(cfg, 8 * (ITERS + 1))  # one step past ITERS for save_dir
     curve = [(o.loss, o.grad_norm) for o in
              (run["trainer"].train_step(run["iterator"]) for _ in range(ITERS))]
+    if save_dir is not None:
+        return curve, _save_and_reload(run, save_dir)
     if not memory:
         return curve
     est = estimate_memory(cfg)
     return curve, run["engine"].state_bytes(), (est.weights, est.gradients, est.optimizer)
 
 
+def _gathered(module):
+    """The whole weights of a ZeRO-3 module, gathered, in the module's dtype."""
+    import deepspeed
+    params = dict(module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().clone() for n, p in params.items()}
+
+
+def _save_and_reload(run, save_dir):
+    """Save at ITERS, take one more step (the weights move), then the engine's weights-only
+    load of that save (its ZeRO-3 path, app.checkpoint.deepspeed.read_rank): the module's
+    weights after the step and after the load."""
+    from app.training.resilience.resume import ResumePlan
+    engine = run["engine"]
+    engine.save_checkpoint(save_dir, ITERS, dict(iteration=ITERS, consumed_train_samples=8 * ITERS,
+                                                 consumed_valid_samples=0))
+    run["trainer"].train_step(run["iterator"])
+    moved = _gathered(engine.ds.module)
+    engine.read_checkpoint(save_dir, ResumePlan(ITERS, weights_only=True, load_optimizer=False,
+                                                load_rng=False))
+    return {"moved": moved, "loaded": _gathered(engine.ds.module)}
+
+
 def _initial_weights(argv):
     """The whole initial weights of the model built for `argv`, and whether every parameter
     was partitioned when its construction ended (before any engine existed)."""
-    import deepspeed
     import torch.distributed as dist
 
     import arguments
@@ -92,11 +119,9 @@ def _initial_weights(argv):
         return {n: p.detach().clone() for n, p in model.named_parameters()}, True
     with partitioned_construction(cfg, ps):
         model = build_model_stage(cfg.model, ps)
-    params = dict(model.named_parameters())
     pieces = all(p.data.numel() == 0 and p.ds_tensor.numel() == -(-p.ds_numel // 2)
-                 for p in params.values())
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        return {n: p.detach().clone() for n, p in params.items()}, pieces
+                 for p in model.parameters())
+    return _gathered(model), pieces
 
 
 def _dp2(tmpdir):
@@ -110,7 +135,9 @@ def _dp2(tmpdir):
         ARGV + _config(tmpdir, "z3_early", **RELEASE_EARLY), memory=True)
     offload = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
     out["offload"] = _curve(ARGV + _config(tmpdir, "z3_offload", **offload))
-    out["bf16"] = _curve(ARGV + _config(tmpdir, "z3") + ["--bf16"])
+    out["bf16_save"] = os.path.join(tmpdir, "bf16_ck")
+    out["bf16"], out["bf16_reload"] = _curve(ARGV + _config(tmpdir, "z3") + ["--bf16"],
+                                             save_dir=out["bf16_save"])
     llama = ARGV + LLAMA
     native, zero3 = _initial_weights(llama), _initial_weights(llama + _config(tmpdir, "z3"))
     out["llama_init_equal"] = native[0].keys() == zero3[0].keys() and all(
@@ -144,6 +171,31 @@ def test_zero3_dp2_and_its_cpu_offload_match_native_dp2(dp2):
         worst = _close(dp2[0][name], dp2[0]["native"], 1e-5)
         print(f"parity {name} DP=2 vs native DP=2 over {ITERS} iterations: {worst:.2e}")
     _close(dp2[0]["bf16"], dp2[0]["native"], 1e-2)
+
+
+def test_zero3_bf16_save_reads_the_same_weights_in_the_engine_and_the_converter(dp2):
+    """One whole read (app.checkpoint.deepspeed.read_rank) for both: the converter's weights
+    and the engine's per-rank read are DeepSpeed's own zero_to_fp32 answer (the fp32 masters,
+    finer than bf16), and the engine's weights-only load puts them, cast to bf16, in the module."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from app.checkpoint import deepspeed, formats, names
+    save = dp2[0]["bf16_save"]
+    reference = get_fp32_state_dict_from_zero_checkpoint(save, tag=names.iteration_tag(ITERS))
+    converted = formats.lookup("deepspeed").read(save, ITERS).weights
+    engine_read = deepspeed.read_rank(os.path.join(save, names.iteration_tag(ITERS)), 0).weights
+    assert set(converted) == set(engine_read) == set(reference)
+    for name, want in reference.items():
+        assert want.dtype == torch.float32 and torch.equal(converted[name], want), name
+        assert torch.equal(engine_read[name], want), name
+    assert any(not torch.equal(w.bfloat16().float(), w) for w in reference.values())
+    for rank in dp2:
+        moved, loaded = rank["bf16_reload"]["moved"], rank["bf16_reload"]["loaded"]
+        assert any(not torch.equal(moved[n], reference[n].bfloat16()) for n in reference)
+        for name, want in reference.items():
+            assert loaded[name].dtype == torch.bfloat16, name
+            assert torch.equal(loaded[name], want.bfloat16()), name
 
 
 def test_zero3_builds_and_trains_the_llama_block_like_native(dp2):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from app.checkpoint.deepspeed_files import load_deepspeed_file
+from app.checkpoint.deepspeed import load_deepspeed_file
 from app.checkpoint.files import safe_torch_load
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 from tests.integration.launch_utils import ROOT, env, torchrun

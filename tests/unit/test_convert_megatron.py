@@ -7,7 +7,7 @@ import torch
 
 from app.config import ModelConfig
 from app.checkpoint import layout
-from app.checkpoint.megatron_whole import read_megatron, write_megatron
+from app.checkpoint.megatron import read_megatron, write_megatron
 from app.checkpoint.state import ModelCheckpoint, OptimizerState
 from app.model import GPT2Model
 from app.checkpoint import megatron as ckpt

@@ -87,7 +87,7 @@ def test_saved_args_give_the_same_blockers_and_the_converter_refuses(tmp_path):
     import torch
     from app.checkpoint.hf_gpt2 import write_hf_dir
     from app.checkpoint.layout import LayoutError
-    from app.checkpoint.megatron_whole import read_megatron
+    from app.checkpoint.megatron import read_megatron
     from app.checkpoint.state import ModelCheckpoint
     from app.inference.runner import load_model
     from app.checkpoint.hf_gpt2 import checkpoint_args_blockers

@@ -24,16 +24,17 @@ ZeRO-3 (`"stage": 3`) partitions the weights too. The model is built inside
 parameters are cut into pieces as soon as it is built, with the native path's initial values;
 `engines.zero3` holds what needs no deepspeed import (the bytes a rank holds, its pieces, the
 weights-only load, the repair of DeepSpeed's universal loader). Weights-only loads (--finetune,
---no-load-optim, a release) read the whole weights with our safe reader, from ZeRO-3 pieces of
-any data-parallel size or a ZeRO-0/1/2 module file, instead of DeepSpeed's module-only path.
+--no-load-optim, a release) read the whole weights with the converter's safe reader
+(app.checkpoint.deepspeed.read_rank: the fp32 master weights of ZeRO pieces of any stage and
+data-parallel size), instead of DeepSpeed's module-only path.
 
 DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replaces the engine's
 `checkpoint_engine` (DeepSpeed's hook for checkpoint I/O): every file is written crash-safely
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
 verified and with torch.load(weights_only=True) and an allow-list (`deepspeed_safe_globals`),
 where DeepSpeed's own engine unpickles anything (weights_only=False), so a crafted checkpoint
-could run code on --load. `app.checkpoint.deepspeed_files` holds the same safe read for
-tools. Saves go through the same two-phase commit as the native engine's
+could run code on --load. `app.checkpoint.deepspeed` holds the same safe read for
+the converter and the tools. Saves go through the same two-phase commit as the native engine's
 (app.checkpoint.commit): a save that fails on any rank (a full disk) is undone everywhere;
 `latest` and our tracker are written only after every rank's files are complete.
 """
@@ -56,7 +57,7 @@ from app.mpu.random import get_rng_tracker, rng_state_dict
 from app.optim import OptimizerParamScheduler, get_param_groups
 from app.checkpoint import CheckpointError, commit, layouts, names
 from app.checkpoint import files as ckpt_files
-from app.checkpoint.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
+from app.checkpoint.deepspeed import deepspeed_safe_globals, load_deepspeed_file, read_rank
 from app.checkpoint.model_args import checkpoint_args_namespace
 from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.config.deepspeed import offloads_optimizer, zero_stage
@@ -459,14 +460,16 @@ class DeepSpeedEngineAdapter(Engine):
 
     def _read_weights_zero3(self, where: str, plan: ResumePlan) -> CheckpointContents:
         """A ZeRO-3 run's weights-only load (--finetune, --no-load-optim, a release): this TP
-        rank's whole fp32 weights read with our safe reader (engines.zero3.read_whole_weights:
-        ZeRO-3 pieces of any data-parallel size, or a ZeRO-0/1/2 module file), then cut into
-        this run's pieces. DeepSpeed's own path here would read the tag `latest` names,
+        rank's whole fp32 master weights read as the converter reads them
+        (app.checkpoint.deepspeed.read_rank: ZeRO pieces of any stage and data-parallel size; a
+        ZeRO-0 module file's weights), then cast to the module's dtype and cut into this run's
+        pieces. DeepSpeed's own path here would read the tag `latest` names,
         unpickle with weights_only=False and merge every model-parallel rank as one."""
         import deepspeed
-        weights, client = zero3.read_whole_weights(where, self.ps.tensor_model_parallel_rank)
+        saved = read_rank(where, self.ps.tensor_model_parallel_rank)
+        client = saved.client
         zero3.load_whole_weights(  # data-parallel rank 0's copy is cut into pieces
-            self.ds.module, weights,
+            self.ds.module, saved.weights,
             lambda p: deepspeed.zero.GatheredParameters([p], modifier_rank=0),
             self.ps.data_parallel_rank == 0, self.ds.optimizer)
         return CheckpointContents(path=where, iteration=plan.iteration, args=client.get("args"),

@@ -1,7 +1,7 @@
 """The DeepSpeed engine's ZeRO-3 parts that need no deepspeed import: what a rank holds, its
 pieces of the weights, the check of its own files before a load, the weights-only load (whole
-weights read safely, then cut by DeepSpeed's gather context) and the repair of DeepSpeed's
-universal-checkpoint loader.
+weights read by app.checkpoint.deepspeed.read_rank, then cut by DeepSpeed's gather context) and
+the repair of DeepSpeed's universal-checkpoint loader.
 
 At stage 3 a parameter's `.data` is empty except while DeepSpeed has gathered it (around the
 forward and backward of its module, and always for the small "persistent" ones under
@@ -19,10 +19,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from app.checkpoint import CheckpointError, layouts, names
+from app.checkpoint import CheckpointError, names
 from app.checkpoint import files as ckpt_files
-from app.checkpoint.deepspeed_files import deepspeed_safe_globals, load_deepspeed_file
-from app.checkpoint.zero3 import merge_zero3
+from app.checkpoint.deepspeed import deepspeed_safe_globals
 from app.launch.distributed import world_group
 from app.mpu import collectives
 from app.training.engines.base import optimizer_state_bytes, tensor_bytes
@@ -67,7 +66,7 @@ def load_whole_weights(module: torch.nn.Module, weights: Dict[str, torch.Tensor]
                        gathered: Callable[[torch.nn.Parameter], Any], is_source: bool,
                        optimizer: Any) -> None:
     """Copy whole fp32 `weights` (by parameter name) into the partitioned parameters, one at a
-    time: `gathered(param)` is DeepSpeed's context that gathers it and, on exit, broadcasts
+    time, cast to the parameters' dtype: `gathered(param)` is DeepSpeed's context that gathers it and, on exit, broadcasts
     the source rank's copy and cuts it into pieces again (`is_source` on that rank). The fp32
     master pieces are then refreshed from the new working pieces (DeepSpeed's own module-only
     load does the same). Every rank of the data-parallel group calls this."""
@@ -116,21 +115,3 @@ def check_own_files(where: str, dp_rank: int, mp_rank: int, device: torch.device
         raise CheckpointError(f"{where}: this rank's ZeRO-3 files cannot be read: "
                               f"{error}") from error
 
-
-def read_whole_weights(where: str, mp_rank: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """(whole fp32 weights by name, the module file's dict with our client state) of
-    model-parallel rank `mp_rank` in the DeepSpeed checkpoint folder `where`, read safely:
-    merged from ZeRO-3 pieces of any data-parallel size, or a ZeRO-0/1/2 module file's
-    weights (in the precision they were saved in)."""
-    layout = layouts.inspect_directory(where)
-    mine = [p for p in (layout.model_files if layout else [])
-            if names.parse_deepspeed_model_file(os.path.basename(p)) == mp_rank]
-    if not mine:
-        raise CheckpointError(f"{where} holds no DeepSpeed module file of model-parallel rank "
-                              f"{mp_rank} (*mp_rank_{mp_rank:02d}_model_states.pt)")
-    client = load_deepspeed_file(mine[0])
-    if not layout.partitioned_weights:
-        return {k: v.float() for k, v in client["module"].items()}, client
-    pieces = [load_deepspeed_file(p)["optimizer_state_dict"] for p in layout.optimizer_files
-              if names.parse_deepspeed_optim_file(os.path.basename(p))[1] == mp_rank]
-    return merge_zero3(client["param_shapes"], pieces, where).weights, client
