@@ -1,4 +1,4 @@
-"""Where each GPT-2 parameter lives in a TP x PP layout, for the converter: no files, no processes.
+"""Where each parameter of our GPT models lives in a TP x PP layout, for the converter: no files, no processes.
 
 Names are ours (Megatron's, flat, global layer indices; see docs/architecture.md). What each
 pipeline stage holds, in module order, and the dimension tensor parallelism splits each
@@ -8,7 +8,10 @@ parallel layers put on each parameter). Where a TP shard lies in the full tensor
 rule the torch_dist format uses too (`app.checkpoint.sharding.place`): contiguous chunks along
 that dimension (the fused QKV rows are ordered by query group, so a chunk holds whole groups),
 and under grouped-query attention with fewer key/value groups than TP ranks, each rank's query
-rows plus its group's key/value rows, shared by the ranks of that group. Merging places the
+rows plus its group's key/value rows, shared by the ranks of that group; SwiGLU's first
+projection (--swiglu) is [gate; up] in full and [gate_r; up_r] on rank r, as Megatron splits it.
+The Llama block's other parameters (RMSNorm weights, QK-norms, no biases) are whatever the
+model built from the config holds. Merging places the
 shards back (checking that shared rows agree), so split/merge round trips are exact.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from app.checkpoint import CheckpointError, sharding
+from app.checkpoint import sharding
 from app.checkpoint.model_args import model_config_from_args
 from app.config import ModelConfig
 from app.config.param_names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD,
@@ -65,15 +68,8 @@ class Layout:
     def of_args(cls, args: argparse.Namespace, pipeline_model_parallel_size: int,
                 padded_vocab_size: Optional[int] = None) -> "Layout":
         """The layout of the model a checkpoint's `args` describe, with `padded_vocab_size`
-        rows when given (raises CheckpointError when the args lack the model's shape, or
-        describe the Llama block, whose gated MLP shards this layout does not place yet)."""
+        rows when given (raises CheckpointError when the args lack the model's shape)."""
         config = model_config_from_args(args, padded_vocab_size, for_inference=True)
-        if config.llama_features:
-            raise CheckpointError(
-                f"the checkpoint's model uses {', '.join(config.llama_features)}: converting or "
-                "resharding the Llama block is not supported yet; load it at the layout it was "
-                "saved with (same --tensor-model-parallel-size and "
-                "--pipeline-model-parallel-size)")
         return cls(config, pipeline_model_parallel_size)
 
     def stage_names(self, stage: int) -> List[str]:
@@ -172,7 +168,8 @@ def _placements(full_shape: Sequence[int], record: ParameterRecord, tp: int,
     """Each TP rank's placement of its shard in the full tensor (sharding.place)."""
     local = _shard_shape(full_shape, record.partition_dim, tp, replicated_rows, record.name)
     found = [sharding.place(record.name, local, partition_dim=record.partition_dim, tp_rank=rank,
-                            tp_size=tp, replicated_rows=replicated_rows) for rank in range(tp)]
+                            tp_size=tp, replicated_rows=replicated_rows,
+                            glu_halves=record.glu_halves) for rank in range(tp)]
     if found[0].global_shape != tuple(full_shape):
         raise LayoutError(f"{record.name}: shards of {local} place into "
                           f"{found[0].global_shape}, not the full shape {tuple(full_shape)}")

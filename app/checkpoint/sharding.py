@@ -5,7 +5,8 @@ when replicated), of one layer. Megatron Core's ShardedTensor says the same thin
 key, a global shape and the offset of the local tensor in it; a layer's tensor is a slice of a
 global tensor stacked over the layers (`stacked`: a leading layer dimension). `place` turns a
 parameter's marks (app.mpu's `partition_dim` and, for grouped-query attention with fewer
-key/value groups than TP ranks, `replicated_rows`) into `Region`s: boxes of the local tensor with
+key/value groups than TP ranks, `replicated_rows`; for SwiGLU's first projection, `glu_halves`)
+into `Region`s: boxes of the local tensor with
 their global offset and how many TP ranks hold the same values.
 
 Saving writes boxes, loading reads boxes, so a new layout is only a new set of boxes. The
@@ -57,7 +58,8 @@ class Placement:
 
 def place(key: str, local_shape: Sequence[int], *, partition_dim: int, tp_rank: int,
           tp_size: int, layer: Optional[int] = None, num_layers: Optional[int] = None,
-          replicated_rows: Optional[Tuple[int, int]] = None) -> Placement:
+          replicated_rows: Optional[Tuple[int, int]] = None,
+          glu_halves: bool = False) -> Placement:
     """The placement of a rank's local tensor of shape `local_shape`.
 
     `partition_dim` -1: replicated over the TP group (one region, `tp_size` copies); 0 or 1: the
@@ -65,13 +67,19 @@ def place(key: str, local_shape: Sequence[int], *, partition_dim: int, tp_rank: 
     (first_row, r) (grouped-query attention with fewer groups than TP ranks, app.mpu.mappings):
     rows [0, first_row) are this rank's query heads, rows [first_row:] its group's key and value
     heads, shared by r ranks; rank t is share t % r of group t // r, and each group's rows are
-    [its r x first_row query rows, its key/value rows] in the global tensor. `layer` (with
+    [its r x first_row query rows, its key/value rows] in the global tensor. `glu_halves`
+    (--swiglu's fc1, partition_dim 0): the local rows are [gate_r; up_r], this rank's shard of
+    each half, and the global tensor is [gate; up] (Megatron Core's
+    `apply_swiglu_sharded_factory`: the gate half at offset tp_rank x rows/2, the up half at
+    offset (tp_size + tp_rank) x rows/2; the whole model's tensor at TP 1). `layer` (with
     `num_layers`) stacks the tensor as slice `layer` of a leading layer dimension.
     """
     local = tuple(int(s) for s in local_shape)
     whole = (0,) * len(local)
     if partition_dim < 0:
         global_shape, regions = local, [Region(whole, local, whole, tp_size, tp_rank)]
+    elif glu_halves:
+        global_shape, regions = _glu_halves(local, partition_dim, tp_rank, tp_size)
     elif replicated_rows is None:
         d = partition_dim
         global_shape = local[:d] + (local[d] * tp_size,) + local[d + 1:]
@@ -85,6 +93,19 @@ def place(key: str, local_shape: Sequence[int], *, partition_dim: int, tp_rank: 
         global_shape = (num_layers,) + global_shape
         regions = [replace(r, global_offset=(layer,) + r.global_offset) for r in regions]
     return Placement(key, global_shape, layer is not None, tuple(regions))
+
+
+def _glu_halves(local: Shape, partition_dim: int, tp_rank: int, tp_size: int
+                ) -> Tuple[Shape, List[Region]]:
+    if partition_dim != 0 or local[0] % 2:
+        raise ValueError(f"glu_halves: a local tensor of shape {local} split along dimension "
+                         f"{partition_dim} does not hold [gate; up] rows")
+    half = local[0] // 2
+    rest = local[1:]
+    zeros = (0,) * len(rest)
+    gate = Region((0,) + zeros, (half,) + rest, (tp_rank * half,) + zeros)
+    up = Region((half,) + zeros, (half,) + rest, ((tp_size + tp_rank) * half,) + zeros)
+    return (local[0] * tp_size,) + rest, [gate, up]
 
 
 def _replicated_rows(local: Shape, tp_rank: int, tp_size: int, replicated_rows: Tuple[int, int]

@@ -83,7 +83,8 @@ def placement(name: str, tensor: torch.Tensor, layout: RankLayout) -> sharding.P
     return sharding.place(key, tensor.shape, partition_dim=getattr(tensor, "partition_dim", -1),
                           tp_rank=layout.tp_rank, tp_size=layout.tp_size, layer=layer,
                           num_layers=layout.num_layers,
-                          replicated_rows=getattr(tensor, "replicated_rows", None))
+                          replicated_rows=getattr(tensor, "replicated_rows", None),
+                          glu_halves=getattr(tensor, "glu_halves", False))
 
 
 def _box(flat_or_local: torch.Tensor, region: sharding.Region, stacked: bool,

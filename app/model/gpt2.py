@@ -212,6 +212,9 @@ class ParallelMLP(nn.Module):
             bias=config.add_bias_linear, init_method=fc1_init,
             parallel_state=parallel_state, params_dtype=dtype,
             skip_bias_add=self.bias_gelu_fusion, sequence_parallel=config.sequence_parallel)
+        if config.swiglu:  # checkpoints place [gate_r; up_r] by this mark (app.checkpoint.sharding)
+            for param in self.dense_h_to_4h.parameters():
+                param.glu_halves = True
         self.dense_4h_to_h = RowParallelLinear(
             ffn, config.hidden_size, input_is_parallel=True, bias=config.add_bias_linear,
             init_method=init.scaled_normal(f"{prefix}.dense_4h_to_h.weight"),

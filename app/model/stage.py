@@ -72,6 +72,9 @@ class ParameterRecord:
     """Global index of the transformer layer holding it; None outside the layers."""
     tied_copy: bool
     """The last stage's copy of the word embeddings (kept equal to stage 0's)."""
+    glu_halves: bool = False
+    """--swiglu's first projection: rows [gate; up], each half split over TP, so a rank holds
+    [gate_r; up_r] (app.checkpoint.sharding.place)."""
 
 
 def parameter_records(model: nn.Module) -> Dict[str, ParameterRecord]:
@@ -89,7 +92,8 @@ def parameter_records(model: nn.Module) -> Dict[str, ParameterRecord]:
         parsed = parse_layer(name)
         records[name] = ParameterRecord(name=name, shape=tuple(param.shape), partition_dim=dim,
                                         layer=parsed[0] if parsed else None,
-                                        tied_copy=bool(getattr(param, "shared", False)))
+                                        tied_copy=bool(getattr(param, "shared", False)),
+                                        glu_halves=bool(getattr(param, "glu_halves", False)))
     return records
 
 

@@ -95,10 +95,35 @@ def test_layout_follows_the_model_options():
         parameter_records(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("options", [{}, dict(position_embedding_type="rope",
-                                               group_query_attention=True, num_query_groups=2,
-                                               untie_embeddings_and_output_weights=True)],
-                         ids=["gpt2", "rope-gqa2-untied"])
+ROPE_GQA_UNTIED = dict(position_embedding_type="rope", group_query_attention=True,
+                       num_query_groups=2, untie_embeddings_and_output_weights=True)
+LLAMA = dict(ROPE_GQA_UNTIED, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+             qk_layernorm=True, ffn_hidden_size=48)
+
+
+def test_llama_layout_is_megatrons():
+    """The Llama block's layer (SwiGLU, RMSNorm, no biases, QK-norm): Megatron's parameters in
+    module order with their TP split (written out by hand), the fc1 rows [gate; up] of 2 x ffn,
+    the norms (1-D) without weight decay, at PP 2."""
+    model_layout = layout.Layout(dataclasses.replace(_config(), **LLAMA), 2)
+    layer = [("input_layernorm.weight", -1), ("attention.query_key_value.weight", 0),
+             ("attention.q_layernorm.weight", -1), ("attention.k_layernorm.weight", -1),
+             ("attention.dense.weight", 1), ("post_attention_layernorm.weight", -1),
+             ("mlp.dense_h_to_4h.weight", 0), ("mlp.dense_4h_to_h.weight", 1)]
+    expected = [(layout.WORD_EMBEDDINGS, 0)] + [
+        (layout.layer_param_name(i, s), d) for i in (0, 1) for s, d in layer]
+    names = model_layout.stage_names(0)
+    assert [(n, model_layout.record(n).partition_dim) for n in names] == expected
+    assert model_layout.stage_names(1)[-2:] == [layout.FINAL_NORM[0], layout.OUTPUT_LAYER]
+    fc1 = layout.layer_param_name(2, "mlp.dense_h_to_4h.weight")
+    assert model_layout.record(fc1).shape == (2 * 48, H) and model_layout.record(fc1).glu_halves
+    no_decay = [n for n in names if "layernorm" in n]
+    assert model_layout.optimizer_groups(names) == {
+        "decay": [n for n in names if n not in no_decay], "no_decay": no_decay}
+
+
+@pytest.mark.parametrize("options", [{}, ROPE_GQA_UNTIED, LLAMA],
+                         ids=["gpt2", "rope-gqa2-untied", "llama"])
 def test_split_is_what_each_tensor_parallel_rank_holds_and_merge_inverts_it(options):
     """The converter's split of the full (TP 1) model gives, for every parameter, exactly the
     shard that the model built at TP 2 and TP 4 holds on each rank (with 2 query groups at TP 4
@@ -115,6 +140,11 @@ def test_split_is_what_each_tensor_parallel_rank_holds_and_merge_inverts_it(opti
             for r in range(tp):
                 assert torch.equal(shards[r], ranks[r][name].detach()), (name, tp, r)
             assert torch.equal(model_layout.merge(name, shards), value.detach()), name
+    if options.get("swiglu"):  # Megatron's split, by hand: rank r holds [gate_r; up_r]
+        name = layout.layer_param_name(1, "mlp.dense_h_to_4h.weight")
+        gate, up = full[name].detach().chunk(2)  # [ffn, h] each
+        for r, shard in enumerate(model_layout.split(name, full[name].detach(), 4)):
+            assert torch.equal(shard, torch.cat([gate.chunk(4)[r], up.chunk(4)[r]]))
     if options:  # the rows two ranks share must agree
         name = layout.layer_param_name(0, "attention.query_key_value.weight")
         shards = model_layout.split(name, full[name].detach(), 4)

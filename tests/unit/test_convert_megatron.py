@@ -16,10 +16,16 @@ from app.checkpoint import names
 L, H, HEADS, VOCAB, MULTIPLE = 4, 32, 4, 100, 48  # padded: 144 at TP1, 192 at TP2
 
 
-def _source():
+LLAMA = dict(swiglu=True, normalization="RMSNorm", add_bias_linear=False, qk_layernorm=True,
+             position_embedding_type="rope", group_query_attention=True, num_query_groups=2,
+             untie_embeddings_and_output_weights=True)
+"""The Llama recipe's options, as ModelConfig fields and as a checkpoint's args alike."""
+
+
+def _source(**options):
     model = GPT2Model(ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS,
                                   seq_length=16, max_position_embeddings=16,
-                                  padded_vocab_size=144, seed=2))
+                                  padded_vocab_size=144, seed=2, **options))
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     gen = torch.Generator().manual_seed(0)
     per_param = {n: {"exp_avg": torch.randn(w.shape, generator=gen),
@@ -33,7 +39,7 @@ def _source():
                               padded_vocab_size=144, params_dtype=torch.float32,
                               tokenizer_type="GPT2BPETokenizer", tensor_model_parallel_size=1,
                               pipeline_model_parallel_size=1, data_parallel_size=1,
-                              consumed_train_samples=56)
+                              consumed_train_samples=56, **options)
     scaler = {"scale": 1024.0, "growth_tracker": 3}
     return ModelCheckpoint(args=args, weights=weights, iteration=7,
                            optimizer=OptimizerState(per_param, hparams, scaler),
@@ -84,3 +90,34 @@ def test_untied_output_layer_is_padded_for_the_target_like_the_word_embeddings(t
         assert layout.TIED_HEAD not in flat
         assert torch.equal(flat[layout.OUTPUT_LAYER], padded[96 * tp_rank:96 * (tp_rank + 1)])
         assert flat[layout.WORD_EMBEDDINGS].shape == (96, H)
+
+
+def test_llama_tp2pp2_with_optimizer_round_trip(tmp_path):
+    """The Llama block (SwiGLU, RMSNorm, no biases, QK-norm, RoPE, 2 query groups, untied) at
+    TP2 x PP2: each rank's fc1 and its Adam moments are [gate_r; up_r] (Megatron's split, by
+    hand), the norms sit in the no-weight-decay group, and TP1 gives every tensor back."""
+    source = _source(**LLAMA)
+    write_megatron(source, str(tmp_path / "a"), 2, 2, None, 7, include_optimizer=True)
+    fc1 = layout.layer_param_name(3, "mlp.dense_h_to_4h.weight")
+    for tp_rank in range(2):
+        state, _ = ckpt.load_checkpoint_dict(str(tmp_path / "a"), tp_rank=tp_rank, pp_rank=1,
+                                             pp_size=2)
+        flat = ckpt.from_megatron_model(state["model"])
+        # optimizer order: the decay group, then the norms (Megatron: no decay for 1-D tensors)
+        no_decay = [n for n in flat if "layernorm" in n]
+        order = [n for n in flat if n not in no_decay] + no_decay
+        groups = {g["name"]: g["params"] for g in state["optimizer"]["param_groups"]}
+        assert groups["no_decay"] == list(range(len(order) - len(no_decay), len(order)))
+        index = order.index(fc1)
+        for got, full in ((flat[fc1], source.weights[fc1]),
+                          (state["optimizer"]["state"][index]["exp_avg"],
+                           source.optimizer.per_param[fc1]["exp_avg"])):
+            gate, up = full.chunk(2)  # [ffn, h] each
+            assert torch.equal(got, torch.cat([gate.chunk(2)[tp_rank], up.chunk(2)[tp_rank]]))
+    final = read_megatron(str(tmp_path / "a"), include_optimizer=True)
+    assert set(final.weights) == set(source.weights)
+    for name, value in source.weights.items():  # the vocabulary: 144 rows, 192 at TP2
+        assert torch.equal(final.weights[name][:len(value)], value), name
+        for kind in ("exp_avg", "exp_avg_sq"):
+            want = source.optimizer.per_param[name][kind]
+            assert torch.equal(final.optimizer.per_param[name][kind][:len(want)], want), name
