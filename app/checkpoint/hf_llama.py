@@ -35,7 +35,10 @@ _NORMS = (("input_layernorm", "input_layernorm"),
 _IGNORED = (".self_attn.rotary_emb.inv_freq",)
 """Buffers of older transformers versions, not weights."""
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-"""config.json's special ids; an import keeps them in the args so the export writes them back."""
+"""config.json's special ids (default: the tokenizer's)."""
+KEPT = (*TOKEN_IDS, "max_window_layers", "pretraining_tp")
+"""config.json fields that do not change what the weights compute: an import keeps them in the
+args (`hf_config`, a dict) and the export writes them back, so HF -> ours -> HF is exact."""
 
 
 def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
@@ -147,16 +150,17 @@ def hf_config(args: argparse.Namespace, config: ModelConfig, architecture: str,
         "rope_scaling": None, "attention_bias": config.add_bias_linear,
         "attention_dropout": float(getattr(args, "attention_dropout", 0.0)),
         "dtype": str(dtype).replace("torch.", "")}
+    defaults = {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eos,
+                "pad_token_id": tokenizer.pad}
     if architecture == LLAMA:
-        out.update(mlp_bias=config.add_bias_linear, pretraining_tp=1)
+        out.update(mlp_bias=config.add_bias_linear)
+        defaults["pretraining_tp"] = 1
     else:
         out.update(use_sliding_window=False, sliding_window=None,
-                   max_window_layers=config.num_layers,
                    layer_types=["full_attention"] * config.num_layers)
-    found = {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eos,
-             "pad_token_id": tokenizer.pad}
-    for key in TOKEN_IDS:
-        out[key] = getattr(args, f"hf_{key}", found[key])
+        defaults["max_window_layers"] = config.num_layers
+    kept = getattr(args, "hf_config", None) or {}
+    out.update({key: kept.get(key, default) for key, default in defaults.items()})
     return out
 
 
@@ -210,7 +214,7 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
         rotary_base=int(_rope_theta(config, path)),
         group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
-        **{f"hf_{key}": config.get(key) for key in TOKEN_IDS})
+        hf_config={key: config[key] for key in KEPT if key in config})
 
 
 # ---------------------------------------------------------------------------- directories

@@ -85,7 +85,7 @@ def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
     blockers = checkpoint_args_blockers(checkpoint_args_namespace(cfg, 0, 0, 0))
     for flag, reason in zip(["--swiglu", "--normalization RMSNorm", "--disable-bias-linear",
                              "--qk-layernorm"], blockers):
-        assert reason.startswith(flag) and "not supported yet" in reason
+        assert reason.startswith(flag) and "export as LlamaForCausalLM" in reason
     assert Layout.of_args(checkpoint_args_namespace(cfg, 0, 0, 0), 2).config.swiglu
     with pytest.raises(ValueError, match="--ckpt-format torch_dist does not support --swiglu"):
         arguments.config_from_argv(base + llama + ["--ckpt-format", "torch_dist"], 1, 64)
