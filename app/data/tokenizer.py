@@ -173,6 +173,11 @@ class HuggingFaceTokenizer:
         """`[tokenize(t) for t in texts]` in one call."""
         return [list(x) for x in self._tokenizer(list(texts)).input_ids] if texts else []
 
+    def tokenize_plain(self, text: str) -> List[int]:
+        """The ids of `text` alone, no special tokens added (what lm-evaluation-harness scores
+        a context or continuation with, as its Hugging Face backend)."""
+        return list(self._tokenizer(text, add_special_tokens=False).input_ids)
+
     def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
                     ) -> Tuple[np.ndarray, np.ndarray]:
         """(tokens uint32 [total], lengths int64 [len(texts)]): `tokenize` of every text."""
