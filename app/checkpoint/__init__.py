@@ -10,7 +10,8 @@ dict, `model_args` its `args` <-> ModelConfig; `layouts` reads a saved layout fr
 `deepspeed_files` and `zero3` read DeepSpeed's files. `torch_dist` is Megatron Core's
 distributed checkpoint per rank, built on `mcore_names`, `sharding` (boxes of global tensors:
 the one rule of where a TP shard lies), `dcp_files` and `mcore_state`. Whole models:
-`megatron_whole`, `torch_dist_whole`, `deepspeed_whole`, `hf_gpt2`, with `layout` (a full
+`megatron_whole`, `torch_dist_whole`, `deepspeed_whole`, `hf` (Hugging Face: `hf_gpt2`,
+`hf_llama`, their files `hf_files`), with `layout` (a full
 tensor's TP shards and PP stages, the model's optimizer groups) and `state` (ModelCheckpoint).
 No policy lives here: when to save, what to resume and what to refuse are
 app.training.resilience's.
