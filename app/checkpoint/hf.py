@@ -10,8 +10,11 @@ import logging
 import os
 from typing import Any, Dict, List, Optional
 
+import torch
+
 from app.checkpoint import hf_gpt2, hf_llama
-from app.checkpoint.hf_files import HFConversionError, pick_tokenizer, read_config, read_hf_tensors
+from app.checkpoint.hf_files import (ExportTokenizer, HFConversionError, pick_tokenizer,
+                                     read_config, read_hf_tensors)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint, describe
 from app.model.hf_compat import GPT2, export_architecture
@@ -49,16 +52,27 @@ def describe_hf(path: str, iteration: Optional[object] = None) -> List[str]:
 
 
 def write_converted(source: ModelCheckpoint, out_dir: str, opts: Any) -> str:
-    """The converter's write (opts: app.checkpoint.convert.ConvertOptions): GPT2LMHeadModel,
-    LlamaForCausalLM or Qwen3ForCausalLM as the model is, with the tokenizer
-    (hf_files.pick_tokenizer); returns what was written, in words."""
+    """The converter's write (opts: app.checkpoint.convert.ConvertOptions): `write_model` with
+    the tokenizer the flags or the source name (hf_files.pick_tokenizer); returns what was
+    written, in words."""
     if (opts.target_tensor_model_parallel_size, opts.target_pipeline_model_parallel_size) != (1, 1):
         logger.warning("--target-*-parallel-size is ignored for --output-format hf")
-    architecture = export_architecture(model_config_from_args(source.args, for_inference=True))
     dtype = torch_dtype(opts.target_params_dtype) if opts.target_params_dtype else None
     tokenizer = pick_tokenizer(source.args, source.tokenizer_files, opts.vocab_file,
                                opts.merge_file, opts.tokenizer_model)
-    module = hf_gpt2 if architecture == GPT2 else hf_llama
-    module.write_hf_dir(source, out_dir, tokenizer, dtype, opts.max_shard_size,
-                        opts.metrics_file, os.path.abspath(opts.save))
+    architecture = write_model(source, out_dir, tokenizer, dtype, opts.max_shard_size,
+                               opts.metrics_file, os.path.abspath(opts.save))
     return f"Hugging Face {architecture} directory"
+
+
+def write_model(source: ModelCheckpoint, out_dir: str, tokenizer: Optional[ExportTokenizer] = None,
+                dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
+                metrics_file: Optional[str] = None, model_path: Optional[str] = None) -> str:
+    """`source` as the Hugging Face architecture its model is (GPT2LMHeadModel, LlamaForCausalLM
+    or Qwen3ForCausalLM: app.model.hf_compat.export_architecture) in `out_dir`; returns that
+    architecture's name."""
+    architecture = export_architecture(model_config_from_args(source.args, for_inference=True))
+    module = hf_gpt2 if architecture == GPT2 else hf_llama
+    module.write_hf_dir(source, out_dir, tokenizer or ExportTokenizer(), dtype, max_shard_size,
+                        metrics_file, model_path)
+    return architecture

@@ -185,14 +185,17 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
     """Megatron args of a Llama or Qwen3 config.json (`tokenizer_model`: the directory holding
     its tokenizer, None when it has none)."""
     kind = config.get("model_type")
-    act = config.get("hidden_act", "silu")
-    for key, value, fine in (("hidden_act", act, "silu"),
-                             ("use_sliding_window", config.get("use_sliding_window"), False),
-                             ("mlp_bias", config.get("mlp_bias", False),
-                              config.get("attention_bias", False))):
+    for key, value, fine in (("hidden_act", config.get("hidden_act", "silu"), "silu"),
+                             ("use_sliding_window", config.get("use_sliding_window"), False)):
         if value not in (fine, None):
             raise HFConversionError(f"{path}: {key} {value!r} is not supported (Megatron's "
                                     f"Llama recipe: {key} {fine!r})")
+    biases = (bool(config.get("attention_bias", False)),  # Qwen3's MLP has none
+              bool(config.get("mlp_bias", False)) if kind == "llama" else False)
+    if biases[0] != biases[1]:
+        raise HFConversionError(f"{path}: attention_bias {biases[0]} with mlp_bias {biases[1]} "
+                                "is not supported: --disable-bias-linear drops the biases of "
+                                "both (the attention and the MLP) or neither")
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     positions = int(config.get("max_position_embeddings", 2048))
@@ -208,7 +211,7 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
         hidden_dropout=0.0, attention_dropout=float(config.get("attention_dropout", 0.0)),
         init_method_std=float(config.get("initializer_range", 0.02)),
         swiglu=True, normalization="RMSNorm", qk_layernorm=kind == "qwen3",
-        add_bias_linear=bool(config.get("attention_bias", False)),
+        add_bias_linear=biases[0],
         position_embedding_type="rope", use_rotary_position_embeddings=True,
         add_position_embedding=False, rotary_percent=1.0,
         rotary_base=int(_rope_theta(config, path)),

@@ -117,14 +117,8 @@ LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
     ([], "GPT2LMHeadModel")])
 def test_our_model_exports_as_its_architecture_with_our_logits(tmp_path, flags, architecture):
     from app.checkpoint import hf
-    from app.checkpoint.convert import ConvertOptions
     model, source = _our_model(*flags)
-    opts = ConvertOptions.__new__(ConvertOptions)  # the fields write_converted reads
-    opts.__dict__.update(target_tensor_model_parallel_size=1,
-                         target_pipeline_model_parallel_size=1, target_params_dtype=None,
-                         vocab_file=None, merge_file=None, tokenizer_model=None,
-                         max_shard_size="2GB", metrics_file=None, save=str(tmp_path))
-    assert hf.write_converted(source, str(tmp_path), opts) == f"Hugging Face {architecture} directory"
+    assert hf.write_model(source, str(tmp_path)) == architecture
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == [architecture] and config["vocab_size"] == 60
     if architecture != "GPT2LMHeadModel":
@@ -156,7 +150,7 @@ def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
     for change, words in (({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
                            "rope_type 'llama3'"),
                           ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-                          ({"mlp_bias": True}, "mlp_bias True")):
+                          ({"mlp_bias": True}, "attention_bias False with mlp_bias True")):
         with pytest.raises(HFConversionError, match=words):
             hf_llama.args_from_hf_config({**config, **change}, "x/config.json")
     (tmp_path / "mistral").mkdir()
