@@ -1,4 +1,5 @@
-"""Where each parameter of our GPT models lives in a TP x PP layout, for the converter: no files, no processes.
+"""Where each parameter of our GPT models lives in a TP x PP layout, for the converter: no
+files, no processes.
 
 Names are ours (Megatron's, flat, global layer indices; see docs/architecture.md). What each
 pipeline stage holds, in module order, and the dimension tensor parallelism splits each
@@ -11,8 +12,8 @@ and under grouped-query attention with fewer key/value groups than TP ranks, eac
 rows plus its group's key/value rows, shared by the ranks of that group; SwiGLU's first
 projection (--swiglu) is [gate; up] in full and [gate_r; up_r] on rank r, as Megatron splits it.
 The Llama block's other parameters (RMSNorm weights, QK-norms, no biases) are whatever the
-model built from the config holds. Merging places the
-shards back (checking that shared rows agree), so split/merge round trips are exact.
+model built from the config holds. Merging places the shards back (checking that shared rows
+agree), so split/merge round trips are exact.
 """
 from __future__ import annotations
 

@@ -11,7 +11,12 @@ LayerNorms as separate modules but maps their keys to Transformer Engine's fused
 ones below. Our names are Megatron-LM's legacy ones with global layer indices
 (docs/architecture.md). The fused QKV rows are ordered alike in both: per query group, its query
 heads then its key and value head (Megatron Core's `[ng, (np/ng + 2) * hn]`, our
-checkpoint_version 3.0), so no row is permuted.
+checkpoint_version 3.0), so no row is permuted. The Llama block's keys are the same table: with
+--normalization RMSNorm the norms keep only `layer_norm_weight` (Megatron Core's local spec puts
+torch's RMSNorm there, under the same fused names), --qk-layernorm adds the per-head norms
+`self_attention.{q,k}_layernorm.*` (not renamed by the local spec), --disable-bias-linear drops
+the biases, and with --swiglu `mlp.linear_fc1.weight` is [gate; up] of 2 x ffn rows, where TP rank
+r holds [gate_r; up_r] (Megatron Core's `apply_swiglu_sharded_factory`; app.checkpoint.sharding).
 
 Optimizer states follow the model keys (megatron/core/dist_checkpointing/optimizer.py and the
 distributed optimizer's `fully_reshardable` format): `optimizer.state.<state>.<model key>` with
@@ -38,6 +43,10 @@ LAYER_KEYS: Dict[str, str] = {
     "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
     "attention.query_key_value.weight": "self_attention.linear_qkv.weight",
     "attention.query_key_value.bias": "self_attention.linear_qkv.bias",
+    "attention.q_layernorm.weight": "self_attention.q_layernorm.weight",  # --qk-layernorm
+    "attention.q_layernorm.bias": "self_attention.q_layernorm.bias",
+    "attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
+    "attention.k_layernorm.bias": "self_attention.k_layernorm.bias",
     "attention.dense.weight": "self_attention.linear_proj.weight",
     "attention.dense.bias": "self_attention.linear_proj.bias",
     "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",

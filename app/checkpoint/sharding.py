@@ -6,8 +6,8 @@ key, a global shape and the offset of the local tensor in it; a layer's tensor i
 global tensor stacked over the layers (`stacked`: a leading layer dimension). `place` turns a
 parameter's marks (app.mpu's `partition_dim` and, for grouped-query attention with fewer
 key/value groups than TP ranks, `replicated_rows`; for SwiGLU's first projection, `glu_halves`)
-into `Region`s: boxes of the local tensor with
-their global offset and how many TP ranks hold the same values.
+into `Region`s: boxes of the local tensor with their global offset and how many TP ranks hold
+the same values.
 
 Saving writes boxes, loading reads boxes, so a new layout is only a new set of boxes. The
 distributed optimizer holds a flat range [lo, hi) of a local tensor; `flat_boxes` cuts it into

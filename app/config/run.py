@@ -77,8 +77,6 @@ class RunConfig:
                              "--ckpt-format, or convert afterwards with "
                              "tools/convert_checkpoint.py --input-format deepspeed "
                              "--output-format torch_dist")
-        if self.checkpoint.ckpt_format == "torch_dist":  # its key mapping knows GPT-2's block
-            m.require_gpt2_block("--ckpt-format torch_dist")
         if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
             raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
                              "shard the optimizer with ZeRO (zero_optimization.stage 1, 2 or 3 in "

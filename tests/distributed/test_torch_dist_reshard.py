@@ -12,6 +12,9 @@ uninterrupted run (one 4-rank spawn, then this process as the one-rank layout):
   fp16 layout tolerance of tests/distributed/test_precision_layouts.py (1e-4 relative).
 - bf16 Muon, plain, TP2 x DP2 -> PP2 x DP2 with the distributed optimizer: within bf16's
   layout tolerance (1e-3 relative).
+- the Llama block (SwiGLU, whose fc1 each TP rank holds as [gate_r; up_r], RMSNorm, no biases,
+  QK-norm, RoPE, 2 query groups, untied), fp32, distributed optimizer, TP2 x DP2 -> PP2 x DP2:
+  within 1e-5.
 """
 import torch
 
@@ -27,6 +30,9 @@ ARGV = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--make-vocab-size-divisible-by", "16", "--ckpt-format", "torch_dist"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 DIST = ["--use-distributed-optimizer"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm",
+         "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
+         "--untie-embeddings-and-output-weights"]
 FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 SAVED_AT, ITERS = 3, 6
 CASES = {  # name: (saving flags, background save, {resume name: (flags, relative tolerance)})
@@ -36,6 +42,7 @@ CASES = {  # name: (saving flags, background save, {resume name: (flags, relativ
                                         "TP2xDP2": (TP2 + FP16, 1e-4)}),
     "bf16 muon": (TP2 + ["--bf16", "--optimizer", "muon"], False,
                   {"PP2xDP2 dist": (PP2 + DIST + ["--bf16", "--optimizer", "muon"], 1e-3)}),
+    "llama": (TP2 + DIST + LLAMA, False, {"PP2xDP2 dist": (PP2 + DIST + LLAMA, 1e-5)}),
 }
 
 

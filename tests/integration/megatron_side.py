@@ -2,14 +2,19 @@
 code: the installed megatron-core (requirements-test.txt), or a Megatron-LM checkout first on
 PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
 
-    python megatron_side.py read  DIR        build GPTModel (local spec) from the args in DIR's
-                                             common state, load the latest iteration with
-                                             dist_checkpointing.load, and compare its logits on
-                                             DIR/probe.pt's tokens with the logits stored there
-    python megatron_side.py write DIR FORMAT [SPLIT DATA_PATH...]
+    python megatron_side.py read DIR [DIR...]
+                                             for each DIR: build GPTModel (local spec) from the
+                                             args in DIR's common state, load the latest
+                                             iteration with dist_checkpointing.load, and compare
+                                             its logits on DIR/probe.pt's tokens with the
+                                             logits stored there
+    python megatron_side.py write FORMAT MODEL=DIR [MODEL=DIR...] [SPLIT DATA_PATH...]
+                                             for each MODEL (gpt2, or llama: SwiGLU, RMSNorm,
+                                             no biases, QK-norm, RoPE, 2 query groups, untied)
                                              build a GPTModel from the args Megatron-LM's own
                                              parse_args made (tests/data/megatron_args,
-                                             core_v0.16.1), save it at iteration 3 as
+                                             core_v0.16.1; llama: the swiglu_rmsnorm flags with
+                                             LLAMA on top), save it at iteration 3 into DIR as
                                              Megatron-LM's save_checkpoint does in FORMAT
                                              (torch_dist: dist_checkpointing.save with the common
                                              state, rng_state object and tracker; torch: the legacy
@@ -17,7 +22,8 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              state_dict_for_save_checkpoint) and store its logits
                                              on fixed tokens in DIR/probe.pt; with SPLIT and
                                              DATA_PATH (Megatron's --split, --data-path), also
-                                             the losses of the global batches after iteration 3
+                                             the first DIR's losses of the global batches after
+                                             iteration 3
                                              up to --train-iters, on Megatron's datasets, in
                                              DIR/megatron_losses.json
 
@@ -42,6 +48,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.append(ROOT)  # tests.data.megatron_args (after Megatron, which may come from a checkout)
 ITERATION, CONSUMED = 3, 12
 """Where `write` saves: iteration 3 of a run with global batch 4."""
+LLAMA = dict(qk_layernorm=True, position_embedding_type="rope", group_query_attention=True,
+             num_query_groups=2, untie_embeddings_and_output_weights=True)
+"""What the llama model sets on top of Megatron's swiglu_rmsnorm args (--swiglu --normalization
+RMSNorm --disable-bias-linear)."""
 
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.current_device = lambda: "cpu"
@@ -75,13 +85,15 @@ def build(args):
         layernorm_epsilon=args.layernorm_epsilon, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, add_bias_linear=args.add_bias_linear,
         gated_linear_unit=args.swiglu, activation_func=activation,
-        normalization=args.normalization,
+        normalization=args.normalization, qk_layernorm=args.qk_layernorm,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, params_dtype=args.params_dtype,
         pipeline_dtype=args.params_dtype, init_method_std=args.init_method_std)
-    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+    spec = get_gpt_layer_local_spec(normalization=args.normalization,
+                                    qk_layernorm=args.qk_layernorm)
+    return GPTModel(cfg, spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type,
@@ -104,8 +116,12 @@ def logits(model, tokens):
         return model(tokens, position, mask)
 
 
-def read(directory):
+def read(*directories):
     parallel_state = setup()
+    return max(read_one(directory, parallel_state) for directory in directories)
+
+
+def read_one(directory, parallel_state):
     from megatron.core import dist_checkpointing
     iteration = open(os.path.join(directory, "latest_checkpointed_iteration.txt")).read().strip()
     ckpt = os.path.join(directory, f"iter_{int(iteration):07d}")
@@ -203,15 +219,27 @@ def _rng_state():
              "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}]
 
 
-def write(directory, ckpt_format="torch_dist", split=None, *data_path):
+def write(ckpt_format, *rest):
     parallel_state = setup()
+    models = [arg.split("=", 1) for arg in rest if "=" in arg]
+    split, *data_path = [arg for arg in rest if "=" not in arg] or [None]
+    for i, (name, directory) in enumerate(models):
+        write_one(directory, ckpt_format, name, parallel_state, split if i == 0 else None,
+                  data_path if i == 0 else [])
+    return 0
+
+
+def write_one(directory, ckpt_format, name, parallel_state, split, data_path):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.enums import ModelType
     torch.manual_seed(5)
-    flag_set = "gpt2" if ckpt_format == "torch_dist" else "gpt2_legacy"
+    flag_set = {"gpt2": "gpt2" if ckpt_format == "torch_dist" else "gpt2_legacy",
+                "llama": "swiglu_rmsnorm"}[name]
+    model_flags = dict(LLAMA, ckpt_format=ckpt_format) if name == "llama" else {}
     args = megatron_args(flag_set, consumed_train_samples=ITERATION * 4, iteration=ITERATION,
-                         curr_iteration=ITERATION, model_type=ModelType.encoder_or_decoder)
+                         curr_iteration=ITERATION, model_type=ModelType.encoder_or_decoder,
+                         **model_flags)
     assert args.ckpt_format == ckpt_format
     model = build(args)
     with torch.no_grad():  # LayerNorms and biases away from 1 and 0, so a swapped key shows
@@ -243,13 +271,13 @@ def write(directory, ckpt_format="torch_dist", split=None, *data_path):
                os.path.join(directory, "probe.pt"))
     if data_path:  # the losses of the next global batches, with Megatron's data and loss
         args = megatron_args(flag_set, data_path=list(data_path), split=split, eval_iters=0,
-                             eval_interval=1000, data_cache_path=os.path.join(directory, "cache"))
+                             eval_interval=1000, data_cache_path=os.path.join(directory, "cache"),
+                             **model_flags)
         losses = next_losses(model, args, ITERATION + 1, args.train_iters)
         with open(os.path.join(directory, "megatron_losses.json"), "w") as f:
             json.dump(losses, f)
         print(f"megatron losses of iterations {sorted(losses)}: {losses}")
-    print(f"megatron wrote {ckpt_format}: {sorted(os.listdir(ckpt))}")
-    return 0
+    print(f"megatron wrote {name} as {ckpt_format}: {sorted(os.listdir(ckpt))}")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,18 @@ Megatron's side (megatron_side.py) runs Megatron Core from the installed megatro
 (requirements-test.txt), or from a Megatron-LM checkout when MEGATRON_LM names one (and
 MEGATRON_PYTHON, when given, the Python with its dependencies).
 
+Each check runs for GPT-2 and for a Llama-style model (--swiglu, RMSNorm, no biases,
+--qk-layernorm, RoPE, grouped-query attention with 2 groups, untied output layer), both in the
+same processes:
+
 - ours -> Megatron: a run saved at TP2 x PP2 (4 ranks, after 3 steps, with its optimizer) is
   loaded by Megatron Core's dist_checkpointing.load into its GPTModel built with the local spec
   at TP1 (strict: every key Megatron asks for exists), and Megatron's logits equal ours (1e-4).
 - Megatron -> ours: a GPTModel saved the way Megatron-LM saves, with the args Megatron-LM's own
   parse_args made for the same flags (tests/data/megatron_args: num_query_groups 1 without
-  --group-query-attention, ...), resumes here (--finetune): the torch_dist save at TP2 on two
-  ranks and the legacy mp_rank_00/model_optim_rng.pt at TP1, with Megatron's logits.
+  --group-query-attention, ...; the Llama model: the swiglu_rmsnorm flags with QK-norm, RoPE,
+  2 groups and untied set on top), resumes here (--finetune): the torch_dist save at TP2 on
+  two ranks and the legacy mp_rank_00/model_optim_rng.pt at TP1, with Megatron's logits.
 """
 import json
 import os
@@ -33,6 +38,11 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-2", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--make-vocab-size-divisible-by", "8",
         "--distributed-backend", "gloo", "--ckpt-format", "torch_dist"]
+MODELS = {"gpt2": [], "llama": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                                "--qk-layernorm", "--position-embedding-type", "rope",
+                                "--group-query-attention", "--num-query-groups", "2",
+                                "--untie-embeddings-and-output-weights"]}
+"""Our flags of each model megatron_side.py builds (`write FORMAT MODEL=DIR`)."""
 
 
 def megatron(*args, cwd):
@@ -58,54 +68,70 @@ def _logits(run, tokens):
         return model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens))
 
 
-def _save_tp2_pp2(directory):
-    run = _build(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4)
-    for _ in range(3):
-        run["trainer"].train_step(run["iterator"])
-    run["engine"].save_checkpoint(directory, 3, dict(iteration=3, consumed_train_samples=12,
-                                                     consumed_valid_samples=0))
+def _save_tp2_pp2(base):
+    for model, flags in MODELS.items():
+        run = _build(flags + ["--tensor-model-parallel-size", "2",
+                              "--pipeline-model-parallel-size", "2"], 4)
+        for _ in range(3):
+            run["trainer"].train_step(run["iterator"])
+        run["engine"].save_checkpoint(f"{base}/{model}", 3, dict(
+            iteration=3, consumed_train_samples=12, consumed_valid_samples=0))
 
 
 def test_megatron_reads_our_tp2_pp2_checkpoint(tmp_path):
-    ours = str(tmp_path / "ours")
-    run_distributed(_save_tp2_pp2, 4, ours, timeout=300)
-    loaded = _build(["--load", ours, "--finetune"], 1)
-    loaded["engine"].load_checkpoint(ours)
+    run_distributed(_save_tp2_pp2, 4, str(tmp_path), timeout=300)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-    torch.save({"tokens": tokens, "logits": _logits(loaded, tokens)}, f"{ours}/probe.pt")
-    print(megatron("read", ours, cwd=tmp_path))
+    for model, flags in MODELS.items():
+        ours = str(tmp_path / model)
+        loaded = _build(flags + ["--load", ours, "--finetune"], 1)
+        loaded["engine"].load_checkpoint(ours)
+        torch.save({"tokens": tokens, "logits": _logits(loaded, tokens)}, f"{ours}/probe.pt")
+    print(megatron("read", *(str(tmp_path / model) for model in MODELS), cwd=tmp_path))
 
 
-def _read_at_tp2(directory):
+def _read_at_tp2(base):
+    """{model: max |our logits - Megatron's|} of this rank's vocabulary half, each model's
+    checkpoint in `base` loaded at TP2."""
     import torch.distributed as dist
-    run = _build(["--tensor-model-parallel-size", "2", "--load", directory, "--finetune"], 2)
-    run["engine"].load_checkpoint(directory)
-    probe = torch.load(f"{directory}/probe.pt")
-    mine = _logits(run, probe["tokens"])  # [b, s, V/2]: this rank's half of the vocabulary
-    width = mine.shape[-1]
-    want = probe["logits"][..., dist.get_rank() * width:(dist.get_rank() + 1) * width]
-    return (mine - want).abs().max().item()
+    diffs = {}
+    for model, flags in MODELS.items():
+        directory = f"{base}/{model}"
+        run = _build(flags + ["--tensor-model-parallel-size", "2", "--load", directory,
+                              "--finetune"], 2)
+        run["engine"].load_checkpoint(directory)
+        probe = torch.load(f"{directory}/probe.pt")
+        mine = _logits(run, probe["tokens"])  # [b, s, V/2]: this rank's half of the vocabulary
+        width = mine.shape[-1]
+        want = probe["logits"][..., dist.get_rank() * width:(dist.get_rank() + 1) * width]
+        diffs[model] = (mine - want).abs().max().item()
+    return diffs
+
+
+def _megatron_writes(ckpt_format, base, *data):
+    """megatron_side.py's `write` of every model of MODELS into `base`/<model>."""
+    for model in MODELS:
+        os.makedirs(f"{base}/{model}")
+    return megatron("write", ckpt_format, *(f"{model}={base}/{model}" for model in MODELS),
+                    *data, cwd=base)
 
 
 def test_we_read_megatrons_checkpoint_at_tp2(tmp_path):
-    theirs = str(tmp_path / "theirs")
-    os.makedirs(theirs)
-    print(megatron("write", theirs, "torch_dist", cwd=tmp_path))
-    diffs = run_distributed(_read_at_tp2, 2, theirs, timeout=300)
-    assert max(diffs) < 1e-4, diffs
+    print(_megatron_writes("torch_dist", str(tmp_path)))
+    diffs = run_distributed(_read_at_tp2, 2, str(tmp_path), timeout=300)
+    assert all(d < 1e-4 for rank in diffs for d in rank.values()), diffs
 
 
 def test_we_read_megatrons_legacy_checkpoint(tmp_path):
     """Megatron-LM's --ckpt-format torch save of Megatron Core's GPTModel (its flat
     state_dict_for_save_checkpoint, Megatron's pickled args with their enums) loads here."""
-    theirs = str(tmp_path / "theirs")
-    os.makedirs(theirs)
-    print(megatron("write", theirs, "torch", cwd=tmp_path))
-    assert os.path.isfile(f"{theirs}/iter_0000003/mp_rank_00/model_optim_rng.pt")
-    run = _build(["--ckpt-format", "torch", "--load", theirs, "--finetune"], 1)
-    run["engine"].load_checkpoint(theirs)
-    probe = torch.load(f"{theirs}/probe.pt")
-    assert (_logits(run, probe["tokens"]) - probe["logits"]).abs().max().item() < 1e-4
+    print(_megatron_writes("torch", str(tmp_path)))
+    for model, flags in MODELS.items():
+        theirs = str(tmp_path / model)
+        assert os.path.isfile(f"{theirs}/iter_0000003/mp_rank_00/model_optim_rng.pt")
+        run = _build(flags + ["--ckpt-format", "torch", "--load", theirs, "--finetune"], 1)
+        run["engine"].load_checkpoint(theirs)
+        probe = torch.load(f"{theirs}/probe.pt")
+        assert (_logits(run, probe["tokens"]) - probe["logits"]).abs().max().item() < 1e-4, model
 
 
 # ---------------------------------------------------------------- a Megatron run continues here
@@ -144,7 +170,7 @@ def test_a_megatron_run_continues_here_with_megatrons_losses(ckpt_format, blend,
         data_path = ["0.3", data_path[0], "0.7", str(tmp_path / "reversed_text_document")]
     theirs = str(tmp_path / "theirs")
     os.makedirs(theirs)
-    print(megatron("write", theirs, ckpt_format, "100,0,0", *data_path, cwd=tmp_path))
+    print(megatron("write", ckpt_format, f"gpt2={theirs}", "100,0,0", *data_path, cwd=tmp_path))
     with open(f"{theirs}/megatron_losses.json") as f:
         expected = json.load(f)
     metrics = str(tmp_path / "metrics.jsonl")

@@ -122,3 +122,35 @@ def test_universal_checkpoint_flag_sets_load_universal(tmp_path):
     assert reconcile_ds_config({}, universal)["checkpoint"] == {"load_universal": True}
     with pytest.raises(ValueError, match="--universal-checkpoint needs --deepspeed"):
         cfg("--universal-checkpoint")
+
+
+def test_deepspeeds_universal_merge_of_our_tp2_shards_gives_the_tp1_tensors(tmp_path):
+    """DeepSpeed's own ds_to_universal.merge_tp_slices, fed the TP2 shards of a model with the
+    Llama block and our universal_checkpoint_info, gives the TP1 model's tensors: --swiglu's fc1
+    [gate_r; up_r] as two sub-parameters, row-parallel weights by columns, norms replicated."""
+    import torch
+    from deepspeed.checkpoint import constants, ds_to_universal
+
+    from app.config import ModelConfig
+    from app.model import GPT2Model
+    from app.mpu.parallel_state import ParallelState
+    from app.training.engines.deepspeed import universal_checkpoint_info
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
+                         max_position_embeddings=16, padded_vocab_size=64, seed=3, swiglu=True,
+                         normalization="RMSNorm", add_bias_linear=False, ffn_hidden_size=48)
+    full = dict(GPT2Model(config).named_parameters())
+    ranks = [dict(GPT2Model(config, ParallelState(tensor_model_parallel_size=2,
+                                                  tensor_model_parallel_rank=r)).named_parameters())
+             for r in range(2)]
+    info = universal_checkpoint_info(GPT2Model(config, ParallelState(
+        tensor_model_parallel_size=2)), vocab_size=64)
+    for name, value in full.items():  # ds_to_universal's slice files: <name>/<tp>/<state>.<dp>
+        for rank in range(2):
+            (tmp_path / "slices" / name / str(rank)).mkdir(parents=True)
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                torch.save(ranks[rank][name].detach().flatten().clone(),
+                           tmp_path / "slices" / name / str(rank) / f"{state}.00")
+        ds_to_universal.merge_tp_slices(info, str(tmp_path / "out"), str(tmp_path / "slices"), 2,
+                                        (name, [tuple(r[name].shape) for r in ranks]))
+        merged = torch.load(tmp_path / "out" / name / "fp32.pt", weights_only=False)
+        assert torch.equal(merged[constants.PARAM], value.detach()), name

@@ -72,8 +72,9 @@ def test_defaults_and_parameter_counts():
 
 
 def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
-    """The HF GPT-2 export (checkpoint_args_blockers) and --ckpt-format torch_dist name each
-    option they do not support yet; the converters' layout (Layout.of_args) places them."""
+    """The HF GPT-2 export (checkpoint_args_blockers) names each option GPT-2 cannot express
+    (such models export as Llama); the converters' layout (Layout.of_args) and --ckpt-format
+    torch_dist take them."""
     import arguments
     from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
     from app.checkpoint.layout import Layout
@@ -87,8 +88,8 @@ def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
                              "--qk-layernorm"], blockers):
         assert reason.startswith(flag) and "export as LlamaForCausalLM" in reason
     assert Layout.of_args(checkpoint_args_namespace(cfg, 0, 0, 0), 2).config.swiglu
-    with pytest.raises(ValueError, match="--ckpt-format torch_dist does not support --swiglu"):
-        arguments.config_from_argv(base + llama + ["--ckpt-format", "torch_dist"], 1, 64)
+    torch_dist = arguments.config_from_argv(base + llama + ["--ckpt-format", "torch_dist"], 1, 64)
+    assert torch_dist.checkpoint.ckpt_format == "torch_dist"
 
 
 def _hf_state(ours: dict, cfg: ModelConfig, qk_norm_names=None) -> dict:

@@ -270,6 +270,17 @@ def test_boxes_of_the_parallel_layers():
     assert [(r.local_start, r.size, r.global_offset, r.copies, r.copy_index)
             for r in gqa.regions] == [((0, 0), (4, 5), (4, 0), 1, 0),
                                       ((4, 0), (4, 5), (8, 0), 2, 1)]
+    # --swiglu's fc1, ffn 6, TP 3, layer 1 of 2: rank 2 holds [gate rows 4-5; up rows 4-5], at
+    # global rows 4-5 and 6 + 4 = 10-11 of [gate; up] (Megatron Core's swiglu sharded factory)
+    glu = sharding.place("k", (4, 3), partition_dim=0, tp_rank=2, tp_size=3, layer=1,
+                         num_layers=2, glu_halves=True)
+    assert glu.global_shape == (2, 12, 3)
+    assert [(r.local_start, r.size, r.global_offset) for r in glu.regions] == [
+        ((0, 0), (2, 3), (1, 4, 0)), ((2, 0), (2, 3), (1, 10, 0))]
+    # a distributed-optimizer piece across the two halves: flat [3, 9) = row 1, row 2
+    assert [(r.global_offset, r.size, offset) for r, offset in
+            sharding.piece_regions(glu, (4, 3), (3, 9))] == [((1, 5, 0), (1, 3), 0),
+                                                            ((1, 10, 0), (1, 3), 3)]
 
 
 def test_flat_ranges_become_contiguous_boxes():

@@ -513,11 +513,12 @@ def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[s
     """What DeepSpeed's ds_to_universal.py needs to merge and re-slice our parameters: which
     are replicated across TP ranks, which are split by columns (row-parallel layers), and which
     hold the padded vocabulary (trimmed to the tokenizer's `vocab_size` in the universal files,
-    padded with zeros for the loading run's TP size); everything else is split by rows. Read
-    from the parameters' own `tensor_model_parallel` / `partition_dim` marks, one exact-name
-    pattern each."""
+    padded with zeros for the loading run's TP size), which are --swiglu's [gate_r; up_r] rows
+    (two sub-parameters, each split by rows); everything else is split by rows. Read from the
+    parameters' own `tensor_model_parallel` / `partition_dim` / `glu_halves` marks, one
+    exact-name pattern each."""
     from deepspeed.checkpoint import constants as c
-    replicated, by_columns, vocabulary = [], [], []
+    replicated, by_columns, vocabulary, gated = [], [], [], []
     for name, param in model.named_parameters():
         pattern = re.escape(name) + "$"
         if not getattr(param, "tensor_model_parallel", False):
@@ -526,10 +527,13 @@ def universal_checkpoint_info(model: torch.nn.Module, vocab_size: int) -> Dict[s
             by_columns.append(pattern)
         if name.endswith("word_embeddings.weight"):
             vocabulary.append(pattern)
+        if getattr(param, "glu_halves", False):
+            gated.append(pattern)
     return {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             c.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
             c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: by_columns,
             c.VOCABULARY_PARAMETER_PATTERNS: vocabulary,
+            c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: gated,
             c.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [],
             c.PARAMETER_TO_AVERAGE_PATTERNS: [], "original_vocab_size": int(vocab_size)}
 
