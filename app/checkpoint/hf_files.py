@@ -121,7 +121,8 @@ def write_weights(tensors: Dict[str, torch.Tensor], out_dir: str, max_shard_size
     progress = Progress("writing Hugging Face weights", total=len(tensors))
     weight_map: Dict[str, str] = {}
     for i, names in enumerate(plan):
-        file = SAFE_WEIGHTS if len(plan) == 1 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        file = (SAFE_WEIGHTS if len(plan) == 1
+                else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
         save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file),
                   metadata={"format": "pt"})
         for n in names:
@@ -163,7 +164,8 @@ def pick_tokenizer(args: argparse.Namespace, tokenizer_files: Dict[str, str],
     read from it. An empty ExportTokenizer when none is known."""
     saved_type = getattr(args, "tokenizer_type", None)
     if tokenizer_model is None and not vocab_file:
-        vocab_file, merge_file = tokenizer_files.get("vocab.json"), tokenizer_files.get("merges.txt")
+        vocab_file = tokenizer_files.get("vocab.json")
+        merge_file = tokenizer_files.get("merges.txt")
         if not vocab_file and saved_type == "HuggingFaceTokenizer":
             tokenizer_model = getattr(args, "tokenizer_model", None)
     if tokenizer_model:

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional
 import torch
 
 from app.checkpoint import layout
-from app.checkpoint.hf_files import (HFConversionError, ExportTokenizer, import_args,  # noqa: F401
-                                     parse_size, read_hf_tensors, shard_plan, write_directory)
+from app.checkpoint.hf_files import (ExportTokenizer, HFConversionError, import_args,
+                                     read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.model.hf_compat import gpt2_export_blockers
@@ -200,7 +200,8 @@ def read_hf_dir(path: str, config: Dict, make_vocab_size_divisible_by: int = 128
 
 
 def write_hf_dir(source: ModelCheckpoint, out_dir: str,
-                 tokenizer: Optional[ExportTokenizer] = None, dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
+                 tokenizer: Optional[ExportTokenizer] = None,
+                 dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
                  metrics_file: Optional[str] = None, model_path: Optional[str] = None
                  ) -> Dict[str, str]:
     """`source` as a GPT2LMHeadModel directory (app.checkpoint.hf_files.write_directory), the

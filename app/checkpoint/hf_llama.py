@@ -31,7 +31,8 @@ MODEL_TYPES = {"llama": LLAMA, "qwen3": QWEN3}
 """config.json model_type -> the architecture this module reads and writes."""
 _NORMS = (("input_layernorm", "input_layernorm"),
           ("post_attention_layernorm", "post_attention_layernorm"),
-          ("attention.q_layernorm", "self_attn.q_norm"), ("attention.k_layernorm", "self_attn.k_norm"))
+          ("attention.q_layernorm", "self_attn.q_norm"),
+          ("attention.k_layernorm", "self_attn.k_norm"))
 _IGNORED = (".self_attn.rotary_emb.inv_freq",)
 """Buffers of older transformers versions, not weights."""
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -88,7 +89,8 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
         for kind in ("weight", "bias") if config.add_bias_linear else ("weight",):
             q, k, v = (_take(state, hf_name(f"self_attn.{p}_proj.{kind}")) for p in "qkv")
             ours[name(f"attention.query_key_value.{kind}")] = _fuse_qkv(q, k, v, config)
-            ours[name(f"attention.dense.{kind}")] = _take(state, hf_name(f"self_attn.o_proj.{kind}"))
+            ours[name(f"attention.dense.{kind}")] = _take(state,
+                                                          hf_name(f"self_attn.o_proj.{kind}"))
             ours[name(f"mlp.dense_h_to_4h.{kind}")] = torch.cat(
                 [_take(state, hf_name(f"mlp.{p}_proj.{kind}")) for p in ("gate", "up")])
             ours[name(f"mlp.dense_4h_to_h.{kind}")] = _take(state, hf_name(f"mlp.down_proj.{kind}"))
