@@ -184,15 +184,9 @@ def pick_tokenizer(args: argparse.Namespace, tokenizer_files: Dict[str, str],
     return ExportTokenizer()
 
 
-def write_tokenizer(out_dir: str, tokenizer: ExportTokenizer, model_max_length: int,
-                    rows: int) -> Dict[str, str]:
-    """The files of `tokenizer` (pick_tokenizer) that AutoTokenizer reads offline, in `out_dir`.
-
-    A tokenizer with more tokens than the model's `rows` is refused (HFConversionError)."""
-    if tokenizer.size is not None and tokenizer.size > rows:
-        raise HFConversionError(f"--tokenizer-model {tokenizer.tokenizer_model} has "
-                                f"{tokenizer.size} tokens but the checkpoint's vocabulary has "
-                                f"{rows} rows: give the tokenizer the run trained with")
+def write_tokenizer(out_dir: str, tokenizer: ExportTokenizer, model_max_length: int
+                    ) -> Dict[str, str]:
+    """The files of `tokenizer` (pick_tokenizer) that AutoTokenizer reads offline, in `out_dir`."""
     if tokenizer.tokenizer_model:
         import transformers
         auto = transformers.AutoTokenizer.from_pretrained(tokenizer.tokenizer_model,
@@ -244,7 +238,12 @@ def write_directory(out_dir: str, tensors: Dict[str, torch.Tensor], config: Dict
     """The whole `save_pretrained` directory: weights, config.json, generation_config.json, the
     tokenizer's files and the model card README.md (app.checkpoint.model_card; `metrics_file`
     gives its validation loss, `model_path` the path its examples load, default `out_dir`).
-    Returns the files written, {name: path}."""
+    Returns the files written, {name: path}. A tokenizer with more tokens than the model's
+    `rows` is refused (HFConversionError) before anything is written."""
+    if tokenizer.size is not None and tokenizer.size > rows:
+        raise HFConversionError(f"--tokenizer-model {tokenizer.tokenizer_model} has "
+                                f"{tokenizer.size} tokens but the checkpoint's vocabulary has "
+                                f"{rows} rows: give the tokenizer the run trained with")
     written = write_weights(tensors, out_dir, max_shard_size)
     write_json(os.path.join(out_dir, "config.json"), config)
     written["config.json"] = os.path.join(out_dir, "config.json")
@@ -253,7 +252,7 @@ def write_directory(out_dir: str, tensors: Dict[str, torch.Tensor], config: Dict
                 "eos_token_id": config.get("eos_token_id"),
                 "pad_token_id": tokenizer.pad if tokenizer.pad is not None
                 else config.get("pad_token_id")})
-    written.update(write_tokenizer(out_dir, tokenizer, int(args.max_position_embeddings), rows))
+    written.update(write_tokenizer(out_dir, tokenizer, int(args.max_position_embeddings)))
     card = model_card(args, iteration, sum(t.numel() for t in tensors.values()),
                       model_path or out_dir, metrics_file, config["architectures"][0])
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:

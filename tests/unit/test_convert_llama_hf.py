@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 L, H, HEADS, GROUPS, HD, FFN = 2, 32, 4, 2, 16, 48
-VOCAB = 320  # the test tokenizer's size (tests/unit/test_tokenizer_hf.py trains it)
+VOCAB = 320  # >= the test tokenizer's 318 tokens (tests/unit/test_tokenizer_hf.py trains it)
 
 
 def _convert(*argv):
@@ -68,7 +68,9 @@ def test_hf_to_ours_at_tp_pp_and_back_is_exact(tmp_path, kind, tp, pp):
              pp)
     assert sorted(os.listdir(ours / "release")) == sorted(
         f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp))
-    _convert("--load", ours, "--save", back, "--output-format", "hf")
+    # the tokenizer the import named in the args (llama), or --tokenizer-model (qwen3)
+    _convert("--load", ours, "--save", back, "--output-format", "hf",
+             *(["--tokenizer-model", source] if kind == "qwen3" else []))
     want, got = _tensors(source), _tensors(back)
     assert sorted(want) == sorted(got)
     for name, tensor in want.items():
@@ -153,8 +155,20 @@ def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
                           ({"mlp_bias": True}, "attention_bias False with mlp_bias True")):
         with pytest.raises(HFConversionError, match=words):
             hf_llama.args_from_hf_config({**config, **change}, "x/config.json")
+    from app.checkpoint import hf
+    from app.checkpoint.hf_files import pick_tokenizer
+    from tests.unit.test_tokenizer_hf import _train_tokenizer
+    _, llama = _our_model(*LLAMA)
+    bigger = pick_tokenizer(llama.args, {}, None, None, _train_tokenizer(tmp_path / "tok"))
+    with pytest.raises(HFConversionError, match="has 318 tokens but the checkpoint's "
+                                                "vocabulary has 60 rows"):
+        hf.write_model(llama, str(tmp_path), bigger)
+    assert not (tmp_path / "model.safetensors").exists()  # refused before any work
+    from app.checkpoint.convert import ConvertOptions
+    with pytest.raises(ValueError, match="--tokenizer-model .* and --vocab-file .* both"):
+        ConvertOptions(load=str(tmp_path), save=str(tmp_path / "x"), output_format="hf",
+                       tokenizer_model="tok", vocab_file="v.json", merge_file="m.txt")
     (tmp_path / "mistral").mkdir()
     (tmp_path / "mistral" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
-    from app.checkpoint import hf
     with pytest.raises(HFConversionError, match="model_type 'mistral'"):
         hf.read_converted(str(tmp_path / "mistral"))
