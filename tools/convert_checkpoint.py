@@ -1,11 +1,12 @@
-"""Convert GPT-2 checkpoints between Megatron's layouts (legacy at any TP/PP, torch_dist),
-DeepSpeed and Hugging Face.
+"""Convert GPT-2 and Llama-style checkpoints between Megatron's layouts (legacy at any TP/PP,
+torch_dist), DeepSpeed and Hugging Face (GPT-2, Llama, Qwen3).
 
     python tools/convert_checkpoint.py --load SRC --save DST \
         [--output-format torch|torch_dist|hf] [--input-format torch|torch_dist|deepspeed|hf] \
         [--iteration N] [--target-tensor-model-parallel-size N] \
         [--target-pipeline-model-parallel-size M] [--target-params-dtype fp32|fp16|bf16] \
-        [--include-optimizer] [--max-shard-size 2GB] [--vocab-file F --merge-file F] \
+        [--include-optimizer] [--max-shard-size 2GB] [--vocab-file F --merge-file F | \
+        --tokenizer-model DIR] \
         [--metrics-file RUN/metrics.jsonl] [--print-checkpoint-structure]
 
 The input format is detected from the files in SRC (app.checkpoint.formats); --input-format, when
@@ -36,7 +37,7 @@ def get_options(argv: Optional[List[str]] = None) -> ConvertOptions:
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[convert] %(message)s", stream=sys.stderr)
     from app.checkpoint.convert import convert, print_structure
-    from app.checkpoint.hf_gpt2 import HFConversionError
+    from app.checkpoint.hf_files import HFConversionError
     from app.checkpoint.layout import LayoutError
     from app.checkpoint.megatron import CheckpointError
     try:

@@ -6,7 +6,8 @@ read, describe and write) and `convert` reads through one entry and writes throu
 Each format is one module that reads and writes it per rank and whole: `megatron` (legacy),
 `torch_dist` (Megatron Core's distributed checkpoint), `deepspeed` (DeepSpeed's files, read
 safely: one model-parallel rank whole for the engine's ZeRO-3 weights-only load and the
-converter alike, and the whole model) and `hf_gpt2`. They share: `names` (where every file
+converter alike, and the whole model) and `hf` (Hugging Face: `hf_gpt2` and `hf_llama` map the
+weights, `hf_files` reads and writes the directory). They share: `names` (where every file
 lives, the format names, the one iteration resolver, the pointer files), `layouts` (a saved
 layout from file names), `files` (checksums, safe reads), `commit` (crash-safe writes; a save
 becomes the latest on every rank or on none), `layout` (a full tensor's TP shards and PP

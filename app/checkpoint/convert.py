@@ -1,7 +1,7 @@
 """Checkpoint conversion: read through the format registry, write through it.
 
 Any format of app.checkpoint.formats (legacy Megatron `torch` at any TP/PP, `torch_dist`,
-DeepSpeed incl. ZeRO-3, Hugging Face GPT-2) is read into a layout-free `ModelCheckpoint` (full
+DeepSpeed incl. ZeRO-3, Hugging Face GPT-2, Llama and Qwen3) is read into a layout-free `ModelCheckpoint` (full
 tensors under our names); any writable one writes it. `convert()` is what
 tools/convert_checkpoint.py runs. See docs/conversion.md.
 """
@@ -90,6 +90,11 @@ class ConvertOptions:
                                        help="GPT-2 vocab.json copied into the hf output")
     merge_file: Optional[str] = option("--merge-file", default=None,
                                        help="GPT-2 merges.txt copied into the hf output")
+    tokenizer_model: Optional[str] = option(
+        "--tokenizer-model", default=None,
+        help="hf output: a Hugging Face tokenizer (a directory with tokenizer.json, or a Hub "
+             "name in the local cache) saved into the output (default: the source directory's "
+             "tokenizer, or the one the checkpoint's args name)")
     make_vocab_size_divisible_by: int = option(
         "--make-vocab-size-divisible-by", default=128,
         help="Megatron's vocabulary padding multiple for hf input (default 128)")
@@ -115,6 +120,9 @@ class ConvertOptions:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if (self.vocab_file is None) != (self.merge_file is None):
             raise ValueError("--vocab-file and --merge-file go together")
+        if self.tokenizer_model and self.vocab_file:
+            raise ValueError(f"--tokenizer-model {self.tokenizer_model} and --vocab-file "
+                             f"{self.vocab_file} both name the tokenizer: give one of them")
         if not self.print_checkpoint_structure and not self.save:
             raise ValueError("--save DIR is required (unless --print-checkpoint-structure)")
         self.input_format = _checked_input_format(self.load, self.input_format, self.iteration)

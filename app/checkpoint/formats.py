@@ -4,7 +4,7 @@ Every tool that is given `--load DIR` (the converter, tools/generate.py, the ser
 lm-eval backend) calls `detect` and then `lookup(name).read`; the converter writes through
 `lookup(name).write`. Formats, by their `--ckpt-format` names (app.checkpoint.names):
 
-    hf          DIR/config.json (Hugging Face save_pretrained)                 app.checkpoint.hf_gpt2
+    hf          DIR/config.json (Hugging Face save_pretrained: GPT-2, Llama, Qwen3)  app.checkpoint.hf
     deepspeed   DIR/{tag}/mp_rank_XX_model_states.pt (ZeRO-3: zero_pp_rank_D_mp_rank_XX_model_states.pt),
                 the tag named by DIR/latest (our runs: iter_0000100; DeepSpeed's own default:
                 global_step100)                                             app.checkpoint.deepspeed
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from app.checkpoint import CheckpointError, layouts, names
-from app.checkpoint import deepspeed, hf_gpt2, megatron, torch_dist
+from app.checkpoint import deepspeed, hf, megatron, torch_dist
 from app.checkpoint.names import DEEPSPEED, HF, TORCH, TORCH_DIST, canonical_format
 from app.checkpoint.state import ModelCheckpoint
 
@@ -68,7 +68,7 @@ REGISTRY: Dict[str, Format] = {
                        torch_dist.describe_torch_dist, torch_dist.write_converted),
     DEEPSPEED: Format(DEEPSPEED, _saved_vocabulary(deepspeed.read_deepspeed),
                       deepspeed.describe_deepspeed),
-    HF: Format(HF, hf_gpt2.read_converted, hf_gpt2.describe_hf, hf_gpt2.write_converted,
+    HF: Format(HF, hf.read_converted, hf.describe_hf, hf.write_converted,
                optimizer=False),
 }
 READABLE = tuple(REGISTRY)

@@ -57,10 +57,17 @@ def _validation(metrics_file: Optional[str]) -> str:
 
 
 def model_card(args: argparse.Namespace, iteration: object, num_parameters: int,
-               model_path: str, metrics_file: Optional[str] = None) -> str:
-    """README.md text for the exported model at `model_path` (the path shown in the examples)."""
+               model_path: str, metrics_file: Optional[str] = None,
+               architecture: str = "GPT2LMHeadModel") -> str:
+    """README.md text for the exported `architecture` (GPT2LMHeadModel, LlamaForCausalLM or
+    Qwen3ForCausalLM) at `model_path` (the path shown in the examples)."""
     hidden, layers = int(args.hidden_size), int(args.num_layers)
     ffn = int(getattr(args, "ffn_hidden_size", 0) or 4 * hidden)
+    gpt2 = architecture == "GPT2LMHeadModel"
+    untied = bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    activation = ("gelu_new (tanh)" if getattr(args, "openai_gelu", False) else "gelu") if gpt2 \
+        else "silu (SwiGLU: each gate and up half of the MLP size)"
+    family = "GPT-2" if gpt2 else architecture.replace("ForCausalLM", "")
     data = getattr(args, "data_path", None)
     data_text = ", ".join(f"`{d}`" for d in data) if data else UNKNOWN
     rows: List[Tuple[str, str]] = [
@@ -68,8 +75,9 @@ def model_card(args: argparse.Namespace, iteration: object, num_parameters: int,
         ("attention heads", str(args.num_attention_heads)), ("MLP size", str(ffn)),
         ("context (positions)", str(args.max_position_embeddings)),
         ("vocabulary", str(getattr(args, "vocab_size", None) or args.padded_vocab_size)),
-        ("activation", "gelu_new (tanh)" if getattr(args, "openai_gelu", False) else "gelu"),
-        ("parameters", f"{num_parameters:,} (output layer tied to the word embeddings)")]
+        ("activation", activation),
+        ("parameters", f"{num_parameters:,} (output layer "
+                       f"{'separate from' if untied else 'tied to'} the word embeddings)")]
     trained = [("training data (--data-path)", data_text), ("tokens seen", _tokens_seen(args)),
                ("iterations", str(getattr(args, "iteration", None) or iteration or UNKNOWN)),
                ("global batch size", str(getattr(args, "global_batch_size", None) or UNKNOWN)),
@@ -79,11 +87,11 @@ def model_card(args: argparse.Namespace, iteration: object, num_parameters: int,
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
-tags: [gpt2, megatron]
+tags: [{family.lower().replace("-", "")}, megatron]
 ---
-# GPT-2, {layers} layers x {hidden} hidden
+# {family}, {layers} layers x {hidden} hidden
 
-A GPT-2 language model (`GPT2LMHeadModel`) trained with this project's Megatron-LM style trainer
+A {family} language model (`{architecture}`) trained with this project's Megatron-LM style trainer
 and exported by `tools/convert_checkpoint.py --output-format hf`.
 
 ## Architecture

@@ -134,7 +134,8 @@ class HuggingFaceTokenizer:
     directory holding tokenizer.json (and tokenizer_config.json) or a Hub name already in the
     local Hugging Face cache, loaded offline. tokenize(text) is AutoTokenizer(text).input_ids
     (the tokenizer's own special tokens, e.g. a BOS, included, as Megatron's); `vocab_size` is
-    len(tokenizer) (added tokens included); `eod` is its eos token."""
+    len(tokenizer) (added tokens included); `eod` is its eos token (`bos`, `pad`: its bos and
+    pad ids, None when it has none)."""
 
     def __init__(self, tokenizer_model: Optional[str]) -> None:
         if not tokenizer_model:
@@ -160,6 +161,8 @@ class HuggingFaceTokenizer:
         self.tokenizer_model = tokenizer_model
         self.vocab_size: int = len(tok)
         self.eod: int = int(tok.eos_token_id)
+        self.bos: Optional[int] = tok.bos_token_id
+        self.pad: Optional[int] = tok.pad_token_id
         self.fast_backend = "transformers"
 
     def tokenize(self, text: str) -> List[int]:
@@ -169,6 +172,11 @@ class HuggingFaceTokenizer:
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """`[tokenize(t) for t in texts]` in one call."""
         return [list(x) for x in self._tokenizer(list(texts)).input_ids] if texts else []
+
+    def tokenize_plain(self, text: str) -> List[int]:
+        """The ids of `text` alone, no special tokens added (what lm-evaluation-harness scores
+        a context or continuation with, as its Hugging Face backend)."""
+        return list(self._tokenizer(text, add_special_tokens=False).input_ids)
 
     def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
                     ) -> Tuple[np.ndarray, np.ndarray]:

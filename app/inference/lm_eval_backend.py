@@ -156,18 +156,21 @@ class MegatronGPT2LM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return self.session.tokenizer.vocab_file
+        tokenizer = self.session.tokenizer
+        return getattr(tokenizer, "vocab_file", None) or tokenizer.tokenizer_model
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None,
                    left_truncate_len: Optional[int] = None, **kwargs: Any) -> List[int]:
-        """GPT-2's ids of `string` (no special tokens added; a literal <|endoftext|> is the EOD
-        id, as Hugging Face's tokenizer reads it), keeping the last `left_truncate_len`."""
+        """The tokenizer's ids of `string` (no special tokens added: a Hugging Face tokenizer's
+        BOS neither; a literal <|endoftext|> is the EOD id, as Hugging Face's GPT-2 tokenizer
+        reads it), keeping the last `left_truncate_len`."""
         tokenizer = self.session.tokenizer
+        encode = getattr(tokenizer, "tokenize_plain", tokenizer.tokenize)
         ids: List[int] = []
         for number, piece in enumerate(string.split(EOD_TOKEN)):
             if number:
                 ids.append(tokenizer.eod)
-            ids += tokenizer.tokenize(piece) if piece else []
+            ids += encode(piece) if piece else []
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
     def tok_decode(self, tokens: Sequence[int]) -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.checkpoint import hf_gpt2, layout
+from app.checkpoint import hf_files, hf_gpt2, layout
 from app.model import GPT2Model
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu.parallel_state import ParallelState
@@ -211,10 +211,10 @@ def test_hf_config_round_trip_and_unsupported_configs():
 
 
 def test_shard_sizes():
-    assert hf_gpt2.parse_size("2GB") == 2 * 10**9 and hf_gpt2.parse_size("1MiB") == 2**20
-    assert hf_gpt2.parse_size("1000") == 1000
+    assert hf_files.parse_size("2GB") == 2 * 10**9 and hf_files.parse_size("1MiB") == 2**20
+    assert hf_files.parse_size("1000") == 1000
     with pytest.raises(ValueError, match="--max-shard-size"):
-        hf_gpt2.parse_size("two gigs")
+        hf_files.parse_size("two gigs")
     tensors = {f"t{i}": torch.zeros(100) for i in range(5)}  # 400 bytes each
-    assert hf_gpt2.shard_plan(tensors, 1000) == [["t0", "t1"], ["t2", "t3"], ["t4"]]
-    assert hf_gpt2.shard_plan({"big": torch.zeros(1000)}, 10) == [["big"]]
+    assert hf_files.shard_plan(tensors, 1000) == [["t0", "t1"], ["t2", "t3"], ["t4"]]
+    assert hf_files.shard_plan({"big": torch.zeros(1000)}, 10) == [["big"]]

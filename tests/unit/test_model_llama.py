@@ -72,8 +72,9 @@ def test_defaults_and_parameter_counts():
 
 
 def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
-    """The HF GPT-2 export (checkpoint_args_blockers) names each option it does not support
-    yet; the converters' layout (Layout.of_args) and --ckpt-format torch_dist take them."""
+    """The HF GPT-2 export (checkpoint_args_blockers) names each option GPT-2 cannot express
+    (such models export as Llama); the converters' layout (Layout.of_args) and --ckpt-format
+    torch_dist take them."""
     import arguments
     from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
     from app.checkpoint.layout import Layout
@@ -85,7 +86,7 @@ def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
     blockers = checkpoint_args_blockers(checkpoint_args_namespace(cfg, 0, 0, 0))
     for flag, reason in zip(["--swiglu", "--normalization RMSNorm", "--disable-bias-linear",
                              "--qk-layernorm"], blockers):
-        assert reason.startswith(flag) and "not supported yet" in reason
+        assert reason.startswith(flag) and "export as LlamaForCausalLM" in reason
     assert Layout.of_args(checkpoint_args_namespace(cfg, 0, 0, 0), 2).config.swiglu
     torch_dist = arguments.config_from_argv(base + llama + ["--ckpt-format", "torch_dist"], 1, 64)
     assert torch_dist.checkpoint.ckpt_format == "torch_dist"

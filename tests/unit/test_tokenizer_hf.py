@@ -110,6 +110,64 @@ def test_a_tiny_run_trains_on_it_without_a_vocab_file(tmp_path, tokenizer_dir):
     out = session.generate(["hello world"], GenerationParams(max_new_tokens=3))
     (result,) = out["results"]
     assert result["prompt"] == "hello world" and 1 <= len(result["generated_tokens"]) <= 3
+    _llama_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir)
+
+
+def _llama_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir):
+    """The Llama-recipe checkpoint of the run above (HuggingFaceTokenizer named in its args):
+    the HF export carries that tokenizer and gives our logits as LlamaForCausalLM; the server,
+    tools/generate.py, tools/evaluate.py and the lm-eval backend load and run it."""
+    import torch
+    from app.inference.generation import generate
+    from app.inference.sampling import SamplingConfig
+    from app.inference.server import create_app
+    from tests.harness.tools import load_tool
+    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    assert load_tool("convert_checkpoint").main(["--load", ckpt, "--save", hf,
+                                                 "--output-format", "hf"]) == 0
+    model = transformers.LlamaForCausalLM.from_pretrained(hf).eval().requires_grad_(False)
+    exported = transformers.AutoTokenizer.from_pretrained(hf)
+    reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert exported("the lazy dog").input_ids == reference("the lazy dog").input_ids
+    ids = torch.tensor([exported("the quick brown fox jumps").input_ids[:16]])
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    ours = session.runner.forward(ids, positions)[..., :session.vocab_size]
+    torch.testing.assert_close(model(ids).logits, ours, rtol=1e-4, atol=1e-4)
+    prompt = session.tokenizer.tokenize("hello world")
+    greedy = generate(session.runner, [prompt], 4, SamplingConfig(greedy=True),
+                      session.tokenizer.eod, session.vocab_size, session.max_positions).tokens
+    client = create_app(session, max_batch=2).test_client()
+    reply = client.put("/api", json={"prompts": ["hello world"], "tokens_to_generate": 4})
+    assert reply.status_code == 200 and reply.get_json()["generated_tokens"] == greedy
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert load_tool("generate").main(["--load", ckpt, "--prompt", "hello world",
+                                           "--max-new-tokens", "4", "--greedy",
+                                           "--output", "jsonl"]) == 0
+    (row,) = [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+    assert row["generated_tokens"] == greedy[0]
+    text = tmp_path / "valid.txt"
+    text.write_text(" ".join(TEXTS[:8]))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert load_tool("evaluate").main(["--load", hf, "--task", "wikitext",
+                                           "--valid-data", str(text)]) == 0
+    assert json.loads(out.getvalue().splitlines()[-1])["loss"] > 0
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from app.inference.lm_eval_backend import MegatronGPT2LM
+    lm = MegatronGPT2LM(load=ckpt)
+    try:
+        (logprob, _), = lm.loglikelihood([Instance(
+            "loglikelihood", {}, ("the quick brown", " fox"), 0)])
+        context, continuation = (reference(t, add_special_tokens=False).input_ids
+                                 for t in ("the quick brown", " fox"))  # as lm-eval's hf
+        full = torch.tensor([context + continuation])
+        logits = model(full).logits[0, len(context) - 1:-1].log_softmax(-1)
+        want = logits.gather(-1, torch.tensor(continuation)[:, None]).sum()
+        assert logprob == pytest.approx(float(want), abs=1e-3)
+    finally:
+        lm.close()
 
 
 @pytest.fixture(scope="module")

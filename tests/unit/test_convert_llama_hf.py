@@ -1,0 +1,174 @@
+"""Hugging Face Llama and Qwen3 both ways (app.checkpoint.hf_llama through the converter): a
+directory written by transformers' own save_pretrained (sharded safetensors, a tokenizer.json
+tokenizer) goes to our legacy format at TP2 x PP2 and back to Hugging Face with every tensor and
+the config unchanged; an export of our model loads as LlamaForCausalLM / Qwen3ForCausalLM with
+no missing or unexpected weight and gives our logits; a GPT-2 model still exports as GPT-2; what
+neither can express is refused by name."""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+L, H, HEADS, GROUPS, HD, FFN = 2, 32, 4, 2, 16, 48
+VOCAB = 320  # >= the test tokenizer's 318 tokens (tests/unit/test_tokenizer_hf.py trains it)
+
+
+def _convert(*argv):
+    from tools.convert_checkpoint import main
+    assert main([str(a) for a in argv]) == 0
+
+
+def _hf_source(tmp_path, kind: str):
+    """A random Llama (GQA 2 groups, head_dim 16, untied) or Qwen3 (q/k norms, tied) saved by
+    transformers in 3+ safetensors shards, with a tokenizer.json tokenizer beside it."""
+    from tests.unit.test_tokenizer_hf import _train_tokenizer
+    source = str(tmp_path / f"{kind}_source")
+    _train_tokenizer(source)
+    common = dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=L,
+                  num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HD,
+                  max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=0,
+                  eos_token_id=1, rope_parameters={"rope_type": "default",
+                                                   "rope_theta": 500000.0})
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
+        model = transformers.Qwen3ForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():  # norms away from 1, so a swapped norm shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(source, max_shard_size="40KB")
+    return source, model.eval()
+
+
+def _tensors(path):
+    from app.checkpoint.hf_files import read_hf_tensors
+    return read_hf_tensors(str(path))
+
+
+def _config(path):
+    keep = transformers.AutoConfig.from_pretrained(str(path)).to_dict()
+    return {k: v for k, v in keep.items() if k not in ("transformers_version", "_name_or_path")}
+
+
+@pytest.mark.parametrize("kind, tp, pp", [("llama", 2, 2), ("qwen3", 2, 1)])
+def test_hf_to_ours_at_tp_pp_and_back_is_exact(tmp_path, kind, tp, pp):
+    source, reference = _hf_source(tmp_path, kind)
+    assert os.path.isfile(os.path.join(source, "model.safetensors.index.json"))  # sharded
+    ours, back = tmp_path / "ours", tmp_path / "back"
+    _convert("--load", source, "--save", ours, "--output-format", "torch",
+             "--target-tensor-model-parallel-size", tp, "--target-pipeline-model-parallel-size",
+             pp)
+    assert sorted(os.listdir(ours / "release")) == sorted(
+        f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp))
+    # the tokenizer the import named in the args (llama), or --tokenizer-model (qwen3)
+    _convert("--load", ours, "--save", back, "--output-format", "hf",
+             *(["--tokenizer-model", source] if kind == "qwen3" else []))
+    want, got = _tensors(source), _tensors(back)
+    assert sorted(want) == sorted(got)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert _config(back) == _config(source)
+    # the tokenizer travels: the import names the source's, the export saves it
+    tok, tok_back = (transformers.AutoTokenizer.from_pretrained(str(p)) for p in (source, back))
+    text = "the quick brown fox"
+    assert tok_back(text).input_ids == tok(text).input_ids
+    assert tok_back.eos_token_id == tok.eos_token_id == 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(back)).eval()
+    assert type(model) is type(reference)
+    ids = torch.tensor([tok(text).input_ids])
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def _our_model(*flags):
+    import arguments
+    from app.checkpoint.model_args import checkpoint_args_namespace
+    from app.checkpoint.state import ModelCheckpoint
+    from app.model import GPT2Model
+    argv = ["--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads",
+            str(HEADS), "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--make-vocab-size-divisible-by", "32", *flags]
+    cfg = arguments.config_from_argv(argv, 1, 60)
+    torch.manual_seed(1)
+    model = GPT2Model(cfg.model).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.uniform_(0.5, 1.5)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return model, ModelCheckpoint(args=checkpoint_args_namespace(cfg, 0, 0, 0), weights=weights)
+
+
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+         "--disable-bias-linear", "--position-embedding-type", "rope", "--rotary-base", "500000",
+         "--kv-channels", str(HD), "--ffn-hidden-size", str(FFN), "--group-query-attention",
+         "--num-query-groups", str(GROUPS)]
+
+
+@pytest.mark.parametrize("flags, architecture", [
+    (LLAMA + ["--untie-embeddings-and-output-weights"], "LlamaForCausalLM"),
+    (LLAMA + ["--qk-layernorm"], "Qwen3ForCausalLM"),
+    ([], "GPT2LMHeadModel")])
+def test_our_model_exports_as_its_architecture_with_our_logits(tmp_path, flags, architecture):
+    from app.checkpoint import hf
+    model, source = _our_model(*flags)
+    assert hf.write_model(source, str(tmp_path)) == architecture
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [architecture] and config["vocab_size"] == 60
+    if architecture != "GPT2LMHeadModel":
+        assert (config["rope_theta"], config["rms_norm_eps"], config["num_key_value_heads"],
+                config["head_dim"], config["attention_bias"]) == (500000.0, 1e-6, GROUPS, HD,
+                                                                  False)
+        assert config["tie_word_embeddings"] == ("--qk-layernorm" in flags)
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), output_loading_info=True)
+    assert type(hf_model).__name__ == architecture
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "## Architecture" in (tmp_path / "README.md").read_text()
+    tokens = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(hf_model.eval()(input_ids=tokens).logits, model(tokens)[..., :60],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
+    from app.checkpoint import hf_llama
+    from app.checkpoint.hf_files import HFConversionError
+    from app.checkpoint.model_args import model_config_from_args
+    from app.model.hf_compat import export_architecture
+    _, layernorm_llama = _our_model(*[f for f in LLAMA if f not in ("--normalization", "RMSNorm")])
+    with pytest.raises(ValueError, match="neither a Hugging Face GPT-2.*--normalization "
+                                         "LayerNorm: Llama's norms are RMSNorm"):
+        export_architecture(model_config_from_args(layernorm_llama.args, for_inference=True))
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=FFN,
+                                      num_hidden_layers=L, num_attention_heads=HEADS).to_dict()
+    for change, words in (({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
+                           "rope_type 'llama3'"),
+                          ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                          ({"mlp_bias": True}, "attention_bias False with mlp_bias True")):
+        with pytest.raises(HFConversionError, match=words):
+            hf_llama.args_from_hf_config({**config, **change}, "x/config.json")
+    from app.checkpoint import hf
+    from app.checkpoint.hf_files import pick_tokenizer
+    from tests.unit.test_tokenizer_hf import _train_tokenizer
+    _, llama = _our_model(*LLAMA)
+    bigger = pick_tokenizer(llama.args, {}, None, None, _train_tokenizer(tmp_path / "tok"))
+    with pytest.raises(HFConversionError, match="has 318 tokens but the checkpoint's "
+                                                "vocabulary has 60 rows"):
+        hf.write_model(llama, str(tmp_path), bigger)
+    assert not (tmp_path / "model.safetensors").exists()  # refused before any work
+    from app.checkpoint.convert import ConvertOptions
+    with pytest.raises(ValueError, match="--tokenizer-model .* and --vocab-file .* both"):
+        ConvertOptions(load=str(tmp_path), save=str(tmp_path / "x"), output_format="hf",
+                       tokenizer_model="tok", vocab_file="v.json", merge_file="m.txt")
+    (tmp_path / "mistral").mkdir()
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    with pytest.raises(HFConversionError, match="model_type 'mistral'"):
+        hf.read_converted(str(tmp_path / "mistral"))
