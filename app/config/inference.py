@@ -13,7 +13,8 @@ from app.config.options import option
 @dataclass(kw_only=True)
 class InferenceLoadConfig:
     """A checkpoint to run (ours at any TP/PP, a DeepSpeed one or a Hugging Face directory), its
-    GPT-2 BPE files, and the layout to run it at."""
+    tokenizer (GPT-2 BPE files, or a tokenizer.json directory / SentencePiece model), and the
+    layout to run it at."""
 
     FLAG_GROUP: ClassVar[Tuple[str, str]] = (
         "checkpoint", "the model to load, its tokenizer and the layout to run it at")
@@ -24,6 +25,11 @@ class InferenceLoadConfig:
                                        help="GPT-2 vocab.json (default: the HF directory's)")
     merge_file: Optional[str] = option("--merge-file", default=None,
                                        help="GPT-2 merges.txt (default: the HF directory's)")
+    tokenizer_model: Optional[str] = option(
+        "--tokenizer-model", default=None,
+        help="a directory with tokenizer.json (or a SentencePiece .model file) to use instead of "
+             "the tokenizer the checkpoint names (default: the checkpoint's, or the HF "
+             "directory's own files)")
     tensor_model_parallel_size: Optional[int] = option(
         "--tensor-model-parallel-size", default=None,
         help="TP degree to run at (default: the checkpoint's when the world is its TP x PP, "

@@ -71,13 +71,38 @@ def resolve_layout(load: str, world_size: int, tp: Optional[int], pp: Optional[i
     return tp, pp
 
 
+def _session_tokenizer(args: Any, tokenizer_files: Dict[str, str], vocab_file: Optional[str],
+                       merge_file: Optional[str], tokenizer_model: Optional[str]) -> Any:
+    """The tokenizer to run a checkpoint with: --tokenizer-model when given (of the checkpoint's
+    tokenizer type when that is a model-file type, else HuggingFaceTokenizer, or
+    SentencePieceTokenizer for a `.model` file); else the one the checkpoint's args name; else
+    GPT-2 BPE from --vocab-file/--merge-file or the Hugging Face directory's own files."""
+    saved_type = getattr(args, "tokenizer_type", None)
+    if tokenizer_model:
+        if saved_type in TOKENIZER_MODEL_TYPES:
+            kind = saved_type
+        else:
+            kind = ("SentencePieceTokenizer" if tokenizer_model.endswith(".model")
+                    else "HuggingFaceTokenizer")
+        return build_tokenizer(kind, None, None, tokenizer_model=tokenizer_model)
+    if saved_type in TOKENIZER_MODEL_TYPES:
+        return build_tokenizer(saved_type, None, None, tokenizer_model=args.tokenizer_model)
+    vocab_file = vocab_file or tokenizer_files.get("vocab.json")
+    merge_file = merge_file or tokenizer_files.get("merges.txt")
+    if not (vocab_file and merge_file):
+        raise ValueError("the checkpoint names no tokenizer: pass --vocab-file and --merge-file "
+                         "(GPT-2 BPE) or --tokenizer-model (a tokenizer.json directory), the "
+                         "tokenizer of the run that trained it")
+    return build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+
+
 class InferenceSession:
     """The model of `load` on this world (TP x PP ranks), its tokenizer, and the request loop."""
 
     def __init__(self, load: str, vocab_file: Optional[str] = None,
                  merge_file: Optional[str] = None, tensor_model_parallel_size: Optional[int] = None,
                  pipeline_model_parallel_size: Optional[int] = None,
-                 use_cache: bool = True) -> None:
+                 use_cache: bool = True, tokenizer_model: Optional[str] = None) -> None:
         info = init_distributed()
         self.rank, self.device = info.rank, info.device
         tp, pp = resolve_layout(load, info.world_size, tensor_model_parallel_size,
@@ -87,19 +112,12 @@ class InferenceSession:
         loaded = load_model(load, self.ps)
         self.model = loaded.model.to(self.device)
         self.args, self.vocab_size = loaded.args, loaded.vocab_size
-        vocab_file = vocab_file or loaded.tokenizer_files.get("vocab.json")
-        merge_file = merge_file or loaded.tokenizer_files.get("merges.txt")
-        if getattr(self.args, "tokenizer_type", None) in TOKENIZER_MODEL_TYPES:
-            self.tokenizer = build_tokenizer(self.args.tokenizer_type, None, None,
-                                             tokenizer_model=self.args.tokenizer_model)
-        elif not (vocab_file and merge_file):
-            raise ValueError("--vocab-file and --merge-file are required (the tokenizer of the run "
-                             "that trained the checkpoint)")
-        else:
-            self.tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+        self.tokenizer = _session_tokenizer(self.args, loaded.tokenizer_files, vocab_file,
+                                            merge_file, tokenizer_model)
         if self.tokenizer.vocab_size != self.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the checkpoint "
-                             f"was trained with {self.vocab_size}; pass the run's --vocab-file/--merge-file")
+                             f"was trained with {self.vocab_size}; pass the run's tokenizer "
+                             "(--vocab-file/--merge-file, or --tokenizer-model)")
         self.max_positions = int(self.args.max_position_embeddings)
         self.runner = PipelineRunner(self.model, self.ps, int(self.args.hidden_size), self.device)
         self.use_cache = use_cache
@@ -204,7 +222,8 @@ def open_session(checkpoint: InferenceLoadConfig, use_cache: bool = True) -> Inf
     --tensor/--pipeline-model-parallel-size name (or the lm_eval backend's --model_args)."""
     return InferenceSession(checkpoint.load, checkpoint.vocab_file, checkpoint.merge_file,
                             checkpoint.tensor_model_parallel_size,
-                            checkpoint.pipeline_model_parallel_size, use_cache=use_cache)
+                            checkpoint.pipeline_model_parallel_size, use_cache=use_cache,
+                            tokenizer_model=checkpoint.tokenizer_model)
 
 
 def prompt_too_long(session: InferenceSession, prompt: str, max_new_tokens: int) -> Optional[str]:

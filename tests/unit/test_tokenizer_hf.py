@@ -153,6 +153,7 @@ def _llama_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir):
         assert load_tool("evaluate").main(["--load", hf, "--task", "wikitext",
                                            "--valid-data", str(text)]) == 0
     assert json.loads(out.getvalue().splitlines()[-1])["loss"] > 0
+    _hf_directory_without_tokenizer(tmp_path, hf, tokenizer_dir, greedy[0])
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
     from app.inference.lm_eval_backend import MegatronGPT2LM
@@ -168,6 +169,29 @@ def _llama_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir):
         assert logprob == pytest.approx(float(want), abs=1e-3)
     finally:
         lm.close()
+
+
+def _hf_directory_without_tokenizer(tmp_path, hf, tokenizer_dir, greedy):
+    """A Hugging Face Llama directory that carries no tokenizer files: tools/generate.py says
+    which flag to pass, and with --tokenizer-model generates what the exported tokenizer did."""
+    import shutil
+    from tests.harness.tools import load_tool
+    bare = tmp_path / "hf_bare"
+    shutil.copytree(hf, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    argv = ["--load", str(bare), "--prompt", "hello world", "--max-new-tokens", "4",
+            "--greedy", "--output", "jsonl"]
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = load_tool("generate").main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    assert code not in (0, None) and "--tokenizer-model" in err.getvalue() + out.getvalue()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert load_tool("generate").main(argv + ["--tokenizer-model", tokenizer_dir]) == 0
+    (row,) = [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+    assert row["generated_tokens"] == greedy
 
 
 @pytest.fixture(scope="module")
