@@ -128,13 +128,13 @@ def block_plan(cp_size: int, cp_rank: int, source: int, local_length: int,
     - a later rank's: our early chunk precedes both of its chunks, our late chunk follows both:
       the late half of the queries against all keys, no mask.
     """
-    half = local_length // 2
+    half, whole = local_length // 2, slice(0, local_length)
     if source == cp_rank:
         index = token_indices(local_length, cp_size, cp_rank, device)  # [s/C]
-        return slice(None), slice(None), index.unsqueeze(0) > index.unsqueeze(1)
+        return whole, whole, index.unsqueeze(0) > index.unsqueeze(1)
     if source < cp_rank:
-        return slice(None), slice(0, half), None
-    return slice(half, None), slice(None), None
+        return whole, slice(0, half), None
+    return slice(half, local_length), whole, None
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, masked: Optional[torch.Tensor],
@@ -191,15 +191,37 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, out_b: torch.
     lse[:, :, rows] = new
 
 
-def _dropout_keep(seed: int, shape: torch.Size, dropout_p: float,
+ROW_TILE = 512
+"""Query rows per score tile: a block's scores are made a tile at a time (fp32 [b, n, 512, sk]),
+so the transient memory of the ring does not grow with the block's rows either."""
+
+
+def _dropout_keep(generator: Optional[torch.Generator], shape: torch.Size, dropout_p: float,
                   device: torch.device) -> Optional[torch.Tensor]:
-    """The dropout factor (0 or 1/(1-p)) of one block, drawn from its own seed, so the
-    backward draws the same one without keeping it."""
-    if dropout_p == 0.0:
+    """The next dropout factor (0 or 1/(1-p)) [shape] drawn from a block's own generator (None
+    without dropout), so the backward draws the same ones again without keeping them."""
+    if generator is None:
         return None
-    generator = torch.Generator(device=device).manual_seed(seed)
     keep = torch.empty(shape, device=device).bernoulli_(1.0 - dropout_p, generator=generator)
     return keep / (1.0 - dropout_p)
+
+
+def _block_tiles(kv: torch.Tensor, q: torch.Tensor, source: int, parallel_state: ParallelState,
+                 seed: int, dropout_p: float):
+    """Yield (rows, keys, masked, k, v, keep) for each query-row tile of rank `source`'s block
+    kv [2, b, ng, s/C, hd] against this rank's queries q [b, nh, s/C, hd]: the tile's query
+    rows and key columns (slices), its mask, the block's fp32 keys/values [b, nh, keys, hd]
+    and the tile's dropout factor; the same tiles and factors in forward and backward."""
+    cp, rank = parallel_state.context_parallel_size, parallel_state.context_parallel_rank
+    rows, cols, masked = block_plan(cp, rank, source, q.shape[2], q.device)
+    kb, vb = _expand_heads(kv, q.shape[1], cols)  # [b, nh, keys, hd]
+    generator = (torch.Generator(device=q.device).manual_seed(seed) if dropout_p else None)
+    for start in range(rows.start, rows.stop, ROW_TILE):
+        tile = slice(start, min(start + ROW_TILE, rows.stop))
+        tile_masked = None if masked is None else masked[tile]
+        shape = q.shape[:2] + (tile.stop - tile.start, kb.shape[2])  # [b, nh, tile, keys]
+        yield tile, cols, tile_masked, kb, vb, _dropout_keep(generator, shape, dropout_p,
+                                                             q.device)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -211,57 +233,54 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 parallel_state: ParallelState, dropout_p: float) -> torch.Tensor:
         cp, rank = parallel_state.context_parallel_size, parallel_state.context_parallel_rank
-        b, nh, s, hd = q.shape
         seeds = (torch.randint(2 ** 62, (cp,), device=q.device).tolist() if dropout_p else
                  [0] * cp)  # from the caller's (forked) generator: one seed per block
         ctx.parallel_state, ctx.dropout_p, ctx.seeds = parallel_state, dropout_p, seeds
-        qf, scale = q.float(), 1.0 / math.sqrt(hd)
-        out = torch.zeros(b, nh, s, hd, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, nh, s), -math.inf, dtype=torch.float32, device=q.device)
+        qf, scale = q.to(_work_dtype(q)), 1.0 / math.sqrt(q.shape[3])
+        out = torch.zeros_like(qf)  # [b, nh, s/C, hd]
+        lse = torch.full(q.shape[:3], -math.inf, dtype=qf.dtype, device=q.device)
         for step, kv in _ring_blocks(torch.stack([k, v]), parallel_state):
             source = (rank - step) % cp
-            rows, cols, masked = block_plan(cp, rank, source, s, q.device)
-            kb, vb = _expand_heads(kv, nh, cols)  # [b, nh, keys, hd]
-            keep = _dropout_keep(seeds[source], _score_shape(qf[:, :, rows], kb), dropout_p,
-                                 q.device)
-            out_b, lse_b = block_forward(qf[:, :, rows], kb, vb, masked, scale, keep)
-            merge_block(out, lse, rows, out_b, lse_b)
+            for rows, _, masked, kb, vb, keep in _block_tiles(kv, q, source, parallel_state,
+                                                              seeds[source], dropout_p):
+                merge_block(out, lse, rows,
+                            *block_forward(qf[:, :, rows], kb, vb, masked, scale, keep))
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)  # [b, nh, s/C, hd]
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        ps, dropout_p = ctx.parallel_state, ctx.dropout_p
-        cp, rank = ps.context_parallel_size, ps.context_parallel_rank
-        nh, s, hd = q.shape[1], q.shape[2], q.shape[3]
-        qf, grad_out, scale = q.float(), grad_out.float(), 1.0 / math.sqrt(hd)
+        ps = ctx.parallel_state
+        cp, rank, groups = ps.context_parallel_size, ps.context_parallel_rank, k.shape[1]
+        qf, scale = q.to(out.dtype), 1.0 / math.sqrt(q.shape[3])
+        grad_out = grad_out.to(out.dtype)
         delta = (grad_out * out).sum(-1)  # [b, nh, s/C]
         grad_q = torch.zeros_like(qf)  # [b, nh, s/C, hd]
-        grad_kv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
+        grad_kv = torch.zeros((2,) + k.shape, dtype=out.dtype, device=k.device)
         for step, kv in _ring_blocks(torch.stack([k, v]), ps):
             if step:  # the gradient of the block now here, accumulated by the ranks before
                 grad_kv, requests = post_ring_shift(grad_kv, ps)
                 collectives.wait_all(requests)
             source = (rank - step) % cp
-            rows, cols, masked = block_plan(cp, rank, source, s, q.device)
-            kb, vb = _expand_heads(kv, nh, cols)  # [b, nh, keys, hd]
-            keep = _dropout_keep(ctx.seeds[source], _score_shape(qf[:, :, rows], kb),
-                                 dropout_p, q.device)
-            dq, dk, dv = block_backward(qf[:, :, rows], kb, vb, masked, scale, keep,
-                                        lse[:, :, rows], delta[:, :, rows], grad_out[:, :, rows])
-            grad_q[:, :, rows] += dq
-            grad_kv[:, :, :, cols] += torch.stack([_fold_heads(dk, k.shape[1]),
-                                                   _fold_heads(dv, k.shape[1])])
+            for rows, cols, masked, kb, vb, keep in _block_tiles(kv, q, source, ps,
+                                                                 ctx.seeds[source],
+                                                                 ctx.dropout_p):
+                dq, dk, dv = block_backward(qf[:, :, rows], kb, vb, masked, scale, keep,
+                                            lse[:, :, rows], delta[:, :, rows],
+                                            grad_out[:, :, rows])
+                grad_q[:, :, rows] += dq
+                grad_kv[:, :, :, cols] += torch.stack([_fold_heads(dk, groups),
+                                                       _fold_heads(dv, groups)])
         if cp > 1:  # the last block's gradient goes home to the next rank
             grad_kv, requests = post_ring_shift(grad_kv, ps)
             collectives.wait_all(requests)
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
-def _score_shape(q: torch.Tensor, k: torch.Tensor) -> torch.Size:
-    """The score block's shape [b, n, sq, sk] of queries q and keys k."""
-    return q.shape[:3] + k.shape[2:3]
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    """The ring's arithmetic dtype: fp32 for half inputs, the input's own otherwise."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _ring_blocks(kv: torch.Tensor, parallel_state: ParallelState):
@@ -280,9 +299,9 @@ def _ring_blocks(kv: torch.Tensor, parallel_state: ParallelState):
 
 def _expand_heads(kv: torch.Tensor, heads: int, cols: slice
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [b, ng, s/C, hd] -> fp32 [b, heads, keys `cols`, hd] (each group
+    """Keys and values [b, ng, s/C, hd] -> [b, heads, keys `cols`, hd], at least fp32 (each group
     repeated for its heads / ng query heads)."""
-    kv = kv[:, :, :, cols].float()  # [2, b, ng, keys, hd]
+    kv = kv[:, :, :, cols].to(_work_dtype(kv))  # [2, b, ng, keys, hd]
     repeat = heads // kv.shape[2]
     return kv[0].repeat_interleave(repeat, dim=1), kv[1].repeat_interleave(repeat, dim=1)
 
@@ -298,8 +317,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    parallel_state: ParallelState, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of this context rank's queries q [b, nh, s/C, hd] to the whole
     sequence's keys/values, given this rank's k, v [b, ng, s/C, hd] (ng divides nh: grouped
-    queries); returns [b, nh, s/C, hd] in q's dtype. Arithmetic in fp32, scale 1/sqrt(hd);
-    backward keeps q, k, v, the output and its log-sum-exp only (_RingAttention)."""
+    queries); returns [b, nh, s/C, hd] in q's dtype. Arithmetic in (at least) fp32, scale
+    1/sqrt(hd); backward keeps q, k, v, the output and its log-sum-exp only (_RingAttention)."""
     return _RingAttention.apply(q, k, v, parallel_state, dropout_p)
 
 
