@@ -17,6 +17,7 @@ context ranks shows up as a drift in these numbers.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List
 
 import pytest
@@ -44,6 +45,9 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 INTERLEAVED = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
 DIST_OPT = ["--use-distributed-optimizer"]
 TORCH_DIST = ["--ckpt-format", "torch_dist"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ZERO = {stage: ["--deepspeed", "--deepspeed_config",
+                os.path.join(ROOT, "ds_configs", f"zero{stage}.json")] for stage in (1, 2, 3)}
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1"]  # the ring's shifts rerun in backward
 TIED = {"word_embeddings.weight": "language_model.embedding.word_embeddings.weight"}  # last stage
@@ -58,6 +62,7 @@ LAYOUTS_2 = {  # name -> (model, layout flags)
         "--recompute-granularity", "selective"]),
     "CP2 p2p rope+gqa2 distributed optimizer torch_dist": ("rope+gqa2",
                                                            CP2 + DIST_OPT + TORCH_DIST),
+    "CP2 p2p learned DeepSpeed ZeRO-2": ("learned", CP2 + ZERO[2]),
 }
 SAVED = {"CP2 p2p learned": ("legacy", []),  # layout -> (folder, flags of the CP1 resume)
          "CP2 p2p rope+gqa2 distributed optimizer torch_dist": ("torch_dist", TORCH_DIST)}
