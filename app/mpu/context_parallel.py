@@ -25,8 +25,8 @@ activation memory per rank is linear in s/C.
 Attention ("a2a", Ulysses): an all-to-all turns this rank's s/C tokens of every head into the
 whole sequence of 1/C of the heads; the ordinary causal attention runs on it (in sequence
 order), and a second all-to-all turns the result back. Needs the query and key/value heads of a
-tensor-parallel rank divisible by C. The loss is the one-process mean: per-token loss sums and token counts
-are added over the context group (`context_parallel_mean_loss`).
+tensor-parallel rank divisible by C. The loss is the one-process mean: per-token loss sums and
+token counts are added over the context group (`context_parallel_mean_loss`).
 """
 from __future__ import annotations
 
@@ -191,8 +191,8 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, out_b: torch.
     lse[:, :, rows] = new
 
 
-ROW_TILE = 512
-"""Query rows per score tile: a block's scores are made a tile at a time (fp32 [b, n, 512, sk]),
+ROW_TILE = 256
+"""Query rows per score tile: a block's scores are made a tile at a time (fp32 [b, n, 256, sk]),
 so the transient memory of the ring does not grow with the block's rows either."""
 
 
