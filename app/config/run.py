@@ -142,9 +142,6 @@ class RunConfig:
                         f"is not divisible by --context-parallel-size ({cp}); use p2p or "
                         "change the sizes")
         refused = [
-            (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
-             p.pipeline_model_parallel_size),
-            (self.deepspeed.enabled, "--deepspeed", True),
             (m.position_embedding_type == "alibi", "--position-embedding-type", "alibi"),
             (self.data.reset_attention_mask, "--reset-attention-mask", True),
         ]

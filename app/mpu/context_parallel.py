@@ -7,22 +7,26 @@ positions (learned or RoPE) are the tokens' global positions, taken from the sli
 `position_ids`.
 
 Attention ("p2p", a ring): each rank's queries meet every rank's keys/values. The key/value
-block travels around the context group (C - 1 shifts to the next rank); for each block the
-rank computes the scores of its queries against it with the exact causal mask of the two
-blocks' global token indices (after the rank's own block only half of each block pair can be
-unmasked, and only that half is computed: `ring_block`), the block's log-sum-exp and its
-softmax-weighted values; the blocks are merged with the log-sum-exp rule
+block travels around the context group (C - 1 shifts to the next rank, each posted before the
+current block's attention so the transfer overlaps it); for each block the rank computes the
+scores of its queries against it with the exact causal mask of the two blocks' global token
+indices (after the rank's own block only half of each block pair can be unmasked, and only
+that half is computed: `block_plan`), the block's log-sum-exp and its softmax-weighted values,
+and folds them into the running result with the log-sum-exp rule
 
     lse = log sum_b exp(lse_b),   out = sum_b exp(lse_b - lse) out_b
 
-which is the softmax over all keys. The backward is autograd's: a shift's gradient travels the
-ring the other way.
+which is the softmax over all keys. Backward keeps only q, k, v, the output and lse (no score
+block): the blocks go round the ring again, each block's probabilities exp(S_b - lse) are
+recomputed (flash attention's backward), and each block's key/value gradient travels with it
+and is sent home at the end (as Megatron's Transformer Engine ring does), so the attention's
+activation memory per rank is linear in s/C.
 
 Attention ("a2a", Ulysses): an all-to-all turns this rank's s/C tokens of every head into the
 whole sequence of 1/C of the heads; the ordinary causal attention runs on it (in sequence
 order), and a second all-to-all turns the result back. Needs the query and key/value heads of a
-tensor-parallel rank divisible by C. The loss is the one-process mean: per-token loss sums and token counts
-are added over the context group (`context_parallel_mean_loss`).
+tensor-parallel rank divisible by C. The loss is the one-process mean: per-token loss sums and
+token counts are added over the context group (`context_parallel_mean_loss`).
 """
 from __future__ import annotations
 
@@ -30,7 +34,6 @@ import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
@@ -100,106 +103,223 @@ def context_parallel_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Te
     return scaled + (totals[0] / count - scaled).detach()
 
 
-class _RingShift(torch.autograd.Function):
-    """x on context rank i -> the x of rank i - 1 (sent to i + 1); the gradient goes back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: object, next_rank: int,  # type: ignore[override]
-                prev_rank: int) -> torch.Tensor:
-        ctx.group, ctx.next_rank, ctx.prev_rank = group, next_rank, prev_rank
-        received = torch.empty_like(x)
-        collectives.send_recv([(x, next_rank)], [(received, prev_rank)], group)
-        return received
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        received = torch.empty_like(grad)
-        collectives.send_recv([(grad.contiguous(), ctx.prev_rank)],
-                              [(received, ctx.next_rank)], ctx.group)
-        return received, None, None, None
-
-
-def ring_shift(x: torch.Tensor, parallel_state: ParallelState) -> torch.Tensor:
-    """One step of the ring: returns the previous context rank's `x` (differentiable)."""
+def post_ring_shift(x: torch.Tensor, parallel_state: ParallelState
+                    ) -> Tuple[torch.Tensor, List[object]]:
+    """Start one step of the ring: send `x` to the next context rank and receive the previous
+    one's into a new buffer; returns (buffer, requests), the buffer valid after `wait_all`."""
     ranks, rank = parallel_state.context_parallel_ranks, parallel_state.context_parallel_rank
-    cp = len(ranks)
-    return _RingShift.apply(x, parallel_state.context_parallel_group, ranks[(rank + 1) % cp],
-                            ranks[(rank - 1) % cp])
+    cp, received = len(ranks), torch.empty_like(x)
+    requests = collectives.post_send_recv([(x, ranks[(rank + 1) % cp])],
+                                          [(received, ranks[(rank - 1) % cp])],
+                                          parallel_state.context_parallel_group)
+    return received, requests
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    masked: Optional[torch.Tensor], scale: float, dropout_p: float
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries q [b, n, sq, hd] to one key/value block k, v [b, n, sk, hd] (fp32)
-    with `masked` [sq, sk] True = not attended (None: every key attended):
-    (out_b [b, n, sq, hd], lse_b [b, n, sq]).
-
-    out_b is normalised within the block; a row with every key masked gets an lse at the
-    dtype's minimum, so its merge weight exp(lse_b - lse) is 0. Dropout on the in-block
-    probabilities equals dropout on the merged ones (the merge weight is a per-row factor).
-    """
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, n, sq, sk]
-    if masked is not None:
-        scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
-    lse = torch.logsumexp(scores, dim=-1)  # [b, n, sq]
-    probs = torch.exp(scores - lse.unsqueeze(-1))  # [b, n, sq, sk]
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, dropout_p, True)
-    return torch.matmul(probs, v), lse
-
-
-def ring_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_size: int, cp_rank: int,
-               source: int, scale: float, dropout_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out_b, lse_b) of context rank `cp_rank`'s queries q [b, n, s/C, hd] against context
-    rank `source`'s keys/values [b, n, s/C, hd], computing only what the causal mask lets
-    through (Megatron's load-balanced ring):
+def block_plan(cp_size: int, cp_rank: int, source: int, local_length: int,
+               device: Optional[torch.device] = None
+               ) -> Tuple[slice, slice, Optional[torch.Tensor]]:
+    """(query rows, key rows, masked [rows, keys] or None) of context rank `cp_rank`'s queries
+    against context rank `source`'s keys, computing only what the causal mask lets through
+    (Megatron's load-balanced ring; True in `masked` = not attended):
 
     - its own block: both chunks, with the causal mask of their global token indices;
     - an earlier rank's (source < rank): its early chunk precedes both of ours and its late
       chunk follows both: all queries against the early half of the keys, no mask;
     - a later rank's: our early chunk precedes both of its chunks, our late chunk follows both:
-      the late half of the queries against all keys, no mask; the early rows get no weight.
+      the late half of the queries against all keys, no mask.
     """
-    half = q.shape[2] // 2
+    half, whole = local_length // 2, slice(0, local_length)
     if source == cp_rank:
-        q_index = token_indices(q.shape[2], cp_size, cp_rank, q.device)  # [s/C]
-        masked = q_index.unsqueeze(0) > q_index.unsqueeze(1)  # [s/C (q), s/C (k)]
-        return block_attention(q, k, v, masked, scale, dropout_p)
+        index = token_indices(local_length, cp_size, cp_rank, device)  # [s/C]
+        return whole, whole, index.unsqueeze(0) > index.unsqueeze(1)
     if source < cp_rank:
-        return block_attention(q, k[:, :, :half], v[:, :, :half], None, scale, dropout_p)
-    out, lse = block_attention(q[:, :, half:], k, v, None, scale, dropout_p)
-    return (torch.cat([torch.zeros_like(out), out], dim=2),
-            torch.cat([torch.full_like(lse, torch.finfo(lse.dtype).min), lse], dim=2))
+        return whole, slice(0, half), None
+    return slice(half, local_length), whole, None
 
 
-def merge_blocks(outs: List[torch.Tensor], lses: List[torch.Tensor]) -> torch.Tensor:
-    """Softmax over all keys from per-block results: sum_b exp(lse_b - lse) out_b."""
-    lse = torch.logsumexp(torch.stack(lses), dim=0)  # [b, n, sq]
-    merged = torch.zeros_like(outs[0])
-    for out, block_lse in zip(outs, lses):
-        merged = merged + torch.exp(block_lse - lse).unsqueeze(-1) * out  # [b, n, sq, hd]
-    return merged
+def _scores(q: torch.Tensor, k: torch.Tensor, masked: Optional[torch.Tensor],
+            scale: float) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, n, sq, sk]
+    if masked is not None:
+        scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
+    return scores
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  masked: Optional[torch.Tensor], scale: float, keep: Optional[torch.Tensor]
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries q [b, n, sq, hd] to one key/value block k, v [b, n, sk, hd] with
+    `masked` [sq, sk] (None: every key attended): (out_b [b, n, sq, hd], lse_b [b, n, sq]),
+    out_b normalised within the block. `keep` [b, n, sq, sk] is the dropout factor (0 or
+    1/(1-p)); dropout of the in-block probabilities equals dropout of the merged ones (the
+    merge weight is a per-row factor)."""
+    scores = _scores(q, k, masked, scale)  # [b, n, sq, sk]
+    lse = torch.logsumexp(scores, dim=-1)  # [b, n, sq]
+    probs = torch.exp(scores - lse.unsqueeze(-1))  # [b, n, sq, sk]
+    if keep is not None:
+        probs = probs * keep
+    return torch.matmul(probs, v), lse
+
+
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   masked: Optional[torch.Tensor], scale: float, keep: Optional[torch.Tensor],
+                   lse: torch.Tensor, delta: torch.Tensor, grad_out: torch.Tensor
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block from its recomputed scores (flash attention's backward):
+    P = exp(S - lse) with `lse` [b, n, sq] the log-sum-exp over ALL keys, dV = (P·keep)^T dO,
+    dS = P (dO V^T·keep - delta) with delta [b, n, sq] = rowsum(dO · O) of the merged output."""
+    probs = torch.exp(_scores(q, k, masked, scale) - lse.unsqueeze(-1))  # [b, n, sq, sk]
+    dropped = probs if keep is None else probs * keep
+    grad_v = torch.matmul(dropped.transpose(-1, -2), grad_out)  # [b, n, sk, hd]
+    grad_probs = torch.matmul(grad_out, v.transpose(-1, -2))  # [b, n, sq, sk]
+    if keep is not None:
+        grad_probs = grad_probs * keep
+    grad_scores = probs * (grad_probs - delta.unsqueeze(-1)) * scale  # [b, n, sq, sk]
+    grad_q = torch.matmul(grad_scores, k)  # [b, n, sq, hd]
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q)  # [b, n, sk, hd]
+    return grad_q, grad_k, grad_v
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, out_b: torch.Tensor,
+                lse_b: torch.Tensor) -> None:
+    """Fold one block into the running result in place (rows `rows` of out [b, n, sq, hd],
+    lse [b, n, sq]): lse = log(exp(lse) + exp(lse_b)), out = sum_b exp(lse_b - lse) out_b."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, lse_b)  # [b, n, rows]
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - new).unsqueeze(-1)
+                       + out_b * torch.exp(lse_b - new).unsqueeze(-1))
+    lse[:, :, rows] = new
+
+
+ROW_TILE = 256
+"""Query rows per score tile: a block's scores are made a tile at a time (fp32 [b, n, 256, sk]),
+so the transient memory of the ring does not grow with the block's rows either."""
+
+
+def _dropout_keep(generator: Optional[torch.Generator], shape: torch.Size, dropout_p: float,
+                  device: torch.device) -> Optional[torch.Tensor]:
+    """The next dropout factor (0 or 1/(1-p)) [shape] drawn from a block's own generator (None
+    without dropout), so the backward draws the same ones again without keeping them."""
+    if generator is None:
+        return None
+    keep = torch.empty(shape, device=device).bernoulli_(1.0 - dropout_p, generator=generator)
+    return keep / (1.0 - dropout_p)
+
+
+def _block_tiles(kv: torch.Tensor, q: torch.Tensor, source: int, parallel_state: ParallelState,
+                 seed: int, dropout_p: float):
+    """Yield (rows, keys, masked, k, v, keep) for each query-row tile of rank `source`'s block
+    kv [2, b, ng, s/C, hd] against this rank's queries q [b, nh, s/C, hd]: the tile's query
+    rows and key columns (slices), its mask, the block's fp32 keys/values [b, nh, keys, hd]
+    and the tile's dropout factor; the same tiles and factors in forward and backward."""
+    cp, rank = parallel_state.context_parallel_size, parallel_state.context_parallel_rank
+    rows, cols, masked = block_plan(cp, rank, source, q.shape[2], q.device)
+    kb, vb = _expand_heads(kv, q.shape[1], cols)  # [b, nh, keys, hd]
+    generator = (torch.Generator(device=q.device).manual_seed(seed) if dropout_p else None)
+    for start in range(rows.start, rows.stop, ROW_TILE):
+        tile = slice(start, min(start + ROW_TILE, rows.stop))
+        tile_masked = None if masked is None else masked[tile]
+        shape = q.shape[:2] + (tile.stop - tile.start, kb.shape[2])  # [b, nh, tile, keys]
+        yield tile, cols, tile_masked, kb, vb, _dropout_keep(generator, shape, dropout_p,
+                                                             q.device)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal ring attention that keeps only q, k, v, the output and its log-sum-exp for
+    backward (activation memory linear in s/C); each block's scores are recomputed in
+    backward, and the blocks' key/value gradients travel the ring with the blocks."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                parallel_state: ParallelState, dropout_p: float) -> torch.Tensor:
+        cp, rank = parallel_state.context_parallel_size, parallel_state.context_parallel_rank
+        seeds = (torch.randint(2 ** 62, (cp,), device=q.device).tolist() if dropout_p else
+                 [0] * cp)  # from the caller's (forked) generator: one seed per block
+        ctx.parallel_state, ctx.dropout_p, ctx.seeds = parallel_state, dropout_p, seeds
+        qf, scale = q.to(_work_dtype(q)), 1.0 / math.sqrt(q.shape[3])
+        out = torch.zeros_like(qf)  # [b, nh, s/C, hd]
+        lse = torch.full(q.shape[:3], -math.inf, dtype=qf.dtype, device=q.device)
+        for step, kv in _ring_blocks(torch.stack([k, v]), parallel_state):
+            source = (rank - step) % cp
+            for rows, _, masked, kb, vb, keep in _block_tiles(kv, q, source, parallel_state,
+                                                              seeds[source], dropout_p):
+                merge_block(out, lse, rows,
+                            *block_forward(qf[:, :, rows], kb, vb, masked, scale, keep))
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)  # [b, nh, s/C, hd]
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        ps = ctx.parallel_state
+        cp, rank, groups = ps.context_parallel_size, ps.context_parallel_rank, k.shape[1]
+        qf, scale = q.to(out.dtype), 1.0 / math.sqrt(q.shape[3])
+        grad_out = grad_out.to(out.dtype)
+        delta = (grad_out * out).sum(-1)  # [b, nh, s/C]
+        grad_q = torch.zeros_like(qf)  # [b, nh, s/C, hd]
+        grad_kv = torch.zeros((2,) + k.shape, dtype=out.dtype, device=k.device)
+        for step, kv in _ring_blocks(torch.stack([k, v]), ps):
+            if step:  # the gradient of the block now here, accumulated by the ranks before
+                grad_kv, requests = post_ring_shift(grad_kv, ps)
+                collectives.wait_all(requests)
+            source = (rank - step) % cp
+            for rows, cols, masked, kb, vb, keep in _block_tiles(kv, q, source, ps,
+                                                                 ctx.seeds[source],
+                                                                 ctx.dropout_p):
+                dq, dk, dv = block_backward(qf[:, :, rows], kb, vb, masked, scale, keep,
+                                            lse[:, :, rows], delta[:, :, rows],
+                                            grad_out[:, :, rows])
+                grad_q[:, :, rows] += dq
+                grad_kv[:, :, :, cols] += torch.stack([_fold_heads(dk, groups),
+                                                       _fold_heads(dv, groups)])
+        if cp > 1:  # the last block's gradient goes home to the next rank
+            grad_kv, requests = post_ring_shift(grad_kv, ps)
+            collectives.wait_all(requests)
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    """The ring's arithmetic dtype: fp32 for half inputs, the input's own otherwise."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _ring_blocks(kv: torch.Tensor, parallel_state: ParallelState):
+    """Yield (step, key/value block [2, b, ng, s/C, hd]) for step 0 .. C-1, block `step`
+    coming from context rank (rank - step); the next block's transfer is posted before the
+    current one is handed out, so it overlaps the block's attention."""
+    cp = parallel_state.context_parallel_size
+    for step in range(cp):
+        if step < cp - 1:
+            following, requests = post_ring_shift(kv, parallel_state)
+        yield step, kv
+        if step < cp - 1:
+            collectives.wait_all(requests)
+            kv = following
+
+
+def _expand_heads(kv: torch.Tensor, heads: int, cols: slice
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [b, ng, s/C, hd] -> [b, heads, keys `cols`, hd], at least fp32 (each group
+    repeated for its heads / ng query heads)."""
+    kv = kv[:, :, :, cols].to(_work_dtype(kv))  # [2, b, ng, keys, hd]
+    repeat = heads // kv.shape[2]
+    return kv[0].repeat_interleave(repeat, dim=1), kv[1].repeat_interleave(repeat, dim=1)
+
+
+def _fold_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient [b, nh, sk, hd] of repeated key/value heads summed back to their groups
+    [b, ng, sk, hd] (the backward of _expand_heads)."""
+    b, nh, sk, hd = grad.shape
+    return grad.view(b, groups, nh // groups, sk, hd).sum(2)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    parallel_state: ParallelState, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of this context rank's queries q [b, nh, s/C, hd] to the whole
     sequence's keys/values, given this rank's k, v [b, ng, s/C, hd] (ng divides nh: grouped
-    queries); returns [b, nh, s/C, hd] in q's dtype. Arithmetic in fp32, scale 1/sqrt(hd)."""
-    cp, rank = parallel_state.context_parallel_size, parallel_state.context_parallel_rank
-    nh, hd = q.shape[1], q.shape[3]
-    repeat = nh // k.shape[1]
-    qf, scale = q.float(), 1.0 / math.sqrt(hd)
-    kv = torch.stack([k, v])  # [2, b, ng, s/C, hd]: one message per ring step
-    outs, lses = [], []
-    for step in range(cp):
-        if step:
-            kv = ring_shift(kv, parallel_state)
-        kb, vb = (t.float().repeat_interleave(repeat, dim=1) for t in kv)  # [b, nh, s/C, hd]
-        out, lse = ring_block(qf, kb, vb, cp, rank, (rank - step) % cp, scale, dropout_p)
-        outs.append(out)
-        lses.append(lse)
-    return merge_blocks(outs, lses).to(q.dtype)
+    queries); returns [b, nh, s/C, hd] in q's dtype. Arithmetic in (at least) fp32, scale
+    1/sqrt(hd); backward keeps q, k, v, the output and its log-sum-exp only (_RingAttention)."""
+    return _RingAttention.apply(q, k, v, parallel_state, dropout_p)
 
 
 class _AllToAll(torch.autograd.Function):

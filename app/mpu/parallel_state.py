@@ -193,6 +193,18 @@ class ParallelState:
     def get_data_parallel_group(self) -> ProcessGroup:
         return self.data_parallel_group
 
+    # DeepSpeed's group for ZeRO's partitions and the gradient reduction ("sequence data
+    # parallel"): data x context, as Megatron Core reduces over; with no sequence-parallel
+    # size given, DeepSpeed averages over all of it (our loss carries the factor C)
+    def get_sequence_data_parallel_group(self) -> ProcessGroup:
+        return self.gradient_state().data_parallel_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.gradient_state().data_parallel_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.gradient_state().data_parallel_rank
+
     def get_tensor_model_parallel_rank(self) -> int:
         return self.tensor_model_parallel_rank
 

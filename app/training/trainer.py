@@ -163,8 +163,9 @@ class Trainer:
         (last stage)."""
         schedule = get_forward_backward_func(self.ps)
         model, m = self.engine.module, self.cfg.model
-        # sequence parallelism passes [b, s/tp, h] slices between pipeline stages
-        seq = m.seq_length // (self.ps.tensor_model_parallel_size if m.sequence_parallel else 1)
+        # stages pass [b, s/C, h] (context parallelism), [b, s/(C tp), h] with sequence parallelism
+        seq = m.seq_length // self.ps.context_parallel_size // (
+            self.ps.tensor_model_parallel_size if m.sequence_parallel else 1)
         phase = "evaluation" if forward_only else "forward-backward"
 
         def next_batch():

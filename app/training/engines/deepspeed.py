@@ -177,6 +177,7 @@ class DeepSpeedEngineAdapter(Engine):
         must exist already."""
         import deepspeed
         self.cfg, self.ps = cfg, parallel_state
+        self.zero_ps = parallel_state.gradient_state()  # ZeRO partitions over data x context
         ds, path = cfg.deepspeed.config, cfg.deepspeed.config_path
         if ds is None:
             raise ValueError("the DeepSpeed engine needs cfg.deepspeed.config (the reconciled "
@@ -390,13 +391,13 @@ class DeepSpeedEngineAdapter(Engine):
             load_dir, plan.iteration, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
-            data_parallel_size=self.ps.data_parallel_size, load_optimizer=False)
+            data_parallel_size=self.zero_ps.data_parallel_size, load_optimizer=False)
         if layout is not None:  # the file names give TP x PP ranks, the args their split
             saved = layouts.read_saved_state(layout).get("args")
             if saved is not None:
                 check_saved_args(plan, saved, self.cfg, where)
         problem = layouts.stage_problem(layout, self.partitioned, plan.load_optimizer) or (
-            layouts.partition_problem(layout, self.ps.data_parallel_size)
+            layouts.partition_problem(layout, self.zero_ps.data_parallel_size)
             if layout is not None and plan.load_optimizer else None)
         if problem:
             raise CheckpointError(problem)
@@ -454,7 +455,7 @@ class DeepSpeedEngineAdapter(Engine):
     def _check_own_files(self, where: str) -> None:
         """ZeRO-3: each rank reads files no other rank reads; a damaged or unsafe one is found
         before DeepSpeed's load, on every rank or none (engines.zero3.check_own_files)."""
-        zero3.check_own_files(where, self.ps.data_parallel_rank,
+        zero3.check_own_files(where, self.zero_ps.data_parallel_rank,
                               self.ps.tensor_model_parallel_rank,
                               next(self.ds.module.parameters()).device)
 
@@ -471,7 +472,7 @@ class DeepSpeedEngineAdapter(Engine):
         zero3.load_whole_weights(  # data-parallel rank 0's copy is cut into pieces
             self.ds.module, saved.weights,
             lambda p: deepspeed.zero.GatheredParameters([p], modifier_rank=0),
-            self.ps.data_parallel_rank == 0, self.ds.optimizer)
+            self.zero_ps.data_parallel_rank == 0, self.ds.optimizer)
         return CheckpointContents(path=where, iteration=plan.iteration, args=client.get("args"),
                                   client_state=client, rng_state=client.get("rng_state"),
                                   scheduler_state=client.get("scheduler_steps"))
@@ -507,7 +508,8 @@ def partitioned_construction(cfg: RunConfig, parallel_state: ParallelState) -> A
     """
     import deepspeed
     assert zero_stage(cfg.deepspeed.config) == 3
-    return deepspeed.zero.Init(data_parallel_group=parallel_state.data_parallel_group,
+    partitions = parallel_state.gradient_state().data_parallel_group  # data x context
+    return deepspeed.zero.Init(data_parallel_group=partitions,
                                mpu=parallel_state, config_dict_or_path=cfg.deepspeed.config,
                                mem_efficient_linear=False, tensor_overrides=[])
 

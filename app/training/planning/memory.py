@@ -325,11 +325,10 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     per_layer = s * h * (w * (4 / sp + inner / t) + 2 * mask / sp)
     core, scores = 0.0, ""
     if c > 1 and p.cp_comm_type == "p2p":
-        # the ring keeps fp32 scores and probabilities [a, s/c, s/c] of its own block and of
-        # the half block computed for each of the c - 1 others, and for each of the c blocks
-        # the fp32 keys and values and its output [s/c, q]
-        core = (a * s * s * (c + 1) / 2 * 8 + 3 * c * s * q * 4) / t
-        scores = f" + (a·(s/C)²·(C+1)/2·8 + 12·s·q)·b/t (ring blocks, C = {c})"
+        # the ring keeps q, k, v (views of the QKV output, counted above), its fp32 output
+        # [s/c, q] and log-sum-exp [a, s/c]; every score block is recomputed in backward
+        core = 4 * s * (q + a) / t
+        scores = f" + 4·s·(q + a)·b/t (ring output and log-sum-exp, C = {c})"
     elif c > 1 and scores_kept(cfg, device_type):  # a2a: a/C heads over the whole sequence
         width = 2 * w + mask_width if m.attention_dropout > 0 else w
         core = (a / c) * (s * c) ** 2 * width / t
