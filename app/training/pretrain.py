@@ -34,6 +34,7 @@ from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     shutdown_distributed, world_group)
 from app.training.loss import LossFunction
 from app.training.resilience.data_order import check_data_order
+from app.training.resilience.inprocess import InProcessRestart
 from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.resume import (StartDecision, check_resume, decide_start,
                                             load_on_all_ranks)
@@ -203,8 +204,22 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
 
     `tokenizer` gives the end-of-document id; `arguments_listing` (Megatron's "arguments" block)
     is printed at start; `loss_function` replaces Megatron's LM loss (app.training.loss);
-    `world` is the world pretrain_gpt2.py discovered (None: discovered here).
+    `world` is the world pretrain_gpt2.py discovered (None: discovered here). With
+    --inprocess-restart a failed attempt is built and run again inside this process
+    (app.training.resilience.inprocess).
     """
+    if not cfg.inprocess.enabled:
+        return _attempt(cfg, tokenizer, arguments_listing, loss_function, world, None)
+    restart = InProcessRestart(cfg.inprocess, cfg.parallel.distributed_timeout_minutes)
+    return restart.run(lambda r: _attempt(cfg, tokenizer, () if r.restarts else arguments_listing,
+                                          loss_function, world, r))
+
+
+def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
+             loss_function: Optional[LossFunction], world: Optional[WorldInfo],
+             restart: Optional[InProcessRestart]) -> Trainer:
+    """One attempt of `pretrain`: everything built, the state loaded (after an in-process
+    restart: `restart`'s snapshot when it has one) and trained."""
     p = cfg.parallel
     info = init_distributed(p.distributed_backend, cfg.deepspeed.mpi,
                             p.distributed_timeout_minutes, nccl_trace_dir(cfg.checkpoint.save),
@@ -233,13 +248,14 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
         mock = _mock_datasets(cfg, tokenizer.eod) if plan is None else None
         order = (mock_order_record(cfg, mock) if plan is None
                  else order_record(plan, cfg.training.seed))
-        state = _load(cfg, run, decision, info.device, order)
+        state = ((restart.restore(run.engine) if restart is not None else None)
+                 or _load(cfg, run, decision, info.device, order))
         log_launch_notes(info, state.iteration if decision.load is not None else None)
         handler = _signal_handler(cfg)
         datasets = mock if plan is None else _datasets(cfg, plan, info.rank)
         trainer = run.attach_trainer(datasets, tokenizer.eod, state,
                                      loss_function=loss_function, signals=handler,
-                                     watchdog=watchdog)
+                                     watchdog=watchdog, inprocess=restart)
         if handler is not None:
             stack.enter_context(handler)
         trainer.train()

@@ -35,6 +35,7 @@ from app.checkpoint.megatron import CheckpointError
 from app.checkpoint.names import checkpoint_dir
 from app.pipeline import get_forward_backward_func
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
+from app.training.resilience.inprocess import InProcessRestart
 from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.resilience.rollback import SpikeRollback
 from app.training.resilience.saving import CheckpointSaver, SaveFailed, flagged
@@ -75,8 +76,11 @@ class Trainer:
                  loss_function: Optional[LossFunction] = None,
                  return_logits: bool = False, *,
                  signals: Optional[ExitSignalHandler] = None,
-                 watchdog: Optional[Watchdog] = None) -> None:
+                 watchdog: Optional[Watchdog] = None,
+                 inprocess: Optional[InProcessRestart] = None) -> None:
         self.cfg, self.engine, self.ps = cfg, engine, parallel_state
+        self.inprocess = inprocess
+        """--inprocess-restart's snapshots, taken before the first iteration and after each."""
         self.objective = MicroBatchObjective(loss_function or DEFAULT_LOSS, parallel_state,
                                              return_logits)
         self.signals, self.watchdog = signals, watchdog
@@ -407,6 +411,7 @@ class Trainer:
         """Iterations until --train-iters or an agreed exit."""
         t, s = self.cfg.training, self.state
         self.global_batch = self.cfg.batch_schedule.batch_at(s.consumed_train_samples)
+        self._snapshot()
         while s.iteration < t.train_iters and not loop.exiting:
             batch = self.set_batch(s.consumed_train_samples)
             t0 = time.time()
@@ -427,6 +432,12 @@ class Trainer:
             loop.exiting = self._should_exit()
             self._finish_save(blocking=loop.exiting)
             self._maybe_save(loop)
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """--inprocess-restart: hand the state after this iteration to its snapshots."""
+        if self.inprocess is not None:
+            self.inprocess.after_iteration(self.engine, self.state)
 
     def _end(self, loop: "_Loop") -> None:
         """After the last iteration: the last save committed (its failure stops the run), then
