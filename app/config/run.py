@@ -8,7 +8,7 @@ from typing import Tuple
 from app.config.batch_schedule import BatchSchedule, schedule_of
 from app.config.checkpoint import CheckpointConfig
 from app.config.data import DataConfig
-from app.config.deepspeed import DeepSpeedConfig
+from app.config.deepspeed import DeepSpeedConfig, zero_stage
 from app.config.kernels import KernelConfig
 from app.config.model import ModelConfig
 from app.config.optimizer import OptimizerConfig, check_muon_layout
@@ -99,6 +99,21 @@ class RunConfig:
         self._check_model_options_against_layout()
         check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
+        self._check_local_checkpoints()
+
+    def _check_local_checkpoints(self) -> None:
+        """Local checkpoints with replication need whole groups of J x K ranks; ZeRO-3's
+        partitioned weights have no local-checkpoint path."""
+        c, world = self.checkpoint, self.parallel.world_size
+        if c.replication and world % (c.replication_jump * c.replication_factor):
+            raise ValueError(
+                f"--replication: the world size ({world}) is not divisible by --replication-jump "
+                f"({c.replication_jump}) x --replication-factor ({c.replication_factor}); pick "
+                "a jump and factor whose product divides the number of ranks")
+        if c.local_checkpoints and self.deepspeed.enabled and zero_stage(self.deepspeed.config) == 3:
+            raise ValueError("--non-persistent-ckpt-type local is not implemented for ZeRO-3 "
+                             "(its weights are partitioned); use ZeRO-1/2 or the native path, or "
+                             "rely on --save")
 
     def _build_batch_schedule(self) -> BatchSchedule:
         """The batch-size schedule of the flags, checked against the layout and the engine."""
