@@ -55,7 +55,6 @@ from app.mpu.parallel_state import destroy_model_parallel
 from app.mpu.random import load_rng_state_dict, rng_state_dict
 from app.training.resilience.saving import SaveFailed
 from app.training.resilience.watchdog import PeerFailure
-from app.training.state import RunState
 from app.utils.rank_logging import ALL_RANKS
 
 logger = logging.getLogger(__name__)
@@ -78,7 +77,8 @@ class Snapshot:
     --rollback-on-spike)."""
 
     sequence: int
-    state: RunState
+    state: Any
+    """The trainer's RunState then (a copy)."""
     engine_state: Dict[str, Any]
 
 
@@ -195,7 +195,7 @@ class InProcessRestart:
 
     # ------------------------------------------------------------------ trainer and attempt hooks
 
-    def after_iteration(self, engine: Any, state: RunState) -> None:
+    def after_iteration(self, engine: Any, state: Any) -> None:
         """Trainer side, before the first iteration and after each one, on every rank: take a
         snapshot when the interval says so; the first call after a restart reports it."""
         if self._store is None:
@@ -216,7 +216,7 @@ class InProcessRestart:
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self._backend = str(dist.get_backend())
 
-    def _take(self, engine: Any, state: RunState) -> None:
+    def _take(self, engine: Any, state: Any) -> None:
         """Copy this rank's training state into host memory (module docstring, step 3)."""
         if self._snapshots and self._snapshots[-1].state == state:
             return  # the state just restored: its snapshot is the newest already
@@ -227,7 +227,7 @@ class InProcessRestart:
         self._taken += 1
         self._snapshots.append(Snapshot(self._taken, copy.deepcopy(state), engine_state))
 
-    def restore(self, engine: Any) -> Optional[RunState]:
+    def restore(self, engine: Any) -> Optional[Any]:
         """Attempt side, in place of loading a checkpoint: after a restart, put the chosen
         snapshot into the freshly built `engine` and return the run's position then; None on
         the first attempt or when no snapshot is common to all ranks (load --load then)."""
@@ -241,7 +241,7 @@ class InProcessRestart:
         load_rng_state_dict(saved["rng"])
         return copy.deepcopy(snapshot.state)
 
-    def _report_resumed(self, state: RunState) -> None:
+    def _report_resumed(self, state: Any) -> None:
         fault, self._fault = self._fault, None
         assert fault is not None
         redone = max(fault.completed - state.iteration, 0)
