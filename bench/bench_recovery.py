@@ -2,6 +2,7 @@
 
     python bench/bench_recovery.py [--fault-at 8] [--train-iters 12] [--save-interval 5]
                                    [--cases persistent,local,local_inprocess,memory_inprocess]
+    python bench/bench_recovery.py --snapshot-cost 12     # what a snapshot costs, GPT-2 small
 
 The same DP 2 run (torchrun, gloo, a small GPT-2 on --mock-data) fails once: rank 1 raises an
 error in the forward pass of iteration --fault-at (the fault-injection point
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,6 +108,36 @@ def run_case(case: str, fault_at: int, train_iters: int, save_interval: int,
             "step_s": sorted(before)[len(before) // 2] if before else float("nan")}
 
 
+def snapshot_cost(layers: int, snapshots: int) -> Dict[str, float]:
+    """Seconds per in-memory snapshot (what --inprocess-restart adds to every
+    --inprocess-snapshot-interval-th iteration) against one training step, for GPT-2 small's
+    shape with `layers` layers (bench_async_save's model) on the CPU; the first two snapshots
+    allocate host memory, later ones reuse the oldest's."""
+    import arguments
+    from app.config import InProcessRestartConfig
+    from app.training.resilience.inprocess import InProcessRestart
+    from app.training.state import RunState
+    from bench.bench_async_save import RAW_VOCAB, model_argv as gpt2_small_argv
+    from tests.harness.synthetic import build_synthetic_run
+
+    cfg = arguments.config_from_argv(gpt2_small_argv(layers), 1, RAW_VOCAB)
+    run = build_synthetic_run(cfg, snapshots + 2)
+    restart = InProcessRestart(InProcessRestartConfig(enabled=True), 1.0)
+    state, takes, steps = RunState(), [], []
+    for _ in range(snapshots):
+        start = time.perf_counter()
+        run["trainer"].train_step(run["iterator"])
+        steps.append(time.perf_counter() - start)
+        state.iteration += 1
+        start = time.perf_counter()
+        restart.after_iteration(run["engine"], state)
+        takes.append(time.perf_counter() - start)
+    held = sum(run["engine"].state_bytes()[k] for k in ("params", "optimizer"))
+    return {"snapshot_s": statistics.median(takes[2:] or takes),
+            "first_snapshot_s": takes[0], "step_s": statistics.median(steps),
+            "gib": held / 2**30}
+
+
 def worker() -> int:
     """Under torchrun: pretrain_gpt2 with the fault armed (rank 1, iteration $FAULT_AT, first
     attempt, once per process)."""
@@ -138,7 +170,17 @@ def main() -> None:
     parser.add_argument("--save-interval", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--json", default=None, help="write the results here too")
+    parser.add_argument("--snapshot-cost", type=int, default=0, metavar="LAYERS",
+                        help="instead: time the in-memory snapshot of GPT-2 small's shape "
+                             "with this many layers against a training step, and exit")
     args = parser.parse_args()
+    if args.snapshot_cost:
+        cost = snapshot_cost(args.snapshot_cost, 6)
+        print(f"GPT-2 small shape, {args.snapshot_cost} layers ({cost['gib']:.2f} GiB of weights "
+              f"and optimizer states): snapshot {cost['snapshot_s']:.3f} s (the first "
+              f"{cost['first_snapshot_s']:.3f} s), training step (sequence 128, batch 1) "
+              f"{cost['step_s']:.3f} s")
+        return
     local_ok = has_flag(LOCAL_FLAG)
     results: Dict[str, Optional[Dict[str, float]]] = {}
     for case in args.cases.split(","):

@@ -49,7 +49,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, TypeVar
 
 import torch.distributed as dist
 
-from app.checkpoint.snapshot import host_copy
+from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.config import InProcessRestartConfig
 from app.mpu.parallel_state import destroy_model_parallel
 from app.mpu.random import load_rng_state_dict, rng_state_dict
@@ -80,6 +80,8 @@ class Snapshot:
     state: Any
     """The trainer's RunState then (a copy)."""
     engine_state: Dict[str, Any]
+    buffers: HostBuffers
+    """The host memory `engine_state` lives in, reused by the snapshot that replaces this one."""
 
 
 @dataclass
@@ -220,12 +222,17 @@ class InProcessRestart:
         """Copy this rank's training state into host memory (module docstring, step 3)."""
         if self._snapshots and self._snapshots[-1].state == state:
             return  # the state just restored: its snapshot is the newest already
+        buffers = HostBuffers()
+        if len(self._snapshots) == KEEP_SNAPSHOTS:  # the oldest goes: its memory takes the copy
+            buffers = self._snapshots.popleft().buffers
+            buffers.new_save()
         engine_state = host_copy({"model": engine.module.state_dict(),
                                   "optimizer": engine.optimizer.state_dict(),
                                   "lr_scheduler": engine.lr_scheduler.state_dict(),
-                                  "rng": rng_state_dict()})
+                                  "rng": rng_state_dict()}, buffers)
         self._taken += 1
-        self._snapshots.append(Snapshot(self._taken, copy.deepcopy(state), engine_state))
+        self._snapshots.append(Snapshot(self._taken, copy.deepcopy(state), engine_state,
+                                        buffers))
 
     def restore(self, engine: Any) -> Optional[Any]:
         """Attempt side, in place of loading a checkpoint: after a restart, put the chosen
