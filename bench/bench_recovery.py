@@ -1,13 +1,13 @@
 """What one failure costs: iterations redone and seconds from the fault to the next training step.
 
     python bench/bench_recovery.py [--fault-at 8] [--train-iters 12] [--save-interval 5]
-                                   [--cases persistent,local,local_inprocess,memory_inprocess]
+                                   [--cases persistent,local,local_inprocess,...]
     python bench/bench_recovery.py --snapshot-cost 12     # what a snapshot costs, GPT-2 small
 
 The same DP 2 run (torchrun, gloo, a small GPT-2 on --mock-data) fails once: rank 1 raises an
-error in the forward pass of iteration --fault-at (the fault-injection point
-`faults.TRAINING_LOSS`, armed by this script running as the worker), on the first attempt
-only. Cases, each with persistent checkpoints every --save-interval iterations in --save:
+error (or SIGKILLs itself) in the forward pass of iteration --fault-at (the fault-injection
+point `faults.TRAINING_LOSS`, armed by this script running as the worker), on the first
+attempt only. Cases, each with persistent checkpoints every --save-interval iterations:
 
 - persistent: restart by the launcher (torchrun --max-restarts 1) from the newest persistent
   checkpoint;
@@ -16,7 +16,9 @@ only. Cases, each with persistent checkpoints every --save-interval iterations i
 - local_inprocess: local checkpoints and --inprocess-restart with no memory snapshot
   (--inprocess-snapshot-interval 0): the processes stay, the group is rebuilt and the newest
   local checkpoint is loaded;
-- memory_inprocess: --inprocess-restart from the in-memory snapshot of every iteration.
+- memory_inprocess: --inprocess-restart from the in-memory snapshot of every iteration;
+- killed_inprocess: --inprocess-restart, but rank 1 SIGKILLs itself instead of raising: what
+  in-process restart cannot recover, left to the launcher's restart (from --save).
 
 A case whose flags this checkout does not have (local checkpoints, from branch w5-local-ckpt)
 is skipped with a message. Measured from the metrics file (one train record per iteration,
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 GLOBAL_BATCH = 4
-CASES = ("persistent", "local", "local_inprocess", "memory_inprocess")
+CASES = ("persistent", "local", "local_inprocess", "memory_inprocess", "killed_inprocess")
 LOCAL_FLAG = "--non-persistent-save-interval"
 
 
@@ -67,7 +70,7 @@ def case_argv(case: str, tmp: str, save_interval: int) -> List[str]:
                  "--non-persistent-local-ckpt-dir", os.path.join(tmp, "local")]
     if case == "local_inprocess":
         argv += ["--inprocess-restart", "--inprocess-snapshot-interval", "0"]
-    if case == "memory_inprocess":
+    if case in ("memory_inprocess", "killed_inprocess"):
         argv += ["--inprocess-restart"]
     return argv
 
@@ -84,7 +87,8 @@ def run_case(case: str, fault_at: int, train_iters: int, save_interval: int,
     """One run of `case` with its fault; {redone, seconds, wall_s, step_s}."""
     fault_file = os.path.join(tmp, "fault.json")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               FAULT_AT=str(fault_at), FAULT_FILE=fault_file)
+               FAULT_AT=str(fault_at), FAULT_FILE=fault_file,
+               FAULT_KIND="kill" if case == "killed_inprocess" else "raise")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts", "1", os.path.abspath(__file__), "--worker",
            *model_argv(train_iters), *case_argv(case, tmp, save_interval)]
@@ -155,6 +159,8 @@ def worker() -> int:
             fired.append(1)
             with open(os.environ["FAULT_FILE"], "w") as f:
                 json.dump({"time": time.time(), "completed": iteration - 1}, f)
+            if os.environ.get("FAULT_KIND") == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"bench_recovery: injected fault in iteration {iteration}")
         return loss
 
@@ -201,7 +207,8 @@ def main() -> None:
         print(f"{case}: {r['redone']} completed iteration(s) redone, {r['seconds']:.2f} s from "
               f"the fault to the next training step (step {r['step_s']:.2f} s; run "
               f"{r['wall_s']:.0f} s)", flush=True)
-    print(f"\nfault in iteration {args.fault_at} (rank 1 raises), persistent saves every "
+    print(f"\nfault in iteration {args.fault_at} (rank 1 raises; killed_inprocess: is killed), "
+          f"persistent saves every "
           f"{args.save_interval} iterations, DP 2 on CPU (gloo)")
     print("| case | completed iterations redone | s from the fault to the next step |")
     print("| --- | --- | --- |")
