@@ -8,7 +8,9 @@ layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts
 (app.training.run) -> the data plan (app.data.plan) -> checkpoint load (all ranks agree; a
 resume keeps the checkpoint's data order, app.training.resilience.data_order) -> datasets built
 or loaded from the cache -> Trainer, with the exit-signal handler installed while it trains. `--dry-run`
-(app.training.planning.preflight) calls the same decision functions in the same order.
+(app.training.planning.preflight) calls the same decision functions in the same order. With
+--inprocess-restart these steps are one attempt, which app.training.resilience.inprocess runs
+again in the same process after a rank's error.
 
 `main` maps outcomes to exit codes: 0 for a finished run and for one stopped by a signal after
 its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3 for a run
