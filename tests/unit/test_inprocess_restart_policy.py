@@ -10,6 +10,7 @@ import torch.distributed as dist
 from app.config import InProcessRestartConfig
 from app.training.resilience.inprocess import InProcessRestart
 from app.training.resilience.saving import SaveFailed
+from app.training.resilience.watchdog import PeerFailure
 from app.training.state import RunState
 
 
@@ -102,3 +103,20 @@ def test_not_restarted_before_training_on_a_save_failure_or_past_the_limit(world
     with pytest.raises(RuntimeError, match="fails every time"):
         restart.run(always_failing)
     assert len(attempts) == 3 and restart.restarts == 2  # --inprocess-max-iterations 2
+
+
+def test_a_rank_that_does_not_rejoin_ends_the_run_with_peer_failure(world_of_one):
+    """A dead process cannot rejoin: after --inprocess-barrier-timeout the run ends with
+    PeerFailure (exit code 4) naming it, for the launcher's restart."""
+    engine = _engine()
+    restart = InProcessRestart(InProcessRestartConfig(enabled=True, barrier_timeout=0.5), 1.0)
+
+    def attempt(r):
+        _train(r, engine, RunState(), 1)
+        r._world_size = 2  # a second rank, killed: it never posts its arrival
+        raise RuntimeError("connection closed by a dead peer")
+
+    with pytest.raises(PeerFailure, match=r"rank\(s\) \[1\] did not rejoin within 0.5 s "
+                                          r"\(--inprocess-barrier-timeout\)"):
+        restart.run(attempt)
+    assert PeerFailure.exit_code == 4
