@@ -149,21 +149,22 @@ class LocalCheckpoints(commit.OneSaveAtATime):
         own and the replicas it holds) in the background with `asynchronous`; committed by
         finish_save."""
         record, peers = self.record(iteration, client_state), self.group[1:]
+        writers: Dict[int, Callable[[Any], Any]]  # owner -> write(file) of its state
         if peers:
             mine = _serialize(record)
             held = {self.rank: mine, **exchange({p: mine for p in peers}, peers, self.device)}
-            payloads: Callable[[], Dict[int, bytes]] = lambda: held  # noqa: E731
+            writers = {owner: (lambda f, d=data: f.write(d)) for owner, data in held.items()}
         else:  # the previous save is committed (one at a time): its buffers are free
             self._buffers.new_save()
             copied = host_copy(record, self._buffers)
-            payloads = lambda: {self.rank: _serialize(copied)}  # noqa: E731
+            writers = {self.rank: lambda f: torch.save(copied, f)}
         directory = names.checkpoint_dir(save_dir, iteration)
         written: List[str] = []
 
         def write() -> None:
-            for owner, data in sorted(payloads().items()):
+            for owner, write_to in sorted(writers.items()):
                 path = state_file(directory, owner)
-                commit.write_checked_file(path, lambda f, d=data: f.write(d))
+                commit.write_checked_file(path, write_to)
                 written.append(path)
 
         def undo() -> None:
