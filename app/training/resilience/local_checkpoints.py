@@ -279,8 +279,9 @@ def restore_newest(engine: Any, cfg: CheckpointConfig, device: Any,
                   "no persistent checkpoint")
     if iteration is None or (persistent_iteration is not None and iteration < persistent_iteration):
         reason = why or f"its newest complete iteration {iteration} is older"
-        logger.info("local checkpoints in %s not used (%s): loading %s", local_dir, reason,
-                    persistent)
+        logger.info("local checkpoints in %s not used (%s): %s", local_dir, reason,
+                    f"loading {persistent}" if persistent_iteration is not None else
+                    "and there is no persistent checkpoint")
         return None
     replicas = sorted(o for o, h in holders.items() if o != h)
     data, where = _my_payload(lambda r: rank_dir(local_dir, r), iteration, holders, rank, device)
