@@ -10,6 +10,13 @@ uninterrupted run's. Native TP 2 and DeepSpeed ZeRO-2 DP 2 with synchronous save
 with --ckpt-format torch_dist and --async-save, and ZeRO-3 DP 2 with --async-save (CASES),
 against one uninterrupted (synchronous) run per engine. The seed of the kill
 plan is printed and in every failure message; set CHAOS_SEED to replay one.
+
+Local checkpoints (app.training.resilience.local_checkpoints), against one uninterrupted
+native DP 2 run shared by both cases: a rank SIGKILLed after iteration 7 (a real torchrun
+restart) resumes from the local iteration 6, not the persistent 5; with --replication, a job
+stopped after iteration 7 whose rank_1 folder is then deleted resumes from iteration 6 with
+rank 1's state from rank 0's replica (in-process gloo ranks: the launcher is not the point).
+Both end bit-identical to the uninterrupted run.
 """
 import glob
 import json
