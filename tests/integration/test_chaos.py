@@ -10,6 +10,13 @@ uninterrupted run's. Native TP 2 and DeepSpeed ZeRO-2 DP 2 with synchronous save
 with --ckpt-format torch_dist and --async-save, and ZeRO-3 DP 2 with --async-save (CASES),
 against one uninterrupted (synchronous) run per engine. The seed of the kill
 plan is printed and in every failure message; set CHAOS_SEED to replay one.
+
+Local checkpoints (app.training.resilience.local_checkpoints), against one uninterrupted
+native DP 2 run shared by both cases: a rank SIGKILLed after iteration 7 (a real torchrun
+restart) resumes from the local iteration 6, not the persistent 5; with --replication, a job
+stopped after iteration 7 whose rank_1 folder is then deleted resumes from iteration 6 with
+rank 1's state from rank 0's replica (in-process gloo ranks: the launcher is not the point).
+Both end bit-identical to the uninterrupted run.
 """
 import glob
 import json
@@ -47,6 +54,9 @@ ENGINES = {
     "native_tp2_torch_dist": ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"],
     "native_dp2": [],
 }
+IN_PROCESS = ("native_dp2",)
+"""References run on in-process gloo ranks (tests.harness.distributed.run_pretrain), cheaper
+than a torchrun job: the launcher is not what they are for."""
 HANG_S = 540
 """A job still running after this long hangs: four attempts of a DeepSpeed job take a few
 minutes on two cores shared with another suite (300 s was not enough under load); below the
@@ -102,15 +112,18 @@ def final_tensors(save_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_corpus, tmp_path_factory):
     """`uninterrupted(engine)`: (save dir, metrics file) of one uninterrupted synchronous run
-    of that engine, run the first time it is asked for."""
+    of that engine, run the first time it is asked for (shared by the cases of that engine)."""
     runs = {}
 
     def run(engine):
         if engine not in runs:
             tmp = tmp_path_factory.mktemp(f"straight_{engine}")
-            torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *RUN, *ENGINES[engine], "--save",
-                                      str(tmp / "ck"), "--metrics-file", str(tmp / "m.jsonl")),
-                     tmp)
+            args = tiny_gpt_args(tiny_corpus, tmp, *RUN, *ENGINES[engine], "--save",
+                                 str(tmp / "ck"), "--metrics-file", str(tmp / "m.jsonl"))
+            if engine in IN_PROCESS:
+                run_pretrain(2, args)
+            else:
+                torchrun(2, args, tmp)
             runs[engine] = (str(tmp / "ck"), tmp / "m.jsonl")
         return runs[engine]
     return run

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from app.checkpoint import CheckpointError, commit, names
+from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.checkpoint.files import allowed_globals, sha256_file, sidecar_path, read_checksums
 from app.config.checkpoint import CheckpointConfig
 from app.launch.distributed import all_ranks_ok, world_group
@@ -133,27 +134,37 @@ class LocalCheckpoints(commit.OneSaveAtATime):
         self.folder = rank_dir(cfg.non_persistent_local_ckpt_dir, rank)
         os.makedirs(self.folder, exist_ok=True)
         remove_temporaries(self.folder)  # a dead writer's (a killed run's) half-written files
+        self._buffers = HostBuffers()  # the host copy of one save, reused by the next
 
-    def payload(self, iteration: int, client_state: Dict[str, Any]) -> bytes:
-        """This rank's whole state of `iteration`, serialized (training thread; all ranks)."""
-        return _serialize({"version": LOCAL_FORMAT_VERSION, "iteration": iteration,
-                           "owner": self.rank, "state": self.engine.local_state(),
-                           "rng_state": rng_state_dict(), "client_state": dict(client_state)})
+    def record(self, iteration: int, client_state: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's whole state of `iteration`, live (training thread; all ranks call)."""
+        return {"version": LOCAL_FORMAT_VERSION, "iteration": iteration, "owner": self.rank,
+                "state": self.engine.local_state(), "rng_state": rng_state_dict(),
+                "client_state": dict(client_state)}
 
     def start_save(self, save_dir: str, iteration: int, client_state: Any,
                    asynchronous: bool) -> commit.PendingSave:
-        """Serialize and replicate this rank's state now; write its files (its own and the
-        replicas it holds) in the background with `asynchronous`; committed by finish_save."""
-        mine = self.payload(iteration, client_state)
-        peers = self.group[1:]
-        held = {self.rank: mine, **exchange({p: mine for p in peers}, peers, self.device)}
+        """Copy this rank's state to host memory now (with --replication: serialize it and
+        send it to its replica group, receiving theirs); serialize and write the files (its
+        own and the replicas it holds) in the background with `asynchronous`; committed by
+        finish_save."""
+        record, peers = self.record(iteration, client_state), self.group[1:]
+        writers: Dict[int, Callable[[Any], Any]]  # owner -> write(file) of its state
+        if peers:
+            mine = _serialize(record)
+            held = {self.rank: mine, **exchange({p: mine for p in peers}, peers, self.device)}
+            writers = {owner: (lambda f, d=data: f.write(d)) for owner, data in held.items()}
+        else:  # the previous save is committed (one at a time): its buffers are free
+            self._buffers.new_save()
+            copied = host_copy(record, self._buffers)
+            writers = {self.rank: lambda f: torch.save(copied, f)}
         directory = names.checkpoint_dir(save_dir, iteration)
         written: List[str] = []
 
         def write() -> None:
-            for owner, data in sorted(held.items()):
+            for owner, write_to in sorted(writers.items()):
                 path = state_file(directory, owner)
-                commit.write_checked_file(path, lambda f, d=data: f.write(d))
+                commit.write_checked_file(path, write_to)
                 written.append(path)
 
         def undo() -> None:
@@ -268,8 +279,9 @@ def restore_newest(engine: Any, cfg: CheckpointConfig, device: Any,
                   "no persistent checkpoint")
     if iteration is None or (persistent_iteration is not None and iteration < persistent_iteration):
         reason = why or f"its newest complete iteration {iteration} is older"
-        logger.info("local checkpoints in %s not used (%s): loading %s", local_dir, reason,
-                    persistent)
+        logger.info("local checkpoints in %s not used (%s): %s", local_dir, reason,
+                    f"loading {persistent}" if persistent_iteration is not None else
+                    "and there is no persistent checkpoint")
         return None
     replicas = sorted(o for o, h in holders.items() if o != h)
     data, where = _my_payload(lambda r: rank_dir(local_dir, r), iteration, holders, rank, device)
