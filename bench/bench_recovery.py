@@ -25,7 +25,9 @@ is skipped with a message. Measured from the metrics file (one train record per 
 with its wall time and duration) and the time the worker wrote when it raised: iterations
 redone = the last iteration completed before the fault minus the one training resumed from;
 seconds = the start of the first training step after the fault (its record's time less its
-duration) minus the time of the fault. Results are printed as a table and written as JSON.
+duration) minus the time of the fault. Results are printed as a table and written as JSON;
+--keep keeps each case's directory with the job's output (output.txt), to see which
+checkpoint a restart took.
 """
 from __future__ import annotations
 
@@ -95,6 +97,8 @@ def run_case(case: str, fault_at: int, train_iters: int, save_interval: int,
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     wall = time.time() - start
+    with open(os.path.join(tmp, "output.txt"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{case}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-3000:]}")
@@ -176,6 +180,8 @@ def main() -> None:
     parser.add_argument("--save-interval", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--json", default=None, help="write the results here too")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep each case's directory (its output.txt, metrics, checkpoints)")
     parser.add_argument("--snapshot-cost", type=int, default=0, metavar="LAYERS",
                         help="instead: time the in-memory snapshot of GPT-2 small's shape "
                              "with this many layers against a training step, and exit")
@@ -202,7 +208,10 @@ def main() -> None:
             results[case] = run_case(case, args.fault_at, args.train_iters,
                                      args.save_interval, tmp)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if args.keep:
+                print(f"{case}: kept {tmp}", flush=True)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
         r = results[case]
         print(f"{case}: {r['redone']} completed iteration(s) redone, {r['seconds']:.2f} s from "
               f"the fault to the next training step (step {r['step_s']:.2f} s; run "

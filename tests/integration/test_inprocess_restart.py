@@ -14,7 +14,6 @@ Each is recovered from the in-memory snapshot of the iteration before, in the sa
 (its pid recorded at the fault and at the end), and the final weights, optimizer states and
 every iteration's last logged loss and gradient norm equal the undisturbed run's, bit for bit.
 """
-import json
 import os
 import time
 
@@ -23,7 +22,7 @@ import torch
 
 from tests.harness.distributed import _pretrain_on_rank, run_distributed
 from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import ROOT
+from tests.integration.launch_utils import ROOT, train_curve
 
 TRAIN_ITERS, GLOBAL_BATCH = 8, 4
 RUN = ["--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-iters", "0",
@@ -62,8 +61,9 @@ def _final_state(trainer):
 
 
 def _two_runs(clean_argv, faulty_argv, log_dir, environ):
-    """Rank side: the undisturbed run, then the faulty one (same process group store)."""
-    import pretrain_gpt2  # noqa: F401 - imported as _pretrain_on_rank imports it
+    """Rank side: the undisturbed run, then the faulty one, in the same process; the Trainers
+    that pretrain_gpt2.run returns are kept for their final states and restart history."""
+    import pretrain_gpt2
     from app.utils import faults
 
     trainers = []
@@ -81,11 +81,6 @@ def _two_runs(clean_argv, faulty_argv, log_dir, environ):
     return {"pid": os.getpid(), "fired": fired, "history": faulty.inprocess.history,
             "clean": _final_state(clean), "faulty": _final_state(faulty),
             "clean_log": clean_log, "faulty_log": faulty_log}
-
-
-def _last_logged(path):
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    return {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"}
 
 
 def test_faults_recovered_in_process_bit_identical(tiny_corpus, tmp_path):
@@ -116,9 +111,9 @@ def test_faults_recovered_in_process_bit_identical(tiny_corpus, tmp_path):
     assert "raise RuntimeError(\"injected fault" in ranks[1]["faulty_log"]  # its traceback
     assert "rank 1: RuntimeError: injected fault" in ranks[0]["faulty_log"]  # rank 0 names it
     assert "in-process restart 2: every rank rejoined" in ranks[0]["faulty_log"]
-    want = _last_logged(tmp_path / "clean.jsonl")
+    want = train_curve(tmp_path / "clean.jsonl")  # each iteration's last logged loss, grad norm
     assert sorted(want) == list(range(1, TRAIN_ITERS + 1))
-    assert _last_logged(tmp_path / "faulty.jsonl") == want
+    assert train_curve(tmp_path / "faulty.jsonl") == want
 
 
 def test_inprocess_restart_refuses_what_it_cannot_rebuild(tiny_corpus, tmp_path):
