@@ -30,7 +30,7 @@ import os
 import shutil
 import socket
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from app.checkpoint import CheckpointError, names
 from app.checkpoint.files import read_checksums, sha256_file, sidecar_path, write_checksums
@@ -397,3 +397,56 @@ def _unmark(directory: str) -> None:
     """Remove this process's save-in-progress mark (the save is committed or undone)."""
     with contextlib.suppress(OSError):
         os.remove(names.save_marker_path(directory, socket.gethostname(), os.getpid()))
+
+
+class OneSaveAtATime:
+    """`save_checkpoint`, `finish_save`, `abandon_save` and `save_in_flight` over a
+    `start_save(save_dir, iteration, client_state, asynchronous) -> PendingSave` of the
+    subclass: at most one save in flight, committed by `finish_save` on every rank alike (the
+    engines, and the local checkpoints of app.training.resilience.local_checkpoints)."""
+
+    _pending_save: Optional[PendingSave] = None
+    """The save being written in the background, until finish_save commits it."""
+
+    def start_save(self, save_dir: str, iteration: int, client_state: Any,
+                   asynchronous: bool) -> PendingSave:
+        """Begin this rank's part of a save of `iteration` (`start_save` of this module)."""
+        raise NotImplementedError
+
+    def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
+                        asynchronous: bool = False) -> str:
+        """Write a checkpoint of `iteration` (all ranks call it); return the directory written.
+
+        The save in flight, if any, is finished first (at most one at a time). With
+        `asynchronous` this returns once the state is copied to host memory and this rank's
+        files are being written in the background; `finish_save` commits it later.
+        """
+        self.finish_save()
+        pending = self.start_save(save_dir, iteration, client_state, asynchronous)
+        if not asynchronous:
+            return pending.finish()
+        self._pending_save = pending
+        return pending.directory
+
+    def finish_save(self, blocking: bool = True) -> Optional[str]:
+        """Commit the save in flight on every rank (all ranks call it at the same point); its
+        directory, or None when none was in flight or (not `blocking`) some rank is still
+        writing. Not blocking costs one agreement over the ranks while a save is in flight."""
+        pending = self._pending_save
+        if pending is None or (not blocking and not pending.agree(pending.written())):
+            return None
+        self._pending_save = None
+        return pending.finish()
+
+    def abandon_save(self, timeout_s: float) -> None:
+        """On an exit path that cannot commit (an error, no collective): end the save in
+        flight, waiting up to `timeout_s` for its background writer, and remove this rank's
+        files of it (commit.PendingSave.abandon); the tracker never named it."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.abandon(timeout_s)
+
+    @property
+    def save_in_flight(self) -> Optional[int]:
+        """The iteration of the save being written in the background, or None."""
+        return None if self._pending_save is None else self._pending_save.iteration

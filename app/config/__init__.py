@@ -35,7 +35,7 @@ from app.config.preflight import DryRunConfig, PrepareCacheConfig
 from app.config.recompute import RecomputePlan, recompute_plan, resolve_recompute_flags
 from app.config.rules import divisible, positive, split_weights
 from app.config.run import RunConfig, samples_per_split
-from app.config.training import RollbackConfig, TrainingConfig
+from app.config.training import InProcessRestartConfig, RollbackConfig, TrainingConfig
 from app.config.wandb import WandbConfig
 
 __all__ = [
@@ -44,7 +44,7 @@ __all__ = [
     "DeepSpeedConfig", "DryRunConfig", "KernelConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",
     "ModelConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
-    "PrepareCacheConfig",
+    "InProcessRestartConfig", "PrepareCacheConfig",
     "RecomputePlan", "RollbackConfig", "RunConfig", "TrainingConfig", "WandbConfig",
     "check_muon_layout", "default_kernel_build_timeout", "divisible", "positive",
     "recompute_plan", "resolve_recompute_flags", "samples_per_split", "split_weights"]

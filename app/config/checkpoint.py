@@ -10,6 +10,10 @@ from app.config.rules import positive
 CKPT_FORMATS = ("torch", "torch_dist")
 """--ckpt-format values: Megatron-LM's legacy files, or its PyTorch distributed checkpoint."""
 
+NON_PERSISTENT_CKPT_TYPES = ("local",)
+"""--non-persistent-ckpt-type values we implement: Megatron-LM's `local` (each rank on its own
+disk); its `global` and `in_memory` are not implemented."""
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -55,6 +59,31 @@ class CheckpointConfig:
              "(Megatron Core's PyTorch distributed checkpoint: every rank writes its own shards, "
              "and it loads at any TP x PP x DP). Loading reads either, whatever this says "
              "(docs/checkpoints.md)")
+    non_persistent_save_interval: Optional[int] = option(
+        "--non-persistent-save-interval", default=None,
+        help="save a local (non-persistent) checkpoint every N iterations, between the "
+             "--save-interval ones (needs --non-persistent-ckpt-type local; docs/reliability.md)")
+    non_persistent_ckpt_type: Optional[str] = option(
+        "--non-persistent-ckpt-type", default=None, choices=NON_PERSISTENT_CKPT_TYPES,
+        help="local: every rank writes its own state under "
+             "--non-persistent-local-ckpt-dir/rank_<r>/ in the background; a resume with "
+             "--load takes the newest iteration complete over all ranks if it is at least as "
+             "new as the persistent checkpoint")
+    non_persistent_local_ckpt_dir: Optional[str] = option(
+        "--non-persistent-local-ckpt-dir", default=None,
+        help="directory of the local checkpoints (a disk of each node's own)")
+    replication: bool = option(
+        "--replication", default=False,
+        help="keep each rank's local checkpoint also on --replication-factor - 1 other ranks "
+             "(needs --replication-jump and --non-persistent-ckpt-type local)")
+    replication_jump: Optional[int] = option(
+        "--replication-jump", default=None,
+        help="J, the spacing between the ranks that hold replicas of one another: rank n's "
+             "replicas are on ranks n+J, n+2J, ... of its group of J x K ranks (give the number "
+             "of ranks per node to put them on other nodes); only with --replication")
+    replication_factor: int = option(
+        "--replication-factor", default=2,
+        help="K, how many ranks hold each rank's local checkpoint (itself included)")
     auto_detect_ckpt_format: bool = option(
         "--auto-detect-ckpt-format", default=False,
         help="accepted for Megatron-LM command lines: the checkpoint format is always detected "
@@ -67,7 +96,34 @@ class CheckpointConfig:
         if self.max_failed_saves < 1:
             raise ValueError(f"--max-failed-saves must be at least 1, got {self.max_failed_saves} "
                              "(1 stops the run at the first failed save)")
+        self._check_local_checkpoints()
         if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
             raise ValueError(f"--keep-last-n-checkpoints must be at least 1, got "
                              f"{self.keep_last_n_checkpoints} (leave it out to keep every checkpoint)")
 
+
+    def _check_local_checkpoints(self) -> None:
+        """The local-checkpoint flags' rules (Megatron-LM's validate_args, same messages' sense)."""
+        positive(self, (("non_persistent_save_interval", "--non-persistent-save-interval"),
+                        ("replication_jump", "--replication-jump")), allow_none=True)
+        if self.non_persistent_save_interval and self.non_persistent_ckpt_type is None:
+            raise ValueError(f"--non-persistent-save-interval {self.non_persistent_save_interval}"
+                             " needs --non-persistent-ckpt-type local (and "
+                             "--non-persistent-local-ckpt-dir DIR)")
+        if self.non_persistent_ckpt_type == "local" and not self.non_persistent_local_ckpt_dir:
+            raise ValueError("--non-persistent-ckpt-type local needs "
+                             "--non-persistent-local-ckpt-dir DIR (a disk of each node's own)")
+        if self.replication and self.replication_jump is None:
+            raise ValueError("--replication needs --replication-jump J (the spacing between "
+                             "the ranks holding each other's replicas, e.g. the ranks per node)")
+        if self.replication and self.non_persistent_ckpt_type != "local":
+            raise ValueError(f"--replication needs --non-persistent-ckpt-type local, got "
+                             f"{self.non_persistent_ckpt_type}")
+        if self.replication and self.replication_factor < 2:
+            raise ValueError(f"--replication-factor must be at least 2 with --replication, got "
+                             f"{self.replication_factor}")
+
+    @property
+    def local_checkpoints(self) -> bool:
+        """Whether this run writes or reads local (non-persistent) checkpoints."""
+        return self.non_persistent_ckpt_type == "local"

@@ -8,7 +8,7 @@ from typing import Tuple
 from app.config.batch_schedule import BatchSchedule, schedule_of
 from app.config.checkpoint import CheckpointConfig
 from app.config.data import DataConfig
-from app.config.deepspeed import DeepSpeedConfig
+from app.config.deepspeed import DeepSpeedConfig, zero_stage
 from app.config.kernels import KernelConfig
 from app.config.model import ModelConfig
 from app.config.optimizer import OptimizerConfig, check_muon_layout
@@ -16,7 +16,7 @@ from app.config.options import option
 from app.config.parallel import ParallelConfig, PrecisionConfig
 from app.config.recompute import RecomputePlan, recompute_plan
 from app.config.rules import divisible
-from app.config.training import RollbackConfig, TrainingConfig
+from app.config.training import InProcessRestartConfig, RollbackConfig, TrainingConfig
 from app.config.wandb import WandbConfig
 
 
@@ -39,6 +39,7 @@ class RunConfig:
         "--make-vocab-size-divisible-by", default=128, group="model",
         help="pad the vocab to a multiple of this x the tensor-parallel size")
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    inprocess: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     batch_schedule: BatchSchedule = field(init=False)
     """The global batch of each iteration (app.config.batch_schedule), from --global-batch-size
@@ -63,6 +64,7 @@ class RunConfig:
         self._check_virtual_pipeline()
         self._check_deepspeed_pipeline()
         self._check_context_parallel()
+        self._check_inprocess_restart()
         if self.rollback.enabled and not (self.checkpoint.save and self.checkpoint.save_interval):
             raise ValueError("--rollback-on-spike reloads the latest checkpoint: give --save and "
                              "--save-interval (a rollback skips the data read since that "
@@ -95,6 +97,21 @@ class RunConfig:
         self._check_model_options_against_layout()
         check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
+        self._check_local_checkpoints()
+
+    def _check_local_checkpoints(self) -> None:
+        """Local checkpoints with replication need whole groups of J x K ranks; ZeRO-3's
+        partitioned weights have no local-checkpoint path."""
+        c, world = self.checkpoint, self.parallel.world_size
+        if c.replication and world % (c.replication_jump * c.replication_factor):
+            raise ValueError(
+                f"--replication: the world size ({world}) is not divisible by --replication-jump "
+                f"({c.replication_jump}) x --replication-factor ({c.replication_factor}); pick "
+                "a jump and factor whose product divides the number of ranks")
+        if c.local_checkpoints and self.deepspeed.enabled and zero_stage(self.deepspeed.config) == 3:
+            raise ValueError("--non-persistent-ckpt-type local is not implemented for ZeRO-3 "
+                             "(its weights are partitioned); use ZeRO-1/2 or the native path, or "
+                             "rely on --save")
 
     def _build_batch_schedule(self) -> BatchSchedule:
         """The batch-size schedule of the flags, checked against the layout and the engine."""
@@ -120,6 +137,25 @@ class RunConfig:
                              "in samples: OptimizerConfig.lr_in_samples must be set (arguments.py "
                              "does it)")
         return schedule
+
+    def _check_inprocess_restart(self) -> None:
+        """--inprocess-restart rebuilds what the native engine holds; refuse what it cannot."""
+        if not self.inprocess.enabled:
+            return
+        if self.deepspeed.enabled:
+            raise ValueError("--inprocess-restart is implemented for the native engine: "
+                             "DeepSpeed keeps process groups and engine state of its own that it "
+                             "does not rebuild; drop --inprocess-restart (a launcher restart "
+                             "resumes DeepSpeed runs from --save) or drop --deepspeed")
+        if self.optimizer.use_distributed_optimizer:
+            raise ValueError("--inprocess-restart with --use-distributed-optimizer is not "
+                             "supported: that optimizer gathers its state over the ranks to "
+                             "copy it, which an in-memory snapshot every iteration cannot "
+                             "afford; drop one of the two flags")
+        if self.inprocess.snapshot_interval == 0 and not self.checkpoint.load:
+            raise ValueError("--inprocess-snapshot-interval 0 keeps no state in memory, so an "
+                             "in-process restart reloads the newest checkpoint: give --load "
+                             "(the --save directory), or a positive snapshot interval")
 
     def _check_context_parallel(self) -> None:
         """--context-parallel-size C: the sequence in 2C equal chunks (each split again over TP

@@ -1,5 +1,6 @@
-"""Batches, iterations, logging, evaluation and exits (`TrainingConfig`), and the loss-spike
-rollback (`RollbackConfig`). Part of `app.config`."""
+"""Batches, iterations, logging, evaluation and exits (`TrainingConfig`), the loss-spike
+rollback (`RollbackConfig`) and in-process restart (`InProcessRestartConfig`). Part of
+`app.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -169,3 +170,44 @@ class RollbackConfig:
         if self.max_rollbacks < 0:
             raise ValueError(f"--max-rollbacks must be >= 0, got {self.max_rollbacks}")
 
+
+
+@dataclass(kw_only=True)
+class InProcessRestartConfig:
+    """In-process restart (Megatron-LM's --inprocess-restart; docs/reliability.md): when a rank
+    raises while training, every rank abandons the iteration, the process group is rebuilt in
+    the same processes and training goes on from the newest state all ranks hold (an in-memory
+    snapshot, else the newest checkpoint). Our own implementation: Megatron's monitoring
+    options of nvidia-resiliency-ext are not offered."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = (
+        "in-process restart", "recover from a rank's error without relaunching a process "
+        "(docs/reliability.md)")
+
+    enabled: bool = option(
+        "--inprocess-restart", default=False,
+        help="when a rank raises while training (an error, a non-finite check, a lost peer "
+             "connection), rebuild the process group inside the same processes and continue "
+             "from the newest state every rank holds; a dead process still needs the "
+             "launcher's restart")
+    max_iterations: int = option(
+        "--inprocess-max-iterations", default=3,
+        help="in-process restarts allowed in one process; the next failure ends the run as "
+             "without --inprocess-restart (Megatron's default is no limit; ours stops an error "
+             "that repeats at every attempt)")
+    barrier_timeout: float = option(
+        "--inprocess-barrier-timeout", default=120.0,
+        help="seconds every rank has to rejoin after a failure; a rank that does not (a dead "
+             "process) ends the run with exit code 4, for the launcher to restart")
+    snapshot_interval: int = option(
+        "--inprocess-snapshot-interval", default=1,
+        help="keep an in-memory copy of the training state every this many iterations (host "
+             "memory: twice the weights and optimizer states); 0 keeps none and a restart "
+             "reloads the newest checkpoint")
+
+    def __post_init__(self) -> None:
+        positive(self, (("max_iterations", "--inprocess-max-iterations"),
+                        ("barrier_timeout", "--inprocess-barrier-timeout")))
+        if self.snapshot_interval < 0:
+            raise ValueError(f"--inprocess-snapshot-interval must be >= 0, got "
+                             f"{self.snapshot_interval}")

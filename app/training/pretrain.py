@@ -8,7 +8,9 @@ layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts
 (app.training.run) -> the data plan (app.data.plan) -> checkpoint load (all ranks agree; a
 resume keeps the checkpoint's data order, app.training.resilience.data_order) -> datasets built
 or loaded from the cache -> Trainer, with the exit-signal handler installed while it trains. `--dry-run`
-(app.training.planning.preflight) calls the same decision functions in the same order.
+(app.training.planning.preflight) calls the same decision functions in the same order. With
+--inprocess-restart these steps are one attempt, which app.training.resilience.inprocess runs
+again in the same process after a rank's error.
 
 `main` maps outcomes to exit codes: 0 for a finished run and for one stopped by a signal after
 its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3 for a run
@@ -28,15 +30,18 @@ from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
 from app.mpu import collectives
+from app.checkpoint import names
 from app.checkpoint.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
                                     shutdown_distributed, world_group)
 from app.training.loss import LossFunction
 from app.training.resilience.data_order import check_data_order
+from app.training.resilience.inprocess import InProcessRestart
+from app.training.resilience.local_checkpoints import restore_newest
 from app.training.resilience.nonfinite import TrainingAborted
-from app.training.resilience.resume import (StartDecision, check_resume, decide_start,
-                                            load_on_all_ranks)
+from app.training.resilience.resume import (LoadResult, StartDecision, check_resume,
+                                            decide_start, load_on_all_ranks)
 from app.training.run import build_run
 from app.training.resilience.saving import SaveFailed
 from app.training.resilience.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
@@ -136,9 +141,11 @@ def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
     of the checkpoint (app.training.resilience.data_order; every rank decides alike)."""
     if decision.note:
         logger.info(decision.note)
-    if decision.load is None:
+    loaded = _load_local(cfg, run, decision, device)
+    if loaded is None and decision.load is None:
         return RunState(data_order=data_order)
-    loaded = load_on_all_ranks(run.engine, decision.load, device)
+    if loaded is None:
+        loaded = load_on_all_ranks(run.engine, decision.load, device)
     if loaded is None:
         raise CheckpointError(f"--load {decision.load}: its tracker disappeared while starting")
     if loaded.iteration > 0:  # weights-only loads start at 0: no position to keep
@@ -151,6 +158,18 @@ def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
                 loaded.path, loaded.iteration, loaded.consumed_train_samples)
     return RunState(loaded.iteration, loaded.consumed_train_samples,
                     loaded.consumed_valid_samples, data_order=data_order)
+
+
+def _load_local(cfg: RunConfig, run: Any, decision: StartDecision, device: Any
+                ) -> Optional[LoadResult]:
+    """A resume (--load, not --finetune) from the newest complete local checkpoint when there
+    are local checkpoints at least as new as the persistent one (local_checkpoints)."""
+    c = cfg.checkpoint
+    if not (c.local_checkpoints and c.load and not c.finetune):
+        return None
+    persistent = names.read_tracker(decision.load) if decision.load is not None else None
+    return restore_newest(run.engine, c, device,
+                          persistent if isinstance(persistent, int) else None, c.load)
 
 
 def _signal_handler(cfg: RunConfig) -> Optional[ExitSignalHandler]:
@@ -203,8 +222,22 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
 
     `tokenizer` gives the end-of-document id; `arguments_listing` (Megatron's "arguments" block)
     is printed at start; `loss_function` replaces Megatron's LM loss (app.training.loss);
-    `world` is the world pretrain_gpt2.py discovered (None: discovered here).
+    `world` is the world pretrain_gpt2.py discovered (None: discovered here). With
+    --inprocess-restart a failed attempt is built and run again inside this process
+    (app.training.resilience.inprocess).
     """
+    if not cfg.inprocess.enabled:
+        return _attempt(cfg, tokenizer, arguments_listing, loss_function, world, None)
+    restart = InProcessRestart(cfg.inprocess, cfg.parallel.distributed_timeout_minutes)
+    return restart.run(lambda r: _attempt(cfg, tokenizer, () if r.restarts else arguments_listing,
+                                          loss_function, world, r))
+
+
+def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
+             loss_function: Optional[LossFunction], world: Optional[WorldInfo],
+             restart: Optional[InProcessRestart]) -> Trainer:
+    """One attempt of `pretrain`: everything built, the state loaded (after an in-process
+    restart: `restart`'s snapshot when it has one) and trained."""
     p = cfg.parallel
     info = init_distributed(p.distributed_backend, cfg.deepspeed.mpi,
                             p.distributed_timeout_minutes, nccl_trace_dir(cfg.checkpoint.save),
@@ -233,13 +266,14 @@ def pretrain(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str] = 
         mock = _mock_datasets(cfg, tokenizer.eod) if plan is None else None
         order = (mock_order_record(cfg, mock) if plan is None
                  else order_record(plan, cfg.training.seed))
-        state = _load(cfg, run, decision, info.device, order)
+        state = ((restart.restore(run.engine) if restart is not None else None)
+                 or _load(cfg, run, decision, info.device, order))
         log_launch_notes(info, state.iteration if decision.load is not None else None)
         handler = _signal_handler(cfg)
         datasets = mock if plan is None else _datasets(cfg, plan, info.rank)
         trainer = run.attach_trainer(datasets, tokenizer.eod, state,
                                      loss_function=loss_function, signals=handler,
-                                     watchdog=watchdog)
+                                     watchdog=watchdog, inprocess=restart)
         if handler is not None:
             stack.enter_context(handler)
         trainer.train()

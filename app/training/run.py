@@ -111,7 +111,8 @@ class Run:
                        return_logits: bool = False, **guards: Any) -> Trainer:
         """Create the Trainer over (train, valid, test) datasets starting at `state`, with the
         training loss `loss_function` (default: Megatron's LM loss; app.training.loss); `guards`
-        are its optional `signals` (ExitSignalHandler) and `watchdog` (Watchdog)."""
+        are its optional `signals` (ExitSignalHandler), `watchdog` (Watchdog) and `inprocess`
+        (InProcessRestart)."""
         self.trainer = Trainer(self.cfg, self.engine, self.ps, datasets, eod, self.device,
                                state=state, loss_function=loss_function,
                                return_logits=return_logits, **guards)

@@ -35,6 +35,8 @@ from app.checkpoint.megatron import CheckpointError
 from app.checkpoint.names import checkpoint_dir
 from app.pipeline import get_forward_backward_func
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
+from app.training.resilience.inprocess import InProcessRestart
+from app.training.resilience.local_checkpoints import LocalSaves
 from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.resilience.rollback import SpikeRollback
 from app.training.resilience.saving import CheckpointSaver, SaveFailed, flagged
@@ -75,8 +77,11 @@ class Trainer:
                  loss_function: Optional[LossFunction] = None,
                  return_logits: bool = False, *,
                  signals: Optional[ExitSignalHandler] = None,
-                 watchdog: Optional[Watchdog] = None) -> None:
+                 watchdog: Optional[Watchdog] = None,
+                 inprocess: Optional[InProcessRestart] = None) -> None:
         self.cfg, self.engine, self.ps = cfg, engine, parallel_state
+        self.inprocess = inprocess
+        """--inprocess-restart's snapshots, taken before the first iteration and after each."""
         self.objective = MicroBatchObjective(loss_function or DEFAULT_LOSS, parallel_state,
                                              return_logits)
         self.signals, self.watchdog = signals, watchdog
@@ -119,6 +124,10 @@ class Trainer:
                                          t.check_for_nan_in_loss_and_grad)
         self.saver = CheckpointSaver(cfg.checkpoint, engine, self.writer, self.log,
                                      saving=lambda: flagged(self.signals))
+        self.local_saves = (LocalSaves(cfg.checkpoint, engine, parallel_state.rank,
+                                       parallel_state.world_size, device, self.writer, self.log)
+                            if cfg.checkpoint.non_persistent_save_interval else None)
+        """--non-persistent-save-interval's local checkpoints (resilience.local_checkpoints)."""
         self.rollback = (SpikeRollback(cfg, engine, device, _length(self.train_ds),
                                        finish_save=lambda: self._finish_save(blocking=True))
                          if cfg.rollback.enabled else None)
@@ -351,6 +360,8 @@ class Trainer:
         if self.engine.save_in_flight is not None:
             self._beat("checkpoint save")
             self.saver.finish(blocking, final)
+        if self.local_saves is not None:
+            self.local_saves.finish(blocking)
 
     def _stop_request(self) -> Tuple[bool, int]:
         """(the --exit-duration-in-mins budget is spent, the signal to stop on or 0), the same on
@@ -400,6 +411,8 @@ class Trainer:
         finally:  # every exit path: no data-loader worker or background writer outlives this
             if not ended:
                 self.saver.abandon()
+                if self.local_saves is not None:
+                    self.local_saves.abandon()
             loop.close()
             self.writer.close()
         return s
@@ -408,6 +421,7 @@ class Trainer:
         """Iterations until --train-iters or an agreed exit."""
         t, s = self.cfg.training, self.state
         self.global_batch = self.cfg.batch_schedule.batch_at(s.consumed_train_samples)
+        self._snapshot()
         while s.iteration < t.train_iters and not loop.exiting:
             batch = self.set_batch(s.consumed_train_samples)
             t0 = time.time()
@@ -428,6 +442,15 @@ class Trainer:
             loop.exiting = self._should_exit()
             self._finish_save(blocking=loop.exiting)
             self._maybe_save(loop)
+            if self.local_saves is not None and not self.nonfinite.in_streak:
+                self.local_saves.maybe_save(s.iteration, s.client_state(), persistent=(
+                    loop.last_saved == s.iteration or s.iteration >= t.train_iters))
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """--inprocess-restart: hand the state after this iteration to its snapshots."""
+        if self.inprocess is not None:
+            self.inprocess.after_iteration(self.engine, self.state)
 
     def _end(self, loop: "_Loop") -> None:
         """After the last iteration: the last save committed (its failure stops the run), then

@@ -10,11 +10,19 @@ uninterrupted run's. Native TP 2 and DeepSpeed ZeRO-2 DP 2 with synchronous save
 with --ckpt-format torch_dist and --async-save, and ZeRO-3 DP 2 with --async-save (CASES),
 against one uninterrupted (synchronous) run per engine. The seed of the kill
 plan is printed and in every failure message; set CHAOS_SEED to replay one.
+
+Local checkpoints (app.training.resilience.local_checkpoints), against one uninterrupted
+native DP 2 run shared by both cases: a rank SIGKILLed after iteration 7 (a real torchrun
+restart) resumes from the local iteration 6, not the persistent 5; with --replication, a job
+stopped after iteration 7 whose rank_1 folder is then deleted resumes from iteration 6 with
+rank 1's state from rank 0's replica (in-process gloo ranks: the launcher is not the point).
+Both end bit-identical to the uninterrupted run.
 """
 import glob
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from app.checkpoint.deepspeed import load_deepspeed_file
 from app.checkpoint.files import safe_torch_load
 from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.harness.distributed import run_pretrain
 from tests.integration.launch_utils import ROOT, env, torchrun
 from tests.integration.test_restarts import tensors
 
@@ -43,7 +52,11 @@ ENGINES = {
     "zero3_dp2": ["--deepspeed", "--deepspeed_config",
                   os.path.join(ROOT, "ds_configs", "zero3.json")],
     "native_tp2_torch_dist": ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"],
+    "native_dp2": [],
 }
+IN_PROCESS = ("native_dp2",)
+"""References run on in-process gloo ranks (tests.harness.distributed.run_pretrain), cheaper
+than a torchrun job: the launcher is not what they are for."""
 HANG_S = 540
 """A job still running after this long hangs: four attempts of a DeepSpeed job take a few
 minutes on two cores shared with another suite (300 s was not enough under load); below the
@@ -99,15 +112,18 @@ def final_tensors(save_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_corpus, tmp_path_factory):
     """`uninterrupted(engine)`: (save dir, metrics file) of one uninterrupted synchronous run
-    of that engine, run the first time it is asked for."""
+    of that engine, run the first time it is asked for (shared by the cases of that engine)."""
     runs = {}
 
     def run(engine):
         if engine not in runs:
             tmp = tmp_path_factory.mktemp(f"straight_{engine}")
-            torchrun(2, tiny_gpt_args(tiny_corpus, tmp, *RUN, *ENGINES[engine], "--save",
-                                      str(tmp / "ck"), "--metrics-file", str(tmp / "m.jsonl")),
-                     tmp)
+            args = tiny_gpt_args(tiny_corpus, tmp, *RUN, *ENGINES[engine], "--save",
+                                 str(tmp / "ck"), "--metrics-file", str(tmp / "m.jsonl"))
+            if engine in IN_PROCESS:
+                run_pretrain(2, args)
+            else:
+                torchrun(2, args, tmp)
             runs[engine] = (str(tmp / "ck"), tmp / "m.jsonl")
         return runs[engine]
     return run
@@ -159,3 +175,75 @@ def test_random_kills_and_restarts_end_like_an_uninterrupted_run(tiny_corpus, tm
     assert sorted(got_t) == sorted(want_t) and want_t, f"{what}: {sorted(got_t)[:8]}"
     for name, tensor in want_t.items():
         assert tensor.equal(got_t[name]), f"{what}: final checkpoint {name} differs"
+
+
+KILL_ONCE = os.path.join(ROOT, "tests", "integration", "kill_once.py")
+LOCAL_EVERY, PERSISTENT_EVERY, KILLED_AFTER = 2, 5, 7
+"""Local checkpoints every 2 iterations, persistent ones every 5: a job stopped after
+iteration 7 resumes from the local checkpoint of iteration 6, not the persistent one of 5."""
+
+
+def local_args(tmp_path, *extra):
+    """The local-checkpoint flags into tmp_path/local (plus `extra`)."""
+    return ["--non-persistent-save-interval", str(LOCAL_EVERY), "--non-persistent-ckpt-type",
+            "local", "--non-persistent-local-ckpt-dir", str(tmp_path / "local"), *extra]
+
+
+def assert_like_uninterrupted(ck, metrics, uninterrupted, what):
+    """The run's last logged loss and grad norm of every iteration and its final checkpoint's
+    tensors equal the uninterrupted native DP 2 run's, bit for bit."""
+    want_dir, want_metrics = uninterrupted("native_dp2")
+    got, want = last_logged(metrics), last_logged(want_metrics)
+    assert sorted(got) == list(range(1, TRAIN_ITERS + 1)), f"{what}: logged {sorted(got)}"
+    for it in sorted(want):
+        assert got[it] == want[it], f"{what}: iteration {it}: {got[it]} != {want[it]}"
+    got_t, want_t = final_tensors(ck), final_tensors(want_dir)
+    assert sorted(got_t) == sorted(want_t) and want_t, what
+    for name, tensor in want_t.items():
+        assert tensor.equal(got_t[name]), f"{what}: final checkpoint {name} differs"
+
+
+def test_killed_after_iteration_7_resumes_from_its_local_checkpoint_of_6(
+        tiny_corpus, tmp_path, uninterrupted):
+    """DP 2, local checkpoints every 2 iterations: rank 1 SIGKILLed in iteration 8, torchrun
+    restarts the job, which resumes from the local iteration 6 (not the persistent 5) and ends
+    bit-identical to an uninterrupted run."""
+    ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+    args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, "--save", ck, "--load", ck,
+                         "--save-interval", str(PERSISTENT_EVERY), "--metrics-file", str(metrics),
+                         *local_args(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts=1", KILL_ONCE, *args]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=dict(env(), KILL_RANK="1",
+                                   KILL_AT_SAMPLE=str(KILLED_AFTER * GLOBAL_BATCH)),
+                          cwd=tmp_path, timeout=HANG_S)
+    log = proc.stdout
+    assert proc.returncode == 0, log[-6000:]
+    assert "resuming from the local checkpoint of iteration 6" in log, log[-6000:]
+    assert "persistent checkpoint of iteration 5" in log, log[-6000:]
+    assert_like_uninterrupted(ck, metrics, uninterrupted, "killed after 7")
+    for rank in (0, 1):  # older local iterations are removed as new ones commit
+        held = sorted(os.listdir(tmp_path / "local" / f"rank_{rank}"))
+        assert held == ["iter_0000012", "latest_checkpointed_iteration.txt"], held
+
+
+def test_lost_local_folder_is_restored_from_its_replica(tiny_corpus, tmp_path, uninterrupted):
+    """DP 2 with --replication (jump 1, factor 2): a job stopped after iteration 7 (no
+    persistent checkpoint), its rank_1 folder deleted, resumes from iteration 6 with rank 1's
+    state sent from rank 0's replica, and ends bit-identical to an uninterrupted run."""
+    ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+    replication = local_args(tmp_path, "--replication", "--replication-jump", "1",
+                             "--replication-factor", "2")
+    run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *RUN, "--exit-interval",
+                                  str(KILLED_AFTER), "--metrics-file", str(metrics),
+                                  *replication))
+    replica = tmp_path / "local" / "rank_0" / "iter_0000006" / "state_rank_00001.pt"
+    assert replica.is_file(), sorted(os.listdir(replica.parent))
+    shutil.rmtree(tmp_path / "local" / "rank_1")
+    logs = run_pretrain(2, tiny_gpt_args(tiny_corpus, tmp_path, *RUN, "--save", ck, "--load", ck,
+                                         "--save-interval", str(PERSISTENT_EVERY),
+                                         "--metrics-file", str(metrics), *replication))
+    assert ("resuming from the local checkpoint of iteration 6" in logs[0]
+            and "rank(s) [1] restored from replicas" in logs[0]), logs[0][-6000:]
+    assert_like_uninterrupted(ck, metrics, uninterrupted, "rank_1 lost")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -39,7 +39,7 @@ class StepResult:
     """Some rank's loss of this iteration was inf/nan (agreed over all ranks)."""
 
 
-class Engine(abc.ABC):
+class Engine(commit.OneSaveAtATime, abc.ABC):
     """Backward, step and checkpoint I/O for one model replica, whatever implements them.
 
     `module` is the GPT-2 model (the engine may wrap it; calling `module(...)` runs the forward
@@ -51,8 +51,6 @@ class Engine(abc.ABC):
     module: torch.nn.Module
     optimizer: Any
     lr_scheduler: Any
-    _pending_save: Optional[commit.PendingSave] = None
-    """The save being written in the background (--async-save), until finish_save commits it."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
@@ -79,44 +77,6 @@ class Engine(abc.ABC):
         if getattr(self.lr_scheduler, "in_samples", False):
             self.lr_scheduler.increment = global_batch_size
 
-    def save_checkpoint(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
-                        asynchronous: bool = False) -> str:
-        """Write a checkpoint of `iteration` (all ranks call it); return the directory written.
-
-        The save in flight, if any, is finished first (at most one at a time). With
-        `asynchronous` this returns once the state is copied to host memory and this rank's
-        files are being written in the background; `finish_save` commits it later.
-        """
-        self.finish_save()
-        pending = self.start_save(save_dir, iteration, client_state, asynchronous)
-        if not asynchronous:
-            return pending.finish()
-        self._pending_save = pending
-        return pending.directory
-
-    def finish_save(self, blocking: bool = True) -> Optional[str]:
-        """Commit the save in flight on every rank (all ranks call it at the same point); its
-        directory, or None when none was in flight or (not `blocking`) some rank is still
-        writing. Not blocking costs one agreement over the ranks while a save is in flight."""
-        pending = self._pending_save
-        if pending is None or (not blocking and not pending.agree(pending.written())):
-            return None
-        self._pending_save = None
-        return pending.finish()
-
-    def abandon_save(self, timeout_s: float) -> None:
-        """On an exit path that cannot commit (an error, no collective): end the save in
-        flight, waiting up to `timeout_s` for its background writer, and remove this rank's
-        files of it (commit.PendingSave.abandon); the tracker never named it."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.abandon(timeout_s)
-
-    @property
-    def save_in_flight(self) -> Optional[int]:
-        """The iteration of the save being written in the background, or None."""
-        return None if self._pending_save is None else self._pending_save.iteration
-
     @abc.abstractmethod
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
                    asynchronous: bool) -> commit.PendingSave:
@@ -133,6 +93,21 @@ class Engine(abc.ABC):
         """Restore from the latest checkpoint under `load_dir` with the shared resume policy
         (app.training.resilience.resume); None when the directory holds none."""
         return resume_from_checkpoint(self, self.cfg.checkpoint, load_dir)
+
+    def local_state(self) -> Dict[str, Any]:
+        """This rank's whole training state, for a local checkpoint of this rank alone
+        (app.training.resilience.local_checkpoints): weights, optimizer and LR schedule, as
+        `load_local_state` takes them back at the same layout (all ranks call it together)."""
+        raise NotImplementedError(f"{self.name} has no local checkpoints")
+
+    def load_local_state(self, state: Dict[str, Any], where: str) -> None:
+        """Restore what `local_state` returned (read from `where`, for messages)."""
+        raise NotImplementedError(f"{self.name} has no local checkpoints")
+
+    def local_safe_globals(self) -> List[Any]:
+        """Classes besides tensors and containers that `local_state` pickles (the allow-list
+        for reading it back with weights_only)."""
+        return []
 
     def local_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(name, values) of every weight as this rank holds it (the module's parameters; an

@@ -382,6 +382,39 @@ class DeepSpeedEngineAdapter(Engine):
                                  deepspeed_latest=True, capture=save if deferred else None,
                                  background=deferred)
 
+    def local_state(self) -> Dict[str, Any]:
+        """This rank's module, (ZeRO-1/2 partition of the) optimizer, LR schedule and
+        DeepSpeed's step counters, as DeepSpeed's own checkpoint holds them."""
+        ds = self.ds
+        return {"module": ds.module_state_dict(),
+                "optimizer": ds.optimizer.state_dict() if ds.optimizer is not None else None,
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "counters": {"global_steps": ds.global_steps, "global_samples": ds.global_samples,
+                             "skipped_steps": ds.skipped_steps}}
+
+    def local_safe_globals(self) -> List[Any]:
+        """DeepSpeed's loss scalers and ZeRO enums, pickled in its optimizer state."""
+        return deepspeed_safe_globals()
+
+    def load_local_state(self, state: Dict[str, Any], where: str) -> None:
+        """Restore `local_state` as DeepSpeed's load_checkpoint would (ZeRO-1/2: this rank's
+        partition with its fp32 weights, so the resume is exact)."""
+        ds = self.ds
+        try:
+            ds.load_module_state_dict(checkpoint={"module": state["module"]}, strict=True)
+            if state["optimizer"] is not None and ds.zero_optimization():
+                ds.optimizer.load_state_dict([state["optimizer"]] * self.ps.data_parallel_size,
+                                             load_optimizer_states=True,
+                                             load_from_fp32_weights=True)
+            elif state["optimizer"] is not None:
+                ds.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"local checkpoint {where} does not fit this run: "
+                                  f"{str(exc).splitlines()[0][:400]}") from exc
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        for name, value in state["counters"].items():
+            setattr(ds, name, value)
+
     def _check_loadable(self, load_dir: str, plan: ResumePlan, where: str) -> None:
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, ZeRO-3
         pieces at another stage (or ZeRO-0/1/2 optimizer states at stage 3), and ZeRO

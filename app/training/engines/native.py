@@ -132,6 +132,22 @@ class NativeEngine(Engine):
                                keep_last_n=c.keep_last_n_checkpoints, background=asynchronous,
                                **self._rank_kwargs())
 
+    def local_state(self) -> Dict[str, Any]:
+        """Weights, optimizer state (with the fp32 main weights and the loss scale) and LR
+        schedule of this rank, whatever --ckpt-format says (a distributed optimizer gathers)."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict()}
+
+    def load_local_state(self, state: Dict[str, Any], where: str) -> None:
+        """Restore `local_state`'s weights, optimizer state and LR schedule."""
+        try:
+            self.module.load_state_dict(state["model"], strict=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError) as exc:
+            raise ckpt.CheckpointError(f"local checkpoint {where} does not fit this run: "
+                                       f"{str(exc).splitlines()[0][:400]}") from exc
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
     def _layout(self) -> torch_dist.RankLayout:
         # weights are not split by context: data x context ranks are the replicas
         return torch_dist.RankLayout.of(self.ps.gradient_state(), self.cfg.model.num_layers)

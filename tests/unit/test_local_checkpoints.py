@@ -1,0 +1,163 @@
+"""Local checkpoints (app.training.resilience.local_checkpoints) in one process: where replicas
+live, which iteration a resume picks, the files' integrity check, the flags' rules, and a
+save -> restore round trip of an engine's state, RNG and position. The multi-rank cases (a
+SIGKILL, a lost rank folder restored from its replica) are in tests/integration/test_chaos.py."""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from app.checkpoint import commit, names
+from app.config.checkpoint import CheckpointConfig
+from app.training.resilience import local_checkpoints as lc
+
+
+@pytest.mark.parametrize("world,jump,factor,want", [
+    (2, 1, 2, {0: [0, 1], 1: [1, 0]}),
+    # two nodes of two ranks, jump = ranks per node: each replica on the other node
+    (4, 2, 2, {0: [0, 2], 1: [1, 3], 2: [2, 0], 3: [3, 1]}),
+    (6, 1, 3, {0: [0, 1, 2], 4: [4, 3, 5], 5: [5, 3, 4]}),
+    (8, 2, 2, {5: [5, 7], 6: [6, 4]}),
+])
+def test_replica_groups_are_megatrons_cliques(world, jump, factor, want):
+    for rank, group in want.items():
+        assert lc.replica_group(rank, world, jump, factor) == group
+
+
+def test_replica_group_needs_whole_cliques():
+    with pytest.raises(ValueError, match=r"world size \(6\).*--replication-jump \(2\) x "
+                                         r"--replication-factor \(2\)"):
+        lc.replica_group(0, 6, 2, 2)
+
+
+def scan_of(tracker, **held):
+    return {"tracker": tracker, "held": {int(k[1:]): v for k, v in held.items()}}
+
+
+def test_newest_complete_prefers_own_copies_and_takes_replicas_for_lost_ones():
+    # rank 1's folder is gone; rank 0 holds its replica of iteration 6
+    it, holders, why = lc.newest_complete([scan_of(6, i6=[0, 1]), scan_of(None)])
+    assert (it, holders, why) == (6, {0: 0, 1: 0}, "")
+    both = [scan_of(6, i6=[0, 1]), scan_of(6, i6=[1, 0])]
+    assert lc.newest_complete(both)[:2] == (6, {0: 0, 1: 1})
+
+
+def test_newest_complete_skips_uncommitted_and_incomplete_iterations():
+    # iteration 8 was written by rank 0 only, no tracker names it: not a checkpoint
+    scans = [scan_of(6, i6=[0], i8=[0]), scan_of(4, i4=[1], i6=[1])]
+    assert lc.newest_complete(scans)[:2] == (6, {0: 0, 1: 1})
+    # rank 1's state of 6 is nowhere: 4 is the newest complete one (rank 0 still has it)
+    scans = [scan_of(6, i4=[0], i6=[0]), scan_of(6, i4=[1])]
+    assert lc.newest_complete(scans)[:2] == (4, {0: 0, 1: 1})
+    it, _, why = lc.newest_complete([scan_of(6, i6=[0]), scan_of(None)])
+    assert it is None and "iteration 6 lacks the state of rank(s) [1]" in why
+    assert lc.newest_complete([scan_of(None), scan_of(None)])[2] == \
+        "no rank has committed a local checkpoint"
+
+
+def test_scan_counts_only_files_whose_checksum_verifies(tmp_path):
+    directory = names.checkpoint_dir(str(tmp_path), 4)
+    for owner in (0, 1):
+        commit.write_checked_file(lc.state_file(directory, owner), lambda f: f.write(b"x" * 64))
+    names.write_tracker(str(tmp_path), 4)
+    assert lc.scan(str(tmp_path)) == {"tracker": 4, "held": {4: [0, 1]}}
+    with open(lc.state_file(directory, 1), "r+b") as f:  # one flipped byte
+        f.write(b"y")
+    assert lc.scan(str(tmp_path)) == {"tracker": 4, "held": {4: [0]}}
+    assert lc.scan(str(tmp_path / "gone")) == {"tracker": None, "held": {}}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(non_persistent_save_interval=2), "needs --non-persistent-ckpt-type local"),
+    (dict(non_persistent_ckpt_type="local"), "needs --non-persistent-local-ckpt-dir"),
+    (dict(replication=True, non_persistent_ckpt_type="local",
+          non_persistent_local_ckpt_dir="/l"), "--replication needs --replication-jump"),
+    (dict(replication=True, replication_jump=1), "--replication needs --non-persistent-ckpt-type"),
+    (dict(replication=True, replication_jump=1, replication_factor=1,
+          non_persistent_ckpt_type="local", non_persistent_local_ckpt_dir="/l"),
+     "--replication-factor must be at least 2"),
+    (dict(non_persistent_save_interval=0), "--non-persistent-save-interval must be positive"),
+])
+def test_flag_rules_name_the_flag_and_the_fix(flags, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointConfig(**flags)
+
+
+class FakeEngine:
+    """An engine whose whole state is one tensor dict (`local_state` / `load_local_state`)."""
+
+    name = "FakeEngine"
+
+    def __init__(self, value):
+        self.weights = {"w": torch.full((3,), float(value))}
+
+    def local_state(self):
+        return {"weights": {k: v.clone() for k, v in self.weights.items()}}
+
+    def load_local_state(self, state, where):
+        self.weights = state["weights"]
+
+    def local_safe_globals(self):
+        return []
+
+    def local_parameters(self):
+        return iter(self.weights.items())
+
+
+def test_save_then_restore_one_rank_keeps_the_newest_and_its_rng(tmp_path):
+    cfg = CheckpointConfig(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
+                           non_persistent_local_ckpt_dir=str(tmp_path / "local"))
+    engine, lines = FakeEngine(1.0), []
+    records = []
+    writer = type("W", (), {"write": lambda self, *a: records.append(a)})()
+    saves = lc.LocalSaves(cfg, engine, 0, 1, torch.device("cpu"), writer, lines.append)
+    for iteration in (1, 2, 3, 4):
+        engine.weights["w"] += 1  # the "training step"
+        torch.manual_seed(iteration)
+        saves.maybe_save(iteration, {"iteration": iteration,
+                                     "consumed_train_samples": 4 * iteration}, persistent=False)
+        saves.finish(blocking=True)
+    expected_rng = torch.rand(4)  # drawn right after the save of iteration 4
+    folder = tmp_path / "local" / "rank_0"
+    assert sorted(os.listdir(folder)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert any("local: saved checkpoint at iteration 4" in line for line in lines), lines
+    # a persistent checkpoint newer than the local one wins (Megatron: local when >=)
+    assert lc.restore_newest(FakeEngine(0), cfg, torch.device("cpu"), 5, "/ck") is None
+    restored = FakeEngine(0)
+    loaded = lc.restore_newest(restored, cfg, torch.device("cpu"), 4, "/ck")
+    assert (loaded.iteration, loaded.consumed_train_samples) == (4, 16)
+    assert restored.weights["w"].tolist() == [5.0, 5.0, 5.0]
+    assert torch.rand(4).equal(expected_rng)
+    assert not records  # no save failed
+
+
+def test_a_failed_local_save_is_undone_recorded_and_training_goes_on(tmp_path):
+    """The second local save hits a full disk (the error torch.save gives): its files are
+    removed, iteration 2 stays the newest, a save_failed record names the folder; the third
+    commits; --max-failed-saves 1 would have stopped the run (SaveFailed)."""
+    from app.training.resilience.saving import SaveFailed
+    from app.utils import faults
+    cfg = CheckpointConfig(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
+                           non_persistent_local_ckpt_dir=str(tmp_path / "local"))
+    records = []
+    writer = type("W", (), {"write": lambda self, *a: records.append(a)})()
+    saves = lc.LocalSaves(cfg, FakeEngine(1.0), 0, 1, torch.device("cpu"), writer, print)
+    folder = str(tmp_path / "local" / "rank_0")
+    with faults.injected(faults.SAVE_STAGE, faults.disk_full(saves={2})):
+        for iteration in (2, 4):
+            saves.maybe_save(iteration, {"iteration": iteration}, persistent=False)
+            saves.finish(blocking=True)
+        assert names.read_tracker(folder) == 2
+        assert names.list_checkpoint_iterations(folder) == [2]
+        saves.maybe_save(6, {"iteration": 6}, persistent=False)
+        saves.finish(blocking=True)
+    assert names.list_checkpoint_iterations(folder) == [6]
+    [(kind, iteration, record)] = records
+    assert (kind, iteration, record["directory"], record["latest"]) == \
+        ("save_failed", 4, folder, 2)
+    strict = lc.LocalSaves(dataclasses.replace(cfg, max_failed_saves=1),
+                           FakeEngine(1.0), 0, 1, torch.device("cpu"), writer, print)
+    with faults.injected(faults.SAVE_STAGE, faults.disk_full()), pytest.raises(SaveFailed):
+        strict.maybe_save(8, {"iteration": 8}, persistent=False)
+        strict.finish(blocking=True)
