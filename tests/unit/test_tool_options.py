@@ -184,5 +184,6 @@ def test_no_flag_is_declared_twice():
     shared = [o for o in collect_options([_options_class("evaluate")])
               if o.owner is InferenceLoadConfig]
     assert [o.flag.name for o in shared] == ["--load", "--vocab-file", "--merge-file",
+                                             "--tokenizer-model",
                                              "--tensor-model-parallel-size",
                                              "--pipeline-model-parallel-size"]
