@@ -129,7 +129,7 @@ class LocalCheckpoints(commit.OneSaveAtATime):
 
     def __init__(self, cfg: CheckpointConfig, engine: Any, rank: int, world_size: int,
                  device: Any) -> None:
-        self.engine, self.rank, self.device = engine, rank, device
+        self.engine, self.rank, self.world_size, self.device = engine, rank, world_size, device
         self.group = group_of(cfg, rank, world_size)
         self.folder = rank_dir(cfg.non_persistent_local_ckpt_dir, rank)
         os.makedirs(self.folder, exist_ok=True)
@@ -139,7 +139,7 @@ class LocalCheckpoints(commit.OneSaveAtATime):
     def record(self, iteration: int, client_state: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's whole state of `iteration`, live (training thread; all ranks call)."""
         return {"version": LOCAL_FORMAT_VERSION, "iteration": iteration, "owner": self.rank,
-                "state": self.engine.local_state(), "rng_state": rng_state_dict(),
+                "world_size": self.world_size, "state": self.engine.local_state(), "rng_state": rng_state_dict(),
                 "client_state": dict(client_state)}
 
     def start_save(self, save_dir: str, iteration: int, client_state: Any,
@@ -288,6 +288,12 @@ def restore_newest(engine: Any, cfg: CheckpointConfig, device: Any,
     error: Optional[BaseException] = None
     try:
         state = _deserialize(data, where, engine.local_safe_globals())
+        if state["world_size"] != world:
+            raise CheckpointError(
+                f"local checkpoint {where} was saved by {state['world_size']} ranks and this run "
+                f"has {world}: local checkpoints resume the same layout only; run with "
+                f"{state['world_size']} ranks, or remove {local_dir} to resume from the "
+                "persistent checkpoint")
         engine.load_local_state(state["state"], where)
         if not cfg.no_load_rng:
             load_rng_state_dict(state["rng_state"])
