@@ -18,8 +18,8 @@ save is committed. The first asynchronous and local saves allocate their host bu
 ratios use saves 2..N.
 
 With `--replication-layers L` (0: skipped) a second measurement runs two gloo ranks (DP 2) of an
-L-layer model: the local save's stall without and with --replication (J 1, K 2: each rank
-serializes its state and exchanges it with the other in the training thread), rank 0's figures.
+L-layer model: the local save's stall without and with --replication (J 1, K 2: each rank's
+background writer serializes its state and exchanges it with the other), rank 0's figures.
 """
 from __future__ import annotations
 
