@@ -15,8 +15,11 @@ before each round so the state changes in place:
 
 The stall is what the call blocks the training thread; "until durable" is until the background
 save is committed. The first asynchronous and local saves allocate their host buffers, so the
-ratios use saves 2..N. With --replication the local save also serializes the state and sends
-it to the replica group from the training thread (not measured here: one rank).
+ratios use saves 2..N.
+
+With `--replication-layers L` (0: skipped) a second measurement runs two gloo ranks (DP 2) of an
+L-layer model: the local save's stall without and with --replication (J 1, K 2: each rank's
+background writer serializes its state and exchanges it with the other), rank 0's figures.
 """
 from __future__ import annotations
 
@@ -75,11 +78,59 @@ def measure(layers: int, saves: int, directory: str) -> Dict[str, List[float]]:
     return out
 
 
+def measure_replication(argv: List[str], saves: int, directory: str) -> Dict[str, List[float]]:
+    """One rank of the two-rank measurement: {"local": stalls, "local + replica": stalls}."""
+    import arguments
+    import torch.distributed as dist
+
+    from app.config.checkpoint import CheckpointConfig
+    from app.training.resilience.local_checkpoints import LocalCheckpoints
+    from tests.harness.synthetic import build_synthetic_run
+
+    cfg = arguments.config_from_argv(argv, 2, RAW_VOCAB)
+    run = build_synthetic_run(cfg, 2 * (saves + 2))
+    engine, rank = run["engine"], dist.get_rank()
+    run["trainer"].train_step(run["iterator"])
+    savers = {name: LocalCheckpoints(CheckpointConfig(
+        non_persistent_ckpt_type="local", replication=replicas, replication_jump=1,
+        non_persistent_local_ckpt_dir=os.path.join(directory, name.replace(" ", "_"))),
+        engine, rank, 2, torch.device("cpu"))
+        for name, replicas in (("local", False), ("local + replica", True))}
+    out: Dict[str, List[float]] = {name: [] for name in savers}
+    for i in range(saves):
+        run["trainer"].train_step(run["iterator"])
+        for name, saver in savers.items():
+            dist.barrier()
+            start = time.perf_counter()
+            saver.save_checkpoint(saver.folder, i + 1, {"iteration": i + 1},
+                                  asynchronous=True)
+            out[name].append(time.perf_counter() - start)
+            saver.finish_save(blocking=True)
+    return out
+
+
+def report_replication(layers: int, saves: int, directory: str) -> None:
+    """Run `measure_replication` on two gloo ranks and print rank 0's stalls and the ratio."""
+    from tests.harness.distributed import run_distributed
+    argv = model_argv(layers)
+    argv[argv.index("--global-batch-size") + 1] = "2"
+    got = run_distributed(measure_replication, 2, argv, saves, directory, timeout=3600)[0]
+    print(f"two ranks (DP 2), {layers} layers: local save stall, seconds")
+    for name, values in got.items():
+        print(f"{name:<26}" + "  ".join(f"{t:7.3f}" for t in values)
+              + f"  {statistics.median(values):7.3f}")
+    plain, replicated = (statistics.median(got[n][1:] or got[n]) for n in got)
+    print(f"with --replication the stall is {replicated:.3f} s = {replicated / plain:.2f} x the "
+          f"local save's without ({plain:.3f} s; medians of saves 2..{saves})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--num-layers", type=int, default=12)
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints go")
+    p.add_argument("--replication-layers", type=int, default=2,
+                   help="layers of the two-rank --replication measurement (0: skip it)")
     a = p.parse_args()
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} "
@@ -87,6 +138,8 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="bench_local_save_", dir=a.dir)
     try:
         got = measure(a.num_layers, a.saves, directory)
+        if a.replication_layers:
+            report_replication(a.replication_layers, a.saves, directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print("seconds per save          " + "  ".join(f"#{i + 1:<6}" for i in range(a.saves))

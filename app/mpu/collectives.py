@@ -192,6 +192,13 @@ def gather_object(obj: object, dst: int, group: ProcessGroup) -> Optional[List[o
     return out
 
 
+def host_groups(groups: Sequence[Sequence[int]]) -> List[ProcessGroup]:
+    """One gloo group (host tensors, whatever the world's backend) per list of global ranks,
+    in order; every rank must call it with the same lists (a collective), and one thread
+    only may use a group returned (a background thread of its own may)."""
+    return [dist.new_group(list(ranks), backend="gloo") for ranks in groups]
+
+
 def barrier(group: ProcessGroup) -> None:
     """Wait until every rank of `group` arrives."""
     if _trivial(group):

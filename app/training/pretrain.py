@@ -5,10 +5,12 @@
 start-up checks of --save/--load (all ranks agree: --save writable, its writer lock, no stale
 temporaries; resume or fresh start per app.training.resilience.resume.decide_start; the saved
 layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts of the run
-(app.training.run) -> the data plan (app.data.plan) -> checkpoint load (all ranks agree; a
-resume keeps the checkpoint's data order, app.training.resilience.data_order) -> datasets built
-or loaded from the cache -> Trainer, with the exit-signal handler installed while it trains. `--dry-run`
-(app.training.planning.preflight) calls the same decision functions in the same order. With
+(app.training.run) -> the data plan (app.data.plan) -> checkpoint load (all ranks agree; the
+newest complete local checkpoint when it is at least as new as --load's, see
+app.training.resilience.local_checkpoints; a resume keeps the checkpoint's data order,
+app.training.resilience.data_order) -> datasets built or loaded from the cache -> Trainer, with
+the exit-signal handler installed while it trains. `--dry-run` (app.training.planning.preflight)
+calls the same decision functions in the same order. With
 --inprocess-restart these steps are one attempt, which app.training.resilience.inprocess runs
 again in the same process after a rank's error.
 

@@ -207,7 +207,11 @@ def test_killed_after_iteration_7_resumes_from_its_local_checkpoint_of_6(
         tiny_corpus, tmp_path, uninterrupted):
     """DP 2, local checkpoints every 2 iterations: rank 1 SIGKILLed in iteration 8, torchrun
     restarts the job, which resumes from the local iteration 6 (not the persistent 5) and ends
-    bit-identical to an uninterrupted run."""
+    bit-identical to an uninterrupted run. The local save of 6 is written in the background
+    and committed at the end of the first iteration after which every rank's write is over:
+    under load that can be after iteration 7, when the kill finds it uncommitted and the
+    persistent 5 is (rightly) the resume point; so every rank waits in iteration 7 until its
+    file of 6 is durable (kill_once.py), which makes the commit fall at the end of 7."""
     ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
     args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, "--save", ck, "--load", ck,
                          "--save-interval", str(PERSISTENT_EVERY), "--metrics-file", str(metrics),
@@ -216,7 +220,10 @@ def test_killed_after_iteration_7_resumes_from_its_local_checkpoint_of_6(
            "--max-restarts=1", KILL_ONCE, *args]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=dict(env(), KILL_RANK="1",
-                                   KILL_AT_SAMPLE=str(KILLED_AFTER * GLOBAL_BATCH)),
+                                   KILL_AT_SAMPLE=str(KILLED_AFTER * GLOBAL_BATCH),
+                                   WAIT_AT_SAMPLE=str((KILLED_AFTER - 1) * GLOBAL_BATCH),
+                                   WAIT_FOR_FILE=str(tmp_path / "local" / "rank_{rank}" /
+                                                     "iter_0000006" / "state_rank_0000{rank}.pt")),
                           cwd=tmp_path, timeout=HANG_S)
     log = proc.stdout
     assert proc.returncode == 0, log[-6000:]

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from app.checkpoint import commit, names
+from app.checkpoint import CheckpointError, commit, names
 from app.config.checkpoint import CheckpointConfig
 from app.training.resilience import local_checkpoints as lc
 
@@ -161,3 +161,15 @@ def test_a_failed_local_save_is_undone_recorded_and_training_goes_on(tmp_path):
     with faults.injected(faults.SAVE_STAGE, faults.disk_full()), pytest.raises(SaveFailed):
         strict.maybe_save(8, {"iteration": 8}, persistent=False)
         strict.finish(blocking=True)
+
+
+def test_a_local_checkpoint_of_another_world_size_is_refused_with_the_fix(tmp_path):
+    """Rank 0's state saved by a 2-rank run (held as a replica-free folder of its own) does
+    not resume a 1-rank run: the message names both sizes and how to go on."""
+    cfg = CheckpointConfig(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
+                           non_persistent_local_ckpt_dir=str(tmp_path / "local"))
+    saver = lc.LocalCheckpoints(cfg, FakeEngine(1.0), 0, 1, torch.device("cpu"))
+    saver.world_size = 2  # as rank 0 of a two-rank run writes it
+    saver.save_checkpoint(saver.folder, 2, {"iteration": 2}, asynchronous=False)
+    with pytest.raises(CheckpointError, match=r"saved by 2 ranks and this run has 1.*remove "):
+        lc.restore_newest(FakeEngine(0), cfg, torch.device("cpu"))

@@ -10,12 +10,13 @@ Layout (rank r writes only under its own folder)::
 schedule; the RNG states and the run's position), o = r for its own and, with --replication,
 the other members of r's replica group for the replicas r holds (`replica_group`: Megatron's
 clique of K ranks J apart, so with J = ranks per node the replicas live on other nodes). A save
-(`LocalCheckpoints.start_save`) serializes the state in the training thread, exchanges it
-with the group, then writes the files in the background, through the same two-phase commit as
-persistent saves (app.checkpoint.commit: durable files with SHA-256 sidecars, all ranks agree,
-each rank's own tracker, the previous local iteration removed once the new one commits). The
-trainer drives it through `LocalSaves`, whose failures count like persistent ones
-(app.training.resilience.saving).
+(`LocalCheckpoints.start_save`) copies the state to host memory in the training thread; a
+background thread serializes it, exchanges it with the replica group (over a gloo group of
+the clique's own, used by that thread only) and writes the files, through the same two-phase
+commit as persistent saves (app.checkpoint.commit: durable files with SHA-256 sidecars, all
+ranks agree, each rank's own tracker, the previous local iteration removed once the new one
+commits). The trainer drives it through `LocalSaves`, whose failures count like persistent
+ones (app.training.resilience.saving).
 
 On resume (`restore_newest`; app.training.pretrain calls it before the persistent load, the
 in-process restart may call it too) the candidates are ranked by iteration: every rank scans
@@ -86,17 +87,20 @@ def _to_tensor(data: bytes, device: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)  # [n]
 
 
-def exchange(sends: Dict[int, bytes], recv_from: List[int], device: Any) -> Dict[int, bytes]:
+def exchange(sends: Dict[int, bytes], recv_from: List[int], device: Any,
+             group: Any = None) -> Dict[int, bytes]:
     """Send `sends[peer]` to each peer and receive one message from each rank of `recv_from`
-    (point to point over the world: lengths first, then the bytes); {source: bytes}."""
+    (point to point over `group`, default the world, by global ranks: lengths first, then the
+    bytes); {source: bytes}."""
+    group = world_group() if group is None else group
     lengths = {src: torch.zeros(1, dtype=torch.int64, device=device) for src in recv_from}
     collectives.send_recv(
         [(torch.tensor([len(d)], dtype=torch.int64, device=device), p) for p, d in sends.items()],
-        [(t, src) for src, t in lengths.items()], world_group())
+        [(t, src) for src, t in lengths.items()], group)
     buffers = {src: torch.empty(int(t.item()), dtype=torch.uint8, device=device)
                for src, t in lengths.items()}
     collectives.send_recv([(_to_tensor(d, device), p) for p, d in sends.items()],
-                          [(b, src) for src, b in buffers.items()], world_group())
+                          [(b, src) for src, b in buffers.items()], group)
     return {src: b.cpu().numpy().tobytes() for src, b in buffers.items()}
 
 
@@ -129,40 +133,47 @@ class LocalCheckpoints(commit.OneSaveAtATime):
 
     def __init__(self, cfg: CheckpointConfig, engine: Any, rank: int, world_size: int,
                  device: Any) -> None:
-        self.engine, self.rank, self.device = engine, rank, device
+        self.engine, self.rank, self.world_size, self.device = engine, rank, world_size, device
         self.group = group_of(cfg, rank, world_size)
         self.folder = rank_dir(cfg.non_persistent_local_ckpt_dir, rank)
         os.makedirs(self.folder, exist_ok=True)
         remove_temporaries(self.folder)  # a dead writer's (a killed run's) half-written files
         self._buffers = HostBuffers()  # the host copy of one save, reused by the next
+        self._replica_group = None
+        if cfg.replication:  # the writer thread's own group (gloo, host bytes) per clique
+            cliques = sorted({tuple(sorted(group_of(cfg, r, world_size)))
+                              for r in range(world_size)})
+            groups = collectives.host_groups(cliques)
+            self._replica_group = next(g for c, g in zip(cliques, groups) if rank in c)
 
     def record(self, iteration: int, client_state: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's whole state of `iteration`, live (training thread; all ranks call)."""
         return {"version": LOCAL_FORMAT_VERSION, "iteration": iteration, "owner": self.rank,
-                "state": self.engine.local_state(), "rng_state": rng_state_dict(),
+                "world_size": self.world_size, "state": self.engine.local_state(), "rng_state": rng_state_dict(),
                 "client_state": dict(client_state)}
 
     def start_save(self, save_dir: str, iteration: int, client_state: Any,
                    asynchronous: bool) -> commit.PendingSave:
-        """Copy this rank's state to host memory now (with --replication: serialize it and
-        send it to its replica group, receiving theirs); serialize and write the files (its
-        own and the replicas it holds) in the background with `asynchronous`; committed by
-        finish_save."""
-        record, peers = self.record(iteration, client_state), self.group[1:]
-        writers: Dict[int, Callable[[Any], Any]]  # owner -> write(file) of its state
-        if peers:
-            mine = _serialize(record)
-            held = {self.rank: mine, **exchange({p: mine for p in peers}, peers, self.device)}
-            writers = {owner: (lambda f, d=data: f.write(d)) for owner, data in held.items()}
-        else:  # the previous save is committed (one at a time): its buffers are free
-            self._buffers.new_save()
-            copied = host_copy(record, self._buffers)
-            writers = {self.rank: lambda f: torch.save(copied, f)}
+        """Copy this rank's state to host memory now; then (in the background with
+        `asynchronous`) serialize it, with --replication exchange it with the replica group
+        over the writer's own group, and write the files (its own and the replicas it holds);
+        committed by finish_save."""
+        self._buffers.new_save()  # the previous save is committed (one at a time)
+        copied = host_copy(self.record(iteration, client_state), self._buffers)
+        peers = self.group[1:]
         directory = names.checkpoint_dir(save_dir, iteration)
         written: List[str] = []
 
+        def writers() -> Dict[int, Callable[[Any], Any]]:  # owner -> write(file) of its state
+            if not peers:
+                return {self.rank: lambda f: torch.save(copied, f)}
+            mine = _serialize(copied)
+            held = {self.rank: mine, **exchange({p: mine for p in peers}, peers,
+                                                torch.device("cpu"), self._replica_group)}
+            return {owner: (lambda f, d=data: f.write(d)) for owner, data in held.items()}
+
         def write() -> None:
-            for owner, write_to in sorted(writers.items()):
+            for owner, write_to in sorted(writers().items()):
                 path = state_file(directory, owner)
                 commit.write_checked_file(path, write_to)
                 written.append(path)
@@ -288,6 +299,12 @@ def restore_newest(engine: Any, cfg: CheckpointConfig, device: Any,
     error: Optional[BaseException] = None
     try:
         state = _deserialize(data, where, engine.local_safe_globals())
+        if state["world_size"] != world:
+            raise CheckpointError(
+                f"local checkpoint {where} was saved by {state['world_size']} ranks and this run "
+                f"has {world}: local checkpoints resume the same layout only; run with "
+                f"{state['world_size']} ranks, or remove {local_dir} to resume from the "
+                "persistent checkpoint")
         engine.load_local_state(state["state"], where)
         if not cfg.no_load_rng:
             load_rng_state_dict(state["rng_state"])
