@@ -196,9 +196,10 @@ def run_checks(checks: Mapping[str, Callable[..., None]], *args: Any) -> Dict[st
     return outcome
 
 
-def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str]) -> str:
+def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str],
+                      setup: Optional[Callable[[int], None]] = None) -> str:
     """Rank side of run_pretrain: the caller's environment plus the variables a launcher gives
-    this rank, its output (file descriptors 1 and 2) to a file of its own, then
+    this rank, its output (file descriptors 1 and 2) to a file of its own, setup(rank), then
     pretrain_gpt2.run(argv), which adopts the process group already started; returns the
     output, or raises with its end."""
     import sys
@@ -216,6 +217,8 @@ def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str]) ->
     with open(path, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    if setup is not None:
+        setup(rank)
     try:
         run(list(argv))
     except BaseException as exc:
@@ -229,17 +232,19 @@ def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str]) ->
         return f.read()
 
 
-def run_pretrain(world_size: int, argv: List[str], timeout: float = 300.0) -> List[str]:
+def run_pretrain(world_size: int, argv: List[str], timeout: float = 300.0,
+                 setup: Optional[Callable[[int], None]] = None) -> List[str]:
     """`pretrain_gpt2.py argv` on `world_size` gloo ranks as under torchrun, but in children
     forked from run_distributed's forkserver (no launcher, no fresh interpreter per rank): for
     tests whose point is what a layout trains to, not the launcher. The ranks run with this
-    process's environment (os.environ now, not the forkserver's of the session's first call).
+    process's environment (os.environ now, not the forkserver's of the session's first call);
+    `setup` (picklable), if given, is called with the rank's number before it trains.
     Returns each rank's output (stdout and stderr), in rank order; raises as run_distributed,
     with the failing rank's output."""
     log_dir = tempfile.mkdtemp(prefix="run_pretrain_")
     try:
         return run_distributed(_pretrain_on_rank, world_size, list(argv), log_dir,
-                               dict(os.environ), timeout=timeout, daemon=False)
+                               dict(os.environ), setup, timeout=timeout, daemon=False)
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 
