@@ -21,6 +21,9 @@
   (as torchrun would, without its launcher and a fresh interpreter per rank; the ranks see the
   caller's environment, as a launched command would) and returns each rank's output: for tests
   whose point is the numbers, not the launcher.
+- `run_main(argv, cwd, environ)` runs `python pretrain_gpt2.py argv` the same way on one
+  process with no process group (its exit code, stdout and stderr apart): a command line's
+  outcome without the seconds of a fresh interpreter importing torch.
 
 To check many things in one spawn, a rank function can call `run_checks({name: check}, *args)`
 and return its {name: None or traceback text}; inside checks, `expect_close` records a
@@ -193,9 +196,10 @@ def run_checks(checks: Mapping[str, Callable[..., None]], *args: Any) -> Dict[st
     return outcome
 
 
-def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str]) -> str:
+def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str],
+                      setup: Optional[Callable[[int], None]] = None) -> str:
     """Rank side of run_pretrain: the caller's environment plus the variables a launcher gives
-    this rank, its output (file descriptors 1 and 2) to a file of its own, then
+    this rank, its output (file descriptors 1 and 2) to a file of its own, setup(rank), then
     pretrain_gpt2.run(argv), which adopts the process group already started; returns the
     output, or raises with its end."""
     import sys
@@ -213,6 +217,8 @@ def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str]) ->
     with open(path, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    if setup is not None:
+        setup(rank)
     try:
         run(list(argv))
     except BaseException as exc:
@@ -226,17 +232,75 @@ def _pretrain_on_rank(argv: List[str], log_dir: str, environ: Dict[str, str]) ->
         return f.read()
 
 
-def run_pretrain(world_size: int, argv: List[str], timeout: float = 300.0) -> List[str]:
+def run_pretrain(world_size: int, argv: List[str], timeout: float = 300.0,
+                 setup: Optional[Callable[[int], None]] = None) -> List[str]:
     """`pretrain_gpt2.py argv` on `world_size` gloo ranks as under torchrun, but in children
     forked from run_distributed's forkserver (no launcher, no fresh interpreter per rank): for
     tests whose point is what a layout trains to, not the launcher. The ranks run with this
-    process's environment (os.environ now, not the forkserver's of the session's first call).
+    process's environment (os.environ now, not the forkserver's of the session's first call);
+    `setup` (picklable), if given, is called with the rank's number before it trains.
     Returns each rank's output (stdout and stderr), in rank order; raises as run_distributed,
     with the failing rank's output."""
     log_dir = tempfile.mkdtemp(prefix="run_pretrain_")
     try:
         return run_distributed(_pretrain_on_rank, world_size, list(argv), log_dir,
-                               dict(os.environ), timeout=timeout, daemon=False)
+                               dict(os.environ), setup, timeout=timeout, daemon=False)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _main_in_child(argv: List[str], cwd: str, environ: Dict[str, str], out_path: str,
+                   err_path: str) -> None:
+    """Child side of run_main: as `python pretrain_gpt2.py argv` started in `cwd` with
+    `environ`; exits with main's code (2 for a usage error, 1 and the traceback for an
+    exception, as the interpreter would)."""
+    import sys
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.argv = ["pretrain_gpt2.py", *argv]
+    if environ.get("OMP_NUM_THREADS", "").isdigit():  # torch read it when the forkserver began
+        import torch
+
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    for fd, path in ((1, out_path), (2, err_path)):
+        with open(path, "w") as f:
+            os.dup2(f.fileno(), fd)
+    from pretrain_gpt2 import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def run_main(argv: List[str], cwd: str, environ: Mapping[str, str],
+             timeout: float = 300.0) -> "tuple[int, str, str]":
+    """(exit code, stdout, stderr) of `python pretrain_gpt2.py argv` run in `cwd` with the
+    environment `environ`, in one child forked from run_distributed's forkserver (torch and the
+    trainer already imported); a child still running at `timeout` seconds is killed and
+    TimeoutError raised."""
+    log_dir = tempfile.mkdtemp(prefix="run_main_")
+    out, err = os.path.join(log_dir, "stdout"), os.path.join(log_dir, "stderr")
+    proc = _context().Process(target=_main_in_child, name="pretrain_gpt2",
+                              args=(list(argv), str(cwd), dict(environ), out, err))
+    try:
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+            raise TimeoutError(f"run_main: pretrain_gpt2.py {' '.join(argv[:6])} ... still "
+                               f"running after {timeout:.0f} s (killed)")
+        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
+            return proc.exitcode, f_out.read(), f_err.read()
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 

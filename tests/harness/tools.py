@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from types import ModuleType
+from typing import List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,3 +19,10 @@ def load_tool(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_tool(name: str, argv: List[str]) -> None:
+    """tools/{name}.py's main(argv) in this process, for tests whose point is what the tool
+    writes, not its command line; an AssertionError names the arguments unless it returns 0."""
+    code = load_tool(name).main([str(a) for a in argv])
+    assert code == 0, f"tools/{name}.py {' '.join(map(str, argv))} returned {code}"

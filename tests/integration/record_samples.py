@@ -1,19 +1,16 @@
-"""`pretrain_gpt2.py` that records the training samples each rank reads: every index list a
-MegatronPretrainingSampler yields is appended as one JSON line to `$SAMPLE_LOG.<global rank>`.
-
-    SAMPLE_LOG=/tmp/run/samples torchrun ... tests/integration/record_samples.py <pretrain flags>
+"""Recording the training samples each rank reads: with MegatronPretrainingSampler.__iter__
+replaced by recording_iter(path) (in the test process, or on each rank of
+tests.harness.distributed.run_pretrain through its `setup`), every index list the sampler yields
+is appended as one JSON line to `path`.
 
 With --num-workers 0 the data loader asks its sampler for the next index list only when the
 trainer asks for the next micro-batch, and with --eval-iters 0 only the training data is read,
 so the lines are the micro-batches the training consumed, in order.
 """
 import json
-import os
-import sys
 from collections import Counter
 from typing import Dict, List
 
-import pretrain_gpt2
 from app.data import MegatronPretrainingSampler
 
 
@@ -46,9 +43,3 @@ def iterations_read(paths: List[str], micro_batches: int, first_iteration: int
             i for lines in per_rank for batch in lines[k * micro_batches:(k + 1) * micro_batches]
             for i in batch)
     return out
-
-
-if __name__ == "__main__":
-    log = f"{os.environ['SAMPLE_LOG']}.{os.environ.get('RANK', '0')}"
-    MegatronPretrainingSampler.__iter__ = recording_iter(log)
-    sys.exit(pretrain_gpt2.main())

@@ -1,7 +1,11 @@
 """Checkpoints in and out, end to end: runs trained at TP1, TP2, PP2, TP2xPP2 and with DeepSpeed
 ZeRO-2 (DP2) are exported to Hugging Face and compared with GPT2LMHeadModel (logits, greedy and
 beam generation); HF is imported at TP2xPP2 and trained on; resharding round trips are bit
-exact and a run resumed at another layout continues with the same losses."""
+exact and a run resumed at another layout continues with the same losses.
+
+The layouts train on gloo ranks forked from the test process (run_pretrain) and the converter
+runs in-process (its main()), since their point is the numbers; tools/generate.py and
+tools/evaluate.py run under torchrun, and one refused conversion through the command line."""
 import json
 import os
 import subprocess
@@ -10,9 +14,10 @@ import sys
 import pytest
 import torch
 
-from tests.harness.distributed import run_distributed
+from tests.harness.distributed import run_distributed, run_pretrain
+from tests.harness.tools import load_tool, run_tool
 from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import ROOT, assert_close_curves, env, run, torchrun, train_curve
+from tests.integration.launch_utils import ROOT, assert_close_curves, env, run, train_curve
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,8 +30,7 @@ TOKENS = torch.tensor([[5, 17, 200, 3, 99, 42, 7, 300, 11, 8, 1, 2],
 
 
 def _convert(*args):
-    return run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *map(str, args)],
-               ROOT)
+    run_tool("convert_checkpoint", list(args))
 
 
 def _train_in_process(argv):
@@ -42,12 +46,12 @@ def runs(tiny_corpus, zero2_dp2_run, tmp_path_factory):
     args = lambda *extra: tiny_gpt_args(tiny_corpus, tmp, *TRAIN, *extra)  # noqa: E731
     _train_in_process(args("--metrics-file", str(tmp / "straight.jsonl")))
     _train_in_process(args("--save", str(tmp / "tp1"), "--exit-interval", "3"))
-    torchrun(2, args("--tensor-model-parallel-size", "2", "--save", str(tmp / "tp2"),
-                     "--exit-interval", "3"), tmp)
-    torchrun(2, args("--pipeline-model-parallel-size", "2", "--save", str(tmp / "pp2"),
-                     "--exit-interval", "3"), tmp)
-    torchrun(4, args("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                     "--save", str(tmp / "tp2pp2"), "--exit-interval", "3"), tmp)
+    run_pretrain(2, args("--tensor-model-parallel-size", "2", "--save", str(tmp / "tp2"),
+                         "--exit-interval", "3"))
+    run_pretrain(2, args("--pipeline-model-parallel-size", "2", "--save", str(tmp / "pp2"),
+                         "--exit-interval", "3"))
+    run_pretrain(4, args("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                         "--save", str(tmp / "tp2pp2"), "--exit-interval", "3"))
     os.symlink(zero2_dp2_run / "ck", tmp / "ds")
     return {"root": tmp, "corpus": tiny_corpus, "args": args}
 
@@ -245,8 +249,8 @@ def test_resume_at_another_layout_continues_the_losses(runs):
     _convert("--input-format", "megatron", "--load", root / "tp1", "--save", root / "tp1_to_tp2",
              "--target-tensor-model-parallel-size", 2, "--include-optimizer")
     metrics = root / "resumed_tp2.jsonl"
-    torchrun(2, runs["args"]("--tensor-model-parallel-size", "2", "--load", str(root / "tp1_to_tp2"),
-                             "--metrics-file", str(metrics)), root)
+    run_pretrain(2, runs["args"]("--tensor-model-parallel-size", "2", "--load",
+                                 str(root / "tp1_to_tp2"), "--metrics-file", str(metrics)))
     want = {k: v for k, v in train_curve(root / "straight.jsonl").items() if k > 3}
     assert_close_curves(train_curve(metrics), want, rel=1e-5, what="TP1 -> TP2 resume")
 
@@ -287,32 +291,35 @@ def test_hf_import_at_tp2pp2_matches_hf_and_trains(runs):
     tuned_tp1, tuned_4 = root / "tuned_tp1.jsonl", root / "tuned_tp2pp2.jsonl"
     _train_in_process(runs["args"]("--load", str(root / "tp1"), "--finetune", "--train-iters", "2",
                                    "--metrics-file", str(tuned_tp1)))
-    torchrun(4, runs["args"]("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                             "2", "--load", str(imported), "--train-iters", "2",
-                             "--metrics-file", str(tuned_4)), root)
+    run_pretrain(4, runs["args"]("--tensor-model-parallel-size", "2",
+                                 "--pipeline-model-parallel-size", "2", "--load", str(imported),
+                                 "--train-iters", "2", "--metrics-file", str(tuned_4)))
     assert_close_curves(train_curve(tuned_4), train_curve(tuned_tp1), rel=1e-5, what="HF import")
 
 
-def test_converter_errors_are_clear(runs, tmp_path):
+def test_converter_errors_are_clear(runs, tmp_path, capsys):
+    """The command line refuses a non-empty --save with exit 2 and one line, no traceback;
+    main() (in-process) refuses a tensor-parallel size the heads do not divide, writing nothing,
+    and prints a checkpoint's structure."""
     root = runs["root"]
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
                           "--input-format", "megatron", "--load", str(root / "tp1"), "--save",
                           str(root / "tp1"), "--target-tensor-model-parallel-size", "3"],
                          capture_output=True, text=True, env=env(), timeout=120)
     assert bad.returncode == 2 and "not empty" in bad.stderr and "Traceback" not in bad.stderr
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
-                          "--input-format", "megatron", "--load", str(root / "tp1"), "--save",
-                          str(tmp_path / "x"), "--target-tensor-model-parallel-size", "3"],
-                         capture_output=True, text=True, env=env(), timeout=120)
-    assert bad.returncode == 2 and "num_attention_heads (4)" in bad.stderr, bad.stderr
+    convert = load_tool("convert_checkpoint")
+    capsys.readouterr()
+    code = convert.main(["--input-format", "megatron", "--load", str(root / "tp1"), "--save",
+                         str(tmp_path / "x"), "--target-tensor-model-parallel-size", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "num_attention_heads (4)" in err, err
     assert not (tmp_path / "x").exists() and not any(p.name.startswith(".x") for p in tmp_path.iterdir())
-    shown = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
-                            "--input-format", "megatron", "--load", str(root / "tp2pp2"),
-                            "--print-checkpoint-structure"],
-                           capture_output=True, text=True, env=env(), timeout=120)
-    assert shown.returncode == 0, shown.stderr
-    assert "TP 2, PP 2" in shown.stdout and "word_embeddings_for_head" in shown.stdout
-    assert "query_key_value.weight: tensor [96, 64] float32" in shown.stdout
+    code = convert.main(["--input-format", "megatron", "--load", str(root / "tp2pp2"),
+                         "--print-checkpoint-structure"])
+    shown = capsys.readouterr()
+    assert code == 0, shown.err
+    assert "TP 2, PP 2" in shown.out and "word_embeddings_for_head" in shown.out
+    assert "query_key_value.weight: tensor [96, 64] float32" in shown.out
 
 
 def _greedy_reproduces(hf, context_ids, target_ids):
@@ -347,7 +354,6 @@ def test_lambada_accuracy_on_a_hand_made_file(runs, tmp_path, capsys):
     assert correct >= 3, f"only {correct} usable passages"
     data = tmp_path / "lambada.jsonl"
     data.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
-    from tests.harness.tools import load_tool
     tool = load_tool("evaluate")
     assert tool.main(["--load", str(hf_dir), "--task", "lambada", "--valid-data", str(data),
                       "--results-file", str(tmp_path / "r.json")]) == 0

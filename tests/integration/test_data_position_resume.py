@@ -9,16 +9,15 @@ multiset over the data-parallel ranks, with those of one uninterrupted run.
 - global batch 8 -> 16: one process resumes from iteration 3 and reads, in its iterations 4 and
   5, the uninterrupted run's 4+5 and 6+7 (the position is counted in samples).
 """
+import functools
 import shutil
-import sys
 
 from app.checkpoint.names import checkpoint_dir, tracker_path
 from app.data import MegatronPretrainingSampler
+from tests.harness.distributed import run_pretrain
 from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import ROOT, run
 from tests.integration.record_samples import iterations_read, recording_iter
 
-RECORDER = f"{ROOT}/tests/integration/record_samples.py"
 COMMON = ["--train-iters", "8", "--lr-decay-iters", "8", "--log-interval", "4",
           "--eval-iters", "0", "--num-workers", "0", "--micro-batch-size", "2",
           "--global-batch-size", "8", "--save-interval", "3"]
@@ -30,6 +29,11 @@ def _in_process(argv, log, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(MegatronPretrainingSampler, "__iter__", recording_iter(log))
         return pretrain_run(argv)
+
+
+def _record_on_rank(prefix: str, rank: int) -> None:
+    """Rank side (run_pretrain's setup): record this rank's training samples to prefix.rank."""
+    MegatronPretrainingSampler.__iter__ = recording_iter(f"{prefix}.{rank}")
 
 
 def _only_iteration(save_dir, iteration, to):
@@ -50,9 +54,8 @@ def test_resumes_at_another_data_parallel_size_or_global_batch_read_the_same_sam
     assert all(straight[it] == {i: 1 for i in range((it - 1) * 8, it * 8)} for it in straight)
     at3 = _only_iteration(tmp_path / "straight", 3, tmp_path / "at3")
 
-    monkeypatch.setenv("SAMPLE_LOG", str(tmp_path / "dp2"))
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         RECORDER, *args("--load", at3, "--save", str(tmp_path / "dp2ck"))], tmp_path)
+    run_pretrain(2, args("--load", at3, "--save", str(tmp_path / "dp2ck")),
+                 setup=functools.partial(_record_on_rank, str(tmp_path / "dp2")))
     dp2 = iterations_read([str(tmp_path / "dp2.0"), str(tmp_path / "dp2.1")], 2, 4)
     assert dp2 == {it: straight[it] for it in range(4, 9)}
 

@@ -3,7 +3,8 @@ TP + ZeRO-2, exact resume through DeepSpeed checkpoints, zero_to_fp32, and the l
 
 The launchers (deepspeed, torchrun, two-node deepspeed, mpirun) each start the runs of their
 own test; the others train through pretrain_gpt2 in forked ranks
-(tests.harness.distributed.run_pretrain), and error exits run the command line."""
+(tests.harness.distributed.run_pretrain), and error exits run the command line (torchrun, or
+`pretrain_gpt2.py` in a forked child: tests.harness.distributed.run_main)."""
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from app.launch.ports import free_port
-from tests.harness.distributed import run_pretrain
+from tests.harness.distributed import run_main, run_pretrain
+from tests.harness.tools import run_tool
 from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import (BIN, ROOT, assert_close_curves, env, run, torchrun,
                                             train_curve)
@@ -117,11 +119,9 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, z
     # a model of another shape fails with a clear message, not a traceback
     wide = tiny_gpt_args(tiny_corpus, tmp_path, *common, "--load", str(ck))
     wide[wide.index("--hidden-size") + 1] = "128"
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *wide],
-                         capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
-    assert bad.returncode == 2 and "hidden_size 64 but this run uses 128" in bad.stderr, \
-        bad.stderr[-2000:]
-    assert "Traceback" not in bad.stderr
+    code, _, err = run_main(wide, str(tmp_path), env())  # as `python pretrain_gpt2.py wide`
+    assert code == 2 and "hidden_size 64 but this run uses 128" in err, err[-2000:]
+    assert "Traceback" not in err
 
     # DP2 -> TP2: the error names the tensor-parallel change, not DeepSpeed's "DP world
     # size" error about the ZeRO partitions
@@ -153,8 +153,8 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, z
 
     # our converter: DeepSpeed checkpoint -> Megatron layout, read back by our loader
     meg = tmp_path / "megatron"
-    run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
-         "deepspeed", "--load", str(ck), "--save", str(meg), "--iteration", "6"], tmp_path)
+    run_tool("convert_checkpoint", ["--input-format", "deepspeed", "--load", str(ck), "--save",
+                                    str(meg), "--iteration", "6"])
     from app.checkpoint import megatron as ckpt
     state, iteration = ckpt.load_checkpoint_dict(str(meg))
     assert iteration == 6
@@ -205,12 +205,10 @@ def test_mpirun_with_deepspeed_mpi(tiny_corpus, native_dp2, tmp_path):
 
 
 def test_no_save_optim_is_refused_with_deepspeed(tiny_corpus, tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"),
-                           *tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2),
-                                          "--no-save-optim")],
-                          capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "--no-save-optim is not available with --deepspeed" in proc.stderr, proc.stderr[-2000:]
+    code, _, err = run_main(tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(2),
+                                          "--no-save-optim"), str(tmp_path), env())
+    assert code == 2, err[-2000:]
+    assert "--no-save-optim is not available with --deepspeed" in err, err[-2000:]
 
 
 def test_deepspeed_rotation_no_load_optim_and_finetune(tiny_corpus, zero2_dp2_run, tmp_path):

@@ -3,11 +3,13 @@ universal checkpoint (ds_to_universal.py, then --universal-checkpoint) at DP2 ->
 DP1 -> TP2, and through tools/convert_checkpoint.py (ZeRO shards with Adam state -> a Megatron
 checkpoint resumed on the native path). Each resumed run continues with the losses of the run
 that was not interrupted. The runs train through pretrain_gpt2 in forked ranks
-(tests.harness.distributed.run_pretrain); DeepSpeed's and our converters run as commands."""
+(tests.harness.distributed.run_pretrain); DeepSpeed's converter runs as a command, ours
+in-process (its main())."""
 import os
 import sys
 
 from tests.harness.distributed import run_pretrain
+from tests.harness.tools import run_tool
 from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
 from tests.integration.launch_utils import ROOT, assert_close_curves, run, train_curve
 
@@ -42,9 +44,9 @@ def test_converter_dp2_zero2_to_native_with_adam_state(tiny_corpus, zero2_dp2_ru
     the native path resumes it in one process."""
     from pretrain_gpt2 import run as pretrain
     tmp = zero2_dp2_run
-    run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
-         "deepspeed", "--output-format", "megatron", "--load", str(tmp / "ck"), "--save",
-         str(tmp / "megatron"), "--iteration", "3", "--include-optimizer"], tmp)
+    run_tool("convert_checkpoint", ["--input-format", "deepspeed", "--output-format", "megatron",
+                                    "--load", str(tmp / "ck"), "--save", str(tmp / "megatron"),
+                                    "--iteration", "3", "--include-optimizer"])
     assert (tmp / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "3"
     resumed = tmp / "native.jsonl"
     pretrain(tiny_gpt_args(tiny_corpus, tmp, *COMMON, "--load", str(tmp / "megatron"),

@@ -16,7 +16,9 @@ path in tests/distributed/test_deepspeed_zero3.py): one run saving at iterations
 - a ZeRO-2 run refuses the ZeRO-3 checkpoint with the fix, before DeepSpeed reads a file.
 
 Runs that must succeed train through pretrain_gpt2 in forked ranks
-(tests.harness.distributed.run_pretrain); the refusals run the command line (exit codes).
+(tests.harness.distributed.run_pretrain) and the converter runs in-process (its main()); the
+refusals run the command line (exit codes): the damaged file under torchrun, the ZeRO-2 run as
+`pretrain_gpt2.py` (tests.harness.distributed.run_main).
 """
 import json
 import os
@@ -27,7 +29,8 @@ import sys
 import pytest
 import torch
 
-from tests.harness.distributed import run_pretrain
+from tests.harness.distributed import run_main, run_pretrain
+from tests.harness.tools import run_tool
 from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
 from tests.integration.launch_utils import ROOT, assert_close_curves, env, run, train_curve
 
@@ -102,9 +105,8 @@ def test_zero3_converts_like_zero_to_fp32_and_generates(tiny_corpus, zero3_dp2):
     run([sys.executable, str(ck / "zero_to_fp32.py"), str(ck), str(tmp / "fp32"), "--tag",
          "iter_0000006"], tmp)
     fp32 = torch.load(str(tmp / "fp32" / "pytorch_model.bin"), weights_only=True)
-    convert = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
-               "--input-format", "deepspeed", "--load", str(ck), "--iteration", "6"]
-    run([*convert, "--save", str(tmp / "megatron")], tmp)
+    convert = ["--input-format", "deepspeed", "--load", str(ck), "--iteration", "6"]
+    run_tool("convert_checkpoint", [*convert, "--save", str(tmp / "megatron")])
     from app.checkpoint import megatron as ckpt
     state, iteration = ckpt.load_checkpoint_dict(str(tmp / "megatron"))
     flat = ckpt.from_megatron_model(state["model"])
@@ -113,8 +115,9 @@ def test_zero3_converts_like_zero_to_fp32_and_generates(tiny_corpus, zero3_dp2):
         assert torch.equal(flat[name], value), name
 
     hf_dir = tmp / "hf"
-    run([*convert, "--output-format", "hf", "--save", str(hf_dir), "--vocab-file",
-         tiny_corpus["vocab"], "--merge-file", tiny_corpus["merges"]], tmp)
+    run_tool("convert_checkpoint", [*convert, "--output-format", "hf", "--save", str(hf_dir),
+                                    "--vocab-file", tiny_corpus["vocab"], "--merge-file",
+                                    tiny_corpus["merges"]])
     prompt = "import os\nimport"
     out = run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", str(ck),
                "--vocab-file", tiny_corpus["vocab"], "--merge-file", tiny_corpus["merges"],
@@ -147,9 +150,9 @@ def test_zero3_resumes_at_dp1(tiny_corpus, zero3_dp2):
                                 what="universal ZeRO-3 DP2 -> DP1")
     print(f"ZeRO-3 DP2 -> universal -> DP1 vs uninterrupted: {worst:.2e}")
 
-    run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
-         "deepspeed", "--output-format", "torch_dist", "--load", str(tmp / "ck"), "--save",
-         str(tmp / "native"), "--iteration", "3", "--include-optimizer"], tmp)
+    run_tool("convert_checkpoint", ["--input-format", "deepspeed", "--output-format", "torch_dist",
+                                    "--load", str(tmp / "ck"), "--save", str(tmp / "native"),
+                                    "--iteration", "3", "--include-optimizer"])
     pretrain(tiny_gpt_args(tiny_corpus, tmp, *COMMON, "--load", str(tmp / "native"),
                            "--metrics-file", str(tmp / "n.jsonl")))
     worst = assert_close_curves(train_curve(tmp / "n.jsonl"), _later(straight),
@@ -166,10 +169,8 @@ def test_zero3_resumes_at_dp1(tiny_corpus, zero3_dp2):
 def test_zero2_run_refuses_a_zero3_checkpoint(tiny_corpus, zero3_dp2):
     tmp, _ = zero3_dp2
     zero2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json")]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"),
-                           *tiny_gpt_args(tiny_corpus, tmp, *COMMON, *zero2, "--load",
-                                          str(tmp / "ck"))],
-                          capture_output=True, text=True, env=env(), cwd=tmp, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "was saved at ZeRO stage 3" in proc.stderr and "zero3.json" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _, err = run_main(tiny_gpt_args(tiny_corpus, tmp, *COMMON, *zero2, "--load",
+                                          str(tmp / "ck")), str(tmp), env())
+    assert code == 2, err[-3000:]
+    assert "was saved at ZeRO stage 3" in err and "zero3.json" in err
+    assert "Traceback" not in err

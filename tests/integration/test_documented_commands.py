@@ -18,7 +18,7 @@ paths it writes them (data/, checkpoints/quickstart and runs/quickstart in folde
 own holding hard links to its files, so a file a document adds or replaces stays in its
 sandbox). Two documents run at a time; a failure names the file and line of the block, the
 commands it ran and the tail of their output. The quickstart itself (scripts/quickstart.sh)
-runs once per session, made small through its environment knobs (vocabulary 512, 20
+runs once per session, made small through its environment knobs (vocabulary 512, 10
 iterations; the model keeps its shape, so the documents' flags fit its checkpoint, and the
 corpus its size, so the documents' resumes to 1000 iterations stay within one epoch of the
 training and validation data and keep the data order), with the Hugging Face Hub unreachable
@@ -49,10 +49,10 @@ MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*([\w-]+)\s*(?:\((.*)\))?\s*-->\s*$"
 TRAINING = re.compile(r"^(\s*)(.*?)\bpretrain_gpt2\.py\b(.*)$")
 SANDBOX_OUTPUTS = ("data", "checkpoints", "runs", "exports")
 BLOCK_BANNER = "@@ doc-test block "
-QUICKSTART_KNOBS = {"VOCAB_SIZE": "512", "TRAIN_ITERS": "20",
-                    "EVAL_INTERVAL": "10", "EVAL_ITERS": "2", "SAVE_INTERVAL": "20",
-                    "LOG_INTERVAL": "10", "QUICKSTART_CHECK_LOSS": "0", "SAMPLE_SEED": "1"}
-"""A quickstart made small (scripts/quickstart.sh documents each knob); 20 iterations cannot
+QUICKSTART_KNOBS = {"VOCAB_SIZE": "512", "TRAIN_ITERS": "10",
+                    "EVAL_INTERVAL": "5", "EVAL_ITERS": "2", "SAVE_INTERVAL": "10",
+                    "LOG_INTERVAL": "5", "QUICKSTART_CHECK_LOSS": "0", "SAMPLE_SEED": "1"}
+"""A quickstart made small (scripts/quickstart.sh documents each knob); 10 iterations cannot
 bring the loss 2 nats below ln(512), so its check is turned off, explicitly."""
 
 

@@ -3,8 +3,11 @@ wrong and for good ones, the dry run and the real run (tiny model, two iteration
 the same code, a refused command's one `error:` line and the dry run's report name the same flag
 or file, and the dry run writes nothing into the directories it checks.
 
-Both are spawned as a user starts them, two cases at a time; every case's checkpoint is a copy
-(or a damaged copy) of one real checkpoint saved once for the module.
+Both run `pretrain_gpt2.main(argv)` as `python pretrain_gpt2.py argv` does (its own process, the
+case's directory as working directory, a user's environment, exit code, stdout and stderr apart),
+in a child forked from a process that has imported torch and the trainer once
+(tests/harness/distributed.run_main: no interpreter start-up per run), two cases at a time; every
+case's checkpoint is a copy (or a damaged copy) of one real checkpoint saved once for the module.
 """
 import json
 import os
@@ -25,6 +28,7 @@ import pytest
 from app.checkpoint import names
 from app.data import MMapIndexedDatasetBuilder
 from app.training.resilience.save_dir import LOCK_FILENAME
+from tests.harness.distributed import run_main
 from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import ROOT, env
 
@@ -34,11 +38,8 @@ SPAWN_TIMEOUT_S = 300
 
 
 def spawn(argv: List[str], cwd: Path) -> Tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `python pretrain_gpt2.py argv`."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *argv],
-                          capture_output=True, text=True, env=env(), cwd=cwd,
-                          timeout=SPAWN_TIMEOUT_S)
-    return proc.returncode, proc.stdout, proc.stderr
+    """(exit code, stdout, stderr) of `python pretrain_gpt2.py argv`, run in `cwd`."""
+    return run_main(argv, str(cwd), env(), timeout=SPAWN_TIMEOUT_S)
 
 
 def snapshot(directory: Path) -> Dict[str, Tuple[int, int]]:

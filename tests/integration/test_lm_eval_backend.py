@@ -13,6 +13,7 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tests.harness.tools import run_tool  # noqa: E402
 from tests.integration.conftest import tiny_gpt_args  # noqa: E402
 from tests.integration.launch_utils import ROOT, run  # noqa: E402
 
@@ -71,9 +72,10 @@ def evaluated(tiny_corpus, tmp_path_factory):
     from tests.integration.conftest import _stdlib_texts
     tmp = tmp_path_factory.mktemp("lm_eval")
     pretrain(tiny_gpt_args(tiny_corpus, tmp, *TRAIN, "--save", str(tmp / "ck")))
-    run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
-         "megatron", "--output-format", "hf", "--load", str(tmp / "ck"), "--save", str(tmp / "hf"),
-         "--vocab-file", tiny_corpus["vocab"], "--merge-file", tiny_corpus["merges"]], ROOT)
+    run_tool("convert_checkpoint", ["--input-format", "megatron", "--output-format", "hf",
+                                    "--load", str(tmp / "ck"), "--save", str(tmp / "hf"),
+                                    "--vocab-file", tiny_corpus["vocab"], "--merge-file",
+                                    tiny_corpus["merges"]])
     tasks = tmp / "tasks"
     tasks.mkdir()
     _write_tasks(tasks, _stdlib_texts(12)[4:])
@@ -168,10 +170,10 @@ def test_deepspeed_checkpoint_scores_like_its_export(zero2_dp2_run, evaluated, t
     """A DeepSpeed ZeRO-2 checkpoint is read through the converter's reader (fp32 masters) and
     scores what lm_eval's `hf` backend scores on its export."""
     c = evaluated["corpus"]
-    run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
-         "deepspeed", "--output-format", "hf", "--load", str(zero2_dp2_run / "ck"),
-         "--save", str(tmp_path / "hf"), "--vocab-file", c["vocab"], "--merge-file", c["merges"]],
-        ROOT)
+    run_tool("convert_checkpoint", ["--input-format", "deepspeed", "--output-format", "hf",
+                                    "--load", str(zero2_dp2_run / "ck"), "--save",
+                                    str(tmp_path / "hf"), "--vocab-file", c["vocab"],
+                                    "--merge-file", c["merges"]])
     ours = _evaluate("megatron_gpt2", f"load={zero2_dp2_run / 'ck'},vocab_file={c['vocab']},"
                      f"merge_file={c['merges']}", evaluated["tasks"])
     _assert_same_scores(ours, _evaluate("hf", f"pretrained={tmp_path / 'hf'},dtype=float32",

@@ -1,14 +1,14 @@
 """The exported Hugging Face directory describes itself: README.md names the architecture, the
 training data, the tokens seen (consumed samples x sequence length), the iterations, the final
 validation loss from the run's metrics file (or says it is unknown), and its example code runs."""
-import os
 import re
 import sys
 
 import pytest
 
+from tests.harness.tools import run_tool
 from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.integration.launch_utils import ROOT, run
+from tests.integration.launch_utils import run
 
 transformers = pytest.importorskip("transformers")
 
@@ -17,9 +17,9 @@ TRAIN = ["--train-iters", "8", "--log-interval", "4", "--eval-interval", "4", "-
 
 
 def _export(ck, out, corpus, *extra):
-    run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--input-format",
-         "megatron", "--output-format", "hf", "--load", str(ck), "--save", str(out),
-         "--vocab-file", corpus["vocab"], "--merge-file", corpus["merges"], *extra], ROOT)
+    run_tool("convert_checkpoint", ["--input-format", "megatron", "--output-format", "hf",
+                                    "--load", str(ck), "--save", str(out), "--vocab-file",
+                                    corpus["vocab"], "--merge-file", corpus["merges"], *extra])
     return (out / "README.md").read_text(encoding="utf-8")
 
 

@@ -4,10 +4,12 @@ tests/data/old_checkpoints holds checkpoints of iteration 2 of three 4-iteration
 native fp16 with its dynamic loss scale, DeepSpeed ZeRO-1), the tokenizer and data they trained
 on, their command lines (commands.json) and the train rows of iterations 3 and 4 of the runs
 that wrote them, uninterrupted (expected.json); make_fixtures.py shows how they were made. Each
-checkpoint is resumed here through the command line, as a user would, to iteration 4. Since
-the data order became Megatron Core's (docs/data.md), iterations 3 and 4 read other samples than
-the runs that wrote the checkpoints did: expected.json's rows are those of the resumed runs at
-that change (tests/data/old_checkpoints re-recorded by resuming each checkpoint once).
+checkpoint is resumed here through the command line, as a user would, to iteration 4
+(pretrain_gpt2.main in a child forked from a process that has imported the trainer:
+tests/harness/distributed.run_main). Since the data order became Megatron Core's (docs/data.md),
+iterations 3 and 4 read other samples than the runs that wrote the checkpoints did:
+expected.json's rows are those of the resumed runs at that change (tests/data/old_checkpoints
+re-recorded by resuming each checkpoint once).
 
 The numbers are bitwise equal in the environment they were recorded in (expected.json's
 "environment": torch version and CPU kernel family); elsewhere kernels may round differently, so
@@ -16,13 +18,13 @@ there they only have to agree to 1e-3 and the test still checks that every check
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
 from tests.integration.conftest import read_metrics
-from tests.integration.launch_utils import ROOT, run
+from tests.harness.distributed import run_main
+from tests.integration.launch_utils import ROOT, env
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "old_checkpoints")
 
@@ -67,6 +69,7 @@ def assert_like_recorded(name, metrics, exact_floats, rel=1e-3):
 def test_old_checkpoint_resumes_with_the_same_losses(name, tmp_path):
     ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
     shutil.copytree(os.path.join(FIXTURES, name), ck)
-    run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *command(name, tmp_path),
-         "--load", str(ck), "--metrics-file", str(metrics)], tmp_path)
+    code, out, err = run_main([*command(name, tmp_path), "--load", str(ck), "--metrics-file",
+                               str(metrics)], str(tmp_path), env())
+    assert code == 0, f"{name}: exited {code}\n{out[-3000:]}\n{err[-5000:]}"
     assert_like_recorded(name, metrics, exact_floats=same_environment())

@@ -122,12 +122,11 @@ def test_resume_tp2_pp2_is_exact(tiny_corpus, tmp_path):
     assert got == train_curve(straight)
 
     # loading that checkpoint with another layout fails with both sizes named
-    import subprocess, sys, os
-    from tests.integration.launch_utils import ROOT, env
-    other = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"),
-                            *tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--load", str(ck))],
-                           capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
-    assert other.returncode == 2, other.stderr[-2000:]
+    from tests.harness.distributed import run_main
+    from tests.integration.launch_utils import env
+    code, _, err = run_main(tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--load", str(ck)),
+                            str(tmp_path), env())  # as `python pretrain_gpt2.py ...`
+    assert code == 2, err[-2000:]
     assert ("saved with tensor-parallel size 2 and pipeline-parallel size 2; this run uses 1 "
-            "and 1") in other.stderr, other.stderr
-    assert "tools/convert_checkpoint.py" in other.stderr, other.stderr
+            "and 1") in err, err
+    assert "tools/convert_checkpoint.py" in err, err

@@ -2,12 +2,11 @@
 loss scale, checkpoints that Megatron's tools read with fp32 main weights inside, loading across
 precisions, and a diverged run that stops with exit code 3 and no checkpoint of its NaN state."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.harness.distributed import run_main
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 from tests.unit.test_checkpoint import megatron_reader
 
@@ -112,12 +111,11 @@ def test_diverged_run_stops_with_exit_3_and_no_checkpoint_of_its_nan_state(tiny_
                          "--max-consecutive-skipped-iterations", "3",
                          "--metrics-file", str(tmp_path / "m.jsonl"))
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "3 consecutive iterations with non-finite" in proc.stderr
+    code, _, err = run_main(args, str(tmp_path), env)  # as `python pretrain_gpt2.py args`
+    assert code == 3, err[-3000:]
+    assert "3 consecutive iterations with non-finite" in err
     import re
-    stopped = int(re.search(r"iteration (\d+): 3 consecutive", proc.stderr).group(1))
+    stopped = int(re.search(r"iteration (\d+): 3 consecutive", err).group(1))
     rows = [r for r in read_metrics(tmp_path / "m.jsonl") if r["kind"] == "train"]
     assert rows[-1]["iteration"] == stopped - 1  # the stopping iteration logs nothing more
     assert sum(r["skipped_iterations"] for r in rows) == 2 and rows[-1]["lm_loss"] is None

@@ -4,14 +4,16 @@ tools/convert_checkpoint.py, resume on the native path through the command line 
 losses, grad norms, loss scales and LRs the runs that wrote them recorded for iterations 3 and 4
 (expected.json: bitwise in the environment it was recorded in, else within 1e-3, as
 test_old_checkpoints.py). --dry-run names the format and the layout the resume reads, and reads
-the saved state as a resume would.
+the saved state as a resume would. The converter runs as a command; pretrain_gpt2.py's runs in a
+child forked from a process that has imported the trainer (tests/harness/distributed.run_main).
 """
 import os
 import sys
 
 import pytest
 
-from tests.integration.launch_utils import ROOT, run
+from tests.harness.distributed import run_main
+from tests.integration.launch_utils import ROOT, env, run
 from tests.integration.test_old_checkpoints import (COMMANDS, FIXTURES, assert_like_recorded,
                                                     command, same_environment)
 
@@ -38,13 +40,13 @@ def test_old_checkpoint_converted_to_torch_dist_resumes_with_the_same_losses(nam
         ".metadata", "__0_0.distcp", "common.pt", "integrity.json", "metadata.json"]
     args = native_command(name, tmp_path) + ["--load", str(converted)]
     if name == "native_fp16":
-        report = run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *args,
-                      "--dry-run"], tmp_path).stdout
+        code, report, err = run_main([*args, "--dry-run"], str(tmp_path), env())
+        assert code == 0, report[-3000:] + err[-3000:]
         assert ("torch_dist layout saved at tensor-parallel size 1, pipeline-parallel size 1"
                 in report and "resharded to this run's tensor-parallel size 1" in report
                 and "records no data order" in report), report  # the saved state was read
-    run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *args,
-         "--metrics-file", str(metrics)], tmp_path)
+    code, out, err = run_main([*args, "--metrics-file", str(metrics)], str(tmp_path), env())
+    assert code == 0, out[-3000:] + err[-5000:]
     # DeepSpeed's own AdamW and norm round apart from ours in the last bits: exact only for a
     # Megatron source in the recording environment
     assert_like_recorded(name, metrics, same_environment() and SOURCES[name] == "megatron",

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-
+from tests.harness.distributed import run_main
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,9 +66,19 @@ def test_loss_falls_and_logs_are_written(tiny_corpus, tmp_path):
 
 
 def _cli(argv, tmp_path):
+    """`python pretrain_gpt2.py argv` (the first command of the test below; the others run
+    `_forked`)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *argv],
                           capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+
+
+def _forked(argv, tmp_path):
+    """`_cli` in a child forked from a process that has imported the trainer (run_main): the
+    same exit code and output without an interpreter start-up."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    code, out, err = run_main(argv, str(tmp_path), env)
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def test_cli_errors_exit_nonzero_with_clear_messages(tiny_corpus, tmp_path):
@@ -79,23 +89,23 @@ def test_cli_errors_exit_nonzero_with_clear_messages(tiny_corpus, tmp_path):
     assert "global" in bad.stderr and "3" in bad.stderr and "Traceback" not in bad.stderr
 
     ck = tmp_path / "ck"
-    ok = _cli(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--save", str(ck)), tmp_path)
+    ok = _forked(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--save", str(ck)), tmp_path)
     assert ok.returncode == 0, ok.stderr
     wide = tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(ck))
     wide[wide.index("--hidden-size") + 1] = "128"
-    mismatch = _cli(wide, tmp_path)
+    mismatch = _forked(wide, tmp_path)
     assert mismatch.returncode == 2 and "hidden_size" in mismatch.stderr, mismatch.stderr
 
     (ck / "latest_checkpointed_iteration.txt").write_text("abc")
-    garbled = _cli(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(ck)), tmp_path)
+    garbled = _forked(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(ck)), tmp_path)
     assert garbled.returncode == 2 and "latest_checkpointed_iteration.txt" in garbled.stderr
 
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty --load is a mistyped path, unless it is also --save (resume-or-start)
-    typo = _cli(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(empty)), tmp_path)
+    typo = _forked(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(empty)), tmp_path)
     assert typo.returncode == 2 and "holds no checkpoint" in typo.stderr, typo.stderr
-    fresh = _cli(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(empty), "--save",
-                               str(empty)), tmp_path)
+    fresh = _forked(tiny_gpt_args(tiny_corpus, tmp_path, *base, "--load", str(empty), "--save",
+                                  str(empty)), tmp_path)
     assert fresh.returncode == 0 and "starting from iteration 0" in fresh.stdout
 
 
