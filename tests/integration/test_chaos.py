@@ -1,15 +1,19 @@
 """Chaos: a job whose ranks are SIGKILLed at random moments, restarted each time with --load equal
 to --save, ends exactly where an uninterrupted run ends.
 
-One `torchrun --max-restarts K` per configuration runs tests/integration/chaos_child.py, which
-kills one random rank per attempt: in the forward pass of a random iteration, or while it
-writes a checkpoint file (with --async-save in the thread writing in the background). After K
-kills the job must finish with exit 0, its final checkpoint must hold the uninterrupted run's
-tensors bit for bit, and the last logged loss and grad norm of every iteration must equal the
+Each configuration runs KILLS + 1 attempts of tests/integration/chaos_child.py, which kills one
+random rank per attempt: in the forward pass of a random iteration, or while it writes a
+checkpoint file (with --async-save in the thread writing in the background). After KILLS kills
+the job must finish with exit 0, its final checkpoint must hold the uninterrupted run's tensors
+bit for bit, and the last logged loss and grad norm of every iteration must equal the
 uninterrupted run's. Native TP 2 and DeepSpeed ZeRO-2 DP 2 with synchronous saves, native TP 2
 with --ckpt-format torch_dist and --async-save, and ZeRO-3 DP 2 with --async-save (CASES),
-against one uninterrupted (synchronous) run per engine. The seed of the kill
-plan is printed and in every failure message; set CHAOS_SEED to replay one.
+against one uninterrupted (synchronous) run per engine on forked ranks. One case per engine
+(the asynchronous ones) is restarted by a real `torchrun --max-restarts KILLS`, whose SIGTERM
+reaches the surviving rank; the other restarts the job itself on forked ranks
+(tests.harness.distributed.run_pretrain), each attempt ending by its planned kill, without a
+launcher and fresh interpreters for every attempt. The seed of the kill plan is printed and in
+every failure message; set CHAOS_SEED to replay one.
 
 Local checkpoints (app.training.resilience.local_checkpoints), against one uninterrupted
 native DP 2 run shared by both cases: a rank SIGKILLed after iteration 7 (a real torchrun
@@ -18,6 +22,7 @@ stopped after iteration 7 whose rank_1 folder is then deleted resumes from itera
 rank 1's state from rank 0's replica (in-process gloo ranks: the launcher is not the point).
 Both end bit-identical to the uninterrupted run.
 """
+import functools
 import glob
 import json
 import os
@@ -26,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -35,8 +41,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from app.checkpoint.deepspeed import load_deepspeed_file
 from app.checkpoint.files import safe_torch_load
 from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.harness.distributed import run_pretrain
-from tests.integration.launch_utils import ROOT, env, torchrun
+from tests.harness.distributed import DistributedTestError, run_pretrain
+from tests.integration import chaos_child
+from tests.integration.launch_utils import ROOT, env
 from tests.integration.test_restarts import tensors
 
 CHILD = os.path.join(ROOT, "tests", "integration", "chaos_child.py")
@@ -54,19 +61,19 @@ ENGINES = {
     "native_tp2_torch_dist": ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"],
     "native_dp2": [],
 }
-IN_PROCESS = ("native_dp2",)
-"""References run on in-process gloo ranks (tests.harness.distributed.run_pretrain), cheaper
-than a torchrun job: the launcher is not what they are for."""
 HANG_S = 540
 """A job still running after this long hangs: four attempts of a DeepSpeed job take a few
 minutes on two cores shared with another suite (300 s was not enough under load); below the
 suite's 600 s per-test limit, so this message, with the log, is what a hang reports."""
-CASES = [("native_tp2", False), ("zero2_dp2", False), ("native_tp2_torch_dist", True),
-         ("zero3_dp2", True)]
+CASES = [("native_tp2", False, "forked"), ("zero2_dp2", False, "forked"),
+         ("native_tp2_torch_dist", True, "torchrun"), ("zero3_dp2", True, "torchrun")]
 """Each engine once with synchronous saves (the default) and once with --async-save: the native
 asynchronous case in the torch_dist format (its background write and the metadata published
 after it), DeepSpeed's with ZeRO-3 (written as ZeRO-2's files are, plus the host copies). The
-legacy format's background write SIGKILLed at each stage: tests/unit/test_checkpoint_async.py."""
+legacy format's background write SIGKILLed at each stage: tests/unit/test_checkpoint_async.py.
+The asynchronous cases run under torchrun (a survivor's SIGTERM while its background write may
+still be going); torchrun restarts of synchronous native TP 2 jobs, legacy and torch_dist, are
+also in tests/integration/test_restarts.py."""
 
 
 def kill_plan(rng):
@@ -120,10 +127,7 @@ def uninterrupted(tiny_corpus, tmp_path_factory):
             tmp = tmp_path_factory.mktemp(f"straight_{engine}")
             args = tiny_gpt_args(tiny_corpus, tmp, *RUN, *ENGINES[engine], "--save",
                                  str(tmp / "ck"), "--metrics-file", str(tmp / "m.jsonl"))
-            if engine in IN_PROCESS:
-                run_pretrain(2, args)
-            else:
-                torchrun(2, args, tmp)
+            run_pretrain(2, args, timeout=HANG_S)
             runs[engine] = (str(tmp / "ck"), tmp / "m.jsonl")
         return runs[engine]
     return run
@@ -152,20 +156,41 @@ def run_with_kills(args, cwd, plan, seed):
     return log
 
 
-@pytest.mark.parametrize("engine,asynchronous", CASES,
-                         ids=[f"{e}-{'async' if a else 'sync'}_save" for e, a in CASES])
+def run_forked_with_kills(args, cwd, plan, seed):
+    """run_with_kills on forked ranks (run_pretrain) restarted by this test instead of torchrun:
+    attempt a (0 first) arms plan[a] (chaos_child.arm_attempt); each of the KILLS planned
+    attempts must end by its kill and nothing else, the one after them must finish."""
+    what = f"seed {seed}, plan {plan}"
+    deadline = time.monotonic() + HANG_S
+    for attempt in range(KILLS + 1):
+        fired = cwd / f"killed_in_attempt_{attempt}"
+        setup = functools.partial(chaos_child.arm_attempt, plan, attempt, str(fired))
+        try:
+            run_pretrain(2, args, timeout=max(1.0, deadline - time.monotonic()), setup=setup)
+        except (DistributedTestError, TimeoutError) as err:
+            assert attempt < KILLS and fired.exists(), \
+                f"{what}: attempt {attempt} failed, not by its planned kill:\n{str(err)[-6000:]}"
+        else:
+            assert attempt == KILLS, f"{what}: attempt {attempt} ended without its kill"
+
+
+@pytest.mark.parametrize("engine,asynchronous,launcher", CASES,
+                         ids=[f"{e}-{'async' if a else 'sync'}_save" for e, a, _ in CASES])
 def test_random_kills_and_restarts_end_like_an_uninterrupted_run(tiny_corpus, tmp_path,
                                                                  uninterrupted, engine,
-                                                                 asynchronous):
+                                                                 asynchronous, launcher):
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(2**31))
     plan = kill_plan(random.Random(seed))
     what = f"seed {seed}, plan {plan}"
-    print(f"chaos {engine} async={asynchronous}: {what}")
+    print(f"chaos {engine} async={asynchronous} ({launcher}): {what}")
     ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
     args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, *ENGINES[engine], "--save", ck,
                          "--load", ck, "--metrics-file", str(metrics),
                          *(["--async-save"] if asynchronous else []))
-    run_with_kills(args, tmp_path, plan, seed)
+    if launcher == "torchrun":
+        run_with_kills(args, tmp_path, plan, seed)
+    else:
+        run_forked_with_kills(args, tmp_path, plan, seed)
     want_dir, want_metrics = uninterrupted(engine)
     got, want = last_logged(metrics), last_logged(want_metrics)
     assert sorted(got) == list(range(1, TRAIN_ITERS + 1)), f"{what}: logged {sorted(got)}"

@@ -6,6 +6,7 @@ own test; the others train through pretrain_gpt2 in forked ranks
 (tests.harness.distributed.run_pretrain), and error exits run the command line (torchrun, or
 `pretrain_gpt2.py` in a forked child: tests.harness.distributed.run_main)."""
 import os
+import runpy
 import subprocess
 import sys
 
@@ -135,9 +136,12 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, z
     assert "DP world size" not in tp2.stderr + tp2.stdout
 
     # DeepSpeed's own zero_to_fp32 on our checkpoint == the module weights it saved
-    out = tmp_path / "fp32"
-    run([sys.executable, str(ck / "zero_to_fp32.py"), str(ck), str(out), "--tag", "iter_0000006"],
-        tmp_path)
+    out = tmp_path / "fp32"  # its command line, run in this process (no fresh interpreter)
+    argv, sys.argv = sys.argv, ["zero_to_fp32.py", str(ck), str(out), "--tag", "iter_0000006"]
+    try:
+        runpy.run_path(str(ck / "zero_to_fp32.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
     from safetensors.torch import load_file  # zero_to_fp32 writes safetensors shards by default
     fp32 = {}
     for name in os.listdir(out):

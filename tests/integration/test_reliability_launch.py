@@ -22,7 +22,7 @@ import time
 import psutil
 import pytest
 
-from tests.harness.distributed import run_pretrain
+from tests.harness.distributed import run_main, run_pretrain
 from tests.integration.conftest import tiny_gpt_args
 from tests.integration.launch_utils import BIN, ROOT, env, log_of, train_curve, wait_for_iteration
 
@@ -90,16 +90,14 @@ def deepspeed_cmd(nproc, args):
 
 
 def run_chain(tmp_path, launch, args, *, signal_to, kill_rank):
-    """Uninterrupted run (two forked ranks: its losses are the reference, its launcher does not
-    matter); launched: a run stopped by SIGTERM at a random iteration k (`signal_to` picks
-    the process); a resumed run saving every 3 iterations whose rank `kill_rank` gets kill -9;
-    a last run resuming from the surviving checkpoint to the end. Checks exit codes, the
-    checkpoints and that every logged loss equals the uninterrupted run's."""
+    """Launched: a run stopped by SIGTERM at a random iteration k (`signal_to` picks the
+    process); a resumed run saving every 3 iterations whose rank `kill_rank` gets kill -9. Then
+    on forked ranks (their launcher does not matter): a last run resuming from the surviving
+    checkpoint to 3 iterations past the killed run's last, and the uninterrupted run, to the
+    same iteration (--exit-interval: the flags, and so every number, are the others'). Checks
+    exit codes, the checkpoints and that every logged loss equals the uninterrupted run's."""
     ck = str(tmp_path / "ck")
     metrics = {name: str(tmp_path / f"{name}.jsonl") for name in ("straight", "a", "b", "c")}
-    run_pretrain(2, [*args, "--metrics-file", metrics["straight"]])
-    want = curve(metrics["straight"])
-
     resumable = [*args, "--save", ck, "--load", ck]
     a = start(launch([*resumable, "--metrics-file", metrics["a"]]), str(tmp_path / "a.log"))
     k = random.randint(3, 10)
@@ -112,7 +110,6 @@ def run_chain(tmp_path, launch, args, *, signal_to, kill_rank):
     stopped = max(curve(metrics["a"]))
     assert tracker(ck) == stopped, log_of(a, 4000)
     assert "exiting after SIGTERM: saved the checkpoint of iteration" in log_of(a, 20000)
-    assert_same_losses(curve(metrics["a"]), want, "run stopped by SIGTERM")
 
     b = start(launch([*resumable, "--save-interval", "3", "--metrics-file", metrics["b"]]),
               str(tmp_path / "b.log"))
@@ -123,13 +120,17 @@ def run_chain(tmp_path, launch, args, *, signal_to, kill_rank):
     assert failed != 0 and time.time() - t0 < 60, (failed, time.time() - t0, log_of(b, 4000))
     survivor = tracker(ck)
     assert survivor > stopped and survivor % 3 == 0, (stopped, survivor)
-    assert_same_losses(curve(metrics["b"]), want, "run killed by kill -9")
 
-    c = start(launch([*resumable, "--save-interval", "3", "--metrics-file", metrics["c"]]),
-              str(tmp_path / "c.log"))
-    assert finish(c) == 0, log_of(c, 4000)
-    assert f"resuming at iteration {survivor}" in log_of(c, 100000)
+    end = ["--exit-interval", str(max(curve(metrics["b"])) + 3)]
+    logs = run_pretrain(2, [*resumable, "--save-interval", "3", *end,
+                            "--metrics-file", metrics["c"]])
+    assert f"resuming at iteration {survivor}" in logs[0], logs[0][-4000:]
+    run_pretrain(2, [*args, *end, "--metrics-file", metrics["straight"]])
+    want = curve(metrics["straight"])
+    assert_same_losses(curve(metrics["a"]), want, "run stopped by SIGTERM")
+    assert_same_losses(curve(metrics["b"]), want, "run killed by kill -9")
     assert min(curve(metrics["c"])) == survivor + 1
+    assert max(curve(metrics["c"])) == max(want), (max(curve(metrics["c"])), max(want))
     assert_same_losses(curve(metrics["c"]), want, "run resumed after kill -9")
     return code, a
 
@@ -147,13 +148,13 @@ def test_native_one_process_sigterm_and_the_writer_lock(tiny_corpus, tmp_path):
     wait_for_iteration(first, random.randint(3, 12), proc)
     proc.send_signal(signal.SIGSTOP)  # frozen while holding the lock: k is now fixed
     try:
-        second = subprocess.run([sys.executable, SCRIPT, *args, "--save", ck, "--load", ck],
-                                capture_output=True, text=True, env=env(), timeout=300)
+        # as `python pretrain_gpt2.py ...`, in a forked child (run_main)
+        code, _, err = run_main([*args, "--save", ck, "--load", ck], str(tmp_path), env())
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGCONT)
-    assert second.returncode == 2, second.stderr[-3000:]
-    assert "in use by another run: host" in second.stderr and f"pid {proc.pid}" in second.stderr
+    assert code == 2, err[-3000:]
+    assert "in use by another run: host" in err and f"pid {proc.pid}" in err
     assert finish(proc) == 0, log_of(proc, 4000)
     k = max(curve(first))
     assert tracker(ck) == k
