@@ -35,8 +35,19 @@ def _kill_once(first_sample, loss):
     if (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             and first_sample == int(os.environ["KILL_AT_SAMPLE"])
             and os.environ.get("RANK", "0") == os.environ["KILL_RANK"]):
+        if os.environ.get("KILL_FIRED"):  # a file the test checks: the kill, no other failure
+            open(os.environ["KILL_FIRED"], "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     return loss
+
+
+def arm(environ: dict, rank: int) -> None:
+    """tests.harness.distributed.run_pretrain's `setup` for the first attempt of a job that its
+    test restarts itself (forked ranks, no torchrun): this rank takes the variables above from
+    `environ` (and $KILL_FIRED, a file created just before the kill) and arms the kill."""
+    del rank  # _kill_once reads RANK, which run_pretrain sets as a launcher does
+    os.environ.update(environ)
+    faults.arm(faults.TRAINING_LOSS, _kill_once)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ launcher and fresh interpreters for every attempt. The seed of the kill plan is 
 every failure message; set CHAOS_SEED to replay one.
 
 Local checkpoints (app.training.resilience.local_checkpoints), against one uninterrupted
-native DP 2 run shared by both cases: a rank SIGKILLed after iteration 7 (a real torchrun
-restart) resumes from the local iteration 6, not the persistent 5; with --replication, a job
-stopped after iteration 7 whose rank_1 folder is then deleted resumes from iteration 6 with
-rank 1's state from rank 0's replica (in-process gloo ranks: the launcher is not the point).
+native DP 2 run shared by both cases, on forked gloo ranks (the launcher is not the point): a
+rank SIGKILLed after iteration 7, the job restarted, resumes from the local iteration 6, not
+the persistent 5; with --replication, a job stopped after iteration 7 whose rank_1 folder is
+then deleted resumes from iteration 6 with rank 1's state from rank 0's replica.
 Both end bit-identical to the uninterrupted run.
 """
 import functools
@@ -42,7 +42,7 @@ from app.checkpoint.deepspeed import load_deepspeed_file
 from app.checkpoint.files import safe_torch_load
 from tests.integration.conftest import read_metrics, tiny_gpt_args
 from tests.harness.distributed import DistributedTestError, run_pretrain
-from tests.integration import chaos_child
+from tests.integration import chaos_child, kill_once
 from tests.integration.launch_utils import ROOT, env
 from tests.integration.test_restarts import tensors
 
@@ -202,7 +202,6 @@ def test_random_kills_and_restarts_end_like_an_uninterrupted_run(tiny_corpus, tm
         assert tensor.equal(got_t[name]), f"{what}: final checkpoint {name} differs"
 
 
-KILL_ONCE = os.path.join(ROOT, "tests", "integration", "kill_once.py")
 LOCAL_EVERY, PERSISTENT_EVERY, KILLED_AFTER = 2, 5, 7
 """Local checkpoints every 2 iterations, persistent ones every 5: a job stopped after
 iteration 7 resumes from the local checkpoint of iteration 6, not the persistent one of 5."""
@@ -230,8 +229,8 @@ def assert_like_uninterrupted(ck, metrics, uninterrupted, what):
 
 def test_killed_after_iteration_7_resumes_from_its_local_checkpoint_of_6(
         tiny_corpus, tmp_path, uninterrupted):
-    """DP 2, local checkpoints every 2 iterations: rank 1 SIGKILLed in iteration 8, torchrun
-    restarts the job, which resumes from the local iteration 6 (not the persistent 5) and ends
+    """DP 2, local checkpoints every 2 iterations: rank 1 SIGKILLed in iteration 8, the test
+    restarts the job (forked ranks, run_pretrain: the launcher is not the point), which resumes from the local iteration 6 (not the persistent 5) and ends
     bit-identical to an uninterrupted run. The local save of 6 is written in the background
     and committed at the end of the first iteration after which every rank's write is over:
     under load that can be after iteration 7, when the kill finds it uncommitted and the
@@ -241,17 +240,15 @@ def test_killed_after_iteration_7_resumes_from_its_local_checkpoint_of_6(
     args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, "--save", ck, "--load", ck,
                          "--save-interval", str(PERSISTENT_EVERY), "--metrics-file", str(metrics),
                          *local_args(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--max-restarts=1", KILL_ONCE, *args]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=dict(env(), KILL_RANK="1",
-                                   KILL_AT_SAMPLE=str(KILLED_AFTER * GLOBAL_BATCH),
-                                   WAIT_AT_SAMPLE=str((KILLED_AFTER - 1) * GLOBAL_BATCH),
-                                   WAIT_FOR_FILE=str(tmp_path / "local" / "rank_{rank}" /
-                                                     "iter_0000006" / "state_rank_0000{rank}.pt")),
-                          cwd=tmp_path, timeout=HANG_S)
-    log = proc.stdout
-    assert proc.returncode == 0, log[-6000:]
+    fired = tmp_path / "killed"
+    kill = dict(KILL_RANK="1", KILL_AT_SAMPLE=str(KILLED_AFTER * GLOBAL_BATCH),
+                WAIT_AT_SAMPLE=str((KILLED_AFTER - 1) * GLOBAL_BATCH),
+                WAIT_FOR_FILE=str(tmp_path / "local" / "rank_{rank}" / "iter_0000006" /
+                                  "state_rank_0000{rank}.pt"), KILL_FIRED=str(fired))
+    with pytest.raises(DistributedTestError) as failed:  # the first attempt
+        run_pretrain(2, args, timeout=HANG_S, setup=functools.partial(kill_once.arm, kill))
+    assert fired.exists(), f"the first attempt failed, not by its kill:\n{str(failed.value)[-6000:]}"
+    log = run_pretrain(2, args, timeout=HANG_S)[0]  # the restart
     assert "resuming from the local checkpoint of iteration 6" in log, log[-6000:]
     assert "persistent checkpoint of iteration 5" in log, log[-6000:]
     assert_like_uninterrupted(ck, metrics, uninterrupted, "killed after 7")
