@@ -33,7 +33,7 @@ import sys
 import threading
 import traceback
 import types
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from tests.harness.distributed import _context
 
@@ -52,12 +52,20 @@ if [ "$rc" = fallback ]; then exec "$real" "$@"; fi
 exit "${{rc:-1}}"
 """
 
+LAUNCHER = """#!/bin/bash
+# {name} ARGS: this environment's {name} run by the forked python; its ranks forked too
+export FORKED_PYTHON_EXECUTABLE={python}
+exec {python} {real} "$@"
+"""
+
 
 def _argv_of(args: List[str]) -> Optional[List[str]]:
-    """The command line `python args` would run as forked here, or None (the real one runs)."""
+    """The command line `python args` would run as forked here, less a leading -u (unbuffered
+    output, as a launcher starts its ranks), or None (the real interpreter runs it)."""
+    args = args[1:] if args[:1] == ["-u"] else args
     if len(args) >= 2 and args[0] in ("-m", "-c"):
         return args
-    if args and args[0].endswith(".py") and not args[0].startswith("-"):
+    if args and not args[0].startswith("-"):
         return args
     return None
 
@@ -90,9 +98,11 @@ def _run_as_main(args: List[str], cwd: str) -> None:
         runpy.run_path(os.path.abspath(args[0]), run_name="__main__")
 
 
-def _python_in_child(args: List[str], cwd: str, environ: Dict[str, str], pid: int) -> None:
-    """Child side: as `python args` started by process `pid` (its output, directory and
-    environment); exits with the interpreter's code (2 for a usage error, 1 and the traceback
+def _python_in_child(args: List[str], cwd: str, environ: Dict[str, str], pid: int,
+                     unbuffered: bool = False) -> None:
+    """Child side: as `python args` (`python -u args` if `unbuffered`) started by process `pid`
+    (its output, directory and environment; sys.executable:  when set,
+    so that a launcher run here starts its ranks the same way); exits with the interpreter's code (2 for a usage error, 1 and the traceback
     for an exception)."""
     for fd in (1, 2):
         target = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
@@ -101,7 +111,8 @@ def _python_in_child(args: List[str], cwd: str, environ: Dict[str, str], pid: in
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
-    unbuffered = bool(environ.get("PYTHONUNBUFFERED"))
+    unbuffered = unbuffered or bool(environ.get("PYTHONUNBUFFERED"))
+    sys.executable = environ.get("FORKED_PYTHON_EXECUTABLE", sys.executable)
     sys.stdout = sys.__stdout__ = _text_stream(1, unbuffered, error=False)
     sys.stderr = sys.__stderr__ = _text_stream(2, unbuffered, error=True)
     if environ.get("OMP_NUM_THREADS", "").isdigit():  # torch read it when the forkserver began
@@ -146,11 +157,12 @@ class _Handler(socketserver.BaseRequestHandler):
                 os.close(os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND))
         except OSError:
             args = []
-        if _argv_of(args) is None:
+        run = _argv_of(args)
+        if run is None:
             self.request.sendall(b"fallback\n")
             return
         proc = _context().Process(target=_python_in_child, name="python",
-                                  args=(args, cwd, environ, pid))
+                                  args=(run, cwd, environ, pid, run is not args))
         proc.start()
         while proc.is_alive():
             proc.join(0.1)
@@ -178,8 +190,12 @@ class _Handler(socketserver.BaseRequestHandler):
 class ForkedPython:
     """The `python` script in `folder` and its server, for the length of a `with` block."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, launchers: Tuple[str, ...] = ()) -> None:
+        """`launchers`: console scripts of this environment ("deepspeed") that get a command
+        in `folder` too, run by the forked python, whose ranks (started through
+        sys.executable) are forked as well."""
         self.folder = str(folder)
+        self.launchers = launchers
         self.python = os.path.join(self.folder, "python")
         self._server: Optional[socketserver.ThreadingTCPServer] = None
 
@@ -194,6 +210,13 @@ class ForkedPython:
             f.write(SHIM.format(real=shlex.quote(sys.executable),
                                 port=self._server.server_address[1]))
         os.chmod(self.python, 0o755)
+        for name in self.launchers:
+            path = os.path.join(self.folder, name)
+            with open(path, "w") as f:
+                real = os.path.join(os.path.dirname(sys.executable), name)
+                f.write(LAUNCHER.format(name=name, python=shlex.quote(self.python),
+                                        real=shlex.quote(real)))
+            os.chmod(path, 0o755)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -35,8 +35,8 @@ def _check(*args, timeout=900):
 def python(tmp_path_factory):
     """The --python of the dry runs: its script runs (pretrain_gpt2.py, bench/, tools/) forked
     from the session's forkserver rather than new interpreters (tests/harness/forked_python.py);
-    the DeepSpeed launcher's ranks start as on a GPU machine."""
-    with ForkedPython(tmp_path_factory.mktemp("python")) as forked:
+    `deepspeed` too: its launcher's code runs, and starts its ranks through the forked python."""
+    with ForkedPython(tmp_path_factory.mktemp("python"), launchers=("deepspeed",)) as forked:
         yield forked.python
 
 
