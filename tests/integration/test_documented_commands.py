@@ -23,6 +23,9 @@ iterations; the model keeps its shape, so the documents' flags fit its checkpoin
 corpus its size, so the documents' resumes to 1000 iterations stay within one epoch of the
 training and validation data and keep the data order), with the Hugging Face Hub unreachable
 (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1): this is also the quickstart's end-to-end test.
+The documents' `python` commands (a script, -m or -c) run in children forked from the
+session's forkserver with the same arguments, directory, environment and output
+(tests/harness/forked_python.py), not in new interpreters that import torch again.
 """
 import os
 import re
@@ -37,6 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+from tests.harness.forked_python import ForkedPython
 from tests.integration.launch_utils import LAUNCH_VARIABLES, ROOT
 
 DOCUMENTS = ["README.md"] + sorted(os.path.join("docs", name)
@@ -272,11 +276,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _environment() -> Dict[str, str]:
-    """A user's shell: this virtualenv first on PATH, nothing of this test process's launch
-    or import settings, one thread, and no Hugging Face Hub."""
+def _environment(forked: Optional[ForkedPython] = None) -> Dict[str, str]:
+    """A user's shell: this virtualenv first on PATH (after `forked`'s python, when given),
+    nothing of this test process's launch or import settings, one thread, and no Hugging Face
+    Hub."""
     e = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARIABLES, "PYTHONPATH")}
-    e.update(PATH=os.path.dirname(sys.executable) + os.pathsep + e.get("PATH", ""),
+    path = os.path.dirname(sys.executable) + os.pathsep + e.get("PATH", "")
+    e.update(PATH=forked.folder + os.pathsep + path if forked else path,
              OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
              HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
              PET_MASTER_PORT=str(_free_port()), MASTER_PORT=str(_free_port()))
@@ -333,18 +339,20 @@ def _runnable(document: str) -> List[Block]:
 RUNNABLE = [d for d in DOCUMENTS if _runnable(d)]
 
 
-def _run_document(document: str, quickstart, work) -> Optional[str]:
+def _run_document(document: str, quickstart, work, forked: ForkedPython) -> Optional[str]:
     """Run the runnable blocks of `document` in one bash session in a fresh sandbox under
-    `work`; None when every command succeeded, else what failed: the file and line of the
-    block, the commands it ran and the tail of their output."""
+    `work`, its `python` commands forked by `forked` (tests/harness/forked_python.py); None
+    when every command succeeded, else what failed: the file and line of the block, the
+    commands it ran and the tail of their output."""
     blocks = _runnable(document)
     os.makedirs(work)
     sandbox = _sandbox(quickstart, os.path.join(work, "sandbox"))
     script = os.path.join(work, "session.sh")
     with open(script, "w", encoding="utf-8") as f:
         f.write(_session_script(blocks))
-    proc = subprocess.run(["bash", script], cwd=sandbox, env=_environment(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    proc = subprocess.run(["bash", script], cwd=sandbox, env=_environment(forked),
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900)
     if proc.returncode == 0:
         return None
     ran = proc.stdout.split(BLOCK_BANNER)
@@ -360,13 +368,15 @@ def _run_document(document: str, quickstart, work) -> Optional[str]:
 @pytest.fixture(scope="session")
 def document_runs(quickstart, tmp_path_factory, request):
     """{document: future of `_run_document`} for the documents this session selected, two at a
-    time (each is a chain of short processes: two keep both cores busy)."""
+    time (each is a chain of short processes: two keep both cores busy), their `python`
+    commands forked from this session's forkserver instead of new interpreters."""
     selected = [d for d in RUNNABLE
                 if any(f"test_documented_commands_run[{d}]" in item.nodeid
                        for item in request.session.items)]
     work = tmp_path_factory.mktemp("documents")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {d: pool.submit(_run_document, d, quickstart, str(work / d.replace("/", "_")))
+    with ForkedPython(work / "bin") as forked, ThreadPoolExecutor(max_workers=2) as pool:
+        yield {d: pool.submit(_run_document, d, quickstart, str(work / d.replace("/", "_")),
+                              forked)
                for d in selected}
 
 

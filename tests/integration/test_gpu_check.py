@@ -9,6 +9,10 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
+from tests.harness.forked_python import ForkedPython
+
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = ["setup", "build_kernels", "nanogpt_124M", "train_124M_bf16", "bench_kernels_bf16",
          "bench_kernels_fp16", "bench_train_124M", "train_350M_bf16", "train_124M_fp16",
@@ -22,8 +26,18 @@ SKIPPED = ["setup", "build_kernels", "bench_kernels_fp16", "fp32_gpu"]
 
 def _check(*args, timeout=900):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # deepspeed
     return subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
+                          stdin=subprocess.DEVNULL, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """The --python of the dry runs: its script runs (pretrain_gpt2.py, bench/, tools/) forked
+    from the session's forkserver rather than new interpreters (tests/harness/forked_python.py);
+    `deepspeed` too: its launcher's code runs, and starts its ranks through the forked python."""
+    with ForkedPython(tmp_path_factory.mktemp("python"), launchers=("deepspeed",)) as forked:
+        yield forked.python
 
 
 def test_the_plan_fits_eight_minutes_in_the_order_of_value():
@@ -35,9 +49,9 @@ def test_the_plan_fits_eight_minutes_in_the_order_of_value():
     assert sum(int(r[2]) for r in rows if r[2] != "bg") == 480
 
 
-def test_a_step_whose_time_is_gone_is_skipped(tmp_path):
+def test_a_step_whose_time_is_gone_is_skipped(tmp_path, python):
     proc = _check("--cpu-dry-run", "--budget", "2", "--steps", "fp32_cpu", "--out",
-                  str(tmp_path), "--python", sys.executable)
+                  str(tmp_path), "--python", python)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = json.loads((tmp_path / "report.json").read_text())["steps"]
     assert list(steps) == ["setup", "fp32_cpu"]
@@ -45,9 +59,9 @@ def test_a_step_whose_time_is_gone_is_skipped(tmp_path):
     assert steps["fp32_cpu"]["reason"].startswith("budget spent")
 
 
-def test_cpu_dry_run_writes_the_whole_report(tmp_path):
+def test_cpu_dry_run_writes_the_whole_report(tmp_path, python):
     out, published = tmp_path / "check", tmp_path / "published"
-    proc = _check("--cpu-dry-run", "--out", str(out), "--python", sys.executable, "--publish",
+    proc = _check("--cpu-dry-run", "--out", str(out), "--python", python, "--publish",
                   str(published))
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     assert "GPU check plan: budget 480 s" in proc.stdout  # the dry run prints the plan
