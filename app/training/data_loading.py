@@ -16,7 +16,8 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
-from app.config import DataConfig
+from app.config import DataConfig, RunConfig
+from app.config.batch_schedule import check_batches_from
 from app.data import MegatronPretrainingSampler, get_batch
 from app.mpu.context_parallel import get_batch_on_this_cp_rank
 from app.mpu import collectives
@@ -115,6 +116,25 @@ def check_data_suffices(dataset: Any, split: str, consumed_samples: int, global_
             "takes from its checkpoint, rollback skips included): lower --train-iters, or "
             "build the data sets for this run (they are sized from --train-iters, "
             "--global-batch-size, --eval-interval, --eval-iters and --max-rollbacks)")
+
+
+def check_run_data(cfg: RunConfig, iteration: int, consumed_train: int, consumed_valid: int,
+                   ps: ParallelState, train_ds: Any, valid_ds: Any) -> None:
+    """Every rank alike: the training and validation data hold what the iterations left to
+    --train-iters read from `iteration` on (evaluations every --eval-interval and one at the
+    end), and every batch size the batch-size schedule takes on the way splits into
+    micro-batches."""
+    t = cfg.training
+    left = t.train_iters - iteration
+    check_batches_from(cfg.batch_schedule, consumed_train, left, t.micro_batch_size,
+                       ps.data_parallel_size,
+                       ps.pipeline_model_parallel_size
+                       if cfg.virtual_pipeline_model_parallel_size > 1 else 1)
+    check_data_suffices(train_ds, "training", consumed_train, left, t.global_batch_size,
+                        samples=cfg.batch_schedule.samples_in(left, consumed_train))
+    if t.eval_iters:
+        check_data_suffices(valid_ds, "validation", consumed_valid,
+                            t.evaluations(iteration) * t.eval_iters, t.global_batch_size)
 
 
 class BatchBuilder:

@@ -21,14 +21,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from app.config import RunConfig
-from app.config.batch_schedule import check_batches_from, micro_batches
+from app.config.batch_schedule import micro_batches
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 from app.training.telemetry import flops
 from app.training.telemetry import metrics as metrics_lib
 from app.training.telemetry.stragglers import StragglerDetector
 from app.launch.distributed import world_group
-from app.training.data_loading import (BatchBuilder, build_data_iterator, check_data_suffices,
+from app.training.data_loading import (BatchBuilder, build_data_iterator, check_run_data,
                                        close_data_iterator)
 from app.training.engines.base import Engine
 from app.checkpoint.megatron import CheckpointError
@@ -401,7 +401,8 @@ class Trainer:
                      f"is {t.train_iters}; raise --train-iters to continue")
             self.writer.close()
             return s
-        self._check_data_suffices()
+        check_run_data(self.cfg, s.iteration, s.consumed_train_samples,
+                       s.consumed_valid_samples, self.ps, self.train_ds, self.valid_ds)
         loop = _Loop(*self._data_iterators())
         ended = False
         try:
@@ -538,25 +539,6 @@ class Trainer:
         else:
             self.log(f"exiting after {name} at iteration {s.iteration} without a checkpoint (no "
                      "--save); exit status 0")
-
-    def _check_data_suffices(self) -> None:
-        """Every rank alike: the training and validation data hold what the iterations left to
-        --train-iters read (evaluations every --eval-interval and one at the end), and every
-        batch size the batch-size schedule takes on the way splits into micro-batches."""
-        t, s, ps = self.cfg.training, self.state, self.ps
-        left = t.train_iters - s.iteration
-        check_batches_from(self.cfg.batch_schedule, s.consumed_train_samples, left,
-                           t.micro_batch_size, ps.data_parallel_size,
-                           ps.pipeline_model_parallel_size
-                           if self.cfg.virtual_pipeline_model_parallel_size > 1 else 1)
-        check_data_suffices(self.train_ds, "training", s.consumed_train_samples, left,
-                            t.global_batch_size,
-                            samples=self.cfg.batch_schedule.samples_in(left,
-                                                                       s.consumed_train_samples))
-        if t.eval_iters:
-            evals = t.evaluations(s.iteration)
-            check_data_suffices(self.valid_ds, "validation", s.consumed_valid_samples,
-                                evals * t.eval_iters, t.global_batch_size)
 
     def _observe(self, step: StepOutput) -> bool:
         """The non-finite policy, then (with --rollback-on-spike) the spike check, which turns

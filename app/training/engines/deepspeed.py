@@ -28,7 +28,7 @@ weights-only load, the repair of DeepSpeed's universal loader). Weights-only loa
 (app.checkpoint.deepspeed.read_rank: the fp32 master weights of ZeRO pieces of any stage and
 data-parallel size), instead of DeepSpeed's module-only path.
 
-DeepSpeed's checkpoint files go through `CheckedCheckpointEngine`, which replaces the engine's
+DeepSpeed's checkpoint files go through `CheckedCheckpointEngine` (engines.deepspeed_io), which replaces the engine's
 `checkpoint_engine` (DeepSpeed's hook for checkpoint I/O): every file is written crash-safely
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
 verified and with torch.load(weights_only=True) and an allow-list (`deepspeed_safe_globals`),
@@ -57,14 +57,14 @@ from app.mpu.random import get_rng_tracker, rng_state_dict
 from app.optim import OptimizerParamScheduler, get_param_groups
 from app.checkpoint import CheckpointError, commit, layouts, names
 from app.checkpoint import files as ckpt_files
-from app.checkpoint.deepspeed import deepspeed_safe_globals, load_deepspeed_file, read_rank
+from app.checkpoint.deepspeed import deepspeed_safe_globals, read_rank
 from app.checkpoint.model_args import checkpoint_args_namespace
-from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.config.deepspeed import offloads_optimizer, zero_stage
 from app.launch.distributed import world_group
 from app.launch import waits
 from app.launch.ports import free_port
 from app.training.engines import zero3
+from app.training.engines.deepspeed_io import CheckedCheckpointEngine
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
 from app.utils.third_party import prepare_deepspeed_import, silence_deepspeed_deprecations
@@ -102,70 +102,6 @@ def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
                           lambda: waits.describe_build_locks(root)):
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(minutes=timeout_minutes))
-
-
-class CheckedCheckpointEngine:
-    """DeepSpeed's TorchCheckpointEngine with crash-safe, checksummed writes and safe reads.
-
-    Installed as `engine.checkpoint_engine`; everything but `save` and `load` is delegated to
-    the original. `save` never raises an I/O error into DeepSpeed (that would leave the other
-    ranks in DeepSpeed's barriers): it records it, and the save's commit agrees on the outcome
-    after `save_checkpoint` returns. `written` lists (path, existed before) of this save's files.
-    For an asynchronous save (`begin(deferred=True)`) `save` keeps host copies of the state
-    dicts and `write_deferred` writes them later, from the background thread.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.written: List[Tuple[str, bool]] = []
-        self.errors: List[Tuple[str, OSError]] = []
-        self.deferred: Optional[List[Tuple[str, Any]]] = None
-        self.buffers = HostBuffers()  # the host copies' memory, reused save after save
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def begin(self, deferred: bool = False) -> None:
-        """Forget the previous save's files and errors. With `deferred`, `save` only keeps a
-        host copy of each state dict, for `write_deferred` to write later."""
-        self.written, self.errors = [], []
-        self.deferred = [] if deferred else None
-        if deferred:  # the previous save is committed: its buffers are free
-            self.buffers.new_save()
-
-    def save(self, state_dict: Any, path: str) -> None:
-        if self.deferred is not None:
-            self.deferred.append((path, host_copy(state_dict, self.buffers)))
-            return
-        self._write(state_dict, path)
-
-    def write_deferred(self) -> Optional[Tuple[str, OSError]]:
-        """Write the state dicts `save` kept, in order (any thread: no collectives); the first
-        (path, error) that failed, None when all were written."""
-        for path, state_dict in self.deferred or []:
-            self._write(state_dict, path)
-        self.deferred = None
-        return self.errors[0] if self.errors else None
-
-    def _write(self, state_dict: Any, path: str) -> None:
-        zipfile = getattr(self.inner, "zipfile_serialization", True)
-        existed = os.path.exists(path)
-        try:
-            commit.write_checked_file(path, lambda f: torch.save(
-                state_dict, f, _use_new_zipfile_serialization=zipfile), hidden_sidecar=True)
-        except OSError as exc:
-            self.errors.append((path, exc))
-            return
-        self.written.append((path, existed))
-
-    def load(self, path: str, map_location: Any = None) -> Any:
-        return load_deepspeed_file(path, map_location)
-
-    def undo(self, stop_at: str) -> None:
-        """Remove the files this save created (not those it replaced) and emptied directories."""
-        for path, existed in self.written:
-            if not existed:
-                commit.remove_written_file(path, stop_at)
 
 
 class DeepSpeedEngineAdapter(Engine):
