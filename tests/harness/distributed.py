@@ -38,11 +38,20 @@ import pickle
 import queue as queue_module
 import shutil
 import tempfile
+import threading
 import time
 import traceback
+from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 _CTX: Optional[Any] = None
+
+_POLL_LOCK = threading.Lock()
+"""Held while a harness child is started or polled. A forkserver child's exit code comes back
+as 8 bytes on a pipe that poll() reads, and Process.start() polls every other live child
+(multiprocessing.process._cleanup): two threads polling one child at once (run_main's pool,
+ForkedPython's server threads) can both find the pipe readable, one reads the code and the
+other reads end-of-file, which CPython's popen_forkserver records as exit code 255."""
 
 
 class DistributedTestError(RuntimeError):
@@ -57,6 +66,24 @@ def _context() -> Any:
         # imports per rank that every rank of every test would otherwise repeat
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pretrain_gpt2"])
     return _CTX
+
+
+def start_child(proc: Any) -> None:
+    """proc.start(), under _POLL_LOCK."""
+    with _POLL_LOCK:
+        proc.start()
+
+
+def wait_child(proc: Any, timeout: Optional[float]) -> Optional[int]:
+    """Wait up to `timeout` seconds (None: for ever) for `proc` to end; its exit code (negative:
+    the signal that killed it), or None while it still runs. The wait reads nothing; the exit
+    code is read under _POLL_LOCK."""
+    wait_for_sentinels([proc.sentinel], timeout)
+    with _POLL_LOCK:
+        if proc.is_alive():
+            return None
+        proc.join(0)
+        return proc.exitcode
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
@@ -104,14 +131,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
              for rank in range(world_size)]
     try:
         for p in procs:
-            p.start()
+            start_child(p)
         return _collect(procs, results, world_size, timeout)
     finally:
         for p in procs:
-            if p.is_alive():
+            if wait_child(p, 0) is None:
                 p.kill()
         for p in procs:
-            p.join(timeout=5)
+            wait_child(p, 5)
         results.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -128,7 +155,8 @@ def _collect(procs: List[Any], results: Any, world_size: int, timeout: float) ->
             missing = sorted(set(range(world_size)) - set(values))
             raise TimeoutError(f"run_distributed: ranks {missing} of {world_size} did not "
                                f"finish within {timeout:.0f} s (killed)")
-        exited = [rank for rank, p in enumerate(procs) if rank not in values and not p.is_alive()]
+        exited = [rank for rank, p in enumerate(procs)
+                  if rank not in values and wait_child(p, 0) is not None]
         if exited:
             # a rank's report is in the pipe before it exits: take what was sent, then judge
             while len(values) < world_size and _receive(results, values, world_size, wait=0.5):
@@ -292,15 +320,15 @@ def run_main(argv: List[str], cwd: str, environ: Mapping[str, str],
     proc = _context().Process(target=_main_in_child, name="pretrain_gpt2",
                               args=(list(argv), str(cwd), dict(environ), out, err))
     try:
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
+        start_child(proc)
+        code = wait_child(proc, timeout)
+        if code is None:
             proc.kill()
-            proc.join(5)
+            wait_child(proc, 5)
             raise TimeoutError(f"run_main: pretrain_gpt2.py {' '.join(argv[:6])} ... still "
                                f"running after {timeout:.0f} s (killed)")
         with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
-            return proc.exitcode, f_out.read(), f_err.read()
+            return code, f_out.read(), f_err.read()
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 

@@ -35,7 +35,7 @@ import traceback
 import types
 from typing import Dict, List, Optional, Tuple
 
-from tests.harness.distributed import _context
+from tests.harness.distributed import _context, start_child, wait_child
 
 SHIM = """#!/bin/bash
 # python ARGS in a child forked by the test process (tests/harness/forked_python.py); the
@@ -163,15 +163,14 @@ class _Handler(socketserver.BaseRequestHandler):
             return
         proc = _context().Process(target=_python_in_child, name="python",
                                   args=(run, cwd, environ, pid, run is not args))
-        proc.start()
-        while proc.is_alive():
-            proc.join(0.1)
+        start_child(proc)
+        while (code := wait_child(proc, 0.1)) is None:
             readable, _, _ = select.select([self.request], [], [], 0)
             if readable and not self.request.recv(1):  # the caller is gone (killed)
                 proc.kill()
-                proc.join(5)
+                wait_child(proc, 5)
                 return
-        code = proc.exitcode if proc.exitcode >= 0 else 128 - proc.exitcode
+        code = code if code >= 0 else 128 - code
         self.request.sendall(f"{code}\n".encode())
 
     def _fields(self) -> Optional[List[str]]:
