@@ -3,7 +3,8 @@
 - CP2 (2 ranks): p2p (key/value ring) and a2a (all-to-all over heads), with learned positions
   and with RoPE + grouped-query attention, with full and selective recompute, p2p in bf16 and
   a2a in fp16 (to half precision's round-off; fp16 skips the overflow steps one process
-  skips), p2p under DeepSpeed ZeRO-2 (partitions and gradients over data x context ranks); a
+  skips), p2p under DeepSpeed ZeRO-2 and a2a (RoPE + GQA) under ZeRO-1 (partitions and
+  gradients over data x context ranks); a
   legacy checkpoint and a torch_dist one (RoPE + GQA, distributed optimizer sharded over data x
   context ranks) saved at iteration 2 resume at CP2 bit-exactly, and (in this process) resume
   at CP1 continuing the CP2 runs' losses; the ZeRO-2 one (two optimizer pieces, one per data x
@@ -57,7 +58,7 @@ DIST_OPT = ["--use-distributed-optimizer"]
 TORCH_DIST = ["--ckpt-format", "torch_dist"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZERO = {stage: ["--deepspeed", "--deepspeed_config",
-                os.path.join(ROOT, "ds_configs", f"zero{stage}.json")] for stage in (2, 3)}
+                os.path.join(ROOT, "ds_configs", f"zero{stage}.json")] for stage in (1, 2, 3)}
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1"]  # the ring's shifts rerun in backward
 TIED = {"word_embeddings.weight": "language_model.embedding.word_embeddings.weight"}  # last stage
@@ -73,6 +74,7 @@ LAYOUTS_2 = {  # name -> (model, layout flags)
     "CP2 p2p rope+gqa2 distributed optimizer torch_dist": ("rope+gqa2",
                                                            CP2 + DIST_OPT + TORCH_DIST),
     "CP2 p2p learned DeepSpeed ZeRO-2": ("learned", CP2 + ZERO[2]),
+    "CP2 a2a rope+gqa2 DeepSpeed ZeRO-1": ("rope+gqa2", CP2 + A2A + ZERO[1]),
     "CP2 a2a fp16 learned": ("fp16 learned", CP2 + A2A),
 }
 SAVED = {"CP2 p2p learned": ("legacy", []),  # layout -> (folder, flags of the CP1 resume)
