@@ -202,18 +202,40 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
     return partition_problem(layout, data_parallel_size) if load_optimizer else None
 
 
-def partition_problem(layout: SavedLayout, data_parallel_size: int) -> Optional[str]:
-    """Why ZeRO's optimizer partitions of `layout` cannot be loaded at this data-parallel size
-    (DeepSpeed cannot re-partition them), with the fix; None if they can (or there are none)."""
+def partition_problem(layout: SavedLayout, data_parallel_size: int,
+                      context_parallel_sizes: Tuple[int, int] = (1, 1)) -> Optional[str]:
+    """Why ZeRO's optimizer partitions of `layout` cannot be loaded by a run whose ZeRO splits
+    over `data_parallel_size` ranks (data x context ranks; DeepSpeed cannot re-partition them),
+    with the fixes; None if they can (or there are none). `context_parallel_sizes` is (saved,
+    this run's): ZeRO partitions over data x context ranks, so a change of context size is a
+    change of partition count, which the universal checkpoint handles as a DP change."""
     saved_dp = layout.data_parallel_size
     if layout.format != DEEPSPEED or not saved_dp or saved_dp == data_parallel_size:
         return None
     ranks = saved_dp * layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
-    return (f"checkpoint {layout.directory}: ZeRO split the optimizer states over {saved_dp} "
-            f"data-parallel ranks, and this run has {data_parallel_size}; DeepSpeed cannot "
-            f"re-partition them: launch {ranks} ranks (data-parallel size {saved_dp}), or pass "
-            "--no-load-optim to load the weights and continue the LR schedule with fresh "
-            "optimizer states")
+    saved_cp, cp = context_parallel_sizes
+    if (saved_cp, cp) == (1, 1):
+        split = (f"over {saved_dp} data-parallel ranks, and this run has {data_parallel_size}")
+        same = f"data-parallel size {saved_dp}"
+    else:
+        split = (f"over {saved_dp} data x context ranks (saved at context-parallel size "
+                 f"{saved_cp}, data-parallel size {saved_dp // saved_cp}), and this run has "
+                 f"{data_parallel_size} (context-parallel size {cp}, data-parallel size "
+                 f"{data_parallel_size // cp})")
+        same = f"data-parallel x context-parallel size {saved_dp}"
+    return (f"checkpoint {layout.directory}: ZeRO split the optimizer states {split}; DeepSpeed "
+            "cannot re-partition them in place: convert it to DeepSpeed's universal checkpoint,"
+            " which it re-slices for any data-parallel (and context-parallel) size with the "
+            f"optimizer states: {universal_command(layout.directory)}; or launch {ranks} ranks "
+            f"({same}); or pass --no-load-optim to load the weights and continue the LR "
+            "schedule with fresh optimizer states")
+
+
+def universal_command(directory: str) -> str:
+    """The conversion of the DeepSpeed checkpoint in `directory` (an iter_XXXXXXX folder) to a
+    universal checkpoint beside it, and the flag that loads it."""
+    return ("python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+            f"{directory} --output_folder {directory}_universal, then --universal-checkpoint")
 
 
 def stage_problem(layout: Optional[SavedLayout], partitioned_run: bool,
@@ -223,10 +245,7 @@ def stage_problem(layout: Optional[SavedLayout], partitioned_run: bool,
     the weights of any DeepSpeed checkpoint itself when it loads no optimizer states."""
     if layout is None or layout.format != DEEPSPEED:
         return None
-    where, universal = layout.directory, (
-        "python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-        f"{layout.directory} --output_folder {layout.directory}_universal, then "
-        "--universal-checkpoint")
+    where, universal = layout.directory, universal_command(layout.directory)
     if layout.partitioned_weights and not partitioned_run:
         return (f"checkpoint {where} was saved at ZeRO stage 3 (the weights partitioned too: "
                 "zero_pp_rank_D_mp_rank_XX_model_states.pt), which DeepSpeed reads only at "

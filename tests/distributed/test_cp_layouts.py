@@ -4,11 +4,14 @@
   and with RoPE + grouped-query attention, with full and selective recompute, p2p in bf16 and
   a2a in fp16 (to half precision's round-off; fp16 skips the overflow steps one process
   skips), p2p under DeepSpeed ZeRO-2 and a2a (RoPE + GQA) under ZeRO-1 (partitions and
-  gradients over data x context ranks); a
-  legacy checkpoint and a torch_dist one (RoPE + GQA, distributed optimizer sharded over data x
-  context ranks) saved at iteration 2 resume at CP2 bit-exactly, and (in this process) resume
-  at CP1 continuing the CP2 runs' losses; the ZeRO-2 one (two optimizer pieces, one per data x
-  context rank) resumes at CP2 bit-exactly.
+  gradients over data x context ranks); a legacy checkpoint and a torch_dist one (RoPE + GQA,
+  distributed optimizer sharded over data x context ranks) saved at iteration 2 resume at CP2
+  bit-exactly, and (in this process) resume at CP1 continuing the CP2 runs' losses; the ZeRO-2
+  one (two optimizer pieces, one per data x context rank) resumes at CP2 bit-exactly and at
+  CP1 x DP2 (two pieces again) continuing the CP2 run, and in this process at CP1 (one piece):
+  refused as saved, naming both context sizes and the universal checkpoint (by the start-up
+  check too), continuing the CP2 run once converted by DeepSpeed's ds_to_universal, and with
+  --no-load-optim (weights only) giving the CP2 run's next loss and gradient norm.
 - 4 ranks: CP2 x DP2 and CP2 x TP2, p2p and a2a, learned positions and RoPE (+ GQA), the TP2
   runs with sequence parallelism, one CP2 x DP2 run with the distributed optimizer, one with
   Muon, one under DeepSpeed ZeRO-3; CP2 x PP2 (1F1B, p2p) and CP2 x PP2 interleaved (a2a, 4
@@ -25,6 +28,7 @@ numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from typing import Dict, List
@@ -79,7 +83,8 @@ LAYOUTS_2 = {  # name -> (model, layout flags)
 }
 SAVED = {"CP2 p2p learned": ("legacy", []),  # layout -> (folder, flags of the CP1 resume)
          "CP2 p2p rope+gqa2 distributed optimizer torch_dist": ("torch_dist", TORCH_DIST),
-         # ZeRO partitions over data x context: resumed at CP2 only (another size is refused)
+         # ZeRO partitions over data x context ranks: at CP1 x DP2 as saved, at CP1 through a
+         # universal checkpoint (_deepspeed_at_cp1)
          "CP2 p2p learned DeepSpeed ZeRO-2": ("deepspeed", None)}
 LAYOUTS_4 = {
     "CP2xDP2 p2p learned": ("learned", CP2),  # p2p rope+gqa2: distributed optimizer below
@@ -157,7 +162,73 @@ def _rank(layouts, save_dir: str = ""):
                 expect_close(loss, w_loss, f"resumed loss at {i}", rtol=0.0, atol=0.0)
                 expect_close(norm, w_norm, f"resumed grad norm at {i}", rtol=0.0, atol=0.0)
         checks[f"{saved}: resume at CP2 is bit-exact"] = resumes_bit_exactly
+    if save_dir:
+        checks["ZeRO-2 at CP2 resumes at CP1 x DP2 (two partitions)"] = lambda: _continues(
+            _resume(ZERO[2], world, os.path.join(save_dir, "deepspeed")),
+            results["CP2 p2p learned DeepSpeed ZeRO-2"][0], expect_close)
     return run_checks(checks), results
+
+
+def _continues(resumed, curve, close, iterations: int = ITERS - SAVED_AT) -> None:
+    """The first `iterations` steps of a (run, iterator) resumed at SAVED_AT repeat `curve`'s
+    steps after SAVED_AT (relative 1e-5), each compared by close(got, want, what, rtol=...)."""
+    run, iterator = resumed
+    got = _train(run, iterations, iterator)
+    for i, ((loss, norm), (w_loss, w_norm)) in enumerate(zip(got, curve[SAVED_AT:])):
+        close(loss, w_loss, f"loss {i}", rtol=1e-5)
+        close(norm, w_norm, f"grad norm {i}", rtol=1e-5)
+
+
+def _approx(got, want, what, rtol):
+    assert got == pytest.approx(want, rel=rtol), what
+
+
+@contextlib.contextmanager
+def _own_process_group():
+    """DeepSpeed at one rank in this process starts a process group and exports RANK,
+    WORLD_SIZE, MASTER_PORT...: both are undone on exit, so that later tests find neither."""
+    import torch.distributed as dist
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _deepspeed_at_cp1(ck: str, curve) -> None:
+    """The ZeRO-2 checkpoint saved at CP2 (two optimizer partitions, one per data x context
+    rank) at CP1 in one process: as saved it is refused naming both context sizes and the
+    universal checkpoint, by the start-up check too (which accepts it at CP2); converted to a
+    universal checkpoint it continues the CP2 run; with --no-load-optim its weights give the
+    CP2 run's next loss and gradient norm (the later steps differ: fresh Adam moments)."""
+    import argparse
+
+    import arguments
+    from deepspeed.checkpoint import ds_to_universal
+
+    from app.checkpoint import CheckpointError
+    from app.training.resilience.resume import check_resume
+    check_resume(arguments.config_from_argv(BASE + CP2 + ZERO[2] + ["--load", ck], 2, RAW_VOCAB),
+                 ck)
+    refusal = (r"over 2 data x context ranks \(saved at context-parallel size 2, data-parallel "
+               r"size 1\), and this run has 1 \(context-parallel size 1.*ds_to_universal.*"
+               r"--universal-checkpoint.*--no-load-optim")
+    with pytest.raises(CheckpointError, match=refusal):
+        check_resume(arguments.config_from_argv(BASE + ZERO[2] + ["--load", ck], 1, RAW_VOCAB),
+                     ck)
+    with _own_process_group():
+        with pytest.raises(CheckpointError, match=refusal):
+            _resume(ZERO[2], 1, ck)
+        _continues(_resume(ZERO[2] + ["--no-load-optim"], 1, ck), curve, _approx, 1)
+        tag = os.path.join(ck, "iter_0000002")
+        ds_to_universal.main(argparse.Namespace(
+            input_folder=tag, output_folder=tag + "_universal", num_extract_workers=1,
+            num_merge_workers=1, keep_temp_folder=False, strict=True,
+            inject_missing_state=False))
+        _continues(_resume(ZERO[2] + ["--universal-checkpoint"], 1, ck), curve, _approx)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +264,7 @@ def _compare(outcomes, layouts, references) -> None:
                                                msg=lambda m, n=pname: f"{name} {n}: {m}")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # DeepSpeed here
 def test_cp2_p2p_and_a2a_equal_one_process_and_resume(references, tmp_path):
     save_dir = str(tmp_path / "ck")
     outcomes = run_distributed(_rank, 2, LAYOUTS_2, save_dir, timeout=400)
@@ -214,6 +286,8 @@ def test_cp2_p2p_and_a2a_equal_one_process_and_resume(references, tmp_path):
     # DeepSpeed partitioned the optimizer over the data x context ranks: two ZeRO pieces
     pieces = glob.glob(str(tmp_path / "ck" / "deepspeed" / "*" / "*optim_states.pt"))
     assert len(pieces) == 2, pieces
+    _deepspeed_at_cp1(str(tmp_path / "ck" / "deepspeed"),
+                      outcomes[0][1]["CP2 p2p learned DeepSpeed ZeRO-2"][0])
 
 
 def test_cp2xdp2_and_cp2xtp2_equal_one_process(references):

@@ -66,7 +66,8 @@ from app.launch.ports import free_port
 from app.training.engines import zero3
 from app.training.engines.deepspeed_io import CheckedCheckpointEngine
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
-from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
+from app.training.resilience.resume import (CheckpointContents, ResumePlan, check_saved_args,
+                                            deepspeed_problem)
 from app.utils.third_party import prepare_deepspeed_import, silence_deepspeed_deprecations
 
 prepare_deepspeed_import()  # before any `import deepspeed` below (app/utils/third_party.py)
@@ -354,20 +355,19 @@ class DeepSpeedEngineAdapter(Engine):
     def _check_loadable(self, load_dir: str, plan: ResumePlan, where: str) -> None:
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, ZeRO-3
         pieces at another stage (or ZeRO-0/1/2 optimizer states at stage 3), and ZeRO
-        partitions of another data-parallel size (after the model shape, the more basic
+        partitions over another number of data x context ranks (after the model shape, the more basic
         mismatch, which DeepSpeed would otherwise report first)."""
         layout = layouts.check_loadable(
             load_dir, plan.iteration, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.zero_ps.data_parallel_size, load_optimizer=False)
+        saved = None
         if layout is not None:  # the file names give TP x PP ranks, the args their split
             saved = layouts.read_saved_state(layout).get("args")
             if saved is not None:
                 check_saved_args(plan, saved, self.cfg, where)
-        problem = layouts.stage_problem(layout, self.partitioned, plan.load_optimizer) or (
-            layouts.partition_problem(layout, self.zero_ps.data_parallel_size)
-            if layout is not None and plan.load_optimizer else None)
+        problem = deepspeed_problem(layout, saved, self.cfg, self.partitioned, plan)
         if problem:
             raise CheckpointError(problem)
 

@@ -244,14 +244,28 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
             f"{names.tracker_path(load_dir)}) holds no Megatron or DeepSpeed checkpoint files; "
             "restore them, or write an earlier complete iteration into the tracker")
     partitioned = cfg.deepspeed.enabled and zero_stage(cfg.deepspeed.config) == 3
-    problem = layouts.stage_problem(layout, partitioned, plan.load_optimizer) or (
-        layouts.partition_problem(layout, p.data_parallel_size) if plan.load_optimizer else None)
-    if problem:  # the model shape is the more basic mismatch: named first, as the engine does
+    if deepspeed_problem(layout, None, cfg, partitioned, plan):
+        # the model shape is the more basic mismatch: named first, as the engine does
         saved = layouts.read_saved_state(layout).get("args")
         if saved is not None:
             check_saved_args(plan, saved, cfg, layout.directory)
-        raise ckpt.CheckpointError(problem)
+        raise ckpt.CheckpointError(deepspeed_problem(layout, saved, cfg, partitioned, plan))
     return ResumeTarget(plan, layout)
+
+
+def deepspeed_problem(layout: Optional[layouts.SavedLayout],
+                      saved_args: Optional[argparse.Namespace], cfg: RunConfig,
+                      partitioned: bool, plan: ResumePlan) -> Optional[str]:
+    """Why this DeepSpeed run (at ZeRO-3 when `partitioned`) cannot load `layout`: its ZeRO
+    stage (layouts.stage_problem), or, when the plan loads the optimizer states, ZeRO
+    partitions over another number of data x context ranks (layouts.partition_problem; the
+    saved context size from `saved_args`, 1 when unknown); None if it can."""
+    p = cfg.parallel
+    saved_cp = int(getattr(saved_args, "context_parallel_size", 1) or 1)
+    return layouts.stage_problem(layout, partitioned, plan.load_optimizer) or (
+        layouts.partition_problem(layout, p.data_parallel_size * p.context_parallel_size,
+                                  (saved_cp, p.context_parallel_size))
+        if layout is not None and plan.load_optimizer else None)
 
 
 def require_rng_state(plan: ResumePlan, rng_state: Any, where: str) -> None:
