@@ -11,7 +11,7 @@
   CP1 x DP2 (two pieces again) continuing the CP2 run, and in this process at CP1 (one piece):
   refused as saved, naming both context sizes and the universal checkpoint (by the start-up
   check too), continuing the CP2 run once converted by DeepSpeed's ds_to_universal, and with
-  --no-load-optim (weights only) giving the CP2 run's next loss and gradient norm.
+  --no-load-optim or --finetune (weights) giving the CP2 run's next loss and gradient norm.
 - 4 ranks: CP2 x DP2 and CP2 x TP2, p2p and a2a, learned positions and RoPE (+ GQA), the TP2
   runs with sequence parallelism, one CP2 x DP2 run with the distributed optimizer, one with
   Muon, one under DeepSpeed ZeRO-3; CP2 x PP2 (1F1B, p2p) and CP2 x PP2 interleaved (a2a, 4
@@ -202,14 +202,15 @@ def _deepspeed_at_cp1(ck: str, curve) -> None:
     """The ZeRO-2 checkpoint saved at CP2 (two optimizer partitions, one per data x context
     rank) at CP1 in one process: as saved it is refused naming both context sizes and the
     universal checkpoint, by the start-up check too (which accepts it at CP2); converted to a
-    universal checkpoint it continues the CP2 run; with --no-load-optim its weights give the
-    CP2 run's next loss and gradient norm (the later steps differ: fresh Adam moments)."""
+    universal checkpoint it continues the CP2 run; with --no-load-optim or --finetune its
+    weights give the CP2 run's next loss and gradient norm on the same data (the later steps
+    differ: fresh Adam moments)."""
     import argparse
 
     import arguments
-    from deepspeed.checkpoint import ds_to_universal
 
     from app.checkpoint import CheckpointError
+    from app.training.data_loading import build_data_iterator
     from app.training.resilience.resume import check_resume
     check_resume(arguments.config_from_argv(BASE + CP2 + ZERO[2] + ["--load", ck], 2, RAW_VOCAB),
                  ck)
@@ -223,6 +224,11 @@ def _deepspeed_at_cp1(ck: str, curve) -> None:
         with pytest.raises(CheckpointError, match=refusal):
             _resume(ZERO[2], 1, ck)
         _continues(_resume(ZERO[2] + ["--no-load-optim"], 1, ck), curve, _approx, 1)
+        run = _build(ZERO[2] + ["--finetune"], 1, ck)  # the weights, from iteration 0
+        assert run["engine"].load_checkpoint(ck).iteration == 0
+        _continues((run, build_data_iterator(run["trainer"].train_ds, 8 * SAVED_AT, 2,
+                                             run["ps"], 0)), curve, _approx, 1)
+        from deepspeed.checkpoint import ds_to_universal  # after the engine's import set-up
         tag = os.path.join(ck, "iter_0000002")
         ds_to_universal.main(argparse.Namespace(
             input_folder=tag, output_folder=tag + "_universal", num_extract_workers=1,
