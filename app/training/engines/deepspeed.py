@@ -355,8 +355,8 @@ class DeepSpeedEngineAdapter(Engine):
     def _check_loadable(self, load_dir: str, plan: ResumePlan, where: str) -> None:
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, ZeRO-3
         pieces at another stage (or ZeRO-0/1/2 optimizer states at stage 3), and ZeRO
-        partitions over another number of data x context ranks (after the model shape, the more basic
-        mismatch, which DeepSpeed would otherwise report first)."""
+        partitions over another number of data x context ranks (after the model shape, the more
+        basic mismatch, which DeepSpeed would otherwise report first)."""
         layout = layouts.check_loadable(
             load_dir, plan.iteration, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
