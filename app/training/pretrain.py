@@ -32,7 +32,6 @@ from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
 from app.mpu import collectives
-from app.checkpoint import names
 from app.checkpoint.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
@@ -40,10 +39,9 @@ from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
 from app.training.loss import LossFunction
 from app.training.resilience.data_order import check_data_order
 from app.training.resilience.inprocess import InProcessRestart
-from app.training.resilience.local_checkpoints import restore_newest
+from app.training.resilience.local_checkpoints import load_newest, newest_checkpoint
 from app.training.resilience.nonfinite import TrainingAborted
-from app.training.resilience.resume import (LoadResult, StartDecision, check_resume,
-                                            decide_start, load_on_all_ranks)
+from app.training.resilience.resume import StartDecision, check_resume, decide_start
 from app.training.run import build_run
 from app.training.resilience.saving import SaveFailed
 from app.training.resilience.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
@@ -143,11 +141,13 @@ def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
     of the checkpoint (app.training.resilience.data_order; every rank decides alike)."""
     if decision.note:
         logger.info(decision.note)
-    loaded = _load_local(cfg, run, decision, device)
-    if loaded is None and decision.load is None:
+    c = cfg.checkpoint
+    # local checkpoints count for a resume (--load, not --finetune) as for a rollback
+    chosen = newest_checkpoint(c, decision.load,
+                               use_local=c.local_checkpoints and bool(c.load) and not c.finetune)
+    if chosen.local is None and decision.load is None:
         return RunState(data_order=data_order)
-    if loaded is None:
-        loaded = load_on_all_ranks(run.engine, decision.load, device)
+    loaded = load_newest(run.engine, chosen, c, device)
     if loaded is None:
         raise CheckpointError(f"--load {decision.load}: its tracker disappeared while starting")
     if loaded.iteration > 0:  # weights-only loads start at 0: no position to keep
@@ -160,18 +160,6 @@ def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
                 loaded.path, loaded.iteration, loaded.consumed_train_samples)
     return RunState(loaded.iteration, loaded.consumed_train_samples,
                     loaded.consumed_valid_samples, data_order=data_order)
-
-
-def _load_local(cfg: RunConfig, run: Any, decision: StartDecision, device: Any
-                ) -> Optional[LoadResult]:
-    """A resume (--load, not --finetune) from the newest complete local checkpoint when there
-    are local checkpoints at least as new as the persistent one (local_checkpoints)."""
-    c = cfg.checkpoint
-    if not (c.local_checkpoints and c.load and not c.finetune):
-        return None
-    persistent = names.read_tracker(decision.load) if decision.load is not None else None
-    return restore_newest(run.engine, c, device,
-                          persistent if isinstance(persistent, int) else None, c.load)
 
 
 def _signal_handler(cfg: RunConfig) -> Optional[ExitSignalHandler]:
