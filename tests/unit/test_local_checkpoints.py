@@ -84,6 +84,34 @@ def test_flag_rules_name_the_flag_and_the_fix(flags, message):
         CheckpointConfig(**flags)
 
 
+def test_replication_settings_without_replication_are_refused_from_the_command_line():
+    """Megatron-LM warns and ignores --replication-jump without --replication; a run its user
+    thinks replicated would keep no replica, so we refuse it, naming the flags and the fix."""
+    import arguments
+
+    local = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "4",
+             "--micro-batch-size", "1", "--non-persistent-save-interval", "2",
+             "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "/l"]
+
+    def config(*extra):
+        return arguments.build_run_config(arguments.parse_args(local + list(extra)), 4, 100, 128)
+
+    for extra, given in ((["--replication-jump", "2"], "--replication-jump 2 given"),
+                         (["--replication-factor", "3"], "--replication-factor 3 given"),
+                         (["--replication-jump", "2", "--replication-factor", "2"],
+                          "--replication-jump 2 and --replication-factor 2 given")):
+        with pytest.raises(ValueError) as info:
+            config(*extra)
+        message = str(info.value)
+        assert message.startswith(given) and "without --replication" in message, message
+        assert "Add --replication" in message and "or drop --replication-" in message, message
+    assert config().checkpoint.replication_factor is None
+    assert config("--replication", "--replication-jump", "2").checkpoint.replication_factor == 2
+    replicated = config("--replication", "--replication-jump", "1", "--replication-factor", "4")
+    assert lc.group_of(replicated.checkpoint, 1, 4) == [1, 0, 2, 3]
+
+
 class FakeEngine:
     """An engine whose whole state is one tensor dict (`local_state` / `load_local_state`)."""
 
