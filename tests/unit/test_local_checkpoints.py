@@ -158,6 +158,24 @@ def test_save_then_restore_one_rank_keeps_the_newest_and_its_rng(tmp_path):
     assert restored.weights["w"].tolist() == [5.0, 5.0, 5.0]
     assert torch.rand(4).equal(expected_rng)
     assert not records  # no save failed
+    # the choice a resume and a rollback share, against a persistent tracker beside it
+    ck = str(tmp_path / "ck")
+    for iteration in (3, 4, 5, "release"):
+        os.makedirs(names.checkpoint_dir(ck, iteration))
+    for tracker, use_local, local in ((5, True, False), (4, True, True), ("release", True, True),
+                                      (4, False, False)):
+        names.write_tracker(ck, tracker)
+        chosen = lc.newest_checkpoint(cfg, ck, use_local)
+        assert (chosen.local is not None, chosen.iteration) == (local, 4 if local else tracker)
+        assert chosen.describe() == (f"the local checkpoint of iteration 4 in {tmp_path / 'local'}"
+                                     if local else
+                                     f"the persistent checkpoint of iteration {tracker} in {ck}")
+    assert lc.newest_checkpoint(cfg, str(tmp_path / "none"), True).iteration == 4
+    assert lc.newest_checkpoint(cfg, str(tmp_path / "none"), False).iteration is None
+    names.write_tracker(ck, 3)
+    again = FakeEngine(0)
+    loaded = lc.load_newest(again, lc.newest_checkpoint(cfg, ck, True), cfg, torch.device("cpu"))
+    assert loaded.iteration == 4 and again.weights["w"].tolist() == [5.0, 5.0, 5.0]
 
 
 def test_a_failed_local_save_is_undone_recorded_and_training_goes_on(tmp_path):
