@@ -129,10 +129,9 @@ class CheckpointConfig:
         """--replication-jump / --replication-factor without --replication is an error (Megatron
         warns and ignores the jump: a run its user believes replicated would keep no replica);
         with --replication the factor defaults to 2."""
-        given = [f"{flag} {value}" for flag, value in (("--replication-jump", self.replication_jump),
-                                                       ("--replication-factor",
-                                                        self.replication_factor))
-                 if value is not None]
+        settings = (("--replication-jump", self.replication_jump),
+                    ("--replication-factor", self.replication_factor))
+        given = [f"{flag} {value}" for flag, value in settings if value is not None]
         if given and not self.replication:
             raise ValueError(
                 f"{' and '.join(given)} given without --replication, which they only configure: "

@@ -23,6 +23,7 @@ rank died, stopped or hung; 5 (EXIT_SAVE_FAILED) when checkpoints could not be s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -102,7 +103,7 @@ def mock_order_record(cfg: RunConfig, datasets: Sequence) -> Dict[str, Any]:
             "splits": {d.split: d.order_entry() for d in datasets[:2] if d is not None}}
 
 
-def _start_checks(cfg: RunConfig, info: DistributedInfo
+def _start_checks(cfg: RunConfig, info: DistributedInfo, restarted: bool = False
                   ) -> Tuple[Optional[SaveDirLock], StartDecision]:
     """The --save/--load checks every rank runs before anything is built; all ranks agree.
 
@@ -110,9 +111,12 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo
     other rank checks it can write there too; all apply the resume policy and, when resuming,
     check that the saved layout can be loaded. If any rank fails, every rank raises (the
     failing one with its own message) and the lock is released. `--dry-run` makes the same
-    decisions, without writing (app.training.planning.preflight.check_checkpoint).
+    decisions, without writing (app.training.planning.preflight.check_checkpoint). After an
+    in-process restart (`restarted`) the checkpoints --save holds are this run's own: they are
+    not refused (as --overwrite-checkpoints, without its warning).
     """
-    c = cfg.checkpoint
+    c = dataclasses.replace(cfg.checkpoint, overwrite_checkpoints=True) if restarted \
+        else cfg.checkpoint
     lock: Optional[SaveDirLock] = None
     decision, error = StartDecision(None), None
     try:
@@ -121,7 +125,7 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo
         elif c.save:
             ensure_writable_dir(c.save)
         decision = decide_start(c)
-        if decision.warning:
+        if decision.warning and not restarted:
             logger.warning(decision.warning)
         if decision.load is not None:
             check_resume(cfg, decision.load)
@@ -243,7 +247,7 @@ def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
                 cfg.model.padded_vocab_size)
     _log_precision(cfg)
     with contextlib.ExitStack() as stack:
-        lock, decision = _start_checks(cfg, info)
+        lock, decision = _start_checks(cfg, info, restarted=bool(restart and restart.restarts))
         if lock is not None:
             stack.callback(lock.release)
         stack.enter_context(LauncherWatch())

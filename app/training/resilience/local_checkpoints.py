@@ -298,7 +298,8 @@ def pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int] = Non
         reason = why or f"its newest complete iteration {iteration} is older"
         logger.info("local checkpoints in %s not used (%s): %s", local_dir, reason,
                     f"loading {_persistent(persistent_iteration, persistent_dir)}"
-                    if persistent_iteration is not None else "and there is no persistent checkpoint")
+                    if persistent_iteration is not None else
+                    "and there is no persistent checkpoint")
         return None
     return LocalPick(iteration, holders)
 
@@ -333,8 +334,9 @@ def load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
     except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
         error = exc
     if not all_ranks_ok(error is None, device):
-        raise error or CheckpointError(f"another rank could not load the local checkpoint of "
-                                       f"iteration {iteration} in {local_dir}; its message says why")
+        raise error or CheckpointError(
+            f"another rank could not load the local checkpoint of iteration {iteration} in "
+            f"{local_dir}; its message says why")
     logger.info("%s the local checkpoint of iteration %d in %s (the newest complete over all %d "
                 "ranks%s)%s", doing, iteration, local_dir, world,
                 f"; rank(s) {replicas} restored from replicas" if replicas else "",
