@@ -18,8 +18,8 @@ ranks agree, each rank's own tracker, the previous local iteration removed once 
 commits). The trainer drives it through `LocalSaves`, whose failures count like persistent
 ones (app.training.resilience.saving).
 
-On resume (`restore_newest`; app.training.pretrain calls it before the persistent load, the
-in-process restart may call it too) the candidates are ranked by iteration: every rank scans
+On resume (`newest_checkpoint`, then `load_newest`: app.training.pretrain's resume and
+--rollback-on-spike make this one choice) the candidates are ranked by iteration: every rank scans
 its folder (files whose checksum verifies), the ranks exchange what they hold, and the newest
 iteration that some rank committed (its tracker names it or a later one) and whose every
 rank's state is held by some rank wins, if it is at least as new as the persistent checkpoint
@@ -283,7 +283,7 @@ class LocalPick:
     holders: Dict[int, int]
 
 
-def pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int] = None,
+def _pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int] = None,
                 persistent_dir: str = "") -> Optional[LocalPick]:
     """The newest local checkpoint complete over all ranks if it is at least as new as
     `persistent_iteration` (Megatron's rule), else None (and why is logged). Every rank calls
@@ -309,7 +309,7 @@ def _persistent(iteration: Optional[names.Iteration], directory: Optional[str]) 
             if iteration is not None else "no persistent checkpoint")
 
 
-def load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
+def _load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
               instead_of: str = "", doing: str = "resuming from") -> LoadResult:
     """Load the local checkpoint `pick` into `engine` (and the RNG states unless
     --no-load-rng) on every rank, a rank whose own copy is lost taking it from a replica's
@@ -348,17 +348,6 @@ def load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
                       position.get("data_order"))
 
 
-def restore_newest(engine: Any, cfg: CheckpointConfig, device: Any,
-                   persistent_iteration: Optional[int] = None, persistent_dir: str = ""
-                   ) -> Optional[LoadResult]:
-    """Load the newest local checkpoint complete over all ranks into `engine` (and the RNG
-    states), if it is at least as new as `persistent_iteration`; its position, or None (then
-    load the persistent one). Every rank calls it; all decide alike and log which and why."""
-    pick = pick_newest(cfg, persistent_iteration, persistent_dir)
-    return None if pick is None else load_pick(
-        engine, cfg, device, pick, _persistent(persistent_iteration, persistent_dir))
-
-
 # ---------------------------------------------------------------------------- either kind
 
 @dataclass(frozen=True)
@@ -393,7 +382,7 @@ def newest_checkpoint(cfg: CheckpointConfig, directory: Optional[str], use_local
     as none), else that persistent one. Every rank calls it (a collective with `use_local`)."""
     persistent = names.read_tracker(directory) if directory else None
     numbered = persistent if isinstance(persistent, int) else None
-    pick = pick_newest(cfg, numbered, directory or "") if use_local else None
+    pick = _pick_newest(cfg, numbered, directory or "") if use_local else None
     return NewestCheckpoint(directory, persistent, pick, cfg.non_persistent_local_ckpt_dir or "")
 
 
@@ -402,7 +391,7 @@ def load_newest(engine: Any, chosen: NewestCheckpoint, cfg: CheckpointConfig, de
     """Load `chosen` on every rank under `cfg`'s --finetune/--no-load-* settings; None when
     it is persistent and its directory holds no checkpoint (any more)."""
     if chosen.local is not None:
-        return load_pick(engine, cfg, device, chosen.local,
+        return _load_pick(engine, cfg, device, chosen.local,
                          _persistent(chosen.persistent, chosen.directory), doing)
     if not chosen.directory:
         return None
@@ -410,4 +399,4 @@ def load_newest(engine: Any, chosen: NewestCheckpoint, cfg: CheckpointConfig, de
 
 
 __all__ = ["LocalCheckpoints", "LocalPick", "LocalSaves", "NewestCheckpoint", "load_newest",
-           "newest_checkpoint", "newest_complete", "replica_group", "restore_newest", "scan"]
+           "newest_checkpoint", "newest_complete", "replica_group", "scan"]
