@@ -54,6 +54,11 @@ def test_newest_complete_skips_uncommitted_and_incomplete_iterations():
     assert it is None and "iteration 6 lacks the state of rank(s) [1]" in why
     assert lc.newest_complete([scan_of(None), scan_of(None)])[2] == \
         "no rank has committed a local checkpoint"
+    # a rollback at iteration 5 takes nothing after it (another run's 6 in the folder)
+    scans = [scan_of(6, i4=[0], i6=[0]), scan_of(6, i4=[1], i6=[1])]
+    assert lc.newest_complete(scans, at_most=5)[:2] == (4, {0: 0, 1: 1})
+    it, _, why = lc.newest_complete(scans, at_most=3)
+    assert it is None and "no iteration up to 3 (the run's position)" in why
 
 
 def test_scan_counts_only_files_whose_checksum_verifies(tmp_path):

@@ -235,16 +235,21 @@ def scan(folder: str) -> Dict[str, Any]:
     return {"tracker": tracker if isinstance(tracker, int) else None, "held": held}
 
 
-def newest_complete(scans: List[Dict[str, Any]]) -> Tuple[Optional[int], Dict[int, int], str]:
-    """(iteration, {owner: holder rank}, why) of the newest iteration that some rank committed
-    and whose every rank's state some rank holds (a rank's own copy preferred); (None, {},
-    why not) when there is none. `scans[r]` is rank r's `scan`."""
+def newest_complete(scans: List[Dict[str, Any]], at_most: Optional[int] = None
+                    ) -> Tuple[Optional[int], Dict[int, int], str]:
+    """(iteration, {owner: holder rank}, why) of the newest iteration, up to `at_most` when
+    given, that some rank committed and whose every rank's state some rank holds (a rank's own
+    copy preferred); (None, {}, why not) when there is none. `scans[r]` is rank r's `scan`."""
     world = len(scans)
     committed = max((s["tracker"] for s in scans if s["tracker"] is not None), default=None)
     if committed is None:
         return None, {}, "no rank has committed a local checkpoint"
+    if at_most is not None and committed > at_most:
+        committed = at_most
+        why = f"no iteration up to {at_most} (the run's position) is held for every rank"
+    else:
+        why = f"no iteration up to {committed} (the newest committed) is held for every rank"
     iterations = sorted({i for s in scans for i in s["held"] if i <= committed}, reverse=True)
-    why = f"no iteration up to {committed} (the newest committed) is held for every rank"
     for iteration in iterations:
         holders: Dict[int, int] = {}
         for owner in range(world):
@@ -283,17 +288,17 @@ class LocalPick:
     holders: Dict[int, int]
 
 
-def _pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int] = None,
-                persistent_dir: str = "") -> Optional[LocalPick]:
-    """The newest local checkpoint complete over all ranks if it is at least as new as
-    `persistent_iteration` (Megatron's rule), else None (and why is logged). Every rank calls
-    it and all decide alike (one gather of what each rank's folder holds)."""
+def _pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int],
+                 persistent_dir: str, at_most: Optional[int]) -> Optional[LocalPick]:
+    """The newest local checkpoint complete over all ranks (up to `at_most`) if it is at
+    least as new as `persistent_iteration` (Megatron's rule), else None (and why is logged).
+    Every rank calls it and all decide alike (one gather of what each rank's folder holds)."""
     rank = collectives.group_rank(world_group())
     local_dir = cfg.non_persistent_local_ckpt_dir
     scans = collectives.broadcast_object(
         collectives.gather_object(scan(rank_dir(local_dir, rank)), 0, world_group()), 0,
         world_group())
-    iteration, holders, why = newest_complete(scans)
+    iteration, holders, why = newest_complete(scans, at_most)
     if iteration is None or (persistent_iteration is not None and iteration < persistent_iteration):
         reason = why or f"its newest complete iteration {iteration} is older"
         logger.info("local checkpoints in %s not used (%s): %s", local_dir, reason,
@@ -373,16 +378,18 @@ class NewestCheckpoint:
         return _persistent(self.persistent, self.directory)
 
 
-def newest_checkpoint(cfg: CheckpointConfig, directory: Optional[str], use_local: bool
-                      ) -> NewestCheckpoint:
+def newest_checkpoint(cfg: CheckpointConfig, directory: Optional[str], use_local: bool,
+                      at_most: Optional[int] = None) -> NewestCheckpoint:
     """The one choice between local and persistent checkpoints, made alike by a resume (from
     --load, app.training.pretrain) and a rollback (to --save, app.training.resilience.rollback):
     with `use_local`, the newest local checkpoint complete over all ranks when it is at least
     as new as the persistent checkpoint under `directory` (a tracker naming 'release' counts
-    as none), else that persistent one. Every rank calls it (a collective with `use_local`)."""
+    as none), else that persistent one. `at_most` (a rollback: the run's iteration) leaves out
+    local checkpoints after it, which another run left in the folder. Every rank calls it (a
+    collective with `use_local`)."""
     persistent = names.read_tracker(directory) if directory else None
     numbered = persistent if isinstance(persistent, int) else None
-    pick = _pick_newest(cfg, numbered, directory or "") if use_local else None
+    pick = _pick_newest(cfg, numbered, directory or "", at_most) if use_local else None
     return NewestCheckpoint(directory, persistent, pick, cfg.non_persistent_local_ckpt_dir or "")
 
 

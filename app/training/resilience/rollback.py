@@ -115,7 +115,8 @@ class SpikeRollback:
         reason = reason or "another rank saw the trigger"
         self.finish_save()  # a save still being written (--async-save, a local one) counts
         c = self.cfg.checkpoint
-        chosen = newest_checkpoint(c, c.save, use_local=c.local_checkpoints)  # as a resume does
+        chosen = newest_checkpoint(c, c.save, use_local=c.local_checkpoints,  # as a resume does
+                                   at_most=state.iteration)
         budget = self.cfg.rollback.max_rollbacks
         if self.rollbacks >= budget or chosen.iteration is None:
             where = f"--save {c.save}" + (f" or --non-persistent-local-ckpt-dir "
