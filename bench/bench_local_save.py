@@ -92,7 +92,8 @@ def measure_replication(argv: List[str], saves: int, directory: str) -> Dict[str
     engine, rank = run["engine"], dist.get_rank()
     run["trainer"].train_step(run["iterator"])
     savers = {name: LocalCheckpoints(CheckpointConfig(
-        non_persistent_ckpt_type="local", replication=replicas, replication_jump=1,
+        non_persistent_ckpt_type="local", replication=replicas,
+        replication_jump=1 if replicas else None,
         non_persistent_local_ckpt_dir=os.path.join(directory, name.replace(" ", "_"))),
         engine, rank, 2, torch.device("cpu"))
         for name, replicas in (("local", False), ("local + replica", True))}

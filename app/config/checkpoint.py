@@ -81,9 +81,10 @@ class CheckpointConfig:
         help="J, the spacing between the ranks that hold replicas of one another: rank n's "
              "replicas are on ranks n+J, n+2J, ... of its group of J x K ranks (give the number "
              "of ranks per node to put them on other nodes); only with --replication")
-    replication_factor: int = option(
-        "--replication-factor", default=2,
-        help="K, how many ranks hold each rank's local checkpoint (itself included)")
+    replication_factor: Optional[int] = option(
+        "--replication-factor", default=None,
+        help="K, how many ranks hold each rank's local checkpoint (itself included); only "
+             "with --replication (default then 2)")
     auto_detect_ckpt_format: bool = option(
         "--auto-detect-ckpt-format", default=False,
         help="accepted for Megatron-LM command lines: the checkpoint format is always detected "
@@ -113,6 +114,7 @@ class CheckpointConfig:
         if self.non_persistent_ckpt_type == "local" and not self.non_persistent_local_ckpt_dir:
             raise ValueError("--non-persistent-ckpt-type local needs "
                              "--non-persistent-local-ckpt-dir DIR (a disk of each node's own)")
+        self._check_replication_flags()
         if self.replication and self.replication_jump is None:
             raise ValueError("--replication needs --replication-jump J (the spacing between "
                              "the ranks holding each other's replicas, e.g. the ranks per node)")
@@ -122,6 +124,22 @@ class CheckpointConfig:
         if self.replication and self.replication_factor < 2:
             raise ValueError(f"--replication-factor must be at least 2 with --replication, got "
                              f"{self.replication_factor}")
+
+    def _check_replication_flags(self) -> None:
+        """--replication-jump / --replication-factor without --replication is an error (Megatron
+        warns and ignores the jump: a run its user believes replicated would keep no replica);
+        with --replication the factor defaults to 2."""
+        settings = (("--replication-jump", self.replication_jump),
+                    ("--replication-factor", self.replication_factor))
+        given = [f"{flag} {value}" for flag, value in settings if value is not None]
+        if given and not self.replication:
+            raise ValueError(
+                f"{' and '.join(given)} given without --replication, which they only configure: "
+                "no replica would be kept. Add --replication (with --non-persistent-ckpt-type "
+                "local) to keep each rank's local checkpoint on other ranks too, or drop "
+                f"{' and '.join(g.split()[0] for g in given)}")
+        if self.replication and self.replication_factor is None:
+            self.replication_factor = 2
 
     @property
     def local_checkpoints(self) -> bool:

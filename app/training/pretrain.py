@@ -23,6 +23,7 @@ rank died, stopped or hung; 5 (EXIT_SAVE_FAILED) when checkpoints could not be s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -32,7 +33,6 @@ from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
 from app.mpu import collectives
-from app.checkpoint import names
 from app.checkpoint.megatron import CheckpointError
 from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
@@ -40,10 +40,9 @@ from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
 from app.training.loss import LossFunction
 from app.training.resilience.data_order import check_data_order
 from app.training.resilience.inprocess import InProcessRestart
-from app.training.resilience.local_checkpoints import restore_newest
+from app.training.resilience.local_checkpoints import load_newest, newest_checkpoint
 from app.training.resilience.nonfinite import TrainingAborted
-from app.training.resilience.resume import (LoadResult, StartDecision, check_resume,
-                                            decide_start, load_on_all_ranks)
+from app.training.resilience.resume import StartDecision, check_resume, decide_start
 from app.training.run import build_run
 from app.training.resilience.saving import SaveFailed
 from app.training.resilience.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
@@ -104,7 +103,7 @@ def mock_order_record(cfg: RunConfig, datasets: Sequence) -> Dict[str, Any]:
             "splits": {d.split: d.order_entry() for d in datasets[:2] if d is not None}}
 
 
-def _start_checks(cfg: RunConfig, info: DistributedInfo
+def _start_checks(cfg: RunConfig, info: DistributedInfo, restarted: bool = False
                   ) -> Tuple[Optional[SaveDirLock], StartDecision]:
     """The --save/--load checks every rank runs before anything is built; all ranks agree.
 
@@ -112,9 +111,12 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo
     other rank checks it can write there too; all apply the resume policy and, when resuming,
     check that the saved layout can be loaded. If any rank fails, every rank raises (the
     failing one with its own message) and the lock is released. `--dry-run` makes the same
-    decisions, without writing (app.training.planning.preflight.check_checkpoint).
+    decisions, without writing (app.training.planning.preflight.check_checkpoint). After an
+    in-process restart (`restarted`) the checkpoints --save holds are this run's own: they are
+    not refused (as --overwrite-checkpoints, without its warning).
     """
-    c = cfg.checkpoint
+    c = dataclasses.replace(cfg.checkpoint, overwrite_checkpoints=True) if restarted \
+        else cfg.checkpoint
     lock: Optional[SaveDirLock] = None
     decision, error = StartDecision(None), None
     try:
@@ -123,7 +125,7 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo
         elif c.save:
             ensure_writable_dir(c.save)
         decision = decide_start(c)
-        if decision.warning:
+        if decision.warning and not restarted:
             logger.warning(decision.warning)
         if decision.load is not None:
             check_resume(cfg, decision.load)
@@ -143,11 +145,13 @@ def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
     of the checkpoint (app.training.resilience.data_order; every rank decides alike)."""
     if decision.note:
         logger.info(decision.note)
-    loaded = _load_local(cfg, run, decision, device)
-    if loaded is None and decision.load is None:
+    c = cfg.checkpoint
+    # local checkpoints count for a resume (--load, not --finetune) as for a rollback
+    chosen = newest_checkpoint(c, decision.load,
+                               use_local=c.local_checkpoints and bool(c.load) and not c.finetune)
+    if chosen.local is None and decision.load is None:
         return RunState(data_order=data_order)
-    if loaded is None:
-        loaded = load_on_all_ranks(run.engine, decision.load, device)
+    loaded = load_newest(run.engine, chosen, c, device)
     if loaded is None:
         raise CheckpointError(f"--load {decision.load}: its tracker disappeared while starting")
     if loaded.iteration > 0:  # weights-only loads start at 0: no position to keep
@@ -160,18 +164,6 @@ def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
                 loaded.path, loaded.iteration, loaded.consumed_train_samples)
     return RunState(loaded.iteration, loaded.consumed_train_samples,
                     loaded.consumed_valid_samples, data_order=data_order)
-
-
-def _load_local(cfg: RunConfig, run: Any, decision: StartDecision, device: Any
-                ) -> Optional[LoadResult]:
-    """A resume (--load, not --finetune) from the newest complete local checkpoint when there
-    are local checkpoints at least as new as the persistent one (local_checkpoints)."""
-    c = cfg.checkpoint
-    if not (c.local_checkpoints and c.load and not c.finetune):
-        return None
-    persistent = names.read_tracker(decision.load) if decision.load is not None else None
-    return restore_newest(run.engine, c, device,
-                          persistent if isinstance(persistent, int) else None, c.load)
 
 
 def _signal_handler(cfg: RunConfig) -> Optional[ExitSignalHandler]:
@@ -255,7 +247,7 @@ def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
                 cfg.model.padded_vocab_size)
     _log_precision(cfg)
     with contextlib.ExitStack() as stack:
-        lock, decision = _start_checks(cfg, info)
+        lock, decision = _start_checks(cfg, info, restarted=bool(restart and restart.restarts))
         if lock is not None:
             stack.callback(lock.release)
         stack.enter_context(LauncherWatch())

@@ -555,6 +555,8 @@ class Trainer:
         if self.rollback is None or not self.rollback.check(s, step.loss, stop):
             return False
         self.nonfinite.streak = 0
+        if self.inprocess is not None:  # its snapshots hold the window just skipped
+            self.inprocess.after_rollback(self.engine, s)
         return True
 
     def _finish(self, valid_iter, last_saved: Optional[int]) -> None:

@@ -86,39 +86,61 @@ def _run(cfg, datasets, state=None, load=None):
     return trainer
 
 
-@pytest.mark.parametrize("engine", [(), ("--deepspeed", "--deepspeed_config",
-                                           os.path.join(ROOT, "ds_configs", "zero2.json")),
+LOCAL = ("--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "local",
+         "--non-persistent-local-ckpt-dir")
+"""Local checkpoints every 2 iterations (the test's folder follows): 16 is newer than the
+persistent 15, so the rollback goes back to 16, as a resume would."""
+
+
+@pytest.mark.parametrize("engine", [LOCAL, ("--deepspeed", "--deepspeed_config",
+                                             os.path.join(ROOT, "ds_configs", "zero2.json")),
                                     ("--deepspeed", "--deepspeed_config",
                                      os.path.join(ROOT, "ds_configs", "zero3.json")),
                                     ("--async-save",)],
-                         ids=["native", "deepspeed", "deepspeed_zero3", "native_async_save"])
+                         ids=["native_local_checkpoints", "deepspeed", "deepspeed_zero3",
+                              "native_async_save"])
 def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, caplog, engine):
     ck = tmp_path / "ck"
-    cfg = arguments.config_from_argv([*SPIKE_ARGS, *engine, "--save", str(ck)], 1, VOCAB)
+    local = engine == LOCAL
+    flags = [*engine, str(tmp_path / "local")] if local else list(engine)
+    cfg = arguments.config_from_argv([*SPIKE_ARGS, *flags, "--save", str(ck)], 1, VOCAB)
     poisoned = range(4 * 17, 4 * 17 + 3)  # three of the four samples of iteration 18
     data = PoisonedSamples(RandomTokens(400, 16, VOCAB, seed=3), poisoned)
     with caplog.at_level(logging.WARNING):
         trainer = _run(cfg, (data, None, None))
     log = caplog.text
+    back, kind = (16, f"local checkpoint of iteration 16 in {tmp_path / 'local'}") if local \
+        else (15, f"persistent checkpoint of iteration 15 in {ck}")
     assert "iteration 18: loss" in log and "rolling back (1 of 1)" in log, log
-    assert "rolled back to iteration 15" in log and "skipping training samples [60, 72)" in log
-    assert trainer.state.iteration == 30 and trainer.state.consumed_train_samples == 30 * 4 + 12
+    assert f"rolled back to iteration {back} from the {kind}" in log, log
+    assert f"skipping training samples [{4 * back}, 72)" in log
+    assert trainer.state.iteration == 30
+    assert trainer.state.consumed_train_samples == 30 * 4 + 72 - 4 * back
     after = data.read[data.read.index(72):]  # reads once the rollback resumed at sample 72
-    assert not set(after) & set(range(60, 72)), "the skipped window was read again"
+    assert not set(after) & set(range(4 * back, 72)), "the skipped window was read again"
     assert ckpt.read_tracker(str(ck)) == 30
 
-    # the rollback is exactly "load iteration 15 and continue at sample 72": a fresh run doing
-    # that by hand ends with the same weights, bit for bit
-    other = tmp_path / "other"
+    # the rollback is exactly "load iteration 15 (with local checkpoints: and train iteration
+    # 16 on its samples [60, 64)), then continue at sample 72": a fresh run doing that by hand
+    # ends with the same weights, bit for bit
     reference = tmp_path / "ref"
     shutil.copytree(ck / "iter_0000015", reference / "iter_0000015")
     if "--deepspeed" in engine:
         (reference / "latest").write_text("iter_0000015")
     names.write_tracker(str(reference), 15)
-    again = _run(arguments.config_from_argv([*SPIKE_ARGS, *engine, "--save", str(other)], 1,
-                                            VOCAB),
-                 (RandomTokens(400, 16, VOCAB, seed=3), None, None),
-                 state=RunState(15, 72, 0), load=str(reference))
+    again_argv = [*SPIKE_ARGS, *([] if local else engine), "--save", str(tmp_path / "other")]
+    clean = (RandomTokens(400, 16, VOCAB, seed=3), None, None)
+    if local:
+        run = build_run(arguments.config_from_argv([*again_argv, "--exit-interval", "16"], 1,
+                                                   VOCAB), 1, torch.device("cpu"))
+        load_on_all_ranks(run.engine, str(reference), torch.device("cpu"))
+        run.attach_trainer(clean, eod=0, state=RunState(15, 60, 0)).train()
+        again = run.attach_trainer(clean, eod=0, state=RunState(16, 72, 0))
+        again.train()
+    else:
+        again = _run(arguments.config_from_argv(again_argv, 1, VOCAB), clean,
+                     state=RunState(15, 72, 0), load=str(reference))
+    assert again.state.iteration == 30
     for (name, p), (_, q) in zip(trainer.engine.local_parameters(),
                                  again.engine.local_parameters(), strict=True):
         assert torch.equal(p, q), name

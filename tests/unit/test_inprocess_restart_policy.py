@@ -71,6 +71,32 @@ def test_a_failure_restores_the_newest_snapshot_and_its_rng(world_of_one):
     assert dist.is_initialized() and restart.generation == 1
 
 
+def test_a_restart_after_a_rollback_resumes_past_the_skipped_window(world_of_one):
+    """Iteration 3 spikes (samples [4, 6)) and --rollback-on-spike goes back to the checkpoint
+    of iteration 1, skipping samples [2, 6); a fault comes before the next snapshot. The
+    restart resumes there, at iteration 1 and sample 6, not from the snapshot of iteration 2
+    taken before the spike (sample 4: the spike's window read again)."""
+    engine, seen = _engine(), {}
+    restart = InProcessRestart(InProcessRestartConfig(enabled=True, barrier_timeout=5), 1.0)
+
+    def attempt(r):
+        state = r.restore(engine) or RunState()
+        seen.setdefault("starts", []).append((state.iteration, state.consumed_train_samples))
+        if len(seen["starts"]) == 1:
+            _train(r, engine, state, 2)  # snapshots of iterations 1 and 2
+            state.iteration, state.consumed_train_samples = 3, 6  # iteration 3 spiked
+            engine.module.weight.data.fill_(0.5)  # the rollback's load of iteration 1
+            state.iteration = 1
+            r.after_rollback(engine, state)
+            engine.module.weight.data.add_(1.0)  # a partial iteration, abandoned
+            raise RuntimeError("a bug in this rank")
+        return state
+
+    restart.run(attempt)
+    assert seen["starts"] == [(0, 0), (1, 6)]
+    assert bool((engine.module.weight == 0.5).all())
+
+
 def test_not_restarted_before_training_on_a_save_failure_or_past_the_limit(world_of_one):
     config = InProcessRestartConfig(enabled=True, max_iterations=2, barrier_timeout=5)
     calls = []

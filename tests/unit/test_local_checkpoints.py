@@ -54,6 +54,11 @@ def test_newest_complete_skips_uncommitted_and_incomplete_iterations():
     assert it is None and "iteration 6 lacks the state of rank(s) [1]" in why
     assert lc.newest_complete([scan_of(None), scan_of(None)])[2] == \
         "no rank has committed a local checkpoint"
+    # a rollback at iteration 5 takes nothing after it (another run's 6 in the folder)
+    scans = [scan_of(6, i4=[0], i6=[0]), scan_of(6, i4=[1], i6=[1])]
+    assert lc.newest_complete(scans, at_most=5)[:2] == (4, {0: 0, 1: 1})
+    it, _, why = lc.newest_complete(scans, at_most=3)
+    assert it is None and "no iteration up to 3 (the run's position)" in why
 
 
 def test_scan_counts_only_files_whose_checksum_verifies(tmp_path):
@@ -82,6 +87,34 @@ def test_scan_counts_only_files_whose_checksum_verifies(tmp_path):
 def test_flag_rules_name_the_flag_and_the_fix(flags, message):
     with pytest.raises(ValueError, match=message):
         CheckpointConfig(**flags)
+
+
+def test_replication_settings_without_replication_are_refused_from_the_command_line():
+    """Megatron-LM warns and ignores --replication-jump without --replication; a run its user
+    thinks replicated would keep no replica, so we refuse it, naming the flags and the fix."""
+    import arguments
+
+    local = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "4",
+             "--micro-batch-size", "1", "--non-persistent-save-interval", "2",
+             "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "/l"]
+
+    def config(*extra):
+        return arguments.build_run_config(arguments.parse_args(local + list(extra)), 4, 100, 128)
+
+    for extra, given in ((["--replication-jump", "2"], "--replication-jump 2 given"),
+                         (["--replication-factor", "3"], "--replication-factor 3 given"),
+                         (["--replication-jump", "2", "--replication-factor", "2"],
+                          "--replication-jump 2 and --replication-factor 2 given")):
+        with pytest.raises(ValueError) as info:
+            config(*extra)
+        message = str(info.value)
+        assert message.startswith(given) and "without --replication" in message, message
+        assert "Add --replication" in message and "or drop --replication-" in message, message
+    assert config().checkpoint.replication_factor is None
+    assert config("--replication", "--replication-jump", "2").checkpoint.replication_factor == 2
+    replicated = config("--replication", "--replication-jump", "1", "--replication-factor", "4")
+    assert lc.group_of(replicated.checkpoint, 1, 4) == [1, 0, 2, 3]
 
 
 class FakeEngine:
@@ -122,14 +155,29 @@ def test_save_then_restore_one_rank_keeps_the_newest_and_its_rng(tmp_path):
     folder = tmp_path / "local" / "rank_0"
     assert sorted(os.listdir(folder)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
     assert any("local: saved checkpoint at iteration 4" in line for line in lines), lines
-    # a persistent checkpoint newer than the local one wins (Megatron: local when >=)
-    assert lc.restore_newest(FakeEngine(0), cfg, torch.device("cpu"), 5, "/ck") is None
+    assert not records  # no save failed
+    # the choice a resume and a rollback share, against a persistent tracker beside it: a
+    # persistent checkpoint newer than the local one wins (Megatron: local when >=)
+    ck = str(tmp_path / "ck")
+    for iteration in (3, 4, 5, "release"):
+        os.makedirs(names.checkpoint_dir(ck, iteration))
+    for tracker, use_local, local in ((5, True, False), (4, True, True), ("release", True, True),
+                                      (4, False, False)):
+        names.write_tracker(ck, tracker)
+        chosen = lc.newest_checkpoint(cfg, ck, use_local)
+        assert (chosen.local is not None, chosen.iteration) == (local, 4 if local else tracker)
+        assert chosen.describe() == (f"the local checkpoint of iteration 4 in {tmp_path / 'local'}"
+                                     if local else
+                                     f"the persistent checkpoint of iteration {tracker} in {ck}")
+    assert lc.newest_checkpoint(cfg, str(tmp_path / "none"), True).iteration == 4
+    assert lc.newest_checkpoint(cfg, str(tmp_path / "none"), False).iteration is None
+    names.write_tracker(ck, 3)
     restored = FakeEngine(0)
-    loaded = lc.restore_newest(restored, cfg, torch.device("cpu"), 4, "/ck")
+    loaded = lc.load_newest(restored, lc.newest_checkpoint(cfg, ck, True), cfg,
+                            torch.device("cpu"))
     assert (loaded.iteration, loaded.consumed_train_samples) == (4, 16)
     assert restored.weights["w"].tolist() == [5.0, 5.0, 5.0]
     assert torch.rand(4).equal(expected_rng)
-    assert not records  # no save failed
 
 
 def test_a_failed_local_save_is_undone_recorded_and_training_goes_on(tmp_path):
@@ -172,4 +220,5 @@ def test_a_local_checkpoint_of_another_world_size_is_refused_with_the_fix(tmp_pa
     saver.world_size = 2  # as rank 0 of a two-rank run writes it
     saver.save_checkpoint(saver.folder, 2, {"iteration": 2}, asynchronous=False)
     with pytest.raises(CheckpointError, match=r"saved by 2 ranks and this run has 1.*remove "):
-        lc.restore_newest(FakeEngine(0), cfg, torch.device("cpu"))
+        lc.load_newest(FakeEngine(0), lc.newest_checkpoint(cfg, None, True), cfg,
+                       torch.device("cpu"))

@@ -26,7 +26,9 @@ the failed generation. One failure goes through these steps on every rank:
    two ranks' copies still finds a common one). Without one (interval 0, or no snapshot in
    common) the attempt loads the newest checkpoint from --load with the ordinary resume policy.
    Training goes on from there: the data iterators are rebuilt from the consumed-sample count,
-   so the result is bit-identical to a run without the failure.
+   so the result is bit-identical to a run without the failure. A --rollback-on-spike drops
+   the snapshots (they hold the abandoned data window) and takes one of the state it rolled
+   back to, its position past the skipped window (`after_rollback`).
 
 Not restarted: an error before training began (configuration, data, a checkpoint that does not
 load: it would fail again), a stop the run asked for (SaveFailed after --max-failed-saves,
@@ -207,6 +209,17 @@ class InProcessRestart:
             self._report_resumed(state)
         interval = self.config.snapshot_interval
         if interval and (state.iteration % interval == 0 or not self._snapshots):
+            self._take(engine, state)
+
+    def after_rollback(self, engine: Any, state: Any) -> None:
+        """Trainer side, on every rank after a --rollback-on-spike reload: the snapshots hold
+        the abandoned timeline (the newest one sits before the spike's data window, which a
+        restart to it would read again), so they go, and the rolled-back state is the newest
+        snapshot (none with --inprocess-snapshot-interval 0: a restart reloads --load's
+        checkpoint)."""
+        self._snapshots.clear()
+        self._completed = state.iteration
+        if self.config.snapshot_interval:
             self._take(engine, state)
 
     def _adopt_group(self) -> None:

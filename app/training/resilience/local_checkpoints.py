@@ -18,8 +18,8 @@ ranks agree, each rank's own tracker, the previous local iteration removed once 
 commits). The trainer drives it through `LocalSaves`, whose failures count like persistent
 ones (app.training.resilience.saving).
 
-On resume (`restore_newest`; app.training.pretrain calls it before the persistent load, the
-in-process restart may call it too) the candidates are ranked by iteration: every rank scans
+On resume (`newest_checkpoint`, then `load_newest`: app.training.pretrain's resume and
+--rollback-on-spike make this one choice) the candidates are ranked by iteration: every rank scans
 its folder (files whose checksum verifies), the ranks exchange what they hold, and the newest
 iteration that some rank committed (its tracker names it or a later one) and whose every
 rank's state is held by some rank wins, if it is at least as new as the persistent checkpoint
@@ -31,6 +31,7 @@ import dataclasses
 import io
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -42,7 +43,7 @@ from app.config.checkpoint import CheckpointConfig
 from app.launch.distributed import all_ranks_ok, world_group
 from app.mpu import collectives
 from app.mpu.random import load_rng_state_dict, rng_state_dict
-from app.training.resilience.resume import LoadResult, check_finite_weights
+from app.training.resilience.resume import LoadResult, check_finite_weights, load_on_all_ranks
 from app.training.resilience.saving import CheckpointSaver
 from app.utils.fileio import remove_temporaries
 
@@ -234,16 +235,21 @@ def scan(folder: str) -> Dict[str, Any]:
     return {"tracker": tracker if isinstance(tracker, int) else None, "held": held}
 
 
-def newest_complete(scans: List[Dict[str, Any]]) -> Tuple[Optional[int], Dict[int, int], str]:
-    """(iteration, {owner: holder rank}, why) of the newest iteration that some rank committed
-    and whose every rank's state some rank holds (a rank's own copy preferred); (None, {},
-    why not) when there is none. `scans[r]` is rank r's `scan`."""
+def newest_complete(scans: List[Dict[str, Any]], at_most: Optional[int] = None
+                    ) -> Tuple[Optional[int], Dict[int, int], str]:
+    """(iteration, {owner: holder rank}, why) of the newest iteration, up to `at_most` when
+    given, that some rank committed and whose every rank's state some rank holds (a rank's own
+    copy preferred); (None, {}, why not) when there is none. `scans[r]` is rank r's `scan`."""
     world = len(scans)
     committed = max((s["tracker"] for s in scans if s["tracker"] is not None), default=None)
     if committed is None:
         return None, {}, "no rank has committed a local checkpoint"
+    if at_most is not None and committed > at_most:
+        committed = at_most
+        why = f"no iteration up to {at_most} (the run's position) is held for every rank"
+    else:
+        why = f"no iteration up to {committed} (the newest committed) is held for every rank"
     iterations = sorted({i for s in scans for i in s["held"] if i <= committed}, reverse=True)
-    why = f"no iteration up to {committed} (the newest committed) is held for every rank"
     for iteration in iterations:
         holders: Dict[int, int] = {}
         for owner in range(world):
@@ -273,27 +279,48 @@ def _my_payload(folder_of: Callable[[int], str], iteration: int, holders: Dict[i
     return (read(rank) if source == rank else received[source]), where
 
 
-def restore_newest(engine: Any, cfg: CheckpointConfig, device: Any,
-                   persistent_iteration: Optional[int] = None, persistent_dir: str = ""
-                   ) -> Optional[LoadResult]:
-    """Load the newest local checkpoint complete over all ranks into `engine` (and the RNG
-    states), if it is at least as new as `persistent_iteration`; its position, or None (then
-    load the persistent one). Every rank calls it; all decide alike and log which and why."""
-    world, rank = collectives.group_size(world_group()), collectives.group_rank(world_group())
+@dataclass(frozen=True)
+class LocalPick:
+    """The local checkpoint a load takes: its iteration and, by owner rank, the rank that holds
+    the owner's state (`newest_complete`)."""
+
+    iteration: int
+    holders: Dict[int, int]
+
+
+def _pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int],
+                 persistent_dir: str, at_most: Optional[int]) -> Optional[LocalPick]:
+    """The newest local checkpoint complete over all ranks (up to `at_most`) if it is at
+    least as new as `persistent_iteration` (Megatron's rule), else None (and why is logged).
+    Every rank calls it and all decide alike (one gather of what each rank's folder holds)."""
+    rank = collectives.group_rank(world_group())
     local_dir = cfg.non_persistent_local_ckpt_dir
     scans = collectives.broadcast_object(
         collectives.gather_object(scan(rank_dir(local_dir, rank)), 0, world_group()), 0,
         world_group())
-    iteration, holders, why = newest_complete(scans)
-    persistent = (f"the persistent checkpoint of iteration {persistent_iteration} in "
-                  f"{persistent_dir}" if persistent_iteration is not None else
-                  "no persistent checkpoint")
+    iteration, holders, why = newest_complete(scans, at_most)
     if iteration is None or (persistent_iteration is not None and iteration < persistent_iteration):
         reason = why or f"its newest complete iteration {iteration} is older"
         logger.info("local checkpoints in %s not used (%s): %s", local_dir, reason,
-                    f"loading {persistent}" if persistent_iteration is not None else
+                    f"loading {_persistent(persistent_iteration, persistent_dir)}"
+                    if persistent_iteration is not None else
                     "and there is no persistent checkpoint")
         return None
+    return LocalPick(iteration, holders)
+
+
+def _persistent(iteration: Optional[names.Iteration], directory: Optional[str]) -> str:
+    return (f"the persistent checkpoint of iteration {iteration} in {directory}"
+            if iteration is not None else "no persistent checkpoint")
+
+
+def _load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
+              instead_of: str = "", doing: str = "resuming from") -> LoadResult:
+    """Load the local checkpoint `pick` into `engine` (and the RNG states unless
+    --no-load-rng) on every rank, a rank whose own copy is lost taking it from a replica's
+    holder; its position. Logs `doing` the checkpoint, `instead_of` what (for the log)."""
+    world, rank = collectives.group_size(world_group()), collectives.group_rank(world_group())
+    local_dir, iteration, holders = cfg.non_persistent_local_ckpt_dir, pick.iteration, pick.holders
     replicas = sorted(o for o, h in holders.items() if o != h)
     data, where = _my_payload(lambda r: rank_dir(local_dir, r), iteration, holders, rank, device)
     error: Optional[BaseException] = None
@@ -312,11 +339,13 @@ def restore_newest(engine: Any, cfg: CheckpointConfig, device: Any,
     except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
         error = exc
     if not all_ranks_ok(error is None, device):
-        raise error or CheckpointError(f"another rank could not load the local checkpoint of "
-                                       f"iteration {iteration} in {local_dir}; its message says why")
-    logger.info("resuming from the local checkpoint of iteration %d in %s (the newest complete "
-                "over all %d ranks%s), not from %s", iteration, local_dir, world,
-                f"; rank(s) {replicas} restored from replicas" if replicas else "", persistent)
+        raise error or CheckpointError(
+            f"another rank could not load the local checkpoint of iteration {iteration} in "
+            f"{local_dir}; its message says why")
+    logger.info("%s the local checkpoint of iteration %d in %s (the newest complete over all %d "
+                "ranks%s)%s", doing, iteration, local_dir, world,
+                f"; rank(s) {replicas} restored from replicas" if replicas else "",
+                f", not from {instead_of}" if instead_of else "")
     position = state["client_state"]
     return LoadResult(iteration, int(position.get("consumed_train_samples", 0)),
                       int(position.get("consumed_valid_samples", 0)),
@@ -324,5 +353,57 @@ def restore_newest(engine: Any, cfg: CheckpointConfig, device: Any,
                       position.get("data_order"))
 
 
-__all__ = ["LocalCheckpoints", "LocalSaves", "newest_complete", "replica_group",
-           "restore_newest", "scan"]
+# ---------------------------------------------------------------------------- either kind
+
+@dataclass(frozen=True)
+class NewestCheckpoint:
+    """The checkpoint a load takes (`newest_checkpoint`): `local` when the newest local
+    checkpoint wins, else the persistent one under `directory`, whose tracker named
+    `persistent` (None: no tracker)."""
+
+    directory: Optional[str]
+    persistent: Optional[names.Iteration]
+    local: Optional[LocalPick] = None
+    local_dir: str = ""
+
+    @property
+    def iteration(self) -> Optional[names.Iteration]:
+        """The iteration the load goes back to (None: there is no checkpoint)."""
+        return self.local.iteration if self.local is not None else self.persistent
+
+    def describe(self) -> str:
+        """'the local checkpoint of iteration 16 in DIR', or the persistent one's words."""
+        if self.local is not None:
+            return f"the local checkpoint of iteration {self.local.iteration} in {self.local_dir}"
+        return _persistent(self.persistent, self.directory)
+
+
+def newest_checkpoint(cfg: CheckpointConfig, directory: Optional[str], use_local: bool,
+                      at_most: Optional[int] = None) -> NewestCheckpoint:
+    """The one choice between local and persistent checkpoints, made alike by a resume (from
+    --load, app.training.pretrain) and a rollback (to --save, app.training.resilience.rollback):
+    with `use_local`, the newest local checkpoint complete over all ranks when it is at least
+    as new as the persistent checkpoint under `directory` (a tracker naming 'release' counts
+    as none), else that persistent one. `at_most` (a rollback: the run's iteration) leaves out
+    local checkpoints after it, which another run left in the folder. Every rank calls it (a
+    collective with `use_local`)."""
+    persistent = names.read_tracker(directory) if directory else None
+    numbered = persistent if isinstance(persistent, int) else None
+    pick = _pick_newest(cfg, numbered, directory or "", at_most) if use_local else None
+    return NewestCheckpoint(directory, persistent, pick, cfg.non_persistent_local_ckpt_dir or "")
+
+
+def load_newest(engine: Any, chosen: NewestCheckpoint, cfg: CheckpointConfig, device: Any,
+                doing: str = "resuming from") -> Optional[LoadResult]:
+    """Load `chosen` on every rank under `cfg`'s --finetune/--no-load-* settings; None when
+    it is persistent and its directory holds no checkpoint (any more)."""
+    if chosen.local is not None:
+        return _load_pick(engine, cfg, device, chosen.local,
+                         _persistent(chosen.persistent, chosen.directory), doing)
+    if not chosen.directory:
+        return None
+    return load_on_all_ranks(engine, chosen.directory, device, checkpoint=cfg)
+
+
+__all__ = ["LocalCheckpoints", "LocalPick", "LocalSaves", "NewestCheckpoint", "load_newest",
+           "newest_checkpoint", "newest_complete", "replica_group", "scan"]

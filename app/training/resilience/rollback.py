@@ -10,8 +10,11 @@ Triggers, checked after every iteration:
   (app.training.resilience.nonfinite), which would otherwise stop the run.
 
 All ranks agree on a trigger (one max all-reduce per iteration: the loss lives on the last
-pipeline stage), then every rank reloads the latest checkpoint under --save with everything in
-it (weights, optimizer, LR schedule, RNG), whatever --finetune/--no-load-* said at start. The
+pipeline stage), then every rank reloads the newest checkpoint with everything in it (weights,
+optimizer, LR schedule, RNG), whatever --finetune/--no-load-* said at start: with local
+checkpoints (--non-persistent-ckpt-type local) the newest one complete over all ranks when it is
+at least as new as the latest persistent one under --save, else that persistent one: the
+choice a resume makes (local_checkpoints.newest_checkpoint), and the log says which. The
 data of the window that led to the spike, samples [checkpoint's consumed samples, samples
 consumed through the spike iteration), is skipped: the iteration count goes back to the
 checkpoint's, the consumed-sample count does not, and the sampler resumes from it. The run
@@ -38,10 +41,10 @@ import torch
 
 from app.config import RollbackConfig, RunConfig
 from app.mpu import collectives
-from app.checkpoint import names
 from app.launch.distributed import world_group
 from app.training.resilience.nonfinite import TrainingAborted
-from app.training.resilience.resume import load_on_all_ranks
+from app.training.resilience.local_checkpoints import (NewestCheckpoint, load_newest,
+                                                       newest_checkpoint)
 from app.utils.rank_logging import LAST_RANK
 
 logger = logging.getLogger(__name__)
@@ -110,40 +113,49 @@ class SpikeRollback:
         if not self._agree(reason is not None):
             return False
         reason = reason or "another rank saw the trigger"
-        self.finish_save()  # a save still being written (--async-save) counts
-        save = self.cfg.checkpoint.save
-        latest = names.read_tracker(save)
+        self.finish_save()  # a save still being written (--async-save, a local one) counts
+        c = self.cfg.checkpoint
+        chosen = newest_checkpoint(c, c.save, use_local=c.local_checkpoints,  # as a resume does
+                                   at_most=state.iteration)
         budget = self.cfg.rollback.max_rollbacks
-        if self.rollbacks >= budget or latest is None:
-            why = (f"{budget} rollback(s) already made (--max-rollbacks)" if latest is not None
-                   else f"no checkpoint under --save {save} to roll back to yet")
+        if self.rollbacks >= budget or chosen.iteration is None:
+            where = f"--save {c.save}" + (f" or --non-persistent-local-ckpt-dir "
+                                          f"{c.non_persistent_local_ckpt_dir}"
+                                          if c.local_checkpoints else "")
+            why = (f"{budget} rollback(s) already made (--max-rollbacks)"
+                   if chosen.iteration is not None
+                   else f"no checkpoint under {where} to roll back to yet")
             raise TrainingAborted(
                 f"iteration {state.iteration}: {reason}; {why}: stopping without saving a "
                 f"checkpoint. The last good checkpoint is "
-                f"{names.checkpoint_dir(save, latest) if latest is not None else 'none'}: check "
+                f"{chosen.describe() if chosen.iteration is not None else 'none'}: check "
                 "the data after it, lower --lr, or raise --max-rollbacks")
-        self._check_data_left(state, reason, latest)
+        self._check_data_left(state, reason, chosen)
         self.rollbacks += 1
         logger.warning("iteration %d: %s: rolling back (%d of %d)", state.iteration, reason,
                        self.rollbacks, budget, extra=LAST_RANK)
-        loaded = load_on_all_ranks(self.engine, save, self.device, checkpoint=self.restore_all)
+        loaded = load_newest(self.engine, chosen, self.restore_all, self.device,
+                             doing="rolling back to")
+        if loaded is None:
+            raise TrainingAborted(f"iteration {state.iteration}: {reason}; {chosen.describe()} "
+                                  "disappeared while rolling back: stopping")
         skipped = (loaded.consumed_train_samples, state.consumed_train_samples)
-        logger.warning("rolled back to iteration %d (%s); skipping training samples [%d, %d) "
-                       "(the %d iterations of data that led to the spike)", loaded.iteration,
-                       loaded.path, skipped[0], skipped[1], state.iteration - loaded.iteration,
-                       extra=LAST_RANK)
+        logger.warning("rolled back to iteration %d from %s (%s); skipping training samples "
+                       "[%d, %d) (the %d iterations of data that led to the spike)",
+                       loaded.iteration, chosen.describe(), loaded.path, skipped[0], skipped[1],
+                       state.iteration - loaded.iteration, extra=LAST_RANK)
         state.iteration = loaded.iteration
         state.consumed_valid_samples = loaded.consumed_valid_samples
         return True
 
-    def _check_data_left(self, state: Any, reason: str, latest: Any) -> None:
+    def _check_data_left(self, state: Any, reason: str, chosen: NewestCheckpoint) -> None:
         """Raise TrainingAborted (on every rank alike: the numbers are the same everywhere)
-        when going back to checkpoint `latest` and skipping the data read since would leave too
+        when going back to checkpoint `chosen` and skipping the data read since would leave too
         few training samples to reach --train-iters."""
         if self.train_samples is None:
             return
-        t, save = self.cfg.training, self.cfg.checkpoint.save
-        back_to = latest if isinstance(latest, int) else 0  # "release" restarts the count
+        t = self.cfg.training
+        back_to = chosen.iteration if isinstance(chosen.iteration, int) else 0  # "release": 0
         needed = state.consumed_train_samples + self.cfg.batch_schedule.samples_in(
             t.train_iters - back_to, state.consumed_train_samples)
         if needed <= self.train_samples:
@@ -153,7 +165,7 @@ class SpikeRollback:
             f"skip the data read since it, and the {t.train_iters - back_to} iterations left to "
             f"--train-iters {t.train_iters} would then need training samples up to {needed}, "
             f"but the training data set holds {self.train_samples}: stopping without saving a "
-            f"checkpoint. The last good checkpoint is {names.checkpoint_dir(save, latest)}: "
+            f"checkpoint. The last good checkpoint is {chosen.describe()}: "
             "check the data after it, or resume from it with a lower --save-interval or a "
             "higher --max-rollbacks (each sizes the training data for (--save-interval + "
             "--max-consecutive-skipped-iterations) more iterations)")
