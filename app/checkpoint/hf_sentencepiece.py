@@ -1,0 +1,101 @@
+"""A SentencePiece `.model` (--tokenizer-type SentencePieceTokenizer or GPTSentencePieceTokenizer,
+Megatron's) as the tokenizer of a Hugging Face export: tokenizer.model as it is, and a
+tokenizer.json + tokenizer_config.json that transformers' AutoTokenizer loads (a fast tokenizer,
+tokenizer_class PreTrainedTokenizerFast) and that encodes text to the ids our tokenizer of that
+type gives.
+
+How the ids are kept equal:
+- the `.model` is converted by transformers (its SentencePiece normalizer, dummy prefix and
+  whitespace rules: the same ids as `SentencePieceProcessor.encode` for plain text);
+- no BOS or EOS is added (neither of Megatron's two types adds one);
+- GPTSentencePieceTokenizer encodes literal "<s>", "</s>", "<unk>" text as text, as SentencePiece
+  does: split_special_tokens, and a Unigram model's control, unknown, byte and unused pieces
+  scored out of reach (SentencePiece never emits them for text);
+- SentencePieceTokenizer's <CLS> <SEP> <EOD> <MASK> (and <PAD>/<BOS>/<EOS> where the model has no
+  such piece) are added after the pieces in Megatron's order, and the text is split at them and at
+  the model's pad/bos/eos pieces (NeMo's rule); its eos_token is <EOD>, the end of document.
+
+What still differs (docs/conversion.md): with SentencePieceTokenizer, literal "<unk>" text is
+the unk id in the export (pieces in ours); with a Unigram model, the text of a control piece
+whose characters the model does not know gives that piece in the export (unk ids in ours);
+decoding an unknown id gives "<unk>" where SentencePiece gives " ⁇ ".
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Dict, List, Optional
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+MEGATRON_SPECIAL = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
+"""The tokens Megatron's SentencePieceTokenizer appends first, in this order."""
+OUT_OF_REACH = -1e9
+"""The Unigram score given to pieces SentencePiece never emits for text."""
+
+
+def _piece(sp, index: int, fallback: Optional[str]) -> Optional[str]:
+    """The piece of id `index`, or `fallback` where the model has none (id -1)."""
+    return sp.id_to_piece(index) if 0 <= index < len(sp) else fallback
+
+
+def _backend(model_file: str, sp):
+    """transformers' conversion of the `.model` to a `tokenizers.Tokenizer`, without added
+    tokens, and with a Unigram model's non-text pieces scored out of reach."""
+    import tokenizers
+    import transformers
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(model_file, os.path.join(tmp, "tokenizer.model"))
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"unk_token": _piece(sp, sp.unk_id(), None)}, f)
+        converted = transformers.AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+    state = json.loads(converted.backend_tokenizer.to_str())
+    state["added_tokens"] = []
+    if state["model"]["type"] == "Unigram":
+        for i, entry in enumerate(state["model"]["vocab"][:len(sp)]):
+            if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i):
+                entry[1] = OUT_OF_REACH
+    return tokenizers.Tokenizer.from_str(json.dumps(state))
+
+
+def megatron_special_tokens(sp) -> List[str]:
+    """SentencePieceTokenizer's special tokens in the order Megatron adds them."""
+    return [*MEGATRON_SPECIAL, _piece(sp, sp.pad_id(), "<PAD>"),
+            _piece(sp, sp.bos_id(), "<BOS>"), _piece(sp, sp.eos_id(), "<EOS>")]
+
+
+def write_sentencepiece_tokenizer(out_dir: str, model_file: str, tokenizer_type: str,
+                                  model_max_length: int) -> Dict[str, str]:
+    """tokenizer.model, tokenizer.json and tokenizer_config.json of `model_file` read as
+    `tokenizer_type` (SENTENCEPIECE_TYPES) in `out_dir`; returns the files written."""
+    import sentencepiece
+    import transformers
+    from tokenizers import AddedToken
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    backend = _backend(model_file, sp)
+    full = tokenizer_type == "SentencePieceTokenizer"
+    special = {"bos_token": _piece(sp, sp.bos_id(), None), "eos_token": _piece(sp, sp.eos_id(), None),
+               "unk_token": _piece(sp, sp.unk_id(), None), "pad_token": _piece(sp, sp.pad_id(), None)}
+    extra: List[str] = []
+    if full:
+        added = megatron_special_tokens(sp)
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in added])
+        special.update(pad_token=added[4], bos_token=added[5], eos_token="<EOD>")
+        extra = [t for t in added if t not in special.values()]
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, split_special_tokens=not full, model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False, add_bos_token=False, add_eos_token=False,
+        additional_special_tokens=extra, **{k: v for k, v in special.items() if v is not None})
+    written = {os.path.basename(n): n for n in tokenizer.save_pretrained(out_dir)
+               if os.path.isfile(n)}
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 4 knows this name too
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))
+    written["tokenizer.model"] = os.path.join(out_dir, "tokenizer.model")
+    return written
