@@ -13,7 +13,9 @@ How the ids are kept equal:
   scored out of reach (SentencePiece never emits them for text);
 - SentencePieceTokenizer's <CLS> <SEP> <EOD> <MASK> (and <PAD>/<BOS>/<EOS> where the model has no
   such piece) are added after the pieces in Megatron's order, and the text is split at them and at
-  the model's pad/bos/eos pieces (NeMo's rule); its eos_token is <EOD>, the end of document.
+  the model's pad/bos/eos pieces (NeMo's rule); its eos_token is <EOD>, the end of document;
+- the written tokenizer is loaded back and must encode PROBES as ours (check_same_ids), so a
+  transformers version that converts otherwise is refused rather than exported.
 
 What still differs (docs/conversion.md): with SentencePieceTokenizer, literal "<unk>" text is
 the unk id in the export (pieces in ours); with a Unigram model, the text of a control piece
@@ -33,6 +35,8 @@ MEGATRON_SPECIAL = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
 """The tokens Megatron's SentencePieceTokenizer appends first, in this order."""
 OUT_OF_REACH = -1e9
 """The Unigram score given to pieces SentencePiece never emits for text."""
+PROBES = ("Hello  world,\n\ttabs ", " ＨÉllo ☃ 日本 ﬁ", "a<EOD>b <CLS>c  d<MASK>")
+"""Text the written tokenizer must encode as ours (whitespace, NFKC, unicode, special tokens)."""
 
 
 def _piece(sp, index: int, fallback: Optional[str]) -> Optional[str]:
@@ -49,8 +53,15 @@ def _backend(model_file: str, sp):
         shutil.copyfile(model_file, os.path.join(tmp, "tokenizer.model"))
         with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump({"unk_token": _piece(sp, sp.unk_id(), None)}, f)
-        converted = transformers.AutoTokenizer.from_pretrained(tmp, local_files_only=True)
-    state = json.loads(converted.backend_tokenizer.to_str())
+        try:
+            converted = transformers.AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+            state = json.loads(converted.backend_tokenizer.to_str())
+        except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--tokenizer-model {model_file}: transformers "
+                             f"{transformers.__version__} cannot convert this SentencePiece "
+                             f"model to a tokenizer.json ({str(exc).strip()[:200]}); use "
+                             "transformers 5 (with protobuf), or pass --tokenizer-model DIR, a "
+                             "Hugging Face tokenizer of it") from None
     state["added_tokens"] = []
     if state["model"]["type"] == "Unigram":
         for i, entry in enumerate(state["model"]["vocab"][:len(sp)]):
@@ -98,4 +109,22 @@ def write_sentencepiece_tokenizer(out_dir: str, model_file: str, tokenizer_type:
         f.write("\n")
     shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))
     written["tokenizer.model"] = os.path.join(out_dir, "tokenizer.model")
+    check_same_ids(out_dir, model_file, tokenizer_type)
     return written
+
+
+def check_same_ids(out_dir: str, model_file: str, tokenizer_type: str) -> None:
+    """ValueError unless the tokenizer in `out_dir` encodes PROBES as our `tokenizer_type` of
+    `model_file` (a transformers whose conversion differs is refused, not exported)."""
+    import transformers
+    from app.data.tokenizer import build_tokenizer
+    exported = transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    ours = build_tokenizer(tokenizer_type, None, None, tokenizer_model=model_file)
+    for text in PROBES:
+        got, want = list(exported(text).input_ids), ours.tokenize(text)
+        if got != want:
+            raise ValueError(f"--tokenizer-model {model_file}: the tokenizer.json that "
+                             f"transformers {transformers.__version__} makes of it encodes "
+                             f"{text!r} as {got}, our {tokenizer_type} as {want}; use "
+                             "transformers 5, or pass --tokenizer-model DIR, a Hugging Face "
+                             "tokenizer of it")

@@ -239,10 +239,12 @@ def test_a_sentencepiece_tokenizer_travels_into_the_export(tmp_path, unigram_mod
         assert ours.eod == len(sp) + 2  # <CLS> <SEP> <EOD> <MASK> after the pieces
 
 
-def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_model):
+def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_model,
+                                                           monkeypatch):
     """--tokenizer-model FILE on the converter reads the .model as GPTSentencePieceTokenizer
     for a checkpoint of another type (here a GPT-2 export: its config.json's bos is the
-    model's); a missing file is one clear error before any work, from the flag or the args."""
+    model's); a missing file is one clear error before any work, from the flag or the args;
+    a tokenizer.json that would encode otherwise than ours is refused."""
     import sentencepiece
     from app.checkpoint import hf
     from app.checkpoint.hf_files import pick_tokenizer
@@ -258,6 +260,10 @@ def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_mod
     import contextlib
     import io
     from tools.convert_checkpoint import main
+    again = tmp_path / "again"  # the same through the command line (a GPT-2 HF source)
+    assert main(["--load", str(out), "--save", str(again), "--output-format", "hf",
+                 "--tokenizer-model", unigram_model]) == 0
+    _exported_ids(again, ours, sp, SPM_STRINGS[:5])
     missing = tmp_path / "gone" / "tok.model"
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -268,3 +274,10 @@ def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_mod
     source.args.tokenizer_type, source.args.tokenizer_model = "SentencePieceTokenizer", str(missing)
     with pytest.raises(FileNotFoundError, match=f"args name --tokenizer-model {missing}"):
         pick_tokenizer(source.args, {}, None, None, None)
+    from app.checkpoint import hf_sentencepiece
+    monkeypatch.setattr(hf_sentencepiece, "OUT_OF_REACH", 0.0)  # control pieces win: "<s>"
+    monkeypatch.setattr(hf_sentencepiece, "PROBES", ("<s>x</s>",))
+    with pytest.raises(ValueError, match="encodes '<s>x</s>' as .*, our "
+                                         "GPTSentencePieceTokenizer as"):
+        hf_sentencepiece.write_sentencepiece_tokenizer(str(tmp_path / "bad"), unigram_model,
+                                                       "GPTSentencePieceTokenizer", 64)
