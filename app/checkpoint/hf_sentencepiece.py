@@ -31,8 +31,6 @@ import tempfile
 from typing import Dict, List, Optional
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
-MEGATRON_SPECIAL = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
-"""The tokens Megatron's SentencePieceTokenizer appends first, in this order."""
 OUT_OF_REACH = -1e9
 """The Unigram score given to pieces SentencePiece never emits for text."""
 PROBES = ("Hello  world,\n\ttabs ", " ＨÉllo ☃ 日本 ﬁ", "a<EOD>b <CLS>c  d<MASK>")
@@ -70,12 +68,6 @@ def _backend(model_file: str, sp):
     return tokenizers.Tokenizer.from_str(json.dumps(state))
 
 
-def megatron_special_tokens(sp) -> List[str]:
-    """SentencePieceTokenizer's special tokens in the order Megatron adds them."""
-    return [*MEGATRON_SPECIAL, _piece(sp, sp.pad_id(), "<PAD>"),
-            _piece(sp, sp.bos_id(), "<BOS>"), _piece(sp, sp.eos_id(), "<EOS>")]
-
-
 def write_sentencepiece_tokenizer(out_dir: str, model_file: str, tokenizer_type: str,
                                   model_max_length: int) -> Dict[str, str]:
     """tokenizer.model, tokenizer.json and tokenizer_config.json of `model_file` read as
@@ -83,16 +75,21 @@ def write_sentencepiece_tokenizer(out_dir: str, model_file: str, tokenizer_type:
     import sentencepiece
     import transformers
     from tokenizers import AddedToken
+    from app.data.tokenizer import build_tokenizer
+    ours = build_tokenizer(tokenizer_type, None, None, tokenizer_model=model_file)
     sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
     backend = _backend(model_file, sp)
-    full = tokenizer_type == "SentencePieceTokenizer"
-    special = {"bos_token": _piece(sp, sp.bos_id(), None), "eos_token": _piece(sp, sp.eos_id(), None),
-               "unk_token": _piece(sp, sp.unk_id(), None), "pad_token": _piece(sp, sp.pad_id(), None)}
+    special = {name: _piece(sp, get(), None) for name, get in (
+        ("bos_token", sp.bos_id), ("eos_token", sp.eos_id), ("unk_token", sp.unk_id),
+        ("pad_token", sp.pad_id))}
     extra: List[str] = []
-    if full:
-        added = megatron_special_tokens(sp)
+    full = tokenizer_type == "SentencePieceTokenizer"
+    if full:  # Megatron's tokens after the pieces, at our ids; eos = <EOD>, the end of document
+        added = ours.special_tokens
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in added])
-        special.update(pad_token=added[4], bos_token=added[5], eos_token="<EOD>")
+        token = {i: t for t, i in added.items()}
+        special.update(pad_token=token[ours.pad], bos_token=token[ours.bos],
+                       eos_token=token[ours.eod])
         extra = [t for t in added if t not in special.values()]
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, split_special_tokens=not full, model_max_length=model_max_length,
@@ -109,17 +106,15 @@ def write_sentencepiece_tokenizer(out_dir: str, model_file: str, tokenizer_type:
         f.write("\n")
     shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))
     written["tokenizer.model"] = os.path.join(out_dir, "tokenizer.model")
-    check_same_ids(out_dir, model_file, tokenizer_type)
+    check_same_ids(out_dir, model_file, tokenizer_type, ours)
     return written
 
 
-def check_same_ids(out_dir: str, model_file: str, tokenizer_type: str) -> None:
-    """ValueError unless the tokenizer in `out_dir` encodes PROBES as our `tokenizer_type` of
-    `model_file` (a transformers whose conversion differs is refused, not exported)."""
+def check_same_ids(out_dir: str, model_file: str, tokenizer_type: str, ours) -> None:
+    """ValueError unless the tokenizer in `out_dir` encodes PROBES as `ours` (our
+    `tokenizer_type` of `model_file`): a transformers whose conversion differs is refused."""
     import transformers
-    from app.data.tokenizer import build_tokenizer
     exported = transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
-    ours = build_tokenizer(tokenizer_type, None, None, tokenizer_model=model_file)
     for text in PROBES:
         got, want = list(exported(text).input_ids), ours.tokenize(text)
         if got != want:

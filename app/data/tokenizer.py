@@ -250,6 +250,11 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
         self.vocab_size = len(vocab)
         self.eod = self._special["<EOD>"]
 
+    @property
+    def special_tokens(self) -> dict:
+        """{token: id} of the special tokens, in the order Megatron adds them."""
+        return dict(self._special)
+
     def tokenize(self, text: str) -> List[int]:
         ids: List[int] = []
         start = 0
