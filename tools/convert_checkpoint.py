@@ -6,7 +6,7 @@ torch_dist), DeepSpeed and Hugging Face (GPT-2, Llama, Qwen3).
         [--iteration N] [--target-tensor-model-parallel-size N] \
         [--target-pipeline-model-parallel-size M] [--target-params-dtype fp32|fp16|bf16] \
         [--include-optimizer] [--max-shard-size 2GB] [--vocab-file F --merge-file F | \
-        --tokenizer-model DIR] \
+        --tokenizer-model DIR|FILE.model] \
         [--metrics-file RUN/metrics.jsonl] [--print-checkpoint-structure]
 
 The input format is detected from the files in SRC (app.checkpoint.formats); --input-format, when

@@ -92,9 +92,10 @@ class ConvertOptions:
                                        help="GPT-2 merges.txt copied into the hf output")
     tokenizer_model: Optional[str] = option(
         "--tokenizer-model", default=None,
-        help="hf output: a Hugging Face tokenizer (a directory with tokenizer.json, or a Hub "
-             "name in the local cache) saved into the output (default: the source directory's "
-             "tokenizer, or the one the checkpoint's args name)")
+        help="hf output: the tokenizer saved into the output: a Hugging Face tokenizer (a "
+             "directory with tokenizer.json, or a Hub name in the local cache) or a SentencePiece "
+             ".model file (default: the source directory's tokenizer, or the one the "
+             "checkpoint's args name)")
     make_vocab_size_divisible_by: int = option(
         "--make-vocab-size-divisible-by", default=128,
         help="Megatron's vocabulary padding multiple for hf input (default 128)")
@@ -123,6 +124,9 @@ class ConvertOptions:
         if self.tokenizer_model and self.vocab_file:
             raise ValueError(f"--tokenizer-model {self.tokenizer_model} and --vocab-file "
                              f"{self.vocab_file} both name the tokenizer: give one of them")
+        if self.tokenizer_model:
+            from app.checkpoint.hf_files import check_tokenizer_model
+            check_tokenizer_model(self.tokenizer_model)
         if not self.print_checkpoint_structure and not self.save:
             raise ValueError("--save DIR is required (unless --print-checkpoint-structure)")
         self.input_format = _checked_input_format(self.load, self.input_format, self.iteration)

@@ -18,8 +18,10 @@ from typing import Dict, List, Optional
 
 import torch
 
+from app.checkpoint.hf_sentencepiece import SENTENCEPIECE_TYPES, write_sentencepiece_tokenizer
 from app.checkpoint.model_card import model_card
 from app.checkpoint.state import Progress
+from app.data.tokenizer import TOKENIZER_MODEL_TYPES, HuggingFaceTokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +148,11 @@ class ExportTokenizer:
     """GPT-2 BPE vocab.json (with merge_file)."""
     merge_file: Optional[str] = None
     tokenizer_model: Optional[str] = None
-    """A Hugging Face tokenizer (a directory with tokenizer.json, or a cached Hub name)."""
+    """A Hugging Face tokenizer (a directory with tokenizer.json, or a cached Hub name), or a
+    SentencePiece .model file (tokenizer_type says which)."""
+    tokenizer_type: Optional[str] = None
+    """Our tokenizer type of tokenizer_model: HuggingFaceTokenizer, SentencePieceTokenizer or
+    GPTSentencePieceTokenizer."""
     bos: Optional[int] = None
     eos: Optional[int] = None
     pad: Optional[int] = None
@@ -158,35 +164,68 @@ class ExportTokenizer:
 def pick_tokenizer(args: argparse.Namespace, tokenizer_files: Dict[str, str],
                    vocab_file: Optional[str], merge_file: Optional[str],
                    tokenizer_model: Optional[str]) -> ExportTokenizer:
-    """The tokenizer an export carries: --tokenizer-model, else --vocab-file/--merge-file, else
-    the source directory's GPT-2 files, else the Hugging Face tokenizer the checkpoint's args
-    name (--tokenizer-type HuggingFaceTokenizer --tokenizer-model of the run); its special ids
+    """The tokenizer an export carries: --tokenizer-model (a Hugging Face tokenizer, or a
+    SentencePiece .model read as the checkpoint's SentencePiece type, else as
+    GPTSentencePieceTokenizer), else --vocab-file/--merge-file, else the source directory's GPT-2
+    files, else the --tokenizer-model the checkpoint's args name (--tokenizer-type
+    HuggingFaceTokenizer, SentencePieceTokenizer or GPTSentencePieceTokenizer); its special ids
     read from it. An empty ExportTokenizer when none is known."""
     saved_type = getattr(args, "tokenizer_type", None)
+    sentencepiece_type = (saved_type if saved_type in SENTENCEPIECE_TYPES
+                          else "GPTSentencePieceTokenizer")
     if tokenizer_model is None and not vocab_file:
         vocab_file = tokenizer_files.get("vocab.json")
         merge_file = tokenizer_files.get("merges.txt")
-        if not vocab_file and saved_type == "HuggingFaceTokenizer":
+        if not vocab_file and saved_type in TOKENIZER_MODEL_TYPES:
             tokenizer_model = getattr(args, "tokenizer_model", None)
+            if tokenizer_model and saved_type in SENTENCEPIECE_TYPES:
+                return _sentencepiece_export(tokenizer_model, saved_type,
+                                             "the checkpoint's args name ")
+    if tokenizer_model and os.path.isfile(tokenizer_model):
+        return _sentencepiece_export(tokenizer_model, sentencepiece_type)
     if tokenizer_model:
-        from app.data.tokenizer import HuggingFaceTokenizer
         tok = HuggingFaceTokenizer(tokenizer_model)
-        return ExportTokenizer(tokenizer_model=tokenizer_model, bos=tok.bos, eos=tok.eod,
+        return ExportTokenizer(tokenizer_model=tokenizer_model,
+                               tokenizer_type="HuggingFaceTokenizer", bos=tok.bos, eos=tok.eod,
                                pad=tok.pad, size=tok.vocab_size)
     if vocab_file and merge_file:
         eod = gpt2_eod_id(vocab_file)
         return ExportTokenizer(vocab_file=vocab_file, merge_file=merge_file, bos=eod, eos=eod,
                                pad=eod)
-    if saved_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        logger.warning("the checkpoint's %s (%s) is not carried into the Hugging Face directory: "
-                       "pass --tokenizer-model DIR with a Hugging Face tokenizer of it",
-                       saved_type, getattr(args, "tokenizer_model", None))
     return ExportTokenizer()
+
+
+def _sentencepiece_export(model_file: str, tokenizer_type: str, named_by: str = ""
+                          ) -> ExportTokenizer:
+    """The ExportTokenizer of a SentencePiece .model read as `tokenizer_type`: our tokenizer's
+    bos, end of document (the export's eos) and pad ids (None where it has none)."""
+    if not os.path.isfile(model_file):
+        raise FileNotFoundError(f"{named_by}--tokenizer-model {model_file} ({tokenizer_type}), "
+                                "which does not exist here: pass --tokenizer-model FILE, the "
+                                ".model the run trained with")
+    tok = build_tokenizer(tokenizer_type, None, None, tokenizer_model=model_file)
+    return ExportTokenizer(tokenizer_model=model_file, tokenizer_type=tokenizer_type,
+                           bos=tok.bos, eos=tok.eod, pad=tok.pad, size=tok.vocab_size)
+
+
+def check_tokenizer_model(tokenizer_model: str) -> None:
+    """ValueError (a usage error) when --tokenizer-model names a local path (a .model file, an
+    absolute or relative directory) that does not exist; a bare name may be a Hub name in the
+    local cache, loaded later."""
+    looks_local = (tokenizer_model.endswith(".model") or os.path.isabs(tokenizer_model)
+                   or tokenizer_model.startswith((".", "~")) or tokenizer_model.count("/") > 1)
+    if looks_local and not os.path.exists(tokenizer_model):
+        raise ValueError(f"--tokenizer-model {tokenizer_model} does not exist: give the "
+                                "SentencePiece .model file, or the directory holding "
+                                "tokenizer.json, that the run trained with")
 
 
 def write_tokenizer(out_dir: str, tokenizer: ExportTokenizer, model_max_length: int
                     ) -> Dict[str, str]:
     """The files of `tokenizer` (pick_tokenizer) that AutoTokenizer reads offline, in `out_dir`."""
+    if tokenizer.tokenizer_type in SENTENCEPIECE_TYPES:
+        return write_sentencepiece_tokenizer(out_dir, tokenizer.tokenizer_model,
+                                             tokenizer.tokenizer_type, model_max_length)
     if tokenizer.tokenizer_model:
         import transformers
         auto = transformers.AutoTokenizer.from_pretrained(tokenizer.tokenizer_model,

@@ -127,8 +127,10 @@ def _take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- config
 
-def hf_config(args: argparse.Namespace, dtype: torch.dtype, eod: Optional[int]) -> Dict:
-    """config.json of GPT2LMHeadModel for a model described by Megatron `args`."""
+def hf_config(args: argparse.Namespace, dtype: torch.dtype, eod: Optional[int],
+              bos: Optional[int] = None) -> Dict:
+    """config.json of GPT2LMHeadModel for a model described by Megatron `args` (`bos`: the
+    tokenizer's, default `eod` as GPT-2's)."""
     hidden, ffn = int(args.hidden_size), int(getattr(args, "ffn_hidden_size", 0) or 0)
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -146,7 +148,7 @@ def hf_config(args: argparse.Namespace, dtype: torch.dtype, eod: Optional[int]) 
         "attn_pdrop": float(getattr(args, "attention_dropout", 0.1)),
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
-        "bos_token_id": eod, "eos_token_id": eod,
+        "bos_token_id": eod if bos is None else bos, "eos_token_id": eod,
         "dtype": str(dtype).replace("torch.", ""),
     }
 
@@ -216,7 +218,7 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str,
                           int(vocab_size) if vocab_size else None)
     dtype = dtype or tensors["transformer.wte.weight"].dtype
     tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}
-    return write_directory(out_dir, tensors, hf_config(args, dtype, tokenizer.eos), args,
+    return write_directory(out_dir, tensors, hf_config(args, dtype, tokenizer.eos, tokenizer.bos), args,
                            source.iteration, tokenizer, max_shard_size,
                            int(tensors["transformer.wte.weight"].shape[0]), metrics_file,
                            model_path)

@@ -189,7 +189,8 @@ class HuggingFaceTokenizer:
 
 class GPTSentencePieceTokenizer:
     """Megatron-LM's GPTSentencePieceTokenizer: a SentencePiece `.model` (--tokenizer-model) as
-    it is: tokenize(text) = encode_as_ids(text), `vocab_size` its pieces, `eod` its eos id."""
+    it is: tokenize(text) = encode_as_ids(text) (no BOS or EOS added), `vocab_size` its pieces,
+    `eod` its eos id; `bos`, `pad`: its bos and pad ids (None where it has none)."""
 
     def __init__(self, model_file: Optional[str], tokenizer_type: str = "GPTSentencePieceTokenizer"
                  ) -> None:
@@ -205,6 +206,8 @@ class GPTSentencePieceTokenizer:
         self.tokenizer_model = model_file
         self.vocab_size: int = len(self._sp)
         self.eod: int = self._sp.eos_id()
+        self.bos: Optional[int] = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.pad: Optional[int] = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         self.fast_backend = "sentencepiece"
         if self.eod < 0 and tokenizer_type == "GPTSentencePieceTokenizer":
             raise ValueError(f"--tokenizer-model {model_file!r} has no eos piece (eos_id -1), "
@@ -228,8 +231,9 @@ class GPTSentencePieceTokenizer:
 class SentencePieceTokenizer(GPTSentencePieceTokenizer):
     """Megatron-LM's SentencePieceTokenizer: the `.model`'s pieces plus Megatron's special tokens
     <CLS>, <SEP>, <EOD>, <MASK> and the model's pad/bos/eos pieces (<PAD>/<BOS>/<EOS> when it has
-    none), each appended when not a piece already; `eod` is <EOD>. tokenize() turns those tokens'
-    literal text into their ids and SentencePiece-encodes the text between them (NeMo's rule)."""
+    none), each appended when not a piece already; `eod` is <EOD>, `bos` and `pad` the ids of
+    the bos and pad tokens. tokenize() turns those tokens' literal text into their ids and
+    SentencePiece-encodes the text between them (NeMo's rule); it adds no BOS or EOS."""
 
     def __init__(self, model_file: Optional[str]) -> None:
         super().__init__(model_file, "SentencePieceTokenizer")
@@ -237,12 +241,19 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
         self._special: dict = {}
         for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
             self._special[token] = vocab.setdefault(token, len(vocab))
-        for get, fallback in ((self._sp.pad_id, "<PAD>"), (self._sp.bos_id, "<BOS>"),
-                              (self._sp.eos_id, "<EOS>")):
+        for get, fallback, name in ((self._sp.pad_id, "<PAD>", "pad"),
+                                    (self._sp.bos_id, "<BOS>", "bos"),
+                                    (self._sp.eos_id, "<EOS>", "eos")):
             token = self._sp.id_to_piece(get()) if 0 <= get() < len(self._sp) else fallback
             self._special[token] = vocab.setdefault(token, len(vocab))
+            setattr(self, name, self._special[token])
         self.vocab_size = len(vocab)
         self.eod = self._special["<EOD>"]
+
+    @property
+    def special_tokens(self) -> dict:
+        """{token: id} of the special tokens, in the order Megatron adds them."""
+        return dict(self._special)
 
     def tokenize(self, text: str) -> List[int]:
         ids: List[int] = []

@@ -87,7 +87,7 @@ def test_hf_to_ours_at_tp_pp_and_back_is_exact(tmp_path, kind, tp, pp):
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
 
 
-def _our_model(*flags):
+def _our_model(*flags, vocab: int = 60):
     import arguments
     from app.checkpoint.model_args import checkpoint_args_namespace
     from app.checkpoint.state import ModelCheckpoint
@@ -96,7 +96,7 @@ def _our_model(*flags):
             str(HEADS), "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
             "--hidden-dropout", "0", "--attention-dropout", "0",
             "--make-vocab-size-divisible-by", "32", *flags]
-    cfg = arguments.config_from_argv(argv, 1, 60)
+    cfg = arguments.config_from_argv(argv, 1, vocab)
     torch.manual_seed(1)
     model = GPT2Model(cfg.model).eval()
     with torch.no_grad():
@@ -172,3 +172,112 @@ def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
     (tmp_path / "mistral" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
     with pytest.raises(HFConversionError, match="model_type 'mistral'"):
         hf.read_converted(str(tmp_path / "mistral"))
+
+
+SPM_TEXTS = ["hello world, the quick brown fox", "jumps over the lazy dog.", "héllo ☃ wörld",
+             "tabs\tand\nnewlines, <angle> brackets / slashes", "Numbers 12345 and   spaces"] * 8
+SPM_STRINGS = ["hello world", "  two  spaces  ", "tab\tand\nnewline", "héllo ☃ wörld 日本",
+               "ＡＢＣ ﬁ", "", " ", "▁already", "<s>x</s> y", "x<EOD>y <CLS>  z<MASK>", "<pad>"]
+
+
+@pytest.fixture(scope="module")
+def unigram_model(tmp_path_factory):
+    """A SentencePiece Unigram model (its defaults: NFKC, dummy prefix, extra spaces removed)."""
+    spm = pytest.importorskip("sentencepiece")
+    path = tmp_path_factory.mktemp("spm") / "unigram.model"
+    with open(path, "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(SPM_TEXTS), model_writer=f,
+                                       vocab_size=80, hard_vocab_limit=False, pad_id=3,
+                                       character_coverage=1.0, minloglevel=2)
+    return str(path)
+
+
+def _exported_ids(out, ours, sp, strings):
+    """The export's AutoTokenizer and our tokenizer give the same ids for `strings`; its
+    special ids are ours, in the tokenizer, config.json and generation_config.json."""
+    exported = transformers.AutoTokenizer.from_pretrained(str(out))
+    for text in strings:
+        assert exported(text).input_ids == ours.tokenize(text), text
+    assert len(exported) == ours.vocab_size
+    assert (exported.bos_token_id, exported.eos_token_id, exported.pad_token_id,
+            exported.unk_token_id) == (ours.bos, ours.eod, ours.pad, sp.unk_id())
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((out / name).read_text())
+        assert (config["bos_token_id"], config["eos_token_id"]) == (ours.bos, ours.eod), name
+    assert exported.decode(ours.tokenize("hello world")) == "hello world"
+    return exported
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "SentencePieceTokenizer"])
+def test_a_sentencepiece_tokenizer_travels_into_the_export(tmp_path, unigram_model,
+                                                           tokenizer_type):
+    """The .model the checkpoint's args name is carried (tokenizer.model + a tokenizer.json
+    AutoTokenizer loads) and encodes as our tokenizer of that type: as SentencePiece itself for
+    GPTSentencePieceTokenizer (literal <s> </s> <unk> text stays text), with Megatron's <CLS>
+    <SEP> <EOD> <MASK> appended and split out for SentencePieceTokenizer (eos: <EOD>)."""
+    import sentencepiece
+    from app.checkpoint import hf
+    from app.checkpoint.hf_files import pick_tokenizer
+    from app.data.tokenizer import build_tokenizer
+    sp = sentencepiece.SentencePieceProcessor(model_file=unigram_model)
+    ours = build_tokenizer(tokenizer_type, None, None, tokenizer_model=unigram_model)
+    _, source = _our_model(*LLAMA, "--tokenizer-type", tokenizer_type, "--tokenizer-model",
+                           unigram_model, vocab=ours.vocab_size)
+    out = tmp_path / "hf"
+    out.mkdir()
+    hf.write_model(source, str(out), pick_tokenizer(source.args, {}, None, None, None))
+    assert (out / "tokenizer.model").read_bytes() == open(unigram_model, "rb").read()
+    gpt = tokenizer_type == "GPTSentencePieceTokenizer"
+    strings = SPM_STRINGS + (["the <unk> dog"] if gpt else [])  # ours: <unk> text is pieces
+    exported = _exported_ids(out, ours, sp, strings)
+    if gpt:
+        assert exported("x </s>").input_ids == sp.encode_as_ids("x </s>")
+        assert ours.eod == sp.eos_id() and len(exported) == len(sp)
+    else:
+        assert exported("a<EOD>b").input_ids == (sp.encode_as_ids("a") + [ours.eod]
+                                                 + sp.encode_as_ids("b"))
+        assert ours.eod == len(sp) + 2  # <CLS> <SEP> <EOD> <MASK> after the pieces
+
+
+def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_model,
+                                                           monkeypatch):
+    """--tokenizer-model FILE on the converter reads the .model as GPTSentencePieceTokenizer
+    for a checkpoint of another type (here a GPT-2 export: its config.json's bos is the
+    model's); a missing file is one clear error before any work, from the flag or the args;
+    a tokenizer.json that would encode otherwise than ours is refused."""
+    import sentencepiece
+    from app.checkpoint import hf
+    from app.checkpoint.hf_files import pick_tokenizer
+    from app.data.tokenizer import build_tokenizer
+    sp = sentencepiece.SentencePieceProcessor(model_file=unigram_model)
+    ours = build_tokenizer("GPTSentencePieceTokenizer", None, None, tokenizer_model=unigram_model)
+    _, source = _our_model(vocab=ours.vocab_size)
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert hf.write_model(source, str(out), pick_tokenizer(source.args, {}, None, None,
+                                                           unigram_model)) == "GPT2LMHeadModel"
+    _exported_ids(out, ours, sp, SPM_STRINGS)
+    import contextlib
+    import io
+    from tools.convert_checkpoint import main
+    again = tmp_path / "again"  # the same through the command line (a GPT-2 HF source)
+    assert main(["--load", str(out), "--save", str(again), "--output-format", "hf",
+                 "--tokenizer-model", unigram_model]) == 0
+    _exported_ids(again, ours, sp, SPM_STRINGS[:5])
+    missing = tmp_path / "gone" / "tok.model"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["--load", str(out), "--save", str(tmp_path / "x"), "--output-format",
+                     "hf", "--tokenizer-model", str(missing)]) == 2
+    assert f"--tokenizer-model {missing} does not exist" in err.getvalue()
+    assert "reading" not in err.getvalue() and not (tmp_path / "x").exists()
+    source.args.tokenizer_type, source.args.tokenizer_model = "SentencePieceTokenizer", str(missing)
+    with pytest.raises(FileNotFoundError, match=f"args name --tokenizer-model {missing}"):
+        pick_tokenizer(source.args, {}, None, None, None)
+    from app.checkpoint import hf_sentencepiece
+    monkeypatch.setattr(hf_sentencepiece, "OUT_OF_REACH", 0.0)  # control pieces win: "<s>"
+    monkeypatch.setattr(hf_sentencepiece, "PROBES", ("<s>x</s>",))
+    with pytest.raises(ValueError, match="encodes '<s>x</s>' as .*, our "
+                                         "GPTSentencePieceTokenizer as"):
+        hf_sentencepiece.write_sentencepiece_tokenizer(str(tmp_path / "bad"), unigram_model,
+                                                       "GPTSentencePieceTokenizer", 64)
