@@ -20,7 +20,7 @@ from typing import ClassVar, Dict, Iterator, List, Optional, Tuple
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config.cli import parse_config
-from app.config.options import option
+from app.config.options import PathOption, option
 from app.utils.fileio import atomic_open
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -65,12 +65,9 @@ class StdlibCorpusOptions:
     max_bytes: Optional[int] = option("--max-bytes", default=None,
                                       help="stop before this many source bytes")
     stdlib_dir: str = option("--stdlib-dir",
+                             path=PathOption("dir", "a Python standard library directory"),
                              default_factory=lambda: sysconfig.get_paths()["stdlib"],
                              help="default: the running Python's standard library")
-
-    def __post_init__(self) -> None:
-        if not os.path.isdir(self.stdlib_dir):
-            raise ValueError(f"--stdlib-dir {self.stdlib_dir!r} is not a directory")
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, int]:

@@ -41,15 +41,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     from app.checkpoint.layout import LayoutError
     from app.checkpoint.megatron import CheckpointError
     try:
-        opts = get_options(argv)
-    except SystemExit as stop:  # a usage error (reported) or --help: main returns the status
-        return stop.code
-    try:
+        opts = get_options(argv)  # a --load that holds no checkpoint: CheckpointError, below
         if opts.print_checkpoint_structure:
             print("\n".join(print_structure(opts)))
             if not opts.save:
                 return 0
         print(convert(opts), file=sys.stderr)
+    except SystemExit as stop:  # a usage error (reported) or --help: main returns the status
+        return stop.code
     except (ValueError, CheckpointError, HFConversionError, LayoutError, FileNotFoundError,
             FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)

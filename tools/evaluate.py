@@ -21,7 +21,7 @@ from typing import ClassVar, List, Optional, Tuple
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config.cli import parse_config  # noqa: E402
 from app.config.inference import InferenceLoadConfig  # noqa: E402
-from app.config.options import option  # noqa: E402
+from app.config.options import PathOption, option  # noqa: E402
 
 
 @dataclass(kw_only=True)
@@ -33,6 +33,7 @@ class EvaluateOptions:
     checkpoint: InferenceLoadConfig
     task: str = option("--task", required=True, choices=("wikitext", "lambada"))
     valid_data: str = option("--valid-data", required=True,
+                             path=PathOption("file", "the evaluation file (text or loose JSON)"),
                              help="evaluation file (text or loose JSON)")
     seq_length: Optional[int] = option("--seq-length", default=None,
                                        help="window (default: the model's positions)")

@@ -21,7 +21,7 @@ from typing import ClassVar, List, Optional, Tuple
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config.cli import parse_config  # noqa: E402
 from app.config.inference import InferenceLoadConfig  # noqa: E402
-from app.config.options import option  # noqa: E402
+from app.config.options import PathOption, option  # noqa: E402
 
 
 @dataclass(kw_only=True)
@@ -34,6 +34,8 @@ class GenerateOptions:
     prompt: Optional[List[str]] = option("--prompt", default=None, nargs="+", action="extend",
                                          help="one or more prompts")
     prompts_file: Optional[str] = option("--prompts-file", default=None,
+                                         path=PathOption("file", "a text file of prompts, one "
+                                                         "a line, or '-' for stdin", stdin=True),
                                          help="one prompt per line ('-' for stdin)")
     max_new_tokens: int = option("--max-new-tokens", required=True)
     greedy: bool = option("--greedy", default=False,

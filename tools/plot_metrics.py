@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config.cli import parse_config  # noqa: E402
-from app.config.options import option  # noqa: E402
+from app.config.options import PathOption, option  # noqa: E402
 
 MEGATRON_TAGS = {"lm loss": ("train", "lm_loss"), "lm loss validation": ("valid", "lm_loss"),
                  "learning-rate": ("train", "lr"), "grad-norm": ("train", "grad_norm"),
@@ -39,9 +39,11 @@ class PlotOptions:
 
     metrics_file: List[str] = option(
         "--metrics-file", nargs="+", action="extend", default_factory=list,
+        path=PathOption("file", "a metrics JSONL that pretrain_gpt2.py --metrics-file wrote"),
         help="a metrics JSONL written by pretrain_gpt2.py --metrics-file (repeatable)")
     tensorboard_dir: List[str] = option(
         "--tensorboard-dir", nargs="+", action="extend", default_factory=list,
+        path=PathOption("any", "a Megatron-LM run's --tensorboard-dir or one event file"),
         help="a Megatron-LM run's --tensorboard-dir (or one event file; repeatable)")
     label: Optional[List[str]] = option(
         "--label", nargs="+", action="extend", default=None,
@@ -152,9 +154,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         runs = {}
         for label, (path, read) in zip(labels, sources):
-            if not os.path.exists(path):
-                flag = "--metrics-file" if read is read_rows else "--tensorboard-dir"
-                raise ValueError(f"{flag} {path} does not exist")
             runs[label if label not in runs else f"{label} ({path})"] = read(path)
         print(plot(runs, a.output, a.title))
     except ValueError as exc:

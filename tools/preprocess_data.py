@@ -42,7 +42,8 @@ import numpy as np
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config.cli import parse_config
-from app.config.options import option
+from app.config.inference import MERGES, TOKENIZER_MODEL, VOCAB
+from app.config.options import PathOption, option
 from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype,
                                       data_file_path, index_file_path)
 from app.data.sentences import (SentenceSplitter, load_punkt_params,
@@ -66,6 +67,7 @@ class PreprocessOptions:
     FLAG_GROUP: ClassVar[Tuple[str, str]] = ("input", "the corpus and what to take from it")
 
     input: str = option("--input", required=True,
+                        path=PathOption("file", "the corpus file (.jsonl, .jsonl.gz or .parquet)"),
                         help="loose JSON (.json/.jsonl, or .jsonl.gz) or a Parquet file (.parquet)")
     json_keys: List[str] = option(
         "--json-keys", nargs="+", default_factory=lambda: ["text"],
@@ -77,6 +79,7 @@ class PreprocessOptions:
         help="with --split-sentences, keep the whitespace/newlines between sentences")
     punkt_model: Optional[str] = option(
         "--punkt-model", default=None,
+        path=PathOption("dir", "a directory that --save-punkt-model wrote (or nltk's punkt_tab)"),
         help="directory of Punkt parameters (nltk punkt_tab format); default: train Punkt on "
              "the first --punkt-train-bytes of the input")
     punkt_train_bytes: int = option("--punkt-train-bytes", default=4 << 20)
@@ -87,10 +90,12 @@ class PreprocessOptions:
                                   help="count and skip malformed lines (rows) instead of stopping")
     tokenizer_type: str = option("--tokenizer-type", default="GPT2BPETokenizer",
                                  choices=SUPPORTED_TOKENIZERS, group="tokenizer")
-    vocab_file: Optional[str] = option("--vocab-file", "--vocab", default=None, group="tokenizer")
-    merge_file: Optional[str] = option("--merge-file", default=None, group="tokenizer")
+    vocab_file: Optional[str] = option("--vocab-file", "--vocab", default=None, group="tokenizer",
+                                       path=VOCAB)
+    merge_file: Optional[str] = option("--merge-file", default=None, group="tokenizer",
+                                       path=MERGES)
     tokenizer_model: Optional[str] = option(
-        "--tokenizer-model", default=None, group="tokenizer",
+        "--tokenizer-model", default=None, group="tokenizer", path=TOKENIZER_MODEL,
         help="HuggingFaceTokenizer: a directory with tokenizer.json or a Hub name in the local "
              "cache (offline); (GPT)SentencePieceTokenizer: a .model")
     append_eod: bool = option("--append-eod", default=False, group="tokenizer",
@@ -116,8 +121,6 @@ class PreprocessOptions:
                                  f"{getattr(self, name)}")
         if self.keep_newlines and not self.split_sentences:
             raise ValueError("--keep-newlines only applies with --split-sentences")
-        if not os.path.isfile(self.input):
-            raise ValueError(f"--input {self.input!r} does not exist")
 
 
 def get_args(argv: Optional[List[str]] = None) -> PreprocessOptions:

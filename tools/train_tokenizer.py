@@ -20,7 +20,7 @@ from typing import ClassVar, Iterator, List, Optional, Tuple
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config.cli import parse_config
-from app.config.options import option
+from app.config.options import PathOption, option
 from app.data.tokenizer import build_tokenizer, train_gpt2_bpe
 
 
@@ -54,6 +54,7 @@ class TrainTokenizerOptions:
                                              "what to train on and where to write")
 
     input: List[str] = option("--input", nargs="+", required=True,
+                              path=PathOption("file", "text or JSONL files of the corpus"),
                               help=".jsonl[.gz] or text files")
     json_keys: List[str] = option("--json-keys", nargs="+", default_factory=lambda: ["text"],
                                   help="keys of .jsonl/.json inputs whose text trains the BPE")
@@ -62,11 +63,6 @@ class TrainTokenizerOptions:
     min_frequency: int = option("--min-frequency", default=2)
     output_dir: str = option("--output-dir", required=True,
                              help="writes vocab.json and merges.txt here")
-
-    def __post_init__(self) -> None:
-        for path in self.input:
-            if not os.path.isfile(path):
-                raise ValueError(f"--input {path!r} does not exist")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

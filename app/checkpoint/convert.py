@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import ClassVar, List, Optional, Tuple
@@ -17,7 +16,8 @@ from typing import ClassVar, List, Optional, Tuple
 from app.checkpoint import formats
 from app.checkpoint.names import FORMAT_ALIASES, canonical_format
 from app.checkpoint.state import ModelCheckpoint, OptimizerState, staged_directory
-from app.config.options import option
+from app.config.inference import LOAD, MERGES, TOKENIZER_MODEL, VOCAB
+from app.config.options import PathOption, option
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class ConvertOptions:
     output_format: str = option("--output-format", default="torch", choices=OUTPUT_NAMES,
                                 help=f"one of {', '.join(OUTPUT_FORMATS)} (megatron: an alias "
                                      "of torch)")
-    load: str = option("--load", required=True,
+    load: str = option("--load", required=True, path=LOAD,
                        help="source: checkpoint directory (--save of the run) or a Hugging Face "
                             "save_pretrained directory")
     save: Optional[str] = option("--save", default=None,
@@ -86,12 +86,12 @@ class ConvertOptions:
              "output)")
     max_shard_size: str = option("--max-shard-size", default="2GB",
                                  help="largest safetensors file (hf output)")
-    vocab_file: Optional[str] = option("--vocab-file", default=None,
+    vocab_file: Optional[str] = option("--vocab-file", default=None, path=VOCAB,
                                        help="GPT-2 vocab.json copied into the hf output")
-    merge_file: Optional[str] = option("--merge-file", default=None,
+    merge_file: Optional[str] = option("--merge-file", default=None, path=MERGES,
                                        help="GPT-2 merges.txt copied into the hf output")
     tokenizer_model: Optional[str] = option(
-        "--tokenizer-model", default=None,
+        "--tokenizer-model", default=None, path=TOKENIZER_MODEL,
         help="hf output: the tokenizer saved into the output: a Hugging Face tokenizer (a "
              "directory with tokenizer.json, or a Hub name in the local cache) or a SentencePiece "
              ".model file (default: the source directory's tokenizer, or the one the "
@@ -101,6 +101,7 @@ class ConvertOptions:
         help="Megatron's vocabulary padding multiple for hf input (default 128)")
     metrics_file: Optional[str] = option(
         "--metrics-file", default=None,
+        path=PathOption("file", "the JSONL that pretrain_gpt2.py --metrics-file wrote"),
         help="hf output: the run's --metrics-file JSONL; the model card (README.md) reports its "
              "last validation loss")
     print_checkpoint_structure: bool = option(
@@ -124,9 +125,6 @@ class ConvertOptions:
         if self.tokenizer_model and self.vocab_file:
             raise ValueError(f"--tokenizer-model {self.tokenizer_model} and --vocab-file "
                              f"{self.vocab_file} both name the tokenizer: give one of them")
-        if self.tokenizer_model:
-            from app.checkpoint.hf_files import check_tokenizer_model
-            check_tokenizer_model(self.tokenizer_model)
         if not self.print_checkpoint_structure and not self.save:
             raise ValueError("--save DIR is required (unless --print-checkpoint-structure)")
         self.input_format = _checked_input_format(self.load, self.input_format, self.iteration)
@@ -135,9 +133,6 @@ class ConvertOptions:
             raise ValueError("--include-optimizer needs a torch, torch_dist or deepspeed input "
                              "and a torch or torch_dist output (Hugging Face directories hold "
                              "no optimizer state)")
-        if self.metrics_file is not None and not os.path.isfile(self.metrics_file):
-            raise FileNotFoundError(f"--metrics-file {self.metrics_file} does not exist (the JSONL "
-                                    "that pretrain_gpt2.py --metrics-file wrote)")
 
 
 def _checked_input_format(load: str, given: Optional[str], iteration: Optional[object]) -> str:

@@ -208,18 +208,6 @@ def _sentencepiece_export(model_file: str, tokenizer_type: str, named_by: str = 
                            bos=tok.bos, eos=tok.eod, pad=tok.pad, size=tok.vocab_size)
 
 
-def check_tokenizer_model(tokenizer_model: str) -> None:
-    """ValueError (a usage error) when --tokenizer-model names a local path (a .model file, an
-    absolute or relative directory) that does not exist; a bare name may be a Hub name in the
-    local cache, loaded later."""
-    looks_local = (tokenizer_model.endswith(".model") or os.path.isabs(tokenizer_model)
-                   or tokenizer_model.startswith((".", "~")) or tokenizer_model.count("/") > 1)
-    if looks_local and not os.path.exists(tokenizer_model):
-        raise ValueError(f"--tokenizer-model {tokenizer_model} does not exist: give the "
-                                "SentencePiece .model file, or the directory holding "
-                                "tokenizer.json, that the run trained with")
-
-
 def write_tokenizer(out_dir: str, tokenizer: ExportTokenizer, model_max_length: int
                     ) -> Dict[str, str]:
     """The files of `tokenizer` (pick_tokenizer) that AutoTokenizer reads offline, in `out_dir`."""

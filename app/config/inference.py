@@ -7,7 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Tuple
 
-from app.config.options import option
+from app.config.options import PathOption, option
+
+
+LOAD = PathOption("dir", "a checkpoint directory (a run's --save) or a Hugging Face "
+                          "save_pretrained directory")
+VOCAB = PathOption("file", "the GPT-2 BPE vocab.json (with --merge-file its merges.txt)")
+MERGES = PathOption("file", "the GPT-2 BPE merges.txt (with --vocab-file its vocab.json)")
+TOKENIZER_MODEL = PathOption("any", "the directory holding tokenizer.json, a Hub name in the "
+                                    "local cache, or the SentencePiece .model file",
+                             hub=True)
+"""What the tools' tokenizer and checkpoint path flags must name (app.config.options.check_path)."""
 
 
 @dataclass(kw_only=True)
@@ -19,14 +29,14 @@ class InferenceLoadConfig:
     FLAG_GROUP: ClassVar[Tuple[str, str]] = (
         "checkpoint", "the model to load, its tokenizer and the layout to run it at")
 
-    load: str = option("--load", required=True,
+    load: str = option("--load", required=True, path=LOAD,
                        help="checkpoint directory or Hugging Face directory")
-    vocab_file: Optional[str] = option("--vocab-file", default=None,
+    vocab_file: Optional[str] = option("--vocab-file", default=None, path=VOCAB,
                                        help="GPT-2 vocab.json (default: the HF directory's)")
-    merge_file: Optional[str] = option("--merge-file", default=None,
+    merge_file: Optional[str] = option("--merge-file", default=None, path=MERGES,
                                        help="GPT-2 merges.txt (default: the HF directory's)")
     tokenizer_model: Optional[str] = option(
-        "--tokenizer-model", default=None,
+        "--tokenizer-model", default=None, path=TOKENIZER_MODEL,
         help="a directory with tokenizer.json (or a SentencePiece .model file) to use instead of "
              "the tokenizer the checkpoint names (default: the checkpoint's, or the HF "
              "directory's own files)")

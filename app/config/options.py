@@ -25,13 +25,17 @@ Rules of the mapping (pure, no argparse here):
 - `parse=f` reads the flag's text with `f` instead of the field's type (a value of several types:
   --iteration takes a number or 'release'); f raises argparse.ArgumentTypeError with its message;
 - `required=True` makes argparse itself demand the flag (a tool's --load; the field then has no
-  default); a list field may collect repeated flags with `action="extend"`.
+  default); a list field may collect repeated flags with `action="extend"`;
+- `path=PathOption(kind, what)` makes the flag name an existing file or directory: `from_flags`
+  refuses a missing one (ValueError naming the flag, the path and `what` to pass) before the
+  config is built, the same check for every such flag of every tool.
 Values that are derived from several flags or from the DeepSpeed JSON are passed to
 `from_flags` as overrides; everything else comes from the option's own flag.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Type
@@ -42,6 +46,41 @@ SWITCH_ACTIONS = ("store_true", "store_false", "boolean_optional")
 """The `action` values a bool option may name."""
 LIST_ACTIONS = ("extend",)
 """The `action` values a list option may name (`--prompt a b --prompt c` gives [a, b, c])."""
+
+
+@dataclass(frozen=True)
+class PathOption:
+    """What a path-valued option must name: an existing `kind` ('file', 'dir' or 'any');
+    `what` is the fix an error message gives ("the JSONL that pretrain_gpt2.py --metrics-file
+    wrote"). `hub`: a bare name (no path separator or leading '.'/'~', not a .model file) may be
+    a Hugging Face Hub name in the local cache and is not checked; `stdin`: '-' is allowed."""
+
+    kind: str
+    what: str
+    hub: bool = False
+    stdin: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("file", "dir", "any"):
+            raise ValueError(f"PathOption kind {self.kind!r}: use 'file', 'dir' or 'any'")
+
+    def problem(self, flag: str, value: str) -> Optional[str]:
+        """Why `value` given to `flag` is not such a path (None when it is, or is not checked)."""
+        if (self.stdin and value == "-") or (self.hub and _hub_name(value)):
+            return None
+        if not os.path.exists(value):
+            return f"{flag} {value} does not exist: pass {self.what}"
+        if self.kind == "file" and not os.path.isfile(value):
+            return f"{flag} {value} is not a file: pass {self.what}"
+        if self.kind == "dir" and not os.path.isdir(value):
+            return f"{flag} {value} is not a directory: pass {self.what}"
+        return None
+
+
+def _hub_name(value: str) -> bool:
+    """`value` may be a Hub name ('gpt2', 'org/name'), not a local path."""
+    return not (value.endswith(".model") or os.path.isabs(value) or value.startswith((".", "~"))
+                or value.count("/") > 1 or os.sep != "/" and os.sep in value)
 
 
 @dataclass(frozen=True)
@@ -65,6 +104,8 @@ class Flag:
     has_flag_default: bool = False
     required: bool = False
     """argparse refuses a command line without the flag."""
+    path: Optional[PathOption] = None
+    """The value names an existing file or directory (checked by `from_flags`)."""
 
     @property
     def dest(self) -> str:
@@ -84,7 +125,8 @@ def option(*spellings: str, default: Any = MISSING, default_factory: Any = MISSI
            action: Optional[str] = None, nargs: Any = None,
            metavar: Any = None, group: Optional[str] = None,
            dest: Optional[str] = None, flag_default: Any = MISSING,
-           required: bool = False, parse: Any = None) -> Any:
+           required: bool = False, parse: Any = None,
+           path: Optional[PathOption] = None) -> Any:
     """A dataclass field that is also the command-line option `spellings[0]` (aliases after it).
 
     `default` / `default_factory` are the field's (and the flag's) default; leave both out for a
@@ -101,7 +143,7 @@ def option(*spellings: str, default: Any = MISSING, default_factory: Any = MISSI
                 choices=None if choices is None else tuple(choices), action=action, nargs=nargs,
                 metavar=metavar, parse=parse, group=group, dest_name=dest,
                 flag_default=None if flag_default is MISSING else flag_default,
-                has_flag_default=flag_default is not MISSING, required=required)
+                has_flag_default=flag_default is not MISSING, required=required, path=path)
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={"flag": flag})
 
@@ -189,6 +231,17 @@ def check_unique(options: typing.Iterable[Option]) -> None:
             seen[key] = opt
 
 
+def check_path(flag: Flag, value: Any) -> None:
+    """ValueError (a usage error) when `flag` declares a PathOption and `value` (or an item of
+    a list value) does not name such a path."""
+    if flag.path is None or value is None:
+        return
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        problem = flag.path.problem(flag.name, str(item))
+        if problem:
+            raise ValueError(problem)
+
+
 def from_flags(cls: Type[Any], values: Mapping[str, Any], **overrides: Any) -> Any:
     """An instance of config class `cls` built from parsed flags (`values`, keyed by dest).
 
@@ -197,7 +250,8 @@ def from_flags(cls: Type[Any], values: Mapping[str, Any], **overrides: Any) -> A
     be a ready instance or a dict of overrides for its own fields. Other fields keep their
     defaults; fields with init=False are derived by the class itself. A required field (an
     option without a default) takes its flag's value when the flag was given, else it must be
-    overridden (a derived value)."""
+    overridden (a derived value). A flag's value that does not name the path its PathOption
+    asks for is a ValueError (check_path)."""
     hints = typing.get_type_hints(cls)
     kwargs: Dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -218,6 +272,7 @@ def from_flags(cls: Type[Any], values: Mapping[str, Any], **overrides: Any) -> A
                 raise TypeError(f"{cls.__name__}.{f.name} ({flag.name}) has no default: give "
                                 "the flag or pass the value as an override")
             if value is not MISSING:
+                check_path(flag, value)
                 kwargs[f.name] = list(value) if isinstance(value, (list, tuple)) else value
     if overrides:
         raise TypeError(f"{cls.__name__} has no fields {sorted(overrides)}")

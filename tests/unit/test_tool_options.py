@@ -5,12 +5,16 @@
   the same dest, default, help, choices, nargs, type, action and required-ness.
 - Command lines parse to the values the old parsers gave, and the checks that were parser
   errors are still usage errors (exit status 2, the flag named).
+- A flag that names an input path (a checkpoint, a tokenizer, a corpus, a metrics file) which
+  does not exist is the same usage error in every tool: exit status 2, one line naming the flag,
+  the path and what to pass, before any work.
 - No option is declared twice: the inference tools and the lm-eval backend take the checkpoint
   from the one InferenceLoadConfig, and no two tool fields declare the same flag identically.
 """
 import argparse
 import importlib
 import json
+import os
 import pathlib
 import sysconfig
 from typing import Dict
@@ -81,12 +85,23 @@ def test_recorded_tool_flag_keeps_its_meaning(parsers, tool, old):
             assert getattr(action.type, "__name__", None) == old["type"]
 
 
+@pytest.fixture
+def named_paths(tmp_path, monkeypatch):
+    """A working directory holding the paths the command lines below name: ck/ (a directory),
+    v.json, m.txt, d.jsonl, d and f (files)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck").mkdir()
+    for name in ("v.json", "m.txt", "d.jsonl", "d", "f"):
+        (tmp_path / name).write_text("{}\n")
+    return tmp_path
+
+
 def _parse(tool: str, argv):
     from app.config.cli import parse_config
     return parse_config(_options_class(tool), argv, tool)
 
 
-def test_generate_command_line_parses_to_the_old_values():
+def test_generate_command_line_parses_to_the_old_values(named_paths):
     a = _parse("generate", ["--load", "ck", "--vocab-file", "v.json", "--max-new-tokens", "4",
                             "--prompt", "a", "b", "--prompt", "c", "--top-k", "5", "--top-p",
                             "0.5", "--temperature", "0.7", "--seed", "3", "--output", "jsonl",
@@ -100,7 +115,7 @@ def test_generate_command_line_parses_to_the_old_values():
     assert (b.prompt, b.prompts_file, b.top_p_decay, b.length_penalty) == (None, "-", 0.0, 1.0)
 
 
-def test_evaluate_and_server_command_lines_parse_to_the_old_values(tmp_path):
+def test_evaluate_and_server_command_lines_parse_to_the_old_values(named_paths):
     e = _parse("evaluate", ["--load", "ck", "--task", "lambada", "--valid-data", "d.jsonl",
                             "--strict-lambada", "--micro-batch-size", "2", "--json-key", "t"])
     assert (e.task, e.valid_data, e.strict_lambada, e.micro_batch_size, e.json_key,
@@ -108,9 +123,7 @@ def test_evaluate_and_server_command_lines_parse_to_the_old_values(tmp_path):
         ("lambada", "d.jsonl", True, 2, "t", None, None, False, None)
     s = _parse("run_text_generation_server", ["--load", "ck", "--port", "0", "--host", "::1"])
     assert (s.host, s.port, s.max_batch_size, s.max_request_bytes) == ("::1", 0, 64, 1 << 20)
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("{}\n")
-    p = _parse("preprocess_data", ["--input", str(corpus), "--output-prefix", "o", "--vocab",
+    p = _parse("preprocess_data", ["--input", "d.jsonl", "--output-prefix", "o", "--vocab",
                                    "v.json", "--json-keys", "a", "b", "--append-eod"])
     assert (p.vocab_file, p.json_keys, p.append_eod, p.workers, p.tokenizer_type) == \
         ("v.json", ["a", "b"], True, 1, "GPT2BPETokenizer")
@@ -125,12 +138,14 @@ def test_evaluate_and_server_command_lines_parse_to_the_old_values(tmp_path):
     ("run_text_generation_server", ["--load", "ck", "--max-request-bytes", "0"],
      "--max-request-bytes must be >= 1, got 0"),
     ("preprocess_data", ["--input", "no-such.jsonl", "--output-prefix", "o"],
-     "--input 'no-such.jsonl' does not exist"),
+     "--input no-such.jsonl does not exist: pass the corpus file"),
     ("train_tokenizer", ["--input", "no-such.txt", "--output-dir", "o"],
-     "--input 'no-such.txt' does not exist"),
+     "--input no-such.txt does not exist: pass text or JSONL files"),
     ("measure_peak_flops", ["--dtype", "fp8"], "--dtype: unknown dtype 'fp8'"),
     ("build_stdlib_corpus", ["--output", "o", "--stdlib-dir", "no-such-dir"],
-     "--stdlib-dir 'no-such-dir' is not a directory"),
+     "--stdlib-dir no-such-dir does not exist: pass a Python standard library directory"),
+    ("build_stdlib_corpus", ["--output", "o", "--stdlib-dir", "f"],
+     "--stdlib-dir f is not a directory: pass"),
     ("gpu_report", ["--out", "o", "--mode", "tpu"], "--mode: invalid choice"),
     ("convert_checkpoint", ["--load", "ck", "--iteration", "last"],
      "--iteration 'last': expected a number or 'release'"),
@@ -142,7 +157,7 @@ def test_evaluate_and_server_command_lines_parse_to_the_old_values(tmp_path):
     ("convert_checkpoint", ["--load", "ck"],
      "--save DIR is required (unless --print-checkpoint-structure)"),
 ])
-def test_bad_command_lines_are_usage_errors(tool, argv, message, capsys):
+def test_bad_command_lines_are_usage_errors(tool, argv, message, capsys, named_paths):
     with pytest.raises(SystemExit) as stopped:
         _parse(tool, argv)
     assert stopped.value.code == 2
@@ -150,7 +165,7 @@ def test_bad_command_lines_are_usage_errors(tool, argv, message, capsys):
     assert message in err and err.startswith("usage:"), err
 
 
-def test_the_inference_tools_share_one_checkpoint_declaration():
+def test_the_inference_tools_share_one_checkpoint_declaration(named_paths):
     """generate, evaluate and the server read --load ... into the same InferenceLoadConfig; the
     lm-eval backend reads its --model_args keys (the flags' dests) into it too."""
     argv = ["--load", "ck", "--merge-file", "m.txt", "--pipeline-model-parallel-size", "2"]
@@ -187,3 +202,44 @@ def test_no_flag_is_declared_twice():
                                              "--tokenizer-model",
                                              "--tensor-model-parallel-size",
                                              "--pipeline-model-parallel-size"]
+
+
+MISSING_PATHS = {
+    "convert_checkpoint": ({"--load": "dir", "--save": "out"},
+                           ["--load", "--vocab-file", "--merge-file", "--tokenizer-model",
+                            "--metrics-file"]),
+    "generate": ({"--load": "dir", "--max-new-tokens": "1"},
+                 ["--load", "--vocab-file", "--merge-file", "--tokenizer-model", "--prompts-file"]),
+    "evaluate": ({"--load": "dir", "--task": "wikitext", "--valid-data": "file"},
+                 ["--load", "--valid-data"]),
+    "preprocess_data": ({"--input": "file", "--output-prefix": "out"},
+                        ["--input", "--vocab-file", "--merge-file", "--tokenizer-model",
+                         "--punkt-model"]),
+    "train_tokenizer": ({"--input": "file", "--output-dir": "out"}, ["--input"]),
+    "plot_metrics": ({"--output": "out"}, ["--metrics-file", "--tensorboard-dir"]),
+    "build_stdlib_corpus": ({"--output": "out"}, ["--stdlib-dir"]),
+}
+"""Each tool: a command line whose paths exist, and the path-taking flags to give a missing
+path ("dir" / "file": an existing one, "out": what the tool would write)."""
+
+
+@pytest.mark.parametrize("tool,flag", [(t, f) for t, (_, flags) in MISSING_PATHS.items()
+                                       for f in flags])
+def test_a_missing_input_path_is_one_usage_error_naming_the_flag(tool, flag, tmp_path, capsys):
+    """Through the tool's own main(argv): exit status 2, one error line with the flag, the path
+    and what to pass; no traceback and nothing written."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("{}\n")
+    missing = str(tmp_path / "gone" / "tok.model")  # looks local even for --tokenizer-model
+    base, _ = MISSING_PATHS[tool]
+    named = {"dir": tmp_path / "dir", "file": tmp_path / "file", "out": tmp_path / "out",
+             None: missing}
+    argv = [str(a) for k, v in {**base, flag: None}.items() for a in (k, named.get(v, v))]
+    try:
+        code = importlib.import_module(f"tools.{tool}").main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and f"{flag} {missing} does not exist: pass " in errors[0], errors
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file"]
