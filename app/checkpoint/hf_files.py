@@ -45,6 +45,20 @@ def read_config(path: str) -> Dict:
         return json.load(f)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""A directory holding one of these has a tokenizer AutoTokenizer loads."""
+
+
+def directory_tokenizer(path: str) -> Optional[str]:
+    """The --tokenizer-model an import names in its args (--tokenizer-type
+    HuggingFaceTokenizer): the absolute `path` when the directory holds a tokenizer
+    AutoTokenizer loads (TOKENIZER_FILES: a tokenizer.json, or the tokenizer.model +
+    tokenizer.json of a SentencePiece export), else None."""
+    if any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return os.path.abspath(path)
+    return None
+
+
 def import_args(**model: object) -> argparse.Namespace:
     """The Megatron args of a model read from a Hugging Face directory: its `model` fields plus
     what every import shares (one process, fp32 parameters until the weights say otherwise, no

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional
 import torch
 
 from app.checkpoint import layout
-from app.checkpoint.hf_files import (ExportTokenizer, HFConversionError, import_args,
-                                     read_hf_tensors, write_directory)
+from app.checkpoint.hf_files import (ExportTokenizer, HFConversionError, directory_tokenizer,
+                                     import_args, read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.model.hf_compat import gpt2_export_blockers
@@ -29,6 +29,8 @@ _NORMS = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"))
 _LINEARS = (("attention.query_key_value", "attn.c_attn"), ("attention.dense", "attn.c_proj"),
             ("mlp.dense_h_to_4h", "mlp.c_fc"), ("mlp.dense_4h_to_h", "mlp.c_proj"))
 _IGNORED_HF = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
+GPT2_FILES = ("vocab.json", "merges.txt")
+"""GPT-2 BPE's tokenizer files (--vocab-file, --merge-file)."""
 _GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
 
 
@@ -153,9 +155,11 @@ def hf_config(args: argparse.Namespace, dtype: torch.dtype, eod: Optional[int],
     }
 
 
-def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: int = 128
-                        ) -> argparse.Namespace:
-    """Megatron args (model shape, vocabulary, dropouts) of an HF GPT-2 config.json."""
+def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: int = 128,
+                        tokenizer_model: Optional[str] = None) -> argparse.Namespace:
+    """Megatron args (model shape, vocabulary, dropouts) of an HF GPT-2 config.json; the
+    tokenizer is GPT-2 BPE unless `tokenizer_model` names the directory of another
+    (HuggingFaceTokenizer, as the Llama import names it)."""
     if config.get("model_type") not in (None, "gpt2"):
         raise HFConversionError(f"{path}: model_type {config.get('model_type')!r} is not gpt2")
     activation = config.get("activation_function", "gelu_new")
@@ -178,7 +182,9 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
         kv_channels=hidden // int(config["n_head"]), max_position_embeddings=positions,
         seq_length=positions, vocab_size=int(config["vocab_size"]),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        padded_vocab_size=int(config["vocab_size"]), tokenizer_type="GPT2BPETokenizer",
+        padded_vocab_size=int(config["vocab_size"]),
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else "GPT2BPETokenizer",
+        tokenizer_model=tokenizer_model,
         layernorm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)),
         hidden_dropout=float(config.get("resid_pdrop", 0.1)),
         attention_dropout=float(config.get("attn_pdrop", 0.1)),
@@ -192,12 +198,18 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
 
 def read_hf_dir(path: str, config: Dict, make_vocab_size_divisible_by: int = 128
                 ) -> ModelCheckpoint:
-    """A `save_pretrained` GPT-2 directory whose config.json is `config`."""
-    args = args_from_hf_config(config, f"{path}/config.json", make_vocab_size_divisible_by)
+    """A `save_pretrained` GPT-2 directory whose config.json is `config`; its tokenizer is its
+    vocab.json + merges.txt (GPT-2 BPE) when it has both, else the directory's other tokenizer
+    (a tokenizer.json, or a SentencePiece export's files) named in the args as the Llama import
+    names it (hf_files.directory_tokenizer)."""
+    tokenizer = {name: f"{path}/{name}" for name in GPT2_FILES
+                 if os.path.isfile(os.path.join(path, name))}
+    if len(tokenizer) < len(GPT2_FILES):
+        tokenizer = {}
+    args = args_from_hf_config(config, f"{path}/config.json", make_vocab_size_divisible_by,
+                               None if tokenizer else directory_tokenizer(path))
     weights = from_hf_state(read_hf_tensors(path), args.num_layers, args.num_attention_heads)
     args.params_dtype = weights[layout.WORD_EMBEDDINGS].dtype
-    tokenizer = {name: f"{path}/{name}" for name in ("vocab.json", "merges.txt")
-                 if os.path.isfile(os.path.join(path, name))}
     return ModelCheckpoint(args=args, weights=weights, tokenizer_files=tokenizer)
 
 

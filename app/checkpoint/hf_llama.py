@@ -14,14 +14,13 @@ Layout differences handled both ways (our full tensors are what one process hold
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Dict, Optional
 
 import torch
 
 from app.checkpoint import layout
-from app.checkpoint.hf_files import (ExportTokenizer, HFConversionError, import_args,
-                                     read_hf_tensors, write_directory)
+from app.checkpoint.hf_files import (ExportTokenizer, HFConversionError, directory_tokenizer,
+                                     import_args, read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
@@ -224,17 +223,12 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
 
 # ---------------------------------------------------------------------------- directories
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-"""A directory holding one of these has a tokenizer AutoTokenizer loads."""
-
-
 def read_hf_dir(path: str, config: Dict, make_vocab_size_divisible_by: int = 128
                 ) -> ModelCheckpoint:
     """A `save_pretrained` Llama or Qwen3 directory whose config.json is `config` (its tokenizer,
     when it has one, is named in the args as the run's --tokenizer-model)."""
-    has_tokenizer = any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES)
     args = args_from_hf_config(config, f"{path}/config.json", make_vocab_size_divisible_by,
-                               os.path.abspath(path) if has_tokenizer else None)
+                               directory_tokenizer(path))
     model = model_config_from_args(args, for_inference=True)
     weights = from_hf_state(read_hf_tensors(path), model)
     args.params_dtype = weights[layout.WORD_EMBEDDINGS].dtype

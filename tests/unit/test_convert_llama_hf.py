@@ -243,7 +243,8 @@ def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_mod
                                                            monkeypatch):
     """--tokenizer-model FILE on the converter reads the .model as GPTSentencePieceTokenizer
     for a checkpoint of another type (here a GPT-2 export: its config.json's bos is the
-    model's); a missing file is one clear error before any work, from the flag or the args;
+    model's); that GPT-2 export imported and exported again keeps its tokenizer (the import
+    names the directory's tokenizer.json, as the Llama import does); a missing file is one clear error before any work, from the flag or the args;
     a tokenizer.json that would encode otherwise than ours is refused."""
     import sentencepiece
     from app.checkpoint import hf
@@ -264,6 +265,10 @@ def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_mod
     assert main(["--load", str(out), "--save", str(again), "--output-format", "hf",
                  "--tokenizer-model", unigram_model]) == 0
     _exported_ids(again, ours, sp, SPM_STRINGS[:5])
+    ours_dir, back = tmp_path / "ours", tmp_path / "back"  # HF -> ours -> HF keeps the tokenizer
+    assert main(["--load", str(out), "--save", str(ours_dir)]) == 0
+    assert main(["--load", str(ours_dir), "--save", str(back), "--output-format", "hf"]) == 0
+    _exported_ids(back, ours, sp, SPM_STRINGS[:5])
     missing = tmp_path / "gone" / "tok.model"
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
