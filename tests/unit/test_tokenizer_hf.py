@@ -66,7 +66,7 @@ def test_preprocessing_equals_auto_tokenizer_plus_eod(tmp_path, tokenizer_dir):
         np.testing.assert_array_equal(dataset[i], np.asarray(want), err_msg=text)
 
 
-def test_bad_tokenizer_model_is_one_clear_error(tmp_path):
+def test_bad_tokenizer_model_is_one_clear_error(tmp_path, capsys):
     from tools.preprocess_data import main
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")
@@ -74,9 +74,10 @@ def test_bad_tokenizer_model_is_one_clear_error(tmp_path):
                         (["--tokenizer-model", str(tmp_path / "missing")], "missing"),
                         (["--tokenizer-model", _train_tokenizer(tmp_path / "no_eos", eos=None)],
                          "no eos token")):
-        with pytest.raises(SystemExit, match=words):
+        with pytest.raises(SystemExit) as stop:  # a missing path: a usage error, on stderr
             main(["--input", str(data), "--output-prefix",
                   str(tmp_path / "out"), "--tokenizer-type", "HuggingFaceTokenizer", *args])
+        assert words in f"{stop.value.code} {capsys.readouterr().err}", words
     assert not list(tmp_path.glob("out*"))
 
 
