@@ -31,7 +31,7 @@ from app.config.cli import parse_config  # noqa: E402
 
 def get_options(argv: Optional[List[str]] = None) -> ConvertOptions:
     """The command line as ConvertOptions; a bad flag is a usage error (exit status 2)."""
-    return parse_config(ConvertOptions, argv, __doc__.split("\n")[0])
+    return parse_config(ConvertOptions, argv, " ".join(__doc__.split("\n\n")[0].split()))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -55,23 +55,28 @@ class ConvertOptions:
     input_format: Optional[str] = option(
         "--input-format", default=None, choices=INPUT_NAMES,
         help="the source's format (default: detected from its files; when given, it must agree "
-             "with them). torch (alias megatron): the legacy mp_rank_XX files (--ckpt-format "
-             "torch); torch_dist: Megatron Core's PyTorch distributed checkpoint (--ckpt-format "
-             "torch_dist)")
+             "with them). torch (aliases megatron, legacy): the legacy mp_rank_XX files "
+             "(--ckpt-format torch); torch_dist: Megatron Core's PyTorch distributed checkpoint "
+             "(--ckpt-format torch_dist); deepspeed: a --deepspeed run's checkpoint (ZeRO-0 to "
+             "3); hf (alias huggingface): a Hugging Face GPT-2, Llama or Qwen3 directory")
     """A name of app.checkpoint.formats (or an alias: megatron = torch); None: detected from the
     files in `load`."""
-    output_format: str = option("--output-format", default="torch", choices=OUTPUT_NAMES,
-                                help=f"one of {', '.join(OUTPUT_FORMATS)} (megatron: an alias "
-                                     "of torch)")
+    output_format: str = option(
+        "--output-format", default="torch", choices=OUTPUT_NAMES,
+        help=f"one of {', '.join(OUTPUT_FORMATS)} (aliases: megatron and legacy for torch, "
+             "huggingface for hf); hf writes the model's own architecture: GPT2LMHeadModel, "
+             "LlamaForCausalLM, or Qwen3ForCausalLM with --qk-layernorm")
     load: str = option("--load", required=True, path=LOAD,
-                       help="source: checkpoint directory (--save of the run) or a Hugging Face "
-                            "save_pretrained directory")
+                       help="source: checkpoint directory (--save of the run: ours or "
+                            "DeepSpeed's, any TP/PP) or a Hugging Face save_pretrained "
+                            "directory")
     save: Optional[str] = option("--save", default=None,
                                  help="target directory (must not exist or be empty)")
     iteration: Optional[object] = option(
         "--iteration", default=None, parse=_iteration,
-        help="source iteration (default: the latest); for torch output also the iteration "
-             "written (default: release)")
+        help="source iteration (default: the latest); for torch or torch_dist output also "
+             "the iteration written (default: release, or with --include-optimizer the "
+             "source's)")
     """Source iteration to read (int or 'release'); for Megatron output also the one written."""
     target_tensor_model_parallel_size: int = option("--target-tensor-model-parallel-size",
                                                     default=1)
@@ -82,14 +87,16 @@ class ConvertOptions:
         help="dtype of the written weights (default: the source's)")
     include_optimizer: bool = option(
         "--include-optimizer", default=False,
-        help="also carry the optimizer state, LR schedule and RNG states (torch or torch_dist "
-             "output)")
+        help="also carry the optimizer state, LR schedule and RNG states (a torch, torch_dist "
+             "or deepspeed input; a torch or torch_dist output)")
     max_shard_size: str = option("--max-shard-size", default="2GB",
                                  help="largest safetensors file (hf output)")
     vocab_file: Optional[str] = option("--vocab-file", default=None, path=VOCAB,
-                                       help="GPT-2 vocab.json copied into the hf output")
+                                       help="hf output: GPT-2 vocab.json copied into it (with "
+                                            "--merge-file)")
     merge_file: Optional[str] = option("--merge-file", default=None, path=MERGES,
-                                       help="GPT-2 merges.txt copied into the hf output")
+                                       help="hf output: GPT-2 merges.txt copied into it (with "
+                                            "--vocab-file)")
     tokenizer_model: Optional[str] = option(
         "--tokenizer-model", default=None, path=TOKENIZER_MODEL,
         help="hf output: the tokenizer saved into the output: a Hugging Face tokenizer (a "

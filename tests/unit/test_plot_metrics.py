@@ -57,7 +57,9 @@ def test_two_runs_overlaid_and_errors(tmp_path, capsys, monkeypatch):
     (tmp_path / "bad.jsonl").write_text('{"kind": "train"}\nnot json\n')
     assert tool.main(["--metrics-file", str(tmp_path / "bad.jsonl"), "--output", str(out)]) == 2
     assert "line 2" in capsys.readouterr().err
-    assert tool.main(["--metrics-file", str(tmp_path / "none.jsonl")]) == 2
+    with pytest.raises(SystemExit) as stop:  # a missing file: a usage error naming it
+        tool.main(["--metrics-file", str(tmp_path / "none.jsonl")])
+    assert stop.value.code == 2 and "none.jsonl does not exist" in capsys.readouterr().err
 
 
 def test_megatrons_tensorboard_scalars_beside_our_metrics(tmp_path, monkeypatch):
@@ -90,7 +92,9 @@ def test_megatrons_tensorboard_scalars_beside_our_metrics(tmp_path, monkeypatch)
     assert loss["megatron train"] == ([4, 5, 6], [5.5, 5.25, 5.0])
     assert loss["megatron valid"] == ([6], [5.125])
     assert _lines(drawn[1])["megatron"][1] == pytest.approx([4e-4, 5e-4, 6e-4])
-    assert tool.main(["--tensorboard-dir", str(tmp_path / "empty_dir_missing")]) == 2
+    with pytest.raises(SystemExit) as stop:
+        tool.main(["--tensorboard-dir", str(tmp_path / "empty_dir_missing")])
+    assert stop.value.code == 2
     other = tmp_path / "other"
     SummaryWriter(str(other)).close()
     assert tool.main(["--tensorboard-dir", str(other)]) == 2
