@@ -52,8 +52,9 @@ LIST_ACTIONS = ("extend",)
 class PathOption:
     """What a path-valued option must name: an existing `kind` ('file', 'dir' or 'any');
     `what` is the fix an error message gives ("the JSONL that pretrain_gpt2.py --metrics-file
-    wrote"). `hub`: a bare name (no path separator or leading '.'/'~', not a .model file) may be
-    a Hugging Face Hub name in the local cache and is not checked; `stdin`: '-' is allowed."""
+    wrote"). `hub`: a name that may be a Hugging Face Hub name in the local cache ('gpt2',
+    'org/name': relative, at most one '/', no leading '.' or '~', not a .model file) is not
+    checked; `stdin`: '-' is allowed."""
 
     kind: str
     what: str
@@ -80,7 +81,7 @@ class PathOption:
 def _hub_name(value: str) -> bool:
     """`value` may be a Hub name ('gpt2', 'org/name'), not a local path."""
     return not (value.endswith(".model") or os.path.isabs(value) or value.startswith((".", "~"))
-                or value.count("/") > 1 or os.sep != "/" and os.sep in value)
+                or value.count("/") > 1)
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,10 @@ def test_generate_command_line_parses_to_the_old_values(named_paths):
         (["a", "b", "c"], None, 4, 5, 0.5, 0.7, 3, "jsonl", True, False, 1)
     b = _parse("generate", ["--load", "ck", "--max-new-tokens", "1", "--prompts-file", "-"])
     assert (b.prompt, b.prompts_file, b.top_p_decay, b.length_penalty) == (None, "-", 0.0, 1.0)
+    for hub_name in ("gpt2", "org/name"):  # may be in the Hub cache: not a path to check
+        c = _parse("generate", ["--load", "ck", "--max-new-tokens", "1", "--tokenizer-model",
+                                hub_name])
+        assert c.checkpoint.tokenizer_model == hub_name
 
 
 def test_evaluate_and_server_command_lines_parse_to_the_old_values(named_paths):
