@@ -244,8 +244,9 @@ def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_mod
     """--tokenizer-model FILE on the converter reads the .model as GPTSentencePieceTokenizer
     for a checkpoint of another type (here a GPT-2 export: its config.json's bos is the
     model's); that GPT-2 export imported and exported again keeps its tokenizer (the import
-    names the directory's tokenizer.json, as the Llama import does); a missing file is one clear error before any work, from the flag or the args;
-    a tokenizer.json that would encode otherwise than ours is refused."""
+    names the directory's tokenizer.json, as the Llama import does); a missing file is one
+    clear error before any work, from the flag or the args; a tokenizer.json that would encode
+    otherwise than ours is refused."""
     import sentencepiece
     from app.checkpoint import hf
     from app.checkpoint.hf_files import pick_tokenizer
