@@ -149,8 +149,8 @@ class CheckpointConfig:
                              "--non-persistent-local-ckpt-dir on a tmpfs such as /dev/shm, or "
                              "global")
         if self.non_persistent_global_ckpt_dir and kind != "global":
-            raise ValueError(f"--non-persistent-global-ckpt-dir {self.non_persistent_global_ckpt_dir}"
-                             f" is only used with --non-persistent-ckpt-type global, got {kind}: "
+            raise ValueError("--non-persistent-global-ckpt-dir "
+                             f"{self.non_persistent_global_ckpt_dir} is only used with --non-persistent-ckpt-type global, got {kind}: "
                              "add --non-persistent-ckpt-type global or drop the directory")
         if (kind == "global" and self.non_persistent_save_interval
                 and not (self.non_persistent_global_ckpt_dir or self.save)):

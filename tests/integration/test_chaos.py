@@ -264,7 +264,8 @@ def test_killed_after_iteration_7_resumes_from_its_non_persistent_checkpoint_of_
                                       "state_rank_0000{rank}.pt"))
     with pytest.raises(DistributedTestError) as failed:  # the first attempt
         run_pretrain(2, args, timeout=HANG_S, setup=functools.partial(kill_once.arm, kill))
-    assert fired.exists(), f"the first attempt failed, not by its kill:\n{str(failed.value)[-6000:]}"
+    assert fired.exists(), \
+        f"the first attempt failed, not by its kill:\n{str(failed.value)[-6000:]}"
     log = run_pretrain(2, args, timeout=HANG_S)[0]  # the restart
     what = ("the local checkpoint of iteration 6" if kind == "local" else
             f"the global non-persistent checkpoint of iteration 6 in {ck}/non_persistent")

@@ -491,6 +491,6 @@ def load_newest(engine: Any, chosen: NewestCheckpoint, cfg: CheckpointConfig, de
     return load_on_all_ranks(engine, chosen.directory, device, checkpoint=cfg)
 
 
-__all__ = ["GlobalSaves", "LocalCheckpoints", "LocalPick", "LocalSaves", "NewestCheckpoint", "load_newest",
-           "newest_checkpoint", "newest_complete", "non_persistent_saves", "replica_group",
-           "scan"]
+__all__ = ["GlobalSaves", "LocalCheckpoints", "LocalPick", "LocalSaves", "NewestCheckpoint",
+           "load_newest", "newest_checkpoint", "newest_complete", "non_persistent_saves",
+           "replica_group", "scan"]
