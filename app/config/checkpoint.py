@@ -1,6 +1,7 @@
 """Checkpoint saving and loading (`CheckpointConfig`). Part of `app.config`."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Tuple
 
@@ -10,9 +11,14 @@ from app.config.rules import positive
 CKPT_FORMATS = ("torch", "torch_dist")
 """--ckpt-format values: Megatron-LM's legacy files, or its PyTorch distributed checkpoint."""
 
-NON_PERSISTENT_CKPT_TYPES = ("local",)
-"""--non-persistent-ckpt-type values we implement: Megatron-LM's `local` (each rank on its own
-disk); its `global` and `in_memory` are not implemented."""
+NON_PERSISTENT_CKPT_TYPES = ("global", "local", "in_memory")
+"""--non-persistent-ckpt-type values, Megatron-LM's: `global` (a checkpoint in the run's format
+in --non-persistent-global-ckpt-dir, only the newest kept), `local` (each rank on its own
+disk); `in_memory` is refused, as Megatron-LM refuses it (validate_args)."""
+
+NON_PERSISTENT_SUBDIR = "non_persistent"
+"""Megatron-LM's global non-persistent folder under --save (and --load) when
+--non-persistent-global-ckpt-dir is not given."""
 
 
 @dataclass(kw_only=True)
@@ -61,14 +67,21 @@ class CheckpointConfig:
              "(docs/checkpoints.md)")
     non_persistent_save_interval: Optional[int] = option(
         "--non-persistent-save-interval", default=None,
-        help="save a local (non-persistent) checkpoint every N iterations, between the "
-             "--save-interval ones (needs --non-persistent-ckpt-type local; docs/reliability.md)")
+        help="save a non-persistent checkpoint every N iterations, between the --save-interval "
+             "ones (needs --non-persistent-ckpt-type global or local; docs/reliability.md)")
     non_persistent_ckpt_type: Optional[str] = option(
         "--non-persistent-ckpt-type", default=None, choices=NON_PERSISTENT_CKPT_TYPES,
-        help="local: every rank writes its own state under "
-             "--non-persistent-local-ckpt-dir/rank_<r>/ in the background; a resume with "
-             "--load takes the newest iteration complete over all ranks if it is at least as "
-             "new as the persistent checkpoint")
+        help="global: a checkpoint in the run's format into --non-persistent-global-ckpt-dir, "
+             "only the newest kept; local: every rank writes its own state under "
+             "--non-persistent-local-ckpt-dir/rank_<r>/ in the background. A resume with "
+             "--load (and a rollback) takes the newest non-persistent checkpoint if it is at "
+             "least as new as the persistent one; in_memory is refused (use local with a "
+             "tmpfs directory such as /dev/shm)")
+    non_persistent_global_ckpt_dir: Optional[str] = option(
+        "--non-persistent-global-ckpt-dir", default=None,
+        help="directory of the global non-persistent checkpoints (default: "
+             f"<--save>/{NON_PERSISTENT_SUBDIR} when saving, <--load>/{NON_PERSISTENT_SUBDIR} "
+             "when resuming, as Megatron-LM)")
     non_persistent_local_ckpt_dir: Optional[str] = option(
         "--non-persistent-local-ckpt-dir", default=None,
         help="directory of the local checkpoints (a disk of each node's own)")
@@ -109,8 +122,10 @@ class CheckpointConfig:
                         ("replication_jump", "--replication-jump")), allow_none=True)
         if self.non_persistent_save_interval and self.non_persistent_ckpt_type is None:
             raise ValueError(f"--non-persistent-save-interval {self.non_persistent_save_interval}"
-                             " needs --non-persistent-ckpt-type local (and "
+                             " needs --non-persistent-ckpt-type global (with "
+                             "--non-persistent-global-ckpt-dir DIR or --save) or local (with "
                              "--non-persistent-local-ckpt-dir DIR)")
+        self._check_global_flags()
         if self.non_persistent_ckpt_type == "local" and not self.non_persistent_local_ckpt_dir:
             raise ValueError("--non-persistent-ckpt-type local needs "
                              "--non-persistent-local-ckpt-dir DIR (a disk of each node's own)")
@@ -124,6 +139,24 @@ class CheckpointConfig:
         if self.replication and self.replication_factor < 2:
             raise ValueError(f"--replication-factor must be at least 2 with --replication, got "
                              f"{self.replication_factor}")
+
+    def _check_global_flags(self) -> None:
+        """--non-persistent-ckpt-type global/in_memory and --non-persistent-global-ckpt-dir."""
+        kind = self.non_persistent_ckpt_type
+        if kind == "in_memory":
+            raise ValueError("--non-persistent-ckpt-type in_memory is not implemented (Megatron-LM "
+                             "refuses it too): use --non-persistent-ckpt-type local with "
+                             "--non-persistent-local-ckpt-dir on a tmpfs such as /dev/shm, or "
+                             "global")
+        if self.non_persistent_global_ckpt_dir and kind != "global":
+            raise ValueError("--non-persistent-global-ckpt-dir "
+                             f"{self.non_persistent_global_ckpt_dir} is only used with --non-persistent-ckpt-type global, got {kind}: "
+                             "add --non-persistent-ckpt-type global or drop the directory")
+        if (kind == "global" and self.non_persistent_save_interval
+                and not (self.non_persistent_global_ckpt_dir or self.save)):
+            raise ValueError("--non-persistent-ckpt-type global needs "
+                             "--non-persistent-global-ckpt-dir DIR or --save (its default is "
+                             f"<--save>/{NON_PERSISTENT_SUBDIR})")
 
     def _check_replication_flags(self) -> None:
         """--replication-jump / --replication-factor without --replication is an error (Megatron
@@ -145,3 +178,13 @@ class CheckpointConfig:
     def local_checkpoints(self) -> bool:
         """Whether this run writes or reads local (non-persistent) checkpoints."""
         return self.non_persistent_ckpt_type == "local"
+
+    def global_non_persistent_dir(self, base: Optional[str]) -> Optional[str]:
+        """The global non-persistent checkpoints' directory: --non-persistent-global-ckpt-dir,
+        else `base` (--save when saving, --load when resuming)/non_persistent as Megatron-LM;
+        None without --non-persistent-ckpt-type global (or without either directory)."""
+        if self.non_persistent_ckpt_type != "global":
+            return None
+        if self.non_persistent_global_ckpt_dir:
+            return self.non_persistent_global_ckpt_dir
+        return os.path.join(base, NON_PERSISTENT_SUBDIR) if base else None

@@ -111,7 +111,8 @@ class RunConfig:
         if c.local_checkpoints and self.deepspeed.enabled and zero_stage(self.deepspeed.config) == 3:
             raise ValueError("--non-persistent-ckpt-type local is not implemented for ZeRO-3 "
                              "(its weights are partitioned); use ZeRO-1/2 or the native path, or "
-                             "rely on --save")
+                             "--non-persistent-ckpt-type global (a ZeRO-3 checkpoint), or rely "
+                             "on --save")
 
     def _build_batch_schedule(self) -> BatchSchedule:
         """The batch-size schedule of the flags, checked against the layout and the engine."""

@@ -6,7 +6,7 @@ start-up checks of --save/--load (all ranks agree: --save writable, its writer l
 temporaries; resume or fresh start per app.training.resilience.resume.decide_start; the saved
 layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts of the run
 (app.training.run) -> the data plan (app.data.plan) -> checkpoint load (all ranks agree; the
-newest complete local checkpoint when it is at least as new as --load's, see
+newest non-persistent (local or global) checkpoint when it is at least as new as --load's, see
 app.training.resilience.local_checkpoints; a resume keeps the checkpoint's data order,
 app.training.resilience.data_order) -> datasets built or loaded from the cache -> Trainer, with
 the exit-signal handler installed while it trains. `--dry-run` (app.training.planning.preflight)
@@ -146,10 +146,10 @@ def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
     if decision.note:
         logger.info(decision.note)
     c = cfg.checkpoint
-    # local checkpoints count for a resume (--load, not --finetune) as for a rollback
-    chosen = newest_checkpoint(c, decision.load,
-                               use_local=c.local_checkpoints and bool(c.load) and not c.finetune)
-    if chosen.local is None and decision.load is None:
+    # non-persistent checkpoints count for a resume (--load, not --finetune) as for a rollback
+    chosen = newest_checkpoint(c, decision.load, non_persistent=(
+        c.non_persistent_ckpt_type is not None and bool(c.load) and not c.finetune))
+    if chosen.local is None and chosen.global_iteration is None and decision.load is None:
         return RunState(data_order=data_order)
     loaded = load_newest(run.engine, chosen, c, device)
     if loaded is None:

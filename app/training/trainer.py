@@ -36,7 +36,7 @@ from app.checkpoint.names import checkpoint_dir
 from app.pipeline import get_forward_backward_func
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
 from app.training.resilience.inprocess import InProcessRestart
-from app.training.resilience.local_checkpoints import LocalSaves
+from app.training.resilience.local_checkpoints import non_persistent_saves
 from app.training.resilience.nonfinite import NonFinitePolicy, TrainingAborted
 from app.training.resilience.rollback import SpikeRollback
 from app.training.resilience.saving import CheckpointSaver, SaveFailed, flagged
@@ -124,10 +124,11 @@ class Trainer:
                                          t.check_for_nan_in_loss_and_grad)
         self.saver = CheckpointSaver(cfg.checkpoint, engine, self.writer, self.log,
                                      saving=lambda: flagged(self.signals))
-        self.local_saves = (LocalSaves(cfg.checkpoint, engine, parallel_state.rank,
-                                       parallel_state.world_size, device, self.writer, self.log)
-                            if cfg.checkpoint.non_persistent_save_interval else None)
-        """--non-persistent-save-interval's local checkpoints (resilience.local_checkpoints)."""
+        self.local_saves = non_persistent_saves(
+            cfg.checkpoint, engine, self.saver, parallel_state.rank, parallel_state.world_size,
+            device, self.writer, self.log)
+        """--non-persistent-save-interval's local or global checkpoints (None without it;
+        resilience.local_checkpoints)."""
         self.rollback = (SpikeRollback(cfg, engine, device, _length(self.train_ds),
                                        finish_save=lambda: self._finish_save(blocking=True))
                          if cfg.rollback.enabled else None)

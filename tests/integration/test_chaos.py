@@ -15,10 +15,11 @@ reaches the surviving rank; the other restarts the job itself on forked ranks
 launcher and fresh interpreters for every attempt. The seed of the kill plan is printed and in
 every failure message; set CHAOS_SEED to replay one.
 
-Local checkpoints (app.training.resilience.local_checkpoints), against one uninterrupted
-native DP 2 run shared by both cases, on forked gloo ranks (the launcher is not the point): a
-rank SIGKILLed after iteration 7, the job restarted, resumes from the local iteration 6, not
-the persistent 5; with --replication, a job stopped after iteration 7 whose rank_1 folder is
+Non-persistent checkpoints (app.training.resilience.local_checkpoints), against one
+uninterrupted DP 2 run per engine, on forked gloo ranks (the launcher is not the point): a
+rank SIGKILLed after iteration 7, the job restarted, resumes from the non-persistent iteration
+6, not the persistent 5 (local and global ones, of the native engine and of DeepSpeed ZeRO-2);
+with --replication, a job stopped after iteration 7 whose rank_1 folder is
 then deleted resumes from iteration 6 with rank 1's state from rank 0's replica.
 Both end bit-identical to the uninterrupted run.
 """
@@ -207,16 +208,19 @@ LOCAL_EVERY, PERSISTENT_EVERY, KILLED_AFTER = 2, 5, 7
 iteration 7 resumes from the local checkpoint of iteration 6, not the persistent one of 5."""
 
 
-def local_args(tmp_path, *extra):
-    """The local-checkpoint flags into tmp_path/local (plus `extra`)."""
+def local_args(tmp_path, *extra, kind="local"):
+    """The non-persistent checkpoint flags: local into tmp_path/local (plus `extra`), or global
+    into Megatron's default <--save>/non_persistent."""
+    where = (["--non-persistent-local-ckpt-dir", str(tmp_path / "local")] if kind == "local"
+             else [])
     return ["--non-persistent-save-interval", str(LOCAL_EVERY), "--non-persistent-ckpt-type",
-            "local", "--non-persistent-local-ckpt-dir", str(tmp_path / "local"), *extra]
+            kind, *where, *extra]
 
 
-def assert_like_uninterrupted(ck, metrics, uninterrupted, what):
+def assert_like_uninterrupted(ck, metrics, uninterrupted, what, engine="native_dp2"):
     """The run's last logged loss and grad norm of every iteration and its final checkpoint's
-    tensors equal the uninterrupted native DP 2 run's, bit for bit."""
-    want_dir, want_metrics = uninterrupted("native_dp2")
+    tensors equal the uninterrupted DP 2 run's of `engine`, bit for bit."""
+    want_dir, want_metrics = uninterrupted(engine)
     got, want = last_logged(metrics), last_logged(want_metrics)
     assert sorted(got) == list(range(1, TRAIN_ITERS + 1)), f"{what}: logged {sorted(got)}"
     for it in sorted(want):
@@ -227,32 +231,53 @@ def assert_like_uninterrupted(ck, metrics, uninterrupted, what):
         assert tensor.equal(got_t[name]), f"{what}: final checkpoint {name} differs"
 
 
-def test_killed_after_iteration_7_resumes_from_its_local_checkpoint_of_6(
-        tiny_corpus, tmp_path, uninterrupted):
-    """DP 2, local checkpoints every 2 iterations: rank 1 SIGKILLed in iteration 8, the test
-    restarts the job (forked ranks, run_pretrain: the launcher is not the point), which resumes from the local iteration 6 (not the persistent 5) and ends
-    bit-identical to an uninterrupted run. The local save of 6 is written in the background
-    and committed at the end of the first iteration after which every rank's write is over:
-    under load that can be after iteration 7, when the kill finds it uncommitted and the
-    persistent 5 is (rightly) the resume point; so every rank waits in iteration 7 until its
-    file of 6 is durable (kill_once.py), which makes the commit fall at the end of 7."""
+NON_PERSISTENT_CASES = [("native_dp2", "local"), ("zero2_dp2", "local"), ("native_dp2", "global"),
+                        ("zero2_dp2", "global")]
+"""Local checkpoints of the native engine and of DeepSpeed ZeRO-2 (its partitioned optimizer
+state, each rank's own); global non-persistent ones of both (the run's own format, Megatron's
+legacy files or DeepSpeed's, written by the persistent save path into <--save>/non_persistent)."""
+
+
+@pytest.mark.parametrize("engine,kind", NON_PERSISTENT_CASES,
+                         ids=[f"{e}-{k}" for e, k in NON_PERSISTENT_CASES])
+def test_killed_after_iteration_7_resumes_from_its_non_persistent_checkpoint_of_6(
+        tiny_corpus, tmp_path, uninterrupted, engine, kind):
+    """DP 2, non-persistent checkpoints every 2 iterations: rank 1 SIGKILLed in iteration 8, the
+    test restarts the job (forked ranks, run_pretrain: the launcher is not the point), which
+    resumes from the non-persistent iteration 6 (not the persistent 5) and ends bit-identical
+    to an uninterrupted run. A local save of 6 is written in the background and committed at
+    the end of the first iteration after which every rank's write is over: under load that
+    can be after iteration 7, when the kill finds it uncommitted and the persistent 5 is
+    (rightly) the resume point; so every rank waits in iteration 7 until its file of 6 is
+    durable (kill_once.py), which makes the commit fall at the end of 7. A global save (no
+    --async-save) commits in iteration 6 itself."""
     ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
-    args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, "--save", ck, "--load", ck,
-                         "--save-interval", str(PERSISTENT_EVERY), "--metrics-file", str(metrics),
-                         *local_args(tmp_path))
+    args = tiny_gpt_args(tiny_corpus, tmp_path, *RUN, *ENGINES[engine], "--save", ck, "--load",
+                         ck, "--save-interval", str(PERSISTENT_EVERY), "--metrics-file",
+                         str(metrics), *local_args(tmp_path, kind=kind))
     fired = tmp_path / "killed"
     kill = dict(KILL_RANK="1", KILL_AT_SAMPLE=str(KILLED_AFTER * GLOBAL_BATCH),
-                WAIT_AT_SAMPLE=str((KILLED_AFTER - 1) * GLOBAL_BATCH),
-                WAIT_FOR_FILE=str(tmp_path / "local" / "rank_{rank}" / "iter_0000006" /
-                                  "state_rank_0000{rank}.pt"), KILL_FIRED=str(fired))
+                KILL_FIRED=str(fired))
+    if kind == "local":
+        kill.update(WAIT_AT_SAMPLE=str((KILLED_AFTER - 1) * GLOBAL_BATCH),
+                    WAIT_FOR_FILE=str(tmp_path / "local" / "rank_{rank}" / "iter_0000006" /
+                                      "state_rank_0000{rank}.pt"))
     with pytest.raises(DistributedTestError) as failed:  # the first attempt
         run_pretrain(2, args, timeout=HANG_S, setup=functools.partial(kill_once.arm, kill))
-    assert fired.exists(), f"the first attempt failed, not by its kill:\n{str(failed.value)[-6000:]}"
+    assert fired.exists(), \
+        f"the first attempt failed, not by its kill:\n{str(failed.value)[-6000:]}"
     log = run_pretrain(2, args, timeout=HANG_S)[0]  # the restart
-    assert "resuming from the local checkpoint of iteration 6" in log, log[-6000:]
+    what = ("the local checkpoint of iteration 6" if kind == "local" else
+            f"the global non-persistent checkpoint of iteration 6 in {ck}/non_persistent")
+    assert f"resuming from {what}" in log, log[-6000:]
     assert "persistent checkpoint of iteration 5" in log, log[-6000:]
-    assert_like_uninterrupted(ck, metrics, uninterrupted, "killed after 7")
-    for rank in (0, 1):  # older local iterations are removed as new ones commit
+    assert_like_uninterrupted(ck, metrics, uninterrupted, f"{engine} {kind}: killed after 7",
+                              engine)
+    if kind == "global":  # Megatron's cleanup: the older ones removed before each save
+        held = sorted(os.listdir(os.path.join(ck, "non_persistent")))
+        assert [d for d in held if d.startswith("iter_")] == ["iter_0000008", "iter_0000012"] \
+            and "latest_checkpointed_iteration.txt" in held, held
+    for rank in (0, 1) if kind == "local" else ():  # older ones removed as new ones commit
         held = sorted(os.listdir(tmp_path / "local" / f"rank_{rank}"))
         assert held == ["iter_0000012", "latest_checkpointed_iteration.txt"], held
 

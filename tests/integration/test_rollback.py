@@ -90,27 +90,33 @@ LOCAL = ("--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "l
          "--non-persistent-local-ckpt-dir")
 """Local checkpoints every 2 iterations (the test's folder follows): 16 is newer than the
 persistent 15, so the rollback goes back to 16, as a resume would."""
+GLOBAL = ("--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "global")
+"""Global non-persistent checkpoints every 2 iterations into <--save>/non_persistent: the
+rollback goes back to 16 as with local ones."""
 
 
 @pytest.mark.parametrize("engine", [LOCAL, ("--deepspeed", "--deepspeed_config",
                                              os.path.join(ROOT, "ds_configs", "zero2.json")),
                                     ("--deepspeed", "--deepspeed_config",
                                      os.path.join(ROOT, "ds_configs", "zero3.json")),
-                                    ("--async-save",)],
+                                    ("--async-save",), GLOBAL],
                          ids=["native_local_checkpoints", "deepspeed", "deepspeed_zero3",
-                              "native_async_save"])
+                              "native_async_save", "native_global_non_persistent"])
 def test_poisoned_batch_rolls_back_once_skips_its_window_and_finishes(tmp_path, caplog, engine):
     ck = tmp_path / "ck"
-    local = engine == LOCAL
-    flags = [*engine, str(tmp_path / "local")] if local else list(engine)
+    local = engine in (LOCAL, GLOBAL)  # non-persistent checkpoints: back to 16
+    flags = [*engine, str(tmp_path / "local")] if engine == LOCAL else list(engine)
     cfg = arguments.config_from_argv([*SPIKE_ARGS, *flags, "--save", str(ck)], 1, VOCAB)
     poisoned = range(4 * 17, 4 * 17 + 3)  # three of the four samples of iteration 18
     data = PoisonedSamples(RandomTokens(400, 16, VOCAB, seed=3), poisoned)
     with caplog.at_level(logging.WARNING):
         trainer = _run(cfg, (data, None, None))
     log = caplog.text
-    back, kind = (16, f"local checkpoint of iteration 16 in {tmp_path / 'local'}") if local \
-        else (15, f"persistent checkpoint of iteration 15 in {ck}")
+    back, kind = 15, f"persistent checkpoint of iteration 15 in {ck}"
+    if local:
+        back, kind = 16, (f"local checkpoint of iteration 16 in {tmp_path / 'local'}"
+                          if engine == LOCAL else "global non-persistent checkpoint of "
+                          f"iteration 16 in {ck}/non_persistent")
     assert "iteration 18: loss" in log and "rolling back (1 of 1)" in log, log
     assert f"rolled back to iteration {back} from the {kind}" in log, log
     assert f"skipping training samples [{4 * back}, 72)" in log

@@ -74,7 +74,13 @@ def test_scan_counts_only_files_whose_checksum_verifies(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (dict(non_persistent_save_interval=2), "needs --non-persistent-ckpt-type local"),
+    (dict(non_persistent_save_interval=2), "needs --non-persistent-ckpt-type global .* or local"),
+    (dict(non_persistent_ckpt_type="in_memory"), "in_memory is not implemented .*use "
+                                                 "--non-persistent-ckpt-type local .*/dev/shm"),
+    (dict(non_persistent_ckpt_type="local", non_persistent_local_ckpt_dir="/l",
+          non_persistent_global_ckpt_dir="/g"), "only used with --non-persistent-ckpt-type global"),
+    (dict(non_persistent_save_interval=2, non_persistent_ckpt_type="global"),
+     "global needs --non-persistent-global-ckpt-dir DIR or --save"),
     (dict(non_persistent_ckpt_type="local"), "needs --non-persistent-local-ckpt-dir"),
     (dict(replication=True, non_persistent_ckpt_type="local",
           non_persistent_local_ckpt_dir="/l"), "--replication needs --replication-jump"),
@@ -178,6 +184,55 @@ def test_save_then_restore_one_rank_keeps_the_newest_and_its_rng(tmp_path):
     assert (loaded.iteration, loaded.consumed_train_samples) == (4, 16)
     assert restored.weights["w"].tolist() == [5.0, 5.0, 5.0]
     assert torch.rand(4).equal(expected_rng)
+
+
+class FileEngine(commit.OneSaveAtATime):
+    """An engine whose checkpoint is its client state in one file, committed by app.checkpoint
+    .commit without rotation (as the engines with no --keep-last-n-checkpoints)."""
+
+    def start_save(self, save_dir, iteration, client_state, asynchronous):
+        path = os.path.join(names.checkpoint_dir(save_dir, iteration), "state.pt")
+        return commit.start_save(
+            save_dir, iteration, agree=lambda ok: ok, is_tracker_writer=True,
+            write=lambda: commit.write_checked_file(path, lambda f: torch.save(client_state, f)),
+            undo=lambda: None, background=asynchronous)
+
+
+def test_global_saves_keep_the_newest_and_the_choice_takes_it_when_newest(tmp_path):
+    """--non-persistent-ckpt-type global: saves of iterations 2, 4, 6 through the persistent
+    saver into <--save>/non_persistent (Megatron's default) leave 4 and 6 (the older ones
+    removed before each save), the tracker naming 6; none on a persistent save's iteration.
+    The choice (newest_checkpoint) takes it against an older persistent checkpoint, not a
+    newer one, not after a rollback's iteration, and a 'release' tracker there is refused."""
+    from app.training.resilience.saving import CheckpointSaver
+    ck = str(tmp_path / "ck")
+    cfg = CheckpointConfig(save=ck, load=ck, non_persistent_save_interval=2,
+                           non_persistent_ckpt_type="global")
+    engine, lines = FileEngine(), []
+    saver = CheckpointSaver(cfg, engine, None, lines.append)
+    saves = lc.non_persistent_saves(cfg, engine, saver, 0, 1, torch.device("cpu"), None, print)
+    glob_dir = os.path.join(ck, "non_persistent")
+    for iteration in (2, 4, 5, 6):
+        saves.maybe_save(iteration, {"iteration": iteration}, persistent=iteration == 5)
+        saves.finish(blocking=True)
+    assert names.list_checkpoint_iterations(glob_dir) == [4, 6], os.listdir(glob_dir)
+    assert names.read_tracker(glob_dir) == 6 and not os.path.exists(ck + "/iter_0000006")
+    assert any(f"saved checkpoint at iteration 6 to {glob_dir}" in line for line in lines), lines
+    for persistent, at_most, want in ((None, None, 6), (5, None, 6), (6, None, 6), (8, None, 8),
+                                      (5, 5, 5)):
+        if persistent is not None:
+            os.makedirs(names.checkpoint_dir(ck, persistent), exist_ok=True)
+            names.write_tracker(ck, persistent)
+        chosen = lc.newest_checkpoint(cfg, ck, True, at_most=at_most)
+        assert chosen.iteration == want, (persistent, at_most)
+        assert chosen.describe() == (
+            f"the global non-persistent checkpoint of iteration 6 in {glob_dir}" if want == 6
+            else f"the persistent checkpoint of iteration {want} in {ck}")
+    assert lc.newest_checkpoint(cfg, ck, False).iteration == 5  # --finetune: not looked at
+    os.makedirs(names.checkpoint_dir(glob_dir, "release"))
+    names.write_tracker(glob_dir, "release")
+    with pytest.raises(CheckpointError, match="a non-persistent checkpoint cannot be one"):
+        lc.newest_checkpoint(cfg, ck, True)
 
 
 def test_a_failed_local_save_is_undone_recorded_and_training_goes_on(tmp_path):

@@ -216,6 +216,50 @@ class LocalSaves:
         self.local.abandon_save(60.0)
 
 
+class GlobalSaves:
+    """Megatron-LM's `--non-persistent-ckpt-type global`: every --non-persistent-save-interval
+    iterations that are not persistent saves, the run's own checkpoint (its engine and
+    --ckpt-format, through the persistent saves' `saver`, so one save is in flight at a time
+    and failures count alike) into the global directory; before each, the older
+    non-persistent iterations than the one its tracker names are removed (Megatron's
+    cleanup_old_non_persistent_checkpoint, leave 1), so the newest committed one survives a
+    crash in the next save."""
+
+    def __init__(self, cfg: CheckpointConfig, saver: CheckpointSaver, rank: int) -> None:
+        self.interval, self.saver, self.rank = cfg.non_persistent_save_interval, saver, rank
+        self.directory = cfg.global_non_persistent_dir(cfg.save)
+
+    def maybe_save(self, iteration: int, client_state: Dict[str, Any], persistent: bool
+                   ) -> None:
+        """Save `iteration` into the global directory when it is due and no persistent one is."""
+        if self.interval and iteration % self.interval == 0 and not persistent:
+            self.saver.save(iteration, client_state, final=False, directory=self.directory,
+                            before=self._cleanup)
+
+    def _cleanup(self) -> None:
+        committed = names.read_tracker(self.directory) if os.path.isdir(self.directory) else None
+        if self.rank == 0 and isinstance(committed, int):
+            commit.rotate_checkpoints(self.directory, 1, committed)
+
+    def finish(self, blocking: bool) -> None:
+        """Nothing: the persistent saver commits the engine's save in flight."""
+
+    def abandon(self) -> None:
+        """Nothing: the persistent saver abandons the engine's save in flight."""
+
+
+def non_persistent_saves(cfg: CheckpointConfig, engine: Any, saver: CheckpointSaver, rank: int,
+                         world_size: int, device: Any, writer: Any,
+                         log: Callable[[str], None]) -> Any:
+    """The training loop's non-persistent saves (`LocalSaves` or `GlobalSaves`), None without
+    --non-persistent-save-interval."""
+    if not cfg.non_persistent_save_interval:
+        return None
+    if cfg.non_persistent_ckpt_type == "global":
+        return GlobalSaves(cfg, saver, rank)
+    return LocalSaves(cfg, engine, rank, world_size, device, writer, log)
+
+
 # ---------------------------------------------------------------------------- resuming
 
 def scan(folder: str) -> Dict[str, Any]:
@@ -358,38 +402,76 @@ def _load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
 @dataclass(frozen=True)
 class NewestCheckpoint:
     """The checkpoint a load takes (`newest_checkpoint`): `local` when the newest local
-    checkpoint wins, else the persistent one under `directory`, whose tracker named
+    checkpoint wins, `global_iteration` (under `global_dir`) when the newest global
+    non-persistent one does, else the persistent one under `directory`, whose tracker named
     `persistent` (None: no tracker)."""
 
     directory: Optional[str]
     persistent: Optional[names.Iteration]
     local: Optional[LocalPick] = None
     local_dir: str = ""
+    global_iteration: Optional[int] = None
+    global_dir: str = ""
 
     @property
     def iteration(self) -> Optional[names.Iteration]:
         """The iteration the load goes back to (None: there is no checkpoint)."""
-        return self.local.iteration if self.local is not None else self.persistent
+        if self.local is not None:
+            return self.local.iteration
+        return self.global_iteration if self.global_iteration is not None else self.persistent
 
     def describe(self) -> str:
-        """'the local checkpoint of iteration 16 in DIR', or the persistent one's words."""
+        """'the local checkpoint of iteration 16 in DIR', 'the global non-persistent
+        checkpoint of ...', or the persistent one's words."""
         if self.local is not None:
             return f"the local checkpoint of iteration {self.local.iteration} in {self.local_dir}"
+        if self.global_iteration is not None:
+            return (f"the global non-persistent checkpoint of iteration {self.global_iteration} "
+                    f"in {self.global_dir}")
         return _persistent(self.persistent, self.directory)
 
 
-def newest_checkpoint(cfg: CheckpointConfig, directory: Optional[str], use_local: bool,
+def _pick_global(global_dir: Optional[str], persistent: Optional[int], persistent_dir: str,
+                 at_most: Optional[int]) -> Optional[int]:
+    """The iteration the global non-persistent tracker names when it is at least as new as
+    `persistent` (Megatron's rule) and not after `at_most`, else None (and why is logged)."""
+    committed = names.read_tracker(global_dir) if global_dir and os.path.isdir(global_dir) else None
+    if committed == names.RELEASE:
+        raise CheckpointError(f"{global_dir} names a 'release' checkpoint: a non-persistent "
+                              "checkpoint cannot be one (Megatron-LM refuses it too); remove "
+                              "its tracker or point --non-persistent-global-ckpt-dir elsewhere")
+    if not isinstance(committed, int):
+        return None
+    if (persistent is not None and committed < persistent) or (at_most is not None
+                                                              and committed > at_most):
+        logger.info("the global non-persistent checkpoint of iteration %d in %s not used "
+                    "(older than the persistent one, or after the run's iteration): loading %s",
+                    committed, global_dir, _persistent(persistent, persistent_dir))
+        return None
+    return committed
+
+
+def newest_checkpoint(cfg: CheckpointConfig, directory: Optional[str], non_persistent: bool,
                       at_most: Optional[int] = None) -> NewestCheckpoint:
-    """The one choice between local and persistent checkpoints, made alike by a resume (from
-    --load, app.training.pretrain) and a rollback (to --save, app.training.resilience.rollback):
-    with `use_local`, the newest local checkpoint complete over all ranks when it is at least
-    as new as the persistent checkpoint under `directory` (a tracker naming 'release' counts
-    as none), else that persistent one. `at_most` (a rollback: the run's iteration) leaves out
-    local checkpoints after it, which another run left in the folder. Every rank calls it (a
-    collective with `use_local`)."""
+    """The one choice between non-persistent and persistent checkpoints, made alike by a resume
+    (from --load, app.training.pretrain) and a rollback (to --save,
+    app.training.resilience.rollback): with `non_persistent`, the newest non-persistent
+    checkpoint of --non-persistent-ckpt-type (local: complete over all ranks; global: the one
+    its tracker names, under --non-persistent-global-ckpt-dir or `directory` (else
+    --load)/non_persistent)
+    when it is at least as new as the persistent checkpoint under `directory` (a tracker naming
+    'release' counts as none), else that persistent one. `at_most` (a rollback: the run's
+    iteration) leaves out non-persistent checkpoints after it, which another run left. Every
+    rank calls it (a collective for local checkpoints)."""
     persistent = names.read_tracker(directory) if directory else None
     numbered = persistent if isinstance(persistent, int) else None
-    pick = _pick_newest(cfg, numbered, directory or "", at_most) if use_local else None
+    if non_persistent and cfg.non_persistent_ckpt_type == "global":
+        global_dir = cfg.global_non_persistent_dir(directory or cfg.load) or ""
+        return NewestCheckpoint(directory, persistent, global_dir=global_dir,
+                                global_iteration=_pick_global(global_dir, numbered,
+                                                              directory or "", at_most))
+    pick = (_pick_newest(cfg, numbered, directory or "", at_most)
+            if non_persistent and cfg.local_checkpoints else None)
     return NewestCheckpoint(directory, persistent, pick, cfg.non_persistent_local_ckpt_dir or "")
 
 
@@ -400,10 +482,15 @@ def load_newest(engine: Any, chosen: NewestCheckpoint, cfg: CheckpointConfig, de
     if chosen.local is not None:
         return _load_pick(engine, cfg, device, chosen.local,
                          _persistent(chosen.persistent, chosen.directory), doing)
+    if chosen.global_iteration is not None:
+        logger.info("%s %s, not from %s", doing, chosen.describe(),
+                    _persistent(chosen.persistent, chosen.directory))
+        return load_on_all_ranks(engine, chosen.global_dir, device, checkpoint=cfg)
     if not chosen.directory:
         return None
     return load_on_all_ranks(engine, chosen.directory, device, checkpoint=cfg)
 
 
-__all__ = ["LocalCheckpoints", "LocalPick", "LocalSaves", "NewestCheckpoint", "load_newest",
-           "newest_checkpoint", "newest_complete", "replica_group", "scan"]
+__all__ = ["GlobalSaves", "LocalCheckpoints", "LocalPick", "LocalSaves", "NewestCheckpoint",
+           "load_newest", "newest_checkpoint", "newest_complete", "non_persistent_saves",
+           "replica_group", "scan"]

@@ -11,8 +11,9 @@ Triggers, checked after every iteration:
 
 All ranks agree on a trigger (one max all-reduce per iteration: the loss lives on the last
 pipeline stage), then every rank reloads the newest checkpoint with everything in it (weights,
-optimizer, LR schedule, RNG), whatever --finetune/--no-load-* said at start: with local
-checkpoints (--non-persistent-ckpt-type local) the newest one complete over all ranks when it is
+optimizer, LR schedule, RNG), whatever --finetune/--no-load-* said at start: with
+non-persistent checkpoints the newest one (local: complete over all ranks; global: the one its
+directory's tracker names) when it is
 at least as new as the latest persistent one under --save, else that persistent one: the
 choice a resume makes (local_checkpoints.newest_checkpoint), and the log says which. The
 data of the window that led to the spike, samples [checkpoint's consumed samples, samples
@@ -115,13 +116,14 @@ class SpikeRollback:
         reason = reason or "another rank saw the trigger"
         self.finish_save()  # a save still being written (--async-save, a local one) counts
         c = self.cfg.checkpoint
-        chosen = newest_checkpoint(c, c.save, use_local=c.local_checkpoints,  # as a resume does
-                                   at_most=state.iteration)
+        chosen = newest_checkpoint(c, c.save, non_persistent=c.non_persistent_ckpt_type is not None,
+                                   at_most=state.iteration)  # as a resume does
         budget = self.cfg.rollback.max_rollbacks
         if self.rollbacks >= budget or chosen.iteration is None:
-            where = f"--save {c.save}" + (f" or --non-persistent-local-ckpt-dir "
-                                          f"{c.non_persistent_local_ckpt_dir}"
-                                          if c.local_checkpoints else "")
+            where = f"--save {c.save}" + (
+                f" or --non-persistent-local-ckpt-dir {c.non_persistent_local_ckpt_dir}"
+                if c.local_checkpoints else f" or {chosen.global_dir}" if chosen.global_dir
+                else "")
             why = (f"{budget} rollback(s) already made (--max-rollbacks)"
                    if chosen.iteration is not None
                    else f"no checkpoint under {where} to roll back to yet")

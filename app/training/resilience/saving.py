@@ -51,18 +51,25 @@ class CheckpointSaver:
         self.failures_in_a_row = 0
         """Saves that failed since the last one that was committed."""
         self._handed_off = 0.0
+        self._directory = cfg.save
+        """Where the latest save went (--save, or a global non-persistent directory)."""
 
-    def save(self, iteration: int, client_state: Dict[str, Any], *, final: bool) -> bool:
-        """Save the checkpoint of `iteration` (synchronously, or hand it to the background
-        writer); False when it failed (logged and recorded, training goes on). Raises
+    def save(self, iteration: int, client_state: Dict[str, Any], *, final: bool,
+             directory: Optional[str] = None, before: Callable[[], Any] = lambda: None
+             ) -> bool:
+        """Save the checkpoint of `iteration` into `directory` (default --save; synchronously,
+        or hand it to the background writer), `before()` called once the save in flight is
+        committed; False when it failed (logged and recorded, training goes on). Raises
         SaveFailed when the run must stop: `final` (the save that ends the run) failed, or
         --max-failed-saves failed in a row."""
         self.finish(blocking=True, final=False)  # one save at a time: the one in flight first
+        before()
         t0 = time.time()
         background = self.cfg.async_save
+        self._directory = directory or self.cfg.save
         try:
             with self._saving():
-                path = self.engine.save_checkpoint(self.cfg.save, iteration, client_state,
+                path = self.engine.save_checkpoint(self._directory, iteration, client_state,
                                                    asynchronous=background)
         except CheckpointSaveError as exc:
             self._failed(iteration, exc, final)
@@ -108,9 +115,9 @@ class CheckpointSaver:
         """Log and record one failed save; SaveFailed when the run must stop."""
         self.failures_in_a_row += 1
         limit = self.cfg.max_failed_saves
-        latest = _latest(self.cfg.save)
+        latest = _latest(self._directory)
         self.writer.write("save_failed", iteration, {
-            "directory": self.cfg.save, "error": str(error), "latest": latest,
+            "directory": self._directory, "error": str(error), "latest": latest,
             "failures_in_a_row": self.failures_in_a_row, "max_failed_saves": limit,
             "final": final})
         if final:
