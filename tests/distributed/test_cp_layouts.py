@@ -14,8 +14,8 @@
   --no-load-optim or --finetune (weights) giving the CP2 run's next loss and gradient norm.
 - 4 ranks: CP2 x DP2 and CP2 x TP2, p2p and a2a, learned positions and RoPE (+ GQA), the TP2
   runs with sequence parallelism, one CP2 x DP2 run with the distributed optimizer, one with
-  Muon, one under DeepSpeed ZeRO-3; CP2 x PP2 (1F1B, p2p) and CP2 x PP2 interleaved (a2a, 4
-  layers, 2 virtual stages); CP4 p2p in bf16 (a ring of four).
+  Muon, one under DeepSpeed ZeRO-3; CP2 x PP2 (1F1B, p2p; natively and under DeepSpeed ZeRO-1,
+  DeepSpeed's pipeline rule) and CP2 x PP2 interleaved (a2a, 4 layers, 2 virtual stages); CP4 p2p in bf16 (a ring of four).
 
 Each rank trains 4 iterations (dropout 0, 4 micro-batches of 2 random sequences of 16 tokens
 per iteration); the parent trains the same model in one process (without the layout flags)
@@ -94,6 +94,8 @@ LAYOUTS_4 = {
     "CP2xTP2 p2p sp rope+gqa2": ("rope+gqa2", CP2 + TP2_SP),
     "CP2xTP2 a2a sp rope": ("rope", CP2 + A2A + TP2_SP),
     "CP2xPP2 p2p rope+gqa2": ("rope+gqa2", CP2 + PP2),
+    # DeepSpeed's pipeline rule: ZeRO-1 only (one engine per stage, our 1F1B schedule)
+    "CP2xPP2 p2p learned DeepSpeed ZeRO-1": ("learned", CP2 + PP2 + ZERO[1]),
     "CP2xPP2 interleaved a2a learned": ("learned 4 layers", CP2 + A2A + INTERLEAVED),
     "CP2xDP2 p2p muon learned": ("muon learned", CP2),
     "CP2xDP2 p2p rope+gqa2 DeepSpeed ZeRO-3": ("rope+gqa2", CP2 + ZERO[3]),
