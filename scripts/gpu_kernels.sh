@@ -17,7 +17,7 @@ echo "== build (tools/build_kernels.py)"
 "$PY" tools/build_kernels.py
 echo "== tests: compile check, build cache, fused-op references, CUDA parity/determinism/training"
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/unit/test_kernels_compile.py \
-    tests/unit/test_kernels_build.py tests/unit/test_fused_ops.py \
+    tests/unit/test_kernels_build.py tests/unit/test_model_fused.py \
     tests/integration/test_kernels_cuda.py
 for dtype in bf16 fp16; do
     echo "== bench/bench_kernels.py --dtype $dtype"

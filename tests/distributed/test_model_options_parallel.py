@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.harness.distributed import run_distributed
-from tests.integration.launch_utils import assert_close_curves
+from tests.harness.launch import assert_close_curves
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",

@@ -20,7 +20,7 @@ import torch
 
 from tests.harness.distributed import (assert_checks_passed, expect_close, run_checks,
                                      run_distributed)
-from tests.unit.test_torch_dist import LAYER, OTHER
+from tests.harness.checkpoints import LAYER, OTHER
 
 ARGV = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -107,7 +107,7 @@ def _main(base):
 
 def _megatron_tensors(named):
     """Megatron Core's global tensors of a one-process model's (name, tensor) pairs: the hand
-    table of tests/unit/test_torch_dist.py, the layers stacked."""
+    table of tests/unit/test_checkpoint_torch_dist.py, the layers stacked."""
     out, layers = {}, {}
     for name, param in named:
         if name in OTHER:

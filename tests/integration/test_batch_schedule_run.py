@@ -4,7 +4,7 @@ computed by hand here; a run resumed in the middle of the ramp is bit-identical.
 import math
 
 import pretrain_gpt2
-from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.harness.corpus import read_metrics, tiny_gpt_args
 
 LR, MIN_LR, WARMUP, DECAY = 1e-3, 1e-4, 16, 100
 RAMP = ["--rampup-batch-size", "4", "4", "40",

@@ -41,13 +41,13 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from app.checkpoint.deepspeed import load_deepspeed_file
 from app.checkpoint.files import safe_torch_load
-from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.harness.corpus import read_metrics, tiny_gpt_args
 from tests.harness.distributed import DistributedTestError, run_pretrain
-from tests.integration import chaos_child, kill_once
-from tests.integration.launch_utils import ROOT, env
-from tests.integration.test_restarts import tensors
+from tests.harness.children import chaos_child, kill_once
+from tests.harness.launch import ROOT, env
+from tests.harness.checkpoints import tensors
 
-CHILD = os.path.join(ROOT, "tests", "integration", "chaos_child.py")
+CHILD = os.path.join(ROOT, "tests", "harness", "children", "chaos_child.py")
 KILLS = 3
 TRAIN_ITERS, GLOBAL_BATCH, SAVE_INTERVAL = 14, 4, 2
 RUN = ["--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-iters", "0",

@@ -15,7 +15,8 @@ from app.checkpoint import commit, names
 from app.checkpoint import files as ckpt_files
 from app.utils import faults
 from tests.harness.distributed import run_distributed
-from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.harness.corpus import read_metrics, tiny_gpt_args
+from tests.harness.launch import main_in_process, temporaries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = ["--log-interval", "1", "--eval-iters", "0", "--peak-flops", "1e11"]
@@ -31,15 +32,6 @@ class RunsACommand:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _main(argv):
-    """pretrain_gpt2.main in this process: (exit code, stderr text)."""
-    from pretrain_gpt2 import main
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, err.getvalue()
-
-
 def _full_disk(monkeypatch, when):
     """Checkpoint files whose path contains `when` put 1 KiB on disk, then fail with ENOSPC."""
     real = commit.atomic_open
@@ -52,10 +44,6 @@ def _full_disk(monkeypatch, when):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
             yield f
     monkeypatch.setattr(commit, "atomic_open", full)
-
-
-def _temporaries(root):
-    return [os.path.join(d, n) for d, _, entries in os.walk(root) for n in entries if ".tmp." in n]
 
 
 def _rewrite(path, change):
@@ -77,19 +65,19 @@ def test_native_full_disk_and_non_finite_weights(tiny_corpus, tmp_path, monkeypa
     args = tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "4", *QUIET, "--save", ck,
                          "--load", ck, "--save-interval", "2")
     _full_disk(monkeypatch, "iter_0000004")
-    code, err = _main(args)
+    code, err = main_in_process(args)
     assert code == 5, err  # the run's last save failed: never exit 0 as if all were saved
     assert "the run's last checkpoint could not be saved" in err
     assert "could not save the checkpoint of iteration 4" in err and "ENOSPC" in err
     assert "latest checkpoint is still iteration 2" in err and "Traceback" not in err
-    assert not os.path.exists(os.path.join(ck, "iter_0000004")) and not _temporaries(ck)
+    assert not os.path.exists(os.path.join(ck, "iter_0000004")) and not temporaries(ck)
     assert ckpt.read_tracker(ck) == 2 and not os.path.exists(os.path.join(ck, "writer.lock"))
     monkeypatch.undo()
 
     path = ckpt.checkpoint_path(ck, 2)
     _rewrite(path, lambda s: s["model"]["language_model"]["embedding"]["word_embeddings"]
              ["weight"].view(-1)[7].fill_(float("nan")))
-    code, err = _main(args)
+    code, err = main_in_process(args)
     assert code == 2 and "non-finite weights (1 NaN/Inf values in " in err, err
     assert "word_embeddings.weight" in err and path.rsplit("/", 2)[0] in err
 
@@ -106,19 +94,19 @@ def _deepspeed_faults(corpus, tmp):
                          "--lr-decay-iters", "4")
     with _pytest.MonkeyPatch.context() as mp:
         _full_disk(mp, "iter_0000004")
-        out["enospc"] = _main(args) + (ckpt.read_tracker(ck), sorted(os.listdir(ck)),
-                                       _temporaries(ck))
-    out["finish"] = _main(args)[0], ckpt.read_tracker(ck), sorted(
+        out["enospc"] = main_in_process(args) + (ckpt.read_tracker(ck), sorted(os.listdir(ck)),
+                                       temporaries(ck))
+    out["finish"] = main_in_process(args)[0], ckpt.read_tracker(ck), sorted(
         os.listdir(os.path.join(ck, "iter_0000004")))
     # full for one interval, the save written in the background: that save is undone, the run
     # goes on and finishes with exit 0
     once = os.path.join(tmp, "once")
     with faults.injected(faults.SAVE_STAGE, faults.disk_full(saves={2})):
-        code, err = _main([a if a != ck else once for a in args]
+        code, err = main_in_process([a if a != ck else once for a in args]
                           + ["--save-interval", "1", "--async-save", "--metrics-file",
                              os.path.join(tmp, "once.jsonl")])
     out["once"] = (code, err, ckpt.read_tracker(once), names.list_checkpoint_iterations(once),
-                   _temporaries(once), [r for r in read_metrics(os.path.join(tmp, "once.jsonl"))
+                   temporaries(once), [r for r in read_metrics(os.path.join(tmp, "once.jsonl"))
                                         if r["kind"] == "save_failed"])
     more = list(args)
     more[more.index("--train-iters") + 1] = "6"  # more iterations than were saved
@@ -127,7 +115,7 @@ def _deepspeed_faults(corpus, tmp):
         copy = os.path.join(tmp, name)
         shutil.copytree(ck, copy)
         change(os.path.join(copy, "iter_0000004", "mp_rank_00_model_states.pt"))
-        return _main([a if a != ck else copy for a in more])
+        return main_in_process([a if a != ck else copy for a in more])
 
     def flip(path):
         with open(path, "r+b") as f:
@@ -202,7 +190,7 @@ def test_signals_during_a_save_leave_complete_checkpoints(tiny_corpus, tmp_path,
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     faults.arm(faults.SAVE_STAGE, hook)
     try:
-        code, err = _main(args)
+        code, err = main_in_process(args)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -237,7 +225,7 @@ def test_a_signal_during_a_background_save_exits_with_every_save_committed(tiny_
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     faults.arm(faults.SAVE_STAGE, hook)
     try:
-        code, err = _main(args)
+        code, err = main_in_process(args)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

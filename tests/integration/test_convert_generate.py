@@ -16,8 +16,8 @@ import torch
 
 from tests.harness.distributed import run_distributed, run_pretrain
 from tests.harness.tools import load_tool, run_tool
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import ROOT, assert_close_curves, env, run, train_curve
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.launch import ROOT, assert_close_curves, env, run, train_curve
 
 transformers = pytest.importorskip("transformers")
 

@@ -3,7 +3,7 @@ metrics file and the log line, and its own bad flag exits 2 with the flag named.
 import importlib.util
 import pathlib
 
-from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.harness.corpus import read_metrics, tiny_gpt_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

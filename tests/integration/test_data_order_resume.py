@@ -5,7 +5,7 @@ import pytest
 
 import pretrain_gpt2
 from app.checkpoint import CheckpointError
-from tests.integration.conftest import tiny_gpt_args
+from tests.harness.corpus import tiny_gpt_args
 
 COMMON = ["--train-iters", "4", "--lr-decay-iters", "8", "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1",
           "--save-interval", "2"]

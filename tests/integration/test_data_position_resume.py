@@ -15,8 +15,8 @@ import shutil
 from app.checkpoint.names import checkpoint_dir, tracker_path
 from app.data import MegatronPretrainingSampler
 from tests.harness.distributed import run_pretrain
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.record_samples import iterations_read, recording_iter
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.record_samples import iterations_read, recording_iter
 
 COMMON = ["--train-iters", "8", "--lr-decay-iters", "8", "--log-interval", "4",
           "--eval-iters", "0", "--num-workers", "0", "--micro-batch-size", "2",

@@ -16,8 +16,8 @@ import torch
 from app.launch.ports import free_port
 from tests.harness.distributed import run_main, run_pretrain
 from tests.harness.tools import run_tool
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import (BIN, ROOT, assert_close_curves, env, run, torchrun,
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.launch import (BIN, ROOT, assert_close_curves, env, run, torchrun,
                                             train_curve)
 
 ITERS = ["--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
@@ -169,7 +169,7 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, z
 
 def assert_one_dp2_run(metrics_file, native_dp2):
     """One world of two ranks trained (not two singletons): 5 train rows, the DP=2 curve."""
-    from tests.integration.conftest import read_metrics
+    from tests.harness.corpus import read_metrics
     rows = [r for r in read_metrics(metrics_file) if r["kind"] == "train"]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
     assert_close_curves(train_curve(metrics_file), native_dp2, what="launched DP=2")
@@ -218,7 +218,7 @@ def test_no_save_optim_is_refused_with_deepspeed(tiny_corpus, tmp_path):
 def test_deepspeed_rotation_no_load_optim_and_finetune(tiny_corpus, zero2_dp2_run, tmp_path):
     """DeepSpeed checkpoints honour --keep-last-n-checkpoints, --no-load-optim (fresh optimizer,
     LR schedule continues) and --finetune (weights only, iteration 0)."""
-    from tests.integration.conftest import read_metrics
+    from tests.harness.corpus import read_metrics
     common = [*ITERS, "--train-iters", "6", *ds_args(2)]  # = ZERO2_DP2_ARGS but for saving
     straight = zero2_dp2_run / "straight.jsonl"  # the shared uninterrupted run of these flags
     ck = tmp_path / "ck"

@@ -10,8 +10,8 @@ import sys
 
 from tests.harness.distributed import run_pretrain
 from tests.harness.tools import run_tool
-from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
-from tests.integration.launch_utils import ROOT, assert_close_curves, run, train_curve
+from tests.harness.corpus import ZERO2_DP2_ARGS, tiny_gpt_args
+from tests.harness.launch import ROOT, assert_close_curves, run, train_curve
 
 ZERO2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json")]
 COMMON = ZERO2_DP2_ARGS

@@ -31,8 +31,8 @@ import torch
 
 from tests.harness.distributed import run_main, run_pretrain
 from tests.harness.tools import run_tool
-from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
-from tests.integration.launch_utils import ROOT, assert_close_curves, env, run, train_curve
+from tests.harness.corpus import ZERO2_DP2_ARGS, tiny_gpt_args
+from tests.harness.launch import ROOT, assert_close_curves, env, run, train_curve
 
 ZERO3 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero3.json")]
 COMMON = [*ZERO2_DP2_ARGS, "--eval-interval", "3"]
@@ -70,7 +70,7 @@ def test_zero3_files_resume_and_log(tiny_corpus, zero3_dp2):
         for kind in ("model", "optim"):
             name = f"zero_pp_rank_{dp}_mp_rank_00_{kind}_states.pt"
             assert name in files and f".{name}.sha256" in files, files
-    from tests.integration.conftest import read_metrics
+    from tests.harness.corpus import read_metrics
     rows = read_metrics(tmp / "straight.jsonl")
     valid = {r["iteration"]: r["lm_loss"] for r in rows if r["kind"] == "valid"}
     assert sorted(valid) == [3, 6] and all(0 < v < 10 for v in valid.values()), valid

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 from tests.harness.forked_python import ForkedPython
-from tests.integration.launch_utils import LAUNCH_VARIABLES, ROOT
+from tests.harness.launch import LAUNCH_VARIABLES, ROOT
 
 DOCUMENTS = ["README.md"] + sorted(os.path.join("docs", name)
                                    for name in os.listdir(os.path.join(ROOT, "docs"))

@@ -29,8 +29,8 @@ from app.checkpoint import names
 from app.data import MMapIndexedDatasetBuilder
 from app.training.resilience.save_dir import LOCK_FILENAME
 from tests.harness.distributed import run_main
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import ROOT, env
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.launch import ROOT, env
 
 BASE = ["--train-iters", "2", "--eval-iters", "0", "--log-interval", "1"]
 ZERO2 = os.path.join(ROOT, "ds_configs", "zero2.json")

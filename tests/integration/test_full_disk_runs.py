@@ -14,9 +14,9 @@ from app.checkpoint import megatron as ckpt
 from app.checkpoint import names
 from app.utils import faults
 from tests.harness.filesystems import Ballast, small_tmpfs
-from tests.integration.conftest import read_metrics
-from tests.integration.launch_utils import ROOT, env, train_curve
-from tests.integration.test_checkpoint_faults import _main, _temporaries
+from tests.harness.corpus import read_metrics
+from tests.harness.launch import ROOT, env, train_curve
+from tests.harness.launch import main_in_process, temporaries
 
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -59,7 +59,7 @@ def _full_during_save(number):
 def test_a_save_dir_full_for_one_interval_costs_that_checkpoint_only(tmp_path, capfd, variant):
     run = ARGS + ["--train-iters", "6", "--save-interval", "2", *variant]
     straight = tmp_path / "straight.jsonl"
-    code, err = _main(run + ["--save", str(tmp_path / "straight"), "--metrics-file",
+    code, err = main_in_process(run + ["--save", str(tmp_path / "straight"), "--metrics-file",
                              str(straight)])
     assert code == 0, err
     metrics = tmp_path / "full.jsonl"
@@ -68,11 +68,11 @@ def test_a_save_dir_full_for_one_interval_costs_that_checkpoint_only(tmp_path, c
         handler = _full_during_save(2)  # the save of iteration 4
         handler.disk = disk
         with faults.injected(faults.SAVE_STAGE, handler):
-            code, err = _main(run + ["--save", ck, "--metrics-file", str(metrics)])
+            code, err = main_in_process(run + ["--save", ck, "--metrics-file", str(metrics)])
         log = capfd.readouterr()
         assert code == 0, err
         assert names.read_tracker(ck) == 6 and names.list_checkpoint_iterations(ck) == [2, 6]
-        assert not _temporaries(ck)
+        assert not temporaries(ck)
         if not variant:  # the final checkpoint holds the uninterrupted run's tensors bit for bit
             got = _tensors(ckpt.load_checkpoint_dict(ck)[0])
             want = _tensors(ckpt.load_checkpoint_dict(str(tmp_path / "straight"))[0])
@@ -126,14 +126,14 @@ def test_one_ranks_full_disk_fails_that_save_on_every_rank_and_the_run_goes_on(t
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         os.path.join(ROOT, "tests", "integration", "disk_full_once.py"), *ARGS, *layout,
+         os.path.join(ROOT, "tests", "harness", "children", "disk_full_once.py"), *ARGS, *layout,
          "--train-iters", "6", "--save-interval", "2", "--save", str(ck),
          "--metrics-file", str(metrics)],
         capture_output=True, text=True, cwd=tmp_path, timeout=400,
         env={**env(), "DISK_FULL_RANK": "1", "DISK_FULL_SAVES": "2"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert names.read_tracker(str(ck)) == 6
-    assert names.list_checkpoint_iterations(str(ck)) == [2, 6] and not _temporaries(str(ck))
+    assert names.list_checkpoint_iterations(str(ck)) == [2, 6] and not temporaries(str(ck))
     failed = [r for r in read_metrics(metrics) if r["kind"] == "save_failed"]
     assert [(r["iteration"], r["latest"]) for r in failed] == [(4, 2)]
     # the logging rank is the last one, the rank whose disk was full

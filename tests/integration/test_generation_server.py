@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import ROOT, env
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.launch import ROOT, env
 
 TRAIN = ["--train-iters", "6", "--log-interval", "3", "--eval-iters", "0", "--lr", "3e-3",
          "--save-interval", "1000"]

@@ -1,14 +1,14 @@
-"""Golden loss curves compared exactly (see tests/integration/golden.py for how they are made
+"""Golden loss curves compared exactly (see tests/harness/golden.py for how they are made
 and the command that regenerates them when a change of the numbers is intended)."""
 import math
 import os
 
 import pytest
 
-from tests.integration import golden
-from tests.integration.golden import CONFIGS, ITERATIONS, VOCAB, load_golden, run_config
+from tests.harness import golden
+from tests.harness.golden import CONFIGS, ITERATIONS, VOCAB, load_golden, run_config
 
-REGENERATE = "OMP_NUM_THREADS=1 .venv/bin/python -m tests.integration.golden --write"
+REGENERATE = "OMP_NUM_THREADS=1 .venv/bin/python -m tests.harness.golden --write"
 REQUIRED = "GOLDEN_CURVES_REQUIRED"
 """Set to 1 (CI does, in .ci/run) to fail instead of skip when this environment has no curves."""
 

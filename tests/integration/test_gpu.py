@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.integration.launch_utils import ROOT, assert_close_curves, torchrun, train_curve
+from tests.harness.corpus import read_metrics, tiny_gpt_args
+from tests.harness.launch import ROOT, assert_close_curves, torchrun, train_curve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from tests.harness.distributed import _pretrain_on_rank, run_distributed
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import ROOT, train_curve
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.launch import ROOT, train_curve
 
 TRAIN_ITERS, GLOBAL_BATCH = 8, 4
 RUN = ["--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-iters", "0",
@@ -84,7 +84,7 @@ def _rollback_faults(fired, fault):
 
 def _final_state(trainer):
     """{name: tensor} of the final weights and optimizer states."""
-    from tests.integration.test_restarts import tensors
+    from tests.harness.checkpoints import tensors
 
     engine = trainer.engine
     return {k: v.detach().clone() for k, v in

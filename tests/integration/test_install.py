@@ -7,7 +7,7 @@ import subprocess
 import sys
 import sysconfig
 
-from tests.integration.launch_utils import ROOT
+from tests.harness.launch import ROOT
 
 
 def _bare_venv(tmp_path):

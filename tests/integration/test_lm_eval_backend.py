@@ -14,8 +14,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.harness.tools import run_tool  # noqa: E402
-from tests.integration.conftest import tiny_gpt_args  # noqa: E402
-from tests.integration.launch_utils import ROOT, run  # noqa: E402
+from tests.harness.corpus import tiny_gpt_args  # noqa: E402
+from tests.harness.launch import ROOT, run  # noqa: E402
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install lm-eval")
 
@@ -69,7 +69,7 @@ def evaluated(tiny_corpus, tmp_path_factory):
     """A tiny run's checkpoint (TP1), its HF export, the three tasks, and lm_eval's `hf`
     backend's results on the export (with every sample's response)."""
     from pretrain_gpt2 import run as pretrain
-    from tests.integration.conftest import _stdlib_texts
+    from tests.harness.corpus import stdlib_texts as _stdlib_texts
     tmp = tmp_path_factory.mktemp("lm_eval")
     pretrain(tiny_gpt_args(tiny_corpus, tmp, *TRAIN, "--save", str(tmp / "ck")))
     run_tool("convert_checkpoint", ["--input-format", "megatron", "--output-format", "hf",

@@ -27,11 +27,11 @@ import pytest
 import torch
 
 from tests.harness.distributed import run_distributed
-from tests.integration.launch_utils import ROOT, env
+from tests.harness.launch import ROOT, env
 
 MEGATRON = os.environ.get("MEGATRON_LM")
 PYTHON = os.environ.get("MEGATRON_PYTHON", sys.executable)
-SIDE = os.path.join(ROOT, "tests", "integration", "megatron_side.py")
+SIDE = os.path.join(ROOT, "tests", "harness", "megatron_side.py")
 VOCAB = 320  # tests/data/old_checkpoints/data/vocab.json, as in the recorded Megatron args
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -162,8 +162,8 @@ def test_a_megatron_run_continues_here_with_megatrons_losses(ckpt_format, blend,
     and --lr 0, and the losses it logs at iterations 4-6 equal the losses Megatron's model gives
     on the global batches Megatron would feed next (its dataset builder and GPTDataset, its
     loss averaging), to 1e-5; from its torch_dist checkpoint and from its legacy files."""
-    from tests.integration.conftest import read_metrics
-    from tests.integration.launch_utils import run
+    from tests.harness.corpus import read_metrics
+    from tests.harness.launch import run
     data_path = [f"{DATA}/corpus_text_document"]
     if blend != "one_dataset":
         _reversed_corpus(str(tmp_path / "reversed_text_document"))

@@ -7,7 +7,7 @@ batch builder at every layout and on both engines. The two ranks are forked
 import os
 
 from tests.harness.distributed import run_pretrain
-from tests.integration.launch_utils import assert_close_curves, train_curve
+from tests.harness.launch import assert_close_curves, train_curve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

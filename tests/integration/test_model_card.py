@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from tests.harness.tools import run_tool
-from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.integration.launch_utils import run
+from tests.harness.corpus import read_metrics, tiny_gpt_args
+from tests.harness.launch import run
 
 transformers = pytest.importorskip("transformers")
 

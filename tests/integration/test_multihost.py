@@ -25,8 +25,8 @@ import pytest
 
 from tests.harness.distributed import run_pretrain
 from tests.harness.netns import HostsUnavailable, TestHosts
-from tests.integration.conftest import ZERO2_DP2_ARGS, tiny_gpt_args
-from tests.integration.launch_utils import (ROOT, assert_close_curves, env, log_of, train_curve,
+from tests.harness.corpus import ZERO2_DP2_ARGS, tiny_gpt_args
+from tests.harness.launch import (ROOT, assert_close_curves, env, log_of, train_curve,
                                            wait_for_iteration)
 
 SCRIPT = os.path.join(ROOT, "pretrain_gpt2.py")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from tests.integration.conftest import tiny_gpt_args
+from tests.harness.corpus import tiny_gpt_args
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYED_ON = ["requirements.txt", "scripts/wheelhouse.sh", "scripts/lib/offline_install.py"]

@@ -8,8 +8,8 @@ test_reliability_launch.py, test_restarts.py)."""
 import pytest
 
 from tests.harness.distributed import run_pretrain
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import assert_close_curves, train_curve
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.launch import assert_close_curves, train_curve
 
 ITERS = ["--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "8",
@@ -123,7 +123,7 @@ def test_resume_tp2_pp2_is_exact(tiny_corpus, tmp_path):
 
     # loading that checkpoint with another layout fails with both sizes named
     from tests.harness.distributed import run_main
-    from tests.integration.launch_utils import env
+    from tests.harness.launch import env
     code, _, err = run_main(tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, "--load", str(ck)),
                             str(tmp_path), env())  # as `python pretrain_gpt2.py ...`
     assert code == 2, err[-2000:]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.harness.distributed import run_main
-from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.unit.test_checkpoint import megatron_reader
+from tests.harness.corpus import read_metrics, tiny_gpt_args
+from tests.harness.checkpoints import megatron_reader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0.1",

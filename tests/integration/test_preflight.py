@@ -8,7 +8,7 @@ import pytest
 
 import pretrain_gpt2
 from app.data import MMapIndexedDataset
-from tests.integration.conftest import tiny_gpt_args
+from tests.harness.corpus import tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOOD = ["--train-iters", "20", "--eval-interval", "10", "--eval-iters", "2", "--log-interval", "5"]

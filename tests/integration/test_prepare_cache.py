@@ -9,7 +9,7 @@ import pytest
 import app.data.gpt_dataset as gpt_dataset
 import app.data.index_cache as index_cache
 import pretrain_gpt2
-from tests.integration.conftest import tiny_gpt_args
+from tests.harness.corpus import tiny_gpt_args
 from tools import prepare_cache
 
 

@@ -23,8 +23,8 @@ import psutil
 import pytest
 
 from tests.harness.distributed import run_main, run_pretrain
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import BIN, ROOT, env, log_of, train_curve, wait_for_iteration
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.launch import BIN, ROOT, env, log_of, train_curve, wait_for_iteration
 
 SCRIPT = os.path.join(ROOT, "pretrain_gpt2.py")
 QUIET = ["--log-interval", "1", "--eval-iters", "0", "--peak-flops", "1e11"]

@@ -18,28 +18,16 @@ import torch
 
 from app.checkpoint.files import safe_torch_load
 from tests.harness.distributed import run_pretrain
-from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.integration.launch_utils import ROOT, env
+from tests.harness.corpus import read_metrics, tiny_gpt_args
+from tests.harness.launch import ROOT, env
+from tests.harness.checkpoints import tensors
 
-CHILD = os.path.join(ROOT, "tests", "integration", "kill_once.py")
+CHILD = os.path.join(ROOT, "tests", "harness", "children", "kill_once.py")
 TRAIN_ITERS, SAVED, KILLED_IN = 8, 4, 6  # killed in iteration 6: resumes from 4, replays 5
 GLOBAL_BATCH = 4
 RUN = ["--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-iters", "0",
        "--save-interval", "2", "--distributed-timeout-minutes", "1"]  # a hung attempt: 1 min
 RESTARTED = f"restart 1 of torchrun's --max-restarts 2: resuming from iteration {SAVED}"
-
-
-def tensors(tree, prefix=""):
-    """{key path: tensor} of every tensor in a checkpoint's nested dicts and lists."""
-    found = {}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-    for key, value in items:
-        name = f"{prefix}/{key}"
-        if isinstance(value, torch.Tensor):
-            found[name] = value
-        elif isinstance(value, (dict, list, tuple)):
-            found.update(tensors(value, name))
-    return found
 
 
 def assert_same_final_weights(got_dir, want_dir, rank_dir):

@@ -24,7 +24,7 @@ from app.training.trainer import RunState
 from app.utils import faults
 from tests.harness.distributed import run_distributed
 from tests.harness.synthetic import RandomTokens
-from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.harness.corpus import read_metrics, tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 64  # RandomTokens draw ids below 64; the model's padded vocabulary has 128 rows

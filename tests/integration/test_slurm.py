@@ -26,9 +26,9 @@ from tests.harness import netns, slurm
 from tests.harness.distributed import run_pretrain
 from tests.harness.netns import HostsUnavailable, TestHosts
 from tests.harness.slurm import SlurmCluster
-from tests.integration.conftest import read_metrics
-from tests.integration.launch_utils import ROOT, env, train_curve
-from tests.integration.test_restarts import tensors
+from tests.harness.corpus import read_metrics
+from tests.harness.launch import ROOT, env, train_curve
+from tests.harness.checkpoints import tensors
 
 NATIVE = os.path.join(ROOT, "scripts", "sbatch_pretrain_gpt2.sh")
 DEEPSPEED = os.path.join(ROOT, "scripts", "sbatch_ds_zero2_pretrain_gpt2_model_parallel.sh")

@@ -10,7 +10,7 @@ import numpy as np
 
 import pretrain_gpt2
 from app.data import MMapIndexedDatasetBuilder
-from tests.integration.conftest import tiny_gpt_args
+from tests.harness.corpus import tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--train-iters", "2", "--eval-iters", "0", "--log-interval", "1"]

@@ -14,8 +14,8 @@ import sys
 import time
 
 from app.launch.ports import free_port
-from tests.integration.conftest import tiny_gpt_args
-from tests.integration.launch_utils import ROOT, env
+from tests.harness.corpus import tiny_gpt_args
+from tests.harness.launch import ROOT, env
 
 SCRIPT = os.path.join(ROOT, "pretrain_gpt2.py")
 

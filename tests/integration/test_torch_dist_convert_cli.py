@@ -1,5 +1,5 @@
 """The old checkpoints of tests/data/old_checkpoints (native fp16 with its loss scale and fp32 main
-weights, DeepSpeed ZeRO-1; the fp32 one converts in tests/unit/test_torch_dist_convert.py), converted to --ckpt-format torch_dist with their optimizer states by
+weights, DeepSpeed ZeRO-1; the fp32 one converts in tests/unit/test_checkpoint_torch_dist_convert.py), converted to --ckpt-format torch_dist with their optimizer states by
 tools/convert_checkpoint.py, resume on the native path through the command line and give the
 losses, grad norms, loss scales and LRs the runs that wrote them recorded for iterations 3 and 4
 (expected.json: bitwise in the environment it was recorded in, else within 1e-3, as
@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from tests.harness.distributed import run_main
-from tests.integration.launch_utils import ROOT, env, run
-from tests.integration.test_old_checkpoints import (COMMANDS, FIXTURES, assert_like_recorded,
-                                                    command, same_environment)
+from tests.harness.launch import ROOT, env, run
+from tests.harness.old_checkpoints import (COMMANDS, FIXTURES, assert_like_recorded, command,
+                                          same_environment)
 
 SOURCES = {"native_fp16": "megatron", "deepspeed_zero1": "deepspeed"}
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from tests.harness.distributed import run_main
-from tests.integration.conftest import read_metrics, tiny_gpt_args
+from tests.harness.corpus import read_metrics, tiny_gpt_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

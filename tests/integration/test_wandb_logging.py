@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from tests.integration.conftest import read_metrics, tiny_gpt_args
-from tests.integration.launch_utils import torchrun
+from tests.harness.corpus import read_metrics, tiny_gpt_args
+from tests.harness.launch import torchrun
 
 wandb = pytest.importorskip("wandb", reason="wandb is optional and not installed: pip install wandb")
 

@@ -2,7 +2,6 @@
 import argparse
 import os
 import random
-import re
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConf
 from app.checkpoint import megatron as ckpt
 from app.checkpoint import commit, names
 from app.checkpoint.model_args import check_checkpoint_args, checkpoint_args_namespace
+from tests.harness.checkpoints import megatron_reader
 
 LAYER_PARAMS = {  # name -> shape as a function of h (PyTorch [out, in])
     "input_layernorm.weight": lambda h: (h,), "input_layernorm.bias": lambda h: (h,),
@@ -138,29 +138,6 @@ def test_optional_parts_are_left_out(tmp_path):
     ckpt.save_checkpoint(str(tmp_path), 3, state)
     loaded, _ = ckpt.load_checkpoint_dict(str(tmp_path))
     assert "optimizer" not in loaded and "rng_state" not in loaded
-
-
-def megatron_reader(load_dir, tp_rank=0, pp_rank=0, pp_size=1):
-    """A reader written from Megatron-LM's documented legacy layout, not from our code."""
-    with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
-        meta = f.read().strip()
-    directory = "release" if meta == "release" else "iter_{:07d}".format(int(meta))
-    rank = ("mp_rank_{:02d}".format(tp_rank) if pp_size == 1
-            else "mp_rank_{:02d}_{:03d}".format(tp_rank, pp_rank))
-    sd = torch.load(os.path.join(load_dir, directory, rank, "model_optim_rng.pt"),
-                    map_location="cpu", weights_only=False)
-    lm = sd["model"]["language_model"]
-    emb = lm["embedding"]
-    layers = {}
-    for key, value in lm["transformer"].items():
-        m = re.match(r"layers\.(\d+)\.([a-z0-9_.]+)\.([a-z]+)$", key)
-        if m:
-            layers.setdefault(int(m.group(1)), {})[f"{m.group(2)}.{m.group(3)}"] = value
-    return dict(meta=meta, version=sd["checkpoint_version"], iteration=sd["iteration"],
-                args=sd["args"], word=emb["word_embeddings"]["weight"],
-                pos=emb["position_embeddings"]["weight"], layers=layers,
-                final_w=lm["transformer"]["final_layernorm.weight"], rng=sd["rng_state"][0],
-                optimizer=sd.get("optimizer"), sched=sd.get("lr_scheduler"))
 
 
 def test_megatron_structure_reader_reads_our_file(tmp_path):

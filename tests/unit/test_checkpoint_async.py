@@ -13,9 +13,9 @@ from app.checkpoint import megatron as ckpt
 from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.training.engines.base import Engine
 from app.utils import faults
-from tests.unit.test_checkpoint_safety import (RANK_FILE_STAGES, Crash,
-                                               assert_tracker_names_complete_checkpoint,
-                                               save_two_ranks, small_dict)
+from tests.harness.checkpoints import (RANK_FILE_STAGES, Crash,
+                                       assert_tracker_names_complete_checkpoint,
+                                       save_two_ranks, small_dict)
 
 
 def _file_bytes(save_dir, iteration, tp_rank=0):

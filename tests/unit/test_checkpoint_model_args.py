@@ -15,7 +15,7 @@ from app.checkpoint.model_args import (NOT_SAVED, check_checkpoint_args,
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
-from tests.data.megatron_args import fixtures
+from tests.harness import megatron_args as fixtures
 
 
 def run_config(model: ModelConfig, tp: int = 1, bf16: bool = False) -> RunConfig:

@@ -1,5 +1,4 @@
 """Checkpoint crash safety, tracker corruption, damaged files and the weights_only allow-list."""
-import argparse
 import os
 import pickle
 import signal
@@ -8,57 +7,14 @@ import time
 import pytest
 import torch
 
-from app.mpu.random import rng_state_dict
-from app.utils import faults
-
-
-def rng_state(tracker=None):
-    """This process's RNG states as the engines save them, with `tracker` as tracker states."""
-    state = rng_state_dict()
-    state["rng_tracker_states"] = dict(tracker or {})
-    return state
-
-from app.checkpoint import megatron as ckpt
 from app.checkpoint import commit, names
 from app.checkpoint import files as ckpt_files
+from app.checkpoint import megatron as ckpt
+from app.utils import faults
+from tests.harness.checkpoints import (H, RANK_FILE_STAGES, Crash,
+                                       assert_tracker_names_complete_checkpoint, save_two_ranks,
+                                       small_dict)
 
-H = 4
-
-
-def small_dict(iteration, fill):
-    flat = {"language_model.embedding.word_embeddings.weight": torch.full((8, H), float(fill)),
-            "language_model.embedding.position_embeddings.weight": torch.zeros(4, H),
-            "language_model.transformer.final_layernorm.weight": torch.ones(H)}
-    args = argparse.Namespace(num_layers=1, hidden_size=H, iteration=iteration)
-    return ckpt.build_checkpoint_dict(iteration, flat, {"state": {}, "param_groups": []}, {},
-                                      rng_state(), args)
-
-
-def assert_tracker_names_complete_checkpoint(save_dir, tp_size=1, allowed=(10, 20)):
-    """The tracker names an allowed iteration and every rank file of it loads with its data."""
-    iteration = ckpt.read_tracker(save_dir)
-    assert iteration in allowed
-    for tp in range(tp_size):
-        state, it = ckpt.load_checkpoint_dict(save_dir, tp_rank=tp)
-        assert it == iteration and state["iteration"] == iteration
-        weight = state["model"]["language_model"]["embedding"]["word_embeddings"]["weight"]
-        assert torch.equal(weight, torch.full((8, H), float(iteration + tp)))
-    return iteration
-
-
-def save_two_ranks(save_dir, iteration):
-    """Two tensor-parallel ranks saving in turn (barrier is a no-op: rank 1 then rank 0)."""
-    ckpt.save_checkpoint(save_dir, iteration, small_dict(iteration, iteration + 1), tp_rank=1,
-                         is_tracker_writer=False)
-    ckpt.save_checkpoint(save_dir, iteration, small_dict(iteration, iteration), tp_rank=0,
-                         is_tracker_writer=True)
-
-
-class Crash(Exception):
-    pass
-
-
-RANK_FILE_STAGES = ("start", "rank_tmp_written", "rank_checksum_committed", "rank_file_committed")
 TRACKER_STAGES = ("before_tracker", "tracker_tmp_written", "tracker_committed")
 
 

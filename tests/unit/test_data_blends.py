@@ -10,7 +10,7 @@ from app.config import DataConfig
 from app.config.blends import parse_blend
 from app.data.gpt_dataset import build_datasets, build_train_valid_test_datasets
 from app.data.plan import plan_datasets
-from tests.unit.test_data_gpt_dataset import write_dataset
+from tests.harness.datasets import write_dataset
 
 
 def blends_of(**flags):

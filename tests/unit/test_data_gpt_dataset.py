@@ -5,21 +5,10 @@ import numpy as np
 import pytest
 
 import app.data.gpt_dataset as gpt_dataset
-from app.data import MMapIndexedDatasetBuilder, build_train_valid_test_datasets
+from app.data import build_train_valid_test_datasets
 from app.data.index_builder import (blend_indices, build_indices, compute_num_epochs,
                                     split_document_ranges)
-
-
-def write_dataset(prefix, doc_lengths, first_token=0):
-    """Documents whose tokens are consecutive integers: token value = global token position."""
-    builder = MMapIndexedDatasetBuilder(prefix + ".bin", np.int32)
-    pos = first_token
-    for n in doc_lengths:
-        builder.add_item(np.arange(pos, pos + n))
-        builder.end_document()
-        pos += n
-    builder.finalize(prefix + ".idx")
-    return prefix
+from tests.harness.datasets import write_dataset
 
 
 @pytest.fixture

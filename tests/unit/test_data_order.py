@@ -11,7 +11,7 @@ from app.checkpoint import CheckpointError
 from app.config import DataConfig
 from app.data.plan import order_record, plan_datasets
 from app.training.resilience.data_order import check_data_order, order_changes
-from tests.unit.test_data_gpt_dataset import write_dataset
+from tests.harness.datasets import write_dataset
 
 READ = {"train": 64, "valid": 8}
 

@@ -160,3 +160,20 @@ def test_every_app_name_that_tools_and_benchmarks_import_exists():
                         missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: "
                                        f"{node.module}.{alias.name}")
     assert not missing, "imported names that do not exist:\n" + "\n".join(missing)
+
+
+def test_tests_share_code_only_through_the_harness():
+    """A test module imports the code under test and tests/harness, never another test module
+    or a conftest (fixtures reach tests through pytest, helpers through tests/harness), and the
+    harness imports no test module either: so moving or deleting a test breaks no other."""
+    shared = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if "data" in path.relative_to(ROOT).parts[1:2]:
+            continue  # recorders of fixtures (tests/data/*/record.py) run by hand
+        for name in imports_of(path, module_name(path)):
+            parts = name.split(".")
+            if parts[0] == "conftest" or (parts[0] == "tests" and len(parts) > 1
+                                          and parts[1] in ("unit", "integration", "distributed",
+                                                           "conftest")):
+                shared.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not shared, "\n".join(shared)

@@ -7,7 +7,7 @@ import pytest
 
 import app.data.index_cache as index_cache
 from app.data.gpt_dataset import build_train_valid_test_datasets
-from tests.unit.test_data_gpt_dataset import write_dataset
+from tests.harness.datasets import write_dataset
 
 
 @pytest.fixture

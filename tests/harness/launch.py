@@ -1,4 +1,6 @@
 """Run pretrain_gpt2.py under torchrun / deepspeed / mpirun in tests and read its metrics."""
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -7,7 +9,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 import pytest
 
-from tests.integration.conftest import read_metrics
+from tests.harness.corpus import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
@@ -86,3 +88,16 @@ def wait_for_iteration(metrics, k: int,
                             f"{log_of(p, 3000)}")
         time.sleep(0.02)
     pytest.fail(f"no iteration {k} after {timeout} s:\n" + "\n".join(log_of(p, 3000) for p in procs))
+
+
+def main_in_process(argv):
+    """pretrain_gpt2.main in this process: (exit code, stderr text)."""
+    from pretrain_gpt2 import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def temporaries(root):
+    return [os.path.join(d, n) for d, _, entries in os.walk(root) for n in entries if ".tmp." in n]

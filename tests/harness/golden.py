@@ -9,7 +9,7 @@ per environment; see `environment()`.
 
 When a change of the numbers is intended, regenerate them and commit the JSON with the change:
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m tests.integration.golden --write
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.harness.golden --write
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-GOLDEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_loss_curves.json")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GOLDEN_FILE = os.path.join(ROOT, "tests", "data", "golden_loss_curves.json")
 ITERATIONS = 10
 VOCAB = 257  # the 256 byte symbols and <|endoftext|>: no merges needed
 

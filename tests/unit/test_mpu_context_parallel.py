@@ -172,7 +172,7 @@ def test_activation_estimate_at_cp2_matches_the_tensors_autograd_keeps(monkeypat
     the ring's fp32 output and log-sum-exp (no score block: backward recomputes them)."""
     from app.mpu import context_parallel
     from app.training.planning.memory import stage_activations
-    from tests.unit.test_memory_estimate import config, saved_activation_bytes
+    from tests.harness.memory import config, saved_activation_bytes
     monkeypatch.setattr(context_parallel, "post_ring_shift", lambda x, state: (x.clone(), []))
     cfg = config("--context-parallel-size", "2", "--attention-dropout", "0", world=2)
     want = stage_activations(cfg, "cpu").forward * cfg.training.micro_batch_size
@@ -185,7 +185,7 @@ def test_activation_estimate_at_cp2_matches_the_tensors_autograd_keeps(monkeypat
 def test_distributed_optimizer_estimate_shards_over_data_x_context():
     """CP2 x DP2 holds 4 copies of the weights: the optimizer states are 1/4 of DP1's."""
     from app.training.planning.memory import estimate_memory
-    from tests.unit.test_memory_estimate import config
+    from tests.harness.memory import config
     sharded = config("--context-parallel-size", "2", "--use-distributed-optimizer", world=4)
     whole = config()
     assert estimate_memory(sharded).optimizer * 4 == estimate_memory(whole).optimizer

@@ -1,4 +1,4 @@
-"""The `args` Namespaces Megatron-LM's own parse_args + validate_args made (record.py wrote them):
+"""The `args` Namespaces Megatron-LM's own parse_args + validate_args made (tests/data/megatron_args/record.py wrote them):
 `load(version, flag_set)` reads one back.
 
 Type tags (record.encode): `__dtype__` -> torch.dtype; `__tuple__` -> tuple; `__dict__` -> dict;
@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.join(ROOT, "tests", "data", "megatron_args")
+"""Where record.py wrote the fixtures."""
 VERSIONS = ("core_v0.16.1", "HEAD")
 """Recorded Megatron-LM versions: the oldest we read and today's main."""
 FLAG_SETS = ("gpt2", "gpt2_legacy", "gqa", "rope_untied", "swiglu_rmsnorm")

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 L, H, HEADS, GROUPS, HD, FFN = 2, 32, 4, 2, 16, 48
-VOCAB = 320  # >= the test tokenizer's 318 tokens (tests/unit/test_tokenizer_hf.py trains it)
+VOCAB = 320  # >= the test tokenizer's 318 tokens (tests/unit/test_data_tokenizer_hf.py trains it)
 
 
 def _convert(*argv):
@@ -25,9 +25,9 @@ def _convert(*argv):
 def _hf_source(tmp_path, kind: str):
     """A random Llama (GQA 2 groups, head_dim 16, untied) or Qwen3 (q/k norms, tied) saved by
     transformers in 3+ safetensors shards, with a tokenizer.json tokenizer beside it."""
-    from tests.unit.test_tokenizer_hf import _train_tokenizer
+    from tests.harness.tokenizers import train_hf_tokenizer
     source = str(tmp_path / f"{kind}_source")
-    _train_tokenizer(source)
+    train_hf_tokenizer(source)
     common = dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=L,
                   num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HD,
                   max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=0,
@@ -157,9 +157,9 @@ def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
             hf_llama.args_from_hf_config({**config, **change}, "x/config.json")
     from app.checkpoint import hf
     from app.checkpoint.hf_files import pick_tokenizer
-    from tests.unit.test_tokenizer_hf import _train_tokenizer
+    from tests.harness.tokenizers import train_hf_tokenizer
     _, llama = _our_model(*LLAMA)
-    bigger = pick_tokenizer(llama.args, {}, None, None, _train_tokenizer(tmp_path / "tok"))
+    bigger = pick_tokenizer(llama.args, {}, None, None, train_hf_tokenizer(tmp_path / "tok"))
     with pytest.raises(HFConversionError, match="has 318 tokens but the checkpoint's "
                                                 "vocabulary has 60 rows"):
         hf.write_model(llama, str(tmp_path), bigger)

@@ -19,6 +19,7 @@ from app.checkpoint import CheckpointError, dcp_files, mcore_names, mcore_state,
 from app.checkpoint import torch_dist
 from app.checkpoint.files import UnsafeCheckpointError
 from app.optim.model_space import ModelSpaceState, ParamState
+from tests.harness.checkpoints import LAYER, OTHER
 
 # Megatron Core core_v0.19.0, GPTModel(get_gpt_layer_local_spec()), 3 layers, hidden 32, 4 heads,
 # vocab 64, sequence 16: the ShardedTensor keys and global shapes of model.sharded_state_dict()
@@ -42,23 +43,6 @@ MEGATRON_EXTRA_STATE = {f"decoder.layers.{m}._extra_state/shard_{i}_3" for i in 
     "mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj", "self_attention.linear_qkv")}
 
 # our name suffix -> (Megatron key suffix, TP split dim), written out here as the expectation
-LAYER = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", -1),
-         "input_layernorm.bias": ("self_attention.linear_qkv.layer_norm_bias", -1),
-         "attention.query_key_value.weight": ("self_attention.linear_qkv.weight", 0),
-         "attention.query_key_value.bias": ("self_attention.linear_qkv.bias", 0),
-         "attention.dense.weight": ("self_attention.linear_proj.weight", 1),
-         "attention.dense.bias": ("self_attention.linear_proj.bias", -1),
-         "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", -1),
-         "post_attention_layernorm.bias": ("mlp.linear_fc1.layer_norm_bias", -1),
-         "mlp.dense_h_to_4h.weight": ("mlp.linear_fc1.weight", 0),
-         "mlp.dense_h_to_4h.bias": ("mlp.linear_fc1.bias", 0),
-         "mlp.dense_4h_to_h.weight": ("mlp.linear_fc2.weight", 1),
-         "mlp.dense_4h_to_h.bias": ("mlp.linear_fc2.bias", -1)}
-OTHER = {"language_model.embedding.word_embeddings.weight": ("embedding.word_embeddings.weight", 0),
-         "language_model.embedding.position_embeddings.weight":
-             ("embedding.position_embeddings.weight", -1),
-         "language_model.transformer.final_layernorm.weight": ("decoder.final_layernorm.weight", -1),
-         "language_model.transformer.final_layernorm.bias": ("decoder.final_layernorm.bias", -1)}
 L, H, V, S = 4, 8, 16, 4
 
 
@@ -388,7 +372,7 @@ def test_megatron_objects_in_the_common_state_load_as_inert_stand_ins():
 
 def test_ckpt_format_flags():
     import arguments
-    from tests.unit.test_arguments import DS_JSON
+    from tests.harness.arguments import DS_JSON
     base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
             "--seq-length", "4", "--max-position-embeddings", "4", "--micro-batch-size", "1",
             "--train-iters", "1"]

@@ -1,7 +1,6 @@
-"""Reliability pieces on their own, in this process: the writer lock of --save, writability, the
-resume-or-refuse policy, temporary-file cleanup, the signal handler and the launcher watch,
-the watchdog, peer-failure recognition, rendezvous ports, the ETA and the progress helper."""
-import io
+"""app.training.resilience on its own, in this process: the writer lock of --save, writability,
+the resume-or-refuse policy, temporary-file cleanup, the signal handler and the launcher watch,
+the watchdog and peer-failure recognition."""
 import json
 import os
 import signal
@@ -11,21 +10,16 @@ import sys
 import time
 
 import pytest
-import torch
 
 from app.config import CheckpointConfig
-from app.checkpoint.state import Progress as ConvertProgress
 from app.checkpoint import megatron as ckpt
 from app.checkpoint import names
 from app.training.resilience import resume
-from app.launch.ports import pick_master_port, port_is_free
-from app.training.telemetry.metrics import format_duration, format_train_log
 from app.training.resilience.save_dir import (LOCK_FILENAME, SaveDirError, SaveDirLock, SaveDirLocked,
                                    claim_save_dir, ensure_writable_dir)
 from app.training.resilience.signals import ExitSignalHandler, LauncherWatch, _Process, handler_enabled
 from app.training.resilience.watchdog import EXIT_PEER_FAILURE, Watchdog, is_peer_failure
-from app.utils.fileio import is_temporary, remove_temporaries, temporary_owner, tmp_path
-from app.utils.progress import progress
+from app.utils.fileio import remove_temporaries
 
 
 def _dead_pid() -> int:
@@ -257,61 +251,5 @@ def test_peer_failures_are_told_from_other_errors():
 
 # ---------------------------------------------------------------------------- ports
 
-def test_rendezvous_port_in_use_is_named_and_a_free_one_is_picked(monkeypatch):
-    with socket.socket() as taken:
-        taken.bind(("", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        assert not port_is_free(port)
-        other = pick_master_port(port)
-        assert other != port and port_is_free(other)
-        code = ("from app.launch.distributed import init_distributed\n"
-                "try:\n    init_distributed('gloo', timeout_minutes=0.2)\n"
-                "except ValueError as e:\n    print('ERR', type(e).__name__, e)\n")
-        env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, timeout=120).stdout
-    assert "ERR RendezvousPortInUse" in out and f"port {port}" in out
-    assert "--master_port" in out and "MASTER_PORT" in out
-    assert pick_master_port(other) == other
-
-
 # ---------------------------------------------------------------------------- ETA, progress
 
-def test_eta_in_the_log_line():
-    assert format_duration(3725.2) == "1:02:05"
-    assert format_duration(2 * 86400 + 5) == "2 days, 0:00:05"
-    assert format_duration(float("nan")) == "?"
-    line = format_train_log(10, 100, {"ms_per_iteration": 250.0, "eta_s": 22.5, "lr": 1e-4})
-    assert "elapsed time per iteration (ms): 250.0 | ETA: 0:00:22 | learning rate" in line
-
-
-def test_progress_reports_rate_and_eta_as_lines_when_not_a_terminal():
-    out = io.StringIO()
-    for _ in progress(range(4), desc="converting", stream=out, min_interval_s=0):
-        time.sleep(0.01)
-    with progress(total=4 << 20, desc="tokenizing", unit="B", stream=out,
-                  min_interval_s=0) as bar:
-        bar.update(1 << 20)
-        bar.set_postfix_str("12 docs/s")
-    lines = out.getvalue().splitlines()
-    assert all("\r" not in line for line in lines)
-    assert any(line.startswith("converting: 100% 4/4") and "ETA" in line and "it/s" in line
-               for line in lines)
-    assert any("tokenizing:  25%" in line and "B/s" in line and "12 docs/s" in line
-               for line in lines)
-    converted = io.StringIO()  # the converter's tensor counter is built on the same helper
-    counter = ConvertProgress("writing", total=2, stream=converted)
-    counter.add(torch.zeros(1 << 18))  # 1 MiB
-    counter.add(torch.zeros(1 << 18))
-    counter.report(final=True)
-    last = converted.getvalue().splitlines()[-1]
-    assert last.startswith("[convert] writing: 100% 2/2") and "ETA" in last, last
-    assert "tensors/s, 2.0 MiB," in last and "MiB/s]" in last, last
-
-
-def test_tmp_path_names_are_recognised():
-    name = tmp_path("/a/b.pt")
-    assert name.startswith("/a/b.pt.tmp.") and name.endswith(f".{os.getpid()}")
-    assert is_temporary(name) and temporary_owner(name).pid == os.getpid()

@@ -191,7 +191,7 @@ def test_pad_vocab_size_rejects_nonpositive():
         pad_vocab_size(100, 128, 0)
 
 
-def test_train_tokenizer_cli(tmp_path):
+def testtrain_hf_tokenizer_cli(tmp_path):
     from tools.train_tokenizer import main
 
     corpus = tmp_path / "c.jsonl"

@@ -17,6 +17,7 @@ from app.checkpoint import megatron as ckpt
 from app.config.checkpoint import CheckpointConfig
 from app.mpu.parallel_state import ParallelState
 from app.training.data_loading import build_data_iterator, close_data_iterator
+from tests.harness.datasets import IndexSamples
 from app.training.resilience.saving import EXIT_SAVE_FAILED, CheckpointSaver, SaveFailed
 from app.utils import faults
 from tests.harness.filesystems import Ballast, small_tmpfs
@@ -159,16 +160,8 @@ def test_failed_saves_are_logged_recorded_and_stop_the_run_at_the_limit(tmp_path
         CheckpointConfig(save=str(tmp_path), max_failed_saves=0)
 
 
-class _Samples:
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, index):
-        return {"text": [index] * 5}
-
-
 def test_data_loader_workers_stop_when_closed_and_at_an_exit_with_an_error(tmp_path):
-    iterator = build_data_iterator(_Samples(), 0, 2, ParallelState.single(), num_workers=2)
+    iterator = build_data_iterator(IndexSamples(), 0, 2, ParallelState.single(), num_workers=2)
     next(iterator)
     workers = list(iterator._workers)
     assert len(workers) == 2 and all(w.is_alive() for w in workers)
@@ -179,8 +172,8 @@ def test_data_loader_workers_stop_when_closed_and_at_an_exit_with_an_error(tmp_p
     script = textwrap.dedent("""
         from app.mpu.parallel_state import ParallelState
         from app.training.data_loading import build_data_iterator
-        from tests.unit.test_save_failures import _Samples
-        iterator = build_data_iterator(_Samples(), 0, 2, ParallelState.single(), num_workers=2)
+        from tests.harness.datasets import IndexSamples
+        iterator = build_data_iterator(IndexSamples(), 0, 2, ParallelState.single(), num_workers=2)
         next(iterator)
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
     """)

@@ -98,3 +98,11 @@ def test_throughput_and_mfu_math():
     assert metrics.model_flops_utilization(per_rank, 2 * per_rank) == pytest.approx(0.5)
     assert math.isnan(metrics.model_flops_utilization(1.0, 0.0))
     assert math.isnan(metrics.tokens_per_second(1, 1, 0.0))
+
+
+def test_eta_in_the_log_line():
+    assert metrics.format_duration(3725.2) == "1:02:05"
+    assert metrics.format_duration(2 * 86400 + 5) == "2 days, 0:00:05"
+    assert metrics.format_duration(float("nan")) == "?"
+    line = metrics.format_train_log(10, 100, {"ms_per_iteration": 250.0, "eta_s": 22.5, "lr": 1e-4})
+    assert "elapsed time per iteration (ms): 250.0 | ETA: 0:00:22 | learning rate" in line

@@ -5,40 +5,19 @@ work; a tiny run trains on the data without --vocab-file and its checkpoint gene
 import contextlib
 import io
 import json
-import os
 
 import numpy as np
 import pytest
 
 from app.data.tokenizer import build_tokenizer
+from tests.harness.tokenizers import TEXTS, train_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
-TEXTS = ["hello world, the quick brown fox", "jumps over the lazy dog.", "", "héllo ☃ wörld",
-         "the fox and the dog </s> are friends"] * 8
-
-
-def _train_tokenizer(directory, eos="</s>"):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(TEXTS * 4, trainer=trainer)
-    # a BOS before every document, as Llama's tokenizers add
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    os.makedirs(directory, exist_ok=True)
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    config = {"bos_token": "<s>"} | ({"eos_token": eos} if eos else {})
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f)
-    return str(directory)
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    return _train_tokenizer(tmp_path_factory.mktemp("hf_tok") / "tok")
+    return train_hf_tokenizer(tmp_path_factory.mktemp("hf_tok") / "tok")
 
 
 def _preprocess(tmp_path, tokenizer_args):
@@ -72,7 +51,7 @@ def test_bad_tokenizer_model_is_one_clear_error(tmp_path, capsys):
     data.write_text(json.dumps({"text": "hello"}) + "\n")
     for args, words in (([], "needs --tokenizer-model"),
                         (["--tokenizer-model", str(tmp_path / "missing")], "missing"),
-                        (["--tokenizer-model", _train_tokenizer(tmp_path / "no_eos", eos=None)],
+                        (["--tokenizer-model", train_hf_tokenizer(tmp_path / "no_eos", eos=None)],
                          "no eos token")):
         with pytest.raises(SystemExit) as stop:  # a missing path: a usage error, on stderr
             main(["--input", str(data), "--output-prefix",

@@ -11,7 +11,7 @@ import arguments
 from app.config import samples_per_split
 from app.config.batch_schedule import BatchSchedule, parse_step_schedule
 from app.data import MegatronPretrainingSampler
-from tests.unit.test_arguments import BASE, expect_error
+from tests.harness.arguments import BASE, expect_error
 
 NO_ITERS = [a for i, a in enumerate(BASE) if "--train-iters" not in BASE[max(0, i - 1):i + 1]]
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(ROOT)  # tests.data.megatron_args (after Megatron, which may come from a checkout)
+sys.path.append(ROOT)  # tests.harness (after Megatron, which may come from a checkout)
 ITERATION, CONSUMED = 3, 12
 """Where `write` saves: iteration 3 of a run with global batch 4."""
 LLAMA = dict(qk_layernorm=True, position_embedding_type="rope", group_query_attention=True,
@@ -103,7 +103,7 @@ def build(args):
 def megatron_args(flag_set, **overrides):
     """The args Megatron-LM's parse_args + validate_args made for `flag_set` (core_v0.16.1),
     with Megatron's enums, and what training sets before a save (`overrides`)."""
-    from tests.data.megatron_args import fixtures
+    from tests.harness import megatron_args as fixtures
     return fixtures.load("core_v0.16.1", flag_set, enums=True, **overrides)
 
 

@@ -217,3 +217,9 @@ def test_names_of_older_versions_and_lookalikes():
     for name in ("a.tmp", "a.tmp.", "a.tmp.host", ".tmp.12", "a.tmp.h.1.2.3", "a.tmp-12",
                  "build.tmp-deadbeef", "notes.tmp.txt"):
         assert not is_temporary(name), name
+
+
+def test_tmp_path_names_are_recognised():
+    name = fileio.tmp_path("/a/b.pt")
+    assert name.startswith("/a/b.pt.tmp.") and name.endswith(f".{os.getpid()}")
+    assert is_temporary(name) and temporary_owner(name).pid == os.getpid()

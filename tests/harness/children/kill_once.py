@@ -3,7 +3,7 @@ pass of the iteration that starts at training sample $KILL_AT_SAMPLE, on torchru
 attempt only (TORCHELASTIC_RESTART_COUNT 0), so that a restarted attempt trains undisturbed
 (through the fault-injection point faults.TRAINING_LOSS, app/utils/faults.py).
 
-    KILL_RANK=0 KILL_AT_SAMPLE=20 torchrun ... tests/integration/kill_once.py <pretrain flags>
+    KILL_RANK=0 KILL_AT_SAMPLE=20 torchrun ... tests/harness/children/kill_once.py <pretrain flags>
 
 Optionally, with $WAIT_AT_SAMPLE and $WAIT_FOR_FILE (a path with `{rank}` in it), every rank
 first waits, in the forward pass of the iteration starting at that sample, until its file

@@ -14,7 +14,7 @@ kills in ranks forked by tests.harness.distributed.run_pretrain (its `setup`), a
 attempt, where a test restarts the job itself instead of torchrun.
 
     CHAOS_PLAN='[[1, "iteration", 5], [0, "write", 2]]' torchrun --max-restarts 2 ... \
-        tests/integration/chaos_child.py <pretrain flags>
+        tests/harness/children/chaos_child.py <pretrain flags>
 """
 import json
 import os

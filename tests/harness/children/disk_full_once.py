@@ -3,7 +3,7 @@ $DISK_FULL_SAVES (comma-separated, 1 = the first save of the process) of the ran
 $DISK_FULL_RANK fail as torch.save fails on a full disk (faults.disk_full, app/utils/faults.py);
 the other ranks write theirs.
 
-    DISK_FULL_RANK=1 DISK_FULL_SAVES=2 torchrun ... tests/integration/disk_full_once.py <flags>
+    DISK_FULL_RANK=1 DISK_FULL_SAVES=2 torchrun ... tests/harness/children/disk_full_once.py <flags>
 """
 import os
 import sys

@@ -1,0 +1,26 @@
+"""Tokenizers trained here for tests (no downloads)."""
+import json
+import os
+
+
+TEXTS = ["hello world, the quick brown fox", "jumps over the lazy dog.", "", "héllo ☃ wörld",
+         "the fox and the dog </s> are friends"] * 8
+
+
+def train_hf_tokenizer(directory, eos="</s>"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(TEXTS * 4, trainer=trainer)
+    # a BOS before every document, as Llama's tokenizers add
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    config = {"bos_token": "<s>"} | ({"eos_token": eos} if eos else {})
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return str(directory)
