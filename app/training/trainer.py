@@ -23,7 +23,7 @@ import torch
 from app.config import RunConfig
 from app.config.batch_schedule import micro_batches
 from app.mpu import collectives
-from app.model.moe.metrics import MoEMetrics
+from app.model.moe import MoEMetrics, begin_iteration as begin_moe_iteration
 from app.mpu.parallel_state import ParallelState
 from app.training.telemetry import flops
 from app.training.telemetry import metrics as metrics_lib
@@ -186,6 +186,8 @@ class Trainer:
 
         forward_step = lambda batch: self.objective.forward_step(model, batch)  # noqa: E731
         if not forward_only:  # --log-straggler times training's forward steps and batch waits
+            begin_moe_iteration(model, self.engine.loss_scale, self.ps.context_parallel_size,
+                                self.num_micro)  # the scale of the MoE auxiliary gradients
             next_batch, forward_step = self.stragglers.timed(next_batch, forward_step)
         return schedule(forward_step_func=forward_step,
                         batch_func=next_batch,

@@ -79,7 +79,7 @@ def test_layer_equals_dense_loop_over_experts(swiglu, shared, dispatcher, groupe
                      moe_shared_expert_gate=shared is not None,
                      moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=grouped)
     layer = _layer(config).train()
-    begin_iteration(layer, 0.25)  # what the engine sets: loss scale x CP / micro-batches
+    begin_iteration(layer, 2.0, 1, 8)  # loss scale x CP / micro-batches = 0.25
     x = torch.randn(2, TOKENS // 2, H, generator=torch.Generator().manual_seed(0),
                     requires_grad=True)
     grad_out = torch.randn(2, TOKENS // 2, H, generator=torch.Generator().manual_seed(1))

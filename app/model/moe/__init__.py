@@ -11,6 +11,7 @@
 docs/moe.md explains the flags and the parallel layouts.
 """
 from app.model.moe.layer import MoELayer, begin_iteration, moe_layers, update_expert_bias
+from app.model.moe.metrics import MoEMetrics
 
-__all__ = ["MoELayer", "begin_iteration", "moe_layers",
+__all__ = ["MoELayer", "MoEMetrics", "begin_iteration", "moe_layers",
            "update_expert_bias"]

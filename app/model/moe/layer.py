@@ -96,12 +96,15 @@ def moe_layers(model: nn.Module) -> List[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def begin_iteration(model: nn.Module, aux_loss_scale: float) -> None:
-    """Before an iteration: the scale the auxiliary losses' gradients carry (the main loss's:
-    loss scale x context-parallel size / micro-batches per rank), and the per-iteration
-    global_aux_loss counts reset. No-op for a dense model."""
+def begin_iteration(model: nn.Module, loss_scale: Optional[float], context_parallel_size: int,
+                    num_micro_batches: int) -> None:
+    """Before an iteration's forward-backward (Megatron's schedule sets it per step): the scale
+    the auxiliary losses' gradients carry, the main loss's = loss scale (1 without fp16) x
+    context-parallel size / micro-batches per rank; the per-iteration global_aux_loss counts
+    reset. No-op for a dense model."""
+    scale = (loss_scale or 1.0) * context_parallel_size / num_micro_batches
     for layer in moe_layers(model):
-        layer.router.begin_iteration(aux_loss_scale)
+        layer.router.begin_iteration(scale)
 
 
 def update_expert_bias(model: nn.Module) -> None:

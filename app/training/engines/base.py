@@ -18,7 +18,6 @@ import torch
 
 from app.checkpoint import commit
 from app.config import RunConfig
-from app.model import moe
 from app.training.resilience.resume import (CheckpointContents, LoadResult, ResumePlan,
                                  resume_from_checkpoint)
 
@@ -77,11 +76,6 @@ class Engine(commit.OneSaveAtATime, abc.ABC):
         the batch."""
         if getattr(self.lr_scheduler, "in_samples", False):
             self.lr_scheduler.increment = global_batch_size
-        # MoE auxiliary losses' gradients carry what the main loss's carries (Megatron's
-        # schedule): the loss scale x the context-parallel size / micro-batches
-        scale = self.loss_scale or 1.0
-        moe.begin_iteration(self.module, scale * self.cfg.parallel.context_parallel_size
-                            / num_micro_batches)
 
     @abc.abstractmethod
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
