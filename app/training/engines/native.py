@@ -109,7 +109,9 @@ class NativeEngine(Engine):
     def _rank_kwargs(self) -> Dict[str, int]:
         return dict(tp_rank=self.ps.tensor_model_parallel_rank,
                     pp_rank=self.ps.pipeline_model_parallel_rank,
-                    pp_size=self.ps.pipeline_model_parallel_size)
+                    pp_size=self.ps.pipeline_model_parallel_size,
+                    ep_rank=self.ps.expert_model_parallel_rank,
+                    ep_size=self.ps.expert_model_parallel_size)
 
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
                    asynchronous: bool) -> commit.PendingSave:
@@ -123,8 +125,10 @@ class NativeEngine(Engine):
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration, client_state.get("data_order"))
         rng = None if c.no_save_rng else rng_state_dict()
-        # one replica writes (data and context rank 0); the others follow it
-        writer = self.ps.gradient_state().data_parallel_rank == 0
+        # one replica writes (data and context rank 0; with experts, expert-data rank 0: one
+        # writer per tensor x pipeline x expert-parallel file); the others follow it
+        writer = (self.ps.expert_data_parallel_rank if self.cfg.model.moe.enabled
+                  else self.ps.gradient_state().data_parallel_rank) == 0
         state = ckpt.build_checkpoint_dict(
             iteration, self.module.state_dict(),
             None if c.no_save_optim else self.optimizer.state_dict(),
@@ -263,7 +267,8 @@ class NativeEngine(Engine):
                        tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
                        pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
                        data_parallel_size=self.ps.data_parallel_size,
-                       load_optimizer=plan.load_optimizer)
+                       load_optimizer=plan.load_optimizer,
+                       expert_model_parallel_size=self.ps.expert_model_parallel_size)
         state, iteration = ckpt.load_checkpoint_dict(
             load_dir, iteration=plan.iteration, tp_size=self.ps.tensor_model_parallel_size,
             **self._rank_kwargs())
