@@ -270,13 +270,13 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
         # DeepSpeed numbers its files by model-parallel rank (pp_rank x TP + tp_rank), so the
         # names give TP x PP only; the engine checks the split against the saved args
         return partition_problem(layout, data_parallel_size) if load_optimizer else None
-    if layout.format == TORCH and layout.expert_model_parallel_size != ep:
-        change = (f"it was saved with tensor-parallel size {saved_tp}, pipeline-parallel size "
-                  f"{saved_pp} and expert-parallel size {layout.expert_model_parallel_size}; "
-                  f"this run uses {tp}, {pp} and {ep}")
-        return (f"checkpoint {where}: {change}; reshard it (or save with --ckpt-format "
-                "torch_dist, which reshards on load): "
-                + load_command_hint(load_dir, tp, pp, TORCH, ep))
+    if layout.format == TORCH and layout.expert_model_parallel_size != ep and load_optimizer:
+        return (f"checkpoint {where} was saved at expert-parallel size "
+                f"{layout.expert_model_parallel_size} and this run uses {ep}: its weights load "
+                "at any expert-parallel size, its optimizer states (one file per rank) do not; "
+                "pass --no-load-optim (or --finetune), or reshard it with the optimizer: "
+                + load_command_hint(load_dir, tp, pp, TORCH, ep)
+                + " (--ckpt-format torch_dist reshards everything on load)")
     if (saved_tp, saved_pp) != (tp, pp):
         change = (f"it was saved with tensor-parallel size {saved_tp} and pipeline-parallel size "
                   f"{saved_pp}; this run uses {tp} and {pp}")

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -315,6 +315,35 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
         state["model"] = to_megatron_model(from_mcore_model(state["model"],
                                                             pp_rank * (layers // pp_size)))
     return state, iteration
+
+
+def load_weights_across_experts(load_dir: str, iteration: Iteration, state: Dict[str, Any],
+                                expert_names: Sequence[str], *, tp_rank: int, pp_rank: int,
+                                pp_size: int, saved_ep: int, ep_rank: int, ep_size: int
+                                ) -> Tuple[Dict[str, Any], Optional[Dict[str, torch.Tensor]]]:
+    """(weights, fp32 main weights or None) of a rank at expert-parallel size `ep_size` from a
+    legacy checkpoint saved at `saved_ep`, same tensor and pipeline sizes: the dense weights of
+    `state` (the file of expert-parallel rank 0), each weight of `expert_names` the experts
+    [ep_rank E/ep_size, (ep_rank + 1) E/ep_size) of those every expert-parallel file of this
+    tensor x pipeline rank holds (the expert tensor split is the tensor-parallel one)."""
+    weights = from_megatron_model(state["model"])
+    mains = fp32_main_weights(state)
+    parts: Dict[str, List[torch.Tensor]] = {name: [] for name in expert_names}
+    main_parts: Dict[str, List[torch.Tensor]] = {name: [] for name in expert_names}
+    for saved_rank in range(saved_ep):
+        other = state if saved_rank == 0 else load_checkpoint_dict(
+            load_dir, iteration=iteration, tp_rank=tp_rank, pp_rank=pp_rank, pp_size=pp_size,
+            ep_rank=saved_rank, ep_size=saved_ep)[0]
+        flat, main = from_megatron_model(other["model"]), fp32_main_weights(other) or {}
+        for name in expert_names:
+            parts[name].append(flat[name])
+            if name in main:
+                main_parts[name].append(main[name])
+    for name in expert_names:
+        weights[name] = torch.cat(parts[name]).chunk(ep_size)[ep_rank].clone()
+        if mains is not None and main_parts[name]:
+            mains[name] = torch.cat(main_parts[name]).chunk(ep_size)[ep_rank].clone()
+    return weights, mains
 
 
 def saved_virtual_pipeline_size(ckpt_args: Optional[argparse.Namespace]) -> int:
