@@ -63,7 +63,8 @@ def load_model(checkpoint: SavedCheckpoint, ps: ParallelState) -> LoadedModel:
     model = _build(args, rows, ps)
     placement = layout.Layout.of_args(args, pp, rows)
     try:  # each tensor split as the parallel layer that holds it marks it
-        flat = {name: placement.shard(name, weights[name], ps) for name in parameter_records(model)}
+        flat = {name: placement.shard(name, weights[name], ps)
+                for name in parameter_records(model)}
     except KeyError as exc:
         raise CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
                                    "the model its args describe holds") from exc

@@ -127,7 +127,8 @@ def from_hf_moe(state: Dict[str, torch.Tensor], config: ModelConfig, names: MoEN
         fused = f"model.layers.{i}.{FUSED_BLOCK}."
         if f"{fused}experts.gate_up_proj" in state:
             ours[name("router.weight")] = take(state, f"{fused}{names.router}.weight")
-            ours[name("experts.dense_h_to_4h.weight")] = take(state, f"{fused}experts.gate_up_proj")
+            ours[name("experts.dense_h_to_4h.weight")] = take(state,
+                                                              f"{fused}experts.gate_up_proj")
             ours[name("experts.dense_4h_to_h.weight")] = take(state, f"{fused}experts.down_proj")
             hf = fused
         else:

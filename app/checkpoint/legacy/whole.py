@@ -6,9 +6,9 @@ Reading merges every rank's shard of every parameter (and, when present, of its 
 into full tensors; writing splits them for the target layout. With Mixture of Experts the files
 are per expert-parallel rank too: the experts are merged over the expert-parallel files and
 written for the request's expert-parallel size, each expert split over the target's tensor
-ranks (the format's expert tensor-parallel size is its tensor-parallel size). The padded vocabulary is
-re-padded with Megatron's rule for the target tensor-parallel size (pad_vocab_size), so TP1 ->
-TP2xPP2 -> TP4 -> TP1 gives back the same tensors bit for bit.
+ranks (the format's expert tensor-parallel size is its tensor-parallel size). The padded
+vocabulary is re-padded with Megatron's rule for the target tensor-parallel size
+(pad_vocab_size), so TP1 -> TP2xPP2 -> TP4 -> TP1 gives back the same tensors bit for bit.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def describe_legacy(saved: SavedCheckpoint) -> List[str]:
     ep = saved.expert_model_parallel_size
     lines = [f"Megatron checkpoint {saved.load}, iteration {iteration}: TP {tp}, PP {pp}"
              + (f", EP {ep}" if ep > 1 else "")]
-    for (tp_rank, pp_rank, ep_rank), state in sorted(files.items(),
-                                                     key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+    order = sorted(files.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0]))
+    for (tp_rank, pp_rank, ep_rank), state in order:
         lines.append(f"rank file (tp {tp_rank}, pp {pp_rank}"
                      + (f", ep {ep_rank}):" if ep > 1 else "):"))
         lines += describe(state, 1)
