@@ -34,7 +34,8 @@ def test_megatron_rank_folders_are_named_and_parsed():
     assert names.rank_dir_name(1, 0, 1, ep_rank=3, ep_size=4) == "mp_rank_01_003"
     assert names.rank_dir_name(1, 2, 4, ep_rank=3, ep_size=4) == "mp_rank_01_002_003"
     assert names.checkpoint_path("/ck", 7, tp_rank=1, pp_rank=2, pp_size=4, ep_rank=1,
-                                 ep_size=2) == "/ck/iter_0000007/mp_rank_01_002_001/model_optim_rng.pt"
+                                 ep_size=2) == \
+        "/ck/iter_0000007/mp_rank_01_002_001/model_optim_rng.pt"
     assert names.parse_rank_dir("mp_rank_03") == (3,)
     assert names.parse_rank_dir("mp_rank_01_002") == (1, 2)
     assert names.parse_rank_dir("mp_rank_01_002_003") == (1, 2, 3)

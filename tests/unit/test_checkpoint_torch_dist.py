@@ -347,7 +347,8 @@ def test_moe_models_write_megatron_cores_keys(kind):
     from app.model import GPT2Model
     cfg = arguments.config_from_argv([
         "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
-        "--ffn-hidden-size", "32", "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1",
+        "--ffn-hidden-size", "32", "--seq-length", "8", "--micro-batch-size", "1",
+        "--train-iters", "1",
         "--make-vocab-size-divisible-by", "64", "--swiglu", "--normalization", "RMSNorm",
         "--disable-bias-linear", "--qk-layernorm", "--position-embedding-type", "rope",
         "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-ffn-hidden-size",
