@@ -146,3 +146,31 @@ def test_zero3_layout_and_the_stage_refusals(tmp_path):
     assert "--no-load-optim" in stage_problem(z2, True, load_optimizer=True)
     assert stage_problem(z2, True, load_optimizer=False) is None  # a ZeRO-3 run reads its weights
     assert stage_problem(z2, False, load_optimizer=True) is None
+
+
+def test_expert_parallel_files_are_read_from_the_names(tmp_path):
+    """Megatron's names with the expert-parallel rank (mp_rank_{tp}_{pp}_{ep}): the layout has
+    the EP size; a run at another EP loads the weights (each rank its experts), not the optimizer
+    states of other ranks' files, and is told the two ways to do that."""
+    iter_dir = os.path.join(str(tmp_path), "iter_0000010")
+    for p in range(2):
+        for e in range(2):
+            touch(os.path.join(iter_dir, f"mp_rank_00_{p:03d}_{e:03d}", "model_optim_rng.pt"))
+    names.write_tracker(str(tmp_path), 10)
+    layout = inspect_directory(iter_dir)
+    assert (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+            layout.expert_model_parallel_size, len(layout.model_files), layout.missing) == \
+        (1, 2, 2, 4, [])
+    assert ckpt.saved_layout(iter_dir) == (1, 2, 2)
+    assert "expert-parallel size 2" in layout.describe()
+    at_ep1 = lambda load_optimizer: loadable_problem(  # noqa: E731
+        layout, str(tmp_path), deepspeed=False, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2, data_parallel_size=1, load_optimizer=load_optimizer,
+        expert_model_parallel_size=1)
+    assert at_ep1(False) is None
+    message = at_ep1(True)
+    assert "saved at expert-parallel size 2 and this run uses 1" in message
+    assert "--no-load-optim" in message and "tools/convert_checkpoint.py" in message
+    assert loadable_problem(layout, str(tmp_path), deepspeed=False, tensor_model_parallel_size=1,
+                            pipeline_model_parallel_size=2, data_parallel_size=1,
+                            load_optimizer=True, expert_model_parallel_size=2) is None
