@@ -1,25 +1,34 @@
 """Hugging Face Mixture-of-Experts families both ways (app/checkpoint/hf/families/qwen3_moe.py,
 mixtral.py, qwen2_moe.py on app.checkpoint.hf.moe), against transformers' own classes:
 
-- a tiny Qwen3MoeForCausalLM (a dense first layer: mlp_only_layers, renormalised top-k) and a
-  MixtralForCausalLM, random and saved by transformers' save_pretrained (per-expert tensors, as
-  the Hub holds them; Mixtral also in transformers 5's fused in-memory names), import into our
+- a tiny Qwen3MoeForCausalLM (a dense first layer: mlp_only_layers, renormalised top-k), a
+  MixtralForCausalLM and a Qwen2MoeForCausalLM (q/k/v biases, a gated shared expert, a dense
+  first layer, top-k not renormalised), random and saved by transformers' save_pretrained
+  (per-expert tensors, as the Hub holds them; Mixtral also in transformers 5's fused in-memory
+  names), import into our
   legacy format at expert-parallel size 2, give transformers' logits (1e-5), train, and export
   back: the untrained round trip gives every tensor and config.json field back, the trained
   export gives the trained model's logits;
 - our MoE models export as the family that expresses them (Qwen3-MoE with a dense layer and with
-  --moe-router-pre-softmax, i.e. norm_topk_prob false; Mixtral), load into transformers' class
+  --moe-router-pre-softmax, i.e. norm_topk_prob false; Mixtral; Qwen2-MoE), load into
+  transformers' class
   with no missing or unexpected weight and give our logits (1e-5), with Megatron's MoE layers
   written as Hugging Face counts them (decoder_sparse_step 1, mlp_only_layers);
 - what no family expresses is refused by name.
 """
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
 
+from app.config import ModelConfig
+
 transformers = pytest.importorskip("transformers")
+
+QKV_BIAS = "add_qkv_bias" in {f.name for f in dataclasses.fields(ModelConfig)}
+"""Qwen2-MoE needs --add-qkv-bias (q/k/v biases without the other linear biases)."""
 
 L, H, HEADS, GROUPS, HD, FFN, E, MOE_FFN = 3, 32, 4, 2, 8, 64, 4, 16
 VOCAB = 320  # the test tokenizer's 318 tokens, padded to 8 (tests.harness.tokenizers)
@@ -37,6 +46,12 @@ def _hf_model(family, **extra):
                                              moe_intermediate_size=MOE_FFN, mlp_only_layers=[0],
                                              norm_topk_prob=True, **extra)
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif family == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**common, intermediate_size=FFN, num_experts=E,
+                                             moe_intermediate_size=MOE_FFN,
+                                             shared_expert_intermediate_size=24,
+                                             mlp_only_layers=[0], **extra)
+        model = transformers.Qwen2MoeForCausalLM(config)
     else:
         config = transformers.MixtralConfig(**common, intermediate_size=MOE_FFN,
                                             num_local_experts=E, **extra)
@@ -46,8 +61,10 @@ def _hf_model(family, **extra):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
-            elif name.endswith("gate.weight"):  # the routers
+            elif name.endswith("gate.weight"):  # the routers (and the shared expert's gate)
                 param.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
     return model.eval()
 
 
@@ -65,6 +82,11 @@ def _flags(family):
     if family == "qwen3_moe":
         return flags + ["--qk-layernorm", "--norm-epsilon", "1e-6", "--ffn-hidden-size", str(FFN),
                         "--moe-layer-freq", "([0]+[1]*2)", "--moe-aux-loss-coeff", "1e-3"]
+    if family == "qwen2_moe":
+        return flags + ["--add-qkv-bias", "--norm-epsilon", "1e-6", "--ffn-hidden-size", str(FFN),
+                        "--moe-layer-freq", "([0]+[1]*2)", "--moe-aux-loss-coeff", "1e-3",
+                        "--moe-shared-expert-intermediate-size", "24",
+                        "--moe-shared-expert-gate", "--moe-router-pre-softmax"]
     return flags + ["--norm-epsilon", "1e-5", "--ffn-hidden-size", str(MOE_FFN),
                     "--moe-aux-loss-coeff", "1e-3"]
 
@@ -91,11 +113,17 @@ def _our_logits(run):
         return model(TOKENS, torch.arange(TOKENS.shape[1]).expand_as(TOKENS))[..., :VOCAB]
 
 
+def _needs_qkv_bias(family):
+    if family == "qwen2_moe" and not QKV_BIAS:
+        pytest.skip("Qwen2-MoE needs --add-qkv-bias, which this tree does not have yet")
+
+
 @pytest.mark.parametrize("family, fused", [("qwen3_moe", False), ("mixtral", False),
-                                           ("mixtral", True)])
+                                           ("mixtral", True), ("qwen2_moe", False)])
 def test_transformers_saved_models_import_give_their_logits_train_and_go_back(
         tmp_path, family, fused):
     import arguments
+    _needs_qkv_bias(family)
     from tests.harness.synthetic import build_synthetic_run, train_steps
     from tests.harness.tokenizers import train_hf_tokenizer
     reference = _hf_model(family)
@@ -148,8 +176,10 @@ def _our_model(*flags):
         for name, param in model.named_parameters():
             if "layernorm" in name:
                 param.uniform_(0.5, 1.5)
-            elif name.endswith("router.weight"):
+            elif name.endswith(("router.weight", "gate_weight")):
                 param.normal_(0.0, 1.0)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return model, ModelCheckpoint(args=checkpoint_args_namespace(cfg, 0, 0, 0), weights=weights)
 
@@ -158,17 +188,21 @@ def _our_model(*flags):
     ("qwen3_moe", [], "Qwen3MoeForCausalLM", [0], True),
     ("qwen3_moe", ["--moe-router-pre-softmax", "--moe-layer-freq", "1"], "Qwen3MoeForCausalLM",
      [], False),
-    ("mixtral", [], "MixtralForCausalLM", None, None)])
+    ("mixtral", [], "MixtralForCausalLM", None, None),
+    ("qwen2_moe", [], "Qwen2MoeForCausalLM", [0], False)])
 def test_our_moe_models_export_as_their_family_with_our_logits(tmp_path, family, extra,
                                                                architecture, mlp_only, norm_topk):
     from app.checkpoint import hf
+    _needs_qkv_bias(family)
     model, source = _our_model(*_flags(family), *extra)
     assert hf.write_model(source, str(tmp_path)) == architecture
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == [architecture]
-    assert (config["num_local_experts"], config["num_experts_per_tok"],
+    assert (config.get("num_local_experts", E), config["num_experts_per_tok"],
             config["router_aux_loss_coef"]) == (E, 2, 1e-3)
-    if family == "qwen3_moe":
+    if family == "qwen2_moe":
+        assert (config["shared_expert_intermediate_size"], config["qkv_bias"]) == (24, True)
+    if family != "mixtral":
         assert (config["num_experts"], config["moe_intermediate_size"],
                 config["intermediate_size"], config["decoder_sparse_step"],
                 config["mlp_only_layers"], config["norm_topk_prob"]) == (
