@@ -26,6 +26,7 @@ into a --moe-layer-freq list (an int 1 when every layer is an MoE layer).
 """
 from __future__ import annotations
 
+import abc
 import argparse
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional, Tuple
@@ -82,11 +83,6 @@ def moe_blockers(config: ModelConfig) -> List[str]:
     return blockers
 
 
-def _expert_rows(full: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """An expert fc1 [E, 2F, h] ([gate; up] per expert) -> gate [E, F, h], up [E, F, h]."""
-    return full.chunk(2, dim=1)
-
-
 def to_hf_moe(ours: Dict[str, torch.Tensor], config: ModelConfig, names: MoENames
               ) -> Dict[str, torch.Tensor]:
     """The MoE layers' tensors of our full tensors, under the family's names (per expert)."""
@@ -97,7 +93,7 @@ def to_hf_moe(ours: Dict[str, torch.Tensor], config: ModelConfig, names: MoEName
         mine = lambda suffix: ours[layout.layer_param_name(i, f"mlp.{suffix}")]  # noqa: E731
         hf = f"model.layers.{i}.{names.block}."
         out[f"{hf}{names.router}.weight"] = mine("router.weight")
-        gate, up = _expert_rows(mine("experts.dense_h_to_4h.weight"))
+        gate, up = mine("experts.dense_h_to_4h.weight").chunk(2, dim=1)  # [E, F, h] each
         down = mine("experts.dense_4h_to_h.weight")
         for e in range(config.moe.num_experts):
             out.update({f"{hf}experts.{e}.{names.gate}.weight": gate[e],
@@ -149,7 +145,7 @@ def from_hf_moe(state: Dict[str, torch.Tensor], config: ModelConfig, names: MoEN
     return ours
 
 
-def moe_config_fields(config: ModelConfig, args: argparse.Namespace) -> Dict:
+def moe_config_fields(config: ModelConfig) -> Dict:
     """config.json's MoE fields common to the families: the routed experts per token, the
     renormalisation, the auxiliary-loss coefficient (a name mapping: Hugging Face's loss pools
     the layers), and which layers are MoE layers (decoder_sparse_step 1 + mlp_only_layers)."""
@@ -226,15 +222,15 @@ class MoEFamilyAdapter(FamilyAdapter):
     def export_architecture(self, config: ModelConfig) -> str:
         return self.architecture
 
+    @abc.abstractmethod
     def config_json(self, args: argparse.Namespace, config: ModelConfig, dtype: torch.dtype,
                     vocab_size: int, tokenizer: ExportTokenizer) -> Dict:
         """The family's config.json for the model `config`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def import_fields(self, config: Dict, path: str) -> Dict:
         """Our args (Megatron's names) the family's config.json sets beyond the Llama block's:
         the experts, their width, the routing, which layers are MoE layers."""
-        raise NotImplementedError
 
     def read_directory(self, path: str, config: Dict,
                        make_vocab_size_divisible_by: int = 128) -> ModelCheckpoint:

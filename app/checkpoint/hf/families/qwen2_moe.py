@@ -48,7 +48,7 @@ class Qwen2MoeAdapter(MoEFamilyAdapter):
         out = llama_block_config(args, config, dtype, vocab_size, tokenizer, QWEN2_MOE,
                                  "qwen2_moe", drop=("attention_bias",))
         moe = config.moe
-        out.update(moe_config_fields(config, args), num_experts=moe.num_experts,
+        out.update(moe_config_fields(config), num_experts=moe.num_experts,
                    moe_intermediate_size=moe.moe_ffn_hidden_size,
                    shared_expert_intermediate_size=moe.shared_expert_size, qkv_bias=True)
         return out

@@ -40,7 +40,7 @@ class Qwen3MoeAdapter(MoEFamilyAdapter):
                     vocab_size: int, tokenizer: ExportTokenizer) -> Dict:
         out = llama_block_config(args, config, dtype, vocab_size, tokenizer, QWEN3_MOE,
                                  "qwen3_moe", drop=("layer_types", "max_window_layers"))
-        out.update(moe_config_fields(config, args), num_experts=config.moe.num_experts,
+        out.update(moe_config_fields(config), num_experts=config.moe.num_experts,
                    num_local_experts=config.moe.num_experts,
                    moe_intermediate_size=config.moe.moe_ffn_hidden_size)
         return out
