@@ -380,7 +380,9 @@ def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) 
         return
     hint = (f"lower --micro-batch-size to {dividing}" if dividing else
             "the model states alone do not fit: raise --tensor-model-parallel-size or "
-            "--pipeline-model-parallel-size, or use a DeepSpeed ZeRO stage / optimizer offload")
+            "--pipeline-model-parallel-size"
+            + (" (or --expert-model-parallel-size)" if cfg.model.moe.enabled else "")
+            + ", or use a DeepSpeed ZeRO stage / optimizer offload")
     report.error(f"estimated {_gib(est.total)} per rank exceeds {FIT_FRACTION:.0%} of {desc}; "
                  f"{fit}: {hint}, or add --checkpoint-activations")
 
