@@ -375,9 +375,9 @@ class MoEConfig:
 
 
 def check_moe_run(moe: MoEConfig, model: Any, parallel: Any, deepspeed: Any,
-                  optimizer: Any, zero_stage: int) -> None:
-    """The rules between MoE and the layout, the engine and the optimizer (RunConfig calls it):
-    Megatron's words where Megatron has the rule."""
+                  optimizer: Any, zero_stage: int, checkpoint: Any) -> None:
+    """The rules between MoE and the layout, the engine, the optimizer and the checkpoint format
+    (RunConfig calls it): Megatron's words where Megatron has the rule."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     if not moe.enabled:
@@ -415,6 +415,14 @@ def check_moe_run(moe: MoEConfig, model: Any, parallel: Any, deepspeed: Any,
                 "MoE under DeepSpeed runs with TP 1 and PP 1 only this release; use expert "
                 "parallelism (--expert-model-parallel-size) with ZeRO-1/2, or train on the "
                 "native path (drop --deepspeed) for TP, PP and expert TP")
+    if checkpoint.save and not deepspeed.enabled and (checkpoint.ckpt_format != "torch"
+                                                      or parallel.expert_model_parallel_size > 1):
+        raise ValueError(
+            f"--save with --num-experts at --ckpt-format {checkpoint.ckpt_format} and "
+            f"--expert-model-parallel-size {parallel.expert_model_parallel_size}: MoE "
+            "checkpoints are written in the legacy format (--ckpt-format torch) at expert-model-"
+            "parallel size 1 so far (torch_dist and expert-parallel files not yet); save with "
+            "those, or train without --save")
     if optimizer.optimizer == "muon":
         raise ValueError("--optimizer muon with --num-experts is not supported yet (Muon "
                          "orthogonalises 2-D matrices; the experts are 3-D): use --optimizer "

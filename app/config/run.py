@@ -97,7 +97,7 @@ class RunConfig:
                              f"(which imply {self.precision.params_dtype})")
         self._check_model_options_against_layout()
         check_moe_run(m.moe, m, p, self.deepspeed, self.optimizer,
-                      zero_stage(self.deepspeed.config))
+                      zero_stage(self.deepspeed.config), self.checkpoint)
         check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
         self._check_local_checkpoints()

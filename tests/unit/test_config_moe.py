@@ -120,6 +120,11 @@ REFUSALS = [
     (MOE + ["--optimizer", "muon"], 1, "--optimizer muon with --num-experts is not supported"),
     (MOE + ["--deepspeed", "--deepspeed_config", DS_JSON, "--tensor-model-parallel-size", "2",
             "--sequence-parallel"], 2, "MoE under DeepSpeed runs with TP 1 and PP 1 only"),
+    (MOE + ["--save", "ck", "--expert-model-parallel-size", "2"], 2,
+     "MoE checkpoints are written in the legacy format (--ckpt-format torch) at expert-model-"
+     "parallel size 1 so far"),
+    (MOE + ["--save", "ck", "--ckpt-format", "torch_dist"], 1,
+     "--save with --num-experts at --ckpt-format torch_dist"),
 ]
 
 
