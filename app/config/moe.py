@@ -423,7 +423,8 @@ def check_moe_run(moe: MoEConfig, model: Any, parallel: Any, deepspeed: Any,
             "checkpoints are written in the legacy format (--ckpt-format torch) at expert-model-"
             "parallel size 1 so far (torch_dist and expert-parallel files not yet); save with "
             "those, or train without --save")
-    if optimizer.optimizer == "muon":
-        raise ValueError("--optimizer muon with --num-experts is not supported yet (Muon "
-                         "orthogonalises 2-D matrices; the experts are 3-D): use --optimizer "
-                         "adam")
+    if optimizer.optimizer == "muon" and deepspeed.enabled:
+        raise ValueError("--optimizer muon with --num-experts under --deepspeed: DeepSpeed's "
+                         "Muon orthogonalises 2-D weights only and would step the experts with "
+                         "AdamW; use the native path for Muon (per-expert orthogonalisation), "
+                         "or AdamW under DeepSpeed")

@@ -108,7 +108,8 @@ class DistributedOptimizer(_PrecisionOptimizer):
         muon = config.optimizer == "muon"
         self.specs = matrix_specs(model) if muon else {}
         self.orthogonalizer = TensorParallelOrthogonalizer(
-            config, parallel_state.tensor_model_parallel_group) if muon else None
+            config, parallel_state.tensor_model_parallel_group,
+            parallel_state.expert_tensor_parallel_group) if muon else None
         self.inner = build_inner_optimizer(groups, config,
                                            self._orthogonalize_pieces if muon else None)
         self.counts: Dict[int, int] = {}

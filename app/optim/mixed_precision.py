@@ -156,7 +156,8 @@ def muon_orthogonalizer(model: nn.Module, config: OptimizerConfig, parallel_stat
     if main_of is not None:
         specs = {id(main_of[key]): spec for key, spec in specs.items() if key in main_of}
     group = None if parallel_state is None else parallel_state.tensor_model_parallel_group
-    return TensorParallelOrthogonalizer(config, group).for_params(specs)
+    experts = None if parallel_state is None else parallel_state.expert_tensor_parallel_group
+    return TensorParallelOrthogonalizer(config, group, experts).for_params(specs)
 
 
 class Float32Optimizer(_PrecisionOptimizer):

@@ -55,14 +55,16 @@ def is_embedding_or_output(param_name: str) -> bool:
 
 def get_muon_param_groups(model: nn.Module, settings: Dict[str, Any],
                           weight_decay: Optional[float] = None) -> List[Dict[str, Any]]:
-    """`[muon, decay, no_decay]` for --optimizer muon, empty groups dropped.
+    """`[muon, expert_muon, decay, no_decay]` for --optimizer muon, empty groups dropped.
 
     `muon` holds the 2-D weights that are not embeddings or the output layer
-    (`is_embedding_or_output`), with the Muon keys `settings` (`use_muon` True among them);
+    (`is_embedding_or_output`), `expert_muon` the routed experts' 3-D weights of an MoE model
+    (`moe: True`), both with the Muon keys `settings` (`use_muon` True among them);
     `decay` and `no_decay` are `get_param_groups`' split of the rest (embeddings and output
     layer decay; biases and LayerNorms do not), marked `use_muon` False. Each group has a `name`.
     """
     muon: List[nn.Parameter] = []
+    experts: List[nn.Parameter] = []
     seen = set()
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
@@ -70,9 +72,13 @@ def get_muon_param_groups(model: nn.Module, settings: Dict[str, Any],
             if (param.requires_grad and param.dim() == 2 and id(param) not in seen
                     and not is_embedding_or_output(full)):
                 muon.append(param)
+            elif param.requires_grad and getattr(param, "allreduce", True) is False:
+                experts.append(param)  # [E/EP, rows, cols]: a matrix per expert
             seen.add(id(param))
-    chosen = {id(p) for p in muon}
-    groups: List[Dict[str, Any]] = [{"name": "muon", **settings, "params": muon}]
+    chosen = {id(p) for p in muon + experts}
+    groups: List[Dict[str, Any]] = [{"name": "muon", **settings, "params": muon},
+                                    {"name": "expert_muon", "moe": True, **settings,
+                                     "params": experts}]
     for group in get_param_groups(model, weight_decay):
         rest = [p for p in group["params"] if id(p) not in chosen]
         groups.append({**group, "params": rest, "use_muon": False})

@@ -11,8 +11,9 @@ Qwen3-MoE-shaped model (Llama block + QK-norm, 4 experts, top-2, aux and z losse
 TP2 with the experts split by TP (SP), PP2 with a first stage holding no MoE layer, fp16 at
 EP2; every other MoE option (sigmoid scores, expert bias, seq and global load balancing,
 z-loss, shared expert and its gate, fp32 router, grouped GEMM, per-layer logging) with the
-alltoall dispatcher and full recompute at TP2; on 4 ranks EP2 x TP2, expert TP 1 under TP2
-with the distributed optimizer (experts sharded over four expert-data-parallel ranks), and
+alltoall dispatcher and full recompute at TP2; Muon (one matrix per expert) at TP2; on 4 ranks
+EP2 x TP2, expert TP 1 under TP2 with the distributed optimizer and Muon (experts sharded over
+four expert-data-parallel ranks), and
 PP2 x EP2 interleaved with a stage without MoE layers. The MoE metrics (losses by Megatron's
 names, tokens per expert) must equal one process's too.
 
@@ -57,6 +58,7 @@ QWEN3_MOE = LLAMA + ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk"
                      "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2",
                      "--moe-z-loss-coeff", "1e-3"]
 EP2, A2A = ["--expert-model-parallel-size", "2"], ["--moe-token-dispatcher-type", "alltoall"]
+MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high"]  # experts: one matrix each
 DENSE_FIRST = ["--moe-layer-freq", "[0,1]"]  # at PP2 the first stage holds no MoE layer
 MOE_OPTIONS = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
                "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
@@ -113,8 +115,10 @@ OPTIONS = {
                                                                "full"], False),
     "fp16 qwen3-moe ep2": (["--fp16", "--initial-loss-scale", "1024"] + QWEN3_MOE + EP2, False),
     "sp+qwen3-moe ep2": (SP + QWEN3_MOE + EP2, False),
-    "distributed optimizer sp+qwen3-moe etp1": (["--use-distributed-optimizer"] + SP + QWEN3_MOE
-                                                + ["--expert-tensor-parallel-size", "1"], False),
+    "muon sp+qwen3-moe": (MUON + SP + QWEN3_MOE, False),
+    "distributed optimizer muon sp+qwen3-moe etp1": (
+        ["--use-distributed-optimizer"] + MUON + SP + QWEN3_MOE
+        + ["--expert-tensor-parallel-size", "1"], False),
     "interleaved qwen3-moe ep2": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                                    "1", "--moe-layer-freq", "[0,1,0,1]"] + QWEN3_MOE + EP2, False),
 }
@@ -137,6 +141,7 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("qwen3-moe ep2", 1, 1), ("distributed optimizer qwen3-moe ep2 alltoall", 1, 1),
     ("sp+qwen3-moe", 2, 1), ("qwen3-moe dense first layer", 1, 2),
     ("sp+moe options alltoall full", 2, 1), ("fp16 qwen3-moe ep2", 1, 1),
+    ("muon sp+qwen3-moe", 2, 1),
     ("deepspeed zero2 llama+qk-layernorm", 1, 1),  # last: DeepSpeed's recompute stays set
 ]
 LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices between stages)
@@ -144,7 +149,7 @@ LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices b
     ("sp+learned+untied", 2, 2), ("sp+alibi+mqa+full+resets", 2, 2),
     ("interleaved sp+rope+untied", 2, 2), ("distributed optimizer sp+mqa", 2, 1),
     ("sp+llama+qk-layernorm", 2, 2), ("interleaved sp+llama+full", 2, 2),
-    ("sp+qwen3-moe ep2", 2, 1), ("distributed optimizer sp+qwen3-moe etp1", 2, 1),
+    ("sp+qwen3-moe ep2", 2, 1), ("distributed optimizer muon sp+qwen3-moe etp1", 2, 1),
     ("interleaved qwen3-moe ep2", 1, 2),
 ]
 

@@ -117,7 +117,6 @@ REFUSALS = [
      "supported yet"),
     (MOE + ["--moe-router-score-function", "sqrtsoftplus"], 1,
      "--moe-router-score-function sqrtsoftplus: not supported yet"),
-    (MOE + ["--optimizer", "muon"], 1, "--optimizer muon with --num-experts is not supported"),
     (MOE + ["--deepspeed", "--deepspeed_config", DS_JSON, "--tensor-model-parallel-size", "2",
             "--sequence-parallel"], 2, "MoE under DeepSpeed runs with TP 1 and PP 1 only"),
     (MOE + ["--save", "ck", "--expert-model-parallel-size", "2"], 2,

@@ -304,14 +304,24 @@ def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Di
 
 
 def muon_matrix_params_per_rank(cfg: RunConfig) -> int:
-    """Ψ_m: elements of the Muon matrices (QKV, attention dense, h->4h, 4h->h weights) one
-    rank holds: its tensor-parallel shards of its stage's layers."""
+    """Ψ_m: elements of the Muon matrices (QKV, attention dense, h->4h, 4h->h weights, routed
+    experts) one rank holds: its tensor-parallel shards of its stage's layers."""
     m, p = cfg.model, cfg.parallel
     t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     h, f, q = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.head_dim
     qkv_rows = (m.num_attention_heads // t + 2 * max(1, m.num_kv_heads // t)) * m.head_dim
     fc1 = 2 * f if m.swiglu else f  # --swiglu: gate and up halves
-    return m.num_layers // pp * (qkv_rows * h + h * q // t + (fc1 + f) * h // t)
+    attention = qkv_rows * h + h * q // t
+    # MoE layers: their routed experts (a matrix per expert) instead of the MLP
+    return (m.num_layers // pp * (attention + (fc1 + f) * h // t) + expert_params_per_rank(cfg)
+            - _moe_layers_per_stage(cfg) * (fc1 + f) * h // t)
+
+
+def _moe_layers_per_stage(cfg: RunConfig) -> int:
+    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    per_stage = m.num_layers // pp
+    return max(sum(m.moe.layer_pattern(m.num_layers)[r * per_stage:(r + 1) * per_stage])
+               for r in range(pp))
 
 
 def optimizer_state_bytes(cfg: RunConfig, psi: int) -> Tuple[float, str]:
