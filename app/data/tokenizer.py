@@ -28,6 +28,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from app.config.data import tokenizer_type_in_effect
+
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
@@ -337,20 +339,6 @@ class NullTokenizer:
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
-
-
-def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],
-                             vocab_size: Optional[int]) -> str:
-    """--tokenizer-type, except that --vocab-size without --vocab-file selects NullTokenizer
-    (`--mock-data --vocab-size 50257` needs no other flag); --vocab-size with a
-    GPT2BPETokenizer's --vocab-file is a contradiction and raises."""
-    if vocab_size is None or tokenizer_type != "GPT2BPETokenizer":
-        return tokenizer_type
-    if vocab_file:
-        raise ValueError(f"--vocab-size ({vocab_size}) is NullTokenizer's vocabulary, but "
-                         f"--vocab-file {vocab_file} gives a GPT2BPETokenizer its own: drop "
-                         "--vocab-size, or drop --vocab-file/--merge-file for NullTokenizer")
-    return "NullTokenizer"
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
