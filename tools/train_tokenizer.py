@@ -67,13 +67,13 @@ class TrainTokenizerOptions:
                              help="upper bound on entries, including 256 bytes and <|endoftext|>")
     min_frequency: int = option("--min-frequency", default=2)
     output_dir: str = option("--output-dir", required=True,
-                             help="writes vocab.json and merges.txt here (HuggingFaceTokenizer: "
-                                  "tokenizer.json and tokenizer_config.json)")
+                             help="writes vocab.json and merges.txt here")
     tokenizer_type: str = option(
         "--tokenizer-type", default="GPT2BPETokenizer",
         choices=("GPT2BPETokenizer", "HuggingFaceTokenizer"),
         help="what to write: GPT-2's files (--vocab-file/--merge-file), or a Hugging Face "
-             "tokenizer directory (--tokenizer-model) that adds a BOS, as Llama's does")
+             "tokenizer directory (--tokenizer-model: tokenizer.json and tokenizer_config.json "
+             "in --output-dir) that adds a BOS, as Llama's does")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
