@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from app.checkpoint import CheckpointError
 from app.config import ModelConfig, RunConfig
 from app.config.data import tokenizer_type_in_effect
-from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers
+from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers, gpt2_bpe_in_directory
 from app.utils.dtypes import dtype_name, torch_dtype
 
 FIXED_ARCHITECTURE: Dict[str, Any] = {
@@ -258,8 +259,11 @@ def check_tokenizer(ckpt_args: argparse.Namespace, current: argparse.Namespace) 
         return []
     why = (f"it is not the same tokenizer ({match.detail})" if match.same is False else
            f"the two cannot be compared ({match.detail})")
+    gpt2 = (saved.tokenizer_type == "HuggingFaceTokenizer" and saved.tokenizer_model
+            and os.path.isdir(saved.tokenizer_model)
+            and gpt2_bpe_in_directory(saved.tokenizer_model) is not None)
     also = (" (or --tokenizer-type GPT2BPETokenizer with --vocab-file/--merge-file of the same "
-            "vocabulary and merges)" if saved.tokenizer_type == "HuggingFaceTokenizer" else "")
+            "vocabulary and merges: it is a GPT-2 BPE)" if gpt2 else "")
     raise CheckpointError(f"checkpoint was saved with tokenizer {saved.flags()} but this run "
                           f"uses {ours.flags()}, and {why}; to load it pass {saved.flags()}"
                           f"{also}")

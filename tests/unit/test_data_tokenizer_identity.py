@@ -92,7 +92,8 @@ def test_hugging_face_tokenizers_compare_by_content(gpt2, tmp_path):
                                   TokenizerSpec("NullTokenizer", vocab_size=6)).same
     gone = compare_tokenizers(spec("HuggingFaceTokenizer", tmp_path / "gone"),
                               spec("HuggingFaceTokenizer", gpt2["hf"]))
-    assert gone.same is None and gone.detail == f"the checkpoint's {tmp_path / 'gone'} not found here"
+    assert gone.same is None
+    assert gone.detail == f"the checkpoint's {tmp_path / 'gone'} not found here"
 
 
 def test_a_gpt2_directory_imports_as_its_files_say(gpt2, tmp_path):
@@ -104,7 +105,8 @@ def test_a_gpt2_directory_imports_as_its_files_say(gpt2, tmp_path):
     fields, carried = import_tokenizer(str(both))
     assert fields == dict(tokenizer_type="GPT2BPETokenizer", vocab_file=str(both / "vocab.json"),
                           merge_file=str(both / "merges.txt"), tokenizer_model=None)
-    assert carried == {"vocab.json": str(both / "vocab.json"), "merges.txt": str(both / "merges.txt")}
+    assert carried == {"vocab.json": str(both / "vocab.json"),
+                       "merges.txt": str(both / "merges.txt")}
     files_only = tmp_path / "files"
     shutil.copytree(tmp_path / "both", files_only, ignore=shutil.ignore_patterns("tokenizer*"))
     assert import_tokenizer(str(files_only))[0]["tokenizer_type"] == "GPT2BPETokenizer"
@@ -138,6 +140,10 @@ def test_a_checkpoints_tokenizer_check(gpt2):
     with pytest.raises(CheckpointError, match=r"to load it pass --tokenizer-type "
                                               r"GPT2BPETokenizer --vocab-file " + vocab):
         check_tokenizer(run, other)
+    with pytest.raises(CheckpointError, match=r"\(or --tokenizer-type GPT2BPETokenizer with "
+                                              r"--vocab-file/--merge-file of the same vocabulary "
+                                              r"and merges: it is a GPT-2 BPE\)$"):
+        check_tokenizer(hf, other)
     older = argparse.Namespace(tokenizer_type="GPT2BPETokenizer", vocab_size=100)  # --vocab-size
     assert check_tokenizer(older, argparse.Namespace(tokenizer_type="NullTokenizer",
                                                      vocab_size=100, vocab_file=None)) == []
