@@ -38,7 +38,7 @@ def test_an_unrecorded_environment_says_how_to_record_it(monkeypatch):
         stored_curves("native_fp32")
     text = str(skipped.value)
     assert REGENERATE in text and "'torch 0.0, cpu NONE'" in text
-    assert "commit tests/integration/golden_loss_curves.json" in text
+    assert "commit tests/data/golden_loss_curves.json" in text
     monkeypatch.setenv(REQUIRED, "1")
     with pytest.raises(pytest.fail.Exception, match="a missing environment fails"):
         stored_curves("native_fp32")

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from app.checkpoint import CheckpointError
-from app.checkpoint.hf_gpt2 import import_tokenizer
+from app.checkpoint.hf.families.gpt2 import import_tokenizer
 from app.checkpoint.model_args import check_tokenizer
 from app.data.tokenizer import build_tokenizer, train_gpt2_bpe
 from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers, gpt2_bpe_in_directory
