@@ -408,6 +408,13 @@ def check_moe_run(moe: MoEConfig, model: Any, parallel: Any, deepspeed: Any,
         if zero_stage == 3:
             raise ValueError("Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use "
                              "AutoEP or choose ZeRO stage 1/2.")
+        if ep > 1 or moe.moe_router_enable_expert_bias:
+            bias = " / --moe-router-enable-expert-bias" if moe.moe_router_enable_expert_bias else ""
+            raise ValueError(
+                f"--num-experts with --deepspeed and --expert-model-parallel-size {ep}{bias}"
+                ": the DeepSpeed wiring of expert parallelism (its MoE groups and expert-data-"
+                "parallel gradient reduction) and of the expert-bias update is not in yet; train "
+                "at EP 1 without the expert bias under DeepSpeed, or on the native path")
         if tp > 1 or pp > 1 or etp > 1:
             raise ValueError(
                 f"--num-experts with --deepspeed and --tensor-model-parallel-size {tp} / "

@@ -119,6 +119,8 @@ REFUSALS = [
      "--moe-router-score-function sqrtsoftplus: not supported yet"),
     (MOE + ["--deepspeed", "--deepspeed_config", DS_JSON, "--tensor-model-parallel-size", "2",
             "--sequence-parallel"], 2, "MoE under DeepSpeed runs with TP 1 and PP 1 only"),
+    (MOE + ["--deepspeed", "--deepspeed_config", DS_JSON, "--expert-model-parallel-size", "2"],
+     2, "the DeepSpeed wiring of expert parallelism"),
     (MOE + ["--save", "ck", "--expert-model-parallel-size", "2"], 2,
      "MoE checkpoints are written in the legacy format (--ckpt-format torch) at expert-model-"
      "parallel size 1 so far"),

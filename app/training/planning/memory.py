@@ -431,8 +431,8 @@ def _moe_layer_average(cfg: RunConfig, pipeline_rank: int, dense: float, tokens:
     moe = dense - mlp + shared + experts
     mean = (dense * (len(layers) - moe_layers) + moe * moe_layers) / len(layers)
     return mean, (f"; {moe_layers} of the stage's {len(layers)} layers MoE: their MLP term "
-                  f"replaced by the shared expert's + k·T·w·(ETP·h + {c + 1}·F_moe) + 12·T·E with "
-                  f"T = s/sp tokens, k = {k}, ETP = {etp} (balanced routing)")
+                  f"replaced by the shared expert's + k·T·w·(ETP·h + {c + 1}·F_moe) + "
+                  f"12·T·E with T = s/sp tokens, k = {k}, ETP = {etp} (balanced routing)")
 
 
 def _kept_and_recomputed(cfg: RunConfig, per_layer: float, core: float,
