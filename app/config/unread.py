@@ -13,7 +13,10 @@ path than the one the run takes:
 - `--ddp-bucket-size` without `--use-distributed-optimizer`, the only owner of gradient buckets;
 - the settings of an optimizer the run does not use (`--sgd-momentum`, the `--muon-*` flags,
   Adam's betas and epsilon under SGD);
-- `--deepspeed_config` without `--deepspeed` (the native path runs, the JSON unread).
+- `--deepspeed_config` without `--deepspeed` (the native path runs, the JSON unread);
+- the `--moe-*` flags and `--expert-tensor-parallel-size` without `--num-experts` (a dense
+  model), and `--moe-permute-fusion` / `--moe-router-fusion` (accepted for Megatron's scripts:
+  the permutation and the router here are the same unfused PyTorch either way).
 
 `unread_flags(cfg)` lists them; the run logs each once at start-up (rank 0) and --dry-run
 reports them as warnings.
@@ -24,6 +27,7 @@ import dataclasses
 from typing import List
 
 from app.config.data import tokenizer_flags_not_read
+from app.config.moe import MoEConfig
 from app.config.optimizer import OptimizerConfig
 from app.config.run import RunConfig
 
@@ -31,6 +35,10 @@ MUON_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(Optimizer
                    if f.name.startswith("muon_") and "flag" in f.metadata)
 """Every --muon-* flag (read with --optimizer muon only)."""
 ADAM_FLAGS = ("--adam-beta1", "--adam-beta2", "--adam-eps")
+MOE_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(MoEConfig)
+                  if f.name != "num_experts" and "flag" in f.metadata)
+"""Every --moe-* flag (read with --num-experts only)."""
+MOE_FUSIONS = ("--moe-permute-fusion", "--moe-router-fusion")
 
 
 def unread_flags(cfg: RunConfig) -> List[str]:
@@ -58,4 +66,16 @@ def unread_flags(cfg: RunConfig) -> List[str]:
         notes.append(f"--deepspeed_config {cfg.deepspeed.config_path} is not read: without "
                      "--deepspeed the run takes the native path; add --deepspeed to train "
                      "through DeepSpeed with it")
-    return notes
+    return notes + _moe_flags_not_read(cfg)
+
+
+def _moe_flags_not_read(cfg: RunConfig) -> List[str]:
+    """The MoE flags of a dense model, and Megatron's MoE fusion switches."""
+    given = cfg.explicit_flags
+    if not cfg.model.moe.enabled:
+        return [f"{flag} is not read: without --num-experts the model is dense; drop it or add "
+                "--num-experts" for flag in (*MOE_FLAGS, "--expert-tensor-parallel-size")
+                if flag in given]
+    return [f"{flag} is not read: the token permutation and the router run the same unfused "
+            "PyTorch either way (accepted for Megatron's scripts)" for flag in MOE_FUSIONS
+            if flag in given]
