@@ -11,6 +11,7 @@ from app.config.data import DataConfig
 from app.config.deepspeed import DeepSpeedConfig, zero_stage
 from app.config.kernels import KernelConfig
 from app.config.model import ModelConfig
+from app.config.moe import check_moe_run
 from app.config.optimizer import OptimizerConfig, check_muon_layout
 from app.config.options import option
 from app.config.parallel import ParallelConfig, PrecisionConfig
@@ -95,6 +96,8 @@ class RunConfig:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
         self._check_model_options_against_layout()
+        check_moe_run(m.moe, m, p, self.deepspeed, self.optimizer,
+                      zero_stage(self.deepspeed.config))
         check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
         self._check_local_checkpoints()

@@ -51,7 +51,8 @@ from app.optim.optimizer import build_inner_optimizer, optimizer_param_groups
 logger = logging.getLogger(__name__)
 
 _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "shared", "sequence_parallel",
-                   "replicated_rows")
+                   "replicated_rows", "allreduce", "expert_tensor_parallel", "group_name",
+                   "expert_axis")
 
 
 @dataclass

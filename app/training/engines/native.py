@@ -19,7 +19,8 @@ import torch
 
 from app.config import RunConfig
 from app.mpu.parallel_state import ParallelState
-from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
+from app.mpu.grads import (allreduce_embedding_grad, allreduce_expert_grad_tensors,
+                           allreduce_grad_tensors, is_expert)
 from app.mpu import collectives
 from app.mpu.random import rng_state_dict
 from app.checkpoint import commit, names
@@ -31,6 +32,7 @@ from app.checkpoint.saved_layout import check_loadable, inspect_directory
 from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.checkpoint.model_args import checkpoint_args_namespace
 from app.launch.distributed import world_group
+from app.model import moe
 from app.optim.distributed_optimizer import DistributedOptimizer
 from app.training.engines.base import Engine, StepResult
 from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
@@ -63,9 +65,13 @@ class NativeEngine(Engine):
 
     def _sync_gradients(self) -> None:
         grads = self.optimizer.reduction_grads()  # every parameter's, zeros where unused
+        experts = [is_expert(p) for p in self.optimizer.params] if grads else []
         replicas = self.ps.gradient_state()  # data x context ranks hold the same weights
         if replicas.data_parallel_size > 1:
-            allreduce_grad_tensors(grads, replicas.data_parallel_group)
+            allreduce_grad_tensors([g for g, e in zip(grads, experts) if not e],
+                                   replicas.data_parallel_group)
+        if any(experts):  # the expert-data-parallel group lies within this stage
+            allreduce_expert_grad_tensors([g for g, e in zip(grads, experts) if e], self.ps)
         if self.ps.pipeline_model_parallel_size > 1:
             tied = self.module.shared_embedding_weight()  # None without a tie to keep
             allreduce_embedding_grad(None if tied is None else self.optimizer.embedding_grad(tied),
@@ -77,6 +83,7 @@ class NativeEngine(Engine):
             self.optimizer.num_micro_batches = num_micro_batches
 
     def step(self) -> StepResult:
+        moe.update_expert_bias(self.module)  # --moe-router-enable-expert-bias (Megatron's order)
         self._sync_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         outcome = self.optimizer.step(self.ps, self.cfg.optimizer.clip_grad, world_group(),
