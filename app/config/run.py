@@ -96,8 +96,7 @@ class RunConfig:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
         self._check_model_options_against_layout()
-        check_moe_run(m.moe, m, p, self.deepspeed, self.optimizer,
-                      zero_stage(self.deepspeed.config))
+        check_moe_run(m.moe, m, p, self.deepspeed, self.optimizer)
         check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
         self._check_local_checkpoints()

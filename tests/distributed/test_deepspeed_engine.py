@@ -2,11 +2,20 @@
 DeepSpeed steps (warmup and decay visible in its param groups), and the LR each step reports is
 the LR its update used — with our optimizer object, and with one DeepSpeed builds from the JSON.
 At TP=2 in the same spawn: DeepSpeed's activation checkpointing under --recompute-granularity
-selective, and --sequence-parallel under ZeRO-2."""
+selective, and --sequence-parallel under ZeRO-2.
+
+Mixture of Experts in the same spawn: a Qwen3-MoE-shaped model (the Llama block + QK-norm, 4
+experts, top-2, aux loss) at expert-parallel size 2 under ZeRO-2 and ZeRO-1, with the clipping
+threshold only on the command line (--clip-grad 0.3, which the norms exceed), trains 8
+iterations like one native process (losses, gradient norms, the load-balancing loss and every
+weight, each rank's experts against the one-process experts it holds, 1e-5). The ZeRO-2 run
+saved at iteration 4 in DeepSpeed's MoE layout (one file per expert) resumes bit-exactly; its
+save at iteration 8 is read by the converter into our names, the final weights bit for bit."""
 import json
 import os
 
 import pytest
+import torch
 
 from tests.harness.distributed import run_distributed
 
@@ -68,16 +77,22 @@ def _both_optimizers(tmpdir):
 
 
 def _both_checks(tmpdir):
-    """One spawn for both tests (each DeepSpeed spawn pays its start-up once)."""
+    """One spawn for all tests (each DeepSpeed spawn pays its start-up once)."""
     from app.mpu import random as mpu_random
     lr = _both_optimizers(tmpdir)
     mpu_random.set_checkpoint_implementation(None)
-    return {"lr": lr, "recompute": _recompute_curves(os.path.join(ROOT, "ds_configs", "zero2.json"))}
+    recompute = _recompute_curves(os.path.join(ROOT, "ds_configs", "zero2.json"))
+    return {"lr": lr, "recompute": recompute, "moe": _moe_runs(tmpdir)}
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    return run_distributed(_both_checks, 2, str(tmp_path_factory.mktemp("ds_engine")), timeout=600)
+def spawn_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ds_engine")
+
+
+@pytest.fixture(scope="module")
+def spawned(spawn_dir):
+    return run_distributed(_both_checks, 2, str(spawn_dir), timeout=600)
 
 
 def test_lr_schedule_reaches_the_stepped_optimizer(spawned):
@@ -133,3 +148,139 @@ def test_deepspeed_recompute_flags_and_sequence_parallel(spawned):
         for (loss, norm), (want_loss, want_norm) in zip(curves[name], curves[reference]):
             assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (name, curves)
             assert abs(norm - want_norm) <= 1e-5 * abs(want_norm), (name, curves)
+
+
+# ---------------------------------------------------------------------------- Mixture of Experts
+
+QWEN3_MOE = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm",
+             "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups",
+             "2", "--untie-embeddings-and-output-weights", "--num-experts", "4",
+             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff",
+             "1e-2", "--clip-grad", "0.3"]
+EP2 = ["--expert-model-parallel-size", "2"]
+MOE_SAVED_AT = 4
+
+
+def _moe_config(tmpdir, stage):
+    """ds_configs/zero{stage}.json without its gradient_clipping (--clip-grad fills it in)."""
+    import torch.distributed as dist
+    with open(os.path.join(ROOT, "ds_configs", f"zero{stage}.json")) as f:
+        config = json.load(f)
+    del config["gradient_clipping"]
+    path = os.path.join(tmpdir, f"zero{stage}_moe.json")
+    if dist.get_rank() == 0:
+        with open(path + ".tmp", "w") as f:
+            json.dump(config, f)
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+    return ["--deepspeed", "--deepspeed_config", path]
+
+
+def _moe_build(argv, world, load=""):
+    import arguments
+    from tests.harness.synthetic import build_synthetic_run
+    argv = ARGV[:-1] + QWEN3_MOE + argv + (["--load", load] if load else [])
+    return build_synthetic_run(arguments.config_from_argv(argv, world, 64), 64)
+
+
+def _moe_train(run, iterations, iterator=None):
+    iterator = run["iterator"] if iterator is None else iterator
+    steps = [run["trainer"].train_step(iterator) for _ in range(iterations)]
+    return [(s.loss, s.grad_norm, s.metrics["load_balancing_loss"]) for s in steps]
+
+
+def _moe_params(run):
+    # numpy copies: tensors would travel back from a rank through shared memory that is gone
+    return {n: p.detach().numpy().copy() for n, p in run["model"].named_parameters()}
+
+
+def _moe_runs(tmpdir):
+    """ZeRO-2 and ZeRO-1 at EP2, 8 iterations (ZeRO-2 saved at 4 and at 8), and the ZeRO-2
+    save of iteration 4 resumed for 4 more."""
+    import torch.distributed as dist
+    from app.training.data_loading import build_data_iterator
+    out = {}
+    for stage in (2, 1):
+        run = _moe_build(EP2 + _moe_config(tmpdir, stage), dist.get_world_size())
+        curve = _moe_train(run, MOE_SAVED_AT)
+        if stage == 2:
+            run["engine"].save_checkpoint(os.path.join(tmpdir, "moe"), MOE_SAVED_AT, dict(
+                iteration=MOE_SAVED_AT, consumed_train_samples=8 * MOE_SAVED_AT,
+                consumed_valid_samples=0))
+        curve += _moe_train(run, 8 - MOE_SAVED_AT)
+        if stage == 2:
+            run["engine"].save_checkpoint(os.path.join(tmpdir, "moe_end"), 8, dict(
+                iteration=8, consumed_train_samples=64, consumed_valid_samples=0))
+        ds = run["engine"].ds
+        out[stage] = {"curve": curve, "params": _moe_params(run),
+                      "ep_rank": run["ps"].expert_model_parallel_rank,
+                      "clipping": ds.gradient_clipping(),
+                      "groups": [(g["name"], g.get("moe", False))
+                                 for g in ds.optimizer.optimizer.param_groups],
+                      "partitions": list(ds.optimizer.partition_count)}
+    run = _moe_build(EP2 + _moe_config(tmpdir, 2), dist.get_world_size(),
+                     load=os.path.join(tmpdir, "moe"))
+    loaded = run["engine"].load_checkpoint(os.path.join(tmpdir, "moe"))
+    iterator = build_data_iterator(run["trainer"].train_ds, loaded.consumed_train_samples, 2,
+                                   run["ps"], 0)
+    out["resumed"] = _moe_train(run, 8 - MOE_SAVED_AT, iterator)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    """The Qwen3-MoE-shaped model trained 8 iterations in this process (native, no EP)."""
+    run = _moe_build([], 1)
+    return {"curve": _moe_train(run, 8), "params": _moe_params(run)}
+
+
+def _expected(name, full, ep_rank):
+    """Rank `ep_rank`'s part (EP2) of a one-process weight: its two experts, or all of it."""
+    return full[2 * ep_rank:2 * ep_rank + 2] if ".mlp.experts." in name else full
+
+
+def test_moe_zero2_and_zero1_at_ep2_equal_one_process(spawned, moe_reference):
+    for rank, results in enumerate(spawned):
+        for stage in (2, 1):
+            got = results["moe"][stage]
+            what = f"ZeRO-{stage} EP2 rank {rank}"
+            assert got["clipping"] == 0.3, what  # from --clip-grad, not DeepSpeed's default 1.0
+            # DeepSpeed's MoE param groups: the experts in one named by their groups, which ZeRO
+            # partitions over their expert-data-parallel group (1 rank), the others over DP 2
+            assert got["groups"] == [("decay", False), ("no_decay", False),
+                                     ("ep_size_2", True)], (what, got["groups"])
+            assert got["partitions"] == [2, 2, 1], what
+            for i, (values, want) in enumerate(zip(got["curve"], moe_reference["curve"])):
+                assert values == pytest.approx(want, rel=1e-5), (what, i, values, want)
+            assert sorted(got["params"]) == sorted(moe_reference["params"]), what
+            for name, value in got["params"].items():
+                want = _expected(name, torch.from_numpy(moe_reference["params"][name]),
+                                 got["ep_rank"])
+                torch.testing.assert_close(torch.from_numpy(value), want, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawned, spawn_dir):
+    for rank, results in enumerate(spawned):
+        assert results["moe"]["resumed"] == results["moe"][2]["curve"][MOE_SAVED_AT:], rank
+    # DeepSpeed's MoE layout: one file per (MoE layer, global expert), none of it in mp_rank_00
+    from app.checkpoint.deepspeed import load_deepspeed_file, read_deepspeed
+    from app.checkpoint.saved_layout import detect
+    folder = spawn_dir / "moe_end" / "iter_0000008"
+    experts = sorted(n for n in os.listdir(folder) if n.startswith("layer_") and n.endswith(".pt"))
+    assert experts == [f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+                       for layer in range(2) for e in range(4)], experts
+    module = load_deepspeed_file(str(folder / "mp_rank_00_model_states.pt"))["module"]
+    assert not [k for k in module if ".experts." in k], sorted(module)
+    one = load_deepspeed_file(str(folder / "layer_1_expert_3_mp_rank_00_model_states.pt"))
+    prefix = "language_model.transformer.layers.1.mlp.deepspeed_moe.experts.deepspeed_experts.3."
+    assert {k: tuple(v.shape) for k, v in one.items()} == {
+        prefix + "dense_h_to_4h.weight": (32, 32), prefix + "dense_4h_to_h.weight": (32, 16)}
+    # the converter's read: our names, whole experts in global order, the final weights exactly
+    read = read_deepspeed(detect(str(spawn_dir / "moe_end"), 8)).weights
+    by_rank = [r["moe"][2]["params"] for r in spawned]
+    assert sorted(read) == sorted(by_rank[0])
+    for name, value in read.items():
+        want = (torch.cat([torch.from_numpy(p[name]) for p in by_rank])
+                if ".mlp.experts." in name else torch.from_numpy(by_rank[0][name]))
+        assert torch.equal(value, want), name
