@@ -119,7 +119,8 @@ REFUSALS = [
      "--moe-router-score-function sqrtsoftplus: not supported yet"),
     (MOE + ["--optimizer", "muon"], 1, "--optimizer muon with --num-experts is not supported"),
     (MOE + ["--deepspeed", "--deepspeed_config", DS_JSON, "--tensor-model-parallel-size", "2",
-            "--sequence-parallel"], 2, "MoE under DeepSpeed runs with TP 1 and PP 1 only"),
+            "--sequence-parallel"], 2,
+     "--num-experts with --deepspeed and --tensor-model-parallel-size 2 is not supported"),
 ]
 
 
