@@ -8,7 +8,8 @@ Mixture of Experts in the same spawn: a Qwen3-MoE-shaped model (the Llama block 
 experts, top-2, aux loss) at expert-parallel size 2 under ZeRO-2 and ZeRO-1, with the clipping
 threshold only on the command line (--clip-grad 0.3, which the norms exceed), trains 8
 iterations like one native process (losses, gradient norms, the load-balancing loss and every
-weight, each rank's experts against the one-process experts it holds, 1e-5). The ZeRO-2 run
+weight, each rank's experts against the one-process experts it holds, 1e-5); so does ZeRO-2 at
+context-parallel size 2 x EP2 (the expert group is the context group). The ZeRO-2 run
 saved at iteration 4 in DeepSpeed's MoE layout (one file per expert) resumes bit-exactly; its
 save at iteration 8 is read by the converter into our names, the final weights bit for bit."""
 import json
@@ -158,6 +159,10 @@ QWEN3_MOE = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", 
              "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff",
              "1e-2", "--clip-grad", "0.3"]
 EP2 = ["--expert-model-parallel-size", "2"]
+MOE_LAYOUTS = {"ZeRO-2": (2, EP2), "ZeRO-1": (1, EP2),
+               "ZeRO-2 CP2": (2, EP2 + ["--context-parallel-size", "2"])}
+"""name -> (ZeRO stage, layout flags) of the MoE runs (CP2 x EP2: the expert group is the
+context group, as Megatron folds them)."""
 MOE_SAVED_AT = 4
 
 
@@ -195,29 +200,29 @@ def _moe_params(run):
 
 
 def _moe_runs(tmpdir):
-    """ZeRO-2 and ZeRO-1 at EP2, 8 iterations (ZeRO-2 saved at 4 and at 8), and the ZeRO-2
+    """Each MOE_LAYOUTS run for 8 iterations (ZeRO-2 saved at 4 and at 8), and the ZeRO-2
     save of iteration 4 resumed for 4 more."""
     import torch.distributed as dist
     from app.training.data_loading import build_data_iterator
     out = {}
-    for stage in (2, 1):
-        run = _moe_build(EP2 + _moe_config(tmpdir, stage), dist.get_world_size())
+    for name, (stage, flags) in MOE_LAYOUTS.items():
+        run = _moe_build(flags + _moe_config(tmpdir, stage), dist.get_world_size())
         curve = _moe_train(run, MOE_SAVED_AT)
-        if stage == 2:
+        if name == "ZeRO-2":
             run["engine"].save_checkpoint(os.path.join(tmpdir, "moe"), MOE_SAVED_AT, dict(
                 iteration=MOE_SAVED_AT, consumed_train_samples=8 * MOE_SAVED_AT,
                 consumed_valid_samples=0))
         curve += _moe_train(run, 8 - MOE_SAVED_AT)
-        if stage == 2:
+        if name == "ZeRO-2":
             run["engine"].save_checkpoint(os.path.join(tmpdir, "moe_end"), 8, dict(
                 iteration=8, consumed_train_samples=64, consumed_valid_samples=0))
         ds = run["engine"].ds
-        out[stage] = {"curve": curve, "params": _moe_params(run),
-                      "ep_rank": run["ps"].expert_model_parallel_rank,
-                      "clipping": ds.gradient_clipping(),
-                      "groups": [(g["name"], g.get("moe", False))
-                                 for g in ds.optimizer.optimizer.param_groups],
-                      "partitions": list(ds.optimizer.partition_count)}
+        out[name] = {"curve": curve, "params": _moe_params(run),
+                     "ep_rank": run["ps"].expert_model_parallel_rank,
+                     "clipping": ds.gradient_clipping(),
+                     "groups": [(g["name"], g.get("moe", False))
+                                for g in ds.optimizer.optimizer.param_groups],
+                     "partitions": list(ds.optimizer.partition_count)}
     run = _moe_build(EP2 + _moe_config(tmpdir, 2), dist.get_world_size(),
                      load=os.path.join(tmpdir, "moe"))
     loaded = run["engine"].load_checkpoint(os.path.join(tmpdir, "moe"))
@@ -239,11 +244,11 @@ def _expected(name, full, ep_rank):
     return full[2 * ep_rank:2 * ep_rank + 2] if ".mlp.experts." in name else full
 
 
-def test_moe_zero2_and_zero1_at_ep2_equal_one_process(spawned, moe_reference):
+def test_moe_at_ep2_under_zero2_zero1_and_cp2_equals_one_process(spawned, moe_reference):
     for rank, results in enumerate(spawned):
-        for stage in (2, 1):
-            got = results["moe"][stage]
-            what = f"ZeRO-{stage} EP2 rank {rank}"
+        for layout in MOE_LAYOUTS:
+            got = results["moe"][layout]
+            what = f"{layout} EP2 rank {rank}"
             assert got["clipping"] == 0.3, what  # from --clip-grad, not DeepSpeed's default 1.0
             # DeepSpeed's MoE param groups: the experts in one named by their groups, which ZeRO
             # partitions over their expert-data-parallel group (1 rank), the others over DP 2
@@ -262,7 +267,7 @@ def test_moe_zero2_and_zero1_at_ep2_equal_one_process(spawned, moe_reference):
 
 def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawned, spawn_dir):
     for rank, results in enumerate(spawned):
-        assert results["moe"]["resumed"] == results["moe"][2]["curve"][MOE_SAVED_AT:], rank
+        assert results["moe"]["resumed"] == results["moe"]["ZeRO-2"]["curve"][MOE_SAVED_AT:], rank
     # DeepSpeed's MoE layout: one file per (MoE layer, global expert), none of it in mp_rank_00
     from app.checkpoint.deepspeed import load_deepspeed_file, read_deepspeed
     from app.checkpoint.saved_layout import detect
@@ -278,7 +283,7 @@ def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawne
         prefix + "dense_h_to_4h.weight": (32, 32), prefix + "dense_4h_to_h.weight": (32, 16)}
     # the converter's read: our names, whole experts in global order, the final weights exactly
     read = read_deepspeed(detect(str(spawn_dir / "moe_end"), 8)).weights
-    by_rank = [r["moe"][2]["params"] for r in spawned]
+    by_rank = [r["moe"]["ZeRO-2"]["params"] for r in spawned]
     assert sorted(read) == sorted(by_rank[0])
     for name, value in read.items():
         want = (torch.cat([torch.from_numpy(p[name]) for p in by_rank])
