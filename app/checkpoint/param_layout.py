@@ -322,12 +322,17 @@ def target_padded_vocab(args: argparse.Namespace, rows: int, tp: int) -> int:
 
 
 def target_args(source: ModelCheckpoint, tp: int, pp: int, dtype: torch.dtype,
-                padded_vocab: int, iteration: Iteration) -> argparse.Namespace:
-    """The source's args with the target layout, padded vocabulary, dtype and iteration."""
+                padded_vocab: int, iteration: Iteration, ep: int = 1,
+                etp: Optional[int] = None) -> argparse.Namespace:
+    """The source's args with the target layout (expert parallel sizes: `ep`, `etp` default
+    `tp`), padded vocabulary, dtype and iteration."""
     args = copy.copy(source.args)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    args.world_size = tp * pp * dp
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = ep, etp or tp
+    while (tp * dp) % (ep * (etp or tp)):  # the world holds whole expert grids
+        dp += 1
+    args.data_parallel_size, args.world_size = dp, tp * pp * dp
     args.padded_vocab_size = padded_vocab
     args.params_dtype = dtype
     args.fp16, args.bf16 = dtype == torch.float16, dtype == torch.bfloat16

@@ -26,6 +26,7 @@ from app.mpu.random import rng_state_dict
 from app.checkpoint import commit, names
 from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint.mcore import state as mcore_state
+from app.checkpoint.mcore.names import stacks_layers
 from app.checkpoint.torch_dist import dcp_files
 from app.checkpoint.torch_dist import per_rank as torch_dist
 from app.checkpoint.saved_layout import check_loadable, inspect_directory
@@ -159,7 +160,9 @@ class NativeEngine(Engine):
 
     def _layout(self) -> torch_dist.RankLayout:
         # weights are not split by context: data x context ranks are the replicas
-        return torch_dist.RankLayout.of(self.ps.gradient_state(), self.cfg.model.num_layers)
+        m = self.cfg.model
+        return torch_dist.RankLayout.of(self.ps.gradient_state(), m.num_layers,
+                                        stacks_layers(m.moe.moe_layer_freq, m.moe.num_experts))
 
     def _start_torch_dist_save(self, save_dir: str, iteration: int,
                                client_state: Dict[str, Any], asynchronous: bool
