@@ -11,7 +11,9 @@ iterations like one native process (losses, gradient norms, the load-balancing l
 weight, each rank's experts against the one-process experts it holds, 1e-5); so does ZeRO-2 at
 context-parallel size 2 x EP2 (the expert group is the context group). The ZeRO-2 run
 saved at iteration 4 in DeepSpeed's MoE layout (one file per expert) resumes bit-exactly; its
-save at iteration 8 is read by the converter into our names, the final weights bit for bit."""
+save at iteration 8 is read by the converter into our names, the final weights bit for bit, and
+converts to Megatron's legacy layout with them; the save at 4 converted to torch_dist with the
+optimizer continues the run in one native process (1e-5)."""
 import json
 import os
 
@@ -265,7 +267,8 @@ def test_moe_at_ep2_under_zero2_zero1_and_cp2_equals_one_process(spawned, moe_re
                                            msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
-def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawned, spawn_dir):
+def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawned, spawn_dir,
+                                                                          tmp_path):
     for rank, results in enumerate(spawned):
         assert results["moe"]["resumed"] == results["moe"]["ZeRO-2"]["curve"][MOE_SAVED_AT:], rank
     # DeepSpeed's MoE layout: one file per (MoE layer, global expert), none of it in mp_rank_00
@@ -289,3 +292,22 @@ def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawne
         want = (torch.cat([torch.from_numpy(p[name]) for p in by_rank])
                 if ".mlp.experts." in name else torch.from_numpy(by_rank[0][name]))
         assert torch.equal(value, want), name
+    # through tools/convert_checkpoint.py: Megatron's legacy layout holds those weights, and the
+    # save of iteration 4 as torch_dist with the optimizer continues the run in one process
+    from app.checkpoint.legacy import per_rank as legacy
+    from app.training.data_loading import build_data_iterator
+    from tests.harness.tools import run_tool
+    run_tool("convert_checkpoint", ["--load", spawn_dir / "moe_end", "--save",
+                                    tmp_path / "legacy", "--output-format", "torch"])
+    state, _ = legacy.load_checkpoint_dict(str(tmp_path / "legacy"))
+    flat = legacy.from_megatron_model(state["model"])
+    assert sorted(flat) == sorted(read) and all(torch.equal(flat[n], read[n]) for n in read)
+    run_tool("convert_checkpoint", ["--load", spawn_dir / "moe", "--save", tmp_path / "dist",
+                                    "--output-format", "torch_dist", "--include-optimizer"])
+    run = _moe_build(["--ckpt-format", "torch_dist"], 1, load=str(tmp_path / "dist"))
+    loaded = run["engine"].load_checkpoint(str(tmp_path / "dist"))
+    iterator = build_data_iterator(run["trainer"].train_ds, loaded.consumed_train_samples, 2,
+                                   run["ps"], 0)
+    for i, (got, want) in enumerate(zip(_moe_train(run, 8 - MOE_SAVED_AT, iterator),
+                                        spawned[0]["moe"]["ZeRO-2"]["curve"][MOE_SAVED_AT:])):
+        assert got == pytest.approx(want, rel=1e-5), (i, got, want)
