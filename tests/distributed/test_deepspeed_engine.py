@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.harness.distributed import run_distributed
+from tests.harness.distributed import run_distributed, write_json_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -170,17 +170,11 @@ MOE_SAVED_AT = 4
 
 def _moe_config(tmpdir, stage):
     """ds_configs/zero{stage}.json without its gradient_clipping (--clip-grad fills it in)."""
-    import torch.distributed as dist
     with open(os.path.join(ROOT, "ds_configs", f"zero{stage}.json")) as f:
         config = json.load(f)
     del config["gradient_clipping"]
-    path = os.path.join(tmpdir, f"zero{stage}_moe.json")
-    if dist.get_rank() == 0:
-        with open(path + ".tmp", "w") as f:
-            json.dump(config, f)
-        os.replace(path + ".tmp", path)
-    dist.barrier()
-    return ["--deepspeed", "--deepspeed_config", path]
+    return ["--deepspeed", "--deepspeed_config",
+            write_json_once(os.path.join(tmpdir, f"zero{stage}_moe.json"), config)]
 
 
 def _moe_build(argv, world, load=""):
