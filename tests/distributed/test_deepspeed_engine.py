@@ -10,7 +10,9 @@ threshold only on the command line (--clip-grad 0.3, which the norms exceed), tr
 iterations like one native process (losses, gradient norms, the load-balancing loss and every
 weight, each rank's experts against the one-process experts it holds, 1e-5); so does ZeRO-2 at
 context-parallel size 2 x EP2 (the expert group is the context group). The ZeRO-2 run
-saved at iteration 4 in DeepSpeed's MoE layout (one file per expert) resumes bit-exactly; its
+saved at iteration 4 in DeepSpeed's MoE layout (one file per expert) resumes bit-exactly; at
+expert-parallel size 1 it is refused with the optimizer (naming both sizes) and its weights
+alone (--no-load-optim) give the saved run's next step; its
 save at iteration 8 is read by the converter into our names, the final weights bit for bit, and
 converts to Megatron's legacy layout with them; the save at 4 converted to torch_dist with the
 optimizer continues the run in one native process (1e-5)."""
@@ -225,6 +227,21 @@ def _moe_runs(tmpdir):
     iterator = build_data_iterator(run["trainer"].train_ds, loaded.consumed_train_samples, 2,
                                    run["ps"], 0)
     out["resumed"] = _moe_train(run, 8 - MOE_SAVED_AT, iterator)
+    # at EP1: the experts' ZeRO partitions cannot be re-split, the weights load
+    from app.checkpoint import CheckpointError
+    try:
+        _moe_build(_moe_config(tmpdir, 2), dist.get_world_size(),
+                   load=os.path.join(tmpdir, "moe"))["engine"].load_checkpoint(
+                       os.path.join(tmpdir, "moe"))
+        out["other split"] = None
+    except CheckpointError as exc:
+        out["other split"] = str(exc)
+    run = _moe_build(_moe_config(tmpdir, 2) + ["--no-load-optim"], dist.get_world_size(),
+                     load=os.path.join(tmpdir, "moe"))
+    loaded = run["engine"].load_checkpoint(os.path.join(tmpdir, "moe"))
+    iterator = build_data_iterator(run["trainer"].train_ds, loaded.consumed_train_samples, 2,
+                                   run["ps"], 0)
+    out["weights at EP1"] = _moe_train(run, 1, iterator)
     return out
 
 
@@ -264,7 +281,14 @@ def test_moe_at_ep2_under_zero2_zero1_and_cp2_equals_one_process(spawned, moe_re
 def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawned, spawn_dir,
                                                                           tmp_path):
     for rank, results in enumerate(spawned):
-        assert results["moe"]["resumed"] == results["moe"]["ZeRO-2"]["curve"][MOE_SAVED_AT:], rank
+        moe = results["moe"]
+        assert moe["resumed"] == moe["ZeRO-2"]["curve"][MOE_SAVED_AT:], rank
+        # at expert-parallel size 1: refused with the optimizer, naming both sizes; the weights
+        # alone (--no-load-optim) give the next step of the saved run
+        assert "(expert-parallel size 2), this run 4 (--expert-model-parallel-size 1)" in \
+            moe["other split"] and "--no-load-optim" in moe["other split"], moe["other split"]
+        assert moe["weights at EP1"][0] == pytest.approx(moe["ZeRO-2"]["curve"][MOE_SAVED_AT],
+                                                         rel=1e-5), rank
     # DeepSpeed's MoE layout: one file per (MoE layer, global expert), none of it in mp_rank_00
     from app.checkpoint.deepspeed import load_deepspeed_file, read_deepspeed
     from app.checkpoint.saved_layout import detect
