@@ -21,8 +21,8 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
   only --muon-momentum (= `params.momentum`) is taken, and --muon-tp-mode blockwise, which TP > 1
   needs: it orthogonalises each tensor-parallel shard alone. It tells matrices from embeddings by
   name, so an untied output layer (which it would give to Muon) is refused.
-- Mixture of Experts (`check_moe_deepspeed`, from app.config.moe): ZeRO-0/1/2 only (ZeRO-3 refused
-  in DeepSpeed's words), tensor, pipeline and expert-tensor parallel size 1, ZeRO-2's
+- Mixture of Experts (`check_moe_deepspeed`, from app.config.moe): ZeRO-1/2 only (ZeRO-3 refused
+  in DeepSpeed's words; at ZeRO-0 DeepSpeed clips by the mean of the ranks' norms), tensor, pipeline and expert-tensor parallel size 1, ZeRO-2's
   `contiguous_gradients` and `reduce_scatter` on (DeepSpeed's MoE asserts them), no
   --universal-checkpoint (DeepSpeed's universal format has no native-MoE expert layout).
 - ZeRO stage 0 to 3. At stage 3 `zero_optimization.memory_efficient_linear` is filled with false
@@ -300,6 +300,11 @@ def check_moe_deepspeed(ds: DeepSpeedConfig, parallel: Any) -> None:
     if stage == 3:
         raise ValueError("Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use AutoEP or "
                          f"choose ZeRO stage 1/2. ({path}: --num-experts at ZeRO stage 3)")
+    if ds.config is not None and stage == 0:
+        raise ValueError(f"{path}: --num-experts at ZeRO stage 0 is not supported (DeepSpeed "
+                         "clips there by the data-parallel mean of each rank's gradient norm, "
+                         "not the norm of all experts): use ZeRO stage 1 or 2 "
+                         "(ds_configs/zero1.json, zero2.json)")
     for flag, size, why in (
             ("--tensor-model-parallel-size", parallel.tensor_model_parallel_size,
              "DeepSpeed's expert groups follow another rank order than Megatron's with TP"),

@@ -310,6 +310,14 @@ def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawne
         want = (torch.cat([torch.from_numpy(p[name]) for p in by_rank])
                 if ".mlp.experts." in name else torch.from_numpy(by_rank[0][name]))
         assert torch.equal(value, want), name
+    # without ZeRO files (the module file's weights): the experts from their own files
+    import shutil
+    shutil.copytree(spawn_dir / "moe_end", tmp_path / "modules")
+    for name in os.listdir(tmp_path / "modules" / "iter_0000008"):
+        if name.startswith("zero_pp_rank_"):
+            os.remove(tmp_path / "modules" / "iter_0000008" / name)
+    modules = read_deepspeed(detect(str(tmp_path / "modules"), 8)).weights
+    assert sorted(modules) == sorted(read) and all(torch.equal(modules[n], read[n]) for n in read)
     # through tools/convert_checkpoint.py: Megatron's legacy layout holds those weights, and the
     # save of iteration 4 as torch_dist with the optimizer continues the run in one process
     from app.checkpoint.legacy import per_rank as legacy

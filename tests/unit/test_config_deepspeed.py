@@ -175,6 +175,7 @@ def _json(tmp_path, **zero):
      "--num-experts with --deepspeed and --expert-tensor-parallel-size 2 is not supported"),
     ([], 2, {"stage": 3}, "Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use AutoEP "
                           "or choose ZeRO stage 1/2."),
+    ([], 2, {"stage": 0}, "--num-experts at ZeRO stage 0 is not supported"),
     ([], 2, {"contiguous_gradients": False},
      "Contiguous Gradients in ZeRO Stage 2 must be set to True for MoE."),
     ([], 2, {"reduce_scatter": False},
