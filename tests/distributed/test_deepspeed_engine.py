@@ -9,7 +9,8 @@ experts, top-2, aux loss) at expert-parallel size 2 under ZeRO-2 and ZeRO-1, wit
 threshold only on the command line (--clip-grad 0.3, which the norms exceed), trains 8
 iterations like one native process (losses, gradient norms, the load-balancing loss and every
 weight, each rank's experts against the one-process experts it holds, 1e-5); so does ZeRO-2 at
-context-parallel size 2 x EP2 (the expert group is the context group). The ZeRO-2 run
+context-parallel size 2 x EP2 (the expert group is the context group), and ZeRO-2 with the
+expert bias (sigmoid scores), z-loss and a gated shared expert (the biases too). The ZeRO-2 run
 saved at iteration 4 in DeepSpeed's MoE layout (one file per expert) resumes bit-exactly; at
 expert-parallel size 1 it is refused with the optimizer (naming both sizes) and its weights
 alone (--no-load-optim) give the saved run's next step; its
@@ -163,10 +164,16 @@ QWEN3_MOE = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", 
              "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff",
              "1e-2", "--clip-grad", "0.3"]
 EP2 = ["--expert-model-parallel-size", "2"]
+MOE_OPTIONS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+               "--moe-router-bias-update-rate", "1e-2", "--moe-z-loss-coeff", "1e-3",
+               "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"]
+"""The Qwen3-MoE shape with the expert bias (updated at DeepSpeed's boundary step), z-loss and
+a gated shared expert."""
 MOE_LAYOUTS = {"ZeRO-2": (2, EP2), "ZeRO-1": (1, EP2),
-               "ZeRO-2 CP2": (2, EP2 + ["--context-parallel-size", "2"])}
-"""name -> (ZeRO stage, layout flags) of the MoE runs (CP2 x EP2: the expert group is the
-context group, as Megatron folds them)."""
+               "ZeRO-2 CP2": (2, EP2 + ["--context-parallel-size", "2"]),
+               "ZeRO-2 options": (2, EP2 + MOE_OPTIONS)}
+"""name -> (ZeRO stage, flags) of the MoE runs (CP2 x EP2: the expert group is the context
+group, as Megatron folds them)."""
 MOE_SAVED_AT = 4
 
 
@@ -193,8 +200,11 @@ def _moe_train(run, iterations, iterator=None):
 
 
 def _moe_params(run):
-    # numpy copies: tensors would travel back from a rank through shared memory that is gone
-    return {n: p.detach().numpy().copy() for n, p in run["model"].named_parameters()}
+    """Every parameter and the routers' expert biases (buffers), as numpy copies: tensors would
+    travel back from a rank through shared memory that is gone once it exits."""
+    model = run["model"]
+    return {n: p.detach().numpy().copy() for n, p in [*model.named_parameters(), *(
+        (n, b) for n, b in model.named_buffers() if n.endswith("expert_bias"))]}
 
 
 def _moe_runs(tmpdir):
@@ -247,9 +257,11 @@ def _moe_runs(tmpdir):
 
 @pytest.fixture(scope="module")
 def moe_reference():
-    """The Qwen3-MoE-shaped model trained 8 iterations in this process (native, no EP)."""
-    run = _moe_build([], 1)
-    return {"curve": _moe_train(run, 8), "params": _moe_params(run)}
+    """The Qwen3-MoE-shaped model, and with MOE_OPTIONS, trained 8 iterations in this process
+    (native, no EP)."""
+    runs = {"": _moe_build([], 1), "options": _moe_build(MOE_OPTIONS, 1)}
+    return {name: {"curve": _moe_train(run, 8), "params": _moe_params(run)}
+            for name, run in runs.items()}
 
 
 def _expected(name, full, ep_rank):
@@ -261,6 +273,7 @@ def test_moe_at_ep2_under_zero2_zero1_and_cp2_equals_one_process(spawned, moe_re
     for rank, results in enumerate(spawned):
         for layout in MOE_LAYOUTS:
             got = results["moe"][layout]
+            reference = moe_reference["options" if "options" in layout else ""]
             what = f"{layout} EP2 rank {rank}"
             assert got["clipping"] == 0.3, what  # from --clip-grad, not DeepSpeed's default 1.0
             # DeepSpeed's MoE param groups: the experts in one named by their groups, which ZeRO
@@ -268,11 +281,11 @@ def test_moe_at_ep2_under_zero2_zero1_and_cp2_equals_one_process(spawned, moe_re
             assert got["groups"] == [("decay", False), ("no_decay", False),
                                      ("ep_size_2", True)], (what, got["groups"])
             assert got["partitions"] == [2, 2, 1], what
-            for i, (values, want) in enumerate(zip(got["curve"], moe_reference["curve"])):
+            for i, (values, want) in enumerate(zip(got["curve"], reference["curve"])):
                 assert values == pytest.approx(want, rel=1e-5), (what, i, values, want)
-            assert sorted(got["params"]) == sorted(moe_reference["params"]), what
+            assert sorted(got["params"]) == sorted(reference["params"]), what
             for name, value in got["params"].items():
-                want = _expected(name, torch.from_numpy(moe_reference["params"][name]),
+                want = _expected(name, torch.from_numpy(reference["params"][name]),
                                  got["ep_rank"])
                 torch.testing.assert_close(torch.from_numpy(value), want, rtol=1e-4, atol=1e-5,
                                            msg=lambda m, n=name: f"{what} {n}: {m}")
