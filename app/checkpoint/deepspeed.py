@@ -12,11 +12,10 @@ named by the `latest` file):
     [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO-1/2: this DP rank's slice of
                                                            the flat fp32 master weights of each
                                                            param group and of Adam's state for it
-
-    layer_{l}_expert_{g}_mp_rank_{mp:02d}_model_states.pt   Mixture of Experts: global expert g of the
-                                                           l-th MoE layer (module order), written by
-                                                           DeepSpeed's MoE checkpointing; its
-                                                           experts are not in mp_rank_*
+    layer_{l}_expert_{g}_mp_rank_{mp:02d}_model_states.pt  Mixture of Experts: global expert g of
+                                                           the l-th MoE layer (module order),
+                                                           written by DeepSpeed's MoE
+                                                           checkpointing; not in mp_rank_*
 
 Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (TP from the saved args).
 In an expert file the weights are named as DeepSpeed's MoE layer names them (`expert_view_name`:
@@ -26,6 +25,7 @@ ZeRO-1/2 partitions an MoE param group (`'moe': True`) over its expert-data-para
 its `partition_count` is EDP = DP / EP: DP rank d holds the part k = d // EP of the local experts
 of expert-parallel rank d % EP (DeepSpeed's expert groups at TP = PP = 1), and the whole expert
 weight is the expert-parallel ranks' local experts concatenated on dimension 0.
+
 At ZeRO-1/2 the DP slices of each group are concatenated and cut into parameters in the order
 of `param_shapes` (as DeepSpeed's zero_to_fp32 does). At ZeRO-3 the module file is per
 data-parallel rank too, `zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt`, with empty

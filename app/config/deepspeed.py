@@ -22,9 +22,10 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
   needs: it orthogonalises each tensor-parallel shard alone. It tells matrices from embeddings by
   name, so an untied output layer (which it would give to Muon) is refused.
 - Mixture of Experts (`check_moe_deepspeed`, from app.config.moe): ZeRO-1/2 only (ZeRO-3 refused
-  in DeepSpeed's words; at ZeRO-0 DeepSpeed clips by the mean of the ranks' norms), tensor, pipeline and expert-tensor parallel size 1, ZeRO-2's
-  `contiguous_gradients` and `reduce_scatter` on (DeepSpeed's MoE asserts them), no
-  --universal-checkpoint (DeepSpeed's universal format has no native-MoE expert layout).
+  in DeepSpeed's words; at ZeRO-0 DeepSpeed clips by the mean of the ranks' norms), tensor,
+  pipeline and expert-tensor parallel size 1, ZeRO-2's `contiguous_gradients` and
+  `reduce_scatter` on (DeepSpeed's MoE asserts them), no --universal-checkpoint (DeepSpeed's
+  universal format has no native-MoE expert layout).
 - ZeRO stage 0 to 3. At stage 3 `zero_optimization.memory_efficient_linear` is filled with false
   and, with Muon, `reduce_scatter` with false (`_reconcile_zero3`); pipeline parallelism with
   stage 3 is refused in app.config.run (DeepSpeed's pipeline engine does not take it).

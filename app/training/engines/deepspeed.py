@@ -28,6 +28,10 @@ weights-only load, the repair of DeepSpeed's universal loader). Weights-only loa
 (app.checkpoint.deepspeed.read_rank: the fp32 master weights of ZeRO pieces of any stage and
 data-parallel size), instead of DeepSpeed's module-only path.
 
+Mixture of Experts (ZeRO-1/2, expert and data/context parallelism) runs DeepSpeed's way
+(`prepare_moe`, engines.deepspeed_moe): DeepSpeed's expert groups, a marker per MoE layer that
+is DeepSpeed's MoE layer, DeepSpeed's MoE param groups, and its per-expert checkpoint files.
+
 DeepSpeed's checkpoint files go through `CheckedCheckpointEngine` (engines.deepspeed_io), which replaces the engine's
 `checkpoint_engine` (DeepSpeed's hook for checkpoint I/O): every file is written crash-safely
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
