@@ -258,6 +258,7 @@ def from_mcore_model(model: Dict[str, Any], layer_offset: int = 0) -> Dict[str, 
     for name, by_index in experts.items():
         if sorted(by_index) != list(range(len(by_index))):
             raise CheckpointError(f"Megatron Core checkpoint holds local experts "
-                                  f"{sorted(by_index)} of {name}: expected 0 to {len(by_index) - 1}")
+                                  f"{sorted(by_index)} of {name}: expected 0 to "
+                                  f"{len(by_index) - 1}")
         flat[name] = torch.stack([by_index[j] for j in range(len(by_index))])
     return flat
