@@ -14,9 +14,10 @@ expert bias (sigmoid scores), z-loss and a gated shared expert (the biases too).
 saved at iteration 4 in DeepSpeed's MoE layout (one file per expert) resumes bit-exactly; at
 expert-parallel size 1 it is refused with the optimizer (naming both sizes) and its weights
 alone (--no-load-optim) give the saved run's next step; its
-save at iteration 8 is read by the converter into our names, the final weights bit for bit, and
-converts to Megatron's legacy layout with them; the save at 4 converted to torch_dist with the
-optimizer continues the run in one native process (1e-5)."""
+save at iteration 8 is read by the converter into our names, the final weights bit for bit
+(also from the module and expert files alone), and converts to Megatron's legacy layout and to
+Hugging Face's Qwen3-MoE with them; the save at 4 converted to torch_dist with the optimizer
+continues the run in one native process (1e-5)."""
 import json
 import os
 
@@ -341,6 +342,19 @@ def test_moe_checkpoint_in_deepspeeds_layout_resumes_exactly_and_converts(spawne
     state, _ = legacy.load_checkpoint_dict(str(tmp_path / "legacy"))
     flat = legacy.from_megatron_model(state["model"])
     assert sorted(flat) == sorted(read) and all(torch.equal(flat[n], read[n]) for n in read)
+    # and Hugging Face's Qwen3-MoE directory: each expert's gate/up/down as the Hub names them
+    from safetensors.torch import load_file
+    run_tool("convert_checkpoint", ["--load", spawn_dir / "moe_end", "--save", tmp_path / "hf",
+                                    "--output-format", "hf"])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3_moe"
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    fc1 = read["language_model.transformer.layers.1.mlp.experts.dense_h_to_4h.weight"]
+    fc2 = read["language_model.transformer.layers.1.mlp.experts.dense_4h_to_h.weight"]
+    for e in range(4):
+        expert = f"model.layers.1.mlp.experts.{e}."
+        assert torch.equal(torch.cat([hf[expert + "gate_proj.weight"],
+                                      hf[expert + "up_proj.weight"]]), fc1[e]), e
+        assert torch.equal(hf[expert + "down_proj.weight"], fc2[e]), e
     run_tool("convert_checkpoint", ["--load", spawn_dir / "moe", "--save", tmp_path / "dist",
                                     "--output-format", "torch_dist", "--include-optimizer"])
     run = _moe_build(["--ckpt-format", "torch_dist"], 1, load=str(tmp_path / "dist"))
