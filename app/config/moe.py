@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional, Tuple, Union
 
+from app.config.deepspeed import check_moe_deepspeed
 from app.config.options import option
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none",
@@ -375,9 +376,9 @@ class MoEConfig:
 
 
 def check_moe_run(moe: MoEConfig, model: Any, parallel: Any, deepspeed: Any,
-                  optimizer: Any, zero_stage: int, checkpoint: Any) -> None:
-    """The rules between MoE and the layout, the engine, the optimizer and the checkpoint format
-    (RunConfig calls it): Megatron's words where Megatron has the rule."""
+                  optimizer: Any) -> None:
+    """The rules between MoE and the layout, the engine and the optimizer (RunConfig calls it):
+    Megatron's words where Megatron has the rule."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     if not moe.enabled:
@@ -405,31 +406,7 @@ def check_moe_run(moe: MoEConfig, model: Any, parallel: Any, deepspeed: Any,
                          "are enabled without also enabling sequence parallelism. (add "
                          "--sequence-parallel)")
     if deepspeed.enabled:
-        if zero_stage == 3:
-            raise ValueError("Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use "
-                             "AutoEP or choose ZeRO stage 1/2.")
-        if ep > 1 or moe.moe_router_enable_expert_bias:
-            bias = " / --moe-router-enable-expert-bias" if moe.moe_router_enable_expert_bias else ""
-            raise ValueError(
-                f"--num-experts with --deepspeed and --expert-model-parallel-size {ep}{bias}"
-                ": the DeepSpeed wiring of expert parallelism (its MoE groups and expert-data-"
-                "parallel gradient reduction) and of the expert-bias update is not in yet; train "
-                "at EP 1 without the expert bias under DeepSpeed, or on the native path")
-        if tp > 1 or pp > 1 or etp > 1:
-            raise ValueError(
-                f"--num-experts with --deepspeed and --tensor-model-parallel-size {tp} / "
-                f"--pipeline-model-parallel-size {pp} / --expert-tensor-parallel-size {etp}: "
-                "MoE under DeepSpeed runs with TP 1 and PP 1 only this release; use expert "
-                "parallelism (--expert-model-parallel-size) with ZeRO-1/2, or train on the "
-                "native path (drop --deepspeed) for TP, PP and expert TP")
-    if checkpoint.save and not deepspeed.enabled and (checkpoint.ckpt_format != "torch"
-                                                      or parallel.expert_model_parallel_size > 1):
-        raise ValueError(
-            f"--save with --num-experts at --ckpt-format {checkpoint.ckpt_format} and "
-            f"--expert-model-parallel-size {parallel.expert_model_parallel_size}: MoE "
-            "checkpoints are written in the legacy format (--ckpt-format torch) at expert-model-"
-            "parallel size 1 so far (torch_dist and expert-parallel files not yet); save with "
-            "those, or train without --save")
+        check_moe_deepspeed(deepspeed, parallel)
     if optimizer.optimizer == "muon" and deepspeed.enabled:
         raise ValueError("--optimizer muon with --num-experts under --deepspeed: DeepSpeed's "
                          "Muon orthogonalises 2-D weights only and would step the experts with "

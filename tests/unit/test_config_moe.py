@@ -118,14 +118,8 @@ REFUSALS = [
     (MOE + ["--moe-router-score-function", "sqrtsoftplus"], 1,
      "--moe-router-score-function sqrtsoftplus: not supported yet"),
     (MOE + ["--deepspeed", "--deepspeed_config", DS_JSON, "--tensor-model-parallel-size", "2",
-            "--sequence-parallel"], 2, "MoE under DeepSpeed runs with TP 1 and PP 1 only"),
-    (MOE + ["--deepspeed", "--deepspeed_config", DS_JSON, "--expert-model-parallel-size", "2"],
-     2, "the DeepSpeed wiring of expert parallelism"),
-    (MOE + ["--save", "ck", "--expert-model-parallel-size", "2"], 2,
-     "MoE checkpoints are written in the legacy format (--ckpt-format torch) at expert-model-"
-     "parallel size 1 so far"),
-    (MOE + ["--save", "ck", "--ckpt-format", "torch_dist"], 1,
-     "--save with --num-experts at --ckpt-format torch_dist"),
+            "--sequence-parallel"], 2,
+     "--num-experts with --deepspeed and --tensor-model-parallel-size 2 is not supported"),
 ]
 
 
