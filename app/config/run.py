@@ -84,9 +84,10 @@ class RunConfig:
                              "tools/convert_checkpoint.py --input-format deepspeed "
                              "--output-format torch_dist")
         if (not self.deepspeed.enabled and self.checkpoint.ckpt_format == "torch"
-                and m.moe.enabled and p.expert_tensor_parallel_size != tp):
+                and self.checkpoint.save and m.moe.enabled
+                and p.expert_tensor_parallel_size != tp):
             raise ValueError(
-                f"--ckpt-format torch with --expert-tensor-parallel-size "
+                f"--save with --ckpt-format torch, --expert-tensor-parallel-size "
                 f"{p.expert_tensor_parallel_size} and --tensor-model-parallel-size {tp}: "
                 "Megatron's legacy files name a rank by its tensor and expert-parallel ranks, so "
                 "they hold experts split over the tensor-parallel ranks only; use --ckpt-format "
