@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from app.config import RunConfig
+from app.config.model import EXPLICIT_ATTENTION
 
 FIT_FRACTION = 0.9
 """Fraction of the device memory the estimate may use."""
@@ -297,7 +298,7 @@ def scores_kept(cfg: RunConfig, device_type: str) -> bool:
     (q k^T + fused softmax + @ v: --attention-backend local, or an explicit mask from
     --reset-attention-mask) always; through SDPA only where no fused kernel takes the call (on
     the CPU when attention dropout is on, which sends SDPA to its math path)."""
-    if cfg.data.reset_attention_mask or cfg.model.attention_impl == "local":
+    if cfg.data.attention_mask_resets or cfg.model.attention_impl in EXPLICIT_ATTENTION:
         return True
     return device_type == "cpu" and cfg.model.attention_dropout > 0
 
