@@ -4,7 +4,7 @@ with its names, defaults, choices and rules. Part of `app.config`.
 This project does not run FP8 yet (docs/fp8.md has the design): the flags are accepted, the
 --dry-run of a GPU world counts them (memory, the recipe), and a run on a machine without
 Transformer Engine and an FP8-capable GPU stops before it starts, naming the flag
-(`Fp8Config.requirement`; app.training.pretrain calls app.training.hardware.require)."""
+(`Fp8Config.requirement`, asked by app.training.pretrain through app.launch.hardware)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -130,16 +130,16 @@ def _trainer(extra):
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4",
             "--distributed-backend", "gloo", *extra]
-    return build_synthetic_run(arguments.config_from_argv(argv, 1, 64), 16)["trainer"]
+    return build_synthetic_run(arguments.config_from_argv(argv, 1, 64), 16)["trainer"].reporter
 
 
 def test_mfu_over_100_percent_warns_once_and_hfu_counts_recompute(caplog):
     plain = _trainer(["--peak-flops", "1e15"])
     tps = 1000.0
-    u = plain._utilization(tps)
+    u = plain.utilization(tps)
     assert "hfu" not in u and u["mfu"] == pytest.approx(tps * plain.flops_per_token / 1e15)
     recompute = _trainer(["--peak-flops", "1e15", "--checkpoint-activations"])
-    u = recompute._utilization(tps)
+    u = recompute.utilization(tps)
     m = recompute.cfg.model
     Ln, h, s, v = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
     factor = (96 * Ln * h * h * (1 + s / (12 * h)) + 6 * h * v) / (
@@ -147,8 +147,8 @@ def test_mfu_over_100_percent_warns_once_and_hfu_counts_recompute(caplog):
     assert u["hfu"] / u["mfu"] == pytest.approx(factor) and factor > 1
     tiny_peak = _trainer(["--peak-flops", "1e3"])
     with caplog.at_level(logging.WARNING, logger="app"):
-        first = tiny_peak._utilization(tps)
-        tiny_peak._utilization(tps)
+        first = tiny_peak.utilization(tps)
+        tiny_peak.utilization(tps)
     warnings = [r for r in caplog.records if "exceeds the peak" in r.getMessage()]
     assert first["mfu"] > 1.0 and len(warnings) == 1
     assert "--peak-flops" in warnings[0].getMessage()
@@ -172,7 +172,7 @@ def test_hfu_follows_the_configured_recompute():
     }
     for flags, hardware in cases.items():
         trainer = _trainer(["--peak-flops", "1e15", "--num-layers", "4", *flags])
-        u = trainer._utilization(tps)
+        u = trainer.utilization(tps)
         assert trainer.recompute == flags[1]
         assert u["hfu"] / u["mfu"] == pytest.approx(hardware / model_flops), flags
 

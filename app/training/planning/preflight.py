@@ -20,12 +20,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from app.config import DataConfig, RunConfig, samples_per_split
 from app.config.batch_schedule import check_divisible
-from app.data.mock_dataset import build_mock_datasets
+from app.data.mock_dataset import describe_mock_plan
 from app.data.plan import order_record
 from app.checkpoint import CheckpointError
 from app.checkpoint import files as ckpt_files
 from app.checkpoint import dcp_files, layouts, model_args
+from app.config.no_effect import no_effect
 from app.launch import interfaces
+from app.launch.hardware import fp8_problem
 from app.optim import OptimizerParamScheduler
 from app.training.planning.data_check import check_data
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
@@ -98,6 +100,7 @@ def _gib(n: float) -> str:
 def describe_config(report: Report, cfg: RunConfig) -> None:
     """The layout, batch sizes and engine the flags (and the DeepSpeed JSON) resolve to."""
     p, t, m = cfg.parallel, cfg.training, cfg.model
+    report.ok(p.megatron_layout() + " (Megatron-LM's first line)")
     context = (f" x context {p.context_parallel_size} ({p.cp_comm_type}, "
                f"{m.seq_length // p.context_parallel_size} tokens of each sequence per rank)"
                if p.context_parallel_size > 1 else "")
@@ -329,6 +332,30 @@ def device_memory(override_gib: Optional[float]) -> Tuple[Optional[float], str, 
     return None, "no CUDA device", "cpu"
 
 
+def check_hardware(report: Report, cfg: RunConfig, override_gib: Optional[float]) -> None:
+    """What the flags ask of the devices, judged for the devices the run plans for: FP8
+    (--fp8-format) needs Transformer Engine on FP8-capable GPUs (checked on this machine, or
+    counted and stated for the GPUs of --dry-run-device-memory); and the flags that change
+    nothing on those devices (app.config.no_effect)."""
+    _, desc, device_type = device_memory(override_gib)
+    notes = no_effect(cfg, device_type)
+    if notes:
+        report.section("flags without effect")
+    for note in notes:
+        report.note(note)
+    if not cfg.fp8.enabled:
+        return
+    report.section("fp8")
+    report.ok(cfg.fp8.recipe())
+    if override_gib is not None:
+        report.ok(f"planned for GPUs of {desc}: they need Transformer Engine and FP8 tensor cores "
+                  "(compute capability >= 8.9; not checked from here); FLOPs are counted as in "
+                  "Megatron-LM (no precision term), MFU against the bf16 peak")
+        return
+    problem = fp8_problem(cfg.fp8)
+    (report.error(problem) if problem else report.ok("this machine can run FP8"))
+
+
 def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) -> None:
     """Per-rank estimate (formulas in app.training.planning.memory) against the device memory, and the
     largest micro-batch that fits."""
@@ -363,17 +390,16 @@ def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) 
 
 
 def describe_mock_data(report: Report, cfg: Optional[RunConfig]) -> None:
-    """--mock-data: the synthetic samples each split will serve (no file to check)."""
+    """--mock-data: the synthetic samples each split will serve (no file to check), counted
+    without building their indices."""
     report.section("data")
     if cfg is None:
         report.note("--mock-data: no data files; the sample counts follow from a valid "
                     "configuration")
         return
-    datasets = build_mock_datasets(samples_per_split(cfg), cfg.model.seq_length,
-                                   cfg.raw_vocab_size, cfg.training.seed)
-    for dataset in datasets:
-        if dataset is not None:
-            report.ok(f"--mock-data: {dataset.describe()}; no data files read")
+    for line in describe_mock_plan(samples_per_split(cfg), cfg.model.seq_length,
+                                   cfg.raw_vocab_size, cfg.training.seed):
+        report.ok(f"--mock-data: {line}; no data files read")
 
 
 def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataConfig],
@@ -396,4 +422,5 @@ def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataC
         check_checkpoint(report, cfg, None if plan is None else
                          order_record(plan, cfg.training.seed))
         check_memory(report, cfg, device_memory_gib)
+        check_hardware(report, cfg, device_memory_gib)
     return report
