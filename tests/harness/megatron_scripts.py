@@ -171,3 +171,54 @@ def copy_tree_parts(mirror: str, commit: str, dest: str) -> None:
     if archive.wait():
         shutil.rmtree(dest, ignore_errors=True)
         raise RuntimeError(f"git archive {commit} of {mirror} failed")
+
+
+# ---------------------------------------------------------------------------- CI assets
+
+def make_assets(tokenizer_type: str, where: Dict[str, str], texts: List[str]) -> None:
+    """The files a launch names, made here for its --tokenizer-type: the tokenizer
+    ({hf_tokenizer}: a byte-level BPE in a Hugging Face directory; {sp_model}: a SentencePiece
+    BPE model; {vocab}/{merges}: a GPT-2 BPE) and {data}, `texts` preprocessed with that
+    tokenizer (one document per ~2 KB, end-of-document appended). NullTokenizer needs none."""
+    import numpy as np
+
+    from app.data import MMapIndexedDatasetBuilder, build_tokenizer
+    from tests.harness.tokenizers import train_hf_tokenizer
+    if tokenizer_type == "NullTokenizer":
+        return
+    for key in ("{data}", "{sp_model}", "{vocab}"):
+        os.makedirs(os.path.dirname(where[key]), exist_ok=True)
+    files = {"vocab_file": None, "merge_file": None, "tokenizer_model": None}
+    if tokenizer_type == "HuggingFaceTokenizer":
+        files["tokenizer_model"] = train_hf_tokenizer(where["{hf_tokenizer}"])
+    elif "SentencePiece" in tokenizer_type or tokenizer_type == "Llama2Tokenizer":
+        files["tokenizer_model"] = train_sentencepiece(where["{sp_model}"], texts)
+    else:
+        from app.data.tokenizer import train_gpt2_bpe
+        files["vocab_file"], files["merge_file"] = train_gpt2_bpe(
+            texts, 512, os.path.dirname(where["{vocab}"]))
+    tok = build_tokenizer(tokenizer_type, files["vocab_file"], files["merge_file"], None,
+                          files["tokenizer_model"])
+    builder = MMapIndexedDatasetBuilder(where["{data}"] + ".bin", np.int32)
+    for text in texts:
+        for start in range(0, len(text), 2048):
+            ids = tok.tokenize(text[start:start + 2048])
+            if ids:
+                builder.add_item(np.array(ids + [tok.eod], dtype=np.int32))
+                builder.end_document()
+    builder.finalize(where["{data}"] + ".idx")
+
+
+def train_sentencepiece(path: str, texts: List[str], vocab_size: int = 512) -> str:
+    """A SentencePiece BPE model at `path` (the .model file) trained on `texts`."""
+    import io
+
+    import sentencepiece
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(line for t in texts for line in t.splitlines() if line.strip()),
+        model_writer=model, vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+        minloglevel=2)
+    with open(path, "wb") as f:
+        f.write(model.getvalue())
+    return path
