@@ -147,10 +147,10 @@ class ModelConfig:
         help="causal attention through SDPA's flash/efficient backends only")
     attention_backend: str = option(
         "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, group="fused kernels",
-        help="auto: SDPA for causal (measured default); flash: = --use-flash-attn; fused: "
-             "SDPA restricted to its fused kernels (flash, memory-efficient, cuDNN); unfused: "
-             "q k^T + PyTorch softmax + @ v; local: q k^T + fused softmax + @ v (Megatron's "
-             "core attention)")
+        help="auto: SDPA for causal (measured default); flash: = --use-flash-attn; "
+             "local: q k^T + fused softmax + @ v (Megatron's core attention); fused: SDPA "
+             "restricted to its fused kernels (flash, memory-efficient, cuDNN); unfused: "
+             "q k^T + PyTorch softmax + @ v")
     apply_rope_fusion: bool = option(
         "--no-rope-fusion", default=True, action="store_false", dest="apply_rope_fusion",
         group="fused kernels",

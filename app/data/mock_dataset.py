@@ -120,6 +120,10 @@ def build_mock_datasets(num_samples: Sequence[int], seq_length: int, vocab_size:
                  for name, n, docs in zip(SPLITS, num_samples, ranges))
 
 
+def _size(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 / 10 else f"{n / 2 ** 20:.2f} MiB"
+
+
 def describe_mock_plan(num_samples: Sequence[int], seq_length: int, vocab_size: int,
                        seed: int) -> List[str]:
     """One line per split of `build_mock_datasets(num_samples, ...)` without building its
@@ -139,5 +143,5 @@ def describe_mock_plan(num_samples: Sequence[int], seq_length: int, vocab_size: 
         lines.append(f"{n:,} {name} samples of {seq_length + 1} token ids from Megatron's mock "
                      f"documents [{docs[0]}, {docs[1]}) ({epochs:,} epoch(s), ids counting up "
                      f"modulo {vocab_size}) in the order of seed {seed}; its indices take "
-                     f"{index_bytes / 2 ** 30:.2f} GiB of host memory when the run builds them")
+                     f"{_size(index_bytes)} of host memory when the run builds them")
     return lines
