@@ -292,3 +292,13 @@ def test_the_scripts_still_launch_what_was_recorded(name, tmp_path):
     record = scripts.fixture(name)
     ran = scripts.run_launch(os.environ["MEGATRON_LM"], scripts.LAUNCHES[name], str(tmp_path))
     assert ran["torchrun"] == record["torchrun"]
+
+
+def test_status_table_lists_every_launch_with_megatrons_verdict():
+    """docs/status.md's table has a row per recorded launch with Megatron's verdict."""
+    with open(os.path.join(ROOT, "docs", "status.md")) as f:
+        rows = {line.split("`")[1]: line for line in f if line.startswith("| `")}
+    for name in NAMES:
+        cells = [c.strip() for c in rows[name].split("|")]
+        assert cells[2] == str(scripts.fixture(name)["world_size"]), name
+        assert cells[3].startswith(scripts.fixture(name)["verdict"]), name
