@@ -182,7 +182,8 @@ def make_assets(tokenizer_type: str, where: Dict[str, str], texts: List[str]) ->
     tokenizer (one document per ~2 KB, end-of-document appended). NullTokenizer needs none."""
     import numpy as np
 
-    from app.data import MMapIndexedDatasetBuilder, build_tokenizer
+    from app.data import build_tokenizer
+    from tests.harness.corpus import write_documents
     from tests.harness.tokenizers import train_hf_tokenizer
     if tokenizer_type == "NullTokenizer":
         return
@@ -199,14 +200,7 @@ def make_assets(tokenizer_type: str, where: Dict[str, str], texts: List[str]) ->
             texts, 512, os.path.dirname(where["{vocab}"]))
     tok = build_tokenizer(tokenizer_type, files["vocab_file"], files["merge_file"], None,
                           files["tokenizer_model"])
-    builder = MMapIndexedDatasetBuilder(where["{data}"] + ".bin", np.int32)
-    for text in texts:
-        for start in range(0, len(text), 2048):
-            ids = tok.tokenize(text[start:start + 2048])
-            if ids:
-                builder.add_item(np.array(ids + [tok.eod], dtype=np.int32))
-                builder.end_document()
-    builder.finalize(where["{data}"] + ".idx")
+    write_documents(where["{data}"], texts, tok, np.int32)
 
 
 def train_sentencepiece(path: str, texts: List[str], vocab_size: int = 512) -> str:
