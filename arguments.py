@@ -243,7 +243,7 @@ def _model_overrides(args: argparse.Namespace, padded_vocab_size: int,
     return dict(padded_vocab_size=padded_vocab_size, params_dtype=params_dtype, seed=args.seed,
                 recompute_granularity=granularity, recompute_method=method,
                 recompute_num_layers=recompute_layers,
-                # Megatron-LM turns --sequence-parallel off at TP 1 (app.config.no_effect says so)
+                # Megatron-LM turns --sequence-parallel off at TP 1 (app.config.unread says so)
                 sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1)
 
 

@@ -17,8 +17,7 @@ Modules: options (the field-to-flag mapping), model, recompute, parallel (layout
 precision), optimizer, training (and rollback), data, checkpoint, kernels, deepspeed (and the
 DeepSpeed JSON rules), wandb, runtime (garbage collection, CUDA cache, profiler), logs (the
 log line's and TensorBoard's extras), fp8 (Transformer Engine FP8, accepted and counted),
-preflight (--dry-run), run (RunConfig), no_effect (flags that change nothing in a run, said
-once), rules (shared checks),
+preflight (--dry-run), run (RunConfig), rules (shared checks),
 cli (argparse parsers from the fields, for arguments.py and the tools), inference (the
 checkpoint an inference tool runs: InferenceLoadConfig).
 """

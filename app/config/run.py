@@ -48,8 +48,9 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
     explicit_flags: FrozenSet[str] = frozenset()
-    """The flags given on the command line, each by its first spelling (arguments.py); what
-    they ask that this run does not do is named by app.config.no_effect."""
+    """The flags given on the command line, each by its first spelling (arguments.py); the
+    ones the run's path does not read, or that change nothing in it, are named by
+    app.config.unread."""
     batch_schedule: BatchSchedule = field(init=False)
     """The global batch of each iteration (app.config.batch_schedule), from --global-batch-size
     and --rampup-batch-size or --step-batch-size-schedule."""

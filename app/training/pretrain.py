@@ -29,7 +29,7 @@ import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from app.config import RunConfig, samples_per_split
-from app.config.no_effect import no_effect
+from app.config.unread import unread_flags
 from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
@@ -201,13 +201,15 @@ def _log_precision(cfg: RunConfig) -> None:
 
 
 def _log_world(cfg: RunConfig, info: DistributedInfo) -> None:
-    """The start-up lines: the layout as Megatron-LM prints it, where the ranks came from and,
-    when derived, the exit time."""
+    """The start-up lines: the layout as Megatron-LM prints it, where the ranks came from, the
+    intra-op threads and, when derived, the exit time."""
     logger.info(cfg.parallel.megatron_layout())
     if info.world is not None:
         logger.info("> world: %s", info.world.describe())
         if info.world.warning:
             logger.warning(info.world.warning)
+    if info.threads is not None:
+        logger.info("> %s", info.threads.describe())
     t = cfg.training
     if t.exit_duration_source:
         logger.info("> --exit-duration-in-mins %.1f (from %s)", t.exit_duration_in_mins,
@@ -255,7 +257,7 @@ def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
                 cfg.model.padded_vocab_size)
     _log_precision(cfg)
     if restart is None or not restart.restarts:
-        for note in no_effect(cfg, info.device.type):  # once per run, not per in-process restart
+        for note in unread_flags(cfg, info.device.type):  # once per run, not per restart
             logger.warning(note)
     with contextlib.ExitStack() as stack:
         lock, decision = _start_checks(cfg, info, restarted=bool(restart and restart.restarts))

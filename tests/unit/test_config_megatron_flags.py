@@ -1,12 +1,12 @@
 """Megatron-LM's flags with Megatron's meaning where they only pick a kernel, switch a runtime
 feature or need hardware this machine lacks: accepted, never silently ignored
-(app.config.no_effect), FP8 counted for a GPU world and refused without the hardware, and the
+(app.config.unread), FP8 counted for a GPU world and refused without the hardware, and the
 rules that agree with Megatron's (sequence parallelism at TP 1, --split as Megatron reads it)."""
 import pytest
 
 import arguments
 from app.config import Fp8Config
-from app.config.no_effect import no_effect
+from app.config.unread import no_effect, unread_flags
 from app.config.rules import split_weights
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -24,7 +24,7 @@ def test_sequence_parallel_at_tp1_is_turned_off_and_said():
     assert any("--sequence-parallel is turned off" in n and "Disabling sequence parallelism"
                in n for n in no_effect(cfg))
     kept = config("--sequence-parallel", "--tensor-model-parallel-size", "2", world=2)
-    assert kept.model.sequence_parallel is True and not no_effect(kept)
+    assert kept.model.sequence_parallel is True and not unread_flags(kept)
 
 
 @pytest.mark.parametrize("text, fractions", [

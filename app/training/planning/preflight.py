@@ -20,13 +20,13 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from app.config import DataConfig, RunConfig, samples_per_split
 from app.config.batch_schedule import check_divisible
+from app.config.unread import unread_flags
 from app.data.mock_dataset import describe_mock_plan
 from app.data.plan import order_record
 from app.checkpoint import CheckpointError
 from app.checkpoint import files as ckpt_files
 from app.checkpoint import model_args, saved_layout
 from app.checkpoint.torch_dist import dcp_files
-from app.config.no_effect import no_effect
 from app.launch import interfaces
 from app.launch.hardware import fp8_problem
 from app.optim import OptimizerParamScheduler
@@ -98,8 +98,10 @@ def _gib(n: float) -> str:
 
 # ---------------------------------------------------------------------------- configuration
 
-def describe_config(report: Report, cfg: RunConfig) -> None:
-    """The layout, batch sizes and engine the flags (and the DeepSpeed JSON) resolve to."""
+def describe_config(report: Report, cfg: RunConfig, device_type: Optional[str] = None) -> None:
+    """The layout, batch sizes and engine the flags (and the DeepSpeed JSON) resolve to, and
+    the flags this run does not read or that change nothing on `device_type`
+    (app.config.unread)."""
     p, t, m = cfg.parallel, cfg.training, cfg.model
     report.ok(p.megatron_layout() + " (Megatron-LM's first line)")
     context = (f" x context {p.context_parallel_size} ({p.cp_comm_type}, "
@@ -127,6 +129,8 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
                   f"gradient_accumulation_steps {ds.get('gradient_accumulation_steps')}")
     else:
         report.ok("engine: native")
+    for note in unread_flags(cfg, device_type):
+        report.warn(note)
     r = cfg.rollback
     if r.enabled:
         report.ok(f"--rollback-on-spike: spikes over {r.window} iterations (z-score {r.zscore:g}, "
@@ -333,19 +337,12 @@ def device_memory(override_gib: Optional[float]) -> Tuple[Optional[float], str, 
     return None, "no CUDA device", "cpu"
 
 
-def check_hardware(report: Report, cfg: RunConfig, override_gib: Optional[float]) -> None:
-    """What the flags ask of the devices, judged for the devices the run plans for: FP8
-    (--fp8-format) needs Transformer Engine on FP8-capable GPUs (checked on this machine, or
-    counted and stated for the GPUs of --dry-run-device-memory); and the flags that change
-    nothing on those devices (app.config.no_effect)."""
-    _, desc, device_type = device_memory(override_gib)
-    notes = no_effect(cfg, device_type)
-    if notes:
-        report.section("flags without effect")
-    for note in notes:
-        report.note(note)
+def check_fp8(report: Report, cfg: RunConfig, override_gib: Optional[float]) -> None:
+    """FP8 (--fp8-format) needs Transformer Engine on FP8-capable GPUs: checked on this
+    machine, or counted and stated for the GPUs of --dry-run-device-memory."""
     if not cfg.fp8.enabled:
         return
+    _, desc, _ = device_memory(override_gib)
     report.section("fp8")
     report.ok(cfg.fp8.recipe())
     if override_gib is not None:
@@ -410,7 +407,7 @@ def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataC
     reported) only the data files of `data`."""
     if cfg is not None:
         report.section("configuration")
-        describe_config(report, cfg)
+        describe_config(report, cfg, device_memory(device_memory_gib)[2])
         report.add(*interfaces.describe_choice(cfg.parallel.distributed_backend))
     data = cfg.data if cfg else data
     plan = None
@@ -423,5 +420,5 @@ def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataC
         check_checkpoint(report, cfg, None if plan is None else
                          order_record(plan, cfg.training.seed))
         check_memory(report, cfg, device_memory_gib)
-        check_hardware(report, cfg, device_memory_gib)
+        check_fp8(report, cfg, device_memory_gib)
     return report
