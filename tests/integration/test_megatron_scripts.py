@@ -62,7 +62,8 @@ SHRINK = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128"
           "--lr", "1e-3", "--min-lr", "1e-4", "--eval-iters", "1", "--log-interval", "1"]
 """Appended to a launch (later flags win): 2 layers of width 64, 6 iterations of 4 samples of 64
 tokens, an LR that moves a tiny model in 6 steps (the scripts' LR schedules are for 10^5+
-iterations)."""
+iterations); a vocabulary to match (--vocab-size 512 for NullTokenizer, --padded-vocab-size 384
+where the launch gives Qwen's 151936: rows for the 320-token test tokenizer)."""
 FP8_FLAGS = {"--fp8-format": 1, "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1,
              "--fp8-param-gather": 0, "--fp8-recipe": 1, "--fp8-margin": 1}
 
@@ -96,7 +97,7 @@ def _moe_waiting(argv):
 def without_waiting(argv):
     """`argv` without the WAITING flags (EQUIVALENT ones replaced by today's spelling),
     WAITING_VALUES replaced by today's equivalents."""
-    argv = [x for a in argv for x in EQUIVALENT.get(a, [a])]
+    argv = [x for a in argv for x in (EQUIVALENT.get(a, [a]) if a in WAITING else [a])]
     argv = _drop(argv, {flag: nargs for flag, (_, nargs) in WAITING.items()})
     for (flag, value), (_, today) in WAITING_VALUES.items():
         argv = [today if a == value and i and argv[i - 1] == flag else a
@@ -205,7 +206,8 @@ def shrunk_runs(assets_, base):
         argv = _drop(without_waiting(launch_argv(name, assets_, run_dir)), FP8_FLAGS)
         metrics = str(run_dir / "metrics.jsonl")
         tail = SHRINK + ["--metrics-file", metrics] + (
-            ["--vocab-size", "512"] if "NullTokenizer" in argv else [])
+            ["--vocab-size", "512"] if "NullTokenizer" in argv else []) + (
+            ["--padded-vocab-size", "384"] if "--padded-vocab-size" in argv else [])
         runs.append({"name": name, "argv": argv + tail, "port": free_port(),
                      "log": str(run_dir / "log")})
         info[name] = (argv + tail, metrics)
