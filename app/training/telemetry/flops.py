@@ -80,28 +80,26 @@ class TokenFlops:
         return self.layers + self.logits
 
 
-def _moe_layers(m: ModelConfig) -> Tuple[int, int, int, int, int]:
-    """(dense layers, MoE layers, experts routed to, expert FFN width, shared-expert width):
-    every layer dense unless ModelConfig.moe (the MoE options) has experts."""
-    moe = getattr(m, "moe", None)  # ModelConfig.moe: the Mixture-of-Experts options, when present
+def _mlp_layers(m: ModelConfig) -> Tuple[int, int, int]:
+    """(dense layers, MoE layers, the FFN width a token goes through in an MoE layer: k x
+    --moe-ffn-hidden-size + the shared expert): every layer dense unless ModelConfig.moe (the
+    Mixture-of-Experts options) has experts."""
+    moe = getattr(m, "moe", None)  # ModelConfig.moe: the Mixture-of-Experts options
     if moe is None or not moe.enabled:
-        return m.num_layers, 0, 0, 0, 0
-    moe_layers = sum(moe.layer_pattern(m.num_layers))
-    width = moe.moe_ffn_hidden_size if moe.moe_ffn_hidden_size is not None else m.ffn_hidden_size
-    return (m.num_layers - moe_layers, moe_layers, moe.moe_router_topk, width,
-            moe.shared_expert_size)
+        return m.num_layers, 0, 0
+    moe_layers = moe.num_moe_layers(m.num_layers)
+    return m.num_layers - moe_layers, moe_layers, moe.active_ffn_width()
 
 
 def token_flops(m: ModelConfig) -> TokenFlops:
     """Megatron's model FLOPs per token of `m`, by term (the module docstring's formula)."""
     h, s = m.hidden_size, m.seq_length
-    dense_layers, moe_layers, topk, moe_width, shared_width = _moe_layers(m)
+    dense_layers, moe_layers, active_width = _mlp_layers(m)
     ffn_expansion = 3 if m.swiglu else 2  # SwiGLU: h -> 2f and f -> h; else h -> f and f -> h
     q = m.head_dim * m.num_attention_heads
     kv = m.head_dim * m.num_kv_heads
-    mlp = FWD_BWD * FMA * h * (m.ffn_hidden_size * ffn_expansion * dense_layers
-                               + moe_width * topk * ffn_expansion * moe_layers
-                               + shared_width * ffn_expansion * moe_layers)
+    mlp = FWD_BWD * FMA * h * ffn_expansion * (m.ffn_hidden_size * dense_layers
+                                               + active_width * moe_layers)
     attention = FWD_BWD * FMA * (h * (q + kv + kv) + q * h) * m.num_layers
     core = FWD_BWD * FMA * q / 2 * 2 * s * m.num_layers  # causal mask halves QK^T and AV
     logits = FWD_BWD * FMA * h * m.padded_vocab_size
