@@ -13,7 +13,7 @@ global batch against the data-parallel size, heads against the tensor-parallel s
 Messages name the command-line flag, the values and the fix. Nothing rewrites a config after
 it is built; derived values are properties or are computed where they are used.
 
-Modules: options (the field-to-flag mapping), model, recompute, parallel (layout and
+Modules: options (the field-to-flag mapping), model, moe (Mixture of Experts), recompute, parallel (layout and
 precision), optimizer, training (and rollback), data, checkpoint, kernels, deepspeed (and the
 DeepSpeed JSON rules), wandb, runtime (garbage collection, CUDA cache, profiler), logs (the
 log line's and TensorBoard's extras), fp8 (Transformer Engine FP8, accepted and counted),
@@ -31,6 +31,7 @@ from app.config.kernels import KernelConfig, default_kernel_build_timeout
 from app.config.logs import LogConfig
 from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
                               RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ModelConfig)
+from app.config.moe import MoEConfig
 from app.config.optimizer import (LR_DECAY_STYLES, MUON_COEFFICIENT_TYPES,
                                   MUON_MATMUL_PRECISIONS, MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES,
                                   MUON_TP_MODES, OPTIMIZERS, OptimizerConfig, check_muon_layout)
@@ -48,7 +49,7 @@ __all__ = [
     "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
     "DeepSpeedConfig", "DryRunConfig", "Fp8Config", "KernelConfig", "LogConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",
-    "ModelConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
+    "ModelConfig", "MoEConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
     "InProcessRestartConfig", "PrepareCacheConfig",
     "RecomputePlan", "RollbackConfig", "RunConfig", "RuntimeConfig", "TrainingConfig", "WandbConfig",
     "check_muon_layout", "default_kernel_build_timeout", "divisible", "positive",

@@ -14,6 +14,9 @@ path than the one the run takes:
 - the settings of an optimizer the run does not use (`--sgd-momentum`, the `--muon-*` flags,
   Adam's betas and epsilon under SGD);
 - `--deepspeed_config` without `--deepspeed` (the native path runs, the JSON unread);
+- the `--moe-*` flags and `--expert-tensor-parallel-size` without `--num-experts` (a dense
+  model), and `--moe-permute-fusion` / `--moe-router-fusion` (accepted for Megatron's scripts:
+  the permutation and the router here are the same unfused PyTorch either way).
 - and the flags Megatron-LM accepts that change nothing in this run (`no_effect`): where
   Megatron ignores them in the same situation, or has a kernel this project does not have (the
   flag only picks between two implementations of the same arithmetic):
@@ -36,6 +39,7 @@ from typing import Iterable, List, Optional
 from app.config.data import tokenizer_flags_not_read
 from app.config.fp8 import Fp8Config
 from app.config.logs import LogConfig
+from app.config.moe import MoEConfig
 from app.config.optimizer import OptimizerConfig
 from app.config.run import RunConfig
 
@@ -43,6 +47,10 @@ MUON_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(Optimizer
                    if f.name.startswith("muon_") and "flag" in f.metadata)
 """Every --muon-* flag (read with --optimizer muon only)."""
 ADAM_FLAGS = ("--adam-beta1", "--adam-beta2", "--adam-eps")
+MOE_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(MoEConfig)
+                  if f.name != "num_experts" and "flag" in f.metadata)
+"""Every --moe-* flag (read with --num-experts only)."""
+MOE_FUSIONS = ("--moe-permute-fusion", "--moe-router-fusion")
 
 
 def unread_flags(cfg: RunConfig, device_type: Optional[str] = None) -> List[str]:
@@ -71,7 +79,7 @@ def unread_flags(cfg: RunConfig, device_type: Optional[str] = None) -> List[str]
         notes.append(f"--deepspeed_config {cfg.deepspeed.config_path} is not read: without "
                      "--deepspeed the run takes the native path; add --deepspeed to train "
                      "through DeepSpeed with it")
-    return notes + no_effect(cfg, device_type)
+    return notes + _moe_flags_not_read(cfg) + no_effect(cfg, device_type)
 
 
 def _flags_of(cls: type, *leave_out: str) -> List[str]:
@@ -136,3 +144,15 @@ def no_effect(cfg: RunConfig, device_type: Optional[str] = None) -> List[str]:
         notes.append(f"--empty-unused-memory-level {cfg.runtime.empty_unused_memory_level} has "
                      f"no effect on the {device_type}: it empties the CUDA caching allocator")
     return [note for note in notes if note]
+
+
+def _moe_flags_not_read(cfg: RunConfig) -> List[str]:
+    """The MoE flags of a dense model, and Megatron's MoE fusion switches."""
+    given = cfg.explicit_flags
+    if not cfg.model.moe.enabled:
+        return [f"{flag} is not read: without --num-experts the model is dense; drop it or add "
+                "--num-experts" for flag in (*MOE_FLAGS, "--expert-tensor-parallel-size")
+                if flag in given]
+    return [f"{flag} is not read: the token permutation and the router run the same unfused "
+            "PyTorch either way (accepted for Megatron's scripts)" for flag in MOE_FUSIONS
+            if flag in given]

@@ -22,6 +22,7 @@ import torch
 
 from app.config import RunConfig
 from app.config.batch_schedule import micro_batches
+from app.model.moe import MoEMetrics, begin_iteration as begin_moe_iteration
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
 from app.training.telemetry import metrics as metrics_lib
@@ -108,6 +109,7 @@ class Trainer:
         self.runtime = RuntimeHooks(cfg.runtime, parallel_state.rank, device, t.tensorboard_dir,
                                     log=self.log)
         """Manual GC, the CUDA cache and the profiler around the steps (telemetry.runtime_hooks)."""
+        self.moe_metrics = MoEMetrics(engine.module, cfg.model, parallel_state, world_group())
         self.reporter = TrainingReporter(cfg, self.writer, device, parallel_state.world_size,
                                          parallel_state.pipeline_model_parallel_size,
                                          self.is_logging_rank, self.log)
@@ -155,6 +157,8 @@ class Trainer:
 
         forward_step = lambda batch: self.objective.forward_step(model, batch)  # noqa: E731
         if not forward_only:  # --log-straggler times training's forward steps and batch waits
+            begin_moe_iteration(model, self.engine.loss_scale, self.ps.context_parallel_size,
+                                self.num_micro)  # the scale of the MoE auxiliary gradients
             next_batch, forward_step = self.stragglers.timed(next_batch, forward_step)
         return schedule(forward_step_func=forward_step,
                         batch_func=next_batch,
@@ -226,7 +230,8 @@ class Trainer:
         self.timers("optimizer").stop()
         metrics, logits = self.objective.take()
         return StepOutput(loss=self._mean_loss_across_dp(losses),
-                          metrics=self._mean_metrics_across_dp(metrics),
+                          metrics={**self._mean_metrics_across_dp(metrics),
+                                   **self.moe_metrics.take(self.num_micro)},
                           logits=logits if self.objective.return_logits else None,
                           grad_norm=result.grad_norm, skipped=result.skipped, lr=result.lr,
                           loss_scale=result.loss_scale, nonfinite=result.nonfinite,
@@ -273,7 +278,7 @@ class Trainer:
         values.update(skipped_iterations=acc.skipped, nan_iterations=acc.nan,
                       total_skipped_iterations=s.skipped_iterations)
         self.reporter.interval(s.iteration, values,
-                               {name: sum(v) / len(v) for name, v in acc.metrics.items()},
+                               metrics_lib.interval_means(acc.metrics),  # MoE's lists element-wise
                                acc.iterations, {name: self.timers.elapsed(name)
                                                 for name in TIMERS})
 

@@ -16,7 +16,7 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, TextIO, Tuple
 
 import numpy as np
 import torch
@@ -218,6 +218,26 @@ def format_train_log(iteration: int, train_iters: int, values: Mapping[str, Any]
     return " |".join(parts) + " |"
 
 
+def interval_means(metrics: Mapping[str, Any]) -> Dict[str, Any]:
+    """{name: mean of its values over the interval}; list values (MoE's tokens per expert)
+    element-wise."""
+    means: Dict[str, Any] = {}
+    for name, values in metrics.items():
+        if values and isinstance(values[0], list):
+            means[name] = [sum(column) / len(values) for column in zip(*values)]
+        else:
+            means[name] = sum(values) / len(values)
+    return means
+
+
+def format_loss_metrics(values: Mapping[str, Any]) -> str:
+    """' name: 1.234000E+00 |' for each scalar of the loss function and of the MoE losses, as
+    Megatron prints them after the lm loss; lists and per-layer values ('moe/...') are left to
+    the metrics file and TensorBoard."""
+    return "".join(f" {name}: {float(value):.6E} |" for name, value in values.items()
+                   if not isinstance(value, list) and not name.startswith("moe/"))
+
+
 # ---------------------------------------------------------------------------- writers
 
 def _json_value(value: Any) -> Any:
@@ -279,17 +299,18 @@ class MetricsWriter:
             self._file.flush()
 
     def scalars(self, iteration: int, tags: Mapping[str, Any],
-                consumed_samples: Optional[int] = None) -> None:
+                consumed_samples: Optional[int] = None, no_twin: Sequence[str] = ()) -> None:
         """Megatron-LM's scalars (app.training.telemetry.scalars) at `iteration`: TensorBoard
         gets each tag and, with `consumed_samples`, its "<tag> vs samples" twin over the
-        samples (not the CUDA memory tags, as Megatron); W&B gets each tag and "samples vs
-        steps"."""
+        samples (not for the CUDA memory tags nor the tags in `no_twin`, as Megatron); W&B gets
+        each tag and "samples vs steps"."""
         if not self.enabled:
             return
         self._tensorboard(tags, iteration)
         if consumed_samples is not None:
             self._tensorboard({tag + scalars_lib.VS_SAMPLES: value for tag, value in tags.items()
-                               if tag not in scalars_lib.NO_TWIN}, consumed_samples)
+                               if tag not in scalars_lib.NO_TWIN and tag not in no_twin},
+                              consumed_samples)
         if self._wandb is not None:
             logged = dict(tags)
             if consumed_samples is not None:

@@ -82,11 +82,13 @@ class TrainingReporter:
             return
         memory = (torch.cuda.memory_stats(self.device) if self.device.type == "cuda"
                   and self.cfg.log.log_memory_to_tensorboard else None)
-        losses = {scalars_lib.LM_LOSS: step.loss, **step.metrics}
+        losses = {scalars_lib.LM_LOSS: step.loss, **{  # the loss function's and MoE's scalars
+            name: value for name, value in step.metrics.items() if not isinstance(value, list)}}
         self.writer.scalars(iteration, scalars_lib.iteration_scalars(
             self.cfg.log, lr=step.lr, batch_size=batch_size, losses=losses,
             loss_scale=step.loss_scale, grad_norm=step.grad_norm, world_size=self.world_size,
-            cuda_memory=memory), consumed_samples)
+            cuda_memory=memory), consumed_samples,
+            no_twin=[name for name in losses if scalars_lib.is_moe_metric(name, self.cfg.model)])
 
     def interval(self, iteration: int, values: Dict[str, Any], loss_metrics: Mapping[str, float],
                  iterations: int, timer_seconds: Mapping[str, float]) -> None:
@@ -105,7 +107,7 @@ class TrainingReporter:
             return
         t = self.cfg.training
         self.log(metrics_lib.format_train_log(iteration, t.train_iters, values)
-                 + "".join(f" {name}: {value:.6E} |" for name, value in loss_metrics.items())
+                 + metrics_lib.format_loss_metrics(loss_metrics)
                  + " time per iteration (ms) | " + " | ".join(
                      f"{name}: {s * 1e3:.1f}" for name, s in per_iter.items()))
         self.writer.write("train", iteration, values)

@@ -3,8 +3,9 @@ user's dashboards and comparison scripts read our runs as they read Megatron's (
 main, megatron/training/training.py training_log and evaluate_and_print_results).
 
 Every --tensorboard-log-interval iterations (default every iteration, with that iteration's
-values): `learning-rate`, `batch-size`, each loss (`lm loss`, and the loss function's own
-metrics by their names), `loss-scale` (unless --no-log-loss-scale-to-tensorboard),
+values): `learning-rate`, `batch-size`, each loss (`lm loss`, the loss function's own
+metrics by their names, MoE's `load_balancing_loss`, ... without "vs samples" twins, as
+Megatron's MoE logging), `loss-scale` (unless --no-log-loss-scale-to-tensorboard),
 `world-size` (--log-world-size-to-tensorboard), `grad-norm` (when the step has one), and the
 CUDA allocator's `mem-*` (--log-memory-to-tensorboard, CUDA only); TensorBoard also gets each
 as "<tag> vs samples" over consumed samples; W&B gets `samples vs steps` instead.
@@ -20,7 +21,7 @@ Pure mapping from values to {tag: value}; `MetricsWriter.scalars` writes them.
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from app.config import LogConfig
 
@@ -32,6 +33,18 @@ VS_SAMPLES = " vs samples"
 NO_TWIN = ("mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes",
            "mem-allocated-count")
 """Iteration tags Megatron writes without a "vs samples" twin."""
+
+
+MOE_SCALARS = ("expert_load_imbalance", "dropped_tokens")
+"""MoE's values besides its tracked losses (app.model.moe.metrics)."""
+
+
+def is_moe_metric(name: str, model: Any) -> bool:
+    """Whether `name` is one of MoE's logged values (its tracked losses, the load imbalance,
+    dropped tokens, the per-layer `moe/...`), which Megatron writes without a "vs samples"
+    twin (megatron/core/transformer/moe/moe_logging.py)."""
+    return (name in model.moe.tracked_losses or name in MOE_SCALARS
+            or name.startswith("moe/"))
 
 
 def iteration_scalars(log: LogConfig, *, lr: Optional[float], batch_size: int,
