@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional, Tuple, Union
 
+from app.config.deepspeed import check_moe_deepspeed
 from app.config.options import option
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none",
@@ -375,7 +376,7 @@ class MoEConfig:
 
 
 def check_moe_run(moe: MoEConfig, model: Any, parallel: Any, deepspeed: Any,
-                  optimizer: Any, zero_stage: int) -> None:
+                  optimizer: Any) -> None:
     """The rules between MoE and the layout, the engine and the optimizer (RunConfig calls it):
     Megatron's words where Megatron has the rule."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -405,17 +406,9 @@ def check_moe_run(moe: MoEConfig, model: Any, parallel: Any, deepspeed: Any,
                          "are enabled without also enabling sequence parallelism. (add "
                          "--sequence-parallel)")
     if deepspeed.enabled:
-        if zero_stage == 3:
-            raise ValueError("Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use "
-                             "AutoEP or choose ZeRO stage 1/2.")
-        if tp > 1 or pp > 1 or etp > 1:
-            raise ValueError(
-                f"--num-experts with --deepspeed and --tensor-model-parallel-size {tp} / "
-                f"--pipeline-model-parallel-size {pp} / --expert-tensor-parallel-size {etp}: "
-                "MoE under DeepSpeed runs with TP 1 and PP 1 only this release; use expert "
-                "parallelism (--expert-model-parallel-size) with ZeRO-1/2, or train on the "
-                "native path (drop --deepspeed) for TP, PP and expert TP")
-    if optimizer.optimizer == "muon":
-        raise ValueError("--optimizer muon with --num-experts is not supported yet (Muon "
-                         "orthogonalises 2-D matrices; the experts are 3-D): use --optimizer "
-                         "adam")
+        check_moe_deepspeed(deepspeed, parallel)
+    if optimizer.optimizer == "muon" and deepspeed.enabled:
+        raise ValueError("--optimizer muon with --num-experts under --deepspeed: DeepSpeed's "
+                         "Muon orthogonalises 2-D weights only and would step the experts with "
+                         "AdamW; use the native path for Muon (per-expert orthogonalisation), "
+                         "or AdamW under DeepSpeed")

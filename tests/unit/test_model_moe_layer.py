@@ -26,8 +26,8 @@ def _config(swiglu=True, **moe) -> ModelConfig:
                     moe_aux_loss_coeff=[1e-2], moe_z_loss_coeff=1e-3)
     settings.update(moe)
     return ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=4, padded_vocab_size=64,
-                       seq_length=TOKENS // 2, swiglu=swiglu, add_bias_linear=False, ffn_hidden_size=32,
-                       normalization="RMSNorm", moe=MoEConfig(**settings))
+                       seq_length=TOKENS // 2, swiglu=swiglu, add_bias_linear=False,
+                       ffn_hidden_size=32, normalization="RMSNorm", moe=MoEConfig(**settings))
 
 
 def _layer(config: ModelConfig, ps: ParallelState = None) -> MoELayer:
@@ -72,8 +72,8 @@ def _dense_reference(layer: MoELayer, x: torch.Tensor, swiglu: bool, scale: floa
 
 
 @pytest.mark.parametrize("swiglu,shared,dispatcher,grouped", [
-    (True, None, "allgather", False), (True, 8, "alltoall", False), (False, None, "allgather", True),
-    (True, 16, "allgather", True)])
+    (True, None, "allgather", False), (True, 8, "alltoall", False),
+    (False, None, "allgather", True), (True, 16, "allgather", True)])
 def test_layer_equals_dense_loop_over_experts(swiglu, shared, dispatcher, grouped):
     config = _config(swiglu, moe_shared_expert_intermediate_size=shared,
                      moe_shared_expert_gate=shared is not None,

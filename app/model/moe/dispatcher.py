@@ -63,9 +63,11 @@ class AllGatherDispatcher(_Dispatcher):
                  routing_map: torch.Tensor) -> Dispatched:
         hidden_all = gather_rows(hidden, self.group)  # [T G, H]
         probs_all = gather_rows(probs, self.group)  # [T G, E]
-        with torch.no_grad():
-            map_all = collectives.all_gather_dim(routing_map.to(torch.uint8), self.group,
-                                                 0).bool()  # [T G, E]
+        map_all = routing_map  # [T G, E]
+        if self.size > 1:
+            with torch.no_grad():
+                map_all = collectives.all_gather_dim(routing_map.to(torch.uint8), self.group,
+                                                     0).bool()
         local = slice(self.first, self.first + self.num_local)
         local_map = map_all[:, local]  # [T G, E/EP]
         token_index, counts = routing.sort_by_expert(local_map)

@@ -43,6 +43,7 @@ class MoEMetrics:
         self.moe = config.moe
         self.num_layers = config.num_layers
         self.layers = {layer.layer_number: layer.router.log_state for layer in moe_layers(model)}
+        self.device = next(model.parameters()).device
         self.pattern = self.moe.layer_pattern(self.num_layers)
         self.ps, self.group = parallel_state, world_group
         ps = parallel_state
@@ -59,7 +60,7 @@ class MoEMetrics:
             return {}
         experts = self.moe.num_experts
         width = len(self.names) + experts + 1
-        device = next(iter(self.layers.values())).losses.device if self.layers else "cpu"
+        device = self.device  # NCCL reduces device tensors only
         table = torch.zeros(self.num_layers, width, dtype=torch.float64, device=device)
         for index, state in self.layers.items():
             table[index] = torch.cat([state.losses, state.tokens_per_expert,

@@ -144,8 +144,23 @@ def sorted_probs(probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor
     return probs.t()[routing_map.t()]
 
 
+class _Unsort(torch.autograd.Function):
+    """index_add of rows into zeros; backward gathers the gradient rows back (keeping only the
+    index: torch's index_add would also keep the [N, H] rows for their shape)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int):
+        ctx.save_for_backward(token_index)
+        out = rows.new_zeros((num_tokens,) + tuple(rows.shape[1:]))
+        return out.index_add_(0, token_index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (token_index,) = ctx.saved_tensors
+        return grad.index_select(0, token_index), None, None
+
+
 def unsort(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Sum each pair's row back into its token: rows [N, H] -> [num_tokens, H] (tokens without a
     pair get zeros)."""
-    out = rows.new_zeros((num_tokens,) + tuple(rows.shape[1:]))
-    return out.index_add(0, token_index, rows)
+    return _Unsort.apply(rows, token_index, num_tokens)
