@@ -17,9 +17,11 @@ uninterrupted run (one 4-rank spawn, then this process as the one-rank layout):
   within 1e-5.
 - Mixture of Experts (the Llama block with 4 experts, top-2, in layers 1-3 after a dense layer 0:
   Megatron's per-layer keys; a gated shared expert; sigmoid routing with the expert bias, a
-  buffer the checkpoint carries), fp32, plain optimizer, EP2 x DP4 (experts replicated over two
-  expert-DP ranks, which share their writing): resumed at EP1 (DP4) and at EP2 x TP2 with
-  sequence parallelism (each expert's FFN split over the two expert-tensor ranks), within 1e-5.
+  buffer the checkpoint carries), fp32, distributed optimizer (the experts' states sharded over
+  their expert-DP ranks), EP2 x DP4 (experts replicated over two expert-DP ranks, which share
+  their writing): resumed at EP1 (DP4, plain optimizer) and at EP2 x TP2 with sequence
+  parallelism (each expert's FFN split over the two expert-tensor ranks; distributed optimizer),
+  within 1e-5.
 """
 import torch
 
@@ -54,8 +56,9 @@ CASES = {  # name: (saving flags, background save, {resume name: (flags, relativ
     "bf16 muon": (TP2 + ["--bf16", "--optimizer", "muon"], False,
                   {"PP2xDP2 dist": (PP2 + DIST + ["--bf16", "--optimizer", "muon"], 1e-3)}),
     "llama": (TP2 + DIST + LLAMA, False, {"PP2xDP2 dist": (PP2 + DIST + LLAMA, 1e-5)}),
-    "moe": (EP2 + MOE, False, {"EP1": (MOE, 1e-5),
-                               "EP2xTP2": (EP2 + TP2 + ["--sequence-parallel"] + MOE, 1e-5)}),
+    "moe": (EP2 + DIST + MOE, False, {
+        "EP1": (MOE, 1e-5), "EP2xTP2 dist": (EP2 + TP2 + DIST + ["--sequence-parallel"] + MOE,
+                                             1e-5)}),
 }
 
 
