@@ -217,7 +217,7 @@ def test_resharding_round_trip_is_bit_exact_with_optimizer(runs):
         _convert("--input-format", "megatron", "--output-format", "megatron", "--load", root / src,
                  "--save", root / dst, "--target-tensor-model-parallel-size", tp,
                  "--target-pipeline-model-parallel-size", pp, "--include-optimizer")
-    assert ckpt.saved_layout(str(root / "rt_tp2pp2" / "iter_0000003")) == (2, 2)
+    assert ckpt.saved_layout(str(root / "rt_tp2pp2" / "iter_0000003")) == (2, 2, 1)  # (TP, PP, EP)
     a, _ = ckpt.load_checkpoint_dict(str(root / "tp1"))
     b, it = ckpt.load_checkpoint_dict(str(root / "rt_tp1"))
     assert it == 3
