@@ -136,6 +136,11 @@ class DistributedOptimizer(_PrecisionOptimizer):
         tied = self._tied_parameter(model)
         self.layout = self._build_buffers(bucket_size, tied)
         self.pieces = self._build_shards()
+        position = {id(p): i for i, p in enumerate(self.params)}
+        self.norm_order = sorted(self.pieces, key=lambda piece: (position[id(piece.param)],
+                                                                 piece.lo))
+        """The pieces in model order: the norm sums them as the plain wrappers sum whole
+        parameters, so at DP 1 the two norms are the same float on every processor."""
         self.groups_of_params = [g["params"] for g in optimizer_param_groups(model, config)]
         piece_of = {id(piece.param): piece for piece in self.pieces}
         self.piece_of_main = {id(piece.main): piece for piece in self.pieces}
@@ -293,11 +298,12 @@ class DistributedOptimizer(_PrecisionOptimizer):
     def _clip(self, max_norm: float, world_group: Any) -> float:
         """Pre-clip global norm from the shards (summed over the world: the shards of the data-
         parallel ranks make up one replica, the model-parallel ranks the whole model); gradients
-        scaled by min(1, max_norm / norm) exactly as app.mpu.grads.clip_grad_norm does."""
+        scaled by min(1, max_norm / norm) exactly as app.mpu.grads.clip_grad_norm does. The
+        shards are summed in model order (`norm_order`), the order of the plain wrappers."""
         tp_rank = self.ps.tensor_model_parallel_rank
         device = self.grad_buffer.device
         total = torch.zeros(1, dtype=torch.float32, device=device)
-        for piece in self.pieces:
+        for piece in self.norm_order:
             if counts_toward_norm(piece.main, tp_rank):
                 total += norm_power(piece.param, piece.main.grad, 2.0, flat_start=piece.lo)
         collectives.all_reduce(total, world_group)
