@@ -13,7 +13,9 @@
 - Rendezvous is a FileStore in a fresh temporary directory; each rank runs torch with one
   thread (the machine has few cores and several ranks share them).
 - A rank that raises makes the parent raise `DistributedTestError` with that rank's traceback
-  text; the other ranks (possibly blocked in a collective) are killed. Ranks still running at
+  text; the other ranks (possibly blocked in a collective) are killed. A rank that exits
+  without reporting is named first, as the cause, even when its peers' errors (a closed
+  connection) reached the parent before its exit did. Ranks still running at
   `timeout` seconds are killed and `TimeoutError` names them. A failure never hangs.
 - Children are forked from a forkserver that has torch and the trainer (pretrain_gpt2, app)
   pre-imported, so only the first call of a session pays for importing them.
@@ -134,50 +136,86 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
             start_child(p)
         return _collect(procs, results, world_size, timeout)
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             if wait_child(p, 0) is None:
                 p.kill()
-        for p in procs:
+        for p in started:
             wait_child(p, 5)
         results.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+REPORT_GRACE_S = 2.0
+"""After a rank reports an error, how long the parent still waits for every other rank to report
+or exit before it names the cause: a rank that leaves without reporting makes its peers fail
+(gloo's "Connection closed by peer"), and their reports can reach the parent before it sees
+that rank's exit (the forkserver reports an exit some scheduling delay after it)."""
+
+
 def _collect(procs: List[Any], results: Any, world_size: int, timeout: float) -> List[Any]:
-    """Wait for every rank's report; raise on the first error, a rank that exited without
-    reporting, or the timeout."""
+    """Wait for every rank's report; raise on a failure (a reported error, or a rank that
+    exited without reporting, which is named first: its peers' errors follow from it) or at
+    the timeout."""
     deadline = time.monotonic() + timeout
     values: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}  # in the order they arrived
     while len(values) < world_size:
-        if _receive(results, values, world_size, wait=0.2):
-            continue
-        if time.monotonic() > deadline:
+        received = _receive(results, values, errors, wait=0.2)
+        silent = _exited_silently(procs, values, errors)
+        if errors or silent:
+            # a rank's report is in the pipe before it exits: take what was sent, and after an
+            # error give the others the grace to report or exit, then judge
+            grace = time.monotonic() + (REPORT_GRACE_S if errors and not silent else 0.0)
+            while _receive(results, values, errors, wait=0.5) or (
+                    time.monotonic() < grace and not _all_settled(procs, values, errors)):
+                pass
+            if errors or _exited_silently(procs, values, errors):
+                raise DistributedTestError(_failure_text(procs, values, errors, world_size))
+            continue  # the exited ranks' reports were in the pipe
+        if not received and time.monotonic() > deadline:
             missing = sorted(set(range(world_size)) - set(values))
             raise TimeoutError(f"run_distributed: ranks {missing} of {world_size} did not "
                                f"finish within {timeout:.0f} s (killed)")
-        exited = [rank for rank, p in enumerate(procs)
-                  if rank not in values and wait_child(p, 0) is not None]
-        if exited:
-            # a rank's report is in the pipe before it exits: take what was sent, then judge
-            while len(values) < world_size and _receive(results, values, world_size, wait=0.5):
-                pass
-            for rank in exited:
-                if rank not in values:
-                    raise DistributedTestError(f"rank {rank} of {world_size} exited with code "
-                                               f"{procs[rank].exitcode} without reporting")
     return [values[rank] for rank in range(world_size)]
 
 
-def _receive(results: Any, values: Dict[int, Any], world_size: int, wait: float) -> bool:
-    """Take one report off the queue into `values`, raising a rank's reported error; False when
-    none came within `wait` seconds."""
+def _exited_silently(procs: List[Any], values: Dict[int, Any], errors: Dict[int, str]
+                     ) -> List[int]:
+    """The ranks that have exited without a report received."""
+    return [rank for rank, p in enumerate(procs)
+            if rank not in values and rank not in errors and wait_child(p, 0) is not None]
+
+
+def _all_settled(procs: List[Any], values: Dict[int, Any], errors: Dict[int, str]) -> bool:
+    """Every rank has reported or exited."""
+    return all(rank in values or rank in errors or wait_child(p, 0) is not None
+               for rank, p in enumerate(procs))
+
+
+def _failure_text(procs: List[Any], values: Dict[int, Any], errors: Dict[int, str],
+                  world_size: int) -> str:
+    """The ranks that exited without reporting first (the cause), then the reported errors in
+    the order they arrived."""
+    lines = [f"rank {rank} of {world_size} exited with code {procs[rank].exitcode} without "
+             f"reporting" for rank in _exited_silently(procs, values, errors)]
+    if lines and errors:
+        lines.append("(the errors its peers reported after it left follow)")
+    lines += [f"rank {rank} of {world_size} failed:\n{text}" for rank, text in errors.items()]
+    return "\n".join(lines)
+
+
+def _receive(results: Any, values: Dict[int, Any], errors: Dict[int, str], wait: float) -> bool:
+    """Take one report off the queue into `values` or `errors`; False when none came within
+    `wait` seconds."""
     try:
         rank, status, payload = results.get(timeout=wait)
     except queue_module.Empty:
         return False
     if status == "error":
-        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{payload}")
-    values[rank] = pickle.loads(payload)
+        errors[rank] = payload
+    else:
+        values[rank] = pickle.loads(payload)
     return True
 
 
