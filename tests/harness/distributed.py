@@ -25,7 +25,8 @@
   whose point is the numbers, not the launcher.
 - `run_main(argv, cwd, environ)` runs `python pretrain_gpt2.py argv` the same way on one
   process with no process group (its exit code, stdout and stderr apart): a command line's
-  outcome without the seconds of a fresh interpreter importing torch.
+  outcome without the seconds of a fresh interpreter importing torch; `run_mains` several
+  command lines one after the other in one such child.
 
 To check many things in one spawn, a rank function can call `run_checks({name: check}, *args)`
 and return its {name: None or traceback text}; inside checks, `expect_close` records a
@@ -315,60 +316,86 @@ def run_pretrain(world_size: int, argv: List[str], timeout: float = 300.0,
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _main_in_child(argv: List[str], cwd: str, environ: Dict[str, str], out_path: str,
-                   err_path: str) -> None:
-    """Child side of run_main: as `python pretrain_gpt2.py argv` started in `cwd` with
-    `environ`; exits with main's code (2 for a usage error, 1 and the traceback for an
-    exception, as the interpreter would)."""
+def _mains_in_child(argvs: List[List[str]], cwd: str, environ: Dict[str, str],
+                    log_dir: str) -> None:
+    """Child side of run_mains: each `argv` in turn as `python pretrain_gpt2.py argv` started in
+    `cwd` with `environ`, its output in `log_dir`/<i>.out and <i>.err and its exit code (2 for a
+    usage error, 1 and the traceback for an exception, as the interpreter would) in <i>.code;
+    exits with the last one's code."""
     import sys
 
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(environ)
-    sys.argv = ["pretrain_gpt2.py", *argv]
     if environ.get("OMP_NUM_THREADS", "").isdigit():  # torch read it when the forkserver began
         import torch
 
         torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
-    for fd, path in ((1, out_path), (2, err_path)):
-        with open(path, "w") as f:
-            os.dup2(f.fileno(), fd)
     from pretrain_gpt2 import main
 
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    code = 0
+    for i, argv in enumerate(argvs):
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.argv = ["pretrain_gpt2.py", *argv]
+        for fd, suffix in ((1, "out"), (2, "err")):
+            with open(os.path.join(log_dir, f"{i}.{suffix}"), "w") as f:
+                os.dup2(f.fileno(), fd)
+        try:
+            code = main(list(argv))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(os.path.join(log_dir, f"{i}.code"), "w") as f:
+            f.write(str(code))
     raise SystemExit(code)
+
+
+def run_mains(argvs: List[List[str]], cwd: str, environ: Mapping[str, str],
+              timeout: float = 300.0) -> "List[tuple[int, str, str]]":
+    """[(exit code, stdout, stderr)] of `python pretrain_gpt2.py argv` for each of `argvs`, run
+    one after the other in `cwd` with the environment `environ`, in ONE child forked from
+    run_distributed's forkserver (torch and the trainer already imported; what the runs import
+    beyond, e.g. DeepSpeed, is imported once for all). A run the child died in gets the child's
+    exit code, the runs after it (-1, "", "not run"); a child still running at `timeout` seconds
+    is killed and TimeoutError raised."""
+    log_dir = tempfile.mkdtemp(prefix="run_main_")
+    proc = _context().Process(target=_mains_in_child, name="pretrain_gpt2",
+                              args=([list(a) for a in argvs], str(cwd), dict(environ), log_dir))
+    try:
+        start_child(proc)
+        child = wait_child(proc, timeout)
+        if child is None:
+            proc.kill()
+            wait_child(proc, 5)
+            raise TimeoutError(f"run_main: pretrain_gpt2.py {' '.join(argvs[-1][:6])} ... still "
+                               f"running after {timeout:.0f} s (killed)")
+        results, died = [], False
+        for i in range(len(argvs)):
+            files = [os.path.join(log_dir, f"{i}.{suffix}") for suffix in ("code", "out", "err")]
+            if died or not os.path.exists(files[1]):
+                results.append((-1, "", "not run: the child died in an earlier run"))
+                continue
+            died = not os.path.exists(files[0])
+            with open(files[1], errors="replace") as f_out, open(files[2], errors="replace") as f_err:
+                out, err = f_out.read(), f_err.read()
+            code = child
+            if not died:
+                with open(files[0]) as f:
+                    code = int(f.read())
+            results.append((code, out, err))
+        return results
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def run_main(argv: List[str], cwd: str, environ: Mapping[str, str],
              timeout: float = 300.0) -> "tuple[int, str, str]":
     """(exit code, stdout, stderr) of `python pretrain_gpt2.py argv` run in `cwd` with the
-    environment `environ`, in one child forked from run_distributed's forkserver (torch and the
-    trainer already imported); a child still running at `timeout` seconds is killed and
-    TimeoutError raised."""
-    log_dir = tempfile.mkdtemp(prefix="run_main_")
-    out, err = os.path.join(log_dir, "stdout"), os.path.join(log_dir, "stderr")
-    proc = _context().Process(target=_main_in_child, name="pretrain_gpt2",
-                              args=(list(argv), str(cwd), dict(environ), out, err))
-    try:
-        start_child(proc)
-        code = wait_child(proc, timeout)
-        if code is None:
-            proc.kill()
-            wait_child(proc, 5)
-            raise TimeoutError(f"run_main: pretrain_gpt2.py {' '.join(argv[:6])} ... still "
-                               f"running after {timeout:.0f} s (killed)")
-        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
-            return code, f_out.read(), f_err.read()
-    finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+    environment `environ`, in one child (`run_mains` of one command line)."""
+    return run_mains([argv], cwd, environ, timeout)[0]
 
 
 def assert_checks_passed(outcomes: List[Dict[str, Optional[str]]]) -> None:
