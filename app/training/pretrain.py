@@ -35,7 +35,7 @@ from app.data.index_builder import MEGATRON_ORDER, SampleOrder
 from app.data.legacy_order import sample_order
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
 from app.mpu import collectives
-from app.checkpoint.megatron import CheckpointError
+from app.checkpoint import CheckpointError
 from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
                                     shutdown_distributed, world_group)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from app.checkpoint.megatron import CheckpointError
+from app.checkpoint import CheckpointError
 from app.checkpoint.model_args import CheckpointWriter
 from app.data.legacy_order import sample_order
 from app.data.plan import ORDER_VERSION
