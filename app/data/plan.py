@@ -201,9 +201,9 @@ def plan_datasets(blends: DataBlends, split: str, num_samples: Sequence[int],
 def order_record(plan: DataPlan, seed: int) -> Dict[str, Any]:
     """What decides the order of the training and validation samples, as plain values (saved
     in checkpoints): the version of the ordering rules (the plan's order: 2 is Megatron Core's,
-    1 this trainer's before 0.5.0), the seed, the sequence length, and per split each dataset's prefix, blend
-    weight, documents, tokens, epochs and whether its last epoch is shuffled apart, plus (not
-    deciding the order) the split's sample count. Within a dataset and a blend the first k
+    1 this trainer's before 0.5.0), the seed, the sequence length, and per split each dataset's
+    prefix, blend weight, documents, tokens, epochs and whether its last epoch is shuffled
+    apart, plus (not deciding the order) the split's sample count. Within a dataset and a blend the first k
     samples do not depend on how many are built beyond them, so only these matter."""
     s = plan.seq_length
     splits: Dict[str, Any] = {}

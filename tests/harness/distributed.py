@@ -380,8 +380,10 @@ def run_mains(argvs: List[List[str]], cwd: str, environ: Mapping[str, str],
                 results.append((-1, "", "not run: the child died in an earlier run"))
                 continue
             died = not os.path.exists(files[0])
-            with open(files[1], errors="replace") as f_out, open(files[2], errors="replace") as f_err:
-                out, err = f_out.read(), f_err.read()
+            with open(files[1], errors="replace") as f_out:
+                out = f_out.read()
+            with open(files[2], errors="replace") as f_err:
+                err = f_err.read()
             code = child
             if not died:
                 with open(files[0]) as f:

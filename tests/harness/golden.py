@@ -171,7 +171,8 @@ def main(argv: List[str] = None) -> None:
         problems = disagreements(curves, golden)
         if problems:
             raise SystemExit("not added: these curves differ from the recorded ones beyond the "
-                             "tolerance (the numerics changed: use --write): " + "; ".join(problems))
+                             "tolerance (the numerics changed: use --write): "
+                             + "; ".join(problems))
         golden[key] = curves
     elif args.write:
         golden = {key: curves}

@@ -61,7 +61,8 @@ def test_the_tolerance_path_passes_kernel_noise_only_in_kernel_computed_floats()
     assert loose.mismatch(0.00055, 0.0005500000001, kernel_dependent=False) is not None
     assert loose.mismatch(None, 1.0) is not None and loose.mismatch(3, 3) is None
     assert numerics.precision_of(["--fp16"]) == "fp16"
-    assert numerics.precision_of(["--bf16", "--x"]) == "bf16" and numerics.precision_of([]) == "fp32"
+    assert numerics.precision_of(["--bf16", "--x"]) == "bf16"
+    assert numerics.precision_of([]) == "fp32"
 
 
 def test_a_test_says_which_comparison_it_made():

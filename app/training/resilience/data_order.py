@@ -15,10 +15,10 @@ Which order a resume reads (`resume_order`) is the checkpoint's: the version its
 (1: this trainer's order before 0.5.0, read by app.data.legacy_order; 2: Megatron Core's), or,
 for a checkpoint of this trainer's releases before 0.5.0 that records none (0.1.0 to 0.3.0,
 and 0.4.0's torch_dist checkpoints), the order of those releases (1), recognised by the marks
-of their args (app.checkpoint.model_args.checkpoint_writer). A checkpoint of another trainer (Megatron-LM) continues in Megatron Core's
-order, and new runs start in it. Only --allow-data-order-change switches a resumed run to
-Megatron Core's order (from the saved sample counts on); the log says which order a resume
-reads and why.
+of their args (app.checkpoint.model_args.checkpoint_writer). A checkpoint of another trainer
+(Megatron-LM) continues in Megatron Core's order, and new runs start in it. Only
+--allow-data-order-change switches a resumed run to Megatron Core's order (from the saved
+sample counts on); the log says which order a resume reads and why.
 
 A changed sample count alone (a longer --train-iters, another --eval-interval, a batch-size
 schedule, a data-parallel size) is accepted when every dataset keeps its epochs: the first
