@@ -132,7 +132,8 @@ def _documents(indexed) -> Tuple[np.ndarray, np.ndarray]:
 
 
 LEGACY_ORDER = SampleOrder(
-    name="this trainer's order before 0.5.0", version=1, index_version="gpt-index-v1",
+    # not the old code's "gpt-index-v1": its cached doc_idx held ids relative to the split
+    name="this trainer's order before 0.5.0", version=1, index_version="gpt-index-v1-absolute",
     blend_version="blend-v1", documents=_documents, split_ranges=split_document_ranges,
     blend_weights=blend_weights, normalize=normalize, build_indices=build_indices,
     blend=blend_indices)
