@@ -47,6 +47,7 @@ def _exit_silently_on_rank_one() -> None:
 def _exit_silently_just_after_the_peer_failed() -> None:
     """Rank 0's error reaches the parent first; rank 1 leaves without a word half a second
     later, as a rank whose peer failed in the rendezvous because it had left may report first."""
+    dist.barrier()  # both are connected before rank 0 leaves
     if dist.get_rank() == 0:
         raise ConnectionError("the peer closed the connection")
     time.sleep(0.5)
