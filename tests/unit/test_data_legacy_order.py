@@ -31,7 +31,8 @@ CASES = {name: case["arguments"] for name, case in RECORDED.items()}
 def _datasets(case, order, cache):
     data = [w if w[0].isdigit() else os.path.join(HERE, "data", w) for w in case["data"]]
     blends = DataConfig(data_path=data, split=case["split"]).blends
-    plan = plan_datasets(blends, case["split"], case["num_samples"], case["seq_length"], order)
+    plan = plan_datasets(blends, case["split"], case["num_samples"], case["seq_length"],
+                         order=order)
     return plan, build_datasets(plan, case["seed"], cache_path=cache)
 
 
