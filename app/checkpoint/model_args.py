@@ -5,7 +5,10 @@ read it) from a RunConfig, the ModelConfig read back from one, and the check tha
 a few fields Megatron tools read; `model_config_from_args` is its inverse on the model's
 fields (for inference and conversion; older checkpoints' missing fields take ModelConfig's
 defaults). Three ModelConfig fields have no Megatron arg and are not stored (NOT_SAVED).
-`check_checkpoint_args` compares the fields that must agree (MODEL_SHAPE_FIELDS) and the layout.
+`check_checkpoint_args` compares the fields that must agree (MODEL_SHAPE_FIELDS) and the layout,
+naming the flag that would load the checkpoint; the tokenizer is compared by what it does
+(app.data.tokenizer_identity: a GPT-2 BPE given as vocab.json + merges.txt is the same
+tokenizer as the same vocabulary and merges in a tokenizer.json), not by its type's name.
 `writer_record` is what the args say of the code that wrote them (`writer`: project and
 version); `checkpoint_writer` reads it back, or recognises this trainer's args of releases that
 recorded none.
@@ -14,36 +17,55 @@ Args written by Megatron-LM itself (core_v0.16.1 to today's main; tests/data/meg
 what its parse_args makes) are read with Megatron's meaning (`_meaning`): e.g. num_query_groups is
 its argparse default 1 unless --group-query-attention. The args that change the arithmetic in
 ways this code does not build (the FIXED_ARCHITECTURE fields that ModelConfig lacks: squared
-ReLU, layernorm-1p, experts, ...) are refused by name.
+ReLU, layernorm-1p, ...) are refused by name.
+
+Mixture of Experts: every MoEConfig field is stored under its own name, which is Megatron's arg
+name (num_experts, moe_ffn_hidden_size, moe_layer_freq, moe_router_topk, ...; one-element
+load-balancing type and coefficient lists as scalars, as Megatron's validate_args leaves
+them), with expert_model_parallel_size and expert_tensor_parallel_size, so Megatron's
+core_transformer_config_from_args builds the same model from our args. The fields that decide
+the experts' shapes and routing arithmetic (MOE_SHAPE_FIELDS) must agree on load; the expert
+layout may change.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from app.checkpoint import CheckpointError
 from app.config import ModelConfig, RunConfig
+from app.config.data import tokenizer_type_in_effect
+from app.config.moe import MoEConfig
+from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers, gpt2_bpe_in_directory
 from app.utils.dtypes import dtype_name, torch_dtype
 from app.utils.release import PROJECT, VERSION
 
 FIXED_ARCHITECTURE: Dict[str, Any] = {
     "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
     "squared_relu": False, "qk_layernorm": False, "apply_layernorm_1p": False,
-    "apply_residual_connection_post_layernorm": False, "num_experts": None,
-    "multi_latent_attention": False}
+    "apply_residual_connection_post_layernorm": False, "multi_latent_attention": False}
 """Megatron args that change the model's arithmetic, with Megatron's defaults (what an args
 Namespace lacking one means). A ModelConfig without a field of that name builds only the
 default; a checkpoint with another value is refused by name."""
+
+MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
+                    "moe_router_score_function", "moe_router_pre_softmax",
+                    "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+                    "moe_shared_expert_gate", "moe_router_enable_expert_bias")
+"""The MoE args that decide the expert weights' shapes and what the routing computes; their
+meaning without experts (num_experts None) is None (`_meaning`)."""
 
 MODEL_SHAPE_FIELDS = (*FIXED_ARCHITECTURE, "num_layers", "hidden_size", "num_attention_heads",
                       "ffn_hidden_size", "max_position_embeddings", "padded_vocab_size",
                       "tokenizer_type", "position_embedding_type", "rotary_percent",
                       "rotary_base", "num_query_groups", "kv_channels",
-                      "untie_embeddings_and_output_weights")
+                      "untie_embeddings_and_output_weights", *MOE_SHAPE_FIELDS)
 """Fields that must agree between a checkpoint and the run loading it (`_meaning` says how an
 absent or unused field reads)."""
 
@@ -54,8 +76,10 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
     """The `args` Namespace stored in a checkpoint: Megatron's names, from `cfg` and the position.
 
     Carries the model shape, the parallel layout, the data position, the data-order record
-    (`data_order`, app.data.plan.order_record; None when not known) and a few fields Megatron
-    tools read (params_dtype, position_embedding_type, ...). Plain Python values and one
+    (`data_order`, app.data.plan.order_record; None when not known), the tokenizer as its flags
+    name it (the type in effect: NullTokenizer for --vocab-size without --vocab-file; the
+    --vocab-file / --merge-file / --tokenizer-model it reads) and a few fields Megatron tools
+    read (params_dtype, position_embedding_type, ...). Plain Python values and one
     torch.dtype only, so it loads under weights_only with Namespace allow-listed.
     """
     m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
@@ -66,7 +90,10 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         seq_length=m.seq_length, padded_vocab_size=m.padded_vocab_size,
         vocab_size=cfg.raw_vocab_size,
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
-        tokenizer_type=cfg.data.tokenizer_type, layernorm_epsilon=m.layernorm_epsilon,
+        tokenizer_type=tokenizer_type_in_effect(cfg.data.tokenizer_type, cfg.data.vocab_file,
+                                                cfg.data.vocab_size),
+        vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file,
+        layernorm_epsilon=m.layernorm_epsilon,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, openai_gelu=m.openai_gelu,
         bias_gelu_fusion=m.bias_gelu_fusion, masked_softmax_fusion=m.masked_softmax_fusion,
@@ -90,6 +117,8 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size, **moe_args(m.moe),
         num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
         virtual_pipeline_model_parallel_size=(cfg.virtual_pipeline_model_parallel_size
                                               if p.num_layers_per_virtual_pipeline_stage else None),
@@ -172,6 +201,33 @@ def checkpoint_writer(args: Optional[argparse.Namespace],
     return CheckpointWriter(False)
 
 
+def moe_args(moe: MoEConfig) -> Dict[str, Any]:
+    """Megatron's MoE args of `moe`: every field under its name, the one-element lists of the
+    load-balancing types and coefficients as scalars (Megatron's validate_args)."""
+    out = {f.name: copy.copy(getattr(moe, f.name)) for f in dataclasses.fields(MoEConfig)}
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if isinstance(out[name], list) and len(out[name]) == 1:
+            out[name] = out[name][0]
+    return out
+
+
+def moe_config_from_args(args: argparse.Namespace) -> MoEConfig:
+    """The MoEConfig that `args` describe (Megatron's or ours; absent fields take MoEConfig's
+    defaults, so args without num_experts describe a dense model). ValueError, with the rule's
+    words, for options this code refuses (app.config.moe)."""
+    fields: Dict[str, Any] = {}
+    for f in dataclasses.fields(MoEConfig):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        if f.name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+            value = list(value) if isinstance(value, (list, tuple)) else [value]
+        elif isinstance(value, tuple):
+            value = list(value)
+        fields[f.name] = value
+    return MoEConfig(**fields)
+
+
 NOT_SAVED = ("layernorm_fusion", "cross_entropy_loss_fusion", "attention_backend")
 """ModelConfig fields that the args do not record (Megatron has no such args; an attention
 backend "flash" is recorded as use_flash_attn): read back as ModelConfig's defaults."""
@@ -231,6 +287,7 @@ def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional
     dtype = getattr(args, "params_dtype", None)
     fields["params_dtype"] = dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32"
     try:
+        fields["moe"] = moe_config_from_args(args)
         return ModelConfig(**fields)
     except ValueError as exc:
         raise CheckpointError(f"the checkpoint's args describe a model this code cannot build: "
@@ -261,39 +318,105 @@ def _architecture(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
-                          current: argparse.Namespace, reshardable: bool = False) -> None:
-    """Raise CheckpointError if the checkpoint's model shape or TP/PP layout differs from ours.
+                          current: argparse.Namespace, reshardable: bool = False) -> List[str]:
+    """Raise CheckpointError if the checkpoint's model shape, tokenizer or TP/PP layout differs
+    from ours; returns the notes to log (a tokenizer named another way but the same).
 
-    Fields missing from an older checkpoint are skipped. The message names the field and both
-    values; a tensor/pipeline size mismatch also says how to reshard (tools/convert_checkpoint.py).
-    A `reshardable` checkpoint (torch_dist) may have any TP/PP layout and vocabulary padding
-    (its tensors' global shapes are checked when they are read).
+    Fields missing from an older checkpoint are skipped. The message names the field, both
+    values and the flag that would load the checkpoint; a tensor/pipeline size mismatch says
+    how to reshard (tools/convert_checkpoint.py). A `reshardable` checkpoint (torch_dist) may
+    have any TP/PP layout and vocabulary padding (its tensors' global shapes are checked when
+    they are read). The tokenizers are compared by what they do (`check_tokenizer`).
     """
     if ckpt_args is None:
-        return
+        return []
     for name in () if reshardable else ("tensor_model_parallel_size",
                                         "pipeline_model_parallel_size"):
         saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
         if saved != now:
+            tp = getattr(current, "tensor_model_parallel_size", 1)
+            pp = getattr(current, "pipeline_model_parallel_size", 1)
             raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
                                   f"{now}; reshard it first: tools/convert_checkpoint.py "
-                                  "--input-format megatron --target-tensor-model-parallel-size T "
-                                  "--target-pipeline-model-parallel-size P --include-optimizer")
+                                  "--input-format megatron --load CKPT --save NEW "
+                                  f"--target-tensor-model-parallel-size {tp} "
+                                  f"--target-pipeline-model-parallel-size {pp} "
+                                  "--include-optimizer, then --load NEW")
+    notes = check_tokenizer(ckpt_args, current)
     for name in MODEL_SHAPE_FIELDS:
-        if reshardable and name == "padded_vocab_size":
+        if (reshardable and name == "padded_vocab_size") or name == "tokenizer_type":
             continue
         saved, now = _meaning(ckpt_args, name), _meaning(current, name)
         if saved is _UNKNOWN or now is _UNKNOWN or saved == now:
             continue
-        fix = "pass the same model flags as the run that saved it"
-        if name in FIXED_ARCHITECTURE and name not in _MODEL_FIELDS:
-            fix = f"this code builds only {name} {FIXED_ARCHITECTURE[name]}"
         raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
-                              f"{now}; {fix}")
+                              f"{now}; {_fix(name, saved, ckpt_args)}")
+    return notes
+
+
+def check_tokenizer(ckpt_args: argparse.Namespace, current: argparse.Namespace) -> List[str]:
+    """CheckpointError when the checkpoint's tokenizer is not this run's, naming the flags that
+    would load it; the notes to log when it is the same tokenizer under another name.
+
+    Compared by what the tokenizers do (app.data.tokenizer_identity.compare_tokenizers): the
+    same vocabulary, merges and special tokens are the same tokenizer whatever the type says.
+    When a file is not here to compare, the type names must agree (as before the comparison
+    existed); a checkpoint saved before the type in effect was recorded names GPT2BPETokenizer
+    for a --vocab-size run without a vocabulary file, which is NullTokenizer of that size."""
+    saved, ours = TokenizerSpec.from_args(ckpt_args), TokenizerSpec.from_args(current)
+    if saved is None or ours is None:
+        return []
+    match = compare_tokenizers(saved, ours)
+    if match.same:
+        if saved.tokenizer_type == ours.tokenizer_type:
+            return []
+        return [f"tokenizer: this run's {ours.flags()} is the checkpoint's {saved.flags()}: "
+                f"{match.detail}"]
+    older_null = (saved.tokenizer_type == "GPT2BPETokenizer" and not saved.vocab_file
+                  and ours.tokenizer_type == "NullTokenizer"
+                  and saved.vocab_size == ours.vocab_size)
+    if match.same is None and (saved.tokenizer_type == ours.tokenizer_type or older_null):
+        return []
+    why = (f"it is not the same tokenizer ({match.detail})" if match.same is False else
+           f"the two cannot be compared ({match.detail})")
+    gpt2 = (saved.tokenizer_type == "HuggingFaceTokenizer" and saved.tokenizer_model
+            and os.path.isdir(saved.tokenizer_model)
+            and gpt2_bpe_in_directory(saved.tokenizer_model) is not None)
+    also = (" (or --tokenizer-type GPT2BPETokenizer with --vocab-file/--merge-file of the same "
+            "vocabulary and merges: it is a GPT-2 BPE)" if gpt2 else "")
+    raise CheckpointError(f"checkpoint was saved with tokenizer {saved.flags()} but this run "
+                          f"uses {ours.flags()}, and {why}; to load it pass {saved.flags()}"
+                          f"{also}")
+
+
+def _fix(name: str, saved: Any, ckpt_args: argparse.Namespace) -> str:
+    """The flags that give this run the checkpoint's `name` = `saved`."""
+    if name in FIXED_ARCHITECTURE and name not in _MODEL_FIELDS:
+        return f"this code builds only {name} {FIXED_ARCHITECTURE[name]}"
+    if name == "padded_vocab_size":
+        divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None)
+        raw = getattr(ckpt_args, "vocab_size", None)
+        return (f"its vocabulary of {raw or '?'} tokens was padded to a multiple of "
+                f"--make-vocab-size-divisible-by {divisor or '?'} x the tensor-parallel size: "
+                f"pass --make-vocab-size-divisible-by {divisor or 'N'} and its tokenizer")
+    if name == "num_query_groups":
+        heads = getattr(ckpt_args, "num_attention_heads", None)
+        return ("drop --group-query-attention / --num-query-groups" if saved == heads else
+                f"pass --group-query-attention --num-query-groups {saved}")
+    flag = _MODEL_FLAGS.get(name)
+    if flag is None:
+        return "pass the same model flags as the run that saved it"
+    if isinstance(saved, bool):
+        wanted = saved != (flag.action == "store_false")  # whether the flag must be given
+        return f"{'pass' if wanted else 'drop'} {flag.name}, as the run that saved it did"
+    return f"pass {flag.name} {saved}"
 
 
 _UNKNOWN = object()
 _MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+_MODEL_FLAGS = {f.name: f.metadata["flag"] for f in dataclasses.fields(ModelConfig)
+                if "flag" in f.metadata}
+"""ModelConfig's fields with their command-line flags (app.config.options.Flag)."""
 
 
 def _meaning(args: argparse.Namespace, name: str) -> Any:
@@ -321,4 +444,27 @@ def _meaning(args: argparse.Namespace, name: str) -> Any:
         return None
     if name in FIXED_ARCHITECTURE:
         return FIXED_ARCHITECTURE[name] if value is None else value
+    if name in MOE_SHAPE_FIELDS:
+        return _moe_meaning(args, name, value)
     return _UNKNOWN if value is None else value
+
+
+def _moe_meaning(args: argparse.Namespace, name: str, value: Any) -> Any:
+    """An MOE_SHAPE_FIELDS arg as Megatron means it: None without experts (num_experts 0 or
+    absent); moe_ffn_hidden_size None is ffn_hidden_size; moe_layer_freq is the tuple of which
+    layers are MoE layers (an int N: i % N == 0)."""
+    experts = getattr(args, "num_experts", None) or None
+    if experts is None:
+        return None
+    if name == "num_experts":
+        return experts
+    if name == "moe_ffn_hidden_size" and value is None:
+        return getattr(args, "ffn_hidden_size", None)
+    if value is None:  # an older Megatron's args without the field: its default
+        value = getattr(MoEConfig(), name)
+    if name == "moe_layer_freq":
+        layers = int(getattr(args, "num_layers", 0) or 0)
+        freq = 1 if value is None else value
+        return tuple(bool(v) for v in freq) if isinstance(freq, (list, tuple)) else \
+            tuple(i % int(freq) == 0 for i in range(layers))
+    return value

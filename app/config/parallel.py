@@ -3,7 +3,7 @@ Part of `app.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, List, Optional, Tuple
 
 from app.config.options import option
 from app.config.rules import positive
@@ -48,12 +48,23 @@ class ParallelConfig:
         "--distributed-timeout-minutes", default=10.0,
         help="a collective waiting this long for another rank fails, and a rank making no "
              "progress for this long (plus a margin) is stopped; fractions allowed")
+    expert_model_parallel_size: int = option(
+        "--expert-model-parallel-size", default=1,
+        help="EP: ranks that split each MoE layer's experts (Megatron's expert grid: expert "
+             "tensor x expert x expert data x pipeline; docs/moe.md)")
+    expert_tensor_parallel_size: Optional[int] = option(
+        "--expert-tensor-parallel-size", default=None,
+        help="ETP: ranks that split each expert's FFN (default: --tensor-model-parallel-size)")
     world_size: int = 1
     """Ranks in the job (from the launcher; not a flag)."""
     world_source: str = ""
     """Where world_size came from (app.launch.distributed.WorldInfo.source), for messages."""
 
     def __post_init__(self) -> None:
+        if self.expert_tensor_parallel_size is None:  # Megatron's default, set at construction
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        positive(self, (("expert_model_parallel_size", "--expert-model-parallel-size"),
+                         ("expert_tensor_parallel_size", "--expert-tensor-parallel-size")))
         positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                          ("context_parallel_size", "--context-parallel-size"),
@@ -83,14 +94,31 @@ class ParallelConfig:
         return self.world_size // (self.tensor_model_parallel_size
                                    * self.pipeline_model_parallel_size * self.context_parallel_size)
 
+    def megatron_layout(self) -> str:
+        """The layout as Megatron-LM's validate_args prints it first: "using world size: W,
+        data-parallel size: D, context-parallel size: C, hierarchical context-parallel sizes:
+        None, tensor-model-parallel size: T, pipeline-model-parallel size: P"."""
+        return (f"using world size: {self.world_size}, data-parallel size: "
+                f"{self.data_parallel_size}, context-parallel size: {self.context_parallel_size}, "
+                "hierarchical context-parallel sizes: None, tensor-model-parallel size: "
+                f"{self.tensor_model_parallel_size}, pipeline-model-parallel size: "
+                f"{self.pipeline_model_parallel_size}")
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP = world / (ETP x EP x PP): ranks holding the same experts (Megatron Core)."""
+        return self.world_size // (self.expert_tensor_parallel_size
+                                   * self.expert_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
 
 
 @dataclass(kw_only=True)
 class PrecisionConfig:
     """Numeric precision: fp32, bf16 or fp16 weights (native path or DeepSpeed).
 
-    The loss-scale fields apply to fp16 only and default (None) to Megatron's values: initial
-    scale 2^32, minimum 1, window 1000, hysteresis 2; `loss_scale` set means a static scale.
+    The loss-scale fields apply to fp16 only (given with bf16 or fp32 they are not read, and a
+    warning says so) and default (None) to Megatron's values: initial scale 2^32, minimum 1,
+    window 1000, hysteresis 2; `loss_scale` set means a static scale.
     On the DeepSpeed path, the ones given fill the JSON's fp16 block; without --fp16/--bf16 the
     precision comes from the JSON (arguments.py).
     """
@@ -128,14 +156,6 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
-        given = [flag for flag, value in (("--loss-scale", self.loss_scale),
-                                          ("--initial-loss-scale", self.initial_loss_scale),
-                                          ("--min-loss-scale", self.min_loss_scale),
-                                          ("--loss-scale-window", self.loss_scale_window),
-                                          ("--hysteresis", self.hysteresis)) if value is not None]
-        if given and not self.fp16:
-            raise ValueError(f"{', '.join(given)} only apply with --fp16 (bf16 and fp32 need no "
-                             "loss scaling); drop them or add --fp16")
         positive(self, (("loss_scale", "--loss-scale"),
                          ("initial_loss_scale", "--initial-loss-scale"),
                          ("min_loss_scale", "--min-loss-scale"),
@@ -155,6 +175,16 @@ class PrecisionConfig:
     def grads_accumulate_in_fp32(self) -> bool:
         """Whether half-precision gradients accumulate in fp32 buffers (bf16: always)."""
         return self.bf16 or (self.fp16 and self.accumulate_allreduce_grads_in_fp32)
+
+    @property
+    def loss_scale_flags(self) -> List[str]:
+        """The loss-scale flags given (read with --fp16 only; app.config.unread warns about
+        them otherwise, as Megatron-LM accepts and ignores them)."""
+        return [flag for flag, value in (("--loss-scale", self.loss_scale),
+                                         ("--initial-loss-scale", self.initial_loss_scale),
+                                         ("--min-loss-scale", self.min_loss_scale),
+                                         ("--loss-scale-window", self.loss_scale_window),
+                                         ("--hysteresis", self.hysteresis)) if value is not None]
 
     def dynamic_scaler_settings(self) -> Tuple[float, float, int, int]:
         """(initial scale, minimum scale, growth window, hysteresis) with Megatron's defaults."""

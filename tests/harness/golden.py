@@ -129,12 +129,17 @@ def run_config(name: str, workdir: str) -> Dict[str, List[float]]:
     argv = [*COMMON, *CONFIGS[name], "--data-path", prefix, "--vocab-file", vocab_file,
             "--merge-file", merge_file, "--data-cache-path", os.path.join(workdir, "cache"),
             "--metrics-file", metrics]
-    threads = torch.get_num_threads()
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the run sets its threads from it (app.launch.threads)
     try:
         pretrain_gpt2.run(argv)
     finally:
         torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
     with open(metrics) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train = [r for r in rows if r["kind"] == "train"]

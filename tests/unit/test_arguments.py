@@ -122,9 +122,9 @@ def test_precision_flags_on_deepspeed_and_native(tmp_path):
     assert native.precision.dynamic_scaler_settings() == (2.0 ** 32, 1.0, 1000, 2)  # Megatron's
     fp16 = arguments.build_run_config(arguments.parse_args(base + half), 1, 100, 128)
     assert fp16.model.params_dtype == "float16" and not fp16.precision.grads_accumulate_in_fp32
-    with pytest.raises(ValueError, match="--hysteresis only apply with --fp16"):
-        arguments.build_run_config(arguments.parse_args(base + ["--bf16", "--hysteresis", "3"]),
-                                   1, 100, 128)
+    bf16 = arguments.build_run_config(arguments.parse_args(base + ["--bf16", "--hysteresis", "3"]),
+                                      1, 100, 128)  # accepted, as Megatron-LM does; not read
+    assert bf16.precision.loss_scale_flags == ["--hysteresis"]
     with pytest.raises(ValueError, match="--fp16-lm-cross-entropy"):
         arguments.build_run_config(arguments.parse_args(base + ["--fp16-lm-cross-entropy"]),
                                    1, 100, 128)
@@ -195,12 +195,13 @@ def test_deepspeed_flags_without_deepspeed_installed(monkeypatch):
      ["--pipeline-model-parallel-size (2)", "--deepspeed", "zero_optimization.stage 2"]),
     (["--finetune"], 1, ["--finetune", "--load"]),
     (["--split", "a,b"], 1, ["--split", "a,b"]),
+    (["--split", "1e2,1,1"], 1, ["--split", "1e2,1,1", "without exponents"]),
+    (["--split", "9,1,0,1"], 1, ["--split", "9,1,0,1", "up to three"]),
     (["--hidden-dropout", "1.5"], 1, ["--hidden-dropout", "1.5"]),
     (["--save-interval", "0"], 1, ["--save-interval", "0"]),
     (["--keep-last-n-checkpoints", "0"], 1, ["--keep-last-n-checkpoints", "0"]),
     (["--micro-batch-size", "0"], 1, ["--micro-batch-size", "0"]),
     # sequence parallelism, recompute, positions, query groups
-    (["--sequence-parallel"], 1, ["--sequence-parallel", "--tensor-model-parallel-size > 1"]),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], 2,
      ["--seq-length (33)", "--tensor-model-parallel-size (2)"]),
     (["--recompute-method", "block"], 1, ["--recompute-method", "--recompute-granularity full"]),

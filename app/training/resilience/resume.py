@@ -239,7 +239,8 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
         load_dir, iteration, deepspeed=cfg.deepspeed.enabled,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        data_parallel_size=p.data_parallel_size, load_optimizer=False)
+        data_parallel_size=p.data_parallel_size, load_optimizer=False,
+        expert_model_parallel_size=p.expert_model_parallel_size)
     if layout is None:
         raise ckpt.CheckpointError(
             f"{names.checkpoint_dir(load_dir, iteration)} (named by "
@@ -302,8 +303,9 @@ def plan_resume(c: CheckpointConfig, iteration: names.Iteration) -> ResumePlan:
 
 def check_saved_args(plan: ResumePlan, saved: Optional[argparse.Namespace], cfg: RunConfig,
                      where: str, reshardable: bool = False) -> None:
-    """Refuse a checkpoint whose model shape or layout differs from this run's; a
-    `reshardable` one (torch_dist) may have any TP x PP and vocabulary padding.
+    """Refuse a checkpoint whose model shape, tokenizer or layout differs from this run's; a
+    `reshardable` one (torch_dist) may have any TP x PP and vocabulary padding. A tokenizer
+    named another way but the same is logged (model_args.check_checkpoint_args).
 
     A checkpoint without `args` (not written by us or by Megatron) is accepted weights-only.
     """
@@ -312,8 +314,9 @@ def check_saved_args(plan: ResumePlan, saved: Optional[argparse.Namespace], cfg:
             raise ckpt.CheckpointError(f"{where} has no 'args', so its model shape cannot be "
                                        "checked; pass --finetune to load its weights only")
         return
-    model_args.check_checkpoint_args(saved, model_args.checkpoint_args_namespace(cfg, 0, 0, 0),
-                                     reshardable=reshardable)
+    for note in model_args.check_checkpoint_args(
+            saved, model_args.checkpoint_args_namespace(cfg, 0, 0, 0), reshardable=reshardable):
+        logger.info(note)
 
 
 def scheduler_steps(saved_scheduler: Optional[Dict[str, Any]], iteration: int) -> int:
