@@ -160,6 +160,9 @@ ARGS_BEFORE_0_4 = frozenset((
 """Every field of the args this trainer wrote in releases 0.1.0 to 0.3.0, which recorded
 neither their version nor their data order: a few of Megatron's names, where Megatron-LM's
 args hold all of its hundreds (rank, save, load, ...)."""
+CONVERTER_FIELDS = frozenset(("expert_model_parallel_size", "expert_tensor_parallel_size"))
+"""Layout fields the converter writes into the args it copies from its source
+(app.checkpoint.param_layout.target_args): a converted checkpoint keeps its writer's marks."""
 ARGS_OF_0_4 = ARGS_BEFORE_0_4 | {"data_order", "split"}
 """The fields of 0.4.0's args (and the code's up to 0.5.0's data order), whose torch_dist
 checkpoints left their data-order record empty."""
@@ -189,11 +192,12 @@ def checkpoint_writer(args: Optional[argparse.Namespace],
     """Who wrote a checkpoint whose args are `args` (None: it has none) or whose client state
     holds the writer `record`: the recorded release (`writer_record`), else this trainer by the
     marks its args always carried (only fields of ARGS_BEFORE_0_4 before 0.4.0, of ARGS_OF_0_4
-    in 0.4.0, a `data_order` field in 0.5.x), else another writer."""
+    in 0.4.0, a `data_order` field in 0.5.x; a converter's CONVERTER_FIELDS aside), else
+    another writer."""
     record = record or getattr(args, "writer", None)
     if isinstance(record, dict) and record.get("project") == PROJECT:
         return CheckpointWriter(True, str(record.get("version")))
-    fields = set(vars(args)) if isinstance(args, argparse.Namespace) else set()
+    fields = set(vars(args)) - CONVERTER_FIELDS if isinstance(args, argparse.Namespace) else set()
     if fields and fields <= ARGS_BEFORE_0_4:
         return CheckpointWriter(True, before="0.4.0")
     if "data_order" in fields:

@@ -70,6 +70,16 @@ def test_the_writer_is_recorded_or_recognised_by_the_marks_of_its_args():
     assert "0.1.0 to 0.3.0" in checkpoint_writer(ours_old).describe()
 
 
+def test_a_converted_checkpoint_keeps_its_writers_marks():
+    """The converter copies the source's args and sets its layout fields: a checkpoint of
+    0.1.0-0.3.0 converted today is still theirs (and resumes in their order)."""
+    import torch
+    from app.checkpoint.param_layout import target_args
+    source = argparse.Namespace(args=_args(**{name: 1 for name in ARGS_BEFORE_0_4}))
+    converted = target_args(source, 2, 1, torch.float32, 320, 2)
+    assert checkpoint_writer(converted).before == "0.4.0"
+
+
 def test_a_resume_reads_the_order_its_checkpoint_names_and_only_the_flag_switches():
     old_writer = checkpoint_writer(_args(**{name: 0 for name in ARGS_BEFORE_0_4}))
     other = checkpoint_writer(_args(rank=0))
