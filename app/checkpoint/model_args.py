@@ -9,6 +9,9 @@ defaults). Three ModelConfig fields have no Megatron arg and are not stored (NOT
 naming the flag that would load the checkpoint; the tokenizer is compared by what it does
 (app.data.tokenizer_identity: a GPT-2 BPE given as vocab.json + merges.txt is the same
 tokenizer as the same vocabulary and merges in a tokenizer.json), not by its type's name.
+`writer_record` is what the args say of the code that wrote them (`writer`: project and
+version); `checkpoint_writer` reads it back, or recognises this trainer's args of releases that
+recorded none.
 
 Args written by Megatron-LM itself (core_v0.16.1 to today's main; tests/data/megatron_args holds
 what its parse_args makes) are read with Megatron's meaning (`_meaning`): e.g. num_query_groups is
@@ -30,6 +33,7 @@ import argparse
 import copy
 import dataclasses
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -40,6 +44,7 @@ from app.config.data import tokenizer_type_in_effect
 from app.config.moe import MoEConfig
 from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers, gpt2_bpe_in_directory
 from app.utils.dtypes import dtype_name, torch_dtype
+from app.utils.release import PROJECT, VERSION
 
 FIXED_ARCHITECTURE: Dict[str, Any] = {
     "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
@@ -124,7 +129,80 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         lr_warmup_iters=o.lr_warmup_iters,
         consumed_train_samples=int(consumed_train_samples),
         consumed_valid_samples=int(consumed_valid_samples), iteration=int(iteration),
-        data_path=list(cfg.data.data_path), split=cfg.data.split, data_order=data_order)
+        data_path=list(cfg.data.data_path), split=cfg.data.split, data_order=data_order,
+        writer=writer_record())
+
+
+def writer_record() -> Dict[str, str]:
+    """What a checkpoint records of the code that wrote it (the args' `writer`, and the
+    client state's): this project and its release (app.utils.release)."""
+    return {"project": PROJECT, "version": VERSION}
+
+
+ARGS_BEFORE_0_4 = frozenset((
+    "accumulate_allreduce_grads_in_fp32", "add_bias_linear", "add_position_embedding",
+    "apply_query_key_layer_scaling", "apply_residual_connection_post_layernorm",
+    "attention_dropout", "attention_softmax_in_fp32", "bf16", "bias_dropout_fusion",
+    "bias_gelu_fusion", "consumed_train_samples", "consumed_valid_samples", "data_parallel_size",
+    "data_path", "ffn_hidden_size", "fp16", "fp16_lm_cross_entropy", "global_batch_size",
+    "group_query_attention", "hidden_dropout", "hidden_size", "init_method_std", "iteration",
+    "kv_channels", "layernorm_epsilon", "lr", "lr_decay_iters", "lr_decay_style",
+    "lr_warmup_iters", "make_vocab_size_divisible_by", "masked_softmax_fusion",
+    "max_position_embeddings", "micro_batch_size", "min_lr", "normalization",
+    "num_attention_heads", "num_layers", "num_layers_per_virtual_pipeline_stage",
+    "num_query_groups", "openai_gelu", "padded_vocab_size", "params_dtype",
+    "pipeline_model_parallel_size", "position_embedding_type", "recompute_granularity",
+    "recompute_method", "recompute_num_layers", "rotary_base", "rotary_percent", "seed",
+    "seq_length", "sequence_parallel", "swiglu", "tensor_model_parallel_size", "tokenizer_type",
+    "train_iters", "untie_embeddings_and_output_weights", "use_flash_attn",
+    "use_rotary_position_embeddings", "virtual_pipeline_model_parallel_size", "vocab_size",
+    "world_size"))
+"""Every field of the args this trainer wrote in releases 0.1.0 to 0.3.0, which recorded
+neither their version nor their data order: a few of Megatron's names, where Megatron-LM's
+args hold all of its hundreds (rank, save, load, ...)."""
+CONVERTER_FIELDS = frozenset(("expert_model_parallel_size", "expert_tensor_parallel_size"))
+"""Layout fields the converter writes into the args it copies from its source
+(app.checkpoint.param_layout.target_args): a converted checkpoint keeps its writer's marks."""
+ARGS_OF_0_4 = ARGS_BEFORE_0_4 | {"data_order", "split"}
+"""The fields of 0.4.0's args (and the code's up to 0.5.0's data order), whose torch_dist
+checkpoints left their data-order record empty."""
+
+
+@dataclass(frozen=True)
+class CheckpointWriter:
+    """Who wrote a checkpoint: this project (`ours`) and its release when recorded, else the
+    release the marks of its args say it predates (`before`)."""
+
+    ours: bool
+    version: Optional[str] = None
+    before: Optional[str] = None
+
+    def describe(self) -> str:
+        if not self.ours:
+            return "not this project (Megatron-LM or another trainer: no writer recorded)"
+        if self.version is not None:
+            return f"{PROJECT} {self.version}"
+        releases = {"0.4.0": "0.1.0 to 0.3.0", "0.5.0": "0.4.0, or the code before 0.5.0",
+                    "0.6.0": "0.5.x"}[str(self.before)]
+        return f"{PROJECT} {releases} (no version recorded; known by the fields of its args)"
+
+
+def checkpoint_writer(args: Optional[argparse.Namespace],
+                      record: Optional[Dict[str, Any]] = None) -> CheckpointWriter:
+    """Who wrote a checkpoint whose args are `args` (None: it has none) or whose client state
+    holds the writer `record`: the recorded release (`writer_record`), else this trainer by the
+    marks its args always carried (only fields of ARGS_BEFORE_0_4 before 0.4.0, of ARGS_OF_0_4
+    in 0.4.0, a `data_order` field in 0.5.x; a converter's CONVERTER_FIELDS aside), else
+    another writer."""
+    record = record or getattr(args, "writer", None)
+    if isinstance(record, dict) and record.get("project") == PROJECT:
+        return CheckpointWriter(True, str(record.get("version")))
+    fields = set(vars(args)) - CONVERTER_FIELDS if isinstance(args, argparse.Namespace) else set()
+    if fields and fields <= ARGS_BEFORE_0_4:
+        return CheckpointWriter(True, before="0.4.0")
+    if "data_order" in fields:
+        return CheckpointWriter(True, before="0.5.0" if fields <= ARGS_OF_0_4 else "0.6.0")
+    return CheckpointWriter(False)
 
 
 def moe_args(moe: MoEConfig) -> Dict[str, Any]:

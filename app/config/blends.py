@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,6 +36,9 @@ class Blend:
 
     prefixes: Tuple[str, ...]
     weights: Optional[Tuple[float, ...]] = None
+    given_weights: Optional[Tuple[float, ...]] = field(default=None, compare=False)
+    """The weights as written, before normalising (the order of this trainer's releases before
+    0.5.0 normalised them its own way: app.data.legacy_order)."""
 
     def describe(self) -> str:
         """'0.3 a 0.7 b' or 'a b' (the words of an equivalent command line)."""
@@ -102,7 +105,7 @@ def parse_blend(words: Sequence[Any], where: str) -> Blend:
     if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
         raise ValueError(f"{where} weights {weights} must be finite and non-negative with a "
                          "positive sum")
-    return Blend(tuple(words[1::2]), tuple(normalize(weights)))
+    return Blend(tuple(words[1::2]), tuple(normalize(weights)), tuple(weights))
 
 
 def read_data_args(path: str) -> Blend:

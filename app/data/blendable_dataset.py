@@ -1,4 +1,5 @@
-"""Weighted, deterministic blend of several datasets in Megatron Core's order (BlendedDataset)."""
+"""Weighted, deterministic blend of several datasets in Megatron Core's order (BlendedDataset), or
+in the order of this trainer's releases before 0.5.0 (app.data.legacy_order)."""
 from __future__ import annotations
 
 import os
@@ -6,19 +7,17 @@ from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
-from app.config.blends import normalize
-from app.data.index_builder import blend_indices, exhaustive_blend_indices
+from app.data.index_builder import MEGATRON_ORDER, SampleOrder
 from app.data.index_cache import IndexCache, load_or_build
 
-BLEND_VERSION = "blend-v2-megatron-core"
-"""Bumped whenever blend_indices changes, so that cached blends of older versions are not reused."""
 BLEND_KINDS = ("dataset_index", "dataset_sample_index")
 
 
 class BlendableDataset:
-    """`size` samples drawn from `datasets` in proportion to `weights`, in Megatron's
-    interleaving (app.data.index_builder.blend_indices; `size` None: exactly `weights[d]`
-    samples of dataset d, the weights then being sample counts, `exhaustive_blend_indices`).
+    """`size` samples drawn from `datasets` in proportion to `weights`, in `order`'s
+    interleaving (Megatron's: app.data.index_builder.blend_indices; `size` None: exactly
+    `weights[d]` samples of dataset d, the weights then being sample counts,
+    `exhaustive_blend_indices`).
 
     Sample i is `datasets[dataset_index[i]][dataset_sample_index[i]]`; after any prefix of the
     samples each dataset's share equals its weight to within one sample. With `cache_dir` the
@@ -28,7 +27,8 @@ class BlendableDataset:
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], size: Optional[int],
                  name: str = "blend", cache_dir: Optional[str] = None, is_builder: bool = True,
-                 barrier: Callable[[], None] = lambda: None) -> None:
+                 barrier: Callable[[], None] = lambda: None,
+                 order: SampleOrder = MEGATRON_ORDER) -> None:
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"need one weight per dataset, got {len(weights)} weights for "
                              f"{len(datasets)} datasets")
@@ -38,16 +38,15 @@ class BlendableDataset:
         if size is None:
             self.weights = [int(w) for w in weights]
             self.size = sum(self.weights)
-            build = lambda: exhaustive_blend_indices(self.weights)  # noqa: E731
         else:
-            self.weights = normalize(weights)
+            self.weights = order.normalize(weights)
             self.size = int(size)
-            build = lambda: blend_indices(self.weights, self.size)  # noqa: E731
+        build = lambda: order.blend(weights, size)  # noqa: E731
         self.built = True
         if cache_dir is None:
             self.dataset_index, self.dataset_sample_index = build()
         else:
-            desc = {"version": BLEND_VERSION, "split": name, "size": self.size,
+            desc = {"version": order.blend_version, "split": name, "size": self.size,
                     "weights": list(self.weights), "exhaustive": size is None,
                     "datasets": [os.path.basename(ds.cache.description_file)
                                  for ds in self.datasets]}

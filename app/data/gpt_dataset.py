@@ -22,7 +22,7 @@ from app.utils.fileio import atomic_write
 
 from app.config.blends import DataBlends, parse_blend
 from app.data.blendable_dataset import BlendableDataset
-from app.data.index_builder import INDEX_VERSION, build_indices
+from app.data.index_builder import MEGATRON_ORDER, SampleOrder
 from app.data.index_cache import IndexCache, digest, load_or_build
 from app.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
 from app.data.plan import DataPlan, SplitPlan, plan_datasets
@@ -96,8 +96,8 @@ def check_token_ids(indexed: MMapIndexedDataset, vocab_size: int, cache_dir: str
 
 class GPTDataset:
     """Samples of seq_length + 1 tokens from documents [start, end) of an indexed dataset, in
-    Megatron Core's order (app.data.index_builder; a document is a sequence of the .idx, as in
-    Megatron's GPTDataset).
+    `order`: Megatron Core's (app.data.index_builder; a document is a sequence of the .idx, as
+    in Megatron's GPTDataset), or this trainer's before 0.5.0 (app.data.legacy_order).
 
     `ds[i]` -> {"text": np.int64 [seq_length + 1]}; `len(ds)` >= the num_samples requested (whole
     epochs are indexed; num_samples None: one epoch). Indices are built by the builder rank and
@@ -107,17 +107,17 @@ class GPTDataset:
 
     def __init__(self, name: str, indexed: MMapIndexedDataset, documents: Tuple[int, int],
                  num_samples: Optional[int], seq_length: int, seed: int, cache_dir: str,
-                 is_builder: bool = True, barrier: Callable[[], None] = lambda: None) -> None:
+                 is_builder: bool = True, barrier: Callable[[], None] = lambda: None,
+                 order: SampleOrder = MEGATRON_ORDER) -> None:
         start, end = documents
-        count = int(indexed.sizes.size)
+        self._seq_start, self._seq_length = order.documents(indexed)
+        count = int(self._seq_length.size)
         if not 0 <= start < end <= count:
             raise ValueError(f"{name} split of {indexed.prefix}: document range [{start}, {end}) "
                              f"is empty or outside [0, {count})")
         self.name, self.indexed, self.seq_length = name, indexed, seq_length
-        self._seq_start = indexed.sequence_starts()
-        self._seq_length = indexed.sizes
         split_lengths = np.asarray(self._seq_length[start:end], dtype=np.int32)
-        desc = {"version": INDEX_VERSION, "dataset": os.path.basename(indexed.prefix),
+        desc = {"version": order.index_version, "dataset": os.path.basename(indexed.prefix),
                 "split": name, "documents": [start, end],
                 "num_samples": None if num_samples is None else int(num_samples),
                 "seq_length": int(seq_length), "seed": int(seed), "total_documents": count,
@@ -125,9 +125,8 @@ class GPTDataset:
         self.cache = IndexCache(cache_dir, f"{desc['dataset']}_{name}", desc, INDEX_KINDS,
                                 content=split_lengths.tobytes())
         self.cache_files, self.description_file = self.cache.files, self.cache.description_file
-        documents_ids = np.arange(start, end, dtype=np.int32)
-        build = lambda: build_indices(self._seq_length, documents_ids,  # noqa: E731
-                                      num_samples, seq_length, seed)
+        build = lambda: order.build_indices(self._seq_length, start, end,  # noqa: E731
+                                            num_samples, seq_length, seed)
         arrays, self.built = load_or_build(
             self.cache, build, is_builder, barrier,
             f"{name} indices of {desc['dataset']} ({num_samples} samples)")
@@ -165,7 +164,7 @@ def _split_dataset(plan: SplitPlan, data: DataPlan, seed: int, cache_path: Optio
     """One split's dataset: its single GPTDataset, or the blend of its parts."""
     parts = [GPTDataset(plan.name, data.datasets[p.prefix], p.documents, p.num_samples,
                         data.seq_length, seed, cache_dir_of(p.prefix, cache_path), is_builder,
-                        barrier) for p in plan.parts]
+                        barrier, plan.order) for p in plan.parts]
     if not plan.blended:
         return parts[0]
     for prefix in plan.left_out:
@@ -173,7 +172,7 @@ def _split_dataset(plan: SplitPlan, data: DataPlan, seed: int, cache_path: Optio
     return BlendableDataset(
         parts, plan.blend_inputs(), plan.size, name=plan.name,
         cache_dir=cache_dir_of(plan.parts[0].prefix, cache_path), is_builder=is_builder,
-        barrier=barrier)
+        barrier=barrier, order=plan.order)
 
 
 def cache_dir_of(prefix: str, cache_path: Optional[str]) -> str:

@@ -33,15 +33,48 @@ Everything is deterministic given its arguments; only the blends loop in Python 
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from app.config.blends import normalize
+from app.config.blends import Blend, normalize
 
 INDEX_VERSION = "gpt-index-v2-megatron-core"
 """Bumped whenever the algorithm changes, so that cached indices of older versions are not reused
 (v1, before Megatron Core's order: one PCG64 permutation per epoch)."""
+BLEND_VERSION = "blend-v2-megatron-core"
+"""The same for blend interleavings."""
+
+Indices = Tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class SampleOrder:
+    """The rules that decide which sample is where: how documents are counted and split, how
+    weights are normalised, and the index and blend builders. `MEGATRON_ORDER` (this module)
+    is every new run's; app.data.legacy_order reads the order of this trainer's releases
+    before 0.5.0, for the checkpoints they wrote."""
+
+    name: str
+    """Named in the log and in --dry-run."""
+    version: int
+    """The data-order record's version (app.data.plan.order_record)."""
+    index_version: str
+    blend_version: str
+    documents: Callable[[Any], Tuple[np.ndarray, np.ndarray]]
+    """An indexed dataset -> (first token, token count) of each of its documents."""
+    split_ranges: Callable[[int, str], Tuple[Optional[Tuple[int, int]], ...]]
+    """(number of documents, --split) -> [start, end) of train/valid/test (None: no document)."""
+    blend_weights: Callable[[Blend], Optional[Tuple[float, ...]]]
+    """A blend's normalised weights (None: weighted by size)."""
+    normalize: Callable[[Sequence[float]], List[float]]
+    build_indices: Callable[[np.ndarray, int, int, Optional[int], int, int], Indices]
+    """(document lengths, start, end, num_samples, seq_length, seed) -> (doc_idx of document
+    ids, sample_idx, shuffle_idx) of the documents [start, end)."""
+    blend: Callable[[Sequence[float], Optional[int]], Tuple[np.ndarray, np.ndarray]]
+    """(weights or, with size None, sample counts; size) -> (dataset_index,
+    dataset_sample_index)."""
 
 LAST_EPOCH_THRESHOLD = 0.80
 """The share of an epoch's samples under which Megatron shuffles the last epoch apart."""
@@ -200,3 +233,22 @@ def exhaustive_blend_indices(sizes: Sequence[int]) -> Tuple[np.ndarray, np.ndarr
     sizes = [int(s) for s in sizes]
     total = sum(sizes)
     return _greedy_blend([s / float(total) for s in sizes], total, sizes)
+
+
+def _megatron_blend(weights: Sequence[float], size: Optional[int]
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+    if size is None:
+        return exhaustive_blend_indices([int(w) for w in weights])
+    return blend_indices(normalize(weights), size)
+
+
+MEGATRON_ORDER = SampleOrder(
+    name="Megatron Core's order", version=2, index_version=INDEX_VERSION,
+    blend_version=BLEND_VERSION,
+    documents=lambda indexed: (indexed.sequence_starts(), indexed.sizes),
+    split_ranges=split_document_ranges, blend_weights=lambda blend: blend.weights,
+    normalize=normalize,
+    build_indices=lambda lengths, start, end, num_samples, seq_length, seed: build_indices(
+        lengths, np.arange(start, end, dtype=np.int32), num_samples, seq_length, seed),
+    blend=_megatron_blend)
+"""Megatron Core's GPTDataset and BlendedDataset (a document is a sequence of the .idx)."""

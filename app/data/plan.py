@@ -24,6 +24,11 @@ of a blend whose part of the split is empty is left out of that blend (named in
 
 `order_record` condenses a plan into what decides the order of each split's samples (the
 checkpoint keeps it; app.training.resilience.data_order compares it on resume).
+
+A plan is made for a sample order (`app.data.index_builder.SampleOrder`, Megatron Core's by
+default): the order of this trainer's releases before 0.5.0 (app.data.legacy_order) counts
+documents, splits them and normalises weights by its own rules, and a checkpoint of those
+releases resumes on a plan made by them.
 """
 from __future__ import annotations
 
@@ -33,14 +38,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from app.config.blends import SPLIT_NAMES, Blend, DataBlends, normalize
-from app.data.index_builder import (INDEX_VERSION, compute_num_epochs, separate_last_epoch,
-                                    split_document_ranges)
+from app.config.blends import SPLIT_NAMES, Blend, DataBlends
+from app.data.index_builder import (MEGATRON_ORDER, SampleOrder, compute_num_epochs,
+                                    separate_last_epoch)
 from app.data.indexed_dataset import MMapIndexedDataset, data_file_path
 
-ORDER_VERSION = 2
-"""The data-order record's version: 1 was this trainer's own order (one PCG64 permutation per
-epoch, its own blend interleaving), 2 is Megatron Core's (app.data.index_builder)."""
+ORDER_VERSION = MEGATRON_ORDER.version
+"""The data-order record's version of new runs: 1 was this trainer's own order (one PCG64
+permutation per epoch, its own blend interleaving: app.data.legacy_order), 2 is Megatron
+Core's (app.data.index_builder)."""
 MID_LEVEL_SURPLUS = 0.005
 """Megatron's default --mid-level-dataset-surplus: extra samples each blended dataset builds."""
 
@@ -79,6 +85,7 @@ class SplitPlan:
     by_size: bool = False
     left_out: Tuple[str, ...] = field(default_factory=tuple)
     """Prefixes of the blend whose part of this split has no documents or no weight."""
+    order: SampleOrder = MEGATRON_ORDER
 
     def blend_inputs(self) -> List[float]:
         """The weights Megatron's BlendedDataset is given: the parts' normalised weights, or
@@ -87,8 +94,9 @@ class SplitPlan:
                 for p in self.parts]
 
     def blend_weights(self) -> List[float]:
-        """The weights the blend interleaves by: `blend_inputs` normalised in float64."""
-        return normalize(self.blend_inputs())
+        """The weights the blend interleaves by: `blend_inputs` normalised (in float64, by the
+        order's rule)."""
+        return self.order.normalize(self.blend_inputs())
 
 
 @dataclass
@@ -99,6 +107,7 @@ class DataPlan:
     datasets: Dict[str, MMapIndexedDataset]
     blends: DataBlends
     seq_length: int
+    order: SampleOrder = MEGATRON_ORDER
 
 
 class _Opened(Dict[str, MMapIndexedDataset]):
@@ -121,13 +130,13 @@ def _open(prefix: str, opened: Dict[str, MMapIndexedDataset]) -> MMapIndexedData
 
 
 def _part(indexed: MMapIndexedDataset, prefix: str, split: str, documents: Tuple[int, int],
-          num_samples: Optional[int], seq_length: int, weight: Optional[float]
-          ) -> Optional[PartPlan]:
+          num_samples: Optional[int], seq_length: int, weight: Optional[float],
+          order: SampleOrder) -> Optional[PartPlan]:
     """The part, or None when its documents hold no sample. `num_samples` None: one epoch."""
     start, end = documents
     if end <= start:
         return None
-    tokens = int(indexed.sizes[start:end].sum(dtype=np.int64))
+    tokens = int(order.documents(indexed)[1][start:end].sum(dtype=np.int64))
     samples = (tokens - 1) // seq_length if num_samples is None else num_samples
     if samples <= 0 or tokens <= 0:
         return None
@@ -136,68 +145,75 @@ def _part(indexed: MMapIndexedDataset, prefix: str, split: str, documents: Tuple
 
 def _plan_split(blend: Blend, name: str, needed: int, ranges: Callable[[str], Tuple[int, int]],
                 opened: Dict[str, MMapIndexedDataset], seq_length: int,
-                single_when_one: bool) -> Optional[SplitPlan]:
+                single_when_one: bool, order: SampleOrder) -> Optional[SplitPlan]:
     """One split's plan by the rules of the module docstring (None when nothing is built)."""
     if needed <= 0:
         return None
-    if len(blend.prefixes) == 1 and (blend.weights is None or single_when_one):
+    weights = order.blend_weights(blend)
+    if len(blend.prefixes) == 1 and (weights is None or single_when_one):
         prefix = blend.prefixes[0]
         part = _part(_open(prefix, opened), prefix, name, ranges(prefix), needed, seq_length,
-                     None)
-        return None if part is None else SplitPlan(name, (part,), needed, blended=False)
+                     None, order)
+        return None if part is None else SplitPlan(name, (part,), needed, blended=False,
+                                                   order=order)
     parts, left_out = [], []
     for d, prefix in enumerate(blend.prefixes):
-        weight = None if blend.weights is None else blend.weights[d]
+        weight = None if weights is None else weights[d]
         count = (None if weight is None else
                  int(math.ceil(math.ceil(needed * weight) * (1 + MID_LEVEL_SURPLUS))))
         part = (None if count == 0 else
                 _part(_open(prefix, opened), prefix, name, ranges(prefix), count, seq_length,
-                      weight))
+                      weight, order))
         if part is None:
             left_out.append(prefix)
         else:
             parts.append(part)
     if not parts:
         return None
-    if blend.weights is None:
+    if weights is None:
         size = min(needed, sum(p.num_samples for p in parts))
     else:
-        size = sum(int(math.ceil(needed * w)) for w in blend.weights)
-    return SplitPlan(name, tuple(parts), size, blended=True, by_size=blend.weights is None,
-                     left_out=tuple(left_out))
+        size = sum(int(math.ceil(needed * w)) for w in weights)
+    return SplitPlan(name, tuple(parts), size, blended=True, by_size=weights is None,
+                     left_out=tuple(left_out), order=order)
 
 
 def plan_datasets(blends: DataBlends, split: str, num_samples: Sequence[int],
-                  seq_length: int, mmap_bin_files: bool = True) -> DataPlan:
-    """The plan of every split for `num_samples` (train, valid, test) samples; opens (and so
-    validates) every dataset of the blends, reading their .bin files through memory maps or,
-    with `mmap_bin_files` False (--no-mmap-bin-files), file reads. Raises ValueError naming a
-    bad file."""
+                  seq_length: int, mmap_bin_files: bool = True,
+                  order: SampleOrder = MEGATRON_ORDER) -> DataPlan:
+    """The plan of every split for `num_samples` (train, valid, test) samples in `order`;
+    opens (and so validates) every dataset of the blends, reading their .bin files through
+    memory maps or, with `mmap_bin_files` False (--no-mmap-bin-files), file reads. Raises
+    ValueError naming a bad file."""
     opened: Dict[str, MMapIndexedDataset] = _Opened(mmap_bin_files)
     plans: List[Optional[SplitPlan]] = []
+
+    def count(prefix: str) -> int:
+        return int(order.documents(_open(prefix, opened))[1].size)
+
     if blends.per_split is None:
         assert blends.blend is not None
         for i, name in enumerate(SPLIT_NAMES):
             def ranges(prefix: str, i: int = i) -> Tuple[int, int]:
-                bounds = split_document_ranges(len(_open(prefix, opened)), split)[i]
+                bounds = order.split_ranges(count(prefix), split)[i]
                 return (0, 0) if bounds is None else bounds
             plans.append(_plan_split(blends.blend, name, num_samples[i], ranges, opened,
-                                     seq_length, single_when_one=False))
+                                     seq_length, False, order))
     else:
         for i, name in enumerate(SPLIT_NAMES):
             blend = blends.per_split[i]
-            whole = lambda prefix: (0, len(_open(prefix, opened)))  # noqa: E731
+            whole = lambda prefix: (0, count(prefix))  # noqa: E731
             plans.append(None if blend is None else _plan_split(
-                blend, name, num_samples[i], whole, opened, seq_length, single_when_one=True))
-    return DataPlan(tuple(plans), opened, blends, seq_length)  # type: ignore[arg-type]
+                blend, name, num_samples[i], whole, opened, seq_length, True, order))
+    return DataPlan(tuple(plans), opened, blends, seq_length, order)  # type: ignore[arg-type]
 
 
 def order_record(plan: DataPlan, seed: int) -> Dict[str, Any]:
     """What decides the order of the training and validation samples, as plain values (saved
-    in checkpoints): the version of the ordering rules (`ORDER_VERSION`; 2 is Megatron Core's
-    order), the seed, the sequence length, and per split each dataset's prefix, blend
-    weight, documents, tokens, epochs and whether its last epoch is shuffled apart, plus (not
-    deciding the order) the split's sample count. Within a dataset and a blend the first k
+    in checkpoints): the version of the ordering rules (the plan's order: 2 is Megatron Core's,
+    1 this trainer's before 0.5.0), the seed, the sequence length, and per split each dataset's
+    prefix, blend weight, documents, tokens, epochs and whether its last epoch is shuffled
+    apart, plus (not deciding the order) the split's sample count. Within a dataset and a blend the first k
     samples do not depend on how many are built beyond them, so only these matter."""
     s = plan.seq_length
     splits: Dict[str, Any] = {}
@@ -211,5 +227,5 @@ def order_record(plan: DataPlan, seed: int) -> Dict[str, Any]:
                        "tokens": p.tokens, "epochs": p.epochs(s),
                        "separate_last_epoch": p.separate_last_epoch(s)}
                       for p, w in zip(split_plan.parts, weights)]}
-    return {"version": ORDER_VERSION, "order": INDEX_VERSION, "seed": int(seed),
+    return {"version": plan.order.version, "order": plan.order.index_version, "seed": int(seed),
             "seq_length": int(s), "source": plan.blends.source, "splits": splits}

@@ -98,6 +98,11 @@ class DistributedOptimizer(_PrecisionOptimizer):
         self.domains = self._build_domains(bucket_size, tied)
         self.domain_of = {id(p): d for d in self.domains for p in d.params}
         self.pieces = [piece for d in self.domains for piece in d.shards(self.name_of)]
+        position = {id(p): i for i, p in enumerate(self.params)}
+        self.norm_order = sorted(self.pieces, key=lambda piece: (position[id(piece.param)],
+                                                                 piece.lo))
+        """The pieces in model order: the norm sums them as the plain wrappers sum whole
+        parameters, so at DP 1 the two norms are the same float on every processor."""
         self.groups_of_params = [g["params"] for g in optimizer_param_groups(model, config)]
         piece_of = {id(piece.param): piece for piece in self.pieces}
         self.piece_of_main = {id(piece.main): piece for piece in self.pieces}
@@ -197,14 +202,18 @@ class DistributedOptimizer(_PrecisionOptimizer):
         """Pre-clip global norm from the shards (summed over the world: the shards of the data-
         parallel ranks make up one replica, the model-parallel ranks the whole model; expert
         shards likewise over expert-data-parallel ranks); gradients scaled by
-        min(1, max_norm / norm) exactly as app.mpu.grads.clip_grad_norm does."""
+        min(1, max_norm / norm) exactly as app.mpu.grads.clip_grad_norm does. The shards are
+        summed in model order (`norm_order`), dense and expert apart, as the plain wrappers
+        sum them."""
         tp_rank, etp_rank = (self.ps.tensor_model_parallel_rank,
                              self.ps.expert_tensor_parallel_rank)
         device = self.domains[0].grad_buffer.device
-        total = torch.zeros(1, dtype=torch.float32, device=device)
-        for piece in self.pieces:
+        sums = [torch.zeros(1, dtype=torch.float32, device=device) for _ in range(2)]
+        for piece in self.norm_order:
             if counts_toward_norm(piece.main, tp_rank, etp_rank):
-                total += norm_power(piece.param, piece.main.grad, 2.0, flat_start=piece.lo)
+                sums[int(is_expert(piece.param))] += norm_power(piece.param, piece.main.grad,
+                                                                2.0, flat_start=piece.lo)
+        total = sums[0] + sums[1]
         collectives.all_reduce(total, world_group)
         norm = float(total.item()) ** 0.5
         if max_norm > 0:

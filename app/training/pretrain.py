@@ -32,6 +32,8 @@ from app.config import RunConfig, samples_per_split
 from app.config.unread import unread_flags
 from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
+from app.data.index_builder import MEGATRON_ORDER, SampleOrder
+from app.data.legacy_order import sample_order
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
 from app.mpu import collectives
 from app.checkpoint import CheckpointError
@@ -40,7 +42,7 @@ from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
                                     shutdown_distributed, world_group)
 from app.training.loss import LossFunction
-from app.training.resilience.data_order import check_data_order
+from app.training.resilience.data_order import check_data_order, resume_order
 from app.training.resilience.inprocess import InProcessRestart
 from app.training.resilience.local_checkpoints import load_newest, newest_checkpoint
 from app.training.resilience.nonfinite import TrainingAborted
@@ -56,16 +58,16 @@ from app.utils.rank_logging import setup_logging
 logger = logging.getLogger(__name__)
 
 
-def data_plan(cfg: RunConfig) -> DataPlan:
-    """The run's data plan (app.data.plan: which datasets each split builds, for how many
-    samples); opens every dataset. Raises ValueError when there is no training data."""
+def data_plan(cfg: RunConfig, order: SampleOrder = MEGATRON_ORDER) -> DataPlan:
+    """The run's data plan in `order` (app.data.plan: which datasets each split builds, for how
+    many samples); opens every dataset. Raises ValueError when there is no training data."""
     blends = cfg.data.blends
     if blends is None:
         raise ValueError("no training data: give --data-path (or --data-args-path, "
                          "--train-data-path, --per-split-data-args-path) with the prefix of a "
                          ".bin/.idx pair made by tools/preprocess_data.py")
     plan = plan_datasets(blends, cfg.data.split, samples_per_split(cfg), cfg.model.seq_length,
-                         cfg.data.mmap_bin_files)
+                         cfg.data.mmap_bin_files, order)
     if plan.splits[0] is None:
         where = (f"--split {cfg.data.split} leaves no training documents in {blends.source}"
                  if blends.per_split is None else f"{blends.source}: the training data holds "
@@ -143,9 +145,11 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo, restarted: bool = False
 
 
 def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
-          data_order: Dict[str, Any]) -> RunState:
-    """The run's position: fresh, or loaded on every rank; a resume must keep the data order
-    of the checkpoint (app.training.resilience.data_order; every rank decides alike)."""
+          data_order: Callable[[int], Dict[str, Any]]) -> RunState:
+    """The run's position: fresh, or loaded on every rank, with the data-order record
+    (`data_order(version)`) of the order it reads: a new run Megatron Core's, a resume the
+    checkpoint's, which it must keep (app.training.resilience.data_order; every rank decides
+    alike)."""
     if decision.note:
         logger.info(decision.note)
     c = cfg.checkpoint
@@ -153,20 +157,26 @@ def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
     chosen = newest_checkpoint(c, decision.load, non_persistent=(
         c.non_persistent_ckpt_type is not None and bool(c.load) and not c.finetune))
     if chosen.local is None and chosen.global_iteration is None and decision.load is None:
-        return RunState(data_order=data_order)
+        return RunState(data_order=data_order(ORDER_VERSION))
     loaded = load_newest(run.engine, chosen, c, device)
     if loaded is None:
         raise CheckpointError(f"--load {decision.load}: its tracker disappeared while starting")
+    logger.info("checkpoint %s was written by %s", loaded.path, loaded.writer.describe())
+    record = data_order(ORDER_VERSION)
     if loaded.iteration > 0:  # weights-only loads start at 0: no position to keep
+        version, why = resume_order(loaded.data_order, loaded.writer,
+                                    cfg.checkpoint.allow_data_order_change)
+        logger.info("data order of this resume: %s", why)
+        record = data_order(version)
         consumed = {"train": loaded.consumed_train_samples,
                     "valid": loaded.consumed_valid_samples}
-        for line in check_data_order(loaded.data_order, data_order, loaded.path, consumed,
+        for line in check_data_order(loaded.data_order, record, loaded.path, consumed,
                                      cfg.checkpoint.allow_data_order_change):
             logger.info(line)
     logger.info("loaded checkpoint %s: resuming at iteration %d, consumed samples %d",
                 loaded.path, loaded.iteration, loaded.consumed_train_samples)
     return RunState(loaded.iteration, loaded.consumed_train_samples,
-                    loaded.consumed_valid_samples, data_order=data_order)
+                    loaded.consumed_valid_samples, data_order=record)
 
 
 def _signal_handler(cfg: RunConfig) -> Optional[ExitSignalHandler]:
@@ -271,10 +281,18 @@ def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
         run = build_run(cfg, info.world_size, info.device)
         plan = None if cfg.data.mock_data else data_plan(cfg)
         mock = _mock_datasets(cfg, tokenizer.eod) if plan is None else None
-        order = (mock_order_record(cfg, mock) if plan is None
-                 else order_record(plan, cfg.training.seed))
+
+        def plan_in(version: int) -> Optional[DataPlan]:
+            """The run's plan in the order of data-order `version` (--mock-data: None)."""
+            if plan is None or version == plan.order.version:
+                return plan
+            return data_plan(cfg, sample_order(version))  # a checkpoint's older order
+
         state = ((restart.restore(run.engine) if restart is not None else None)
-                 or _load(cfg, run, decision, info.device, order))
+                 or _load(cfg, run, decision, info.device, lambda version: (
+                     mock_order_record(cfg, mock) if plan is None
+                     else order_record(plan_in(version), cfg.training.seed))))
+        plan = plan_in((state.data_order or {}).get("version", ORDER_VERSION))
         log_launch_notes(info, state.iteration if decision.load is not None else None)
         handler = _signal_handler(cfg)
         datasets = mock if plan is None else _datasets(cfg, plan, info.rank)

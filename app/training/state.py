@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from app.checkpoint.model_args import writer_record
+
 
 @dataclass
 class RunState:
@@ -22,7 +24,8 @@ class RunState:
     def client_state(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {"iteration": self.iteration,
                                  "consumed_train_samples": self.consumed_train_samples,
-                                 "consumed_valid_samples": self.consumed_valid_samples}
+                                 "consumed_valid_samples": self.consumed_valid_samples,
+                                 "writer": writer_record()}
         if self.data_order is not None:
             state["data_order"] = self.data_order
         return state

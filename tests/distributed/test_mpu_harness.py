@@ -44,6 +44,16 @@ def _exit_silently_on_rank_one() -> None:
     time.sleep(60)
 
 
+def _exit_silently_just_after_the_peer_failed() -> None:
+    """Rank 0's error reaches the parent first; rank 1 leaves without a word half a second
+    later, as a rank whose peer failed in the rendezvous because it had left may report first."""
+    dist.barrier()  # both are connected before rank 0 leaves
+    if dist.get_rank() == 0:
+        raise ConnectionError("the peer closed the connection")
+    time.sleep(0.5)
+    os._exit(0)
+
+
 def _unpicklable_value():
     return lambda: None
 
@@ -54,9 +64,12 @@ def test_results_come_back_in_rank_order():
 
 @pytest.mark.parametrize("fn, message", [
     (_fail_on_rank_one, r"(?s)rank 1 of 2 failed.*deliberate failure"),  # with its traceback
-    (_exit_silently_on_rank_one, r"rank 1 of 2 exited with code 0 without reporting"),
+    (_exit_silently_on_rank_one, r"^rank 1 of 2 exited with code 0 without reporting"),
+    # the rank that left is named first, its peer's error after it
+    (_exit_silently_just_after_the_peer_failed,
+     r"(?s)^rank 1 of 2 exited with code 0 without reporting.*rank 0 of 2 failed.*closed"),
     (_unpicklable_value, r"(?s)rank \d of 2 failed.*pickle"),
-], ids=["raises", "exits-silently", "unpicklable-value"])
+], ids=["raises", "exits-silently", "exits-after-its-peer-failed", "unpicklable-value"])
 def test_a_failing_rank_fails_the_call_at_once(fn, message):
     """The other rank waits in a collective or sleeps: the call still fails well before the
     timeout, with the failing rank's reason."""

@@ -13,7 +13,9 @@
 - Rendezvous is a FileStore in a fresh temporary directory; each rank runs torch with one
   thread (the machine has few cores and several ranks share them).
 - A rank that raises makes the parent raise `DistributedTestError` with that rank's traceback
-  text; the other ranks (possibly blocked in a collective) are killed. Ranks still running at
+  text; the other ranks (possibly blocked in a collective) are killed. A rank that exits
+  without reporting is named first, as the cause, even when its peers' errors (a closed
+  connection) reached the parent before its exit did. Ranks still running at
   `timeout` seconds are killed and `TimeoutError` names them. A failure never hangs.
 - Children are forked from a forkserver that has torch and the trainer (pretrain_gpt2, app)
   pre-imported, so only the first call of a session pays for importing them.
@@ -25,7 +27,8 @@
   the same ranks (one spawn), each one's outcome apart (a refused run does not stop the next).
 - `run_main(argv, cwd, environ)` runs `python pretrain_gpt2.py argv` the same way on one
   process with no process group (its exit code, stdout and stderr apart): a command line's
-  outcome without the seconds of a fresh interpreter importing torch.
+  outcome without the seconds of a fresh interpreter importing torch; `run_mains` several
+  command lines one after the other in one such child.
 
 To check many things in one spawn, a rank function can call `run_checks({name: check}, *args)`
 and return its {name: None or traceback text}; inside checks, `expect_close` records a
@@ -136,50 +139,87 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
             start_child(p)
         return _collect(procs, results, world_size, timeout)
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             if wait_child(p, 0) is None:
                 p.kill()
-        for p in procs:
+        for p in started:
             wait_child(p, 5)
         results.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+REPORT_GRACE_S = 5.0
+"""After a rank reports an error, how long the parent still waits for every other rank to report
+or exit before it names the cause: a rank that leaves without reporting makes its peers fail
+(gloo's "Connection closed by peer"), and their reports can reach the parent before it sees
+that rank's exit (the forkserver reports an exit some scheduling delay after it: over 2 s in
+4 of 200 runs on a 2-core machine at load 25). Ranks that report or exit sooner end the wait."""
+
+
 def _collect(procs: List[Any], results: Any, world_size: int, timeout: float) -> List[Any]:
-    """Wait for every rank's report; raise on the first error, a rank that exited without
-    reporting, or the timeout."""
+    """Wait for every rank's report; raise on a failure (a reported error, or a rank that
+    exited without reporting, which is named first: its peers' errors follow from it) or at
+    the timeout."""
     deadline = time.monotonic() + timeout
     values: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}  # in the order they arrived
     while len(values) < world_size:
-        if _receive(results, values, world_size, wait=0.2):
-            continue
-        if time.monotonic() > deadline:
+        received = _receive(results, values, errors, wait=0.2)
+        silent = _exited_silently(procs, values, errors)
+        if errors or silent:
+            # a rank's report is in the pipe before it exits: take what was sent, and after an
+            # error give the others the grace to report or exit, then judge
+            grace = time.monotonic() + (REPORT_GRACE_S if errors and not silent else 0.0)
+            while _receive(results, values, errors, wait=0.5) or (
+                    time.monotonic() < grace and not _all_settled(procs, values, errors)):
+                pass
+            if errors or _exited_silently(procs, values, errors):
+                raise DistributedTestError(_failure_text(procs, values, errors, world_size))
+            continue  # the exited ranks' reports were in the pipe
+        if not received and time.monotonic() > deadline:
             missing = sorted(set(range(world_size)) - set(values))
             raise TimeoutError(f"run_distributed: ranks {missing} of {world_size} did not "
                                f"finish within {timeout:.0f} s (killed)")
-        exited = [rank for rank, p in enumerate(procs)
-                  if rank not in values and wait_child(p, 0) is not None]
-        if exited:
-            # a rank's report is in the pipe before it exits: take what was sent, then judge
-            while len(values) < world_size and _receive(results, values, world_size, wait=0.5):
-                pass
-            for rank in exited:
-                if rank not in values:
-                    raise DistributedTestError(f"rank {rank} of {world_size} exited with code "
-                                               f"{procs[rank].exitcode} without reporting")
     return [values[rank] for rank in range(world_size)]
 
 
-def _receive(results: Any, values: Dict[int, Any], world_size: int, wait: float) -> bool:
-    """Take one report off the queue into `values`, raising a rank's reported error; False when
-    none came within `wait` seconds."""
+def _exited_silently(procs: List[Any], values: Dict[int, Any], errors: Dict[int, str]
+                     ) -> List[int]:
+    """The ranks that have exited without a report received."""
+    return [rank for rank, p in enumerate(procs)
+            if rank not in values and rank not in errors and wait_child(p, 0) is not None]
+
+
+def _all_settled(procs: List[Any], values: Dict[int, Any], errors: Dict[int, str]) -> bool:
+    """Every rank has reported or exited."""
+    return all(rank in values or rank in errors or wait_child(p, 0) is not None
+               for rank, p in enumerate(procs))
+
+
+def _failure_text(procs: List[Any], values: Dict[int, Any], errors: Dict[int, str],
+                  world_size: int) -> str:
+    """The ranks that exited without reporting first (the cause), then the reported errors in
+    the order they arrived."""
+    lines = [f"rank {rank} of {world_size} exited with code {procs[rank].exitcode} without "
+             f"reporting" for rank in _exited_silently(procs, values, errors)]
+    if lines and errors:
+        lines.append("(the errors its peers reported after it left follow)")
+    lines += [f"rank {rank} of {world_size} failed:\n{text}" for rank, text in errors.items()]
+    return "\n".join(lines)
+
+
+def _receive(results: Any, values: Dict[int, Any], errors: Dict[int, str], wait: float) -> bool:
+    """Take one report off the queue into `values` or `errors`; False when none came within
+    `wait` seconds."""
     try:
         rank, status, payload = results.get(timeout=wait)
     except queue_module.Empty:
         return False
     if status == "error":
-        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{payload}")
-    values[rank] = pickle.loads(payload)
+        errors[rank] = payload
+    else:
+        values[rank] = pickle.loads(payload)
     return True
 
 
@@ -325,60 +365,88 @@ def run_pretrain_each(world_size: int, argvs: List[List[str]], timeout: float = 
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _main_in_child(argv: List[str], cwd: str, environ: Dict[str, str], out_path: str,
-                   err_path: str) -> None:
-    """Child side of run_main: as `python pretrain_gpt2.py argv` started in `cwd` with
-    `environ`; exits with main's code (2 for a usage error, 1 and the traceback for an
-    exception, as the interpreter would)."""
+def _mains_in_child(argvs: List[List[str]], cwd: str, environ: Dict[str, str],
+                    log_dir: str) -> None:
+    """Child side of run_mains: each `argv` in turn as `python pretrain_gpt2.py argv` started in
+    `cwd` with `environ`, its output in `log_dir`/<i>.out and <i>.err and its exit code (2 for a
+    usage error, 1 and the traceback for an exception, as the interpreter would) in <i>.code;
+    exits with the last one's code."""
     import sys
 
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(environ)
-    sys.argv = ["pretrain_gpt2.py", *argv]
     if environ.get("OMP_NUM_THREADS", "").isdigit():  # torch read it when the forkserver began
         import torch
 
         torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
-    for fd, path in ((1, out_path), (2, err_path)):
-        with open(path, "w") as f:
-            os.dup2(f.fileno(), fd)
     from pretrain_gpt2 import main
 
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    code = 0
+    for i, argv in enumerate(argvs):
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.argv = ["pretrain_gpt2.py", *argv]
+        for fd, suffix in ((1, "out"), (2, "err")):
+            with open(os.path.join(log_dir, f"{i}.{suffix}"), "w") as f:
+                os.dup2(f.fileno(), fd)
+        try:
+            code = main(list(argv))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(os.path.join(log_dir, f"{i}.code"), "w") as f:
+            f.write(str(code))
     raise SystemExit(code)
+
+
+def run_mains(argvs: List[List[str]], cwd: str, environ: Mapping[str, str],
+              timeout: float = 300.0) -> "List[tuple[int, str, str]]":
+    """[(exit code, stdout, stderr)] of `python pretrain_gpt2.py argv` for each of `argvs`, run
+    one after the other in `cwd` with the environment `environ`, in ONE child forked from
+    run_distributed's forkserver (torch and the trainer already imported; what the runs import
+    beyond, e.g. DeepSpeed, is imported once for all). A run the child died in gets the child's
+    exit code, the runs after it (-1, "", "not run"); a child still running at `timeout` seconds
+    is killed and TimeoutError raised."""
+    log_dir = tempfile.mkdtemp(prefix="run_main_")
+    proc = _context().Process(target=_mains_in_child, name="pretrain_gpt2",
+                              args=([list(a) for a in argvs], str(cwd), dict(environ), log_dir))
+    try:
+        start_child(proc)
+        child = wait_child(proc, timeout)
+        if child is None:
+            proc.kill()
+            wait_child(proc, 5)
+            raise TimeoutError(f"run_main: pretrain_gpt2.py {' '.join(argvs[-1][:6])} ... still "
+                               f"running after {timeout:.0f} s (killed)")
+        results, died = [], False
+        for i in range(len(argvs)):
+            files = [os.path.join(log_dir, f"{i}.{suffix}") for suffix in ("code", "out", "err")]
+            if died or not os.path.exists(files[1]):
+                results.append((-1, "", "not run: the child died in an earlier run"))
+                continue
+            died = not os.path.exists(files[0])
+            with open(files[1], errors="replace") as f_out:
+                out = f_out.read()
+            with open(files[2], errors="replace") as f_err:
+                err = f_err.read()
+            code = child
+            if not died:
+                with open(files[0]) as f:
+                    code = int(f.read())
+            results.append((code, out, err))
+        return results
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def run_main(argv: List[str], cwd: str, environ: Mapping[str, str],
              timeout: float = 300.0) -> "tuple[int, str, str]":
     """(exit code, stdout, stderr) of `python pretrain_gpt2.py argv` run in `cwd` with the
-    environment `environ`, in one child forked from run_distributed's forkserver (torch and the
-    trainer already imported); a child still running at `timeout` seconds is killed and
-    TimeoutError raised."""
-    log_dir = tempfile.mkdtemp(prefix="run_main_")
-    out, err = os.path.join(log_dir, "stdout"), os.path.join(log_dir, "stderr")
-    proc = _context().Process(target=_main_in_child, name="pretrain_gpt2",
-                              args=(list(argv), str(cwd), dict(environ), out, err))
-    try:
-        start_child(proc)
-        code = wait_child(proc, timeout)
-        if code is None:
-            proc.kill()
-            wait_child(proc, 5)
-            raise TimeoutError(f"run_main: pretrain_gpt2.py {' '.join(argv[:6])} ... still "
-                               f"running after {timeout:.0f} s (killed)")
-        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
-            return code, f_out.read(), f_err.read()
-    finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+    environment `environ`, in one child (`run_mains` of one command line)."""
+    return run_mains([argv], cwd, environ, timeout)[0]
 
 
 def assert_checks_passed(outcomes: List[Dict[str, Optional[str]]]) -> None:

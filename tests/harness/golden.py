@@ -1,15 +1,24 @@
-"""Golden loss curves: the first iterations of a few fixed configurations, stored and compared
-exactly, so that any change to the numerics (model, optimizer, data order, RNG use, precision
-handling, a library upgrade) shows up as a failing test instead of a silent drift.
+"""Golden loss curves: the first iterations of a few fixed configurations, stored per
+environment and compared with, so that any change to the numerics (model, optimizer, data order,
+RNG use, precision handling, a library upgrade) shows up as a failing test instead of a silent
+drift.
 
 Deterministic by construction: one torch thread, fixed seeds, no data-loader workers, a data
 set written here from an integer formula (no tokenizer training, no random library), the CPU.
-The values depend on the environment (torch version and CPU kernel family), so they are stored
-per environment; see `environment()`.
+The values depend on the environment (torch, the processor's kernels, the thread count), so they
+are stored under an environment key (tests.harness.numerics): compared bit for bit on a machine
+whose key is recorded, within the tolerance of the run's precision on any other.
 
-When a change of the numbers is intended, regenerate them and commit the JSON with the change:
+When a change of the numbers is intended, regenerate them on one machine and commit the JSON with
+the change (`--write` drops every other environment's curves: they are stale after the change):
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tests.harness.golden --write
+
+To give another machine exact comparisons without changing the numerics (the CI machine, a
+developer's), add its curves (`--add` refuses curves that disagree with the recorded ones beyond
+the tolerance, which would mean the numerics changed):
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.harness.golden --add
 """
 from __future__ import annotations
 
@@ -21,6 +30,8 @@ from typing import Dict, List
 
 import numpy as np
 import torch
+
+from tests.harness import numerics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN_FILE = os.path.join(ROOT, "tests", "data", "golden_loss_curves.json")
@@ -46,9 +57,33 @@ CONFIGS: Dict[str, List[str]] = {
 }
 
 
-def environment() -> str:
-    """The key golden values are stored under: torch version and CPU kernel family."""
-    return f"torch {torch.__version__}, cpu {torch.backends.cpu.get_cpu_capability()}"
+def environment() -> Dict[str, str]:
+    """The fields of the environment key golden curves are stored under: this machine's, at the
+    one thread `run_config` trains with."""
+    return numerics.environment(threads=1)
+
+
+def precision(name: str) -> str:
+    """The precision configuration `name` trains in (its tolerance elsewhere)."""
+    return numerics.precision_of(CONFIGS[name])
+
+
+def disagreements(curves: Dict[str, Dict[str, List[float]]],
+                  golden: Dict[str, Dict[str, Dict[str, List[float]]]]) -> List[str]:
+    """Where `curves` (this machine's) differ from every recorded environment's beyond the
+    tolerance of their precision (numerics.TOLERANCE): a change of the numerics, not of the
+    machine."""
+    problems = []
+    for key, recorded in golden.items():
+        for name, want in recorded.items():
+            comparison = numerics.Comparison(numerics.TOLERANCE[precision(name)], "")
+            for metric, values in want.items():
+                got = curves.get(name, {}).get(metric, [])
+                bad = [i for i, (a, b) in enumerate(zip(got, values))
+                       if comparison.mismatch(a, b)] + ([] if len(got) == len(values) else [-1])
+                if bad:
+                    problems.append(f"{name} {metric} at {bad} against {key!r}")
+    return problems
 
 
 def write_tokenizer(directory: str) -> tuple:
@@ -94,12 +129,17 @@ def run_config(name: str, workdir: str) -> Dict[str, List[float]]:
     argv = [*COMMON, *CONFIGS[name], "--data-path", prefix, "--vocab-file", vocab_file,
             "--merge-file", merge_file, "--data-cache-path", os.path.join(workdir, "cache"),
             "--metrics-file", metrics]
-    threads = torch.get_num_threads()
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the run sets its threads from it (app.launch.threads)
     try:
         pretrain_gpt2.run(argv)
     finally:
         torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
     with open(metrics) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train = [r for r in rows if r["kind"] == "train"]
@@ -116,22 +156,36 @@ def load_golden() -> Dict[str, Dict[str, Dict[str, List[float]]]]:
 
 
 def main(argv: List[str] = None) -> None:
-    parser = argparse.ArgumentParser(description="print or rewrite the golden loss curves")
-    parser.add_argument("--write", action="store_true",
-                        help=f"store this environment's curves in {GOLDEN_FILE}")
+    parser = argparse.ArgumentParser(description="print, rewrite or extend the golden loss curves")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true",
+                      help=f"store this environment's curves in {GOLDEN_FILE} as the only ones "
+                           "(after an intended change of the numerics)")
+    mode.add_argument("--add", action="store_true",
+                      help="add this environment's curves beside the recorded ones, if they "
+                           "agree with them within the tolerance (a new machine)")
     args = parser.parse_args(argv)
     curves = {}
     for name in CONFIGS:
         with tempfile.TemporaryDirectory() as workdir:
             curves[name] = run_config(name, workdir)
         print(name, json.dumps(curves[name]))
-    if args.write:
-        golden = load_golden()
-        golden[environment()] = curves
+    key = numerics.key_of(environment())
+    golden = load_golden()
+    if args.add:
+        problems = disagreements(curves, golden)
+        if problems:
+            raise SystemExit("not added: these curves differ from the recorded ones beyond the "
+                             "tolerance (the numerics changed: use --write): "
+                             + "; ".join(problems))
+        golden[key] = curves
+    elif args.write:
+        golden = {key: curves}
+    if args.add or args.write:
         with open(GOLDEN_FILE, "w") as f:
             json.dump(golden, f, indent=1, sort_keys=True)
             f.write("\n")
-        print(f"wrote {GOLDEN_FILE} for {environment()}")
+        print(f"wrote {GOLDEN_FILE} for {key}")
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ def test_an_unreachable_dataset_says_what_to_do(tmp_path, monkeypatch, capsys):
         "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: \"\"\n"
         "doc_to_target: \"{{text}}\"\n")
     fixtures = os.path.join(ROOT, "tests", "data", "old_checkpoints")
-    model_args = (f"load={os.path.join(fixtures, 'native_fp32')},"
+    model_args = (f"load={os.path.join(fixtures, 'v0.2.0', 'native_fp32')},"
                   f"vocab_file={os.path.join(fixtures, 'data', 'vocab.json')},"
                   f"merge_file={os.path.join(fixtures, 'data', 'merges.txt')}")
     with pytest.raises(SystemExit) as stopped:

@@ -14,7 +14,7 @@ from app.checkpoint.convert import ConvertOptions, read_checkpoint
 from app.checkpoint.formats import detect_format
 from tools import convert_checkpoint
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "data", "old_checkpoints")
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "data", "old_checkpoints", "v0.2.0")
 MEGATRON_FIXTURE = os.path.join(FIXTURES, "native_fp32")
 DEEPSPEED_FIXTURE = os.path.join(FIXTURES, "deepspeed_zero1")
 

@@ -12,7 +12,8 @@ import torch.distributed.checkpoint as dcp
 
 from app.checkpoint.convert import ConvertOptions, convert, read_checkpoint
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "old_checkpoints")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "old_checkpoints",
+                        "v0.2.0")
 
 
 def _convert(tmp_path, source, fmt_in, fmt_out, name, optimizer=True):

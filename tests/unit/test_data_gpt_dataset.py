@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import app.data.gpt_dataset as gpt_dataset
+import app.data.index_builder as index_builder
 from app.data import build_train_valid_test_datasets
 from app.data.index_builder import (blend_indices, build_indices, compute_num_epochs,
                                     split_document_ranges)
@@ -68,7 +69,7 @@ def test_cache_is_reused_and_keyed_on_every_parameter(tmp_path, lengths, monkeyp
     def fail(*a, **k):
         raise AssertionError("indices rebuilt although cached")
 
-    monkeypatch.setattr(gpt_dataset, "build_indices", fail)
+    monkeypatch.setattr(index_builder, "build_indices", fail)
     barriers = []
     again = build_train_valid_test_datasets(**args, is_builder=False,
                                             barrier=lambda: barriers.append(1))

@@ -179,7 +179,8 @@ class NativeEngine(Engine):
             distributed = isinstance(self.optimizer, DistributedOptimizer)
             common = mcore_state.build_common(
                 checkpoint_args_namespace(self.cfg, client_state["consumed_train_samples"],
-                                          client_state["consumed_valid_samples"], iteration),
+                                          client_state["consumed_valid_samples"], iteration,
+                                          client_state.get("data_order")),
                 iteration, distributed_optimizer=distributed,
                 scheduler=None if c.no_save_optim else self.lr_scheduler.state_dict(),
                 optimizer=None if optimizer is None else

@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from app.config import DataConfig, RunConfig, samples_per_split
 from app.config.batch_schedule import check_divisible
 from app.config.unread import unread_flags
+from app.data.legacy_order import sample_order
 from app.data.mock_dataset import describe_mock_plan
-from app.data.plan import order_record
+from app.data.plan import order_record, plan_datasets
 from app.checkpoint import CheckpointError
 from app.checkpoint import files as ckpt_files
 from app.checkpoint import model_args, saved_layout
@@ -34,7 +35,7 @@ from app.training.planning.data_check import check_data
 from app.training.planning.memory import (FIT_FRACTION, estimate_memory,
                                           expert_params_per_rank, params_per_rank)
 from app.training.telemetry import flops
-from app.training.resilience.data_order import check_data_order
+from app.training.resilience.data_order import check_data_order, resume_order
 from app.training.resilience.resume import (ResumeTarget, check_resume, check_saved_args,
                                             decide_start, require_rng_state)
 from app.training.resilience.save_dir import held_by_live_run, save_dir_problem
@@ -230,17 +231,23 @@ def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> No
         report.error(str(exc))
 
 
-def _check_data_order(report: Report, cfg: RunConfig, saved: Any, data_order: Optional[dict],
-                      where: str) -> None:
-    """The data-order check a resume makes (app.training.resilience.data_order)."""
+def _check_data_order(report: Report, cfg: RunConfig, saved: Any,
+                      data_order: Optional[Callable[[int], dict]], where: str) -> None:
+    """The data-order choice and check a resume makes (app.training.resilience.data_order);
+    `data_order(version)` is this run's record in the order of that version."""
+    writer = model_args.checkpoint_writer(saved)
+    report.ok(f"written by {writer.describe()}")
     if data_order is None or not int(getattr(saved, "iteration", 0) or 0):
         return
     try:
+        version, why = resume_order(getattr(saved, "data_order", None), writer,
+                                    cfg.checkpoint.allow_data_order_change)
+        report.ok(f"data order of this resume: {why}")
         consumed = {name: int(getattr(saved, f"consumed_{name}_samples", 0) or 0)
                     for name in ("train", "valid")}
-        lines = check_data_order(getattr(saved, "data_order", None), data_order, where,
+        lines = check_data_order(getattr(saved, "data_order", None), data_order(version), where,
                                  consumed, cfg.checkpoint.allow_data_order_change)
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError) as exc:
         report.error(str(exc))
         return
     for line in lines:
@@ -251,7 +258,7 @@ def _check_data_order(report: Report, cfg: RunConfig, saved: Any, data_order: Op
 
 
 def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget,
-                       data_order: Optional[dict]) -> None:
+                       data_order: Optional[Callable[[int], dict]]) -> None:
     """What loading will check in the saved state, read without its tensors: the model shape
     (`check_saved_args`, as the engines call it), the RNG states the plan restores, the LR
     schedule under these flags, where the run resumes and whether its data order is kept."""
@@ -298,14 +305,16 @@ def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget,
     _check_data_order(report, cfg, saved, data_order, layout.directory)
 
 
-def check_checkpoint(report: Report, cfg: RunConfig, data_order: Optional[dict] = None) -> None:
+def check_checkpoint(report: Report, cfg: RunConfig,
+                     data_order: Optional[Callable[[int], dict]] = None) -> None:
     """The start-up decisions of a real run (app.training.pretrain), made by the same functions
     in the same order but without writing anything: --save can be created and written
     (`save_dir_problem`) and no live run holds its writer lock (`held_by_live_run`; the lock is
     not taken); resume, fresh start or refusal (`decide_start`, with --overwrite-checkpoints,
     --finetune, --no-load-*); the saved layout against this run's engine and TP/PP/DP
     (`check_resume`). Then what loading would find: checksums, model shape, RNG, LR schedule,
-    and (given this run's `data_order` record) whether the resume keeps the data order."""
+    and (given this run's record in each order, `data_order(version)`) which order the resume
+    reads and whether it keeps it."""
     report.section("checkpoint")
     c = cfg.checkpoint
     if c.save:
@@ -442,8 +451,10 @@ def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataC
         plan = check_data(report, data, samples_per_split(cfg) if cfg else None,
                           cfg.model.seq_length if cfg else 1, vocab_size)
     if cfg is not None:
-        check_checkpoint(report, cfg, None if plan is None else
-                         order_record(plan, cfg.training.seed))
+        check_checkpoint(report, cfg, None if plan is None else lambda version: order_record(
+            plan if version == plan.order.version else plan_datasets(
+                plan.blends, cfg.data.split, samples_per_split(cfg), cfg.model.seq_length,
+                cfg.data.mmap_bin_files, sample_order(version)), cfg.training.seed))
         check_memory(report, cfg, device_memory_gib)
         check_fp8(report, cfg, device_memory_gib)
     return report

@@ -11,9 +11,14 @@ A dataset is known by its file name (as the sample-index cache knows it), docume
 tokens, not by the folder it is read from: the same files named by a relative instead of an
 absolute path, or copied to another disk, keep the order (a note names the new place).
 
-A record of an older version of the ordering rules (version 1: this trainer's order before it
-read Megatron Core's) names other samples for the same counts: the resume is refused like any
-other change of order, and --allow-data-order-change continues in the new order.
+Which order a resume reads (`resume_order`) is the checkpoint's: the version its record names
+(1: this trainer's order before 0.5.0, read by app.data.legacy_order; 2: Megatron Core's), or,
+for a checkpoint of this trainer's releases before 0.5.0 that records none (0.1.0 to 0.3.0,
+and 0.4.0's torch_dist checkpoints), the order of those releases (1), recognised by the marks
+of their args (app.checkpoint.model_args.checkpoint_writer). A checkpoint of another trainer
+(Megatron-LM) continues in Megatron Core's order, and new runs start in it. Only
+--allow-data-order-change switches a resumed run to Megatron Core's order (from the saved
+sample counts on); the log says which order a resume reads and why.
 
 A changed sample count alone (a longer --train-iters, another --eval-interval, a batch-size
 schedule, a data-parallel size) is accepted when every dataset keeps its epochs: the first
@@ -26,6 +31,9 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from app.checkpoint import CheckpointError
+from app.checkpoint.model_args import CheckpointWriter
+from app.data.legacy_order import sample_order
+from app.data.plan import ORDER_VERSION
 
 ALLOW_FLAG = "--allow-data-order-change"
 _WHY = {
@@ -40,8 +48,38 @@ _WHY = {
 }
 
 
-_VERSIONS = {2: "this version reads Megatron Core's order: GPTDataset's document, sample and "
-                "shuffle indices, BlendedDataset's interleaving, Megatron's split matrix"}
+_VERSIONS = {2: "Megatron Core's order: GPTDataset's document, sample and shuffle indices, "
+                "BlendedDataset's interleaving, Megatron's split matrix",
+             1: "this trainer's order before 0.5.0"}
+
+
+def _name(version: int) -> str:
+    try:
+        return sample_order(version).name
+    except ValueError:
+        return f"data-order version {version} (unknown to this code)"
+
+
+def resume_order(saved: Optional[Dict[str, Any]], writer: CheckpointWriter,
+                 allow_change: bool) -> Tuple[int, str]:
+    """(the data-order version a resume reads, why, for the log) for a checkpoint whose record
+    is `saved` (None: it has none) and whose writer is `writer` (module docstring)."""
+    new = ORDER_VERSION
+    if saved is not None:
+        version = int(saved.get("version", 1))
+        source = f"the checkpoint records data-order version {version}"
+    elif writer.ours and writer.before in ("0.4.0", "0.5.0"):
+        version, source = 1, (f"the checkpoint records no data order; its writer, "
+                              f"{writer.describe()}, read that order")
+    else:
+        return new, (f"{_name(new)} (the checkpoint records no data order and was not written "
+                     "by this trainer before 0.5.0)")
+    if version == new:
+        return version, f"{_name(version)} ({source})"
+    if allow_change:
+        return new, f"{_name(new)}, by {ALLOW_FLAG} ({source}: {_name(version)})"
+    return version, (f"{_name(version)} ({source}; {ALLOW_FLAG} would continue in {_name(new)} "
+                     "from the saved sample counts on)")
 
 
 def _dataset_name(prefix: str) -> str:
@@ -116,8 +154,8 @@ def check_data_order(saved: Optional[Dict[str, Any]], current: Dict[str, Any], w
     `allow_change`; returns the lines to log (notes, or the accepted changes). A checkpoint
     without a record (older, or Megatron-LM's) cannot be checked: a note says so."""
     if saved is None:
-        return [f"{where} records no data order (saved by an older version or another trainer): "
-                "the data order of this resume cannot be checked"]
+        return [f"{where} records no data order (saved by this trainer before 0.5.0 or by "
+                "another trainer): the data order of this resume cannot be checked"]
     changes, notes = order_changes(saved, current, consumed)
     if changes and not allow_change:
         raise CheckpointError(

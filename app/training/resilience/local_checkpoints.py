@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from app.checkpoint import CheckpointError, commit, names
+from app.checkpoint import CheckpointError, commit, model_args, names
 from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.checkpoint.files import allowed_globals, sha256_file, sidecar_path, read_checksums
 from app.config.checkpoint import CheckpointConfig
@@ -394,7 +394,8 @@ def _load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
     return LoadResult(iteration, int(position.get("consumed_train_samples", 0)),
                       int(position.get("consumed_valid_samples", 0)),
                       names.checkpoint_dir(rank_dir(local_dir, rank), iteration),
-                      position.get("data_order"))
+                      position.get("data_order"),
+                      model_args.checkpoint_writer(None, position.get("writer")))
 
 
 # ---------------------------------------------------------------------------- either kind

@@ -101,6 +101,8 @@ class LoadResult:
     path: str
     data_order: Optional[Dict[str, Any]] = None
     """The checkpoint's data-order record (app.data.plan.order_record), None when it has none."""
+    writer: model_args.CheckpointWriter = model_args.CheckpointWriter(False)
+    """Who wrote the checkpoint (model_args.checkpoint_writer)."""
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,8 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
     position = contents.client_state
     return LoadResult(saved_iteration, int(position.get("consumed_train_samples", 0)),
                       int(position.get("consumed_valid_samples", 0)), contents.path,
-                      position.get("data_order"))
+                      position.get("data_order", getattr(contents.args, "data_order", None)),
+                      model_args.checkpoint_writer(contents.args, position.get("writer")))
 
 
 def load_on_all_ranks(engine: Any, load_dir: str, device: torch.device,

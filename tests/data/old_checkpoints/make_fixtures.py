@@ -1,25 +1,43 @@
-"""How the old-checkpoint fixtures in this folder were made (kept as a record; no test runs it).
+"""How the old-checkpoint fixtures in this folder are made and their losses recorded (run by hand;
+no test runs it). tests/integration/test_old_checkpoints.py checks that today's code resumes each
+one exactly as its writer did.
 
-The committed files were written by the code at commit 3e2756e, so that
-tests/integration/test_old_checkpoints.py can check that later code still resumes them:
+    data/vocab.json, data/merges.txt     GPT-2 BPE of 320 entries (tools/train_tokenizer.py)
+    data/corpus_text_document.bin/.idx   60 documents of English-like text drawn from a word
+                                         list (tools/preprocess_data.py; how, in this script as
+                                         it was: git show 541016c:<this file>)
+    <set>/<checkpoint>/                  the checkpoint of iteration 2 of a 4-iteration run of
+                                         commands.json's command line, written by the set's
+                                         writer (commands.json "sets": a release, or the code
+                                         at a commit); a "converted" one by the writer's
+                                         tools/convert_checkpoint.py from another of the set
+    expected.json                        per set, per environment (tests/harness/numerics.py),
+                                         the train rows of iterations 3 and 4 the writer logged
 
-    data/vocab.json, data/merges.txt       GPT-2 BPE of 320 entries (tools/train_tokenizer.py)
-    data/corpus_text_document.bin/.idx     corpus_lines(), 60 documents (tools/preprocess_data.py)
-    native_fp32/, native_fp16/, deepspeed_zero1/
-                                           the checkpoint of iteration 2 of each configuration
-                                           of commands.json (a 4-iteration run exited at 2)
-    expected.json                          per configuration, the train rows of iterations 3 and
-                                           4 of the uninterrupted 4-iteration run, exact floats
-                                           as its --metrics-file wrote them
+The writer's code runs from a checkout of its commit, through its public command line only
+(pretrain_gpt2.py and tools/*.py as subprocesses), so this script does not depend on what that
+code looked like inside. Run it from the repository root (the data files are never rewritten:
+every set trains on the same bytes):
 
-Only the public command line is used (tools/*.py and pretrain_gpt2.py, as subprocesses), so this
-script does not depend on where modules live. corpus_lines() is 15 KB of English-like text drawn
-from a fixed word list by a linear congruential generator: the same bytes on every machine. Run
-from the repository root; it rewrites everything above (byte for byte the same files, at 3e2756e
-on the machine that made them: torch 2.13.0+cpu, AVX512):
+    git worktree add --detach /tmp/writer <commit>; ln -s $PWD/.venv /tmp/writer/.venv
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python tests/data/old_checkpoints/make_fixtures.py \
+        --writer /tmp/writer --set <set> [--record-only]
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python tests/data/old_checkpoints/make_fixtures.py
+Without --record-only it writes the set's checkpoints (a new set: add it to commands.json first;
+the compatibility set gains one per release) and records the rows the writer's uninterrupted
+runs logged. With --record-only it writes nothing but expected.json: the writer's code resumes
+each committed checkpoint of the set on this machine and its rows are recorded under this
+machine's environment key, so that the test compares bit for bit here too (on the CI machine:
+run it there for every set and commit expected.json). Either way the rows of other
+environments stay as they are.
+
+The v0.2.0 set was written by 3e2756e on the CI machine (recorded under its key of the older
+format, "torch 2.13.0+cpu, cpu AVX512"); its rows on the development machine come from
+--record-only with 3e2756e. The d8367dc set was written (and recorded) on the development
+machine; its deepspeed_zero1_torch_dist is deepspeed_zero1 converted by d8367dc's converter
+(DeepSpeed writes only its own format).
 """
+import argparse
 import glob
 import json
 import os
@@ -28,100 +46,108 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-WORDS = ("the a model layer weight token data loss step rank batch grows falls trains reads "
-         "writes saves loads small large fast slow every each one two three four of to in on "
-         "with and but then after before while gradient optimizer checkpoint sequence window "
-         "attention head embedding vocabulary learning rate schedule warmup decay").split()
+sys.path.insert(0, ROOT)
+from tests.harness.numerics import this_environment  # noqa: E402
+
+KEYS = ("lm_loss", "grad_norm", "loss_scale", "lr", "skipped_iterations")
+ITERATIONS = 4
 
 
-def corpus_lines(documents: int = 60):
-    """One JSON line {"text": ...} per document: 3..8 sentences of 4..11 words each."""
-    state = 2024
-
-    def draw(n):
-        nonlocal state
-        state = (1103515245 * state + 12345) % 2 ** 31
-        return (state >> 8) % n
-
-    for _ in range(documents):
-        sentences = []
-        for _ in range(3 + draw(6)):
-            words = [WORDS[draw(len(WORDS))] for _ in range(4 + draw(8))]
-            sentences.append(" ".join(words).capitalize() + ".")
-        yield json.dumps({"text": " ".join(sentences)})
+def load(name):
+    with open(os.path.join(HERE, name)) as f:
+        return json.load(f)
 
 
 def command(name, work):
-    """pretrain_gpt2.py's arguments for configuration `name` of commands.json."""
-    with open(os.path.join(HERE, "commands.json")) as f:
-        spec = json.load(f)
-    args = spec["common"] + spec["checkpoints"][name]
+    """pretrain_gpt2.py's arguments for checkpoint `name` (a converted one: its source's, on the
+    native path)."""
+    spec = load("commands.json")
+    source = spec["converted"].get(name, {}).get("source")
+    args = spec["common"] + spec["checkpoints"][source or name]
+    if source and "--deepspeed" in args:
+        at = args.index("--deepspeed")
+        args = args[:at] + args[at + 3:]  # --deepspeed --deepspeed_config <json>
     return [a.replace("{fixtures}", HERE).replace("{work}", work) for a in args]
 
 
-def call(*argv):
-    """Run a repository script with this Python; stop on failure."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, *argv], check=True, cwd=ROOT, env=env)
+def call(writer, script, *argv):
+    """Run the writer's `script` with this Python from its checkout; stop on failure."""
+    env = dict(os.environ, PYTHONPATH=writer, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, os.path.join(writer, script), *argv], check=True,
+                   cwd=writer, env=env)
 
 
 def train_rows(metrics_file):
-    """{iteration: row} of the train rows of a --metrics-file."""
+    """{iteration: the KEYS of its train row} of a --metrics-file."""
     with open(metrics_file) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return {r["iteration"]: r for r in rows if r["kind"] == "train"}
+    return {r["iteration"]: {k: r[k] for k in KEYS if k in r} for r in rows
+            if r["kind"] == "train"}
 
 
-def make_data(work):
-    data = os.path.join(HERE, "data")
-    shutil.rmtree(data, ignore_errors=True)
-    corpus = os.path.join(work, "corpus.jsonl")
-    with open(corpus, "w") as f:
-        f.write("\n".join(corpus_lines()) + "\n")
-    call(os.path.join(ROOT, "tools", "train_tokenizer.py"), "--input", corpus,
-         "--vocab-size", "320", "--output-dir", data)
-    call(os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-         "--output-prefix", os.path.join(data, "corpus"), "--vocab-file",
-         os.path.join(data, "vocab.json"), "--merge-file", os.path.join(data, "merges.txt"),
-         "--append-eod", "--workers", "1")
-
-
-def make_checkpoint(name, work):
-    """Train `name` 4 iterations straight, then again exiting with a checkpoint at iteration 2;
-    returns the straight run's rows of iterations 3 and 4."""
-    ck = os.path.join(HERE, name)
-    shutil.rmtree(ck, ignore_errors=True)
+def write_checkpoint(writer, set_name, name, work):
+    """The set's checkpoint `name`: written at iteration 2 of a run interrupted there; returns
+    the rows of iterations 3 and 4 of the same run uninterrupted."""
+    spec = load("commands.json")
+    folder = os.path.join(HERE, set_name, name)
+    shutil.rmtree(folder, ignore_errors=True)
+    converted = spec["converted"].get(name)
+    if converted:
+        call(writer, "tools/convert_checkpoint.py", *converted["arguments"], "--load",
+             os.path.join(HERE, set_name, converted["source"]), "--save", folder)
+        return None  # the source's rows
     straight, first = os.path.join(work, name + ".jsonl"), os.path.join(work, name + "_2.jsonl")
-    call(os.path.join(ROOT, "pretrain_gpt2.py"), *command(name, work), "--metrics-file", straight)
-    call(os.path.join(ROOT, "pretrain_gpt2.py"), *command(name, work), "--save", ck,
-         "--exit-interval", "2", "--metrics-file", first)
+    call(writer, "pretrain_gpt2.py", *command(name, work), "--metrics-file", straight)
+    call(writer, "pretrain_gpt2.py", *command(name, work), "--save", folder,
+         "--exit-interval", str(spec["saved_iteration"]), "--metrics-file", first)
     want, got = train_rows(straight), train_rows(first)
-    keys = ("lm_loss", "grad_norm", "loss_scale", "lr", "skipped_iterations")
-    numbers = {i: {k: row[k] for k in keys if k in row} for i, row in want.items()}
     assert sorted(want) == [1, 2, 3, 4] and sorted(got) == [1, 2], (want, got)
-    assert all(numbers[i] == {k: got[i][k] for k in numbers[i]} for i in (1, 2)), (want, got)
-    # DeepSpeed copies its conversion scripts into the checkpoint: not needed to resume
-    for script in glob.glob(os.path.join(ck, "zero_to_*.py")):
+    assert all(want[i] == got[i] for i in (1, 2)), (want, got)
+    for script in glob.glob(os.path.join(folder, "zero_to_*.py")):  # DeepSpeed's copies
         os.remove(script)
-    return {str(i): numbers[i] for i in (3, 4)}
+    return {str(i): want[i] for i in (3, 4)}
 
 
-def main():
+def resumed_rows(writer, set_name, name, work):
+    """The rows of iterations 3 and 4 that the writer's code logs resuming the committed
+    checkpoint `name` of the set on this machine."""
+    copy, metrics = os.path.join(work, name), os.path.join(work, name + ".jsonl")
+    shutil.copytree(os.path.join(HERE, set_name, name), copy)
+    call(writer, "pretrain_gpt2.py", *command(name, work), "--load", copy, "--metrics-file",
+         metrics)
+    rows = train_rows(metrics)
+    assert sorted(rows) == [3, 4], rows
+    return {str(i): rows[i] for i in (3, 4)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--writer", required=True, help="a checkout of the set's commit")
+    parser.add_argument("--set", required=True, help="a set of commands.json")
+    parser.add_argument("--record-only", action="store_true",
+                        help="write no checkpoint: record what the writer logs resuming them here")
+    args = parser.parse_args(argv)
+    spec = load("commands.json")["sets"][args.set]
+    rows, how = {}, ("the writer resuming each checkpoint here" if args.record_only else
+                     "the writer's uninterrupted runs")
     with tempfile.TemporaryDirectory() as work:
-        make_data(work)
-        with open(os.path.join(HERE, "commands.json")) as f:
-            names = list(json.load(f)["checkpoints"])
-        expected = {"environment": f"torch {torch.__version__}, cpu "
-                                   f"{torch.backends.cpu.get_cpu_capability()}",
-                    "checkpoints": {name: make_checkpoint(name, work) for name in names}}
+        for name in spec["checkpoints"]:
+            if args.record_only:
+                rows[name] = resumed_rows(args.writer, args.set, name, work)
+            else:
+                rows[name] = write_checkpoint(args.writer, args.set, name, work)
+    for name, converted in load("commands.json")["converted"].items():
+        if name in rows and rows[name] is None:
+            rows[name] = rows[converted["source"]]
+    expected = load("expected.json")
+    recorded = expected["sets"].setdefault(args.set, {})
+    recorded[this_environment(threads=1)] = {"how": f"{how} ({spec['commit']})", "rows": rows}
     with open(os.path.join(HERE, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1)
         f.write("\n")
-    print(json.dumps(expected, indent=1))
+    print(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
