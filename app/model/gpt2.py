@@ -94,7 +94,7 @@ def _layer_norm(config: ModelConfig, dtype: torch.dtype,
     across tensor-parallel ranks (with sequence parallelism each rank normalises other tokens,
     so the gradients are summed)."""
     norm = fused.norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
-                      dtype, config.layernorm_fusion)
+                      dtype, config.layernorm_fusion, config.layernorm_zero_centered_gamma)
     for param in norm.parameters():
         set_tensor_model_parallel_attributes(param, False)
         if config.sequence_parallel:
@@ -185,7 +185,8 @@ class Embedding(nn.Module):
 
 class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced); with --swiglu
-    h -> [gate, up] (2 x ffn, each rank its shard of both) -> silu(gate) * up -> h.
+    h -> [gate, up] (2 x ffn, each rank its shard of both) -> silu(gate) * up -> h; with
+    --squared-relu relu(x W + b)^2 in place of the GeLU.
 
     [b, s, h] -> ([b, s, h], output bias [h] or None): the last bias is returned for
     bias+dropout+add ([b, s/tp, h] in and out with sequence parallelism).
@@ -197,12 +198,13 @@ class ParallelMLP(nn.Module):
         dtype = torch_dtype(config.params_dtype)
         tp, ffn = parallel_state.tensor_model_parallel_size, config.ffn_hidden_size
         self.openai_gelu, self.swiglu = config.openai_gelu, config.swiglu
+        self.squared_relu = config.squared_relu
         self.swiglu_fusion = config.bias_swiglu_fusion
         # The bias goes to the fused bias+GeLU op where that op is fused (CUDA); otherwise it
         # stays inside the GEMM (addmm), which is cheaper than a separate add.
         self.bias_gelu_flag = config.bias_gelu_fusion
         self.bias_gelu_fusion = (fused.bias_gelu_fusion_applies(config.bias_gelu_fusion)
-                                 and not config.swiglu)
+                                 and not (config.swiglu or config.squared_relu))
         fc1_init = init.normal(f"{prefix}.dense_h_to_4h.weight")
         if config.swiglu:
             divide(ffn, tp, "ffn_hidden_size", "tensor_model_parallel_size")
@@ -224,6 +226,8 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.swiglu:
             intermediate = fused.swiglu(self.dense_h_to_4h(x), self.swiglu_fusion)  # [b,s,f/tp]
+        elif self.squared_relu:
+            intermediate = torch.square(F.relu(self.dense_h_to_4h(x)))  # [b, s, ffn/tp]
         elif self.bias_gelu_fusion:
             intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp] or None
             intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu)
@@ -403,7 +407,10 @@ class GPT2Model(nn.Module):
             self.word_embeddings.weight.shared = True
         self.rotary: Optional[RotaryEmbedding] = None
         if config.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+            self.rotary = RotaryEmbedding(
+                config.rotary_dim, config.rotary_base,
+                config.rope_scaling_factor if config.use_rope_scaling else None,
+                config.rotary_seq_len_interpolation_factor)
         slopes = None
         if config.position_embedding_type == "alibi":  # this rank's heads' slopes
             tp = self.parallel_state.tensor_model_parallel_size
