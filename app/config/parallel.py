@@ -121,7 +121,13 @@ class PrecisionConfig:
         help="overflows tolerated before the loss scale halves (fp16; default 2)")
     accumulate_allreduce_grads_in_fp32: bool = option(
         "--accumulate-allreduce-grads-in-fp32", default=False,
-        help="accumulate and all-reduce fp16 gradients in fp32 (always on for bf16)")
+        help="accumulate and all-reduce fp16 gradients in fp32 (on for bf16 unless "
+             "--grad-reduce-in-bf16)")
+    grad_reduce_in_bf16: bool = option(
+        "--grad-reduce-in-bf16", default=False,
+        help="with --bf16: accumulate the gradients over micro-batches and reduce them over "
+             "data-parallel ranks in bf16 (Megatron's; the fp32 main weights get an fp32 copy); "
+             "default fp32")
     source: str = "command line"
     """Where the precision came from: the flags, or the DeepSpeed JSON (logged at start)."""
 
@@ -141,6 +147,12 @@ class PrecisionConfig:
                          ("min_loss_scale", "--min-loss-scale"),
                          ("loss_scale_window", "--loss-scale-window"),
                          ("hysteresis", "--hysteresis")), allow_none=True)
+        if self.grad_reduce_in_bf16 and not self.bf16:
+            raise ValueError("--grad-reduce-in-bf16 applies with --bf16 only (the gradients are "
+                             "bf16 there); drop it or use --bf16")
+        if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
+            raise ValueError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 "
+                             "ask for bf16 and fp32 gradient reduction; drop one")
         initial, minimum, _, _ = self.dynamic_scaler_settings()
         if minimum > initial:
             raise ValueError(f"--min-loss-scale ({minimum}) exceeds --initial-loss-scale "
@@ -153,8 +165,10 @@ class PrecisionConfig:
 
     @property
     def grads_accumulate_in_fp32(self) -> bool:
-        """Whether half-precision gradients accumulate in fp32 buffers (bf16: always)."""
-        return self.bf16 or (self.fp16 and self.accumulate_allreduce_grads_in_fp32)
+        """Whether half-precision gradients accumulate (and are reduced) in fp32 buffers: bf16
+        unless --grad-reduce-in-bf16, fp16 with --accumulate-allreduce-grads-in-fp32."""
+        return ((self.bf16 and not self.grad_reduce_in_bf16)
+                or (self.fp16 and self.accumulate_allreduce_grads_in_fp32))
 
     def dynamic_scaler_settings(self) -> Tuple[float, float, int, int]:
         """(initial scale, minimum scale, growth window, hysteresis) with Megatron's defaults."""
