@@ -22,7 +22,7 @@ checkpoint an inference tool runs: InferenceLoadConfig).
 from __future__ import annotations
 
 from app.config.checkpoint import CKPT_FORMATS, CheckpointConfig
-from app.config.data import DataConfig
+from app.config.data import DataConfig, TikTokenConfig
 from app.config.deepspeed import DeepSpeedConfig
 from app.config.kernels import KernelConfig, default_kernel_build_timeout
 from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
@@ -41,6 +41,7 @@ from app.config.wandb import WandbConfig
 __all__ = [
     "ATTENTION_BACKENDS", "CKPT_FORMATS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
     "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
+    "TikTokenConfig",
     "DeepSpeedConfig", "DryRunConfig", "KernelConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",
     "ModelConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
