@@ -5,7 +5,12 @@ custom logits loss, and Llama's block (SwiGLU, RMSNorm, no biases, RoPE, GQA 2, 
 distributed optimizer at DP2; in bf16 with SP and selective recompute at TP2; interleaved with
 full recompute at TP2xPP2), alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
 one combination each also in native bf16 and fp16 (to their round-off), one under interleaved 1F1B (TP2xPP2,
-2 virtual stages) and one with the distributed optimizer (TP2xDP2).
+2 virtual stages) and one with the distributed optimizer (TP2xDP2); Megatron's options of its
+launch scripts: Nemotron-Mini's block (LayerNorm-1p, squared ReLU, rotary 0.5, no biases) at TP2,
+Qwen2/Llama 3.1's (QKV bias only, llama3 RoPE scaling, RMSNorm-1p, MQA: replicated QKV bias
+rows) at TP2 with SP and at PP2; the per-token loss with decoupled LRs at PP2 (tied copy) and
+TP2xDP2, in bf16 with bf16 gradient reduction under the distributed optimizer (TP2xDP2) and
+under DeepSpeed ZeRO-2 (DP2).
 
 Two spawns. Each rank builds every run in-process (tests.harness.synthetic.build_synthetic_run,
 the same path as pretrain_gpt2) and trains 5 iterations (fp32, dropout 0, 4 or 2 micro-batches
@@ -43,6 +48,14 @@ RESETS = ["--reset-position-ids", "--reset-attention-mask"]  # token 0 is the EO
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
          "--position-embedding-type", "rope"] + GQA2 + UNTIE  # Llama's block
 ZERO2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json")]
+NEMOTRON = ["--apply-layernorm-1p", "--squared-relu", "--use-rotary-position-embeddings",
+            "--rotary-percent", "0.5", "--no-position-embedding",
+            "--disable-bias-linear"] + GQA2 + UNTIE  # Nemotron-Mini's block
+QWEN2_LLAMA31 = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                 "--add-qkv-bias", "--position-embedding-type", "rope", "--use-rope-scaling",
+                 "--rope-scaling-factor", "32", "--apply-layernorm-1p"] + MQA + UNTIE
+PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss",  # token 0 is the EOD
+             "--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
 
 # name -> (model flags, whether the loss is the custom logits loss)
 OPTIONS = {
@@ -77,6 +90,17 @@ OPTIONS = {
                                 + ["--qk-layernorm"], False),
     "interleaved sp+llama+full": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                                    "1", "--recompute-granularity", "full"] + SP + LLAMA, False),
+    # Megatron's model options of its launch scripts (Nemotron-Mini, Qwen2.5, Llama 3.1), and its
+    # per-token loss with decoupled LRs (one process: sum / the global batch's token count)
+    "nemotron": (NEMOTRON, False),
+    "sp+qwen2+llama3.1 mqa": (SP + QWEN2_LLAMA31, False),
+    "qwen2+llama3.1 mqa": (QWEN2_LLAMA31, False),
+    "per-token+decoupled": (PER_TOKEN, False),
+    "per-token+decoupled untied": (PER_TOKEN + UNTIE, False),
+    "bf16 distributed optimizer grad-reduce-in-bf16 per-token": (
+        ["--bf16", "--grad-reduce-in-bf16", "--use-distributed-optimizer"] + PER_TOKEN, False),
+    "deepspeed zero2 bf16 grad-reduce-in-bf16 per-token": (
+        ZERO2 + ["--bf16", "--grad-reduce-in-bf16"] + PER_TOKEN + LLAMA, False),
 }
 LAYOUT_ONLY = {"--sequence-parallel": 0, "--use-distributed-optimizer": 0,
                "--num-layers-per-virtual-pipeline-stage": 1, "--deepspeed": 0,
@@ -92,13 +116,18 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("fp16 sp+alibi+gqa2+untied", 2, 1),
     ("llama", 2, 1), ("llama", 1, 2), ("distributed optimizer llama", 1, 1),
     ("bf16 sp+llama+selective", 2, 1), ("fp16 llama+qk-layernorm", 1, 2),
+    ("nemotron", 2, 1), ("sp+qwen2+llama3.1 mqa", 2, 1), ("qwen2+llama3.1 mqa", 1, 2),
+    ("per-token+decoupled", 1, 2),
     ("deepspeed zero2 llama+qk-layernorm", 1, 1),  # last: DeepSpeed's recompute stays set
+    ("deepspeed zero2 bf16 grad-reduce-in-bf16 per-token", 1, 1),
 ]
 LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices between stages)
     ("sp", 2, 1), ("sp+rope+gqa2+untied+selective", 2, 1),
     ("sp+learned+untied", 2, 2), ("sp+alibi+mqa+full+resets", 2, 2),
     ("interleaved sp+rope+untied", 2, 2), ("distributed optimizer sp+mqa", 2, 1),
     ("sp+llama+qk-layernorm", 2, 2), ("interleaved sp+llama+full", 2, 2),
+    ("per-token+decoupled untied", 2, 1), ("bf16 distributed optimizer grad-reduce-in-bf16 "
+                                           "per-token", 2, 1),
 ]
 
 
