@@ -45,7 +45,8 @@ def model_argv(layers: int) -> List[str]:
 def _timed_writes(record: Dict[str, float]) -> None:
     """Time this rank's write step of either format (and count its bytes) by wrapping the one
     function each format writes its files with."""
-    from app.checkpoint import dcp_files, megatron
+    from app.checkpoint.legacy import per_rank as megatron
+    from app.checkpoint.torch_dist import dcp_files
 
     legacy, sharded = megatron.write_checked_file, dcp_files.write_rank_files
 

@@ -37,9 +37,9 @@ def get_options(argv: Optional[List[str]] = None) -> ConvertOptions:
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[convert] %(message)s", stream=sys.stderr)
     from app.checkpoint.convert import convert, print_structure
-    from app.checkpoint.hf_files import HFConversionError
-    from app.checkpoint.layout import LayoutError
-    from app.checkpoint.megatron import CheckpointError
+    from app.checkpoint.hf.files import HFConversionError
+    from app.checkpoint.param_layout import LayoutError
+    from app.checkpoint import CheckpointError
     try:
         opts = get_options(argv)  # a --load that holds no checkpoint: CheckpointError, below
         if opts.print_checkpoint_structure:

@@ -112,7 +112,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from app.inference.session import configure_tool_logging, open_session
     configure_tool_logging("evaluate")
     a = get_options(argv)
-    from app.checkpoint.megatron import CheckpointError
+    from app.checkpoint import CheckpointError
     try:
         session = open_session(a.checkpoint)
         seq_length = a.seq_length or session.max_positions

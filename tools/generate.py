@@ -113,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from app.inference.session import configure_tool_logging, open_session
     configure_tool_logging("generate")
     a = get_options(argv)
-    from app.checkpoint.megatron import CheckpointError
+    from app.checkpoint import CheckpointError
     try:
         params = _params(a)
         session = open_session(a.checkpoint, use_cache=not a.no_kv_cache)

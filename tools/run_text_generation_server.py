@@ -56,7 +56,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     configure_tool_logging("server")
     a = get_options(argv)
     from app.inference.server import create_app
-    from app.checkpoint.megatron import CheckpointError
+    from app.checkpoint import CheckpointError
     try:
         session = open_session(a.checkpoint)
     except (ValueError, CheckpointError, FileNotFoundError) as exc:

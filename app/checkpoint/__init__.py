@@ -1,20 +1,30 @@
 """Every checkpoint format, shared by training, conversion, inference and the tools.
 
-`formats` is the registry (one entry per format under its --ckpt-format name: `torch` the
-legacy Megatron layout, `torch_dist`, `deepspeed`, `hf`; one `detect`; each entry's whole-model
-read, describe and write) and `convert` reads through one entry and writes through another.
-Each format is one module that reads and writes it per rank and whole: `megatron` (legacy),
-`torch_dist` (Megatron Core's distributed checkpoint), `deepspeed` (DeepSpeed's files, read
-safely: one model-parallel rank whole for the engine's ZeRO-3 weights-only load and the
-converter alike, and the whole model) and `hf` (Hugging Face: `hf_gpt2` and `hf_llama` map the
-weights, `hf_files` reads and writes the directory). They share: `names` (where every file
-lives, the format names, the one iteration resolver, the pointer files), `layouts` (a saved
-layout from file names), `files` (checksums, safe reads), `commit` (crash-safe writes; a save
-becomes the latest on every rank or on none), `layout` (a full tensor's TP shards and PP
-stages, the model's optimizer groups, merging ranks), `sharding` (boxes of global tensors: the
-one rule of where a TP shard lies), `mcore_names`, `mcore_state`, `dcp_files`, `model_args`
-(`args` <-> ModelConfig) and `state` (ModelCheckpoint). No policy lives here: when to save,
-what to resume and what to refuse are app.training.resilience's.
+By what a reader looks for:
+
+    formats.py        the registry: one entry per --ckpt-format name (`torch`, `torch_dist`,
+                      `deepspeed`, `hf`), each entry's whole-model read, describe and write;
+                      `detect` once per load, its `SavedCheckpoint` passed down to the reader
+    request.py        WriteRequest: what a writer is asked to write (layout, dtype, iteration,
+                      optimizer, shard size, tokenizer), never a tool's options
+    convert.py        the converter: its flags -> detect, read through one entry, write
+                      through another
+    legacy/           Megatron-LM's legacy format: per_rank (training), whole (conversion)
+    torch_dist/       Megatron Core's distributed checkpoint: dcp_files, per_rank, whole
+    deepspeed.py      DeepSpeed's files read safely, one rank whole, the whole model
+    hf/               Hugging Face directories: one adapter per model family (families/),
+                      the directory's files, the tokenizer, the model card
+    mcore/            Megatron Core's names and common state (both Megatron formats)
+    saved_layout.py   what a saved iteration holds, from file names (SavedLayout, detect);
+                      whether a run can load it
+    param_layout.py   where a full tensor's TP shards and PP stages lie; merging ranks
+    names.py  files.py  commit.py  snapshot.py  sharding.py  model_args.py  state.py
+                      file names and pointers; checksums and safe reads; the crash-safe
+                      two-phase commit; host copies of a save; box arithmetic of global
+                      tensors; `args` <-> ModelConfig; ModelCheckpoint
+
+No policy lives here: when to save, what to resume and what to refuse are
+app.training's.
 """
 
 

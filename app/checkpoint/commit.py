@@ -55,7 +55,7 @@ Returns (path, error) when its own writing failed, None otherwise. Must not rais
 
 def save_stage(name: str) -> None:
     """This rank's save reached stage `name` (one of SAVE_STAGES): the fault-injection point
-    (also for the torch_dist format's rank files, app.checkpoint.dcp_files)."""
+    (also for the torch_dist format's rank files, app.checkpoint.torch_dist.dcp_files)."""
     faults.fire(faults.SAVE_STAGE, name)
 
 

@@ -1,20 +1,25 @@
 """Checkpoint conversion: read through the format registry, write through it.
 
 Any format of app.checkpoint.formats (legacy Megatron `torch` at any TP/PP, `torch_dist`,
-DeepSpeed incl. ZeRO-3, Hugging Face GPT-2, Llama and Qwen3) is read into a layout-free `ModelCheckpoint` (full
-tensors under our names); any writable one writes it. `convert()` is what
-tools/convert_checkpoint.py runs. See docs/conversion.md.
+DeepSpeed incl. ZeRO-3, Hugging Face GPT-2, Llama and Qwen3) is read into a layout-free
+`ModelCheckpoint` (full tensors under our names); any writable one writes it. `convert()` is what
+tools/convert_checkpoint.py runs: its flags are `ConvertOptions`, which detects the source once
+(`source`) and turns the flags into the writer's typed request (`write_request`). See
+docs/conversion.md.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional, Tuple
 
 from app.checkpoint import formats
 from app.checkpoint.names import FORMAT_ALIASES, canonical_format
+from app.checkpoint.request import TokenizerSource, WriteRequest
+from app.checkpoint.saved_layout import SavedCheckpoint
 from app.checkpoint.state import ModelCheckpoint, OptimizerState, staged_directory
 from app.config.inference import LOAD, MERGES, TOKENIZER_MODEL, VOCAB
 from app.config.options import PathOption, option
@@ -114,6 +119,10 @@ class ConvertOptions:
     print_checkpoint_structure: bool = option(
         "--print-checkpoint-structure", default=False,
         help="print every key, shape and dtype of the source (and convert too if --save)")
+    source: Optional[SavedCheckpoint] = field(default=None, init=False, repr=False,
+                                              compare=False)
+    """What --load holds, detected once here (app.checkpoint.saved_layout.detect) and read
+    through it."""
 
     def __post_init__(self) -> None:
         self.output_format = canonical_format(self.output_format, "--output-format")
@@ -134,7 +143,8 @@ class ConvertOptions:
                              f"{self.vocab_file} both name the tokenizer: give one of them")
         if not self.print_checkpoint_structure and not self.save:
             raise ValueError("--save DIR is required (unless --print-checkpoint-structure)")
-        self.input_format = _checked_input_format(self.load, self.input_format, self.iteration)
+        self.source = formats.detect(self.load, self.iteration)
+        self.input_format = _checked_input_format(self.source, self.input_format)
         if self.include_optimizer and not (formats.lookup(self.input_format).optimizer
                                            and formats.lookup(self.output_format).optimizer):
             raise ValueError("--include-optimizer needs a torch, torch_dist or deepspeed input "
@@ -142,10 +152,24 @@ class ConvertOptions:
                              "no optimizer state)")
 
 
-def _checked_input_format(load: str, given: Optional[str], iteration: Optional[object]) -> str:
-    """The format of the checkpoint in `load` (formats.detect_format); ValueError when
+    def write_request(self) -> WriteRequest:
+        """What the output format's writer is asked to write (app.checkpoint.request), from
+        the flags: the target layout and dtype, the iteration, the optimizer, the Hugging Face
+        shard size, tokenizer and model card."""
+        return WriteRequest(
+            tensor_model_parallel_size=self.target_tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.target_pipeline_model_parallel_size,
+            params_dtype=self.target_params_dtype, iteration=self.iteration,
+            include_optimizer=self.include_optimizer, max_shard_size=self.max_shard_size,
+            tokenizer=TokenizerSource(self.vocab_file, self.merge_file, self.tokenizer_model),
+            metrics_file=self.metrics_file,
+            model_path=os.path.abspath(self.save) if self.save else None)
+
+
+def _checked_input_format(source: SavedCheckpoint, given: Optional[str]) -> str:
+    """The format of the checkpoint `source` (what --load holds); ValueError when
     --input-format `given` says otherwise."""
-    found = formats.detect_format(load, iteration)
+    load, found = source.load, source.format
     if given is not None and canonical_format(given, "--input-format") != found:
         raise ValueError(f"--input-format {given}, but --load {load} holds a {found} checkpoint: "
                          f"drop --input-format (the converter detects the format) or pass "
@@ -156,14 +180,14 @@ def _checked_input_format(load: str, given: Optional[str], iteration: Optional[o
 
 
 def read_checkpoint(opts: ConvertOptions) -> ModelCheckpoint:
-    """The source checkpoint as a ModelCheckpoint (the input format's registry reader)."""
-    return formats.lookup(opts.input_format).read(opts.load, opts.iteration, opts.include_optimizer,
-                                                  opts.make_vocab_size_divisible_by)
+    """The source checkpoint as a ModelCheckpoint (the input format's registry reader, given
+    what ConvertOptions detected)."""
+    return formats.read(opts.source, opts.include_optimizer, opts.make_vocab_size_divisible_by)
 
 
 def print_structure(opts: ConvertOptions) -> List[str]:
     """Lines describing the source files: every key, tensor shape and dtype, and the args."""
-    return formats.lookup(opts.input_format).describe(opts.load, opts.iteration)
+    return formats.lookup(opts.input_format).describe(opts.source)
 
 
 def convert(opts: ConvertOptions) -> str:
@@ -171,8 +195,13 @@ def convert(opts: ConvertOptions) -> str:
     returns a one-line summary."""
     start = time.perf_counter()
     source = read_checkpoint(opts)
+    target = formats.lookup(opts.output_format, "--output-format")
+    if not target.placed and (opts.target_tensor_model_parallel_size,
+                              opts.target_pipeline_model_parallel_size) != (1, 1):
+        logger.warning("--target-*-parallel-size is ignored for --output-format %s: it loads at "
+                       "any layout", opts.output_format)
     with staged_directory(opts.save) as tmp:
-        what = formats.lookup(opts.output_format, "--output-format").write(source, tmp, opts)
+        what = target.write(source, tmp, opts.write_request())
     n = sum(t.numel() for t in source.weights.values())
     return (f"converted {opts.input_format} {opts.load} -> {what} {opts.save}: "
             f"{n / 1e6:.1f}M parameters in {time.perf_counter() - start:.1f} s")

@@ -52,15 +52,17 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from app.checkpoint import CheckpointError, layout
+from app.checkpoint import CheckpointError
 from app.checkpoint import files as ckpt_files
-from app.checkpoint.layout import merge_ranks
+from app.checkpoint import param_layout as layout
 from app.checkpoint.names import (parse_deepspeed_model_file, parse_deepspeed_optim_file,
-                                  parse_zero3_model_file, resolve_iteration)
+                                  parse_zero3_model_file)
+from app.checkpoint.param_layout import merge_ranks
+from app.checkpoint.saved_layout import SavedCheckpoint
 from app.checkpoint.state import ModelCheckpoint, OptimizerState, Progress, describe
 from app.utils.third_party import prepare_deepspeed_import
 
@@ -279,21 +281,21 @@ def _cut(vectors: List[torch.Tensor], shapes: Dict[str, tuple],
 
 # ---------------------------------------------------------------------------- the whole model
 
-def describe_deepspeed(load_dir: str, iteration: Optional[Any] = None) -> List[str]:
+def describe_deepspeed(saved: SavedCheckpoint) -> List[str]:
     """Lines describing every .pt file of a DeepSpeed checkpoint: keys, shapes, dtypes."""
-    directory, _ = resolve_iteration(load_dir, iteration)
+    directory = saved.folder
     lines: List[str] = []
     for name in sorted(n for n in os.listdir(directory) if n.endswith(".pt")):
-        lines.append(f"{os.path.relpath(os.path.join(directory, name), load_dir)}:")
+        lines.append(f"{os.path.relpath(os.path.join(directory, name), saved.load)}:")
         lines += describe(load_deepspeed_file(os.path.join(directory, name)), 1)
     return lines
 
 
-def read_deepspeed(load_dir: str, iteration: Optional[Any] = None,
-                   include_optimizer: bool = False) -> ModelCheckpoint:
+def read_deepspeed(saved: SavedCheckpoint, include_optimizer: bool = False) -> ModelCheckpoint:
     """The whole model of a DeepSpeed checkpoint of ours (`read_rank`'s weights of every
-    model-parallel rank, merged over TP and PP), any ZeRO stage, DP, TP and PP size."""
-    directory, _ = resolve_iteration(load_dir, iteration)
+    model-parallel rank, merged over TP and PP), any ZeRO stage, DP, TP and PP size; `saved`
+    is what app.checkpoint.saved_layout.detect found."""
+    directory = saved.folder
     mp_ranks = sorted({mp for name in os.listdir(directory)
                        for mp in [parse_deepspeed_model_file(name)] if mp is not None})
     if not mp_ranks:

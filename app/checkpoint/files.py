@@ -4,17 +4,23 @@ A checksummed file `f` has a sidecar in sha256sum format: `f.sha256` beside our 
 a hidden `.f.sha256` beside DeepSpeed's (`sidecar_path`). `verify_checksum` compares a file
 with its sidecar before anything unpickles it; `safe_torch_load` unpickles with
 weights_only=True and an allow-list (`allowed_globals` plus the caller's), and
-`check_pickled_globals` scans a file that another library will unpickle itself. Errors name
-the file and the fix. The crash-safe writer using these is app.checkpoint.commit.
+`check_pickled_globals` scans a file that another library will unpickle itself;
+`megatron_args_globals` lets Megatron-LM's pickled args through with its own classes as inert
+`ForeignObject`s (both Megatron formats read them). Errors name the file and the fix. The
+crash-safe writer using these is app.checkpoint.commit.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import os
+import pathlib
 import pickle
 import re
-from typing import Any, List, Optional, Sequence
+import signal
+import types
+from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -135,3 +141,33 @@ def check_pickled_globals(path: str, extra_safe_globals: Sequence[Any] = ()) -> 
             f"checkpoint file {path} pickles a class or function outside the allow-list "
             f"({', '.join(sorted(refused)[:3])}) and was refused: unpickling it could run "
             "arbitrary code. Load only checkpoints you trust")
+
+
+# ---------------------------------------------------------------------------- Megatron's args
+
+class ForeignObject:
+    """An instance of a class this code does not load (Megatron's enums and dataclasses in its
+    checkpoints): its constructor arguments and state are kept, nothing of it runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"ForeignObject{self.args or ''}"
+
+
+def megatron_args_globals(source: Union[bytes, str]) -> List[Any]:
+    """What Megatron-LM's pickled args need beyond the checkpoint allow-list: SimpleNamespace,
+    PosixPath, Signals, Namespace, and (ForeignObject, name) for every `megatron.*` global that
+    the torch.save blob (bytes) or file (path) `source` pickles."""
+    extra: List[Any] = [types.SimpleNamespace, pathlib.PosixPath, signal.Signals,
+                        argparse.Namespace]
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(
+            io.BytesIO(source) if isinstance(source, bytes) else source)
+    except Exception:  # noqa: BLE001 - not a zip archive: the load itself reports it
+        return extra
+    return extra + [(ForeignObject, name) for name in found if name.split(".")[0] == "megatron"]

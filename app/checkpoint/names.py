@@ -1,7 +1,7 @@
 """Where every file of a checkpoint lives, what it is called, and the pointer files that name the
 latest one: the only place that spells a checkpoint name (no torch needed).
 
-Megatron-LM's layout (the native engine's; app.checkpoint.megatron holds the file content)::
+Megatron-LM's layout (the native engine's; app.checkpoint.legacy holds the file content)::
 
     {save}/latest_checkpointed_iteration.txt        the tracker: "<iteration>" or "release"
     {save}/iter_{iteration:07d}/mp_rank_{tp:02d}/model_optim_rng.pt             (PP == 1)
@@ -275,16 +275,6 @@ def resolve_iteration(load_dir: str, iteration: Optional[Iteration] = None
         f"'{LATEST_FILENAME}' file naming a tag (DeepSpeed) and no config.json (Hugging Face) "
         f"(it holds: {', '.join(listing[:6]) or 'nothing'}{' ...' if len(listing) > 6 else ''}); "
         "point --load at a run's --save directory, or pass --iteration N")
-
-
-def resolve_iteration_number(load_dir: str, iteration: Optional[Iteration]) -> Iteration:
-    """The iteration to read (resolve_iteration); CheckpointError when `load_dir`'s
-    pointer names a tag that is no iteration (DeepSpeed's global_stepN)."""
-    folder, found = resolve_iteration(load_dir, iteration)
-    if found is None:
-        raise CheckpointError(f"{folder} is not an iteration folder of a Megatron-layout "
-                              "checkpoint; pass --iteration N (or release)")
-    return found
 
 
 def write_latest_tag(directory: str, tag: str) -> None:

@@ -15,13 +15,13 @@ from typing import Dict, Optional
 
 import torch
 
-from app.checkpoint import dcp_files
-from app.checkpoint import megatron as ckpt
-from app.checkpoint import names
+from app.checkpoint import CheckpointError, formats
+from app.checkpoint import param_layout as layout
+from app.checkpoint.legacy import per_rank as legacy
+from app.checkpoint.mcore.state import check_checkpoint_version
 from app.checkpoint.model_args import model_config_from_args
-from app.checkpoint import layout
-from app.checkpoint import formats
-from app.checkpoint.layout import target_padded_vocab
+from app.checkpoint.param_layout import target_padded_vocab
+from app.checkpoint.saved_layout import SavedCheckpoint
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
@@ -41,30 +41,22 @@ class LoadedModel:
     tokenizer_files: Dict[str, str]
 
 
-def saved_layout_of(load: str) -> Optional[tuple]:
-    """(TP, PP) a Megatron checkpoint was saved with; None for a Hugging Face directory or a
-    DeepSpeed checkpoint (both are read whole and split for the layout asked for)."""
-    if formats.detect_format(load) != formats.TORCH:
-        return None
-    return ckpt.saved_layout(names.resolve_iteration(load)[0])
-
-
-def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
-    """This rank's stage of the model in `load` (Megatron legacy or torch_dist, or DeepSpeed
-    checkpoint, or HF directory), eval mode.
+def load_model(checkpoint: SavedCheckpoint, ps: ParallelState) -> LoadedModel:
+    """This rank's stage of the model `checkpoint` (what app.checkpoint.formats.detect found in
+    --load: Megatron legacy or torch_dist, DeepSpeed, or a Hugging Face directory), eval mode.
 
     When the layout of `ps` is a legacy Megatron checkpoint's, each rank reads only its own
     file; otherwise the whole checkpoint is read through its format's registry reader
     (app.checkpoint.formats; DeepSpeed: its fp32 master weights) and resharded in memory.
     """
     tp, pp = ps.tensor_model_parallel_size, ps.pipeline_model_parallel_size
-    saved = saved_layout_of(load)
-    if saved is not None and tuple(saved) == (tp, pp) and iteration is None:
-        return _load_own_file(load, ps)
+    load, saved = checkpoint.load, checkpoint.tensor_pipeline_sizes
+    if saved == (tp, pp):
+        return _load_own_file(checkpoint, ps)
     if saved is not None:
         logger.info("checkpoint %s was saved at TP %d x PP %d; resharding it in memory for "
                     "TP %d x PP %d", load, saved[0], saved[1], tp, pp)
-    source = formats.detect(load, iteration).read(load, iteration)
+    source = formats.read(checkpoint)
     args = source.args
     rows = target_padded_vocab(args, source.weights[layout.WORD_EMBEDDINGS].shape[0], tp)
     weights = layout.pad_vocabulary(source.weights, rows, getattr(args, "vocab_size", None))
@@ -74,7 +66,7 @@ def load_model(load: str, ps: ParallelState, iteration=None) -> LoadedModel:
         flat = {name: placement.split(name, weights[name], tp)[ps.tensor_model_parallel_rank]
                 for name in parameter_records(model)}
     except KeyError as exc:
-        raise ckpt.CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
+        raise CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
                                    "the model its args describe holds") from exc
     model.load_state_dict(flat, strict=True)
     return LoadedModel(model.eval(), args, int(getattr(args, "vocab_size", None) or rows),
@@ -86,20 +78,22 @@ def _build(args: argparse.Namespace, rows: int, ps: ParallelState) -> torch.nn.M
     return build_model_stage(model_config_from_args(args, rows, for_inference=True), ps)
 
 
-def _load_own_file(load: str, ps: ParallelState) -> LoadedModel:
-    state, iteration = ckpt.load_checkpoint_dict(
-        load, tp_rank=ps.tensor_model_parallel_rank, pp_rank=ps.pipeline_model_parallel_rank,
-        pp_size=ps.pipeline_model_parallel_size, tp_size=ps.tensor_model_parallel_size)
-    where = names.checkpoint_dir(load, iteration)
-    ckpt.check_checkpoint_version(state, where)
+def _load_own_file(checkpoint: SavedCheckpoint, ps: ParallelState) -> LoadedModel:
+    """This rank's own file of the legacy `checkpoint`, saved at this TP x PP."""
+    state, iteration = legacy.load_checkpoint_dict(
+        checkpoint.load, tp_rank=ps.tensor_model_parallel_rank,
+        pp_rank=ps.pipeline_model_parallel_rank, pp_size=ps.pipeline_model_parallel_size,
+        iteration=checkpoint.numbered_iteration(), tp_size=ps.tensor_model_parallel_size)
+    where = checkpoint.folder
+    check_checkpoint_version(state, where)
     args = state.get("args")
     if args is None:
-        raise ckpt.CheckpointError(f"{where} has no 'args': the model shape is unknown")
+        raise CheckpointError(f"{where} has no 'args': the model shape is unknown")
     model = _build(args, int(args.padded_vocab_size), ps)
     try:
-        model.load_state_dict(ckpt.from_megatron_model(state["model"]), strict=True)
+        model.load_state_dict(legacy.from_megatron_model(state["model"]), strict=True)
     except RuntimeError as exc:
-        raise ckpt.CheckpointError(f"weights in {where} do not fit the model its args describe: "
+        raise CheckpointError(f"weights in {where} do not fit the model its args describe: "
                                    f"{str(exc).splitlines()[0][:300]}") from exc
     vocab = int(getattr(args, "vocab_size", None) or args.padded_vocab_size)
     return LoadedModel(model.eval(), args, vocab, {})

@@ -14,11 +14,13 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from app.checkpoint import formats
+from app.checkpoint.saved_layout import SavedCheckpoint
 from app.config.inference import InferenceLoadConfig
 from app.data import build_tokenizer
 from app.data.tokenizer import TOKENIZER_MODEL_TYPES, build_tokenizer_from
 from app.inference.generation import GenerationResult, StopCheck, beam_search, generate
-from app.inference.runner import PipelineRunner, load_model, saved_layout_of
+from app.inference.runner import PipelineRunner, load_model
 from app.inference.sampling import SamplingConfig
 from app.inference.scoring import continuation_logprobs
 from app.launch.distributed import init_distributed, shutdown_distributed, world_group
@@ -52,9 +54,11 @@ class GenerationParams:
             raise ValueError("stop_sequences need num_beams 1")
 
 
-def resolve_layout(load: str, world_size: int, tp: Optional[int], pp: Optional[int]):
-    """(TP, PP) to run with: the flags, else the checkpoint's when the world matches it, else 1x1."""
-    saved = saved_layout_of(load)
+def resolve_layout(checkpoint: SavedCheckpoint, world_size: int, tp: Optional[int],
+                   pp: Optional[int]):
+    """(TP, PP) to run with: the flags, else the legacy `checkpoint`'s when the world matches
+    it, else 1x1."""
+    saved = checkpoint.tensor_pipeline_sizes
     if tp is None and pp is None:
         if saved and saved[0] * saved[1] == world_size:
             tp, pp = saved
@@ -114,11 +118,12 @@ class InferenceSession:
                  use_cache: bool = True, tokenizer_model: Optional[str] = None) -> None:
         info = init_distributed()
         self.rank, self.device = info.rank, info.device
-        tp, pp = resolve_layout(load, info.world_size, tensor_model_parallel_size,
+        checkpoint = formats.detect(load)  # once: the layout and the reader follow from it
+        tp, pp = resolve_layout(checkpoint, info.world_size, tensor_model_parallel_size,
                                 pipeline_model_parallel_size)
         self.ps = ParallelState.single() if info.world_size == 1 else initialize_model_parallel(tp, pp)
         self.world = world_group()
-        loaded = load_model(load, self.ps)
+        loaded = load_model(checkpoint, self.ps)
         self.model = loaded.model.to(self.device)
         self.args, self.vocab_size = loaded.args, loaded.vocab_size
         self.tokenizer = _session_tokenizer(self.args, loaded.tokenizer_files, vocab_file,

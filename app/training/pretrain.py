@@ -33,7 +33,7 @@ from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
 from app.mpu import collectives
-from app.checkpoint.megatron import CheckpointError
+from app.checkpoint import CheckpointError
 from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
                                     shutdown_distributed, world_group)

@@ -31,7 +31,7 @@ from app.launch.distributed import world_group
 from app.training.data_loading import (BatchBuilder, build_data_iterator, check_run_data,
                                        close_data_iterator)
 from app.training.engines.base import Engine
-from app.checkpoint.megatron import CheckpointError
+from app.checkpoint import CheckpointError
 from app.checkpoint.names import checkpoint_dir
 from app.pipeline import get_forward_backward_func
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective

@@ -50,11 +50,12 @@ def _straight_tp2_runs(base):
     inference (app.inference.runner, each rank its own file) computes from that save."""
     import torch
     import torch.distributed as dist
+    from app.checkpoint.formats import detect
     from app.inference.runner import PipelineRunner, load_model
     curves, logits = {}, {}
 
     def logits_of(folder, ps):
-        loaded = load_model(folder, ps)
+        loaded = load_model(detect(folder), ps)
         runner = PipelineRunner(loaded.model, ps, 32, torch.device("cpu"))
         tokens = torch.tensor(TOKENS)
         return runner.forward(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))

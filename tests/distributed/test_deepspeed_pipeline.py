@@ -43,7 +43,7 @@ def _rank_main(tmpdir):
     import torch.distributed as dist
 
     from app.mpu import collectives
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     from app.training.data_loading import build_data_iterator
     last = dist.get_rank() == dist.get_world_size() - 1
     curves = {}

@@ -183,7 +183,7 @@ def test_zero3_bf16_save_reads_the_same_weights_in_the_engine_and_the_converter(
     from app.checkpoint import deepspeed, formats, names
     save = dp2[0]["bf16_save"]
     reference = get_fp32_state_dict_from_zero_checkpoint(save, tag=names.iteration_tag(ITERS))
-    converted = formats.lookup("deepspeed").read(save, ITERS).weights
+    converted = formats.read(formats.detect(save, ITERS)).weights
     engine_read = deepspeed.read_rank(os.path.join(save, names.iteration_tag(ITERS)), 0).weights
     assert set(converted) == set(engine_read) == set(reference)
     for name, want in reference.items():

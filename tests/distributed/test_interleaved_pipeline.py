@@ -72,7 +72,7 @@ def _compare(run, expected, what):
 def _rank_main(refs, tmpdir):
     import torch.distributed as dist
 
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     world = dist.get_world_size()
     runs = {}
 

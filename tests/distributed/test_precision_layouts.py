@@ -181,7 +181,7 @@ def test_two_rank_layouts_injected_overflow_and_nan_loss(one_process, tmp_path):
             got = r[(layout, "inject")]
             assert got["skipped"] and got["unchanged"], (layout, rank, got)
             assert got["scale"] == (4096.0, 2048.0), (layout, rank, got)
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     for precision in ("fp32", "bf16"):
         stops = [r[("DP2", precision, "nan")] for r in results]
         assert stops[0]["stopped"] == stops[1]["stopped"] == 4, stops  # iterations 3, 4 skipped

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.mpu.random import rng_state_dict
 
 

@@ -10,7 +10,7 @@ import shutil
 
 import torch
 
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import commit, names
 from app.checkpoint import files as ckpt_files
 from app.utils import faults

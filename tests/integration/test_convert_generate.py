@@ -79,6 +79,7 @@ def _rank_outputs(jobs, eod, prompts_ids):
     TOKENS and greedy generations (last stage's tensor rank 0 returns them)."""
     import torch.distributed as dist
     from app.inference.generation import beam_search, generate
+    from app.checkpoint.formats import detect
     from app.inference.runner import PipelineRunner, load_model
     from app.inference.sampling import SamplingConfig
     from app.mpu.parallel_state import initialize_model_parallel
@@ -86,7 +87,7 @@ def _rank_outputs(jobs, eod, prompts_ids):
     results = []
     for load, tp, pp in jobs:
         ps = initialize_model_parallel(tp, pp)
-        loaded = load_model(load, ps)
+        loaded = load_model(detect(load), ps)
         runner = PipelineRunner(loaded.model, ps, int(loaded.args.hidden_size), torch.device("cpu"))
         positions = torch.arange(TOKENS.shape[1]).unsqueeze(0).expand(TOKENS.shape[0], -1)
         logits = runner.forward(TOKENS, positions)
@@ -157,7 +158,7 @@ def _check_ds_export(runs):
     """The ZeRO-2 export against DeepSpeed's own consolidation (its zero_to_fp32 script) and
     against our model built from those weights (logits)."""
     from safetensors.torch import load_file
-    from app.checkpoint.hf_gpt2 import to_hf_state
+    from app.checkpoint.hf.families.gpt2 import to_hf_state
     ck = runs["root"] / "ds"
     out = runs["root"] / "ds_fp32"
     if not out.exists():
@@ -209,7 +210,7 @@ def test_tools_generate_jsonl_at_tp2_equals_hf_greedy(runs):
 def test_resharding_round_trip_is_bit_exact_with_optimizer(runs):
     """TP1 -> TP2xPP2 -> TP4 -> TP1 (--include-optimizer): every weight, Adam moment, step,
     LR-scheduler state and RNG state comes back bit for bit."""
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     root = runs["root"]
     hops = [("tp1", None), ("rt_tp2pp2", (2, 2)), ("rt_tp4", (4, 1)), ("rt_tp1", (1, 1))]
     for (src, _), (dst, (tp, pp)) in zip(hops, hops[1:]):

@@ -159,7 +159,7 @@ def test_zero2_resume_is_exact_and_zero_to_fp32_gives_the_weights(tiny_corpus, z
     meg = tmp_path / "megatron"
     run_tool("convert_checkpoint", ["--input-format", "deepspeed", "--load", str(ck), "--save",
                                     str(meg), "--iteration", "6"])
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     state, iteration = ckpt.load_checkpoint_dict(str(meg))
     assert iteration == 6
     flat = ckpt.from_megatron_model(state["model"])

@@ -107,7 +107,7 @@ def test_zero3_converts_like_zero_to_fp32_and_generates(tiny_corpus, zero3_dp2):
     fp32 = torch.load(str(tmp / "fp32" / "pytorch_model.bin"), weights_only=True)
     convert = ["--input-format", "deepspeed", "--load", str(ck), "--iteration", "6"]
     run_tool("convert_checkpoint", [*convert, "--save", str(tmp / "megatron")])
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     state, iteration = ckpt.load_checkpoint_dict(str(tmp / "megatron"))
     flat = ckpt.from_megatron_model(state["model"])
     assert iteration == 6 and set(flat) == set(fp32)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import names
 from app.utils import faults
 from tests.harness.filesystems import Ballast, small_tmpfs

@@ -51,7 +51,7 @@ def test_model_card_describes_the_run_and_its_example_runs(tiny_corpus, tmp_path
 
 
 def test_metrics_file_problems_are_named(tmp_path):
-    from app.checkpoint.model_card import final_validation_loss
+    from app.checkpoint.hf.model_card import final_validation_loss
     with pytest.raises(FileNotFoundError, match="--metrics-file"):
         final_validation_loss(str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"

@@ -241,7 +241,7 @@ def test_kill_and_partition_stop_both_hosts_and_the_job_resumes_exactly(
 
 def assert_same_weights(got_dir, want_dir):
     import torch
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     got, got_iteration = ckpt.load_checkpoint_dict(str(got_dir))
     want, want_iteration = ckpt.load_checkpoint_dict(str(want_dir))
     assert got_iteration == want_iteration

@@ -29,7 +29,7 @@ def reference(tiny_corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_weights(reference, tmp_path_factory):
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     state, _ = ckpt.load_checkpoint_dict(str(reference["checkpoint"]))
     return ckpt.from_megatron_model(state["model"])
 
@@ -84,7 +84,7 @@ def test_tp2_pp2_checkpoint_shards_equal_single_process_weights(reference_weight
                                                                 tp2_pp2_saved):
     """Each rank's file of a TP=2 x PP=2 run holds its shard of the single-process weights."""
     import torch
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     ck = tp2_pp2_saved / "ck"
     seen = set()
     for tp_rank in (0, 1):

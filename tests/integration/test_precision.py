@@ -52,7 +52,7 @@ def test_half_precision_resume_is_bit_exact(tiny_corpus, tmp_path, precision):
 
 
 def test_fp16_checkpoint_reads_as_megatron_and_holds_fp32_main_weights(tiny_corpus, tmp_path):
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     ck = tmp_path / "ck"
     trainer = _run(tiny_gpt_args(tiny_corpus, tmp_path, "--train-iters", "3", *COMMON,
                                  *HALF["fp16"], "--save", str(ck)))
@@ -121,7 +121,7 @@ def test_diverged_run_stops_with_exit_3_and_no_checkpoint_of_its_nan_state(tiny_
     assert sum(r["skipped_iterations"] for r in rows) == 2 and rows[-1]["lm_loss"] is None
     latest = int((ck / "latest_checkpointed_iteration.txt").read_text())
     assert latest == stopped - 3  # the last iteration before the non-finite run of 3
-    from app.checkpoint import megatron as ckpt
+    from app.checkpoint.legacy import per_rank as ckpt
     state, _ = ckpt.load_checkpoint_dict(str(ck))
     weights = ckpt.from_megatron_model(state["model"])
     assert all(torch.isfinite(v).all() for v in weights.values())

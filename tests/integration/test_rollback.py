@@ -14,7 +14,7 @@ import torch
 import arguments
 import pretrain_gpt2
 from app.config import samples_per_split
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import names
 from app.training.resilience.resume import load_on_all_ranks
 from app.training.resilience.nonfinite import TrainingAborted

@@ -20,7 +20,7 @@ def rng_state(tracker=None):
 from app.config import (CheckpointConfig, DataConfig, DeepSpeedConfig, ModelConfig,
                         OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
                         TrainingConfig)
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import commit, names
 from app.checkpoint.model_args import check_checkpoint_args, checkpoint_args_namespace
 from tests.harness.checkpoints import megatron_reader

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.checkpoint import commit, names
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.training.engines.base import Engine
 from app.utils import faults

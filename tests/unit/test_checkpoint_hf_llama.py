@@ -1,6 +1,6 @@
-"""Hugging Face Llama and Qwen3 both ways (app.checkpoint.hf_llama through the converter): a
-directory written by transformers' own save_pretrained (sharded safetensors, a tokenizer.json
-tokenizer) goes to our legacy format at TP2 x PP2 and back to Hugging Face with every tensor and
+"""Hugging Face Llama and Qwen3 both ways (app.checkpoint.hf.families.llama, through the
+converter): a directory written by transformers' own save_pretrained (sharded safetensors, a
+tokenizer.json tokenizer) goes to our legacy format at TP2 x PP2 and back to Hugging Face with every tensor and
 the config unchanged; an export of our model loads as LlamaForCausalLM / Qwen3ForCausalLM with
 no missing or unexpected weight and gives our logits; a GPT-2 model still exports as GPT-2; what
 neither can express is refused by name."""
@@ -49,7 +49,7 @@ def _hf_source(tmp_path, kind: str):
 
 
 def _tensors(path):
-    from app.checkpoint.hf_files import read_hf_tensors
+    from app.checkpoint.hf.files import read_hf_tensors
     return read_hf_tensors(str(path))
 
 
@@ -139,10 +139,10 @@ def test_our_model_exports_as_its_architecture_with_our_logits(tmp_path, flags, 
 
 
 def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
-    from app.checkpoint import hf_llama
-    from app.checkpoint.hf_files import HFConversionError
+    from app.checkpoint.hf.families import llama as hf_llama
+    from app.checkpoint.hf.files import HFConversionError
     from app.checkpoint.model_args import model_config_from_args
-    from app.model.hf_compat import export_architecture
+    from app.checkpoint.hf import export_architecture
     _, layernorm_llama = _our_model(*[f for f in LLAMA if f not in ("--normalization", "RMSNorm")])
     with pytest.raises(ValueError, match="neither a Hugging Face GPT-2.*--normalization "
                                          "LayerNorm: Llama's norms are RMSNorm"):
@@ -156,7 +156,7 @@ def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
         with pytest.raises(HFConversionError, match=words):
             hf_llama.args_from_hf_config({**config, **change}, "x/config.json")
     from app.checkpoint import hf
-    from app.checkpoint.hf_files import pick_tokenizer
+    from app.checkpoint.hf.files import pick_tokenizer
     from tests.harness.tokenizers import train_hf_tokenizer
     _, llama = _our_model(*LLAMA)
     bigger = pick_tokenizer(llama.args, {}, None, None, train_hf_tokenizer(tmp_path / "tok"))
@@ -171,7 +171,7 @@ def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
     (tmp_path / "mistral").mkdir()
     (tmp_path / "mistral" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
     with pytest.raises(HFConversionError, match="model_type 'mistral'"):
-        hf.read_converted(str(tmp_path / "mistral"))
+        hf.read_directory(str(tmp_path / "mistral"))
 
 
 SPM_TEXTS = ["hello world, the quick brown fox", "jumps over the lazy dog.", "héllo ☃ wörld",
@@ -217,7 +217,7 @@ def test_a_sentencepiece_tokenizer_travels_into_the_export(tmp_path, unigram_mod
     <SEP> <EOD> <MASK> appended and split out for SentencePieceTokenizer (eos: <EOD>)."""
     import sentencepiece
     from app.checkpoint import hf
-    from app.checkpoint.hf_files import pick_tokenizer
+    from app.checkpoint.hf.files import pick_tokenizer
     from app.data.tokenizer import build_tokenizer
     sp = sentencepiece.SentencePieceProcessor(model_file=unigram_model)
     ours = build_tokenizer(tokenizer_type, None, None, tokenizer_model=unigram_model)
@@ -249,7 +249,7 @@ def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_mod
     otherwise than ours is refused."""
     import sentencepiece
     from app.checkpoint import hf
-    from app.checkpoint.hf_files import pick_tokenizer
+    from app.checkpoint.hf.files import pick_tokenizer
     from app.data.tokenizer import build_tokenizer
     sp = sentencepiece.SentencePieceProcessor(model_file=unigram_model)
     ours = build_tokenizer("GPTSentencePieceTokenizer", None, None, tokenizer_model=unigram_model)
@@ -280,7 +280,7 @@ def test_tokenizer_model_flag_carries_a_sentencepiece_file(tmp_path, unigram_mod
     source.args.tokenizer_type, source.args.tokenizer_model = "SentencePieceTokenizer", str(missing)
     with pytest.raises(FileNotFoundError, match=f"args name --tokenizer-model {missing}"):
         pick_tokenizer(source.args, {}, None, None, None)
-    from app.checkpoint import hf_sentencepiece
+    from app.checkpoint.hf import sentencepiece as hf_sentencepiece
     monkeypatch.setattr(hf_sentencepiece, "OUT_OF_REACH", 0.0)  # control pieces win: "<s>"
     monkeypatch.setattr(hf_sentencepiece, "PROBES", ("<s>x</s>",))
     with pytest.raises(ValueError, match="encodes '<s>x</s>' as .*, our "

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import names
-from app.checkpoint.layouts import (DEEPSPEED, TORCH, check_loadable,
+from app.checkpoint.saved_layout import (DEEPSPEED, TORCH, check_loadable,
                                              inspect_directory, loadable_problem)
 
 
@@ -110,7 +110,7 @@ def test_deepspeed_dp2_to_tp2_names_the_tensor_parallel_change(tmp_path):
 
 
 def test_universal_tag_is_read_from_latest_universal_or_refused_with_the_command(tmp_path):
-    from app.checkpoint.layouts import universal_tag
+    from app.checkpoint.saved_layout import universal_tag
     with pytest.raises(ckpt.CheckpointError) as exc:
         universal_tag(str(tmp_path))
     assert f"{tmp_path}/latest_universal does not exist" in str(exc.value)
@@ -132,7 +132,7 @@ def zero3_dir(root, tp, dp, skip=()):
 
 
 def test_zero3_layout_and_the_stage_refusals(tmp_path):
-    from app.checkpoint.layouts import stage_problem
+    from app.checkpoint.saved_layout import stage_problem
     z3 = inspect_directory(zero3_dir(str(tmp_path / "z3"), tp=2, dp=3))
     assert (z3.format, z3.tensor_model_parallel_size, z3.data_parallel_size, z3.partitioned_weights,
             len(z3.model_files), len(z3.optimizer_files), z3.missing) == (DEEPSPEED, 2, 3, True, 6, 6, [])

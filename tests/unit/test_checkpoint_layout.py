@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.checkpoint import hf_files, hf_gpt2, layout
+from app.checkpoint import param_layout as layout
+from app.checkpoint.hf import files as hf_files
+from app.checkpoint.hf.families import gpt2 as hf_gpt2
 from app.model import GPT2Model
 from app.model.stage import build_model_stage, parameter_records
 from app.mpu.parallel_state import ParallelState

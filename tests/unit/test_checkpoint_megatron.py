@@ -1,16 +1,18 @@
-"""Megatron writer and reader of app.checkpoint.convert without training: a whole model with Adam state
-written at TP2 x PP2 in bf16 (Megatron's Float16Optimizer layout, fp32 main weights kept) and
-read back, with the padded vocabulary growing for TP2 and shrinking again for TP1."""
+"""The legacy format's whole-model writer and reader (app.checkpoint.legacy.whole) without
+training: a whole model with Adam state written at TP2 x PP2 in bf16 (Megatron's
+Float16Optimizer layout, fp32 main weights kept) and read back, with the padded vocabulary growing for TP2 and shrinking again for TP1."""
 import argparse
 
 import torch
 
 from app.config import ModelConfig
-from app.checkpoint import layout
-from app.checkpoint.megatron import read_megatron, write_megatron
+from app.checkpoint import param_layout as layout
+from app.checkpoint.legacy.whole import read_legacy, write_legacy
+from app.checkpoint.request import WriteRequest
+from app.checkpoint.saved_layout import detect
 from app.checkpoint.state import ModelCheckpoint, OptimizerState
 from app.model import GPT2Model
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import names
 
 L, H, HEADS, VOCAB, MULTIPLE = 4, 32, 4, 100, 48  # padded: 144 at TP1, 192 at TP2
@@ -20,6 +22,18 @@ LLAMA = dict(swiglu=True, normalization="RMSNorm", add_bias_linear=False, qk_lay
              position_embedding_type="rope", group_query_attention=True, num_query_groups=2,
              untie_embeddings_and_output_weights=True)
 """The Llama recipe's options, as ModelConfig fields and as a checkpoint's args alike."""
+
+
+def write_megatron(source, save, tp, pp, dtype, iteration, include_optimizer):
+    """The legacy writer asked for TP x PP, a dtype name, an iteration and the optimizer."""
+    return write_legacy(source, save, WriteRequest(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=dtype,
+        iteration=iteration, include_optimizer=include_optimizer))
+
+
+def read_megatron(load, include_optimizer=False):
+    """The legacy checkpoint in `load`, whole, as its detection found it."""
+    return read_legacy(detect(load), include_optimizer)
 
 
 def _source(**options):

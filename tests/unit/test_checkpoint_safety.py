@@ -9,7 +9,7 @@ import torch
 
 from app.checkpoint import commit, names
 from app.checkpoint import files as ckpt_files
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.utils import faults
 from tests.harness.checkpoints import (H, RANK_FILE_STAGES, Crash,
                                        assert_tracker_names_complete_checkpoint, save_two_ranks,

@@ -15,9 +15,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from app.checkpoint import CheckpointError, dcp_files, mcore_names, mcore_state, sharding
-from app.checkpoint import torch_dist
-from app.checkpoint.files import UnsafeCheckpointError
+from app.checkpoint import CheckpointError, sharding
+from app.checkpoint.files import ForeignObject, UnsafeCheckpointError
+from app.checkpoint.mcore import names as mcore_names
+from app.checkpoint.mcore import state as mcore_state
+from app.checkpoint.torch_dist import dcp_files
+from app.checkpoint.torch_dist import per_rank as torch_dist
 from app.optim.model_space import ModelSpaceState, ParamState
 from tests.harness.checkpoints import LAYER, OTHER
 
@@ -367,7 +370,7 @@ def test_megatron_objects_in_the_common_state_load_as_inert_stand_ins():
     finally:
         torch.serialization.add_safe_globals(registered)
     assert value[0]["args"].num_layers == 2
-    assert isinstance(value[0]["args"].model_type, dcp_files.ForeignObject)
+    assert isinstance(value[0]["args"].model_type, ForeignObject)
 
 
 def test_ckpt_format_flags():
@@ -387,24 +390,24 @@ def test_ckpt_format_flags():
 
 
 def test_layout_of_a_torch_dist_directory(saved, tmp_path):
-    from app.checkpoint import layouts
+    from app.checkpoint import saved_layout
     directory, *_ = saved
-    layout = layouts.inspect_directory(directory)
+    layout = saved_layout.inspect_directory(directory)
     assert (layout.format, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
             layout.data_parallel_size, layout.missing) == ("torch_dist", 2, 2, 2, [])
     assert "resharded on load" in layout.describe()
     kwargs = dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
                   data_parallel_size=3, load_optimizer=True)
-    assert layouts.loadable_problem(layout, str(tmp_path), deepspeed=False, **kwargs) is None
-    assert "resume it without --deepspeed" in layouts.loadable_problem(
+    assert saved_layout.loadable_problem(layout, str(tmp_path), deepspeed=False, **kwargs) is None
+    assert "resume it without --deepspeed" in saved_layout.loadable_problem(
         layout, str(tmp_path), deepspeed=True, **kwargs)
     partial = tmp_path / "partial"
     os.makedirs(partial)
     for name in os.listdir(directory):
         if name != "__5_0.distcp":
             (partial / name).write_bytes(open(os.path.join(directory, name), "rb").read())
-    layout = layouts.inspect_directory(str(partial))
-    assert "is incomplete" in layouts.loadable_problem(layout, str(tmp_path), deepspeed=False,
+    layout = saved_layout.inspect_directory(str(partial))
+    assert "is incomplete" in saved_layout.loadable_problem(layout, str(tmp_path), deepspeed=False,
                                                        **kwargs)
 
 

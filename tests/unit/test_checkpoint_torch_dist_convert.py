@@ -87,7 +87,7 @@ def test_deepspeed_to_torch_dist_keeps_the_fp32_weights_and_moments(tmp_path):
 
 
 def test_generation_tools_load_a_torch_dist_checkpoint(tmp_path):
-    from app.checkpoint.formats import detect_format
+    from app.checkpoint.formats import detect, detect_format
     from app.inference.runner import load_model
     from app.mpu.parallel_state import ParallelState
     source = os.path.join(FIXTURES, "native_fp32")
@@ -96,6 +96,6 @@ def test_generation_tools_load_a_torch_dist_checkpoint(tmp_path):
     tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
     position = torch.arange(8).unsqueeze(0)
     with torch.no_grad():
-        want = load_model(source, ParallelState.single()).model(tokens, position)
-        got = load_model(td, ParallelState.single()).model(tokens, position)
+        want = load_model(detect(source), ParallelState.single()).model(tokens, position)
+        got = load_model(detect(td), ParallelState.single()).model(tokens, position)
     assert torch.equal(got, want)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.checkpoint.hf_gpt2 import hf_config, to_hf_state
+from app.checkpoint.hf.families.gpt2 import hf_config, to_hf_state
 from app.inference.zeroshot import (PerplexityResult, count_words, perplexity, sliding_windows,
                                    wikitext_detokenize)
 from app.inference.generation import beam_search, generate

@@ -1,11 +1,11 @@
 """Our GPT-2 (dropout 0) against Hugging Face's GPT2LMHeadModel with the same weights copied in
-through app.checkpoint.hf_gpt2's mapping (logits, loss and gradients agree)."""
+through app.checkpoint.hf.families.gpt2's mapping (logits, loss and gradients agree)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from app.config import ModelConfig
-from app.checkpoint.hf_gpt2 import to_hf_state
+from app.checkpoint.hf.families.gpt2 import to_hf_state
 from app.model import GPT2Model
 
 transformers = pytest.importorskip("transformers")

@@ -76,8 +76,8 @@ def test_gpt2_only_paths_refuse_the_llama_block(tmp_path):
     (such models export as Llama); the converters' layout (Layout.of_args) and --ckpt-format
     torch_dist take them."""
     import arguments
-    from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
-    from app.checkpoint.layout import Layout
+    from app.checkpoint.hf.families.gpt2 import checkpoint_args_blockers
+    from app.checkpoint.param_layout import Layout
     from app.checkpoint.model_args import checkpoint_args_namespace
     llama = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm"]
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -1,13 +1,13 @@
 """Model options in checkpoints and exports: what the Hugging Face GPT-2 export
-refuses (app.model.hf_compat), what a checkpoint's `args` records, and a resume with other
-options refused with the option named (native engine, one process)."""
+refuses (app.checkpoint.hf.families.gpt2), what a checkpoint's `args` records, and a resume
+with other options refused with the option named (native engine, one process)."""
 from __future__ import annotations
 
 import pytest
 
 import arguments
-from app.model.hf_compat import gpt2_export_blockers
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.hf.families.gpt2 import gpt2_export_blockers
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import model_args
 from tests.harness.synthetic import build_synthetic_run
 
@@ -85,12 +85,12 @@ def test_saved_args_give_the_same_blockers_and_the_converter_refuses(tmp_path):
     but refuses to export it to Hugging Face (naming each option); inference at the saved layout
     builds the same model from the saved args."""
     import torch
-    from app.checkpoint.hf_gpt2 import write_hf_dir
-    from app.checkpoint.layout import LayoutError
-    from app.checkpoint.megatron import read_megatron
+    from app.checkpoint.hf.families.gpt2 import write_hf_dir
+    from app.checkpoint.param_layout import LayoutError
+    from app.checkpoint.formats import detect, read
     from app.checkpoint.state import ModelCheckpoint
     from app.inference.runner import load_model
-    from app.checkpoint.hf_gpt2 import checkpoint_args_blockers
+    from app.checkpoint.hf.families.gpt2 import checkpoint_args_blockers
     from app.mpu.parallel_state import ParallelState
     cfg = _cfg(*OPTIONS)
     args = model_args.checkpoint_args_namespace(cfg, 0, 0, 0)
@@ -100,13 +100,13 @@ def test_saved_args_give_the_same_blockers_and_the_converter_refuses(tmp_path):
     run = build_synthetic_run(cfg, 8)
     run["engine"].save_checkpoint(str(tmp_path), 1, {"iteration": 1, "consumed_train_samples": 2,
                                                      "consumed_valid_samples": 0})
-    whole = read_megatron(str(tmp_path)).weights
+    whole = read(detect(str(tmp_path))).weights
     model_state = {n: p.detach() for n, p in run["model"].named_parameters()}
     assert set(whole) == set(model_state)
     assert all(torch.equal(whole[n], model_state[n]) for n in model_state)
     with pytest.raises(LayoutError, match="Hugging Face GPT-2.*--position-embedding-type rope"):
         write_hf_dir(ModelCheckpoint(args=args, weights={}), str(tmp_path / "hf"))
-    loaded = load_model(str(tmp_path), ParallelState.single()).model
+    loaded = load_model(detect(str(tmp_path)), ParallelState.single()).model
     ids = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
     run["model"].eval()
     with torch.no_grad():

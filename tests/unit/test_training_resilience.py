@@ -12,7 +12,7 @@ import time
 import pytest
 
 from app.config import CheckpointConfig
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import names
 from app.training.resilience import resume
 from app.training.resilience.save_dir import (LOCK_FILENAME, SaveDirError, SaveDirLock, SaveDirLocked,

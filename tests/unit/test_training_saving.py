@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.checkpoint import commit, names
-from app.checkpoint import megatron as ckpt
+from app.checkpoint.legacy import per_rank as ckpt
 from app.config.checkpoint import CheckpointConfig
 from app.mpu.parallel_state import ParallelState
 from app.training.data_loading import build_data_iterator, close_data_iterator

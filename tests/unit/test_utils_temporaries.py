@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.checkpoint.megatron import write_checked_file
+from app.checkpoint.commit import write_checked_file
 from app.checkpoint.state import staged_directory
 from app.data.indexed_dataset import MMapIndexedDatasetBuilder
 from app.kernels import build

@@ -56,7 +56,7 @@ from app.mpu.parallel_state import ParallelState
 from app.mpu.random import get_rng_tracker, rng_state_dict
 from app.optim import OptimizerParamScheduler, get_param_groups
 from app.optim.param_groups import split_decoupled
-from app.checkpoint import CheckpointError, commit, layouts, names
+from app.checkpoint import CheckpointError, commit, names, saved_layout
 from app.checkpoint import files as ckpt_files
 from app.checkpoint.deepspeed import deepspeed_safe_globals, read_rank
 from app.checkpoint.model_args import checkpoint_args_namespace
@@ -359,14 +359,14 @@ class DeepSpeedEngineAdapter(Engine):
         pieces at another stage (or ZeRO-0/1/2 optimizer states at stage 3), and ZeRO
         partitions over another number of data x context ranks (after the model shape, the more
         basic mismatch, which DeepSpeed would otherwise report first)."""
-        layout = layouts.check_loadable(
+        layout = saved_layout.check_loadable(
             load_dir, plan.iteration, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.zero_ps.data_parallel_size, load_optimizer=False)
         saved = None
         if layout is not None:  # the file names give TP x PP ranks, the args their split
-            saved = layouts.read_saved_state(layout).get("args")
+            saved = saved_layout.read_saved_state(layout).get("args")
             if saved is not None:
                 check_saved_args(plan, saved, self.cfg, where)
         problem = deepspeed_problem(layout, saved, self.cfg, self.partitioned, plan)
@@ -382,7 +382,8 @@ class DeepSpeedEngineAdapter(Engine):
         for this run's DP and TP sizes, so the saved layout need not match this run's.
         """
         universal = self.cfg.deepspeed.universal_checkpoint
-        tag = layouts.universal_tag(load_dir) if universal else names.iteration_tag(plan.iteration)
+        tag = (saved_layout.universal_tag(load_dir) if universal
+               else names.iteration_tag(plan.iteration))
         where = os.path.join(load_dir, tag)
         if universal:  # re-sliced for any layout (args checked below); DeepSpeed reads the
             # fragments itself with weights_only=False: scan them for unsafe globals first

@@ -22,10 +22,12 @@ from app.mpu.parallel_state import ParallelState
 from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
 from app.mpu import collectives
 from app.mpu.random import rng_state_dict
-from app.checkpoint import commit, dcp_files, mcore_state, torch_dist
-from app.checkpoint import megatron as ckpt
-from app.checkpoint import names
-from app.checkpoint.layouts import check_loadable, inspect_directory
+from app.checkpoint import commit, names
+from app.checkpoint.legacy import per_rank as ckpt
+from app.checkpoint.mcore import state as mcore_state
+from app.checkpoint.torch_dist import dcp_files
+from app.checkpoint.torch_dist import per_rank as torch_dist
+from app.checkpoint.saved_layout import check_loadable, inspect_directory
 from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.checkpoint.model_args import checkpoint_args_namespace
 from app.launch.distributed import world_group
@@ -189,7 +191,7 @@ class NativeEngine(Engine):
         where = names.checkpoint_dir(load_dir, plan.iteration)
         reader = dcp_files.Reader(where)
         common = torch_dist.read_common(reader)
-        ckpt.check_checkpoint_version(common, where)
+        mcore_state.check_checkpoint_version(common, where)
         args = common.get("args")
         check_saved_args(plan, args, self.cfg, where, reshardable=True)
         layout = self._layout()
@@ -256,7 +258,7 @@ class NativeEngine(Engine):
             load_dir, iteration=plan.iteration, tp_size=self.ps.tensor_model_parallel_size,
             **self._rank_kwargs())
         where = names.checkpoint_dir(load_dir, iteration)
-        ckpt.check_checkpoint_version(state, where)
+        mcore_state.check_checkpoint_version(state, where)
         args = state.get("args")
         check_saved_args(plan, args, self.cfg, where)
         self._load_weights(*self._saved_weights(state, load_dir, iteration, plan), where)

@@ -24,7 +24,8 @@ from app.data.mock_dataset import build_mock_datasets
 from app.data.plan import order_record
 from app.checkpoint import CheckpointError
 from app.checkpoint import files as ckpt_files
-from app.checkpoint import dcp_files, layouts, model_args
+from app.checkpoint import model_args, saved_layout
+from app.checkpoint.torch_dist import dcp_files
 from app.launch import interfaces
 from app.optim import OptimizerParamScheduler
 from app.training.planning.data_check import check_data
@@ -152,7 +153,7 @@ def _describe_batch_schedule(report: Report, cfg: RunConfig) -> None:
 
 # ---------------------------------------------------------------------------- checkpoint
 
-def _verify_integrity(report: Report, layout: layouts.SavedLayout) -> bool:
+def _verify_integrity(report: Report, layout: saved_layout.SavedLayout) -> bool:
     """A torch_dist checkpoint's files against its integrity.json, as loading verifies them."""
     try:
         reader = dcp_files.Reader(layout.directory)
@@ -226,7 +227,7 @@ def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget,
     schedule under these flags, where the run resumes and whether its data order is kept."""
     layout, plan = target.layout, target.plan
     try:
-        state = layouts.read_saved_state(layout)
+        state = saved_layout.read_saved_state(layout)
     except CheckpointError as exc:
         report.error(str(exc))
         return
@@ -234,7 +235,7 @@ def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget,
     try:
         if saved is not None or not cfg.deepspeed.enabled:  # DeepSpeed's reader skips no args
             check_saved_args(plan, saved, cfg, layout.directory,
-                             reshardable=layout.format == layouts.TORCH_DIST)
+                             reshardable=layout.format == saved_layout.TORCH_DIST)
     except CheckpointError as exc:
         report.error(f"{layout.directory}: {exc}")
         return
@@ -251,7 +252,7 @@ def _check_saved_state(report: Report, cfg: RunConfig, target: ResumeTarget,
     if saved_dtype and saved_dtype != cfg.model.params_dtype:
         report.warn(f"weights were saved as {saved_dtype} and this run trains "
                     f"{cfg.model.params_dtype}: they are cast on load (python "
-                    f"{layouts.CONVERTER} --target-params-dtype converts a copy)")
+                    f"{saved_layout.CONVERTER} --target-params-dtype converts a copy)")
     if not plan.load_optimizer:
         report.ok("weights only (--finetune, --no-load-optim or a release checkpoint)")
         return
@@ -300,7 +301,7 @@ def check_checkpoint(report: Report, cfg: RunConfig, data_order: Optional[dict] 
                   "(latest_universal), which DeepSpeed re-slices for this layout")
         return
     report.ok(f"--load {c.load}: iteration {target.plan.iteration}, {target.layout.describe()}")
-    if target.layout.format == layouts.TORCH_DIST:
+    if target.layout.format == saved_layout.TORCH_DIST:
         p = cfg.parallel
         report.ok(f"it loads resharded to this run's tensor-parallel size "
                   f"{p.tensor_model_parallel_size}, pipeline-parallel size "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from app.checkpoint.megatron import CheckpointError
+from app.checkpoint import CheckpointError
 
 ALLOW_FLAG = "--allow-data-order-change"
 _WHY = {

@@ -1,6 +1,6 @@
 """The resume policy, shared by both engines: what a checkpoint restores and how ranks agree.
 
-Format and policy are apart. `app.checkpoint.megatron` reads and writes Megatron's files; each
+Format and policy are apart. `app.checkpoint.legacy` reads and writes Megatron's files; each
 engine implements only `read_checkpoint(load_dir, plan)`, which reads its own files and applies
 what the plan asks for (weights always, optimizer and LR-schedule state when
 `plan.load_optimizer`). Everything else is decided here, once:
@@ -51,8 +51,8 @@ from app.config import CheckpointConfig, RunConfig
 from app.config.deepspeed import zero_stage
 from app.mpu import collectives
 from app.mpu.random import load_rng_state_dict
-from app.checkpoint import layouts
-from app.checkpoint import megatron as ckpt
+from app.checkpoint import saved_layout
+from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import model_args, names
 from app.launch.distributed import world_group
 
@@ -119,7 +119,7 @@ class ResumeTarget:
     (None with --universal-checkpoint, where `universal_tag` names the tag)."""
 
     plan: ResumePlan
-    layout: Optional[layouts.SavedLayout]
+    layout: Optional[saved_layout.SavedLayout]
     universal_tag: str = ""
 
 
@@ -223,7 +223,7 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
     """The checkpoint a resume from `load_dir` reads, judged from its tracker and file names:
     CheckpointError, naming the directory and the fix, when the tracker's iteration holds no
     checkpoint files, is incomplete, or has a format or tensor/pipeline/data-parallel layout
-    this run's engine cannot load (`layouts.loadable_problem`); with --universal-checkpoint,
+    this run's engine cannot load (`saved_layout.loadable_problem`); with --universal-checkpoint,
     when `latest_universal` is missing."""
     c, p = cfg.checkpoint, cfg.parallel
     iteration = names.read_tracker(load_dir)
@@ -232,8 +232,8 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
                                    "the path (drop --load to start from scratch)")
     plan = plan_resume(c, iteration)
     if cfg.deepspeed.universal_checkpoint:  # DeepSpeed re-slices it for any layout
-        return ResumeTarget(plan, None, layouts.universal_tag(load_dir))
-    layout = layouts.check_loadable(
+        return ResumeTarget(plan, None, saved_layout.universal_tag(load_dir))
+    layout = saved_layout.check_loadable(
         load_dir, iteration, deepspeed=cfg.deepspeed.enabled,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
@@ -246,24 +246,24 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
     partitioned = cfg.deepspeed.enabled and zero_stage(cfg.deepspeed.config) == 3
     if deepspeed_problem(layout, None, cfg, partitioned, plan):
         # the model shape is the more basic mismatch: named first, as the engine does
-        saved = layouts.read_saved_state(layout).get("args")
+        saved = saved_layout.read_saved_state(layout).get("args")
         if saved is not None:
             check_saved_args(plan, saved, cfg, layout.directory)
         raise ckpt.CheckpointError(deepspeed_problem(layout, saved, cfg, partitioned, plan))
     return ResumeTarget(plan, layout)
 
 
-def deepspeed_problem(layout: Optional[layouts.SavedLayout],
+def deepspeed_problem(layout: Optional[saved_layout.SavedLayout],
                       saved_args: Optional[argparse.Namespace], cfg: RunConfig,
                       partitioned: bool, plan: ResumePlan) -> Optional[str]:
     """Why this DeepSpeed run (at ZeRO-3 when `partitioned`) cannot load `layout`: its ZeRO
-    stage (layouts.stage_problem), or, when the plan loads the optimizer states, ZeRO
-    partitions over another number of data x context ranks (layouts.partition_problem; the
+    stage (saved_layout.stage_problem), or, when the plan loads the optimizer states, ZeRO
+    partitions over another number of data x context ranks (saved_layout.partition_problem; the
     saved context size from `saved_args`, 1 when unknown); None if it can."""
     p = cfg.parallel
     saved_cp = int(getattr(saved_args, "context_parallel_size", 1) or 1)
-    return layouts.stage_problem(layout, partitioned, plan.load_optimizer) or (
-        layouts.partition_problem(layout, p.data_parallel_size * p.context_parallel_size,
+    return saved_layout.stage_problem(layout, partitioned, plan.load_optimizer) or (
+        saved_layout.partition_problem(layout, p.data_parallel_size * p.context_parallel_size,
                                   (saved_cp, p.context_parallel_size))
         if layout is not None and plan.load_optimizer else None)
 

@@ -24,7 +24,7 @@ distributed optimizer's `fully_reshardable` format): `optimizer.state.<state>.<m
 (Float16Optimizer) or `param` (DistributedOptimizer).
 
 Which dimension tensor parallelism splits is not here: it is the parameter's own mark
-(`param.partition_dim`, set by the app.mpu layers; app.checkpoint.layout for offline tensors).
+(`param.partition_dim`, set by the app.mpu layers; app.checkpoint.param_layout for offline tensors).
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def to_mcore(name: str) -> Tuple[str, Optional[int]]:
         return MCORE_LAYER_PREFIX + LAYER_KEYS[suffix], int(match.group(1))
     if name not in MODEL_KEYS:
         raise KeyError(f"parameter {name!r} has no Megatron Core key (app/checkpoint/"
-                       "mcore_names.py lists every GPT-2 parameter)")
+                       "app/checkpoint/mcore/names.py lists every GPT-2 parameter)")
     return MODEL_KEYS[name], None
 
 

@@ -1,9 +1,12 @@
 """What a checkpoint directory holds, read from file names alone, and whether a run can load it.
 
-Both engines call `check_loadable` before they read a single file, and the preflight check
-(`app.training.planning.preflight`) uses the same functions, so a checkpoint that cannot be loaded is
-refused with one message naming the directory, both layouts and the fix (the conversion
-command), instead of an error from deep inside DeepSpeed or torch.
+`detect(load, iteration)` is the one detection of what --load holds (a `SavedCheckpoint`: its
+format, the iteration folder, the iteration and the saved layout); a load makes it once and
+passes it down to the format's reader (app.checkpoint.formats). Both engines call
+`check_loadable` before they read a single file, and the preflight check
+(`app.training.planning.preflight`) uses the same functions, so a checkpoint that cannot be
+loaded is refused with one message naming the directory, both layouts and the fix (the
+conversion command), instead of an error from deep inside DeepSpeed or torch.
 
 Three formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
 
@@ -23,11 +26,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-from app.checkpoint import CheckpointError, dcp_files, mcore_state, names, torch_dist
+from app.checkpoint import CheckpointError, names
 from app.checkpoint import files as ckpt_files
-from app.checkpoint.names import DEEPSPEED, TORCH, TORCH_DIST
+from app.checkpoint.legacy import per_rank as legacy
+from app.checkpoint.mcore import state as mcore_state
+from app.checkpoint.names import DEEPSPEED, HF, TORCH, TORCH_DIST
+from app.checkpoint.torch_dist import dcp_files
+from app.checkpoint.torch_dist.per_rank import read_common
 
 
 CONVERTER = "tools/convert_checkpoint.py"
@@ -68,16 +75,11 @@ class SavedLayout:
                 f"pipeline-parallel size {self.pipeline_model_parallel_size}{dp}")
 
 
-def _megatron_layout(directory: str, entries: List[str]) -> Optional[SavedLayout]:
-    ranks: Dict[Tuple[int, int], str] = {}
-    for name in entries:
-        rank = names.parse_rank_dir(name)
-        if rank is not None and os.path.isdir(os.path.join(directory, name)):
-            ranks[rank] = name
-    if not ranks:
+def _megatron_layout(directory: str) -> Optional[SavedLayout]:
+    found = legacy.saved_layout(directory)  # the legacy format's file-name rule
+    if found is None:
         return None
-    tp = max(t for t, _ in ranks) + 1
-    pp = max(p for _, p in ranks) + 1
+    tp, pp = found
     present, missing = [], []
     for t in range(tp):
         for p in range(pp):
@@ -130,7 +132,7 @@ def _torch_dist_layout(directory: str) -> Optional[SavedLayout]:
         (layout.model_files if os.path.isfile(path) else layout.missing).append(path)
     if layout.missing:
         return layout
-    args = torch_dist.read_common(reader).get("args")
+    args = read_common(reader).get("args")
     layout.tensor_model_parallel_size = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     layout.pipeline_model_parallel_size = int(getattr(args, "pipeline_model_parallel_size", 1)
                                               or 1)
@@ -144,8 +146,69 @@ def inspect_directory(directory: str) -> Optional[SavedLayout]:
     if not os.path.isdir(directory):
         return None
     entries = sorted(os.listdir(directory))
-    return (_torch_dist_layout(directory) or _megatron_layout(directory, entries)
+    return (_torch_dist_layout(directory) or _megatron_layout(directory)
             or _deepspeed_layout(directory, entries))
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What --load holds, detected once (`detect`) and passed down to the reader: its format
+    name (app.checkpoint.names: TORCH, TORCH_DIST, DEEPSPEED or HF), the folder of the
+    iteration read (`load` itself for Hugging Face), that iteration (None for Hugging Face and
+    for a DeepSpeed tag that is no iteration, such as global_step100) and the saved layout from
+    its file names (None for Hugging Face)."""
+
+    load: str
+    format: str
+    folder: str
+    iteration: Optional[names.Iteration]
+    layout: Optional[SavedLayout] = None
+
+    @property
+    def tensor_pipeline_sizes(self) -> Optional[Tuple[int, int]]:
+        """(TP, PP) of a legacy checkpoint, whose files are per rank; None for the formats that
+        are read whole and split for any layout (torch_dist, DeepSpeed, Hugging Face)."""
+        if self.format != TORCH or self.layout is None:
+            return None
+        return self.layout.tensor_model_parallel_size, self.layout.pipeline_model_parallel_size
+
+    def numbered_iteration(self) -> names.Iteration:
+        """The iteration read (a number or 'release'); CheckpointError when the pointer named a
+        tag that is no iteration (DeepSpeed's global_stepN) where a Megatron layout needs one."""
+        if self.iteration is None:
+            raise CheckpointError(f"{self.folder} is not an iteration folder of a Megatron-layout "
+                                  "checkpoint; pass --iteration N (or release)")
+        return self.iteration
+
+
+def detect(load: str, iteration: Optional[names.Iteration] = None) -> SavedCheckpoint:
+    """The checkpoint in `load` (at `iteration` when given, else at the one its pointer file
+    names), from file names (and torch_dist's small metadata.json); no checkpoint file is
+    opened. FileNotFoundError when `load` does not exist; CheckpointError, naming what the
+    folder holds and what was looked for, otherwise."""
+    if not os.path.isdir(load):
+        raise FileNotFoundError(f"--load {load} does not exist (a checkpoint directory or a "
+                                "Hugging Face model directory)")
+    if os.path.isfile(os.path.join(load, "config.json")):
+        return SavedCheckpoint(load, HF, load, None)
+    folder, found = names.resolve_iteration(load, iteration)
+    saved = inspect_directory(folder)
+    if saved is None:
+        raise CheckpointError(
+            f"{folder} holds neither DeepSpeed's mp_rank_XX_model_states.pt, Megatron's "
+            f"mp_rank_XX/model_optim_rng.pt nor a torch_dist checkpoint's metadata (it holds: "
+            f"{_listing(os.listdir(folder))}): not a checkpoint this converter reads, or an "
+            "unfinished save")
+    return SavedCheckpoint(load, saved.format, folder, found, saved)
+
+
+def _listing(entries: List[str], shown: int = 6) -> str:
+    """The first `shown` names of a folder listing, sorted, for an error message."""
+    entries = sorted(entries)
+    if not entries:
+        return "nothing"
+    more = f" and {len(entries) - shown} more" if len(entries) > shown else ""
+    return ", ".join(entries[:shown]) + more
 
 
 def load_command_hint(load_dir: str, target_tp: int, target_pp: int, source_format: str) -> str:
@@ -282,7 +345,7 @@ def read_saved_state(layout: SavedLayout) -> dict:
     for a file that would run code) naming the file otherwise."""
     if layout.format == TORCH_DIST:
         reader = dcp_files.Reader(layout.directory, verify=False)
-        common = torch_dist.read_common(reader)
+        common = read_common(reader)
         rng = [key for key in reader.keys() if key.startswith("rng_state/")]
         return {"args": common.get("args"), "iteration": common.get("iteration"),
                 "lr_scheduler": mcore_state.scheduler_state(common), "rng_state": rng or None}

@@ -2,8 +2,8 @@
 the weights (model.safetensors, sharded safetensors with model.safetensors.index.json, or
 pytorch_model.bin), generation_config.json, the model card and the tokenizer files.
 
-The architectures' modules (app.checkpoint.hf_gpt2, app.checkpoint.hf_llama) map names,
-layouts and config.json; reading and writing the directory is here, once.
+The families' adapters (app.checkpoint.hf.families: GPT-2, Llama/Qwen3) map names, layouts and
+config.json; reading and writing the directory is here, once, for all of them.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from app.checkpoint.hf_sentencepiece import SENTENCEPIECE_TYPES, write_sentencepiece_tokenizer
-from app.checkpoint.model_card import model_card
+from app.checkpoint.hf.model_card import model_card
+from app.checkpoint.hf.sentencepiece import SENTENCEPIECE_TYPES, write_sentencepiece_tokenizer
 from app.checkpoint.state import Progress
 from app.data.tokenizer import TOKENIZER_MODEL_TYPES, HuggingFaceTokenizer, build_tokenizer
 
@@ -277,7 +277,7 @@ def write_directory(out_dir: str, tensors: Dict[str, torch.Tensor], config: Dict
                     max_shard_size: str, rows: int, metrics_file: Optional[str],
                     model_path: Optional[str]) -> Dict[str, str]:
     """The whole `save_pretrained` directory: weights, config.json, generation_config.json, the
-    tokenizer's files and the model card README.md (app.checkpoint.model_card; `metrics_file`
+    tokenizer's files and the model card README.md (app.checkpoint.hf.model_card; `metrics_file`
     gives its validation loss, `model_path` the path its examples load, default `out_dir`).
     Returns the files written, {name: path}. A tokenizer with more tokens than the model's
     `rows` is refused (HFConversionError) before anything is written."""

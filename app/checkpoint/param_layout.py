@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from app.checkpoint import sharding
+from app.checkpoint import CheckpointError, sharding
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import Iteration, ModelCheckpoint, Progress
 from app.config import ModelConfig

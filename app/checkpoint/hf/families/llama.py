@@ -1,6 +1,6 @@
-"""Hugging Face Llama (`LlamaForCausalLM`) and Qwen3 (`Qwen3ForCausalLM`) <-> our model with the
-Llama recipe: weight names and layouts, and config.json (the directory's files are
-app.checkpoint.hf_files').
+"""The Llama family's adapter: Hugging Face Llama (`LlamaForCausalLM`) and Qwen3
+(`Qwen3ForCausalLM`) <-> our model with the Llama recipe, weight names and layouts, config.json,
+and what of our model Llama cannot express (the directory's files are app.checkpoint.hf.files').
 
 Layout differences handled both ways (our full tensors are what one process holds):
 - our fused QKV rows are [groups, (queries of the group, key, value), head_dim]; HF keeps
@@ -14,18 +14,19 @@ Layout differences handled both ways (our full tensors are what one process hold
 from __future__ import annotations
 
 import argparse
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
-from app.checkpoint import layout
-from app.checkpoint.hf_files import (ExportTokenizer, HFConversionError, directory_tokenizer,
+from app.checkpoint import param_layout as layout
+from app.checkpoint.hf.adapter import FamilyAdapter
+from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, directory_tokenizer,
                                      import_args, read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
-from app.model.hf_compat import LLAMA, QWEN3, export_architecture
 
+LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 MODEL_TYPES = {"llama": LLAMA, "qwen3": QWEN3}
 """config.json model_type -> the architecture this module reads and writes."""
 _NORMS = (("input_layernorm", "input_layernorm"),
@@ -39,6 +40,29 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 KEPT = (*TOKEN_IDS, "max_window_layers", "pretraining_tp")
 """config.json fields that do not change what the weights compute: an import keeps them in the
 args (`hf_config`, a dict) and the export writes them back, so HF -> ours -> HF is exact."""
+
+
+def llama_export_blockers(config: ModelConfig) -> List[str]:
+    """Reasons, one per option, why `config` cannot be written as a Hugging Face Llama model
+    (with --qk-layernorm: Qwen3, Llama's block with an RMSNorm over each query and key head).
+
+    Empty when it can. Each reason names the command-line option that set it (or that is
+    missing)."""
+    blockers = []
+    if not config.swiglu:
+        blockers.append("no --swiglu: Llama's MLP is gated (silu(gate) * up)")
+    if config.normalization != "RMSNorm":
+        blockers.append(f"--normalization {config.normalization}: Llama's norms are RMSNorm")
+    if config.position_embedding_type != "rope":
+        blockers.append(f"--position-embedding-type {config.position_embedding_type}: Llama "
+                        "has rotary positions only (rope)")
+    elif config.rotary_percent != 1.0:
+        blockers.append(f"--rotary-percent {config.rotary_percent}: Llama rotates every channel "
+                        "of a head")
+    if config.qk_layernorm and config.add_bias_linear:
+        blockers.append("--qk-layernorm without --disable-bias-linear: Qwen3 (Llama with "
+                        "query/key norms) has no MLP biases")
+    return blockers
 
 
 def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
@@ -240,13 +264,15 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokeniz
                  metrics_file: Optional[str] = None, model_path: Optional[str] = None
                  ) -> Dict[str, str]:
     """`source` as a LlamaForCausalLM (Qwen3ForCausalLM with --qk-layernorm) directory
-    (app.checkpoint.hf_files.write_directory), the vocabulary trimmed to the tokenizer's size
+    (app.checkpoint.hf.files.write_directory), the vocabulary trimmed to the tokenizer's size
     (args.vocab_size). Returns the files written."""
     args = source.args
     config = model_config_from_args(args, for_inference=True)
-    architecture = export_architecture(config)
-    if architecture not in (LLAMA, QWEN3):
-        raise HFConversionError(f"the model exports as {architecture}, not Llama")
+    blockers = llama_export_blockers(config)
+    if blockers:
+        raise HFConversionError("the model is not a Hugging Face Llama model: "
+                                + "; ".join(blockers))
+    architecture = ADAPTER.export_architecture(config)
     vocab_size = int(getattr(args, "vocab_size", None) or
                      source.weights[layout.WORD_EMBEDDINGS].shape[0])
     tensors = to_hf_state(source.weights, config, vocab_size)
@@ -257,3 +283,31 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokeniz
                            args, source.iteration, tokenizer, max_shard_size, vocab_size,
                            metrics_file, model_path)
 
+
+
+class LlamaAdapter(FamilyAdapter):
+    """Hugging Face Llama, and Qwen3 (Llama's block with query/key norms: --qk-layernorm)."""
+
+    family = "Llama"
+    model_types = MODEL_TYPES
+    export_order = 10
+
+    def export_blockers(self, config: ModelConfig) -> List[str]:
+        return llama_export_blockers(config)
+
+    def export_architecture(self, config: ModelConfig) -> str:
+        return QWEN3 if config.qk_layernorm else LLAMA
+
+    def read_directory(self, path: str, config: Dict,
+                       make_vocab_size_divisible_by: int = 128) -> ModelCheckpoint:
+        return read_hf_dir(path, config, make_vocab_size_divisible_by)
+
+    def write_directory(self, source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
+                        dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
+                        metrics_file: Optional[str] = None, model_path: Optional[str] = None
+                        ) -> Dict[str, str]:
+        return write_hf_dir(source, out_dir, tokenizer, dtype, max_shard_size, metrics_file,
+                            model_path)
+
+
+ADAPTER = LlamaAdapter()

@@ -26,18 +26,14 @@ integrity.json, when there is one, before it is read.
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
-import pathlib
 import pickle
 import shutil
-import signal
-import types
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -51,7 +47,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from app.checkpoint import CheckpointError
-from app.checkpoint.files import UnsafeCheckpointError, allowed_globals, sha256_file
+from app.checkpoint.files import (ForeignObject, UnsafeCheckpointError, allowed_globals,
+                                  megatron_args_globals, sha256_file)
 from app.utils.fileio import atomic_write_bytes, fsync_dir, tmp_path
 
 DCP_METADATA = ".metadata"
@@ -228,20 +225,6 @@ _METADATA_MODULES = ("torch.distributed.checkpoint.metadata",
                      "torch.distributed.checkpoint.filesystem")
 
 
-class ForeignObject:
-    """An instance of a class this code does not load (Megatron's enums and dataclasses in its
-    checkpoints): its constructor arguments and state are kept, nothing of it runs."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"ForeignObject{self.args or ''}"
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's `.metadata` with only its own classes, torch sizes/dtypes/layouts and
     inert stand-ins for Megatron's classes; anything else is refused."""
@@ -261,20 +244,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module.split(".")[0] == "megatron":
             return ForeignObject
         raise UnsafeCheckpointError(f"refused {module}.{name}")
-
-
-def megatron_args_globals(source: Union[bytes, str]) -> List[Any]:
-    """What Megatron-LM's pickled args need beyond the checkpoint allow-list: SimpleNamespace,
-    PosixPath, Signals, Namespace, and (ForeignObject, name) for every `megatron.*` global that
-    the torch.save blob (bytes) or file (path) `source` pickles."""
-    extra: List[Any] = [types.SimpleNamespace, pathlib.PosixPath, signal.Signals,
-                        argparse.Namespace]
-    try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(
-            io.BytesIO(source) if isinstance(source, bytes) else source)
-    except Exception:  # noqa: BLE001 - not a zip archive: the load itself reports it
-        return extra
-    return extra + [(ForeignObject, name) for name in found if name.split(".")[0] == "megatron"]
 
 
 def load_object(data: bytes, where: str) -> Any:

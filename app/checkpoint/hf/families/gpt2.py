@@ -1,5 +1,6 @@
-"""Hugging Face GPT-2 <-> our GPT-2: weight names and layouts and config.json (the directory's
-files are app.checkpoint.hf_files'; a Llama-architecture model is app.checkpoint.hf_llama's).
+"""The GPT-2 family's adapter: Hugging Face GPT-2 (`GPT2LMHeadModel`) <-> our GPT-2, weight names
+and layouts, config.json, and what of our model GPT-2 cannot express (the directory's files are
+app.checkpoint.hf.files').
 
 Layout differences handled both ways:
 - HF's Conv1D stores weights [in, out]; ours (nn.Linear / the parallel layers) [out, in];
@@ -17,12 +18,15 @@ from typing import Dict, List, Optional
 
 import torch
 
-from app.checkpoint import layout
-from app.checkpoint.hf_files import (ExportTokenizer, HFConversionError, directory_tokenizer,
+from app.checkpoint import param_layout as layout
+from app.checkpoint.hf.adapter import FamilyAdapter
+from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, directory_tokenizer,
                                      import_args, read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
-from app.model.hf_compat import gpt2_export_blockers
+from app.config import ModelConfig
+
+GPT2 = "GPT2LMHeadModel"
 
 HF_PREFIX = "transformer."
 _NORMS = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"))
@@ -32,6 +36,31 @@ _IGNORED_HF = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
 GPT2_FILES = ("vocab.json", "merges.txt")
 """GPT-2 BPE's tokenizer files (--vocab-file, --merge-file)."""
 _GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
+
+
+def gpt2_export_blockers(config: ModelConfig) -> List[str]:
+    """Reasons, one per option, why `config` cannot be written as a Hugging Face GPT-2 model.
+
+    Empty when it can. Each reason names the command-line option that set it. Options that
+    change only how training runs (sequence parallelism, recompute, dropout, fusions) do not
+    block.
+    """
+    blockers = []
+    if config.position_embedding_type != "learned_absolute":
+        blockers.append(
+            f"--position-embedding-type {config.position_embedding_type}: GPT-2 has only a "
+            "learned absolute position table (wpe) and no rotary or ALiBi attention")
+    if config.num_kv_heads != config.num_attention_heads:
+        blockers.append(
+            f"--group-query-attention --num-query-groups {config.num_kv_heads} (with "
+            f"{config.num_attention_heads} attention heads): GPT-2's attention (c_attn) has one "
+            "key and value head per query head")
+    if config.untie_embeddings_and_output_weights:
+        blockers.append("--untie-embeddings-and-output-weights: GPT-2's LM head is the word "
+                        "embedding matrix (wte) transposed")
+    return blockers + [f"{flag}: GPT-2's block has LayerNorm, GeLU, biases and heads of hidden "
+                       "/ heads channels (such models export as LlamaForCausalLM)"
+                       for flag in config.llama_features]
 
 
 def checkpoint_args_blockers(args: argparse.Namespace) -> List[str]:
@@ -201,7 +230,7 @@ def read_hf_dir(path: str, config: Dict, make_vocab_size_divisible_by: int = 128
     """A `save_pretrained` GPT-2 directory whose config.json is `config`; its tokenizer is its
     vocab.json + merges.txt (GPT-2 BPE) when it has both, else the directory's other tokenizer
     (a tokenizer.json, or a SentencePiece export's files) named in the args as the Llama import
-    names it (hf_files.directory_tokenizer)."""
+    names it (app.checkpoint.hf.files.directory_tokenizer)."""
     tokenizer = {name: f"{path}/{name}" for name in GPT2_FILES
                  if os.path.isfile(os.path.join(path, name))}
     if len(tokenizer) < len(GPT2_FILES):
@@ -218,7 +247,7 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str,
                  dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
                  metrics_file: Optional[str] = None, model_path: Optional[str] = None
                  ) -> Dict[str, str]:
-    """`source` as a GPT2LMHeadModel directory (app.checkpoint.hf_files.write_directory), the
+    """`source` as a GPT2LMHeadModel directory (app.checkpoint.hf.files.write_directory), the
     vocabulary trimmed to the tokenizer's size (args.vocab_size). Returns the files written."""
     args, tokenizer = source.args, tokenizer or ExportTokenizer()
     blockers = checkpoint_args_blockers(args)
@@ -234,3 +263,31 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str,
                            source.iteration, tokenizer, max_shard_size,
                            int(tensors["transformer.wte.weight"].shape[0]), metrics_file,
                            model_path)
+
+
+class GPT2Adapter(FamilyAdapter):
+    """Hugging Face GPT-2, tried first when a model is exported."""
+
+    family = "GPT-2"
+    model_types = {"gpt2": GPT2, None: GPT2}  # None: an old GPT-2 config.json
+    export_order = 0
+
+    def export_blockers(self, config: ModelConfig) -> List[str]:
+        return gpt2_export_blockers(config)
+
+    def export_architecture(self, config: ModelConfig) -> str:
+        return GPT2
+
+    def read_directory(self, path: str, config: Dict,
+                       make_vocab_size_divisible_by: int = 128) -> ModelCheckpoint:
+        return read_hf_dir(path, config, make_vocab_size_divisible_by)
+
+    def write_directory(self, source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
+                        dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
+                        metrics_file: Optional[str] = None, model_path: Optional[str] = None
+                        ) -> Dict[str, str]:
+        return write_hf_dir(source, out_dir, tokenizer, dtype, max_shard_size, metrics_file,
+                            model_path)
+
+
+ADAPTER = GPT2Adapter()
