@@ -281,7 +281,7 @@ def _meaning(args: argparse.Namespace, name: str) -> Any:
     if name in ("rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
                 "use_rope_scaling", "rope_scaling_factor") and \
             _meaning(args, "position_embedding_type") != "rope":
-        return None
+        return False if name == "use_rope_scaling" else None
     if name == "rope_scaling_factor":
         return _rope_scaling_factor(args)
     if name == "layernorm_zero_centered_gamma" and value is None:

@@ -23,6 +23,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from app.data.token_ids import flatten_ids
+
 PATTERNS = {
     "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
     "v2": (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
@@ -128,7 +130,6 @@ class TikTokenizer:
     def encode_flat(self, texts: Sequence[str], parallel: Optional[bool] = None
                     ) -> Tuple[np.ndarray, np.ndarray]:
         """(tokens uint32 [total], lengths int64 [len(texts)]) of `tokenize` of every text."""
-        from app.data.tokenizer import flatten_ids  # (that module imports this one)
         return flatten_ids(self.tokenize_batch(texts))
 
     def detokenize(self, ids: Iterable[int]) -> str:

@@ -32,6 +32,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from app.data.tiktoken_tokenizer import DEFAULT_NUM_SPECIAL_TOKENS, TikTokenizer
+from app.data.token_ids import flatten_ids
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +127,6 @@ class GPT2BPETokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text of the token ids (inverse of tokenize for valid UTF-8 text)."""
         return self._tokenizer.decode(list(int(i) for i in ids), skip_special_tokens=False)
-
-
-def flatten_ids(ids: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
-    """(tokens uint32 [total], lengths int64 [len(ids)]) of token-id lists, back to back."""
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(lengths.sum()))
-    return flat, lengths
 
 
 class HuggingFaceTokenizer:

@@ -149,8 +149,11 @@ def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
         export_architecture(model_config_from_args(layernorm_llama.args, for_inference=True))
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=FFN,
                                       num_hidden_layers=L, num_attention_heads=HEADS).to_dict()
-    for change, words in (({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
-                           "rope_type 'llama3'"),
+    for change, words in (({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                                "factor": 2.0}}, "rope_type 'yarn'"),
+                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4,
+                                                "factor": 8.0, "low_freq_factor": 2.0}},
+                           "rope_type llama3 with .*'low_freq_factor': 2.0"),
                           ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
                           ({"mlp_bias": True}, "attention_bias False with mlp_bias True")):
         with pytest.raises(HFConversionError, match=words):

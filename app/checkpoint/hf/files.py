@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from app.checkpoint.hf.model_card import model_card
+from app.checkpoint.model_args import ROPE_FACTOR_APPLIED
 from app.checkpoint.hf.sentencepiece import SENTENCEPIECE_TYPES, write_sentencepiece_tokenizer
 from app.checkpoint.state import Progress
 from app.data.tokenizer import TOKENIZER_MODEL_TYPES, HuggingFaceTokenizer, build_tokenizer
@@ -67,7 +68,7 @@ def import_args(**model: object) -> argparse.Namespace:
                   fp16=False, bf16=False, apply_residual_connection_post_layernorm=False,
                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   data_parallel_size=1, world_size=1, consumed_train_samples=0,
-                  consumed_valid_samples=0, iteration=0)
+                  consumed_valid_samples=0, iteration=0, **{ROPE_FACTOR_APPLIED: True})
     return argparse.Namespace(**{**shared, **model})
 
 

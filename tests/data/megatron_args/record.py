@@ -48,6 +48,22 @@ FLAG_SETS = {
     "gqa": ["--group-query-attention", "--num-query-groups", "2"],
     "rope_untied": ["--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"],
     "swiglu_rmsnorm": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"],
+    # Megatron's launch-script model options: Llama 3.1 (RoPE scaling), Qwen2.5 (QKV bias only),
+    # Nemotron-Mini (LayerNorm-1p, squared ReLU, half-rotary), and the optimizer/loss options
+    "llama31": ["--use-rotary-position-embeddings", "--no-position-embedding",
+                "--use-rope-scaling", "--rotary-base", "500000", "--swiglu", "--normalization",
+                "RMSNorm", "--disable-bias-linear", "--group-query-attention",
+                "--num-query-groups", "2", "--untie-embeddings-and-output-weights"],
+    "qwen2": ["--position-embedding-type", "rope", "--rotary-base", "1000000", "--swiglu",
+              "--normalization", "RMSNorm", "--disable-bias-linear", "--add-qkv-bias",
+              "--group-query-attention", "--num-query-groups", "2"],
+    "nemotron": ["--use-rotary-position-embeddings", "--rotary-percent", "0.5",
+                 "--no-position-embedding", "--normalization", "LayerNorm",
+                 "--apply-layernorm-1p", "--squared-relu", "--disable-bias-linear",
+                 "--group-query-attention", "--num-query-groups", "2",
+                 "--untie-embeddings-and-output-weights"],
+    "per_token_decoupled": ["--bf16", "--grad-reduce-in-bf16", "--calculate-per-token-loss",
+                            "--decoupled-lr", "5e-3", "--decoupled-min-lr", "1e-4"],
 }
 """Flag sets (after BASE): the run each fixture describes."""
 
