@@ -45,6 +45,8 @@ MODEL_SHAPE_FIELDS = (*FIXED_ARCHITECTURE, "num_layers", "hidden_size", "num_att
                       "tokenizer_type", "position_embedding_type", "rotary_percent",
                       "rotary_base", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
                       "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights")
+"""Fields that must agree between a checkpoint and the run loading it (`_meaning` says how an
+absent or unused field reads)."""
 
 MEGATRON_BUILDER_ROPE_SCALING_FACTOR = 8.0
 """The RoPE scaling factor Megatron-LM's pretrain_gpt.py builds with whatever its
@@ -54,8 +56,24 @@ ROPE_FACTOR_APPLIED = "rope_scaling_factor_applied"
 """An arg of ours (Megatron has none): True when the model computed with the args'
 rope_scaling_factor. Args without it were written by Megatron-LM, whose model used
 MEGATRON_BUILDER_ROPE_SCALING_FACTOR."""
-"""Fields that must agree between a checkpoint and the run loading it (`_meaning` says how an
-absent or unused field reads)."""
+
+
+def model_option_args(m: ModelConfig) -> Dict[str, Any]:
+    """The model's options beyond its sizes under Megatron's arg names (positions, RoPE and its
+    scaling, query groups, the architecture fields, tying), as a checkpoint's args hold them."""
+    return dict(
+        position_embedding_type=m.position_embedding_type,
+        add_position_embedding=m.add_position_embedding,  # Megatron's: False only with rope
+        use_rotary_position_embeddings=m.position_embedding_type == "rope",
+        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
+        rope_scaling_factor=m.rope_scaling_factor, **{ROPE_FACTOR_APPLIED: True},
+        rotary_seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
+        group_query_attention=m.group_query_attention, num_query_groups=m.num_kv_heads,
+        **{name: getattr(m, name, default) for name, default in FIXED_ARCHITECTURE.items()
+           if name != "add_qkv_bias"},
+        add_qkv_bias=m.qkv_bias,  # Megatron's validate_args: on whenever add_bias_linear
+        norm_epsilon=m.layernorm_epsilon,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights)
 
 
 def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
@@ -89,20 +107,8 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
         fp16_lm_cross_entropy=m.fp16_lm_cross_entropy,
         accumulate_allreduce_grads_in_fp32=cfg.precision.grads_accumulate_in_fp32,
-        position_embedding_type=m.position_embedding_type,
-        add_position_embedding=m.add_position_embedding,  # Megatron's: False only with rope
-        use_rotary_position_embeddings=m.position_embedding_type == "rope",
-        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
-        rope_scaling_factor=m.rope_scaling_factor, **{ROPE_FACTOR_APPLIED: True},
-        rotary_seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
-        group_query_attention=m.group_query_attention, num_query_groups=m.num_kv_heads,
-        **{name: getattr(m, name, default) for name, default in FIXED_ARCHITECTURE.items()
-           if name != "add_qkv_bias"},
-        add_qkv_bias=m.qkv_bias,  # Megatron's validate_args: on whenever add_bias_linear
-        norm_epsilon=m.layernorm_epsilon, bias_swiglu_fusion=m.bias_swiglu_fusion,
-        tokenizer_model=cfg.data.tokenizer_model,
-        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        sequence_parallel=m.sequence_parallel, recompute_granularity=m.recompute_granularity,
+        **model_option_args(m), bias_swiglu_fusion=m.bias_swiglu_fusion,
+        tokenizer_model=cfg.data.tokenizer_model, sequence_parallel=m.sequence_parallel, recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,

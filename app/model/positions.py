@@ -66,10 +66,12 @@ class RotaryEmbedding(nn.Module):
         if rotary_dim < 2 or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and >= 2, got {rotary_dim}")
         self.rotary_dim = rotary_dim
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-        inv_freq = (1.0 / (float(base) ** exponents)).float()  # [rotary_dim / 2]
-        if scaling_factor is not None:
-            inv_freq = llama3_inv_freq(inv_freq, float(scaling_factor))
+        if scaling_factor is None:  # fp64, then rounded (what runs of earlier releases used)
+            exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+            inv_freq = (1.0 / (float(base) ** exponents)).float()  # [rotary_dim / 2]
+        else:  # fp32 throughout, as Megatron Core and transformers compute Llama 3.1's
+            exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+            inv_freq = llama3_inv_freq(1.0 / (base ** exponents), float(scaling_factor))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.position_scale = None if interpolation_factor is None else 1.0 / interpolation_factor
 

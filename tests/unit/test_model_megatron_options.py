@@ -73,7 +73,13 @@ def test_llama3_rope_frequencies_equal_transformers(factor):
                                       "original_max_position_embeddings": 8192})
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
     ours = RotaryEmbedding(head_dim, base, scaling_factor=factor).inv_freq
-    torch.testing.assert_close(ours, want.float(), rtol=1e-6, atol=0)
+    assert torch.equal(ours, want.float())  # the same fp32 arithmetic, bit for bit
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding as MegatronRotary)
+    megatron = MegatronRotary(kv_channels=head_dim, rotary_percent=1.0, rotary_base=base,
+                              rope_scaling=True, rope_scaling_factor=factor,
+                              use_cpu_initialization=True)
+    assert torch.equal(ours, megatron.inv_freq)
     plain = RotaryEmbedding(head_dim, base).inv_freq
     assert (ours < plain).any() and torch.equal(ours[0], plain[0])  # low bands scaled only
     config = _config(position_embedding_type="rope", rotary_base=base, kv_channels=head_dim,
@@ -82,8 +88,16 @@ def test_llama3_rope_frequencies_equal_transformers(factor):
 
 
 def test_interpolation_factor_divides_the_positions():
+    """--rotary-seq-len-interpolation-factor: against the formula, and against Megatron Core's
+    RotaryEmbedding (positions x 1/N, then the outer product with the frequencies)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding as MegatronRotary)
     positions = torch.arange(12).view(1, 12)
     cos, sin = RotaryEmbedding(8, 10000, interpolation_factor=4)(positions)
+    megatron = MegatronRotary(kv_channels=16, rotary_percent=0.5, rotary_base=10000,
+                              seq_len_interpolation_factor=4, use_cpu_initialization=True)
+    freqs = megatron.get_freqs_non_repeated(12)  # [s, rd/2]
+    torch.testing.assert_close(cos[0, 0, :, :4], freqs.cos(), rtol=0, atol=1e-6)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     angles = (positions.double().view(12, 1) / 4) * inv_freq  # [s, rd/2]
     angles = torch.cat([angles, angles], -1).view(1, 1, 12, 8)

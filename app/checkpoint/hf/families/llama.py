@@ -99,11 +99,11 @@ def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
         for ours_name, hf_name in _NORMS:
             if mine(f"{ours_name}.weight") is not None:
                 out[f"{hf}{hf_name}.weight"] = mine(f"{ours_name}.weight")
-        for kind in _kinds(config.qkv_bias):
-            q, k, v = _split_qkv(mine(f"attention.query_key_value.{kind}"), config)
+        for kind in linear_tensors(config.qkv_bias):
+            q, k, v = split_qkv(mine(f"attention.query_key_value.{kind}"), config)
             out.update({f"{hf}self_attn.q_proj.{kind}": q, f"{hf}self_attn.k_proj.{kind}": k,
                         f"{hf}self_attn.v_proj.{kind}": v})
-        for kind in _kinds(config.add_bias_linear):
+        for kind in linear_tensors(config.add_bias_linear):
             out[f"{hf}self_attn.o_proj.{kind}"] = mine(f"attention.dense.{kind}")
             gate, up = mine(f"mlp.dense_h_to_4h.{kind}").chunk(2)
             out.update({f"{hf}mlp.gate_proj.{kind}": gate, f"{hf}mlp.up_proj.{kind}": up,
@@ -116,10 +116,10 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
     keeps HF's rows: pad it afterwards). A missing or unknown key, or a tied lm_head that
     differs from the embeddings, raises HFConversionError naming the key."""
     state = {k: v for k, v in hf.items() if not k.endswith(_IGNORED)}
-    ours = {layout.WORD_EMBEDDINGS: _take(state, "model.embed_tokens.weight"),
-            layout.FINAL_NORM[0]: _take(state, "model.norm.weight")}
+    ours = {layout.WORD_EMBEDDINGS: take(state, "model.embed_tokens.weight"),
+            layout.FINAL_NORM[0]: take(state, "model.norm.weight")}
     if config.untie_embeddings_and_output_weights:
-        ours[layout.OUTPUT_LAYER] = _take(state, "lm_head.weight")
+        ours[layout.OUTPUT_LAYER] = take(state, "lm_head.weight")
     elif "lm_head.weight" in state and not torch.equal(state.pop("lm_head.weight"),
                                                        ours[layout.WORD_EMBEDDINGS]):
         raise HFConversionError("lm_head.weight differs from model.embed_tokens.weight but "
@@ -128,16 +128,16 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
         hf_name = lambda suffix: f"model.layers.{i}.{suffix}"  # noqa: E731
         name = lambda suffix: layout.layer_param_name(i, suffix)  # noqa: E731
         for ours_name, theirs in _NORMS[:4 if config.qk_layernorm else 2]:
-            ours[name(f"{ours_name}.weight")] = _take(state, hf_name(f"{theirs}.weight"))
-        for kind in _kinds(config.qkv_bias):
-            q, k, v = (_take(state, hf_name(f"self_attn.{p}_proj.{kind}")) for p in "qkv")
-            ours[name(f"attention.query_key_value.{kind}")] = _fuse_qkv(q, k, v, config)
-        for kind in _kinds(config.add_bias_linear):
-            ours[name(f"attention.dense.{kind}")] = _take(state,
+            ours[name(f"{ours_name}.weight")] = take(state, hf_name(f"{theirs}.weight"))
+        for kind in linear_tensors(config.qkv_bias):
+            q, k, v = (take(state, hf_name(f"self_attn.{p}_proj.{kind}")) for p in "qkv")
+            ours[name(f"attention.query_key_value.{kind}")] = fuse_qkv(q, k, v, config)
+        for kind in linear_tensors(config.add_bias_linear):
+            ours[name(f"attention.dense.{kind}")] = take(state,
                                                           hf_name(f"self_attn.o_proj.{kind}"))
             ours[name(f"mlp.dense_h_to_4h.{kind}")] = torch.cat(
-                [_take(state, hf_name(f"mlp.{p}_proj.{kind}")) for p in ("gate", "up")])
-            ours[name(f"mlp.dense_4h_to_h.{kind}")] = _take(state, hf_name(f"mlp.down_proj.{kind}"))
+                [take(state, hf_name(f"mlp.{p}_proj.{kind}")) for p in ("gate", "up")])
+            ours[name(f"mlp.dense_4h_to_h.{kind}")] = take(state, hf_name(f"mlp.down_proj.{kind}"))
     if state:
         raise HFConversionError(f"Hugging Face key {sorted(state)[0]!r} cannot be mapped to a "
                                 f"Llama model with {config.num_layers} layers (config.json "
@@ -145,12 +145,12 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
     return ours
 
 
-def _kinds(bias: bool):
+def linear_tensors(bias: bool):
     """The tensors of a linear layer: its weight, and its bias when it has one."""
     return ("weight", "bias") if bias else ("weight",)
 
 
-def _split_qkv(t: torch.Tensor, config: ModelConfig):
+def split_qkv(t: torch.Tensor, config: ModelConfig):
     """Our fused QKV rows [groups, (per_group q, k, v), hd, ...] -> q [heads hd, ...],
     k and v [groups hd, ...]."""
     groups, hd = config.num_kv_heads, config.head_dim
@@ -161,9 +161,9 @@ def _split_qkv(t: torch.Tensor, config: ModelConfig):
             flat(grouped[:, per_group + 1]))
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig
               ) -> torch.Tensor:
-    """Inverse of _split_qkv."""
+    """Inverse of split_qkv."""
     groups, hd = config.num_kv_heads, config.head_dim
     per_group = config.num_attention_heads // groups
     rest = tuple(q.shape[1:])
@@ -172,7 +172,8 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelCo
     return fused.reshape(-1, *rest)
 
 
-def _take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
+def take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """Remove and return `state[key]`; HFConversionError naming a missing key."""
     if key not in state:
         raise HFConversionError(f"Hugging Face checkpoint has no {key!r}")
     return state.pop(key)
