@@ -121,8 +121,8 @@ class PrecisionConfig:
         help="overflows tolerated before the loss scale halves (fp16; default 2)")
     accumulate_allreduce_grads_in_fp32: bool = option(
         "--accumulate-allreduce-grads-in-fp32", default=False,
-        help="accumulate and all-reduce fp16 gradients in fp32 (on for bf16 unless "
-             "--grad-reduce-in-bf16)")
+        help="accumulate and all-reduce fp16 gradients in fp32 (always on for bf16)")
+    """(bf16: on unless --grad-reduce-in-bf16.)"""
     grad_reduce_in_bf16: bool = option(
         "--grad-reduce-in-bf16", default=False,
         help="with --bf16: accumulate the gradients over micro-batches and reduce them over "

@@ -9,8 +9,10 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              its logits on DIR/probe.pt's tokens with the
                                              logits stored there
     python megatron_side.py write FORMAT MODEL=DIR [MODEL=DIR...] [SPLIT DATA_PATH...]
-                                             for each MODEL (gpt2, or llama: SwiGLU, RMSNorm,
-                                             no biases, QK-norm, RoPE, 2 query groups, untied)
+                                             for each MODEL (gpt2; llama: SwiGLU, RMSNorm,
+                                             no biases, QK-norm, RoPE, 2 query groups, untied;
+                                             qwen2_llama31: QKV biases only, Llama 3.1's RoPE
+                                             scaling, 2 query groups, untied)
                                              build a GPTModel from the args Megatron-LM's own
                                              parse_args made (tests/data/megatron_args,
                                              core_v0.16.1; llama: the swiglu_rmsnorm flags with
@@ -52,6 +54,13 @@ LLAMA = dict(qk_layernorm=True, position_embedding_type="rope", group_query_atte
              num_query_groups=2, untie_embeddings_and_output_weights=True)
 """What the llama model sets on top of Megatron's swiglu_rmsnorm args (--swiglu --normalization
 RMSNorm --disable-bias-linear)."""
+QWEN2_LLAMA31 = dict(use_rope_scaling=True, untie_embeddings_and_output_weights=True)
+"""What the qwen2_llama31 model sets on top of Megatron's qwen2 args (--add-qkv-bias with
+--disable-bias-linear, RoPE base 1e6, 2 query groups): Llama 3.1's RoPE scaling (Megatron's GPT
+builder: factor 8) and an untied output layer."""
+MODELS = {"gpt2": ("gpt2", {}), "llama": ("swiglu_rmsnorm", LLAMA),
+          "qwen2_llama31": ("qwen2", QWEN2_LLAMA31)}
+"""Each model `write` builds: (Megatron's recorded flag set, what it sets on top)."""
 
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.current_device = lambda: "cpu"
@@ -76,6 +85,7 @@ def build(args):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
     assert not args.openai_gelu and not args.squared_relu, "only GeLU and SwiGLU here"
+    assert not args.layernorm_zero_centered_gamma, "no zero-centred norms without apex / TE"
     activation = F.silu if args.swiglu else F.gelu
     cfg = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -84,6 +94,7 @@ def build(args):
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         layernorm_epsilon=args.layernorm_epsilon, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu, activation_func=activation,
         normalization=args.normalization, qk_layernorm=args.qk_layernorm,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
@@ -97,7 +108,8 @@ def build(args):
                     max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type,
-                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                    rope_scaling=args.use_rope_scaling)  # the factor: its default, as Megatron's
 
 
 def megatron_args(flag_set, **overrides):
@@ -234,9 +246,11 @@ def write_one(directory, ckpt_format, name, parallel_state, split, data_path):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.enums import ModelType
     torch.manual_seed(5)
-    flag_set = {"gpt2": "gpt2" if ckpt_format == "torch_dist" else "gpt2_legacy",
-                "llama": "swiglu_rmsnorm"}[name]
-    model_flags = dict(LLAMA, ckpt_format=ckpt_format) if name == "llama" else {}
+    flag_set, model_flags = MODELS[name]
+    if name == "gpt2":
+        flag_set = "gpt2" if ckpt_format == "torch_dist" else "gpt2_legacy"
+    else:
+        model_flags = dict(model_flags, ckpt_format=ckpt_format)
     args = megatron_args(flag_set, consumed_train_samples=ITERATION * 4, iteration=ITERATION,
                          curr_iteration=ITERATION, model_type=ModelType.encoder_or_decoder,
                          **model_flags)
