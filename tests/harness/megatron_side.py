@@ -9,9 +9,8 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              its logits on DIR/probe.pt's tokens with the
                                              logits stored there
     python megatron_side.py write FORMAT MODEL=DIR [MODEL=DIR...] [SPLIT DATA_PATH...]
-                                             for each MODEL (gpt2; llama: SwiGLU, RMSNorm,
-                                             no biases, QK-norm, RoPE, 2 query groups, untied;
-                                             qwen2_llama31: QKV biases only, Llama 3.1's RoPE
+                                             for each MODEL (gpt2, or llama: SwiGLU, RMSNorm,
+                                             QKV biases only, QK-norm, RoPE with Llama 3.1's
                                              scaling, 2 query groups, untied)
                                              build a GPTModel from the args Megatron-LM's own
                                              parse_args made (tests/data/megatron_args,
@@ -51,16 +50,11 @@ sys.path.append(ROOT)  # tests.harness (after Megatron, which may come from a ch
 ITERATION, CONSUMED = 3, 12
 """Where `write` saves: iteration 3 of a run with global batch 4."""
 LLAMA = dict(qk_layernorm=True, position_embedding_type="rope", group_query_attention=True,
-             num_query_groups=2, untie_embeddings_and_output_weights=True)
+             num_query_groups=2, untie_embeddings_and_output_weights=True, add_qkv_bias=True,
+             use_rope_scaling=True, rotary_base=1000000)
 """What the llama model sets on top of Megatron's swiglu_rmsnorm args (--swiglu --normalization
-RMSNorm --disable-bias-linear)."""
-QWEN2_LLAMA31 = dict(use_rope_scaling=True, untie_embeddings_and_output_weights=True)
-"""What the qwen2_llama31 model sets on top of Megatron's qwen2 args (--add-qkv-bias with
---disable-bias-linear, RoPE base 1e6, 2 query groups): Llama 3.1's RoPE scaling (Megatron's GPT
-builder: factor 8) and an untied output layer."""
-MODELS = {"gpt2": ("gpt2", {}), "llama": ("swiglu_rmsnorm", LLAMA),
-          "qwen2_llama31": ("qwen2", QWEN2_LLAMA31)}
-"""Each model `write` builds: (Megatron's recorded flag set, what it sets on top)."""
+RMSNorm --disable-bias-linear): QK-norm, RoPE with Llama 3.1's scaling (Megatron's GPT builder:
+factor 8) at base 1e6, QKV biases (--add-qkv-bias), 2 query groups, untied output layer."""
 
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.current_device = lambda: "cpu"
@@ -246,11 +240,9 @@ def write_one(directory, ckpt_format, name, parallel_state, split, data_path):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.enums import ModelType
     torch.manual_seed(5)
-    flag_set, model_flags = MODELS[name]
-    if name == "gpt2":
-        flag_set = "gpt2" if ckpt_format == "torch_dist" else "gpt2_legacy"
-    else:
-        model_flags = dict(model_flags, ckpt_format=ckpt_format)
+    flag_set = {"gpt2": "gpt2" if ckpt_format == "torch_dist" else "gpt2_legacy",
+                "llama": "swiglu_rmsnorm"}[name]
+    model_flags = dict(LLAMA, ckpt_format=ckpt_format) if name == "llama" else {}
     args = megatron_args(flag_set, consumed_train_samples=ITERATION * 4, iteration=ITERATION,
                          curr_iteration=ITERATION, model_type=ModelType.encoder_or_decoder,
                          **model_flags)

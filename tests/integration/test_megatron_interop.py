@@ -5,10 +5,10 @@ Megatron's side (megatron_side.py) runs Megatron Core from the installed megatro
 (requirements-test.txt), or from a Megatron-LM checkout when MEGATRON_LM names one (and
 MEGATRON_PYTHON, when given, the Python with its dependencies).
 
-Each check runs for GPT-2, a Llama-style model (--swiglu, RMSNorm, no biases, --qk-layernorm,
-RoPE, grouped-query attention with 2 groups, untied output layer) and a Qwen2 / Llama 3.1 one
-(--add-qkv-bias with --disable-bias-linear, --use-rope-scaling: Megatron's GPT builder's factor
-8), all in the same processes:
+Each check runs for GPT-2 and for a Llama-style model (--swiglu, RMSNorm, --disable-bias-linear
+with Qwen2's --add-qkv-bias, --qk-layernorm, RoPE with Llama 3.1's --use-rope-scaling at
+Megatron's GPT builder's factor 8, grouped-query attention with 2 groups, untied output layer),
+both in the same processes:
 
 - ours -> Megatron: a run saved at TP2 x PP2 (4 ranks, after 3 steps, with its optimizer) is
   loaded by Megatron Core's dist_checkpointing.load into its GPTModel built with the local spec
@@ -40,14 +40,10 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--attention-dropout", "0", "--make-vocab-size-divisible-by", "8",
         "--distributed-backend", "gloo", "--ckpt-format", "torch_dist"]
 MODELS = {"gpt2": [], "llama": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
-                                "--qk-layernorm", "--position-embedding-type", "rope",
+                                "--add-qkv-bias", "--qk-layernorm", "--position-embedding-type",
+                                "rope", "--rotary-base", "1000000", "--use-rope-scaling",
                                 "--group-query-attention", "--num-query-groups", "2",
-                                "--untie-embeddings-and-output-weights"],
-          "qwen2_llama31": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
-                            "--add-qkv-bias", "--position-embedding-type", "rope",
-                            "--rotary-base", "1000000", "--use-rope-scaling",
-                            "--group-query-attention", "--num-query-groups", "2",
-                            "--untie-embeddings-and-output-weights"]}
+                                "--untie-embeddings-and-output-weights"]}
 """Our flags of each model megatron_side.py builds (`write FORMAT MODEL=DIR`)."""
 
 
