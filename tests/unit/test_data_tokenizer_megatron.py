@@ -91,3 +91,28 @@ def test_preprocess_writes_the_tiktokenizer_ids(tmp_path):
     theirs = _megatron_tiktoken(path, num_special_tokens=10, vocab_size=277)
     for i, text in enumerate(STRINGS[:4]):
         np.testing.assert_array_equal(dataset[i], theirs.text_to_ids(text) + [theirs.eod])
+
+
+def test_a_checkpoints_tiktokenizer_is_compared_with_its_settings(tmp_path, sentencepiece_model):
+    """A resume checks the tokenizer by what decides its ids: TikTokenizer's rank file with its
+    size, pattern and special tokens (another pattern is another tokenizer); Llama2Tokenizer is
+    GPTSentencePieceTokenizer of the same .model."""
+    import argparse
+    from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers
+    path = write_tiktoken_ranks(tmp_path / "ranks.json")
+    copy = tmp_path / "copy.json"
+    copy.write_bytes((tmp_path / "ranks.json").read_bytes())
+
+    def spec(**kw):
+        args = dict(tokenizer_type="TikTokenizer", tokenizer_model=path, vocab_size=1267,
+                    tiktoken_pattern=None, tiktoken_num_special_tokens=1000,
+                    tokenizer_special_tokens=None)
+        return TokenizerSpec.from_args(argparse.Namespace(**{**args, **kw}))
+    assert compare_tokenizers(spec(), spec(tokenizer_model=str(copy))).same
+    assert compare_tokenizers(spec(), spec(tiktoken_pattern="v2", tokenizer_model=str(copy))).same
+    for other in (dict(tiktoken_pattern="v1"), dict(vocab_size=1266),
+                  dict(tiktoken_num_special_tokens=999, vocab_size=1266)):
+        assert compare_tokenizers(spec(), spec(tokenizer_model=str(copy), **other)).same is False
+    llama2, gpt = (TokenizerSpec(kind, tokenizer_model=sentencepiece_model)
+                   for kind in ("Llama2Tokenizer", "GPTSentencePieceTokenizer"))
+    assert compare_tokenizers(llama2, gpt).same
