@@ -37,3 +37,14 @@ def write_tiktoken_ranks(path, merges=(b"th", b"he", b"the", b" t", b"in", b"ing
     with open(path, "w", encoding="utf-8") as f:
         json.dump(entries, f)
     return str(path)
+
+
+def train_sentencepiece(path, texts=TEXTS * 4, vocab_size=60, **options):
+    """A SentencePiece BPE model of `vocab_size` pieces trained on `texts`, written to `path`
+    (`options`: SentencePieceTrainer's, e.g. pad_id); returns the path."""
+    import sentencepiece
+    with open(path, "wb") as f:
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=f,
+                                                 vocab_size=vocab_size, model_type="bpe",
+                                                 minloglevel=2, **options)
+    return str(path)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from app.data.tokenizer import build_tokenizer, build_tokenizer_from
-from tests.harness.tokenizers import TEXTS, write_tiktoken_ranks
+from tests.harness.tokenizers import TEXTS, train_sentencepiece, write_tiktoken_ranks
 
 pytest.importorskip("tiktoken")
 STRINGS = ["the thing", "The fox, the THING and 42 things\n\n  in  fox!", "<s>the</s> <pad>",
@@ -58,12 +58,8 @@ def test_tiktokenizer_defaults_and_refusals(tmp_path):
 
 @pytest.fixture(scope="module")
 def sentencepiece_model(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
-    path = tmp_path_factory.mktemp("spm") / "llama.model"
-    with open(path, "wb") as f:
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS * 4), model_writer=f,
-                                       vocab_size=60, model_type="bpe", minloglevel=2)
-    return str(path)
+    pytest.importorskip("sentencepiece")
+    return train_sentencepiece(tmp_path_factory.mktemp("spm") / "llama.model")
 
 
 def test_llama2_tokenizer_is_megatrons_sentencepiece(sentencepiece_model):

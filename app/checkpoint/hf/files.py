@@ -72,6 +72,30 @@ def import_args(**model: object) -> argparse.Namespace:
     return argparse.Namespace(**{**shared, **model})
 
 
+def decoder_import_args(config: Dict, positions: int, make_vocab_size_divisible_by: int,
+                        tokenizer_model: Optional[str], **family: object) -> argparse.Namespace:
+    """`import_args` of a decoder-only config.json's shared fields (layers, widths, heads and
+    key/value heads, head_dim, positions (`positions` when it names none), vocabulary, dropout,
+    init std, tying, the tokenizer directory), plus the `family`'s own model args."""
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    positions = int(config.get("max_position_embeddings", positions))
+    vocab = int(config["vocab_size"])
+    return import_args(
+        num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
+        num_attention_heads=heads, ffn_hidden_size=int(config["intermediate_size"]),
+        kv_channels=int(config.get("head_dim") or hidden // heads),
+        max_position_embeddings=positions, seq_length=positions, vocab_size=vocab,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, padded_vocab_size=vocab,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model,
+        hidden_dropout=0.0, attention_dropout=float(config.get("attention_dropout", 0.0)),
+        init_method_std=float(config.get("initializer_range", 0.02)),
+        group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        position_embedding_type="rope", use_rotary_position_embeddings=True,
+        add_position_embedding=False, **family)
+
+
 def read_hf_tensors(path: str) -> Dict[str, torch.Tensor]:
     """Every tensor of the directory's weights, by its Hugging Face name."""
     from safetensors.torch import load_file

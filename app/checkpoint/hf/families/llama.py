@@ -26,8 +26,8 @@ import torch
 
 from app.checkpoint import param_layout as layout
 from app.checkpoint.hf.adapter import FamilyAdapter, shift_norm_weights
-from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, directory_tokenizer,
-                                     import_args, read_hf_tensors, write_directory)
+from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, decoder_import_args,
+                                     directory_tokenizer, read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
@@ -116,14 +116,7 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
     keeps HF's rows: pad it afterwards). A missing or unknown key, or a tied lm_head that
     differs from the embeddings, raises HFConversionError naming the key."""
     state = {k: v for k, v in hf.items() if not k.endswith(_IGNORED)}
-    ours = {layout.WORD_EMBEDDINGS: take(state, "model.embed_tokens.weight"),
-            layout.FINAL_NORM[0]: take(state, "model.norm.weight")}
-    if config.untie_embeddings_and_output_weights:
-        ours[layout.OUTPUT_LAYER] = take(state, "lm_head.weight")
-    elif "lm_head.weight" in state and not torch.equal(state.pop("lm_head.weight"),
-                                                       ours[layout.WORD_EMBEDDINGS]):
-        raise HFConversionError("lm_head.weight differs from model.embed_tokens.weight but "
-                                "config.json says tie_word_embeddings=true")
+    ours = take_outer(state, config)
     for i in range(config.num_layers):
         hf_name = lambda suffix: f"model.layers.{i}.{suffix}"  # noqa: E731
         name = lambda suffix: layout.layer_param_name(i, suffix)  # noqa: E731
@@ -142,6 +135,24 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
         raise HFConversionError(f"Hugging Face key {sorted(state)[0]!r} cannot be mapped to a "
                                 f"Llama model with {config.num_layers} layers (config.json "
                                 "num_hidden_layers, attention_bias, mlp_bias)")
+    return ours
+
+
+def take_outer(state: Dict[str, torch.Tensor], config: ModelConfig, norm_bias: bool = False
+               ) -> Dict[str, torch.Tensor]:
+    """Take the tensors outside the layers from a decoder's HF `state` (model.embed_tokens,
+    model.norm: its weight, and its bias with `norm_bias`, lm_head) under our names; a tied
+    lm_head that differs from the embeddings raises HFConversionError."""
+    ours = {layout.WORD_EMBEDDINGS: take(state, "model.embed_tokens.weight"),
+            layout.FINAL_NORM[0]: take(state, "model.norm.weight")}
+    if norm_bias:
+        ours[layout.FINAL_NORM[1]] = take(state, "model.norm.bias")
+    if config.untie_embeddings_and_output_weights:
+        ours[layout.OUTPUT_LAYER] = take(state, "lm_head.weight")
+    elif "lm_head.weight" in state and not torch.equal(state.pop("lm_head.weight"),
+                                                       ours[layout.WORD_EMBEDDINGS]):
+        raise HFConversionError("lm_head.weight differs from model.embed_tokens.weight but "
+                                "config.json says tie_word_embeddings=true")
     return ours
 
 
@@ -266,26 +277,12 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
         raise HFConversionError(f"{path}: attention_bias {biases[0]} with mlp_bias {biases[1]} "
                                 "is not supported: --disable-bias-linear drops the biases of "
                                 "both (the attention and the MLP) or neither")
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    positions = int(config.get("max_position_embeddings", 2048))
-    vocab = int(config["vocab_size"])
-    return import_args(
-        num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
-        num_attention_heads=heads, ffn_hidden_size=int(config["intermediate_size"]),
-        kv_channels=int(config.get("head_dim") or hidden // heads),
-        max_position_embeddings=positions, seq_length=positions, vocab_size=vocab,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by, padded_vocab_size=vocab,
-        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model,
+    return decoder_import_args(
+        config, 2048, make_vocab_size_divisible_by, tokenizer_model,
         layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
-        hidden_dropout=0.0, attention_dropout=float(config.get("attention_dropout", 0.0)),
-        init_method_std=float(config.get("initializer_range", 0.02)),
         swiglu=True, normalization="RMSNorm", qk_layernorm=kind == "qwen3",
         add_bias_linear=biases[0], add_qkv_bias=biases[0] or kind == "qwen2",
-        position_embedding_type="rope", use_rotary_position_embeddings=True,
-        add_position_embedding=False, rotary_percent=1.0, **rope_settings(config, path),
-        group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
-        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        rotary_percent=1.0, **rope_settings(config, path),
         hf_config={key: config[key] for key in KEPT if key in config})
 
 

@@ -23,9 +23,10 @@ import torch
 
 from app.checkpoint import param_layout as layout
 from app.checkpoint.hf.adapter import FamilyAdapter, shift_norm_weights
-from app.checkpoint.hf.families.llama import TOKEN_IDS, fuse_qkv, linear_tensors, split_qkv, take
-from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, directory_tokenizer,
-                                     import_args, read_hf_tensors, write_directory)
+from app.checkpoint.hf.families.llama import (TOKEN_IDS, fuse_qkv, linear_tensors,
+                                               rope_settings, split_qkv, take, take_outer)
+from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, decoder_import_args,
+                                     directory_tokenizer, read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
@@ -90,15 +91,7 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
     --apply-layernorm-1p (the vocabulary keeps HF's rows). A missing or unknown key raises
     HFConversionError naming it."""
     state = dict(hf)
-    ours = {layout.WORD_EMBEDDINGS: take(state, "model.embed_tokens.weight"),
-            layout.FINAL_NORM[0]: take(state, "model.norm.weight"),
-            layout.FINAL_NORM[1]: take(state, "model.norm.bias")}
-    if config.untie_embeddings_and_output_weights:
-        ours[layout.OUTPUT_LAYER] = take(state, "lm_head.weight")
-    elif "lm_head.weight" in state and not torch.equal(state.pop("lm_head.weight"),
-                                                       ours[layout.WORD_EMBEDDINGS]):
-        raise HFConversionError("lm_head.weight differs from model.embed_tokens.weight but "
-                                "config.json says tie_word_embeddings=true")
+    ours = take_outer(state, config, norm_bias=True)
     for i in range(config.num_layers):
         name = lambda suffix: layout.layer_param_name(i, suffix)  # noqa: E731
         hf_name = f"model.layers.{i}."
@@ -154,32 +147,17 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
         raise HFConversionError(f"{path}: attention_bias {biases[0]} with mlp_bias {biases[1]} "
                                 "is not supported: --disable-bias-linear drops the biases of "
                                 "both or neither")
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise HFConversionError(f"{path}: rope_type {rope['rope_type']!r} is not supported "
-                                "(Nemotron's RoPE is the default one)")
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    factor = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    positions = int(config.get("max_position_embeddings", 4096))
-    vocab = int(config["vocab_size"])
-    return import_args(
-        num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
-        num_attention_heads=heads, ffn_hidden_size=int(config["intermediate_size"]),
-        kv_channels=int(config.get("head_dim") or hidden // heads),
-        max_position_embeddings=positions, seq_length=positions, vocab_size=vocab,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by, padded_vocab_size=vocab,
-        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model,
-        layernorm_epsilon=float(config.get("norm_eps", 1e-5)), hidden_dropout=0.0,
-        attention_dropout=float(config.get("attention_dropout", 0.0)),
-        init_method_std=float(config.get("initializer_range", 0.02)),
-        normalization="LayerNorm", layernorm_zero_centered_gamma=True, squared_relu=True,
-        add_bias_linear=biases[0], add_qkv_bias=biases[0], position_embedding_type="rope",
-        use_rotary_position_embeddings=True, add_position_embedding=False,
-        rotary_percent=factor, rotary_base=int(theta),
-        group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
-        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+    rope = rope_settings(config, path)
+    if rope["use_rope_scaling"]:
+        raise HFConversionError(f"{path}: rope_type llama3 is not supported (Nemotron's RoPE is "
+                                "the default one)")
+    params = config.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    return decoder_import_args(
+        config, 4096, make_vocab_size_divisible_by, tokenizer_model,
+        layernorm_epsilon=float(config.get("norm_eps", 1e-5)), normalization="LayerNorm",
+        layernorm_zero_centered_gamma=True, squared_relu=True, add_bias_linear=biases[0],
+        add_qkv_bias=biases[0], rotary_percent=factor, rotary_base=rope["rotary_base"],
         hf_config={key: config[key] for key in TOKEN_IDS if key in config})
 
 
