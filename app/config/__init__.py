@@ -13,7 +13,7 @@ global batch against the data-parallel size, heads against the tensor-parallel s
 Messages name the command-line flag, the values and the fix. Nothing rewrites a config after
 it is built; derived values are properties or are computed where they are used.
 
-Modules: options (the field-to-flag mapping), model, recompute, parallel (layout and
+Modules: options (the field-to-flag mapping), model, moe (Mixture of Experts), recompute, parallel (layout and
 precision), optimizer, training (and rollback), data, checkpoint, kernels, deepspeed (and the
 DeepSpeed JSON rules), wandb, preflight (--dry-run), run (RunConfig), rules (shared checks),
 cli (argparse parsers from the fields, for arguments.py and the tools), inference (the
@@ -27,6 +27,7 @@ from app.config.deepspeed import DeepSpeedConfig
 from app.config.kernels import KernelConfig, default_kernel_build_timeout
 from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
                               RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ModelConfig)
+from app.config.moe import MoEConfig
 from app.config.optimizer import (LR_DECAY_STYLES, MUON_COEFFICIENT_TYPES,
                                   MUON_MATMUL_PRECISIONS, MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES,
                                   MUON_TP_MODES, OPTIMIZERS, OptimizerConfig, check_muon_layout)
@@ -44,7 +45,7 @@ __all__ = [
     "TikTokenConfig",
     "DeepSpeedConfig", "DryRunConfig", "KernelConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",
-    "ModelConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
+    "ModelConfig", "MoEConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
     "InProcessRestartConfig", "PrepareCacheConfig",
     "RecomputePlan", "RollbackConfig", "RunConfig", "TrainingConfig", "WandbConfig",
     "check_muon_layout", "default_kernel_build_timeout", "divisible", "positive",

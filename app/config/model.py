@@ -5,9 +5,10 @@ once in `__post_init__`, messages naming the flag and the fix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional, Tuple
 
+from app.config.moe import MoEConfig
 from app.config.options import option
 from app.config.recompute import recompute_plan
 from app.config.rules import divisible, positive
@@ -200,6 +201,8 @@ class ModelConfig:
     seed: int = 1234
     """Seed from which every parameter's initial value is derived (independent of TP/PP);
     the run's --seed (TrainingConfig.seed)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of Experts (--num-experts and the --moe-* flags); dense by default."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:  # construction defaults, not rewrites (Megatron's)
@@ -227,6 +230,7 @@ class ModelConfig:
                 f"--seq-length ({self.seq_length}) is larger than --max-position-embeddings "
                 f"({self.max_position_embeddings}); raise --max-position-embeddings or lower "
                 "--seq-length")
+        self.moe.check_against_model(self.num_layers, self.ffn_hidden_size, self.add_bias_linear)
         self._check_recompute()
         self._check_positions()
         self._check_block()
@@ -295,7 +299,6 @@ class ModelConfig:
                     ("--rotary-percent", self.rotary_percent, 1.0),
                     ("--rotary-base", self.rotary_base, 10000),
                     ("--use-rope-scaling", self.use_rope_scaling, False),
-                    ("--rope-scaling-factor", self.rope_scaling_factor, 8.0),
                     ("--rotary-seq-len-interpolation-factor",
                      self.rotary_seq_len_interpolation_factor, None)):
                 if value != default:
@@ -303,9 +306,6 @@ class ModelConfig:
                                      f"rope only, but the type is {kind}; drop {flag} or use "
                                      "--position-embedding-type rope")
             return
-        if self.rope_scaling_factor != 8.0 and not self.use_rope_scaling:
-            raise ValueError(f"--rope-scaling-factor ({self.rope_scaling_factor}) applies with "
-                             "--use-rope-scaling only; add it or drop the factor")
         if self.rope_scaling_factor <= 0:
             raise ValueError(f"--rope-scaling-factor must be positive, got "
                              f"{self.rope_scaling_factor}")
@@ -407,11 +407,14 @@ class ModelConfig:
         return self.parameters_per_rank()
 
     def parameters_per_rank(self, tensor_model_parallel_size: int = 1,
-                            pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0) -> int:
+                            pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0,
+                            expert_model_parallel_size: int = 1,
+                            expert_tensor_parallel_size: Optional[int] = None) -> int:
         """Parameters one rank of pipeline stage `pipeline_rank` holds (the whole model with the
         defaults): the sum of `parameter_numels`."""
         return sum(self.parameter_numels(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                         pipeline_rank))
+                                         pipeline_rank, expert_model_parallel_size,
+                                         expert_tensor_parallel_size))
 
     def norm_numels(self, width: int) -> List[int]:
         """Parameter sizes of one norm over `width` channels: weight and bias (LayerNorm) or
@@ -420,7 +423,8 @@ class ModelConfig:
 
     def parameter_numels(self, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1,
-                         pipeline_rank: int = 0) -> List[int]:
+                         pipeline_rank: int = 0, expert_model_parallel_size: int = 1,
+                         expert_tensor_parallel_size: Optional[int] = None) -> List[int]:
         """The size of every parameter tensor one rank of pipeline stage `pipeline_rank` holds:
         its tensor-parallel shard of the stage's layers, plus the word embeddings (and the
         learned position table, replicated over TP) on the first stage, and the final LayerNorm
@@ -428,7 +432,10 @@ class ModelConfig:
         the last. GQA shrinks the QKV projection (key/value heads replicated when there are
         fewer groups than TP ranks); RoPE and ALiBi have no position table; --swiglu doubles
         the first MLP projection, --disable-bias-linear drops the linears' biases (but QKV's with
-        --add-qkv-bias), RMSNorm has no bias, --qk-layernorm adds two head-wide norms per layer."""
+        --add-qkv-bias), RMSNorm has no bias, --qk-layernorm adds two head-wide norms per layer.
+        An MoE layer (--num-experts, --moe-layer-freq) holds the router [E, h], this rank's
+        experts (E / EP of them, each FFN split over ETP, default TP) and the shared expert
+        (split over TP) instead of the MLP."""
         t, pp = tensor_model_parallel_size, pipeline_model_parallel_size
         h, V = self.hidden_size, self.padded_vocab_size
         fc1 = self.ffn_hidden_size * (2 if self.swiglu else 1)  # gate and up halves (swiglu)
@@ -440,19 +447,31 @@ class ModelConfig:
         def linear(rows: int, cols: int, bias_rows: int, bias: bool = self.add_bias_linear
                    ) -> List[int]:
             return [rows * cols] + ([bias_rows] if bias else [])
-        per_layer = (norm  # input norm
+        attention = (norm  # input norm
                      + linear(qkv_rows, h, qkv_rows, self.qkv_bias)  # QKV (column)
                      + (self.norm_numels(self.head_dim) * 2 if self.qk_layernorm else [])
                      + linear(h, attn_width, h)  # dense (row: whole bias)
-                     + norm  # post-attention norm
-                     + linear(fc1 // t, h, fc1 // t) + linear(h, self.ffn_hidden_size // t, h))
+                     + norm)  # post-attention norm
+        mlp = linear(fc1 // t, h, fc1 // t) + linear(h, self.ffn_hidden_size // t, h)
+        moe, etp = self.moe, expert_tensor_parallel_size or t
+        experts: List[int] = []
+        if moe.enabled:
+            shared = moe.shared_expert_size * (2 if self.swiglu else 1)
+            experts = ([moe.num_experts * h]  # router
+                       + ([h] if moe.moe_shared_expert_gate else [])  # the shared expert's own
+                       + ([shared // t * h, h * moe.shared_expert_size // t] if shared else [])
+                       + moe.expert_numels(h, self.swiglu, expert_model_parallel_size, etp))
         first, last = pipeline_rank == 0, pipeline_rank == pp - 1
         sizes: List[int] = []
         if first:
             sizes.append(V * h // t)
             if self.position_embedding_type == "learned_absolute":
                 sizes.append(self.max_position_embeddings * h)
-        sizes += per_layer * (self.num_layers // pp)
+        per_stage = self.num_layers // pp
+        pattern = moe.layer_pattern(self.num_layers)[pipeline_rank * per_stage:
+                                                     (pipeline_rank + 1) * per_stage]
+        for is_moe in pattern:
+            sizes += attention + (experts if is_moe else mlp)
         if last:
             sizes += norm  # final norm
             if self.untie_embeddings_and_output_weights or not first:

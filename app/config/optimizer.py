@@ -197,10 +197,7 @@ class OptimizerConfig:
 
     def _check_decoupled(self) -> None:
         """--decoupled-lr / --decoupled-min-lr form a schedule like --lr / --min-lr."""
-        if self.decoupled_lr is None:
-            if self.decoupled_min_lr is not None:
-                raise ValueError(f"--decoupled-min-lr ({self.decoupled_min_lr}) applies with "
-                                 "--decoupled-lr only; add --decoupled-lr or drop it")
+        if self.decoupled_lr is None:  # a --decoupled-min-lr alone is unread (app.config.unread)
             return
         floor = self.decoupled_min_lr if self.decoupled_min_lr is not None else self.min_lr
         if self.decoupled_lr < 0 or not 0.0 <= floor <= self.decoupled_lr:

@@ -48,12 +48,23 @@ class ParallelConfig:
         "--distributed-timeout-minutes", default=10.0,
         help="a collective waiting this long for another rank fails, and a rank making no "
              "progress for this long (plus a margin) is stopped; fractions allowed")
+    expert_model_parallel_size: int = option(
+        "--expert-model-parallel-size", default=1,
+        help="EP: ranks that split each MoE layer's experts (Megatron's expert grid: expert "
+             "tensor x expert x expert data x pipeline; docs/moe.md)")
+    expert_tensor_parallel_size: Optional[int] = option(
+        "--expert-tensor-parallel-size", default=None,
+        help="ETP: ranks that split each expert's FFN (default: --tensor-model-parallel-size)")
     world_size: int = 1
     """Ranks in the job (from the launcher; not a flag)."""
     world_source: str = ""
     """Where world_size came from (app.launch.distributed.WorldInfo.source), for messages."""
 
     def __post_init__(self) -> None:
+        if self.expert_tensor_parallel_size is None:  # Megatron's default, set at construction
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        positive(self, (("expert_model_parallel_size", "--expert-model-parallel-size"),
+                         ("expert_tensor_parallel_size", "--expert-tensor-parallel-size")))
         positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                          ("context_parallel_size", "--context-parallel-size"),
@@ -83,6 +94,12 @@ class ParallelConfig:
         return self.world_size // (self.tensor_model_parallel_size
                                    * self.pipeline_model_parallel_size * self.context_parallel_size)
 
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP = world / (ETP x EP x PP): ranks holding the same experts (Megatron Core)."""
+        return self.world_size // (self.expert_tensor_parallel_size
+                                   * self.expert_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
 
 
 @dataclass(kw_only=True)
@@ -140,10 +157,7 @@ class PrecisionConfig:
                          ("min_loss_scale", "--min-loss-scale"),
                          ("loss_scale_window", "--loss-scale-window"),
                          ("hysteresis", "--hysteresis")), allow_none=True)
-        if self.grad_reduce_in_bf16 and not self.bf16:
-            raise ValueError("--grad-reduce-in-bf16 applies with --bf16 only (the gradients are "
-                             "bf16 there); drop it or use --bf16")
-        if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
+        if self.grad_reduce_in_bf16 and self.bf16 and self.accumulate_allreduce_grads_in_fp32:
             raise ValueError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 "
                              "ask for bf16 and fp32 gradient reduction; drop one")
         initial, minimum, _, _ = self.dynamic_scaler_settings()

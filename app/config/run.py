@@ -11,6 +11,7 @@ from app.config.data import DataConfig
 from app.config.deepspeed import DeepSpeedConfig, zero_stage
 from app.config.kernels import KernelConfig
 from app.config.model import ModelConfig
+from app.config.moe import check_moe_run
 from app.config.optimizer import OptimizerConfig, check_muon_layout
 from app.config.options import option
 from app.config.parallel import ParallelConfig, PrecisionConfig
@@ -83,6 +84,14 @@ class RunConfig:
                              "--ckpt-format, or convert afterwards with "
                              "tools/convert_checkpoint.py --input-format deepspeed "
                              "--output-format torch_dist")
+        if (not self.deepspeed.enabled and self.checkpoint.ckpt_format == "torch"
+                and m.moe.enabled and p.expert_tensor_parallel_size != tp):
+            raise ValueError(
+                f"--ckpt-format torch with --expert-tensor-parallel-size "
+                f"{p.expert_tensor_parallel_size} and --tensor-model-parallel-size {tp}: "
+                "Megatron's legacy files name a rank by its tensor and expert-parallel ranks, so "
+                "they hold experts split over the tensor-parallel ranks only; use --ckpt-format "
+                "torch_dist (any layout), or the same expert and dense tensor-parallel sizes")
         if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
             raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
                              "shard the optimizer with ZeRO (zero_optimization.stage 1, 2 or 3 in "
@@ -99,6 +108,7 @@ class RunConfig:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
         self._check_model_options_against_layout()
+        check_moe_run(m.moe, m, p, self.deepspeed, self.optimizer)
         check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
         self._check_local_checkpoints()

@@ -13,7 +13,14 @@ path than the one the run takes:
 - `--ddp-bucket-size` without `--use-distributed-optimizer`, the only owner of gradient buckets;
 - the settings of an optimizer the run does not use (`--sgd-momentum`, the `--muon-*` flags,
   Adam's betas and epsilon under SGD);
-- `--deepspeed_config` without `--deepspeed` (the native path runs, the JSON unread).
+- `--deepspeed_config` without `--deepspeed` (the native path runs, the JSON unread);
+- the `--moe-*` flags and `--expert-tensor-parallel-size` without `--num-experts` (a dense
+  model), and `--moe-permute-fusion` / `--moe-router-fusion` (accepted for Megatron's scripts:
+  the permutation and the router here are the same unfused PyTorch either way);
+- Megatron's sub-options without their option: `--rope-scaling-factor` without
+  `--use-rope-scaling`, `--decoupled-min-lr` without `--decoupled-lr`, `--grad-reduce-in-bf16`
+  without bf16 weights, the TikTokenizer flags with another tokenizer; and `--use-mcore-models`
+  (deprecated in Megatron-LM, ignored there too).
 
 `unread_flags(cfg)` lists them; the run logs each once at start-up (rank 0) and --dry-run
 reports them as warnings.
@@ -23,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List
 
-from app.config.data import tokenizer_flags_not_read
+from app.config.data import TikTokenConfig, tokenizer_flags_not_read
+from app.config.moe import MoEConfig
 from app.config.optimizer import OptimizerConfig
 from app.config.run import RunConfig
 
@@ -31,6 +39,12 @@ MUON_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(Optimizer
                    if f.name.startswith("muon_") and "flag" in f.metadata)
 """Every --muon-* flag (read with --optimizer muon only)."""
 ADAM_FLAGS = ("--adam-beta1", "--adam-beta2", "--adam-eps")
+MOE_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(MoEConfig)
+                  if f.name != "num_experts" and "flag" in f.metadata)
+"""Every --moe-* flag (read with --num-experts only)."""
+MOE_FUSIONS = ("--moe-permute-fusion", "--moe-router-fusion")
+TIKTOKEN_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(TikTokenConfig))
+"""Every TikTokenizer flag (read with --tokenizer-type TikTokenizer only)."""
 
 
 def unread_flags(cfg: RunConfig) -> List[str]:
@@ -58,4 +72,35 @@ def unread_flags(cfg: RunConfig) -> List[str]:
         notes.append(f"--deepspeed_config {cfg.deepspeed.config_path} is not read: without "
                      "--deepspeed the run takes the native path; add --deepspeed to train "
                      "through DeepSpeed with it")
-    return notes
+    return notes + _moe_flags_not_read(cfg) + _megatron_flags_not_read(cfg)
+
+
+def _megatron_flags_not_read(cfg: RunConfig) -> List[str]:
+    """Megatron's model, optimizer and tokenizer sub-options given without what reads them."""
+    m, given = cfg.model, cfg.explicit_flags
+    unread = [
+        ("--rope-scaling-factor", not m.use_rope_scaling, "without --use-rope-scaling the RoPE "
+         "frequencies are unscaled"),
+        ("--decoupled-min-lr", cfg.optimizer.decoupled_lr is None, "without --decoupled-lr "
+         "every parameter follows --lr / --min-lr"),
+        ("--grad-reduce-in-bf16", not cfg.precision.bf16, "it applies to bf16 gradients "
+         "(--bf16)"),
+        ("--use-mcore-models", True, "deprecated in Megatron-LM and ignored there too: this "
+         "project has one model")]
+    if cfg.data.tokenizer_type != "TikTokenizer":
+        unread += [(flag, True, f"--tokenizer-type {cfg.data.tokenizer_type} does not use it")
+                   for flag in TIKTOKEN_FLAGS]
+    return [f"{flag} is not read: {why}; drop it" for flag, off, why in unread
+            if off and flag in given]
+
+
+def _moe_flags_not_read(cfg: RunConfig) -> List[str]:
+    """The MoE flags of a dense model, and Megatron's MoE fusion switches."""
+    given = cfg.explicit_flags
+    if not cfg.model.moe.enabled:
+        return [f"{flag} is not read: without --num-experts the model is dense; drop it or add "
+                "--num-experts" for flag in (*MOE_FLAGS, "--expert-tensor-parallel-size")
+                if flag in given]
+    return [f"{flag} is not read: the token permutation and the router run the same unfused "
+            "PyTorch either way (accepted for Megatron's scripts)" for flag in MOE_FUSIONS
+            if flag in given]

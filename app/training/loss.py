@@ -127,6 +127,13 @@ class MicroBatchObjective:
         self.token_scale = (float(num_micro_batches * replicas.data_parallel_size)
                             / count.clamp(min=1.0))
 
+    def aux_loss_scale(self, num_micro_batches: int) -> Optional[float]:
+        """Per-token loss: the factor of this iteration's MoE auxiliary-loss gradients, R / N
+        (Megatron divides them by the token count with the others); None otherwise."""
+        if not self.per_token or self.token_scale is None:
+            return None
+        return float(self.token_scale) / num_micro_batches
+
     def reported_loss(self, losses: List[torch.Tensor]) -> Optional[float]:
         """The loss to log for the micro-batch `losses` of one or more iterations (last stage;
         None elsewhere): their mean, averaged over the data-parallel ranks; per token, the sum

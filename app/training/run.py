@@ -50,7 +50,10 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
                                      cfg.virtual_pipeline_model_parallel_size,
                                      timeout=timeout,
                                      context_parallel_size=p.context_parallel_size,
-                                     cp_comm_type=p.cp_comm_type)
+                                     cp_comm_type=p.cp_comm_type,
+                                     expert_model_parallel_size=p.expert_model_parallel_size,
+                                     expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+                                     experts=cfg.model.moe.enabled)
 
 
 def set_seeds(seed: int, parallel_state: ParallelState) -> None:

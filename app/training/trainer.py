@@ -23,6 +23,7 @@ import torch
 from app.config import RunConfig
 from app.config.batch_schedule import micro_batches
 from app.mpu import collectives
+from app.model.moe import MoEMetrics, begin_iteration as begin_moe_iteration
 from app.mpu.parallel_state import ParallelState
 from app.training.telemetry import flops
 from app.training.telemetry import metrics as metrics_lib
@@ -105,6 +106,7 @@ class Trainer:
         self.writer = metrics_lib.MetricsWriter(t.tensorboard_dir, t.metrics_file,
                                                 enabled=self.is_logging_rank, wandb=cfg.wandb,
                                                 run_config=cfg)
+        self.moe_metrics = MoEMetrics(engine.module, cfg.model, parallel_state, world_group())
         self.recompute = cfg.model.recompute
         self.flops_per_token = flops.model_flops_per_token(cfg.model)
         self.hardware_flops_per_token = flops.hardware_flops_per_token(
@@ -190,6 +192,8 @@ class Trainer:
 
         forward_step = lambda batch: self.objective.forward_step(model, batch)  # noqa: E731
         if not forward_only:  # --log-straggler times training's forward steps and batch waits
+            begin_moe_iteration(model, self.engine.loss_scale, self.ps.context_parallel_size,
+                                self.num_micro, self.objective.aux_loss_scale(self.num_micro))
             next_batch, forward_step = self.stragglers.timed(next_batch, forward_step)
         return schedule(forward_step_func=forward_step,
                         batch_func=next_batch,
@@ -251,7 +255,8 @@ class Trainer:
         self.timers("optimizer").stop()
         metrics, logits = self.objective.take()
         return StepOutput(loss=self.objective.reported_loss(losses),
-                          metrics=self._mean_metrics_across_dp(metrics),
+                          metrics={**self._mean_metrics_across_dp(metrics),
+                                   **self.moe_metrics.take(self.num_micro)},
                           logits=logits if self.objective.return_logits else None,
                           grad_norm=result.grad_norm, skipped=result.skipped, lr=result.lr,
                           loss_scale=result.loss_scale, nonfinite=result.nonfinite,
@@ -313,7 +318,7 @@ class Trainer:
             "ms_per_iteration": per_iter * 1e3, "tokens_per_s": tokens_per_s,
             **self._utilization(tokens_per_s),
         }
-        loss_metrics = {name: sum(v) / len(v) for name, v in acc.metrics.items()}
+        loss_metrics = metrics_lib.interval_means(acc.metrics)  # MoE's lists element-wise
         values.update(loss_metrics)
         values.update(metrics_lib.memory_stats(self.device))
         timing = {f"ms_{name.replace('-', '_')}": self.timers.elapsed(name) * 1e3 / max(acc.iterations, 1)
@@ -321,7 +326,7 @@ class Trainer:
         values.update(timing)
         if self.is_logging_rank:
             self.log(metrics_lib.format_train_log(s.iteration, t.train_iters, values)
-                     + "".join(f" {name}: {value:.6E} |" for name, value in loss_metrics.items())
+                     + metrics_lib.format_loss_metrics(loss_metrics)
                      + " time per iteration (ms) | forward-backward: "
                      f"{timing['ms_forward_backward']:.1f} | optimizer: {timing['ms_optimizer']:.1f}")
             self.writer.write("train", s.iteration, values)

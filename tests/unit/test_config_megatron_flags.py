@@ -43,14 +43,12 @@ def test_the_flags_set_megatrons_meaning():
     (["--no-position-embedding"], "--no-position-embedding with --position-embedding-type "
                                   "learned_absolute"),
     (["--use-rope-scaling"], "--use-rope-scaling .* applies to --position-embedding-type rope"),
-    (["--position-embedding-type", "rope", "--rope-scaling-factor", "32"],
-     "--rope-scaling-factor .32.0. applies with --use-rope-scaling only"),
     (["--position-embedding-type", "alibi", "--rotary-seq-len-interpolation-factor", "2"],
      "--rotary-seq-len-interpolation-factor"),
-    (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr .* applies with --decoupled-lr"),
     (["--decoupled-lr", "1e-5", "--min-lr", "1e-4", "--lr", "1e-3"],
      "decoupled LR floor .0.0001"),
-    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 applies with --bf16"),
+    (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+     "ask for bf16 and fp32 gradient reduction"),
     (["--padded-vocab-size", "60"], r"padded vocab size \(60, --padded-vocab-size"),
 ])
 def test_refusals_name_the_flags(flags, message):
@@ -63,3 +61,21 @@ def test_padded_vocab_size_must_split_over_tensor_parallel_ranks():
         _cfg("--padded-vocab-size", "65", "--tensor-model-parallel-size", "2", world=2)
     assert _cfg("--padded-vocab-size", "66", "--tensor-model-parallel-size", "2",
                 world=2).model.padded_vocab_size == 66
+
+
+def test_sub_options_without_their_option_are_accepted_and_named_unread():
+    """As in Megatron-LM these are accepted; the run (and --dry-run) names each as not read."""
+    from app.config.unread import unread_flags
+    cfg = _cfg("--position-embedding-type", "rope", "--rope-scaling-factor", "32",
+               "--decoupled-min-lr", "1e-5", "--grad-reduce-in-bf16", "--use-mcore-models",
+               "--tiktoken-pattern", "v2", "--vocab-size", "64", "--mock-data")
+    notes = "\n".join(unread_flags(cfg))
+    for flag in ("--rope-scaling-factor", "--decoupled-min-lr", "--grad-reduce-in-bf16",
+                 "--use-mcore-models", "--tiktoken-pattern"):
+        assert f"{flag} is not read" in notes, (flag, notes)
+    assert not cfg.precision.grad_reduce_in_bf16 or not cfg.precision.bf16
+    assert cfg.precision.grads_accumulate_in_fp32 is False  # fp32 weights: no half gradients
+    used = _cfg("--position-embedding-type", "rope", "--use-rope-scaling",
+                "--rope-scaling-factor", "32", "--decoupled-lr", "1e-3", "--decoupled-min-lr",
+                "1e-5", "--bf16", "--grad-reduce-in-bf16")
+    assert unread_flags(used) == []

@@ -46,6 +46,31 @@ def test_flops_count_any_mlp_width():
     assert flops.model_flops_per_token(m) < flops.model_flops_per_token(model_config())
 
 
+def test_moe_layers_count_active_flops_as_megatron():
+    """Megatron's num_floating_point_operations: a dense layer's MLP term 3 x 2 x h x (f x g),
+    an MoE layer's 3 x 2 x h x (k x F_moe x g + F_shared x g) with g = 3 (SwiGLU) or 2; the
+    router is not counted. Here L = 4, layers 1 and 3 MoE, 8 experts, top-2, a shared expert."""
+    from app.config import MoEConfig
+    h, f, f_moe, f_sh = 64, 128, 32, 48
+    dense = ModelConfig(num_layers=4, hidden_size=h, num_attention_heads=4, seq_length=S,
+                        padded_vocab_size=V, ffn_hidden_size=f, swiglu=True,
+                        add_bias_linear=False, position_embedding_type="rope")
+    moe = ModelConfig(num_layers=4, hidden_size=h, num_attention_heads=4, seq_length=S,
+                      padded_vocab_size=V, ffn_hidden_size=f, swiglu=True,
+                      add_bias_linear=False, position_embedding_type="rope",
+                      moe=MoEConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=f_moe,
+                                    moe_shared_expert_intermediate_size=f_sh,
+                                    moe_layer_freq=[0, 1, 0, 1]))
+    mlp = lambda width: 3 * 2 * h * width * 3  # noqa: E731 - fwd+bwd, FMA, SwiGLU's 3 GEMMs
+    difference = 2 * (mlp(2 * f_moe + f_sh) - mlp(f))
+    assert flops.model_flops_per_token(moe) == pytest.approx(
+        flops.model_flops_per_token(dense) + difference)
+    # full recompute: every layer's forward again (a third of fwd+bwd), logits not
+    logits = 6 * h * V
+    assert flops.hardware_flops_per_token(moe, "full") - logits == pytest.approx(
+        4 / 3 * (flops.model_flops_per_token(moe) - logits))
+
+
 @pytest.mark.parametrize("name, dtype, tf32, value", [
     ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.4e12),
     ("NVIDIA H100 80GB HBM3", torch.float32, True, 494.7e12),

@@ -30,7 +30,9 @@ from app.checkpoint.torch_dist import dcp_files
 from app.launch import interfaces
 from app.optim import OptimizerParamScheduler
 from app.training.planning.data_check import check_data
-from app.training.planning.memory import FIT_FRACTION, estimate_memory
+from app.training.planning.memory import (FIT_FRACTION, estimate_memory,
+                                          expert_params_per_rank, params_per_rank)
+from app.training.telemetry import flops
 from app.training.resilience.data_order import check_data_order
 from app.training.resilience.resume import (ResumeTarget, check_resume, check_saved_args,
                                             decide_start, require_rng_state)
@@ -116,6 +118,8 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
               f"{m.padded_vocab_size}, {m.num_parameters():,} parameters, weights "
               f"{m.params_dtype}")
     _describe_megatron_options(report, cfg)
+    if m.moe.enabled:
+        report.ok(describe_moe(cfg))
     if cfg.deepspeed.enabled:
         ds = cfg.deepspeed.config or {}
         zero = (ds.get("zero_optimization") or {}).get("stage", 0)
@@ -138,8 +142,8 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
 
 def _describe_megatron_options(report: Report, cfg: RunConfig) -> None:
     """One line naming the Megatron model, loss and optimizer options in effect (the RoPE
-    scaling factor used: Megatron's own GPT builder always uses 8), and one for the accepted
-    flags that change nothing."""
+    scaling factor used: Megatron's own GPT builder always uses 8); the flags that change
+    nothing are app.config.unread's."""
     m, o = cfg.model, cfg.optimizer
     used = [name for name, on in (
         ("LayerNorm-1p (1 + weight)", m.layernorm_zero_centered_gamma),
@@ -158,8 +162,25 @@ def _describe_megatron_options(report: Report, cfg: RunConfig) -> None:
             *o.decoupled_lr_range))
     if used:
         report.ok("Megatron options: " + "; ".join(used))
-    if m.deprecated_use_mcore_models:
-        report.ok("--use-mcore-models: accepted, no effect (deprecated in Megatron-LM)")
+
+
+def describe_moe(cfg: RunConfig) -> str:
+    """Mixture of Experts in the dry run: experts and layers, the expert grid, total and active
+    parameters, the experts each rank holds, and the active FLOPs MFU counts."""
+    m, p = cfg.model, cfg.parallel
+    moe = m.moe
+    per_expert = (3 if m.swiglu else 2) * moe.moe_ffn_hidden_size * m.hidden_size
+    idle = moe.num_moe_layers(m.num_layers) * (moe.num_experts - moe.moe_router_topk) * per_expert
+    return (f"mixture of experts: {moe.num_experts} experts, top-{moe.moe_router_topk}, in "
+            f"{moe.num_moe_layers(m.num_layers)} of {m.num_layers} layers "
+            f"({moe.moe_token_dispatcher_type} dispatcher); expert grid expert-tensor "
+            f"{p.expert_tensor_parallel_size} x expert {p.expert_model_parallel_size} x "
+            f"expert-data {p.expert_data_parallel_size} x pipeline "
+            f"{p.pipeline_model_parallel_size}; parameters {m.num_parameters():,} in all, "
+            f"{m.num_parameters() - idle:,} active per token; routed experts per rank "
+            f"{expert_params_per_rank(cfg):,} of its {params_per_rank(cfg):,}; model FLOPs per "
+            f"token {flops.model_flops_per_token(m) / 1e6:,.2f} MFLOP (active parameters, "
+            "Megatron's formula: MFU counts these)")
 
 
 def _describe_batch_schedule(report: Report, cfg: RunConfig) -> None:
@@ -388,7 +409,9 @@ def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) 
         return
     hint = (f"lower --micro-batch-size to {dividing}" if dividing else
             "the model states alone do not fit: raise --tensor-model-parallel-size or "
-            "--pipeline-model-parallel-size, or use a DeepSpeed ZeRO stage / optimizer offload")
+            "--pipeline-model-parallel-size"
+            + (" (or --expert-model-parallel-size)" if cfg.model.moe.enabled else "")
+            + ", or use a DeepSpeed ZeRO stage / optimizer offload")
     report.error(f"estimated {_gib(est.total)} per rank exceeds {FIT_FRACTION:.0%} of {desc}; "
                  f"{fit}: {hint}, or add --checkpoint-activations")
 

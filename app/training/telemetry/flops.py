@@ -7,6 +7,9 @@ mask), for L layers of width h, MLP width f, sequence s and padded vocabulary V:
 
     L (24 h^2 + 12 h f + 12 s h) + 6 h V   =   72 L h^2 (1 + s/(6h) + V/(12 L h))  when f = 4h
 
+With Mixture of Experts an MoE layer's f is the width a token goes through (k experts of
+--moe-ffn-hidden-size, plus the shared expert): MFU counts active FLOPs, as Megatron does.
+
 Hardware FLOPs add what activation recompute runs again: with full recompute every layer's
 forward runs twice (the logits are not recomputed), so the transformer term grows by 4/3
 (96 L h^2 (1 + s/(6h)) + 6 h V for f = 4h); with selective recompute (the attention core only)
@@ -43,21 +46,27 @@ CACHE_ENV = "GPT2_PEAK_FLOPS_CACHE"
 # ---------------------------------------------------------------------------- FLOP counts
 
 def _layer_terms(m: ModelConfig) -> tuple:
-    """Per-layer, per-token fwd+bwd FLOPs: (dense GEMMs 24 h q + 12 h f g, attention core
-    12 s q), q = heads x kv-channels (= h by default), g = 3/2 with --swiglu (Megatron's
-    gated-linear factor: the gate and up projections and the down projection), else 1."""
-    h, f, s = m.hidden_size, m.ffn_hidden_size, m.seq_length
+    """Per-token fwd+bwd FLOPs of all L layers: (GEMMs: L x 24 h q + 12 h g (sum over the
+    layers of the MLP width a token goes through), attention cores: L x 12 s q), q = heads x
+    kv-channels (= h by default), g = 3/2 with --swiglu (Megatron's gated-linear factor: the
+    gate and up projections and the down projection), else 1. A dense layer's MLP width is f;
+    an MoE layer's is the active one, k x --moe-ffn-hidden-size + the shared expert (Megatron's
+    num_floating_point_operations: the router is not counted, nor dropped or padded rows)."""
+    h, s = m.hidden_size, m.seq_length
     q = m.num_attention_heads * m.head_dim
     gated = 1.5 if m.swiglu else 1.0
-    return 24.0 * h * q + 12.0 * h * f * gated, 12.0 * s * q
+    widths = [m.moe.active_ffn_width() if is_moe else m.ffn_hidden_size
+              for is_moe in m.moe.layer_pattern(m.num_layers)]
+    return (m.num_layers * 24.0 * h * q + 12.0 * h * gated * sum(widths),
+            m.num_layers * 12.0 * s * q)
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
     """Megatron's model FLOPs per token (fwd+bwd, no recompute): L (24 h^2 + 12 h f + 12 s h)
     + 6 h V, which is 72 L h^2 (1 + s/(6h) + V/(12 L h)) for the usual f = 4h (see
-    `_layer_terms` for --swiglu and --kv-channels)."""
+    `_layer_terms` for --swiglu, --kv-channels and MoE layers' active FLOPs)."""
     dense, core = _layer_terms(m)
-    return m.num_layers * (dense + core) + 6.0 * m.hidden_size * m.padded_vocab_size
+    return dense + core + 6.0 * m.hidden_size * m.padded_vocab_size
 
 
 def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
@@ -74,9 +83,9 @@ def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
     if recompute == "full":  # each recomputed layer's forward (a third of its fwd+bwd) runs again
         layers = m.num_layers if recomputed_layers is None else min(recomputed_layers,
                                                                     m.num_layers)
-        return m.num_layers * (dense + core) + layers * (dense + core) / 3.0 + logits
+        return dense + core + layers / m.num_layers * (dense + core) / 3.0 + logits
     if recompute == "selective":  # Korthikanti et al.: the attention-core term doubles
-        return m.num_layers * (dense + 2.0 * core) + logits
+        return dense + 2.0 * core + logits
     return model_flops_per_token(m)
 
 

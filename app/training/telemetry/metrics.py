@@ -213,6 +213,26 @@ def format_train_log(iteration: int, train_iters: int, values: Mapping[str, Any]
     return " |".join(parts) + " |"
 
 
+def interval_means(metrics: Mapping[str, Any]) -> Dict[str, Any]:
+    """{name: mean of its values over the interval}; list values (MoE's tokens per expert)
+    element-wise."""
+    means: Dict[str, Any] = {}
+    for name, values in metrics.items():
+        if values and isinstance(values[0], list):
+            means[name] = [sum(column) / len(values) for column in zip(*values)]
+        else:
+            means[name] = sum(values) / len(values)
+    return means
+
+
+def format_loss_metrics(values: Mapping[str, Any]) -> str:
+    """' name: 1.234000E+00 |' for each scalar of the loss function and of the MoE losses, as
+    Megatron prints them after the lm loss; lists and per-layer values ('moe/...') are left to
+    the metrics file and TensorBoard."""
+    return "".join(f" {name}: {float(value):.6E} |" for name, value in values.items()
+                   if not isinstance(value, list) and not name.startswith("moe/"))
+
+
 # ---------------------------------------------------------------------------- writers
 
 def _json_value(value: Any) -> Any:

@@ -1,7 +1,7 @@
 """Record the `args` Namespace that Megatron-LM's own parse_args + validate_args (+ its tokenizer
 build, which sets padded_vocab_size) make for a few GPT flag sets, at a Megatron-LM version.
 
-    python tests/data/megatron_args/record.py core_v0.16.1 [HEAD ...]
+    python tests/data/megatron_args/record.py core_v0.16.1 [HEAD ...] [--only FLAG_SET ...]
 
 For each version: `git archive <version> megatron` of the Megatron-LM mirror
 ($MEGATRON_MIRROR, default /work/.mirror/NVIDIA+Megatron-LM/repo) is extracted into a temporary
@@ -64,6 +64,19 @@ FLAG_SETS = {
                  "--untie-embeddings-and-output-weights"],
     "per_token_decoupled": ["--bf16", "--grad-reduce-in-bf16", "--calculate-per-token-loss",
                             "--decoupled-lr", "5e-3", "--decoupled-min-lr", "1e-4"],
+    "qwen3_moe": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                  "--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2",
+                  "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2"],
+    "moe_options": ["--swiglu", "--disable-bias-linear", "--num-experts", "4",
+                    "--moe-layer-freq", "([0]+[1]*1)", "--moe-router-topk", "3",
+                    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                    "--moe-router-bias-update-rate", "1e-2", "--moe-z-loss-coeff", "1e-3",
+                    "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall",
+                    "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
+                    "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+                    "--moe-token-drop-policy", "position", "--moe-router-topk-scaling-factor",
+                    "2.0", "--moe-per-layer-logging", "--moe-router-load-balancing-type",
+                    "seq_aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2", "1e-3"],
 }
 """Flag sets (after BASE): the run each fixture describes."""
 
@@ -158,8 +171,9 @@ def child(tree, flag_set, out):
         f.write("\n")
 
 
-def record(version):
-    """Write `<version>/<flag set>.json` for every flag set, from the mirror's `version`."""
+def record(version, only=None):
+    """Write `<version>/<flag set>.json` for every flag set (or those in `only`), from the
+    mirror's `version`."""
     commit = subprocess.check_output(["git", "-C", MIRROR, "rev-parse", f"{version}^{{commit}}"],
                                      text=True).strip()
     target = os.path.join(HERE, version)
@@ -169,7 +183,7 @@ def record(version):
                                    stdout=subprocess.PIPE)
         subprocess.run(["tar", "-x", "-C", tree], stdin=archive.stdout, check=True)
         archive.wait()
-        for flag_set in FLAG_SETS:
+        for flag_set in only or FLAG_SETS:
             out = os.path.join(target, f"{flag_set}.json")
             subprocess.run([sys.executable, __file__, "--child", tree, flag_set, out], check=True,
                            cwd=tree, stdout=subprocess.DEVNULL,
@@ -189,6 +203,8 @@ def record(version):
 if __name__ == "__main__":
     if sys.argv[1] == "--child":
         child(*sys.argv[2:5])
-    else:
-        for name in sys.argv[1:]:
-            record(name)
+    else:  # record.py VERSION... [--only FLAG_SET...]
+        names = sys.argv[1:]
+        only = names[names.index("--only") + 1:] if "--only" in names else None
+        for name in names[:names.index("--only")] if only else names:
+            record(name, only)

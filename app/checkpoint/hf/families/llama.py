@@ -79,6 +79,10 @@ def llama_export_blockers(config: ModelConfig) -> List[str]:
         blockers.append(f"--rotary-seq-len-interpolation-factor "
                         f"{config.rotary_seq_len_interpolation_factor}: not written to "
                         "config.json's rope parameters")
+    if config.moe.enabled:
+        blockers.append(f"--num-experts {config.moe.num_experts}: Llama's and Qwen3's MLPs are "
+                        "dense (a Mixture-of-Experts model exports as Qwen3-MoE, Mixtral or "
+                        "Qwen2-MoE)")
     return blockers
 
 
@@ -86,9 +90,11 @@ def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
                 vocab_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Our full tensors (our names) -> HF Llama/Qwen2/Qwen3 names and layouts (1 + the
     zero-centred norm weights of --apply-layernorm-1p); `vocab_size` trims the vocabulary rows
-    (None keeps them all)."""
+    (None keeps them all). The MLPs of a Mixture-of-Experts model's MoE layers are left to its
+    family (app.checkpoint.hf.moe)."""
     rows = slice(None, vocab_size)
     ours = shift_norm_weights(ours, 1.0 if config.layernorm_zero_centered_gamma else 0.0)
+    moe_layers = config.moe.layer_pattern(config.num_layers)
     out = {"model.embed_tokens.weight": ours[layout.WORD_EMBEDDINGS][rows],
            "model.norm.weight": ours[layout.FINAL_NORM[0]]}
     if config.untie_embeddings_and_output_weights:
@@ -105,6 +111,8 @@ def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
                         f"{hf}self_attn.v_proj.{kind}": v})
         for kind in linear_tensors(config.add_bias_linear):
             out[f"{hf}self_attn.o_proj.{kind}"] = mine(f"attention.dense.{kind}")
+            if moe_layers[i]:
+                continue
             gate, up = mine(f"mlp.dense_h_to_4h.{kind}").chunk(2)
             out.update({f"{hf}mlp.gate_proj.{kind}": gate, f"{hf}mlp.up_proj.{kind}": up,
                         f"{hf}mlp.down_proj.{kind}": mine(f"mlp.dense_4h_to_h.{kind}")})
@@ -112,10 +120,12 @@ def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
 
 
 def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str, torch.Tensor]:
-    """HF Llama/Qwen3 tensors -> our names and layouts; inverse of to_hf_state (the vocabulary
-    keeps HF's rows: pad it afterwards). A missing or unknown key, or a tied lm_head that
-    differs from the embeddings, raises HFConversionError naming the key."""
+    """HF Llama/Qwen2/Qwen3 tensors -> our names and layouts; inverse of to_hf_state (the vocabulary
+    keeps HF's rows: pad it afterwards; an MoE model's MoE layers take no dense MLP: their
+    family reads those). A missing or unknown key, or a tied lm_head that differs from the
+    embeddings, raises HFConversionError naming the key."""
     state = {k: v for k, v in hf.items() if not k.endswith(_IGNORED)}
+    moe_layers = config.moe.layer_pattern(config.num_layers)
     ours = take_outer(state, config)
     for i in range(config.num_layers):
         hf_name = lambda suffix: f"model.layers.{i}.{suffix}"  # noqa: E731
@@ -128,6 +138,8 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
         for kind in linear_tensors(config.add_bias_linear):
             ours[name(f"attention.dense.{kind}")] = take(state,
                                                           hf_name(f"self_attn.o_proj.{kind}"))
+            if moe_layers[i]:
+                continue
             ours[name(f"mlp.dense_h_to_4h.{kind}")] = torch.cat(
                 [take(state, hf_name(f"mlp.{p}_proj.{kind}")) for p in ("gate", "up")])
             ours[name(f"mlp.dense_4h_to_h.{kind}")] = take(state, hf_name(f"mlp.down_proj.{kind}"))
