@@ -10,7 +10,7 @@ launch scripts: Nemotron-Mini's block (LayerNorm-1p, squared ReLU, rotary 0.5, n
 Qwen2/Llama 3.1's (QKV bias only, llama3 RoPE scaling, RMSNorm-1p, MQA: replicated QKV bias
 rows) at TP2 with SP and at PP2; the per-token loss with decoupled LRs at PP2 (tied copy) and
 TP2xDP2, in bf16 with bf16 gradient reduction under the distributed optimizer (TP2xDP2) and
-under DeepSpeed ZeRO-2 (DP2). Mixture of Experts, a
+under DeepSpeed ZeRO-2 (DP2), and with Mixture of Experts at EP2. Mixture of Experts, a
 Qwen3-MoE-shaped model (Llama block + QK-norm, 4 experts, top-2, aux and z losses, dropless),
 8 iterations: EP2 (allgather; alltoall with the distributed optimizer and both overlaps),
 TP2 with the experts split by TP (SP), PP2 with a first stage holding no MoE layer, fp16 at
@@ -138,6 +138,7 @@ OPTIONS = {
     "sp+moe options alltoall full": (SP + MOE_OPTIONS + A2A + ["--recompute-granularity",
                                                                "full"], False),
     "fp16 qwen3-moe ep2": (["--fp16", "--initial-loss-scale", "1024"] + QWEN3_MOE + EP2, False),
+    "qwen3-moe ep2 per-token": (QWEN3_MOE + EP2 + PER_TOKEN, False),  # aux grads x R / N
     "sp+qwen3-moe ep2": (SP + QWEN3_MOE + EP2, False),
     "muon sp+qwen3-moe": (MUON + SP + QWEN3_MOE, False),
     "distributed optimizer muon sp+qwen3-moe etp1": (
@@ -167,6 +168,7 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("qwen3-moe ep2", 1, 1), ("distributed optimizer qwen3-moe ep2 alltoall", 1, 1),
     ("sp+qwen3-moe", 2, 1), ("qwen3-moe dense first layer", 1, 2),
     ("sp+moe options alltoall full", 2, 1), ("fp16 qwen3-moe ep2", 1, 1),
+    ("qwen3-moe ep2 per-token", 1, 1),
     ("muon sp+qwen3-moe", 2, 1),
     ("deepspeed zero2 llama+qk-layernorm", 1, 1),  # last: DeepSpeed's recompute stays set
     ("deepspeed zero2 bf16 grad-reduce-in-bf16 per-token", 1, 1),
