@@ -8,7 +8,8 @@ adds DeepSpeed's own flags (`deepspeed.add_config_arguments`) and the aliases th
 field's (the older recompute spelling), and computes the derived values: warm-up iterations
 from a fraction, the LR decay length, the global batch, the precision and optimizer taken from
 the DeepSpeed JSON, the padded vocabulary (unless --padded-vocab-size gives it), the position
-type of --use-rotary-position-embeddings, the kernel build timeout and the W&B folder. The
+type of --use-rotary-position-embeddings, the kernel build timeout, the W&B folder and
+--sequence-parallel (turned off at tensor-parallel size 1, as Megatron-LM does). The
 rules live in the config dataclasses, whose messages name the flags.
 
 Both spellings are accepted where DeepSpeedExamples' Megatron-LM and current Megatron-LM differ
@@ -244,7 +245,9 @@ def _model_overrides(args: argparse.Namespace, padded_vocab_size: int,
     positions = "rope" if args.use_rotary_position_embeddings else args.position_embedding_type
     return dict(padded_vocab_size=padded_vocab_size, params_dtype=params_dtype, seed=args.seed,
                 recompute_granularity=granularity, recompute_method=method,
-                recompute_num_layers=recompute_layers, position_embedding_type=positions)
+                recompute_num_layers=recompute_layers, position_embedding_type=positions,
+                # Megatron-LM turns --sequence-parallel off at TP 1 (app.config.unread says so)
+                sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1)
 
 
 def _exit_duration(args: argparse.Namespace) -> Dict[str, Any]:

@@ -20,8 +20,11 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 """--recompute-granularity values (unset: no recompute)."""
 RECOMPUTE_METHODS = ("uniform", "block")
 """--recompute-method values (with full recompute)."""
-ATTENTION_BACKENDS = ("auto", "flash", "local")
-"""--attention-backend values."""
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+"""--attention-backend values (Megatron's AttnBackend names; what each runs here:
+app.model.fused.attention)."""
+EXPLICIT_ATTENTION = ("unfused", "local")
+"""Backends that compute q k^T, softmax and @ v as three ops (the probabilities are kept)."""
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 """--normalization values."""
 
@@ -186,7 +189,14 @@ class ModelConfig:
     attention_backend: str = option(
         "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, group="fused kernels",
         help="auto: SDPA for causal (measured default); flash: = --use-flash-attn; "
-             "local: q k^T + fused softmax + @ v (Megatron's core attention)")
+             "local: q k^T + fused softmax + @ v (Megatron's core attention); fused: SDPA "
+             "restricted to its fused kernels (flash, memory-efficient, cuDNN); unfused: "
+             "q k^T + PyTorch softmax + @ v")
+    apply_rope_fusion: bool = option(
+        "--no-rope-fusion", default=True, action="store_false", dest="apply_rope_fusion",
+        group="fused kernels",
+        help="Megatron's switch for its fused RoPE kernel; this project has none, so RoPE runs "
+             "in PyTorch either way")
     params_dtype: str = "float32"
     """dtype of the module parameters: float32, float16 or bfloat16 (from the precision)."""
     attention_softmax_in_fp32: bool = option(
@@ -245,10 +255,10 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of "
                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
-        if self.use_flash_attn and self.attention_backend == "local":
-            raise ValueError("--use-flash-attn asks for SDPA flash attention but "
-                             "--attention-backend local asks for the fused-softmax path; "
-                             "drop one of the two")
+        if self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
+            raise ValueError(f"--use-flash-attn asks for SDPA flash attention but "
+                             f"--attention-backend {self.attention_backend} asks for another "
+                             "path; drop one of the two")
 
     def _check_recompute(self) -> None:
         """--recompute-granularity / --recompute-method / --recompute-num-layers agree."""
@@ -285,8 +295,7 @@ class ModelConfig:
                     else f"--attention-backend {self.attention_backend}")
             raise ValueError(
                 f"--position-embedding-type alibi with {flag}: ALiBi adds a bias to every score, "
-                "which flash attention and the fused softmax kernels do not take; use "
-                "--attention-backend auto (SDPA with the bias)")
+                "which runs through SDPA's attention bias only; use --attention-backend auto")
         if self.use_rotary_position_embeddings and kind != "rope":
             raise ValueError(f"--use-rotary-position-embeddings means --position-embedding-type "
                              f"rope, but the type is {kind}; drop one of the two")

@@ -94,6 +94,16 @@ class ParallelConfig:
         return self.world_size // (self.tensor_model_parallel_size
                                    * self.pipeline_model_parallel_size * self.context_parallel_size)
 
+    def megatron_layout(self) -> str:
+        """The layout as Megatron-LM's validate_args prints it first: "using world size: W,
+        data-parallel size: D, context-parallel size: C, hierarchical context-parallel sizes:
+        None, tensor-model-parallel size: T, pipeline-model-parallel size: P"."""
+        return (f"using world size: {self.world_size}, data-parallel size: "
+                f"{self.data_parallel_size}, context-parallel size: {self.context_parallel_size}, "
+                "hierarchical context-parallel sizes: None, tensor-model-parallel size: "
+                f"{self.tensor_model_parallel_size}, pipeline-model-parallel size: "
+                f"{self.pipeline_model_parallel_size}")
+
     @property
     def expert_data_parallel_size(self) -> int:
         """EDP = world / (ETP x EP x PP): ranks holding the same experts (Megatron Core)."""

@@ -138,7 +138,7 @@ class HuggingFaceTokenizer:
     len(tokenizer) (added tokens included); `eod` is its eos token (`bos`, `pad`: its bos and
     pad ids, None when it has none)."""
 
-    def __init__(self, tokenizer_model: Optional[str]) -> None:
+    def __init__(self, tokenizer_model: Optional[str], trust_remote_code: bool = False) -> None:
         if not tokenizer_model:
             raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a "
                              "directory with tokenizer.json, or a Hub name in the local cache")
@@ -147,8 +147,8 @@ class HuggingFaceTokenizer:
                              "directory that holds tokenizer.json")
         import transformers
         try:
-            tok = transformers.AutoTokenizer.from_pretrained(tokenizer_model,
-                                                             local_files_only=True)
+            tok = transformers.AutoTokenizer.from_pretrained(
+                tokenizer_model, local_files_only=True, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, TypeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc)
             raise ValueError(f"--tokenizer-model {tokenizer_model!r} cannot be loaded offline "
@@ -345,14 +345,16 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: 
                     vocab_size: Optional[int] = None, tokenizer_model: Optional[str] = None,
                     tiktoken_pattern: Optional[str] = None,
                     tiktoken_num_special_tokens: int = DEFAULT_NUM_SPECIAL_TOKENS,
-                    special_tokens: Optional[Sequence[str]] = None
+                    special_tokens: Optional[Sequence[str]] = None,
+                    trust_remote_code: bool = False
                     ) -> Union[GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer,
                                GPTSentencePieceTokenizer, TikTokenizer]:
     """Tokenizer named by --tokenizer-type (see `tokenizer_type_in_effect`): GPT2BPETokenizer
     from its vocab/merge files, NullTokenizer of `vocab_size` (--vocab-size) ids, or
     HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer or Llama2Tokenizer
     of `tokenizer_model` (--tokenizer-model), or TikTokenizer of that rank file with
-    `vocab_size` ids (default 2**17) and the --tiktoken-* settings."""
+    `vocab_size` ids (default 2**17) and the --tiktoken-* settings; `trust_remote_code`
+    (--trust-remote-code) lets a Hugging Face tokenizer run the code its directory ships."""
     tokenizer_type = tokenizer_type_in_effect(tokenizer_type, vocab_file, vocab_size)
     if tokenizer_type not in SUPPORTED_TOKENIZERS:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
@@ -363,7 +365,7 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: 
                              "--merge-file; drop them, or use GPT2BPETokenizer")
         tokenizer = NullTokenizer(vocab_size)
     elif tokenizer_type == "HuggingFaceTokenizer":
-        tokenizer = HuggingFaceTokenizer(tokenizer_model)
+        tokenizer = HuggingFaceTokenizer(tokenizer_model, trust_remote_code)
     elif tokenizer_type == "SentencePieceTokenizer":
         tokenizer = SentencePieceTokenizer(tokenizer_model)
     elif tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
@@ -389,7 +391,8 @@ def build_tokenizer_from(options: object) -> Union[GPT2BPETokenizer, NullTokeniz
                            getattr(options, "vocab_size", None), options.tokenizer_model,
                            getattr(tik, "tiktoken_pattern", None),
                            getattr(tik, "tiktoken_num_special_tokens", DEFAULT_NUM_SPECIAL_TOKENS),
-                           getattr(tik, "tokenizer_special_tokens", None))
+                           getattr(tik, "tokenizer_special_tokens", None),
+                           bool(getattr(options, "trust_remote_code", False)))
 
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,

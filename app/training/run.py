@@ -32,6 +32,7 @@ from app.training.engines.base import Engine
 from app.training.engines.native import NativeEngine
 from app.training.loss import LossFunction
 from app.training.trainer import RunState, Trainer
+from app.utils.rank_logging import ALL_RANKS
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,9 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
     torch.distributed must already be initialised when `world_size` > 1.
     """
     ps = build_parallel_state(cfg, world_size)
+    logger.info("> initialized tensor model parallel with size %d", ps.tensor_model_parallel_size)
+    logger.info("> initialized pipeline model parallel with size %d",
+                ps.pipeline_model_parallel_size)
     set_seeds(cfg.training.seed, ps)
     if cfg.deepspeed.enabled and cfg.deepspeed.activation_checkpointing:
         from app.training.engines.deepspeed import configure_activation_checkpointing  # deferred: imports deepspeed
@@ -143,8 +147,10 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
     else:
         model = build_model_stage(cfg.model, ps, vp).to(device)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    logger.info("> parameters on (tensor, pipeline) model-parallel rank (%d, %d): %d",
-                ps.tensor_model_parallel_rank, ps.pipeline_model_parallel_rank, n_params)
+    if ps.data_parallel_rank == 0 and ps.context_parallel_rank == 0:  # Megatron's line and ranks
+        logger.info(" > number of parameters on (tensor, pipeline) model parallel rank (%d, %d): "
+                    "%d", ps.tensor_model_parallel_rank, ps.pipeline_model_parallel_rank,
+                    n_params, extra=ALL_RANKS)
     if cfg.kernels.compile_layers:
         logger.info("--compile-layers: %d transformer layers compiled with torch.compile (the "
                     "first iteration compiles them)", compile_transformer_layers(model))

@@ -22,11 +22,12 @@ import torch
 
 from app.config import RunConfig
 from app.config.batch_schedule import micro_batches
-from app.mpu import collectives
 from app.model.moe import MoEMetrics, begin_iteration as begin_moe_iteration
+from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState
-from app.training.telemetry import flops
 from app.training.telemetry import metrics as metrics_lib
+from app.training.telemetry.reporting import TIMERS, TrainingReporter, interval_values
+from app.training.telemetry.runtime_hooks import RuntimeHooks
 from app.training.telemetry.stragglers import StragglerDetector
 from app.launch.distributed import world_group
 from app.training.data_loading import (BatchBuilder, build_data_iterator, check_run_data,
@@ -45,7 +46,6 @@ from app.training.resilience.signals import ExitSignalHandler, signal_name
 from app.training.resilience.watchdog import Watchdog, is_peer_failure
 from app.training.state import RunState, StepOutput
 from app.utils import faults
-from app.utils.dtypes import torch_dtype
 from app.utils.rank_logging import LAST_RANK
 
 logger = logging.getLogger(__name__)
@@ -105,24 +105,17 @@ class Trainer:
                                     parallel_state, device)
         self.writer = metrics_lib.MetricsWriter(t.tensorboard_dir, t.metrics_file,
                                                 enabled=self.is_logging_rank, wandb=cfg.wandb,
-                                                run_config=cfg)
+                                                run_config=cfg,
+                                                queue_size=cfg.log.tensorboard_queue_size)
+        self.runtime = RuntimeHooks(cfg.runtime, parallel_state.rank, device, t.tensorboard_dir,
+                                    log=self.log)
+        """Manual GC, the CUDA cache and the profiler around the steps (telemetry.runtime_hooks)."""
         self.moe_metrics = MoEMetrics(engine.module, cfg.model, parallel_state, world_group())
-        self.recompute = cfg.model.recompute
-        self.flops_per_token = flops.model_flops_per_token(cfg.model)
-        self.hardware_flops_per_token = flops.hardware_flops_per_token(
-            cfg.model, self.recompute,
-            recomputed_layers=cfg.model.recomputed_layers(
-                parallel_state.pipeline_model_parallel_size,
-                cfg.virtual_pipeline_model_parallel_size))
-        self.peak_flops = float("nan")
-        self._warned_over_peak = False
+        self.reporter = TrainingReporter(cfg, self.writer, device, parallel_state.world_size,
+                                         parallel_state.pipeline_model_parallel_size,
+                                         self.is_logging_rank, self.log)
+        """MFU, the log line and Megatron's TensorBoard scalars (telemetry.reporting)."""
         self._state_bytes_reported = False
-        if self.is_logging_rank:  # only the logging rank reports MFU; measuring takes a moment
-            self.peak_flops, peak_desc = self._peak_flops()
-            self.log(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s per rank ({peak_desc}); "
-                     f"model FLOPs per token {self.flops_per_token / 1e6:.2f} MFLOP, hardware "
-                     f"{self.hardware_flops_per_token / 1e6:.2f} MFLOP (recompute: "
-                     f"{self.recompute})")
         self.nonfinite = NonFinitePolicy(t.max_consecutive_skipped_iterations,
                                          t.check_for_nan_in_loss_and_grad)
         self.saver = CheckpointSaver(cfg.checkpoint, engine, self.writer, self.log,
@@ -145,28 +138,6 @@ class Trainer:
     def log(message: str) -> None:
         """One line of the training log, printed by the last rank (see app.utils.rank_logging)."""
         logger.info(message, extra=LAST_RANK)
-
-    def _peak_flops(self):
-        dtype = torch_dtype(self.cfg.model.params_dtype)
-        return flops.peak_flops(self.device, dtype, override=self.cfg.training.peak_flops)
-
-    def _utilization(self, tokens_per_s: float) -> Dict[str, float]:
-        """MFU (and HFU with recompute) of this interval; warns once if FLOP/s exceed the peak."""
-        world = self.ps.world_size
-        model = metrics_lib.achieved_flops_per_rank(tokens_per_s, self.flops_per_token, world)
-        hardware = metrics_lib.achieved_flops_per_rank(tokens_per_s,
-                                                       self.hardware_flops_per_token, world)
-        out = {"tflops_per_rank": model / 1e12,
-               "mfu": metrics_lib.model_flops_utilization(model, self.peak_flops)}
-        if self.recompute != "none":
-            out["hfu"] = metrics_lib.model_flops_utilization(hardware, self.peak_flops)
-        if hardware > self.peak_flops and not self._warned_over_peak:
-            self._warned_over_peak = True
-            logger.warning("achieved %.3f TFLOP/s per rank exceeds the peak used for MFU "
-                           "(%.3f TFLOP/s), so that peak is wrong: pass --peak-flops, or "
-                           "re-measure the CPU peak with tools/measure_peak_flops.py --force",
-                           hardware / 1e12, self.peak_flops / 1e12, extra=LAST_RANK)
-        return out
 
     # ------------------------------------------------------------------ one iteration
 
@@ -248,6 +219,7 @@ class Trainer:
         self.engine.zero_grad()
         self.timers("forward-backward").start()
         losses = self._forward_backward(iterator, forward_only=False)
+        self.runtime.after_forward_backward()
         self.timers("forward-backward").stop()
         self._beat("optimizer")
         self.timers("optimizer").start()
@@ -281,55 +253,31 @@ class Trainer:
         """Mean loss over `num_iters` iterations of the global batch (forward only)."""
         self.engine.eval()
         losses: List[torch.Tensor] = []
-        for _ in range(num_iters):
-            losses.extend(self._forward_backward(iterator, forward_only=True))
+        with self.runtime.evaluation():
+            for _ in range(num_iters):
+                losses.extend(self._forward_backward(iterator, forward_only=True))
+                self.runtime.after_forward_backward()
         self.engine.train()
         self.objective.take()  # evaluation reports the loss only
         return self.objective.reported_loss(losses)
 
     def _report_eval(self, kind: str, loss: Optional[float]) -> None:
-        if loss is None or not self.is_logging_rank:
-            return
-        ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
-        self.log(f" {kind} loss at iteration {self.state.iteration} | lm loss: {loss:.6E} | "
-                 f"lm loss PPL: {ppl:.6E}")
-        self.writer.write(kind, self.state.iteration,
-                          {"lm_loss": loss, "ppl": ppl,
-                           "consumed_train_samples": self.state.consumed_train_samples})
+        self.reporter.evaluation(kind, self.state.iteration, self.state.consumed_train_samples,
+                                 loss)
 
     # ------------------------------------------------------------------ logging
 
     def _log_interval(self, acc: _Interval, step: StepOutput) -> None:
         t, s = self.cfg.training, self.state
-        per_iter = acc.seconds / max(acc.iterations, 1)
-        samples_per_iter = acc.samples / max(acc.iterations, 1)
-        tokens_per_s = metrics_lib.tokens_per_second(samples_per_iter,
-                                                      self.cfg.model.seq_length, per_iter)
-        values = {
-            "consumed_samples": s.consumed_train_samples, "lr": step.lr,
-            "global_batch_size": self.global_batch,
-            "eta_s": per_iter * max(0, t.train_iters - s.iteration),
-            "lm_loss": sum(acc.losses) / len(acc.losses) if acc.losses else float("nan"),
-            # Megatron logs the last iteration's norm (None when that step was skipped)
-            "grad_norm": step.grad_norm if step.grad_norm is not None else float("nan"),
-            "loss_scale": step.loss_scale, "skipped_iterations": acc.skipped,
-            "nan_iterations": acc.nan,
-            "total_skipped_iterations": s.skipped_iterations,
-            "ms_per_iteration": per_iter * 1e3, "tokens_per_s": tokens_per_s,
-            **self._utilization(tokens_per_s),
-        }
-        loss_metrics = metrics_lib.interval_means(acc.metrics)  # MoE's lists element-wise
-        values.update(loss_metrics)
-        values.update(metrics_lib.memory_stats(self.device))
-        timing = {f"ms_{name.replace('-', '_')}": self.timers.elapsed(name) * 1e3 / max(acc.iterations, 1)
-                  for name in ("forward-backward", "optimizer")}
-        values.update(timing)
-        if self.is_logging_rank:
-            self.log(metrics_lib.format_train_log(s.iteration, t.train_iters, values)
-                     + metrics_lib.format_loss_metrics(loss_metrics)
-                     + " time per iteration (ms) | forward-backward: "
-                     f"{timing['ms_forward_backward']:.1f} | optimizer: {timing['ms_optimizer']:.1f}")
-            self.writer.write("train", s.iteration, values)
+        values = interval_values(acc.losses, step, s.consumed_train_samples, step.lr,
+                                 self.global_batch, acc.seconds, acc.iterations, acc.samples,
+                                 self.cfg.model.seq_length, t.train_iters - s.iteration)
+        values.update(skipped_iterations=acc.skipped, nan_iterations=acc.nan,
+                      total_skipped_iterations=s.skipped_iterations)
+        self.reporter.interval(s.iteration, values,
+                               metrics_lib.interval_means(acc.metrics),  # MoE's lists element-wise
+                               acc.iterations, {name: self.timers.elapsed(name)
+                                                for name in TIMERS})
 
     def _report_state_bytes(self) -> None:
         """Bytes of parameters, gradients and optimizer states of every rank, after the first
@@ -409,8 +357,9 @@ class Trainer:
         loop = _Loop(*self._data_iterators())
         ended = False
         try:
-            self._iterate(loop)
-            self._end(loop)
+            with self.runtime.training():
+                self._iterate(loop)
+                self._end(loop)
             ended = True
         finally:  # every exit path: no data-loader worker or background writer outlives this
             if not ended:
@@ -429,7 +378,8 @@ class Trainer:
         while s.iteration < t.train_iters and not loop.exiting:
             batch = self.set_batch(s.consumed_train_samples)
             t0 = time.time()
-            step = self.train_step(loop.train_iter)
+            with self.runtime.iteration(s.iteration):
+                step = self.train_step(loop.train_iter)
             loop.interval.seconds += time.time() - t0
             s.iteration += 1
             s.consumed_train_samples += batch
@@ -494,6 +444,8 @@ class Trainer:
         interval)."""
         if not self._state_bytes_reported:
             self._report_state_bytes()
+        self.reporter.iteration(self.state.iteration, self.state.consumed_train_samples,
+                                self.global_batch, step)
         if self.state.iteration % self.cfg.training.log_interval == 0:
             self.stragglers.report(self.state.iteration, loop.interval.iterations, self.writer)
             self._log_interval(loop.interval, step)

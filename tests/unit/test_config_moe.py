@@ -115,6 +115,9 @@ REFUSALS = [
             "--moe-use-upcycling"], 1,
      "--moe-token-dispatcher-type flex, --moe-router-num-groups, --moe-use-upcycling: not "
      "supported yet"),
+    (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--expert-tensor-parallel-size", "1", "--save", "ck"], 2,
+     "--save with --ckpt-format torch, --expert-tensor-parallel-size 1"),
     (MOE + ["--moe-router-score-function", "sqrtsoftplus"], 1,
      "--moe-router-score-function sqrtsoftplus: not supported yet"),
     (MOE + ["--deepspeed", "--deepspeed_config", DS_JSON, "--tensor-model-parallel-size", "2",

@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from app.config import RunConfig
+from app.config.model import EXPLICIT_ATTENTION
 from app.pipeline.partition import virtual_stage_layer_ranges
 
 FIT_FRACTION = 0.9
@@ -342,7 +343,7 @@ def scores_kept(cfg: RunConfig, device_type: str) -> bool:
     (q k^T + fused softmax + @ v: --attention-backend local, or an explicit mask from
     --reset-attention-mask) always; through SDPA only where no fused kernel takes the call (on
     the CPU when attention dropout is on, which sends SDPA to its math path)."""
-    if cfg.data.reset_attention_mask or cfg.model.attention_impl == "local":
+    if cfg.data.attention_mask_resets or cfg.model.attention_impl in EXPLICIT_ATTENTION:
         return True
     return device_type == "cpu" and cfg.model.attention_dropout > 0
 
@@ -457,6 +458,21 @@ def _kept_and_recomputed(cfg: RunConfig, per_layer: float, core: float,
                          f"{plan.largest_recomputed_chunk} layer(s) rerun")
 
 
+def fp8_weight_bytes(cfg: RunConfig) -> Tuple[float, str]:
+    """(extra bytes, how counted) of FP8 through Transformer Engine (--fp8-format) for the
+    linear weights Ψ_lin of the transformer layers (QKV, attention output, both MLP GEMMs):
+    their FP8 copy and its transpose, 2Ψ_lin, beside the bf16 weights; with
+    --fp8-param-gather the weights themselves are FP8 (Ψ_lin) with their transpose (Ψ_lin)
+    instead of bf16 (2Ψ_lin): no change. Activations are counted at the bf16 width (FP8
+    GEMM inputs saved in FP8 would take less): an estimate until a GPU run measures it."""
+    linear = muon_matrix_params_per_rank(cfg)
+    if cfg.fp8.fp8_param_gather:
+        return 0.0, (f"FP8 (--fp8-param-gather): linear weights Ψ_lin = {linear:,} held in FP8 "
+                     "with their transpose, as many bytes as bf16 (estimate)")
+    return 2.0 * linear, (f"FP8: + 2Ψ_lin for the FP8 copy and transpose of the linear weights, "
+                          f"Ψ_lin = {linear:,} (estimate; activations at the bf16 width)")
+
+
 def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,
                     device_type: str = "cuda") -> MemoryEstimate:
     """The per-rank memory estimate of `cfg` (at its micro-batch size unless one is given) on a
@@ -465,6 +481,9 @@ def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,
     b = micro_batch_size or cfg.training.micro_batch_size
     psi = params_per_rank(cfg)
     states = _model_states(cfg, psi)
+    if cfg.fp8.enabled:
+        states["weights"] += fp8_weight_bytes(cfg)[0]
+        states["note"] += "; " + fp8_weight_bytes(cfg)[1]
     stages = [stage_activations(cfg, device_type, r) for r in _stages(cfg)]
     est = MemoryEstimate(params=psi, weights=states["weights"], gradients=states["gradients"],
                          optimizer=states["optimizer"], buffers=states["buffers"],

@@ -14,25 +14,20 @@ Megatron's own vocab_size_with_padding of the vocab.json size, as `padded_vocab_
 namespace is written as `<version>/<flag set>.json` (`encode`'s type tags; `fixtures.load` reads
 them back).
 
-Only the environment is stood in for, never Megatron's arithmetic: the modules that compile
-Triton GPU kernels at import (triton is not installed on a CPU machine) are replaced by stubs
-whose functions raise if called (none is called by argument parsing); on Python 3.11, today's
-main imports `typing.override` (3.12), taken from typing_extensions (the same decorator).
+Only the environment is stood in for, never Megatron's arithmetic (tests/harness/megatron_record.py:
+Triton modules stubbed, `typing.override` on Python 3.11).
 """
-import enum
-import importlib.abc
-import importlib.machinery
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-MIRROR = os.environ.get("MEGATRON_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo")
+sys.path.insert(0, ROOT)  # run as a script: the shared recorder code is in tests/harness
+
+from tests.harness.megatron_record import MIRROR, encode, import_megatron_from  # noqa: E402
 TOKENIZER = os.path.join(ROOT, "tests", "data", "old_checkpoints", "data")
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -81,72 +76,9 @@ FLAG_SETS = {
 """Flag sets (after BASE): the run each fixture describes."""
 
 
-def encode(value):
-    """A JSON value for one arg: plain JSON values as they are, others tagged by type."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        finite = value == value and abs(value) != float("inf")
-        return value if finite else {"__float__": repr(value)}
-    if isinstance(value, enum.Enum):
-        return {"__enum__": f"{type(value).__module__}.{type(value).__qualname__}",
-                "name": value.name}
-    if isinstance(value, (list, tuple)):
-        items = [encode(v) for v in value]
-        return items if isinstance(value, list) else {"__tuple__": items}
-    if isinstance(value, dict):
-        return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
-    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-        return {"__dtype__": str(value).replace("torch.", "")}
-    return {"__repr__": repr(value), "type": f"{type(value).__module__}.{type(value).__qualname__}"}
-
-
-class _KernelStubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Stands in for Megatron modules that import triton: every function raises if called."""
-
-    def __init__(self, names):
-        self.names = set(names)
-
-    def find_spec(self, name, path, target=None):
-        return importlib.machinery.ModuleSpec(name, self) if name in self.names else None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-
-        def attribute(attr):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-
-            def unavailable(*args, **kwargs):
-                raise NotImplementedError(f"{spec.name}.{attr} is a Triton kernel (stubbed)")
-            return unavailable
-        module.__getattr__ = attribute
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-def triton_modules(tree):
-    """Dotted names of the modules under `tree`/megatron that import triton at top level."""
-    found = {"megatron.core.transformer.custom_layers.batch_invariant_kernels"}
-    for folder, _, files in os.walk(os.path.join(tree, "megatron")):
-        for name in files:
-            path = os.path.join(folder, name)
-            if name.endswith(".py") and re.search(r"^(import|from) triton\b",
-                                                  open(path, encoding="utf-8").read(), re.M):
-                found.add(os.path.relpath(path, tree)[:-3].replace(os.sep, "."))
-    return found
-
-
 def child(tree, flag_set, out):
     """In a fresh process: parse, validate and build the tokenizer; write the namespace."""
-    import typing
-    if not hasattr(typing, "override"):  # Python 3.12's; typing_extensions has the same one
-        import typing_extensions
-        typing.override = typing_extensions.override
-    sys.path.insert(0, tree)
-    sys.meta_path.insert(0, _KernelStubs(triton_modules(tree)))
+    import_megatron_from(tree)
     sys.argv = ["pretrain_gpt.py", *BASE, *FLAG_SETS[flag_set]]
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args, validate_args
