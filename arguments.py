@@ -7,7 +7,8 @@ module only assembles the parser from those fields (with `app.config.cli`, as th
 adds DeepSpeed's own flags (`deepspeed.add_config_arguments`) and the aliases that are not one
 field's (the older recompute spelling), and computes the derived values: warm-up iterations
 from a fraction, the LR decay length, the global batch, the precision and optimizer taken from
-the DeepSpeed JSON, the padded vocabulary, the kernel build timeout, the W&B folder and
+the DeepSpeed JSON, the padded vocabulary (unless --padded-vocab-size gives it), the position
+type of --use-rotary-position-embeddings, the kernel build timeout, the W&B folder and
 --sequence-parallel (turned off at tensor-parallel size 1, as Megatron-LM does). The
 rules live in the config dataclasses, whose messages name the flags.
 
@@ -240,9 +241,11 @@ def _model_overrides(args: argparse.Namespace, padded_vocab_size: int,
     granularity, method, recompute_layers = resolve_recompute_flags(
         args.checkpoint_activations, args.checkpoint_num_layers, args.recompute_granularity,
         args.recompute_method, args.recompute_num_layers)
+    # Megatron's validate_args: the older --use-rotary-position-embeddings means rope
+    positions = "rope" if args.use_rotary_position_embeddings else args.position_embedding_type
     return dict(padded_vocab_size=padded_vocab_size, params_dtype=params_dtype, seed=args.seed,
                 recompute_granularity=granularity, recompute_method=method,
-                recompute_num_layers=recompute_layers,
+                recompute_num_layers=recompute_layers, position_embedding_type=positions,
                 # Megatron-LM turns --sequence-parallel off at TP 1 (app.config.unread says so)
                 sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1)
 
@@ -274,12 +277,14 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
 
     Every option field takes its flag's value; the derived values are computed here (module
     docstring). With --deepspeed the JSON is read here, once, and reconciled with the flags
-    (`cfg.deepspeed.config`). `padded_vocab_size` None pads `raw_vocab_size` by Megatron's
-    rule. `world_source` (where the launcher's world came from) goes into the messages about
+    (`cfg.deepspeed.config`). `padded_vocab_size` None takes --padded-vocab-size, else pads
+    `raw_vocab_size` by Megatron's rule. `world_source` (where the launcher's world came from) goes into the messages about
     the world size. Every rule is checked by the config dataclasses (app.config); a broken one
     raises ValueError naming the flags and values.
     """
     values = vars(args)
+    if padded_vocab_size is None and args.padded_vocab_size is not None:
+        padded_vocab_size = args.padded_vocab_size  # exact rows, no padding rule (Megatron's)
     if padded_vocab_size is None:
         padded_vocab_size = pad_vocab_size(raw_vocab_size, args.make_vocab_size_divisible_by,
                                            args.tensor_model_parallel_size)

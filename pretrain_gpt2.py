@@ -18,7 +18,7 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 import arguments
-from app.data import build_tokenizer
+from app.data.tokenizer import build_tokenizer_from
 from app.training.planning import preflight as preflight_lib
 from app.training import pretrain as pretrain_lib
 from app.launch.distributed import WorldInfo, discover_world
@@ -29,8 +29,7 @@ from app.training.loss import LossFunction
 
 def _tokenizer(args: argparse.Namespace) -> Any:
     """--tokenizer-type's tokenizer (NullTokenizer of --vocab-size ids needs no file)."""
-    return build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size,
-                           args.tokenizer_model)
+    return build_tokenizer_from(args)
 
 
 def _train(args: argparse.Namespace, world: WorldInfo,

@@ -31,7 +31,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import arguments  # noqa: E402
 from app.config import PrepareCacheConfig  # noqa: E402
 from app.config.options import from_flags  # noqa: E402
-from app.data import build_tokenizer  # noqa: E402
+from app.data.tokenizer import build_tokenizer_from  # noqa: E402
 from app.data.gpt_dataset import build_datasets, cache_entries  # noqa: E402
 from app.launch.distributed import discover_world  # noqa: E402
 from app.training.planning.data_check import describe_split  # noqa: E402
@@ -44,8 +44,7 @@ def prepare(argv: List[str]) -> Report:
     args = arguments.parse_args(argv, roots=arguments.ROOTS + (PrepareCacheConfig,))
     own = from_flags(PrepareCacheConfig, vars(args))
     world_size = own.world_size or discover_world(args.deepspeed_mpi).world_size
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
-                                tokenizer_model=args.tokenizer_model)
+    tokenizer = build_tokenizer_from(args)
     cfg = arguments.build_run_config(args, world_size, tokenizer.vocab_size)
     report = Report(name="prepare_cache", title="prepare_cache")
     report.section("run")

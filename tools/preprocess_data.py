@@ -31,7 +31,7 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Deque, Dict, Iterator, List, Optional, Tuple
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # --workers N means N cores
@@ -41,6 +41,7 @@ import numpy as np
 
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from app.config import TikTokenConfig
 from app.config.cli import parse_config
 from app.config.data import tokenizer_flags_not_read
 from app.config.inference import MERGES, TOKENIZER_MODEL, VOCAB
@@ -49,7 +50,7 @@ from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dt
                                       data_file_path, index_file_path)
 from app.data.sentences import (SentenceSplitter, load_punkt_params,
                                 save_punkt_params, train_punkt)
-from app.data.tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer
+from app.data.tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer_from
 from app.utils.fileio import remove_temporaries
 from app.utils.progress import progress
 
@@ -99,6 +100,10 @@ class PreprocessOptions:
         "--tokenizer-model", default=None, group="tokenizer", path=TOKENIZER_MODEL,
         help="HuggingFaceTokenizer: a directory with tokenizer.json or a Hub name in the local "
              "cache (offline); (GPT)SentencePieceTokenizer: a .model")
+    vocab_size: Optional[int] = option(
+        "--vocab-size", default=None, group="tokenizer",
+        help="NullTokenizer's ids and TikTokenizer's size (default 2**17), as in training")
+    tiktoken: TikTokenConfig = field(default_factory=TikTokenConfig)
     append_eod: bool = option("--append-eod", default=False, group="tokenizer",
                               help="append <|endoftext|> to each document")
     output_prefix: str = option("--output-prefix", required=True, group="output")
@@ -271,9 +276,7 @@ class Encoder:
         self.keys = args.json_keys
         self.append_eod = args.append_eod
         self.parallel = parallel
-        self.tokenizer = tokenizer or build_tokenizer(args.tokenizer_type, args.vocab_file,
-                                                      args.merge_file,
-                                                      tokenizer_model=args.tokenizer_model)
+        self.tokenizer = tokenizer or build_tokenizer_from(args)
         self.dtype = best_fitting_dtype(self.tokenizer.vocab_size)
         self.splitter = (SentenceSplitter(punkt_params, args.keep_newlines)
                          if args.split_sentences else None)
@@ -451,8 +454,7 @@ def _check_not_empty(args: PreprocessOptions, counts: Dict[str, int]) -> None:
 def run(args: PreprocessOptions) -> Dict[str, int]:
     """Preprocess per `args`; returns the counters printed at the end. Raises SystemExit on bad input."""
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
-                                    tokenizer_model=args.tokenizer_model)
+        tokenizer = build_tokenizer_from(args)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     for note in tokenizer_flags_not_read(args.tokenizer_type, args.vocab_file, args.merge_file,

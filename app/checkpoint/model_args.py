@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -46,12 +47,17 @@ from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers, gpt2_
 from app.utils.dtypes import dtype_name, torch_dtype
 from app.utils.release import PROJECT, VERSION
 
+logger = logging.getLogger(__name__)
+
 FIXED_ARCHITECTURE: Dict[str, Any] = {
     "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
-    "squared_relu": False, "qk_layernorm": False, "apply_layernorm_1p": False,
+    "squared_relu": False, "qk_layernorm": False, "layernorm_zero_centered_gamma": False,
+    "add_qkv_bias": False, "use_rope_scaling": False,
     "apply_residual_connection_post_layernorm": False, "multi_latent_attention": False}
 """Megatron args that change the model's arithmetic, with Megatron's defaults (what an args
-Namespace lacking one means). A ModelConfig without a field of that name builds only the
+Namespace lacking one means; `_meaning` reads the older apply_layernorm_1p of core_v0.4 to
+v0.12 for layernorm_zero_centered_gamma, and add_qkv_bias is on whenever add_bias_linear is, as
+Megatron's validate_args sets it). A ModelConfig without a field of that name builds only the
 default; a checkpoint with another value is refused by name."""
 
 MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
@@ -64,10 +70,38 @@ meaning without experts (num_experts None) is None (`_meaning`)."""
 MODEL_SHAPE_FIELDS = (*FIXED_ARCHITECTURE, "num_layers", "hidden_size", "num_attention_heads",
                       "ffn_hidden_size", "max_position_embeddings", "padded_vocab_size",
                       "tokenizer_type", "position_embedding_type", "rotary_percent",
-                      "rotary_base", "num_query_groups", "kv_channels",
-                      "untie_embeddings_and_output_weights", *MOE_SHAPE_FIELDS)
+                      "rotary_base", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
+                      "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights",
+                      *MOE_SHAPE_FIELDS)
 """Fields that must agree between a checkpoint and the run loading it (`_meaning` says how an
 absent or unused field reads)."""
+
+MEGATRON_BUILDER_ROPE_SCALING_FACTOR = 8.0
+"""The RoPE scaling factor Megatron-LM's pretrain_gpt.py builds with whatever its
+--rope-scaling-factor says (its GPT builder passes only --use-rope-scaling, core_v0.16.1 to
+main); we honour the flag and mark our args with ROPE_FACTOR_APPLIED."""
+ROPE_FACTOR_APPLIED = "rope_scaling_factor_applied"
+"""An arg of ours (Megatron has none): True when the model computed with the args'
+rope_scaling_factor. Args without it were written by Megatron-LM, whose model used
+MEGATRON_BUILDER_ROPE_SCALING_FACTOR."""
+
+
+def model_option_args(m: ModelConfig) -> Dict[str, Any]:
+    """The model's options beyond its sizes under Megatron's arg names (positions, RoPE and its
+    scaling, query groups, the architecture fields, tying), as a checkpoint's args hold them."""
+    return dict(
+        position_embedding_type=m.position_embedding_type,
+        add_position_embedding=m.add_position_embedding,  # Megatron's: False only with rope
+        use_rotary_position_embeddings=m.position_embedding_type == "rope",
+        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
+        rope_scaling_factor=m.rope_scaling_factor, **{ROPE_FACTOR_APPLIED: True},
+        rotary_seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
+        group_query_attention=m.group_query_attention, num_query_groups=m.num_kv_heads,
+        **{name: getattr(m, name, default) for name, default in FIXED_ARCHITECTURE.items()
+           if name != "add_qkv_bias"},
+        add_qkv_bias=m.qkv_bias,  # Megatron's validate_args: on whenever add_bias_linear
+        norm_epsilon=m.layernorm_epsilon,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights)
 
 
 def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
@@ -93,6 +127,9 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         tokenizer_type=tokenizer_type_in_effect(cfg.data.tokenizer_type, cfg.data.vocab_file,
                                                 cfg.data.vocab_size),
         vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file,
+        tiktoken_pattern=cfg.data.tiktoken.tiktoken_pattern,
+        tiktoken_num_special_tokens=cfg.data.tiktoken.tiktoken_num_special_tokens,
+        tokenizer_special_tokens=cfg.data.tiktoken.tokenizer_special_tokens,
         layernorm_epsilon=m.layernorm_epsilon,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, openai_gelu=m.openai_gelu,
@@ -103,17 +140,9 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
         fp16_lm_cross_entropy=m.fp16_lm_cross_entropy,
         accumulate_allreduce_grads_in_fp32=cfg.precision.grads_accumulate_in_fp32,
-        position_embedding_type=m.position_embedding_type,
-        add_position_embedding=True,  # Megatron's deprecated flag: False only with rope
-        use_rotary_position_embeddings=m.position_embedding_type == "rope",
-        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
-        group_query_attention=m.group_query_attention, num_query_groups=m.num_kv_heads,
-        **{name: getattr(m, name, default) for name, default in FIXED_ARCHITECTURE.items()},
-        norm_epsilon=m.layernorm_epsilon, bias_swiglu_fusion=m.bias_swiglu_fusion,
-        tokenizer_model=cfg.data.tokenizer_model,
-        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        sequence_parallel=m.sequence_parallel, recompute_granularity=m.recompute_granularity,
-        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
+        **model_option_args(m), bias_swiglu_fusion=m.bias_swiglu_fusion,
+        tokenizer_model=cfg.data.tokenizer_model, sequence_parallel=m.sequence_parallel,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
@@ -125,6 +154,9 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         data_parallel_size=p.data_parallel_size, world_size=p.world_size,
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
         train_iters=t.train_iters, seed=t.seed, lr=o.lr, min_lr=o.min_lr,
+        decoupled_lr=o.decoupled_lr, decoupled_min_lr=o.decoupled_min_lr,
+        calculate_per_token_loss=t.calculate_per_token_loss,
+        grad_reduce_in_bf16=cfg.precision.grad_reduce_in_bf16,
         lr_decay_style=o.lr_decay_style, lr_decay_iters=o.lr_decay_iters,
         lr_warmup_iters=o.lr_warmup_iters,
         consumed_train_samples=int(consumed_train_samples),
@@ -242,6 +274,7 @@ _ARCHITECTURE: Dict[str, Callable[[Any], Any]] = {
     "ffn_hidden_size": int, "layernorm_epsilon": float, "openai_gelu": bool,
     "attention_softmax_in_fp32": bool, "apply_query_key_layer_scaling": bool,
     "position_embedding_type": str, "rotary_percent": float, "rotary_base": int,
+    "rotary_seq_len_interpolation_factor": int, "add_position_embedding": bool,
     "untie_embeddings_and_output_weights": bool, "kv_channels": int, "swiglu": bool,
     "normalization": str, "add_bias_linear": bool, "qk_layernorm": bool}
 """Fields besides the shape that decide what the weights compute, with their types."""
@@ -285,6 +318,13 @@ def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional
         fields.update(hidden_dropout=0.0, attention_dropout=0.0)
     fields["position_embedding_type"] = _meaning(args, "position_embedding_type")
     fields.update(_architecture(args))
+    if fields.get("add_bias_linear", True):  # the QKV bias is implied: keep the flag's value
+        fields["add_qkv_bias"] = False
+    if fields["position_embedding_type"] != "rope":  # meaningless there (Megatron writes them)
+        for name in ("rotary_seq_len_interpolation_factor", "add_position_embedding"):
+            fields.pop(name, None)
+    if fields.get("use_rope_scaling"):
+        fields["rope_scaling_factor"] = _meaning(args, "rope_scaling_factor")
     fields["group_query_attention"] = bool(getattr(args, "group_query_attention", False))
     if fields["group_query_attention"] and getattr(args, "num_query_groups", None) is not None:
         fields["num_query_groups"] = int(args.num_query_groups)
@@ -430,8 +470,11 @@ def _meaning(args: argparse.Namespace, name: str) -> Any:
     num_query_groups counts key/value groups only under group_query_attention (Megatron keeps
     its argparse default 1 otherwise: one group per head then); kv_channels None is
     hidden_size / num_attention_heads; rotary_percent and rotary_base mean nothing without
-    rope; position_embedding_type is rope under the older use_rotary_position_embeddings; an
-    absent FIXED_ARCHITECTURE field (None for apply_layernorm_1p) has Megatron's default.
+    rope (nor do the RoPE scaling and interpolation settings); position_embedding_type is rope
+    under the older use_rotary_position_embeddings; rope_scaling_factor is the factor the model
+    computed with (`_rope_scaling_factor`); layernorm_zero_centered_gamma falls back to the
+    older apply_layernorm_1p; add_qkv_bias is on with add_bias_linear; an absent
+    FIXED_ARCHITECTURE field has Megatron's default.
     """
     value = getattr(args, name, None)
     heads = getattr(args, "num_attention_heads", None)
@@ -443,14 +486,42 @@ def _meaning(args: argparse.Namespace, name: str) -> Any:
     if name == "position_embedding_type" and value is None:
         rope = getattr(args, "use_rotary_position_embeddings", False)
         return "rope" if rope else "learned_absolute"
-    if name in ("rotary_percent", "rotary_base") and \
+    if name in ("rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
+                "use_rope_scaling", "rope_scaling_factor") and \
             _meaning(args, "position_embedding_type") != "rope":
-        return None
+        return False if name == "use_rope_scaling" else None
+    if name == "rope_scaling_factor":
+        return _rope_scaling_factor(args)
+    if name == "layernorm_zero_centered_gamma" and value is None:
+        value = getattr(args, "apply_layernorm_1p", None)  # core_v0.4 to v0.12's name
+    if name == "add_qkv_bias":
+        return bool(value) or bool(_meaning(args, "add_bias_linear"))
     if name in FIXED_ARCHITECTURE:
         return FIXED_ARCHITECTURE[name] if value is None else value
+    if name == "rotary_seq_len_interpolation_factor":
+        return value
     if name in MOE_SHAPE_FIELDS:
         return _moe_meaning(args, name, value)
     return _UNKNOWN if value is None else value
+
+
+def _rope_scaling_factor(args: argparse.Namespace) -> Optional[float]:
+    """The RoPE scaling factor the model of `args` computed with: None without
+    use_rope_scaling; the args' own factor when we wrote them (ROPE_FACTOR_APPLIED); else
+    (Megatron-LM's args) the factor its GPT builder always uses, noted in the log when its
+    args say otherwise."""
+    if not getattr(args, "use_rope_scaling", False):
+        return None
+    saved = float(getattr(args, "rope_scaling_factor", None) or
+                  MEGATRON_BUILDER_ROPE_SCALING_FACTOR)
+    if getattr(args, ROPE_FACTOR_APPLIED, False):
+        return saved
+    if saved != MEGATRON_BUILDER_ROPE_SCALING_FACTOR:
+        logger.warning("the checkpoint's args (written by Megatron-LM) say rope_scaling_factor "
+                       "%s, but Megatron-LM's GPT builder ignores it and computes with %s: "
+                       "reading the model with %s", saved, MEGATRON_BUILDER_ROPE_SCALING_FACTOR,
+                       MEGATRON_BUILDER_ROPE_SCALING_FACTOR)
+    return MEGATRON_BUILDER_ROPE_SCALING_FACTOR
 
 
 def _moe_meaning(args: argparse.Namespace, name: str, value: Any) -> Any:

@@ -30,7 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from app.checkpoint import CheckpointError, sharding
-from app.checkpoint.model_args import model_config_from_args
+from app.checkpoint.model_args import (ROPE_FACTOR_APPLIED, model_config_from_args,
+                                       model_option_args)
 from app.checkpoint.state import Iteration, ModelCheckpoint, Progress
 from app.config import ModelConfig
 from app.config.param_names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, TIED_HEAD,
@@ -369,8 +370,16 @@ def target_args(source: ModelCheckpoint, tp: int, pp: int, dtype: torch.dtype,
                 padded_vocab: int, iteration: Iteration, ep: int = 1,
                 etp: Optional[int] = None) -> argparse.Namespace:
     """The source's args with the target layout (expert parallel sizes: `ep`, `etp` default
-    `tp`), padded vocabulary, dtype and iteration."""
+    `tp`), padded vocabulary, dtype and iteration, and every model option it lacks under
+    Megatron's name (an import's args name only the options its family has; Megatron Core reads
+    the rest). Megatron-LM's own args get the RoPE scaling factor their model computed with
+    (model_args.ROPE_FACTOR_APPLIED)."""
     args = copy.copy(source.args)
+    factor_applied = getattr(args, ROPE_FACTOR_APPLIED, False)
+    for name, value in model_option_args(model_config_from_args(args, for_inference=True)
+                                         ).items():
+        if not hasattr(args, name) or (name == "rope_scaling_factor" and not factor_applied):
+            setattr(args, name, value)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.expert_model_parallel_size, args.expert_tensor_parallel_size = ep, etp or tp

@@ -24,7 +24,7 @@ checkpoint an inference tool runs: InferenceLoadConfig).
 from __future__ import annotations
 
 from app.config.checkpoint import CKPT_FORMATS, CheckpointConfig
-from app.config.data import DataConfig
+from app.config.data import DataConfig, TikTokenConfig
 from app.config.deepspeed import DeepSpeedConfig
 from app.config.fp8 import Fp8Config
 from app.config.kernels import KernelConfig, default_kernel_build_timeout
@@ -47,6 +47,7 @@ from app.config.wandb import WandbConfig
 __all__ = [
     "ATTENTION_BACKENDS", "CKPT_FORMATS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
     "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
+    "TikTokenConfig",
     "DeepSpeedConfig", "DryRunConfig", "Fp8Config", "KernelConfig", "LogConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",
     "ModelConfig", "MoEConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",

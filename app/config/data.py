@@ -24,6 +24,25 @@ BLEND_HELP = ("a prefix of a .bin/.idx pair, weight/prefix pairs 'w1 p1 w2 p2 ..
 
 
 @dataclass(kw_only=True)
+class TikTokenConfig:
+    """TikTokenizer's settings (app.data.tiktoken_tokenizer), Megatron's flags; the training run
+    and tools/preprocess_data.py share them."""
+
+    FLAG_GROUP: ClassVar[Tuple[str, str]] = ("TikTokenizer", "--tokenizer-type TikTokenizer")
+
+    tiktoken_pattern: Optional[str] = option(
+        "--tiktoken-pattern", default=None, choices=("v1", "v2"),
+        help="TikTokenizer's pre-tokenisation regex (default v2); unused by other tokenizers")
+    tiktoken_num_special_tokens: int = option(
+        "--tiktoken-num-special-tokens", default=1000,
+        help="TikTokenizer: ids reserved in front for special tokens (Megatron's 1000)")
+    tokenizer_special_tokens: Optional[List[str]] = option(
+        "--tokenizer-special-tokens", "--tiktoken-special-tokens", default=None, nargs="+",
+        help="TikTokenizer's special tokens, first in the vocabulary (must include <unk> <s> "
+             "</s> <mask> <pad> <cls> <sep>, the default)")
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """Where the training data lives and how batches are built from it. The data flags are
     resolved once into `blends` (app.config.blends: Megatron-LM's rules, the two data files
@@ -61,18 +80,29 @@ class DataConfig:
         "--data-cache-path", default=None,
         help="where the sample indices are cached (default: beside each dataset); "
              "tools/prepare_cache.py fills it ahead of a run")
-    tokenizer_type: str = option("--tokenizer-type", default="GPT2BPETokenizer")
+    tokenizer_type: str = option(
+        "--tokenizer-type", default="GPT2BPETokenizer",
+        help="GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, "
+             "GPTSentencePieceTokenizer, Llama2Tokenizer (= GPTSentencePieceTokenizer, as "
+             "today's Megatron) or TikTokenizer")
     vocab_file: Optional[str] = option("--vocab-file", default=None)
     tokenizer_model: Optional[str] = option(
         "--tokenizer-model", default=None,
         help="HuggingFaceTokenizer: a directory with tokenizer.json or a Hub name in the local "
-             "cache (loaded offline); (GPT)SentencePieceTokenizer: a .model file")
+             "cache (loaded offline); (GPT)SentencePieceTokenizer, Llama2Tokenizer: a .model "
+             "file; TikTokenizer: a .json rank file")
     merge_file: Optional[str] = option("--merge-file", default=None)
+    tiktoken: TikTokenConfig = field(default_factory=lambda: TikTokenConfig())
+    trust_remote_code: bool = option(
+        "--trust-remote-code", default=False,
+        help="HuggingFaceTokenizer: allow the tokenizer code its directory ships "
+             "(transformers' trust_remote_code; local files only here)")
     vocab_size: Optional[int] = option(
         "--vocab-size", default=None,
         help="NullTokenizer's vocabulary (Megatron's): ids 0..N-1, end of document N-1; "
              "without --vocab-file it selects --tokenizer-type NullTokenizer (e.g. "
-             "--mock-data --vocab-size 50257)")
+             "--mock-data --vocab-size 50257); TikTokenizer's size (default 2**17); ignored "
+             "by the other tokenizers, as in Megatron")
     reset_position_ids: bool = option("--reset-position-ids", default=False)
     reset_attention_mask: bool = option("--reset-attention-mask", default=False)
     eod_mask_loss: bool = option("--eod-mask-loss", default=False)

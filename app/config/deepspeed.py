@@ -21,6 +21,12 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
   only --muon-momentum (= `params.momentum`) is taken, and --muon-tp-mode blockwise, which TP > 1
   needs: it orthogonalises each tensor-parallel shard alone. It tells matrices from embeddings by
   name, so an untied output layer (which it would give to Muon) is refused.
+- Megatron's optimizer and loss flags: --grad-reduce-in-bf16 is DeepSpeed's bf16 gradient
+  accumulation and reduction, `data_types.grad_accum_dtype` and `communication_data_type` "bf16"
+  (filled, or must agree; without the flag the JSON's own settings, or DeepSpeed's defaults,
+  stay); --decoupled-lr needs our LR schedule (a JSON "scheduler" sets one LR for every group:
+  refused); --calculate-per-token-loss needs nothing here (the loss carries the scale, and
+  DeepSpeed averages over data x context ranks as the native engines do).
 - Mixture of Experts (`check_moe_deepspeed`, from app.config.moe): ZeRO-1/2 only (ZeRO-3 refused
   in DeepSpeed's words; at ZeRO-0 DeepSpeed clips by the mean of the ranks' norms), tensor,
   pipeline and expert-tensor parallel size 1, ZeRO-2's `contiguous_gradients` and
@@ -253,6 +259,7 @@ def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig,
     _reconcile_precision(ds, cfg, path)
     _reconcile_loss_scale(ds, cfg, path, explicit_flags)
     _reconcile_optimizer(ds, cfg, path, explicit_flags)
+    _reconcile_megatron_flags(ds, cfg, path)
     if cfg.deepspeed.universal_checkpoint:
         ds.setdefault("checkpoint", {})["load_universal"] = True
     stage = ds.get("zero_optimization", {}).get("stage", 0)
@@ -262,6 +269,26 @@ def reconcile_ds_config(ds_json: Dict[str, Any], cfg: RunConfig,
     if stage == 3:
         _reconcile_zero3(ds, path)
     return ds
+
+
+def _reconcile_megatron_flags(ds: Dict[str, Any], cfg: RunConfig, path: str) -> None:
+    """--grad-reduce-in-bf16 as DeepSpeed's bf16 accumulation and communication dtypes;
+    --decoupled-lr refused with a JSON scheduler (module docstring)."""
+    if cfg.precision.grad_reduce_in_bf16:
+        for where, block, key in (
+                ("data_types.grad_accum_dtype", ds.setdefault("data_types", {}),
+                 "grad_accum_dtype"),
+                ("communication_data_type", ds, "communication_data_type")):
+            if str(block.get(key, "bf16")).lower() not in ("bf16", "bfloat16", "torch.bfloat16"):
+                raise ValueError(f"{path}: \"{where}\" is {block[key]!r} but "
+                                 "--grad-reduce-in-bf16 asks for bf16 gradient accumulation and "
+                                 "reduction; drop one of the two")
+            block.setdefault(key, "bf16")
+    if cfg.optimizer.decoupled_lr is not None and "scheduler" in ds:
+        raise ValueError(f"{path} defines a \"scheduler\", which sets one LR for every param "
+                         "group, but --decoupled-lr gives the embeddings and output layer their "
+                         "own; drop the JSON scheduler (our --lr-* flags schedule both) or "
+                         "--decoupled-lr")
 
 
 def _reconcile_zero3(ds: Dict[str, Any], path: str) -> None:

@@ -62,13 +62,28 @@ class ModelConfig:
         "--qk-layernorm", default=False,
         help="--normalization over each query and key head (head channels) before RoPE, "
              "as Megatron Core")
+    add_qkv_bias: bool = option(
+        "--add-qkv-bias", default=False,
+        help="a bias on the QKV projection even with --disable-bias-linear (Qwen2); always on "
+             "while the linears have biases (Megatron's rule)")
+    squared_relu: bool = option(
+        "--squared-relu", default=False,
+        help="MLP activation relu(x)^2 instead of GeLU (Nemotron); not with --swiglu")
+    layernorm_zero_centered_gamma: bool = option(
+        "--apply-layernorm-1p", default=False, dest="layernorm_zero_centered_gamma",
+        help="every norm's weight is stored zero-centred and applied as 1 + weight (initialised "
+             "to 0; LayerNorm and RMSNorm), Megatron's layernorm_zero_centered_gamma")
     seq_length: int = option("--seq-length", default=1024, help="tokens per training sample")
     max_position_embeddings: Optional[int] = option(
         "--max-position-embeddings", default=None,
         help="rows of the position table (default: --seq-length)")
-    padded_vocab_size: int
-    """Vocabulary rows of the embedding and logits, padded (app.data.tokenizer.pad_vocab_size;
-    derived from the tokenizer and --make-vocab-size-divisible-by)."""
+    padded_vocab_size: int = option(
+        "--padded-vocab-size",
+        help="exact rows of the word embeddings and the output layer (at least the tokenizer's "
+             "vocabulary, divisible by the TP size); default: the tokenizer's vocabulary padded "
+             "to --make-vocab-size-divisible-by x TP")
+    """Vocabulary rows of the embedding and logits: --padded-vocab-size, else derived from the
+    tokenizer and --make-vocab-size-divisible-by (app.data.tokenizer.pad_vocab_size)."""
     hidden_dropout: float = option("--hidden-dropout", default=0.1)
     """Dropout on embeddings and on the output of attention and MLP."""
     attention_dropout: float = option("--attention-dropout", default=0.1)
@@ -92,6 +107,31 @@ class ModelConfig:
              "the rotated channel count must be even)")
     rotary_base: int = option("--rotary-base", default=10000,
                               help="RoPE base of the rotation frequencies (rope only)")
+    use_rope_scaling: bool = option(
+        "--use-rope-scaling", default=False,
+        help="Llama 3.x RoPE frequency scaling (rope only): wavelengths above 8192 positions "
+             "divided by --rope-scaling-factor, below 2048 kept, smoothly blended between "
+             "(low/high frequency factors 1 and 4, original context 8192, as Megatron Core)")
+    rope_scaling_factor: float = option(
+        "--rope-scaling-factor", default=8.0,
+        help="the factor of --use-rope-scaling (Megatron's default 8; honoured here, where "
+             "Megatron's own GPT builder always uses 8)")
+    rotary_seq_len_interpolation_factor: Optional[int] = option(
+        "--rotary-seq-len-interpolation-factor", default=None,
+        help="RoPE positions multiplied by 1/N before the rotation (linear position "
+             "interpolation; rope only)")
+    use_rotary_position_embeddings: bool = option(
+        "--use-rotary-position-embeddings", default=False,
+        help="older spelling of --position-embedding-type rope (it wins over that flag, as in "
+             "Megatron)")
+    add_position_embedding: bool = option(
+        "--no-position-embedding", default=True, action="store_false",
+        dest="add_position_embedding",
+        help="no learned position table: accepted with --position-embedding-type rope (which "
+             "has none), refused otherwise (Megatron's deprecated flag)")
+    deprecated_use_mcore_models: bool = option(
+        "--use-mcore-models", default=False, dest="deprecated_use_mcore_models",
+        help="accepted and ignored, as in Megatron (deprecated; our model is the one model)")
     group_query_attention: bool = option(
         "--group-query-attention", default=False,
         help="grouped-query attention: --num-query-groups key/value heads shared by "
@@ -203,6 +243,7 @@ class ModelConfig:
         self.moe.check_against_model(self.num_layers, self.ffn_hidden_size, self.add_bias_linear)
         self._check_recompute()
         self._check_positions()
+        self._check_block()
         self._check_query_groups()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -255,14 +296,32 @@ class ModelConfig:
             raise ValueError(
                 f"--position-embedding-type alibi with {flag}: ALiBi adds a bias to every score, "
                 "which runs through SDPA's attention bias only; use --attention-backend auto")
+        if self.use_rotary_position_embeddings and kind != "rope":
+            raise ValueError(f"--use-rotary-position-embeddings means --position-embedding-type "
+                             f"rope, but the type is {kind}; drop one of the two")
+        if not self.add_position_embedding and kind != "rope":
+            raise ValueError(f"--no-position-embedding with --position-embedding-type {kind}: "
+                             "the flag is deprecated and valid with rope only (Megatron's rule); "
+                             "drop it (--position-embedding-type says which positions are used)")
         if kind != "rope":
-            for flag, value, default in (("--rotary-percent", self.rotary_percent, 1.0),
-                                         ("--rotary-base", self.rotary_base, 10000)):
+            for flag, value, default in (
+                    ("--rotary-percent", self.rotary_percent, 1.0),
+                    ("--rotary-base", self.rotary_base, 10000),
+                    ("--use-rope-scaling", self.use_rope_scaling, False),
+                    ("--rotary-seq-len-interpolation-factor",
+                     self.rotary_seq_len_interpolation_factor, None)):
                 if value != default:
                     raise ValueError(f"{flag} ({value}) applies to --position-embedding-type "
                                      f"rope only, but the type is {kind}; drop {flag} or use "
                                      "--position-embedding-type rope")
             return
+        if self.rope_scaling_factor <= 0:
+            raise ValueError(f"--rope-scaling-factor must be positive, got "
+                             f"{self.rope_scaling_factor}")
+        if (self.rotary_seq_len_interpolation_factor is not None
+                and self.rotary_seq_len_interpolation_factor <= 0):
+            raise ValueError(f"--rotary-seq-len-interpolation-factor must be positive, got "
+                             f"{self.rotary_seq_len_interpolation_factor}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if self.rotary_base <= 0:
@@ -272,6 +331,13 @@ class ModelConfig:
                 f"--rotary-percent ({self.rotary_percent}) x head dimension ({self.head_dim} = "
                 f"--hidden-size / --num-attention-heads) gives {self.rotary_dim} rotated "
                 "channels; RoPE needs an even number >= 2: change --rotary-percent")
+
+    def _check_block(self) -> None:
+        """--squared-relu agrees with the other MLP flags."""
+        if self.squared_relu and (self.swiglu or self.openai_gelu):
+            other = "--swiglu" if self.swiglu else "--openai-gelu"
+            raise ValueError(f"--squared-relu and {other} both choose the MLP activation; "
+                             "drop one of them")
 
     def _check_query_groups(self) -> None:
         """--group-query-attention / --num-query-groups agree with the heads."""
@@ -299,6 +365,7 @@ class ModelConfig:
                                             self.normalization == "RMSNorm"),
                 ("--disable-bias-linear", not self.add_bias_linear),
                 ("--qk-layernorm", self.qk_layernorm),
+                ("--squared-relu", self.squared_relu),
                 ("--kv-channels", self.kv_channels * self.num_attention_heads
                  != self.hidden_size)]
         return [flag for flag, on in used if on]
@@ -309,6 +376,11 @@ class ModelConfig:
             raise ValueError(f"{what} does not support {', '.join(self.llama_features)} yet "
                              "(GPT-2's block only); train or convert this model without them, "
                              "or use the legacy checkpoint format")
+
+    @property
+    def qkv_bias(self) -> bool:
+        """The QKV projection has a bias: --add-qkv-bias, or linear biases everywhere."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def num_kv_heads(self) -> int:
@@ -368,11 +440,11 @@ class ModelConfig:
         and the output layer (untied, or the last stage's copy of the tied word embeddings) on
         the last. GQA shrinks the QKV projection (key/value heads replicated when there are
         fewer groups than TP ranks); RoPE and ALiBi have no position table; --swiglu doubles
-        the first MLP projection, --disable-bias-linear drops the linears' biases, RMSNorm has
-        no bias, --qk-layernorm adds two head-wide norms per layer. An MoE layer (--num-experts,
-        --moe-layer-freq) holds the router [E, h], this rank's experts (E / EP of them, each
-        FFN split over ETP, default TP) and the shared expert (split over TP) instead of the
-        MLP."""
+        the first MLP projection, --disable-bias-linear drops the linears' biases (but QKV's with
+        --add-qkv-bias), RMSNorm has no bias, --qk-layernorm adds two head-wide norms per layer.
+        An MoE layer (--num-experts, --moe-layer-freq) holds the router [E, h], this rank's
+        experts (E / EP of them, each FFN split over ETP, default TP) and the shared expert
+        (split over TP) instead of the MLP."""
         t, pp = tensor_model_parallel_size, pipeline_model_parallel_size
         h, V = self.hidden_size, self.padded_vocab_size
         fc1 = self.ffn_hidden_size * (2 if self.swiglu else 1)  # gate and up halves (swiglu)
@@ -381,10 +453,11 @@ class ModelConfig:
         attn_width = self.num_attention_heads * self.head_dim // t
         norm = self.norm_numels(h)
 
-        def linear(rows: int, cols: int, bias_rows: int) -> List[int]:
-            return [rows * cols] + ([bias_rows] if self.add_bias_linear else [])
+        def linear(rows: int, cols: int, bias_rows: int, bias: bool = self.add_bias_linear
+                   ) -> List[int]:
+            return [rows * cols] + ([bias_rows] if bias else [])
         attention = (norm  # input norm
-                     + linear(qkv_rows, h, qkv_rows)  # QKV (column)
+                     + linear(qkv_rows, h, qkv_rows, self.qkv_bias)  # QKV (column)
                      + (self.norm_numels(self.head_dim) * 2 if self.qk_layernorm else [])
                      + linear(h, attn_width, h)  # dense (row: whole bias)
                      + norm)  # post-attention norm

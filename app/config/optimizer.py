@@ -88,6 +88,14 @@ class OptimizerConfig:
     """The LR schedule counts samples (Megatron's sample-based schedule: --train-samples or a
     batch-size schedule, set by arguments.py), stepping by each iteration's global batch;
     lr_decay_samples and lr_warmup_samples then hold the values in effect."""
+    decoupled_lr: Optional[float] = option(
+        "--decoupled-lr", default=None,
+        help="peak LR of the word embeddings and the output layer (Megatron's "
+             "is_embedding_or_output_parameter; the position table keeps --lr), on the same "
+             "warm-up and decay as --lr")
+    decoupled_min_lr: Optional[float] = option(
+        "--decoupled-min-lr", default=None,
+        help="with --decoupled-lr: the floor those parameters decay to (default --min-lr)")
     weight_decay: float = option("--weight-decay", default=0.01)
     adam_beta1: float = option("--adam-beta1", default=0.9)
     adam_beta2: float = option("--adam-beta2", default=0.999)
@@ -187,6 +195,23 @@ class OptimizerConfig:
                                  f"decay {decay} samples must satisfy 0 <= warmup <= decay, "
                                  "decay > 0 (--lr-warmup-samples, --lr-decay-samples)")
 
+    def _check_decoupled(self) -> None:
+        """--decoupled-lr / --decoupled-min-lr form a schedule like --lr / --min-lr."""
+        if self.decoupled_lr is None:  # a --decoupled-min-lr alone is unread (app.config.unread)
+            return
+        floor = self.decoupled_min_lr if self.decoupled_min_lr is not None else self.min_lr
+        if self.decoupled_lr < 0 or not 0.0 <= floor <= self.decoupled_lr:
+            raise ValueError(f"the decoupled LR floor ({floor}, --decoupled-min-lr or --min-lr) "
+                             f"must be between 0 and --decoupled-lr ({self.decoupled_lr})")
+
+    @property
+    def decoupled_lr_range(self) -> Optional[Tuple[float, float]]:
+        """(max, min) LR of the embedding and output-layer group with --decoupled-lr, else None."""
+        if self.decoupled_lr is None:
+            return None
+        floor = self.decoupled_min_lr if self.decoupled_min_lr is not None else self.min_lr
+        return float(self.decoupled_lr), float(floor)
+
     def __post_init__(self) -> None:
         check_optimizer_choice(self)
         if self.lr_decay_style not in LR_DECAY_STYLES:
@@ -194,6 +219,7 @@ class OptimizerConfig:
                              f"{', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}")
         if self.lr < 0 or not 0.0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr})")
+        self._check_decoupled()
         if self.lr_warmup_iters < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
         self._check_sample_schedule()

@@ -150,6 +150,12 @@ class PrecisionConfig:
     accumulate_allreduce_grads_in_fp32: bool = option(
         "--accumulate-allreduce-grads-in-fp32", default=False,
         help="accumulate and all-reduce fp16 gradients in fp32 (always on for bf16)")
+    """(bf16: on unless --grad-reduce-in-bf16.)"""
+    grad_reduce_in_bf16: bool = option(
+        "--grad-reduce-in-bf16", default=False,
+        help="with --bf16: accumulate the gradients over micro-batches and reduce them over "
+             "data-parallel ranks in bf16 (Megatron's; the fp32 main weights get an fp32 copy); "
+             "default fp32")
     source: str = "command line"
     """Where the precision came from: the flags, or the DeepSpeed JSON (logged at start)."""
 
@@ -161,6 +167,9 @@ class PrecisionConfig:
                          ("min_loss_scale", "--min-loss-scale"),
                          ("loss_scale_window", "--loss-scale-window"),
                          ("hysteresis", "--hysteresis")), allow_none=True)
+        if self.grad_reduce_in_bf16 and self.bf16 and self.accumulate_allreduce_grads_in_fp32:
+            raise ValueError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 "
+                             "ask for bf16 and fp32 gradient reduction; drop one")
         initial, minimum, _, _ = self.dynamic_scaler_settings()
         if minimum > initial:
             raise ValueError(f"--min-loss-scale ({minimum}) exceeds --initial-loss-scale "
@@ -173,8 +182,10 @@ class PrecisionConfig:
 
     @property
     def grads_accumulate_in_fp32(self) -> bool:
-        """Whether half-precision gradients accumulate in fp32 buffers (bf16: always)."""
-        return self.bf16 or (self.fp16 and self.accumulate_allreduce_grads_in_fp32)
+        """Whether half-precision gradients accumulate (and are reduced) in fp32 buffers: bf16
+        unless --grad-reduce-in-bf16, fp16 with --accumulate-allreduce-grads-in-fp32."""
+        return ((self.bf16 and not self.grad_reduce_in_bf16)
+                or (self.fp16 and self.accumulate_allreduce_grads_in_fp32))
 
     @property
     def loss_scale_flags(self) -> List[str]:

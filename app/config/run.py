@@ -63,8 +63,9 @@ class RunConfig:
             raise ValueError(f"--make-vocab-size-divisible-by must be positive, got "
                              f"{self.make_vocab_size_divisible_by}")
         if self.raw_vocab_size > m.padded_vocab_size:
-            raise ValueError(f"need vocab size ({self.raw_vocab_size}) <= padded vocab size "
-                             f"({m.padded_vocab_size})")
+            raise ValueError(f"the padded vocab size ({m.padded_vocab_size}, --padded-vocab-size "
+                             f"or the padding rule) is smaller than the tokenizer's vocabulary "
+                             f"({self.raw_vocab_size}); raise --padded-vocab-size")
         for what, value in (("--num-attention-heads", m.num_attention_heads),
                             ("--ffn-hidden-size", m.ffn_hidden_size),
                             ("padded vocab size", m.padded_vocab_size)):

@@ -77,6 +77,11 @@ class TrainingConfig:
         "--max-consecutive-skipped-iterations", default=10, group="precision",
         help="stop with an error after this many consecutive non-finite iterations (fp16: "
              "overflows at the minimum loss scale); 0 disables")
+    calculate_per_token_loss: bool = option(
+        "--calculate-per-token-loss", default=False,
+        help="the loss is the sum of the global batch's token losses divided by its count of "
+             "loss-mask tokens (Megatron's per-token normalisation), instead of the mean over "
+             "the micro-batches of each micro-batch's masked mean")
     check_for_nan_in_loss_and_grad: bool = option(
         "--check-for-nan-in-loss-and-grad", default=False, action="boolean_optional",
         group="precision",

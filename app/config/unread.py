@@ -16,7 +16,11 @@ path than the one the run takes:
 - `--deepspeed_config` without `--deepspeed` (the native path runs, the JSON unread);
 - the `--moe-*` flags and `--expert-tensor-parallel-size` without `--num-experts` (a dense
   model), and `--moe-permute-fusion` / `--moe-router-fusion` (accepted for Megatron's scripts:
-  the permutation and the router here are the same unfused PyTorch either way).
+  the permutation and the router here are the same unfused PyTorch either way);
+- Megatron's sub-options without their option: `--rope-scaling-factor` without
+  `--use-rope-scaling`, `--decoupled-min-lr` without `--decoupled-lr`, `--grad-reduce-in-bf16`
+  without bf16 weights, the TikTokenizer flags and `--trust-remote-code` with a tokenizer that
+  does not read them; and `--use-mcore-models` (deprecated in Megatron-LM, ignored there too).
 - and the flags Megatron-LM accepts that change nothing in this run (`no_effect`): where
   Megatron ignores them in the same situation, or has a kernel this project does not have (the
   flag only picks between two implementations of the same arithmetic):
@@ -36,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, List, Optional
 
-from app.config.data import tokenizer_flags_not_read
+from app.config.data import TikTokenConfig, tokenizer_flags_not_read
 from app.config.fp8 import Fp8Config
 from app.config.logs import LogConfig
 from app.config.moe import MoEConfig
@@ -51,6 +55,8 @@ MOE_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(MoEConfig)
                   if f.name != "num_experts" and "flag" in f.metadata)
 """Every --moe-* flag (read with --num-experts only)."""
 MOE_FUSIONS = ("--moe-permute-fusion", "--moe-router-fusion")
+TIKTOKEN_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(TikTokenConfig))
+"""Every TikTokenizer flag (read with --tokenizer-type TikTokenizer only)."""
 
 
 def unread_flags(cfg: RunConfig, device_type: Optional[str] = None) -> List[str]:
@@ -79,7 +85,31 @@ def unread_flags(cfg: RunConfig, device_type: Optional[str] = None) -> List[str]
         notes.append(f"--deepspeed_config {cfg.deepspeed.config_path} is not read: without "
                      "--deepspeed the run takes the native path; add --deepspeed to train "
                      "through DeepSpeed with it")
-    return notes + _moe_flags_not_read(cfg) + no_effect(cfg, device_type)
+    return (notes + _moe_flags_not_read(cfg) + _megatron_flags_not_read(cfg)
+            + no_effect(cfg, device_type))
+
+
+def _megatron_flags_not_read(cfg: RunConfig) -> List[str]:
+    """Megatron's model, optimizer and tokenizer sub-options given without what reads them."""
+    m, given = cfg.model, cfg.explicit_flags
+    unread = [
+        ("--rope-scaling-factor", not m.use_rope_scaling, "without --use-rope-scaling the RoPE "
+         "frequencies are unscaled"),
+        ("--decoupled-min-lr", cfg.optimizer.decoupled_lr is None, "without --decoupled-lr "
+         "every parameter follows --lr / --min-lr"),
+        ("--grad-reduce-in-bf16", not cfg.precision.bf16, "it applies to bf16 gradients "
+         "(--bf16)"),
+        ("--use-mcore-models", True, "deprecated in Megatron-LM and ignored there too: this "
+         "project has one model")]
+    if cfg.data.tokenizer_type != "HuggingFaceTokenizer":
+        unread.append(("--trust-remote-code", True, f"--tokenizer-type {cfg.data.tokenizer_type} "
+                       "runs no Hugging Face tokenizer code"))
+    if cfg.data.tokenizer_type != "TikTokenizer":
+        unread += [(flag, True, f"--tokenizer-type {cfg.data.tokenizer_type} does not use it")
+                   for flag in TIKTOKEN_FLAGS]
+    return [f"{flag} is not read: {why}; drop it" for flag, off, why in unread
+            if off and flag in given]
+
 
 
 def _flags_of(cls: type, *leave_out: str) -> List[str]:

@@ -12,7 +12,10 @@ and the end of document N-1; for --mock-data and for data tokenized elsewhere.
 
 `HuggingFaceTokenizer`, `SentencePieceTokenizer` and `GPTSentencePieceTokenizer` (Megatron-LM's)
 read --tokenizer-model: a directory with tokenizer.json (transformers' AutoTokenizer, offline)
-or a SentencePiece .model file.
+or a SentencePiece .model file. `Llama2Tokenizer` is today's Megatron-LM's: the SentencePiece
+model as it is, no BOS added, the end of document its eos (GPTSentencePieceTokenizer's meaning;
+core_v0.16.1's prepended a BOS). `TikTokenizer` (app.data.tiktoken_tokenizer) reads a tiktoken
+rank file with Megatron's special-token block.
 
 `encode_flat` tokenizes a batch into one flat array with gigatoken (a Rust BPE) when it is
 installed: the same ids, computed much faster (bench/bench_preprocess.py).
@@ -29,14 +32,17 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from app.config.data import tokenizer_type_in_effect
+from app.data.tiktoken_tokenizer import DEFAULT_NUM_SPECIAL_TOKENS, TikTokenizer
+from app.data.token_ids import flatten_ids
 
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
 SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer",
-                        "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+                        "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                        "TikTokenizer")
 TOKENIZER_MODEL_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer",
-                         "GPTSentencePieceTokenizer")
+                         "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer")
 """The types that read --tokenizer-model instead of --vocab-file."""
 
 
@@ -124,13 +130,6 @@ class GPT2BPETokenizer:
         return self._tokenizer.decode(list(int(i) for i in ids), skip_special_tokens=False)
 
 
-def flatten_ids(ids: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
-    """(tokens uint32 [total], lengths int64 [len(ids)]) of token-id lists, back to back."""
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(lengths.sum()))
-    return flat, lengths
-
-
 class HuggingFaceTokenizer:
     """Megatron-LM's HuggingFaceTokenizer: transformers' AutoTokenizer of --tokenizer-model, a
     directory holding tokenizer.json (and tokenizer_config.json) or a Hub name already in the
@@ -139,7 +138,7 @@ class HuggingFaceTokenizer:
     len(tokenizer) (added tokens included); `eod` is its eos token (`bos`, `pad`: its bos and
     pad ids, None when it has none)."""
 
-    def __init__(self, tokenizer_model: Optional[str]) -> None:
+    def __init__(self, tokenizer_model: Optional[str], trust_remote_code: bool = False) -> None:
         if not tokenizer_model:
             raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a "
                              "directory with tokenizer.json, or a Hub name in the local cache")
@@ -148,8 +147,8 @@ class HuggingFaceTokenizer:
                              "directory that holds tokenizer.json")
         import transformers
         try:
-            tok = transformers.AutoTokenizer.from_pretrained(tokenizer_model,
-                                                             local_files_only=True)
+            tok = transformers.AutoTokenizer.from_pretrained(
+                tokenizer_model, local_files_only=True, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, TypeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc)
             raise ValueError(f"--tokenizer-model {tokenizer_model!r} cannot be loaded offline "
@@ -190,9 +189,10 @@ class HuggingFaceTokenizer:
 
 
 class GPTSentencePieceTokenizer:
-    """Megatron-LM's GPTSentencePieceTokenizer: a SentencePiece `.model` (--tokenizer-model) as
-    it is: tokenize(text) = encode_as_ids(text) (no BOS or EOS added), `vocab_size` its pieces,
-    `eod` its eos id; `bos`, `pad`: its bos and pad ids (None where it has none)."""
+    """Megatron-LM's GPTSentencePieceTokenizer, and today's Llama2Tokenizer (`tokenizer_type`):
+    a SentencePiece `.model` (--tokenizer-model) as it is: tokenize(text) = encode_as_ids(text)
+    (no BOS or EOS added), `vocab_size` its pieces, `eod` its eos id; `bos`, `pad`: its bos
+    and pad ids (None where it has none)."""
 
     def __init__(self, model_file: Optional[str], tokenizer_type: str = "GPTSentencePieceTokenizer"
                  ) -> None:
@@ -211,9 +211,9 @@ class GPTSentencePieceTokenizer:
         self.bos: Optional[int] = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.pad: Optional[int] = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         self.fast_backend = "sentencepiece"
-        if self.eod < 0 and tokenizer_type == "GPTSentencePieceTokenizer":
+        if self.eod < 0 and tokenizer_type != "SentencePieceTokenizer":
             raise ValueError(f"--tokenizer-model {model_file!r} has no eos piece (eos_id -1), "
-                             "which GPTSentencePieceTokenizer uses as the end of document; "
+                             f"which {tokenizer_type} uses as the end of document; "
                              "train it with an eos_id, or use SentencePieceTokenizer")
 
     def tokenize(self, text: str) -> List[int]:
@@ -342,13 +342,19 @@ class NullTokenizer:
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
-                    vocab_size: Optional[int] = None, tokenizer_model: Optional[str] = None
+                    vocab_size: Optional[int] = None, tokenizer_model: Optional[str] = None,
+                    tiktoken_pattern: Optional[str] = None,
+                    tiktoken_num_special_tokens: int = DEFAULT_NUM_SPECIAL_TOKENS,
+                    special_tokens: Optional[Sequence[str]] = None,
+                    trust_remote_code: bool = False
                     ) -> Union[GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer,
-                               GPTSentencePieceTokenizer]:
+                               GPTSentencePieceTokenizer, TikTokenizer]:
     """Tokenizer named by --tokenizer-type (see `tokenizer_type_in_effect`): GPT2BPETokenizer
     from its vocab/merge files, NullTokenizer of `vocab_size` (--vocab-size) ids, or
-    HuggingFaceTokenizer, SentencePieceTokenizer or GPTSentencePieceTokenizer of
-    `tokenizer_model` (--tokenizer-model)."""
+    HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer or Llama2Tokenizer
+    of `tokenizer_model` (--tokenizer-model), or TikTokenizer of that rank file with
+    `vocab_size` ids (default 2**17) and the --tiktoken-* settings; `trust_remote_code`
+    (--trust-remote-code) lets a Hugging Face tokenizer run the code its directory ships."""
     tokenizer_type = tokenizer_type_in_effect(tokenizer_type, vocab_file, vocab_size)
     if tokenizer_type not in SUPPORTED_TOKENIZERS:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
@@ -359,15 +365,34 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: 
                              "--merge-file; drop them, or use GPT2BPETokenizer")
         tokenizer = NullTokenizer(vocab_size)
     elif tokenizer_type == "HuggingFaceTokenizer":
-        tokenizer = HuggingFaceTokenizer(tokenizer_model)
+        tokenizer = HuggingFaceTokenizer(tokenizer_model, trust_remote_code)
     elif tokenizer_type == "SentencePieceTokenizer":
         tokenizer = SentencePieceTokenizer(tokenizer_model)
-    elif tokenizer_type == "GPTSentencePieceTokenizer":
-        tokenizer = GPTSentencePieceTokenizer(tokenizer_model)
+    elif tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        tokenizer = GPTSentencePieceTokenizer(tokenizer_model, tokenizer_type)
+    elif tokenizer_type == "TikTokenizer":
+        tokenizer = TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size,
+                                 tiktoken_num_special_tokens, special_tokens)
     else:
         tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     logger.info("tokenizer %s: vocab %d, eod %d", tokenizer_type, tokenizer.vocab_size, tokenizer.eod)
     return tokenizer
+
+
+def build_tokenizer_from(options: object) -> Union[GPT2BPETokenizer, NullTokenizer,
+                                                      HuggingFaceTokenizer,
+                                                      GPTSentencePieceTokenizer, TikTokenizer]:
+    """`build_tokenizer` of the tokenizer flags held by `options` (parsed arguments, or an
+    options dataclass whose `tiktoken` is an app.config.TikTokenConfig: tokenizer_type,
+    vocab_file, merge_file, tokenizer_model and, where it has them, vocab_size and the
+    --tiktoken-* settings)."""
+    tik = getattr(options, "tiktoken", options)
+    return build_tokenizer(options.tokenizer_type, options.vocab_file, options.merge_file,
+                           getattr(options, "vocab_size", None), options.tokenizer_model,
+                           getattr(tik, "tiktoken_pattern", None),
+                           getattr(tik, "tiktoken_num_special_tokens", DEFAULT_NUM_SPECIAL_TOKENS),
+                           getattr(tik, "tokenizer_special_tokens", None),
+                           bool(getattr(options, "trust_remote_code", False)))
 
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,

@@ -20,7 +20,8 @@ reads what decides its ids from its files (None when they are not here):
 - any other Hugging Face tokenizer: a digest of its tokenizer.json (or tokenizer.model) and of
   the special tokens its tokenizer_config.json names;
 - a SentencePiece model: a digest of the .model file and the type (SentencePieceTokenizer adds
-  Megatron's special tokens after its pieces);
+  Megatron's special tokens after its pieces; Llama2Tokenizer is GPTSentencePieceTokenizer);
+- a TikTokenizer: a digest of its rank file, its size and its --tiktoken-* settings;
 - NullTokenizer: its vocabulary size.
 
 `compare_tokenizers(saved, current)` says whether two specs are the same tokenizer, not the
@@ -52,7 +53,9 @@ class TokenizerSpec:
     merge_file: Optional[str] = None
     tokenizer_model: Optional[str] = None
     vocab_size: Optional[int] = None
-    """NullTokenizer's number of ids."""
+    """NullTokenizer's (and TikTokenizer's) number of ids."""
+    tiktoken: Tuple[Any, ...] = ()
+    """TikTokenizer's settings: (pattern, number of special tokens, special tokens)."""
 
     @classmethod
     def from_args(cls, args: Any) -> Optional["TokenizerSpec"]:
@@ -62,8 +65,15 @@ class TokenizerSpec:
         if not kind:
             return None
         size = getattr(args, "vocab_size", None)
+        tiktoken = ()
+        if kind == "TikTokenizer":  # Megatron's defaults where the args say nothing
+            specials = getattr(args, "tokenizer_special_tokens", None)
+            tiktoken = (getattr(args, "tiktoken_pattern", None) or "v2",
+                        int(getattr(args, "tiktoken_num_special_tokens", None) or 1000),
+                        tuple(specials) if specials else None)
         return cls(kind, getattr(args, "vocab_file", None), getattr(args, "merge_file", None),
-                   getattr(args, "tokenizer_model", None), int(size) if size else None)
+                   getattr(args, "tokenizer_model", None), int(size) if size else None,
+                   tiktoken)
 
     def flags(self) -> str:
         """The command-line flags that name this tokenizer."""
@@ -88,7 +98,8 @@ class TokenizerSpec:
 @dataclass(frozen=True)
 class TokenizerIdentity:
     """What decides a tokenizer's ids. `kind` is "gpt2-bpe" (then `vocab`, `merges`, `eod`),
-    "huggingface", "sentencepiece" or "null" (then `digest`: a sha256, or the size)."""
+    "huggingface", "sentencepiece", "tiktoken" or "null" (then `digest`: a sha256, or the
+    size)."""
 
     kind: str
     vocab: Optional[Mapping[str, int]] = None
@@ -103,6 +114,7 @@ class TokenizerIdentity:
                     f"{len(self.merges)} merges, end of document {self.eod}")
         return {"huggingface": "a Hugging Face tokenizer that is not GPT-2's BPE",
                 "sentencepiece": "a SentencePiece model",
+                "tiktoken": "a TikTokenizer",
                 "null": f"NullTokenizer of {self.digest} ids"}[self.kind]
 
 
@@ -247,7 +259,12 @@ def identity(spec: TokenizerSpec) -> Optional[TokenizerIdentity]:
         model = spec.tokenizer_model
         if kind == "HuggingFaceTokenizer" and model and os.path.isdir(model):
             return _huggingface(model)
+        if kind == "TikTokenizer" and model and os.path.isfile(model):
+            settings = json.dumps([spec.vocab_size, *spec.tiktoken]).encode()
+            with open(model, "rb") as f:
+                return TokenizerIdentity("tiktoken", digest=_sha256(settings, f.read()))
         if kind in TOKENIZER_MODEL_TYPES and model and os.path.isfile(model):
+            kind = "GPTSentencePieceTokenizer" if kind == "Llama2Tokenizer" else kind
             with open(model, "rb") as f:
                 return TokenizerIdentity("sentencepiece", digest=_sha256(kind.encode(), f.read()))
     except (OSError, ValueError, AttributeError, TypeError):

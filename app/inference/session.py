@@ -9,6 +9,7 @@ request at a time.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -17,7 +18,7 @@ from app.checkpoint import formats
 from app.checkpoint.saved_layout import SavedCheckpoint
 from app.config.inference import InferenceLoadConfig
 from app.data import build_tokenizer
-from app.data.tokenizer import TOKENIZER_MODEL_TYPES
+from app.data.tokenizer import TOKENIZER_MODEL_TYPES, build_tokenizer_from
 from app.inference.generation import GenerationResult, StopCheck, beam_search, generate
 from app.inference.runner import PipelineRunner, load_model
 from app.inference.sampling import SamplingConfig
@@ -88,9 +89,9 @@ def _session_tokenizer(args: Any, tokenizer_files: Dict[str, str], vocab_file: O
         else:
             kind = ("SentencePieceTokenizer" if tokenizer_model.endswith(".model")
                     else "HuggingFaceTokenizer")
-        return build_tokenizer(kind, None, None, tokenizer_model=tokenizer_model)
+        return build_tokenizer_from(_saved_tokenizer(args, kind, tokenizer_model))
     if saved_type in TOKENIZER_MODEL_TYPES:
-        return build_tokenizer(saved_type, None, None, tokenizer_model=args.tokenizer_model)
+        return build_tokenizer_from(_saved_tokenizer(args, saved_type, args.tokenizer_model))
     vocab_file = vocab_file or tokenizer_files.get("vocab.json")
     merge_file = merge_file or tokenizer_files.get("merges.txt")
     if not (vocab_file and merge_file):
@@ -98,6 +99,14 @@ def _session_tokenizer(args: Any, tokenizer_files: Dict[str, str], vocab_file: O
                          "(GPT-2 BPE) or --tokenizer-model (a tokenizer.json directory), the "
                          "tokenizer of the run that trained it")
     return build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+
+
+def _saved_tokenizer(args: Any, kind: str, tokenizer_model: str) -> argparse.Namespace:
+    """The tokenizer flags of `kind` over `tokenizer_model` with the rest (TikTokenizer's size
+    and settings) as the checkpoint's args recorded them."""
+    saved = vars(args) if args is not None else {}
+    return argparse.Namespace(**{**saved, "tokenizer_type": kind, "vocab_file": None,
+                                 "merge_file": None, "tokenizer_model": tokenizer_model})
 
 
 class InferenceSession:

@@ -127,9 +127,8 @@ class ParallelAttention(nn.Module):
         h, sp = config.hidden_size, config.sequence_parallel
         local_rows = (self.heads + 2 * self.kv_heads) * hd
         replicated = ng < tp
-        bias = config.add_bias_linear
-        self.query_key_value = ColumnParallelLinear(
-            h, local_rows * tp, gather_output=False, bias=bias,
+        self.query_key_value = ColumnParallelLinear(  # bias: --add-qkv-bias or linear biases
+            h, local_rows * tp, gather_output=False, bias=config.qkv_bias,
             init_method=replicated_kv_init(qkv_init, nh, ng, hd, tp) if replicated else qkv_init,
             parallel_state=parallel_state, params_dtype=dtype, sequence_parallel=sp)
         if replicated:  # k/v rows shared by tp / ng ranks: sum their gradients over those ranks
@@ -144,12 +143,14 @@ class ParallelAttention(nn.Module):
         if config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = (
                 fused.norm(config.normalization, hd, config.layernorm_epsilon, dtype,
-                           config.layernorm_fusion) for _ in range(2))
+                           config.layernorm_fusion, config.layernorm_zero_centered_gamma)
+                for _ in range(2))
             for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
                 set_tensor_model_parallel_attributes(param, False)
                 sum_gradient_over_tensor_parallel(param, parallel_state)
         self.dense = RowParallelLinear(
-            nh * hd, h, input_is_parallel=True, bias=bias, init_method=dense_init,
+            nh * hd, h, input_is_parallel=True, bias=config.add_bias_linear,
+            init_method=dense_init,
             parallel_state=parallel_state, params_dtype=dtype, skip_bias_add=True,
             sequence_parallel=sp)
 

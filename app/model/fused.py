@@ -393,15 +393,30 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
     return F.layer_norm(x.float(), shape, weight32, bias32, eps).to(x.dtype)
 
 
+def zero_centered(weight: torch.Tensor) -> torch.Tensor:
+    """1 + weight in fp32 (fp64 for fp64 weights): the gamma a zero-centred norm weight
+    (--apply-layernorm-1p) stands for, formed before any rounding to a half dtype."""
+    return weight.to(_acc(weight)) + 1.0
+
+
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (same parameters and names) whose forward is `layer_norm` above."""
+    """nn.LayerNorm (same parameters and names) whose forward is `layer_norm` above. With
+    `zero_centered_gamma` (--apply-layernorm-1p) the weight starts at 0 and the norm scales by
+    1 + weight (Megatron's LayerNorm1P)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: Optional[torch.dtype] = None,
-                 use_kernel: bool = True) -> None:
+                 use_kernel: bool = True, zero_centered_gamma: bool = False) -> None:
         super().__init__(hidden_size, eps=eps, dtype=dtype)
         self.use_kernel = use_kernel
+        self.zero_centered_gamma = zero_centered_gamma
+        if zero_centered_gamma and not self.weight.is_meta:
+            with torch.no_grad():
+                self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered_gamma:
+            gamma = zero_centered(self.weight)
+            return layer_norm(x, gamma, self.bias.to(gamma.dtype), self.eps, self.use_kernel)
         return layer_norm(x, self.weight, self.bias, self.eps, self.use_kernel)
 
 
@@ -450,24 +465,34 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (one `weight`, Megatron's RMSNorm) whose forward is `rms_norm` above."""
+    """nn.RMSNorm (one `weight`, Megatron's RMSNorm) whose forward is `rms_norm` above; with
+    `zero_centered_gamma` the weight starts at 0 and scales by 1 + weight (Megatron Core's
+    zero_centered_gamma, Gemma's RMSNorm)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: Optional[torch.dtype] = None,
-                 use_kernel: bool = True) -> None:
+                 use_kernel: bool = True, zero_centered_gamma: bool = False) -> None:
         super().__init__(hidden_size, eps=eps, dtype=dtype)
         self.use_kernel = use_kernel
+        self.zero_centered_gamma = zero_centered_gamma
+        if zero_centered_gamma and not self.weight.is_meta:
+            with torch.no_grad():
+                self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.use_kernel)
+        gamma = zero_centered(self.weight) if self.zero_centered_gamma else self.weight
+        return rms_norm(x, gamma, self.eps, self.use_kernel)
 
 
 def norm(normalization: str, width: int, eps: float, dtype: Optional[torch.dtype] = None,
-         use_kernel: bool = True) -> nn.Module:
-    """A `LayerNorm` or `RMSNorm` (--normalization) over `width` channels, weight 1 (bias 0)."""
+         use_kernel: bool = True, zero_centered_gamma: bool = False) -> nn.Module:
+    """A `LayerNorm` or `RMSNorm` (--normalization) over `width` channels, weight 1 (bias 0),
+    or weight 0 applied as 1 + weight with `zero_centered_gamma` (--apply-layernorm-1p)."""
     if normalization == "RMSNorm":
-        return RMSNorm(width, eps=eps, dtype=dtype, use_kernel=use_kernel)
+        return RMSNorm(width, eps=eps, dtype=dtype, use_kernel=use_kernel,
+                       zero_centered_gamma=zero_centered_gamma)
     if normalization == "LayerNorm":
-        return LayerNorm(width, eps=eps, dtype=dtype, use_kernel=use_kernel)
+        return LayerNorm(width, eps=eps, dtype=dtype, use_kernel=use_kernel,
+                         zero_centered_gamma=zero_centered_gamma)
     raise ValueError(f"normalization must be LayerNorm or RMSNorm, got {normalization!r}")
 
 

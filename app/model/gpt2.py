@@ -95,7 +95,7 @@ def _layer_norm(config: ModelConfig, dtype: torch.dtype,
     across tensor-parallel ranks (with sequence parallelism each rank normalises other tokens,
     so the gradients are summed)."""
     norm = fused.norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
-                      dtype, config.layernorm_fusion)
+                      dtype, config.layernorm_fusion, config.layernorm_zero_centered_gamma)
     for param in norm.parameters():
         set_tensor_model_parallel_attributes(param, False)
         if config.sequence_parallel:
@@ -343,7 +343,10 @@ class GPT2Model(nn.Module):
             self.word_embeddings.weight.shared = True
         self.rotary: Optional[RotaryEmbedding] = None
         if config.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+            self.rotary = RotaryEmbedding(
+                config.rotary_dim, config.rotary_base,
+                config.rope_scaling_factor if config.use_rope_scaling else None,
+                config.rotary_seq_len_interpolation_factor)
         slopes = None
         if config.position_embedding_type == "alibi":  # this rank's heads' slopes
             tp = self.parallel_state.tensor_model_parallel_size

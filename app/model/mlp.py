@@ -1,5 +1,5 @@
 """The transformer layer's MLP (Megatron's ParallelMLP): column-parallel h -> ffn, GeLU or
-SwiGLU, row-parallel ffn -> h; also the shared expert of an MoE layer (app.model.moe).
+SwiGLU (or squared ReLU), row-parallel ffn -> h; also the shared expert of an MoE layer (app.model.moe).
 
 Initial values come from the model's `ParamInit` (app.model.gpt2), so they depend only on the
 seed and each parameter's global name, not on TP.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from app.config import ModelConfig
@@ -40,7 +41,8 @@ def glu_init(full_init: InitMethod, ffn_hidden_size: int, tp: int) -> InitMethod
 
 class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel) -> bias+GeLU -> h (row-parallel, TP-reduced); with --swiglu
-    h -> [gate, up] (2 x ffn, each rank its shard of both) -> silu(gate) * up -> h.
+    h -> [gate, up] (2 x ffn, each rank its shard of both) -> silu(gate) * up -> h; with
+    --squared-relu relu(x W + b)^2 in place of the GeLU.
 
     [b, s, h] -> ([b, s, h], output bias [h] or None): the last bias is returned for
     bias+dropout+add ([b, s/tp, h] in and out with sequence parallelism). `init` is the model's
@@ -55,12 +57,13 @@ class ParallelMLP(nn.Module):
         tp = parallel_state.tensor_model_parallel_size
         ffn = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         self.openai_gelu, self.swiglu = config.openai_gelu, config.swiglu
+        self.squared_relu = config.squared_relu
         self.swiglu_fusion = config.bias_swiglu_fusion
         # The bias goes to the fused bias+GeLU op where that op is fused (CUDA); otherwise it
         # stays inside the GEMM (addmm), which is cheaper than a separate add.
         self.bias_gelu_flag = config.bias_gelu_fusion
         self.bias_gelu_fusion = (fused.bias_gelu_fusion_applies(config.bias_gelu_fusion)
-                                 and not config.swiglu)
+                                 and not (config.swiglu or config.squared_relu))
         fc1_init = init.normal(f"{prefix}.dense_h_to_4h.weight")
         if config.swiglu:
             divide(ffn, tp, "ffn_hidden_size", "tensor_model_parallel_size")
@@ -82,6 +85,8 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.swiglu:
             intermediate = fused.swiglu(self.dense_h_to_4h(x), self.swiglu_fusion)  # [b,s,f/tp]
+        elif self.squared_relu:
+            intermediate = torch.square(F.relu(self.dense_h_to_4h(x)))  # [b, s, ffn/tp]
         elif self.bias_gelu_fusion:
             intermediate, bias = self.dense_h_to_4h(x)  # [b, s, ffn/tp], [ffn/tp] or None
             intermediate = fused.bias_gelu(bias, intermediate, self.openai_gelu)

@@ -11,6 +11,9 @@ theta_i = base^(-2i / rotary_dim):
     x1' = x1 cos(p theta) - x2 sin(p theta),   x2' = x2 cos(p theta) + x1 sin(p theta)
 
 The other head_dim - rotary_dim channels pass through (`--rotary-percent` < 1).
+`--use-rope-scaling` rescales the frequencies theta_i as Llama 3.1 does (`llama3_inv_freq`),
+`--rotary-seq-len-interpolation-factor N` divides the positions p by N (Megatron Core's
+RotaryEmbedding, both).
 
 ALiBi (Press et al. 2022, "Train Short, Test Long"): head n adds -m_n * (i - j) to the
 attention score of query index i and key index j, with the slopes m_n a geometric
@@ -29,20 +32,54 @@ RotaryTables = Tuple[torch.Tensor, torch.Tensor]
 """(cos, sin), each [b or 1, 1, s, rotary_dim] fp32, broadcast over the heads."""
 
 
-class RotaryEmbedding(nn.Module):
-    """positions [b or 1, s] -> (cos, sin) tables [b or 1, 1, s, rotary_dim] in fp32."""
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+"""Llama 3.1's fixed RoPE scaling constants (Megatron Core has no flags for them)."""
 
-    def __init__(self, rotary_dim: int, base: float) -> None:
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float,
+                    low_freq_factor: float = LLAMA3_LOW_FREQ_FACTOR,
+                    high_freq_factor: float = LLAMA3_HIGH_FREQ_FACTOR,
+                    original_context: int = LLAMA3_ORIGINAL_CONTEXT) -> torch.Tensor:
+    """Llama 3.1's frequency scaling of `inv_freq` [rd/2] (the rope_type "llama3" of Hugging
+    Face, `_apply_scaling` of Megatron Core): with wavelength w = 2 pi / theta, frequencies of
+    w > original / low_freq_factor are divided by `factor`, those of w < original /
+    high_freq_factor are kept, and in between theta ((1 - a) / factor + a) with
+    a = (original / w - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
+    wavelength = 2 * math.pi / inv_freq
+    a = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - a) * inv_freq / factor + a * inv_freq
+    long = wavelength > original_context / low_freq_factor
+    short = wavelength < original_context / high_freq_factor
+    return torch.where(long, inv_freq / factor, torch.where(short, inv_freq, blended))
+
+
+class RotaryEmbedding(nn.Module):
+    """positions [b or 1, s] -> (cos, sin) tables [b or 1, 1, s, rotary_dim] in fp32.
+
+    `scaling_factor` (--use-rope-scaling with --rope-scaling-factor) applies `llama3_inv_freq`;
+    `interpolation_factor` (--rotary-seq-len-interpolation-factor) multiplies the positions by
+    its reciprocal."""
+
+    def __init__(self, rotary_dim: int, base: float, scaling_factor: Optional[float] = None,
+                 interpolation_factor: Optional[float] = None) -> None:
         super().__init__()
         if rotary_dim < 2 or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and >= 2, got {rotary_dim}")
         self.rotary_dim = rotary_dim
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-        inv_freq = (1.0 / (float(base) ** exponents)).float()  # [rotary_dim / 2]
+        if scaling_factor is None:  # fp64, then rounded (what runs of earlier releases used)
+            exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+            inv_freq = (1.0 / (float(base) ** exponents)).float()  # [rotary_dim / 2]
+        else:  # fp32 throughout, as Megatron Core and transformers compute Llama 3.1's
+            exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+            inv_freq = llama3_inv_freq(1.0 / (base ** exponents), float(scaling_factor))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.position_scale = None if interpolation_factor is None else 1.0 / interpolation_factor
 
     def forward(self, position_ids: torch.Tensor) -> RotaryTables:
-        angles = position_ids.float().unsqueeze(-1) * self.inv_freq  # [b, s, rd/2]
+        positions = position_ids.float()
+        if self.position_scale is not None:
+            positions = positions * self.position_scale
+        angles = positions.unsqueeze(-1) * self.inv_freq  # [b, s, rd/2]
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [b, 1, s, rd]
         return angles.cos(), angles.sin()
 

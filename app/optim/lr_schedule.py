@@ -25,6 +25,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from app.config import OptimizerConfig
+from app.optim.param_groups import DECOUPLED_GROUP
 
 DECAY_STYLES = ("constant", "linear", "cosine", "exponential")
 
@@ -64,7 +65,10 @@ class OptimizerParamScheduler:
 
     The constructor writes `get_lr(0)` (0 when warming up), matching Megatron, whose first
     optimizer step therefore runs at the step-0 LR. Groups carrying an `lr_mult` key get
-    `lr * lr_mult`.
+    `lr * lr_mult`. With --decoupled-lr the group named `decoupled` (app.optim.param_groups)
+    follows the same warm-up and decay between its own peak and floor (`decoupled_lr`,
+    `decoupled_min_lr`: Megatron's per-group max_lr / min_lr); the state dict then records
+    them too, and a resume checks them like the other settings.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
@@ -94,14 +98,21 @@ class OptimizerParamScheduler:
         self.lr_warmup_steps = warmup_steps
         self.lr_decay_steps = decay_steps
         self.lr_decay_style = config.lr_decay_style
+        self.decoupled = config.decoupled_lr_range
+        """(peak, floor) LR of the `decoupled` group (--decoupled-lr), or None."""
         self.override = bool(config.override_opt_param_scheduler)
         self.use_checkpoint = bool(config.use_checkpoint_opt_param_scheduler)
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self, iteration: int) -> float:
-        """LR at `iteration` with this scheduler's settings (pure: does not change any state)."""
-        return learning_rate_at(iteration, lr=self.max_lr, min_lr=self.min_lr,
+    def get_lr(self, iteration: int, group: Optional[Dict[str, Any]] = None) -> float:
+        """LR at `iteration` with this scheduler's settings (pure: does not change any state):
+        of the ordinary groups, or of param group `group` (the decoupled one has its own peak
+        and floor)."""
+        peak, floor = self.max_lr, self.min_lr
+        if group is not None and group.get("name") == DECOUPLED_GROUP and self.decoupled:
+            peak, floor = self.decoupled
+        return learning_rate_at(iteration, lr=peak, min_lr=floor,
                                 warmup_iters=self.lr_warmup_steps,
                                 decay_iters=self.lr_decay_steps, decay_style=self.lr_decay_style)
 
@@ -113,16 +124,19 @@ class OptimizerParamScheduler:
         """Advance the step count by `increment` (default: `self.increment`, one update's worth);
         write the new LR into every param group."""
         self.num_steps += int(self.increment if increment is None else increment)
-        new_lr = self.get_lr(self.num_steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = new_lr * group.get("lr_mult", 1.0)
-        return new_lr
+            group["lr"] = self.get_lr(self.num_steps, group) * group.get("lr_mult", 1.0)
+        return self.get_lr(self.num_steps)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Megatron-named settings plus the iteration count."""
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr,
-                "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
-                "lr_decay_style": self.lr_decay_style, "num_steps": self.num_steps}
+        """Megatron-named settings plus the iteration count (and the decoupled peak and floor
+        with --decoupled-lr)."""
+        state = {"max_lr": self.max_lr, "min_lr": self.min_lr,
+                 "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
+                 "lr_decay_style": self.lr_decay_style, "num_steps": self.num_steps}
+        if self.decoupled:
+            state["decoupled_lr"], state["decoupled_min_lr"] = self.decoupled
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any], *, override: Optional[bool] = None
                         ) -> None:
@@ -144,10 +158,14 @@ class OptimizerParamScheduler:
                 return state_dict[key]
             return state_dict.get(aliases.get(key, key))
         settings = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+        saved_decoupled = ((state_dict["decoupled_lr"], state_dict["decoupled_min_lr"])
+                           if "decoupled_lr" in state_dict else None)
         if self.use_checkpoint and not override:
             for key in settings:
                 if read(key) is not None:
                     setattr(self, key, read(key))
+            if self.decoupled and saved_decoupled:
+                self.decoupled = saved_decoupled
         elif not override:
             for key in settings:
                 saved, ours = read(key), getattr(self, key)
@@ -157,6 +175,13 @@ class OptimizerParamScheduler:
                         "(e.g. a longer --train-iters sets a longer decay); pass "
                         "--override-opt_param-scheduler to use this run's settings or "
                         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+            if (self.decoupled and saved_decoupled
+                    and tuple(saved_decoupled) != tuple(self.decoupled)):
+                raise ValueError(
+                    f"LR scheduler --decoupled-lr/--decoupled-min-lr (or --min-lr): checkpoint "
+                    f"has {tuple(saved_decoupled)}, this run has {self.decoupled}; pass "
+                    "--override-opt_param-scheduler to use this run's or "
+                    "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
         num_steps = read("num_steps")
         if num_steps is None:
             raise ValueError(f"LR scheduler state has no 'num_steps'; keys: {sorted(state_dict)}")

@@ -386,17 +386,18 @@ def _accumulate_main_grad(param: torch.Tensor) -> None:
 
 
 def check_saved_groups(saved_groups: List[Dict[str, Any]], groups: List[Dict[str, Any]]) -> None:
-    """Refuse an optimizer state whose param groups (by name: muon, decay, no_decay, and by
-    kind) are not this optimizer's, i.e. one saved with another --optimizer; unnamed (older)
-    groups pass."""
+    """Refuse an optimizer state whose param groups (by name: muon, decay, no_decay,
+    decoupled, and by kind) are not this optimizer's, i.e. one saved with another --optimizer
+    or with(out) --decoupled-lr; unnamed (older) groups pass."""
     def kinds(found: List[Dict[str, Any]]) -> List[Any]:  # AdamW groups have betas, SGD's not
         return [(g.get("name"), "betas" in g) for g in found]
     saved, own = kinds(saved_groups), kinds(groups)
     if all(name is not None for name, _ in saved) and saved != own:
         raise ValueError(f"the checkpoint's optimizer has param groups (name, AdamW?) {saved}, "
                          f"this run's --optimizer has {own}: it was saved with another "
-                         "optimizer; resume with the same --optimizer, or pass --no-load-optim "
-                         "to start the optimizer afresh")
+                         "optimizer, or with(out) --decoupled-lr (its own group); resume with "
+                         "the same --optimizer and --decoupled-lr, or pass --no-load-optim to "
+                         "start the optimizer afresh")
 
 
 def is_mixed_state(state: Dict[str, Any]) -> bool:

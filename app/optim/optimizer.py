@@ -10,7 +10,7 @@ from torch import nn
 from app.config import OptimizerConfig
 from app.optim.muon import Muon, Orthogonalize, TensorParallelOrthogonalizer, matrix_specs
 from app.optim.muon import muon_group_settings
-from app.optim.param_groups import get_muon_param_groups, get_param_groups
+from app.optim.param_groups import get_muon_param_groups, get_param_groups, split_decoupled
 
 
 def _apex_fused_adam():
@@ -41,10 +41,13 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
 
 def optimizer_param_groups(model: nn.Module, config: OptimizerConfig) -> List[Dict[str, Any]]:
     """The param groups of `config.optimizer`: `[decay, no_decay]` (get_param_groups) for adam
-    and sgd, `[muon, decay, no_decay]` (get_muon_param_groups) for muon."""
+    and sgd, `[muon, decay, no_decay]` (get_muon_param_groups) for muon; with --decoupled-lr
+    the embeddings and output layer in a last group `decoupled` (split_decoupled)."""
     if config.optimizer == "muon":
-        return get_muon_param_groups(model, muon_group_settings(config), config.weight_decay)
-    return get_param_groups(model, config.weight_decay)
+        groups = get_muon_param_groups(model, muon_group_settings(config), config.weight_decay)
+    else:
+        groups = get_param_groups(model, config.weight_decay)
+    return split_decoupled(groups, model, config.decoupled_lr_range)
 
 
 def build_inner_optimizer(groups: List[Dict[str, Any]], config: OptimizerConfig,

@@ -1,9 +1,16 @@
-"""Split a model's parameters into a weight-decay group and a no-weight-decay group."""
+"""Split a model's parameters into a weight-decay group and a no-weight-decay group (and, with
+--optimizer muon, a Muon group; with --decoupled-lr, a group for the embeddings and the output
+layer with their own peak and floor LR)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from torch import nn
+
+from app.config.param_names import OUTPUT_LAYER, TIED_HEAD, WORD_EMBEDDINGS
+
+DECOUPLED_GROUP = "decoupled"
+"""The name of --decoupled-lr's group; it carries `max_lr` and `min_lr` (Megatron's keys)."""
 
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMSNorm)
 
@@ -83,3 +90,37 @@ def get_muon_param_groups(model: nn.Module, settings: Dict[str, Any],
         rest = [p for p in group["params"] if id(p) not in chosen]
         groups.append({**group, "params": rest, "use_muon": False})
     return [g for g in groups if g["params"]]
+
+
+def is_decoupled_lr_parameter(param_name: str) -> bool:
+    """True for the parameters --decoupled-lr schedules (Megatron's
+    `is_embedding_or_output_parameter`): the word embeddings, the last stage's tied copy of
+    them and the untied output layer; not the position table. `param_name` may carry a
+    wrapper's prefix."""
+    return any(param_name == name or param_name.endswith("." + name)
+               for name in (WORD_EMBEDDINGS, OUTPUT_LAYER, TIED_HEAD))
+
+
+def split_decoupled(groups: List[Dict[str, Any]], model: nn.Module,
+                    lr_range: Optional[Tuple[float, float]]) -> List[Dict[str, Any]]:
+    """`groups` with the `is_decoupled_lr_parameter` parameters moved out of the group holding
+    them into a last group named DECOUPLED_GROUP with that group's settings and `max_lr`,
+    `min_lr` = `lr_range` (--decoupled-lr and its floor); `groups` unchanged when `lr_range` is
+    None or the stage holds none of them. Empty groups are dropped."""
+    if lr_range is None:
+        return groups
+    chosen = {id(p) for n, p in model.named_parameters() if is_decoupled_lr_parameter(n)}
+    moved: List[nn.Parameter] = []
+    settings: Dict[str, Any] = {}
+    out = []
+    for group in groups:
+        keep = [p for p in group["params"] if id(p) not in chosen]
+        taken = [p for p in group["params"] if id(p) in chosen]
+        if taken and not moved:
+            settings = {k: v for k, v in group.items() if k not in ("params", "name")}
+        moved += taken
+        out.append({**group, "params": keep})
+    if moved:
+        out.append({**settings, "name": DECOUPLED_GROUP, "params": moved,
+                    "max_lr": lr_range[0], "min_lr": lr_range[1]})
+    return [g for g in out if g["params"]]

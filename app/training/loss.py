@@ -21,15 +21,26 @@
 
 `DEFAULT_LOSS` is Megatron's: the mean of the per-token loss over the tokens whose loss mask is
 1, with no extra metrics; the trainer keeps its fast path for it.
+
+With --calculate-per-token-loss (Megatron's per-token normalisation, `per_token=True` below) the
+objective of an iteration is the sum of the masked token losses of the whole global batch
+divided by its count N of loss-mask tokens (over every micro-batch and data x context rank),
+instead of the mean of the micro-batches' masked means. N is counted before the forward passes
+from the iteration's batches (`prepare`), so each micro-batch's backward can carry
+sum x M x R / N (M micro-batches, R data x context ranks): after the schedule's 1/M and the
+engines' average over R, the gradient is that of sum / N, as Megatron's finalize_model_grads
+makes it. The logged loss is Megatron's too: the sum of the token losses over the count, both
+summed over the global batch (`reported_loss`; evaluation sums over all its iterations).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from app.model.gpt2 import lm_loss
+from app.mpu import collectives
 from app.mpu.context_parallel import context_parallel_mean_loss
 from app.mpu.mappings import gather_from_tensor_model_parallel_region
 
@@ -81,19 +92,66 @@ class MicroBatchObjective:
     `return_logits` is on, for this rank's logits [b, s, V/tp]. `loss_func(output, batch)`
     (last stage) calls the loss function and records its metrics and, with `return_logits`,
     the detached full-vocabulary logits; `take()` hands both over and starts afresh.
+    `per_token` is --calculate-per-token-loss (module docstring): `prepare` sets the
+    iteration's scale, `reported_loss` gives the loss to log.
     """
 
-    def __init__(self, loss_function: LossFunction, parallel_state: object,
-                 return_logits: bool = False) -> None:
+    def __init__(self, loss_function: LossFunction, parallel_state: Any,
+                 return_logits: bool = False, per_token: bool = False) -> None:
         self.loss_function, self.ps, self.return_logits = loss_function, parallel_state, return_logits
         self.context_parallel = getattr(parallel_state, "context_parallel_size", 1) > 1
         if self.context_parallel and (loss_function is not DEFAULT_LOSS or return_logits):
             raise ValueError("--context-parallel-size > 1 trains with the default language-model"
                              " loss only (each rank holds part of every sequence); drop the "
                              "custom loss function / return_logits or the context parallelism")
+        if per_token and loss_function is not DEFAULT_LOSS:
+            raise ValueError("--calculate-per-token-loss normalises Megatron's language-model "
+                             "loss over the global batch's tokens; a custom loss function "
+                             "normalises itself: drop one of the two")
+        self.per_token = per_token
+        self.token_scale: Optional[torch.Tensor] = None
+        """M x R / N for this iteration's backward (per_token; None in evaluation)."""
+        self.token_sums: List[torch.Tensor] = []
+        """[sum of masked token losses, tokens] of each micro-batch since the last report."""
         self.wants_logits = loss_function.takes_logits or return_logits
         self.metrics: List[Dict[str, torch.Tensor]] = []
         self.logits: List[torch.Tensor] = []
+
+    def prepare(self, batches: List[Dict[str, torch.Tensor]], num_micro_batches: int) -> None:
+        """Per-token loss: count the loss-mask tokens of this iteration's micro-batches over the
+        data x context ranks (every pipeline stage holds the batches, so every stage counts
+        alike) and set the backward scale M x R / max(N, 1)."""
+        replicas = self.ps.gradient_state()
+        local = torch.stack([b["loss_mask"].float().sum() for b in batches]).sum()
+        count = collectives.all_reduce(local, replicas.data_parallel_group)
+        self.token_scale = (float(num_micro_batches * replicas.data_parallel_size)
+                            / count.clamp(min=1.0))
+
+    def aux_loss_scale(self, num_micro_batches: int) -> Optional[float]:
+        """Per-token loss: the factor of this iteration's MoE auxiliary-loss gradients, R / N
+        (Megatron divides them by the token count with the others); None otherwise."""
+        if not self.per_token or self.token_scale is None:
+            return None
+        return float(self.token_scale) / num_micro_batches
+
+    def reported_loss(self, losses: List[torch.Tensor]) -> Optional[float]:
+        """The loss to log for the micro-batch `losses` of one or more iterations (last stage;
+        None elsewhere): their mean, averaged over the data-parallel ranks; per token, the sum
+        of the recorded token losses over their count, both summed over data x context ranks
+        (Megatron's report). Starts the per-token record afresh."""
+        self.token_scale = None
+        if not losses:
+            return None
+        if self.per_token:
+            totals = torch.stack(self.token_sums).sum(dim=0)  # [2]: loss sum, token count
+            self.token_sums = []
+            collectives.all_reduce(totals, self.ps.gradient_state().data_parallel_group)
+            return float(totals[0] / totals[1].clamp(min=1.0))
+        loss = torch.stack([x.detach().float() for x in losses]).mean()
+        if self.ps.data_parallel_size > 1:
+            collectives.all_reduce(loss, self.ps.data_parallel_group)
+            loss = loss / self.ps.data_parallel_size
+        return float(loss)
 
     def forward_step(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]
                      ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -112,6 +170,11 @@ class MicroBatchObjective:
                 full = gather_from_tensor_model_parallel_region(output, self.ps)  # [b, s, V]
             self.logits.append(full.detach())
             output = lm_loss(output, batch["labels"], self.ps)  # [b, s] fp32
+        if self.per_token:
+            mask = batch["loss_mask"].float()
+            total = (output.float() * mask).sum()  # this rank's tokens of the micro-batch
+            self.token_sums.append(torch.stack([total.detach(), mask.sum()]))
+            return total if self.token_scale is None else total * self.token_scale
         if self.context_parallel:  # the whole sequence's mean over the context group
             return context_parallel_mean_loss(output, batch["loss_mask"], self.ps)
         loss, metrics = self.loss_function.fn(output, batch)

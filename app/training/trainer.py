@@ -84,7 +84,8 @@ class Trainer:
         self.inprocess = inprocess
         """--inprocess-restart's snapshots, taken before the first iteration and after each."""
         self.objective = MicroBatchObjective(loss_function or DEFAULT_LOSS, parallel_state,
-                                             return_logits)
+                                             return_logits,
+                                             per_token=cfg.training.calculate_per_token_loss)
         self.signals, self.watchdog = signals, watchdog
         self.stop_signal = 0
         """The signal that stopped training (0 when none did)."""
@@ -155,10 +156,15 @@ class Trainer:
             self._beat(phase)
             return self.batches.next(iterator)
 
+        if self.objective.per_token and not forward_only:  # N counted before the passes
+            batches = [next_batch() for _ in range(self.num_micro)]
+            self.objective.prepare(batches, self.num_micro)
+            next_batch = iter(batches).__next__
+
         forward_step = lambda batch: self.objective.forward_step(model, batch)  # noqa: E731
         if not forward_only:  # --log-straggler times training's forward steps and batch waits
             begin_moe_iteration(model, self.engine.loss_scale, self.ps.context_parallel_size,
-                                self.num_micro)  # the scale of the MoE auxiliary gradients
+                                self.num_micro, self.objective.aux_loss_scale(self.num_micro))
             next_batch, forward_step = self.stragglers.timed(next_batch, forward_step)
         return schedule(forward_step_func=forward_step,
                         batch_func=next_batch,
@@ -193,15 +199,6 @@ class Trainer:
         first_sample = self.state.consumed_train_samples
         return lambda out, batch: inject(first_sample, self.objective.loss_func(out, batch))
 
-    def _mean_loss_across_dp(self, losses: List[torch.Tensor]) -> Optional[float]:
-        if not losses:
-            return None
-        loss = torch.stack([x.detach().float() for x in losses]).mean()
-        if self.ps.data_parallel_size > 1:
-            collectives.all_reduce(loss, self.ps.data_parallel_group)
-            loss = loss / self.ps.data_parallel_size
-        return float(loss)
-
     def set_batch(self, consumed_samples: int) -> int:
         """The global batch of the iteration that starts after `consumed_samples` (the
         batch-size schedule), told to the engine; returns it. Logs a change of batch size."""
@@ -229,7 +226,7 @@ class Trainer:
         result = self.engine.step()
         self.timers("optimizer").stop()
         metrics, logits = self.objective.take()
-        return StepOutput(loss=self._mean_loss_across_dp(losses),
+        return StepOutput(loss=self.objective.reported_loss(losses),
                           metrics={**self._mean_metrics_across_dp(metrics),
                                    **self.moe_metrics.take(self.num_micro)},
                           logits=logits if self.objective.return_logits else None,
@@ -247,7 +244,7 @@ class Trainer:
         losses = self._forward_backward(iterator, forward_only=True)
         self.engine.train()
         metrics, logits = self.objective.take()
-        return StepOutput(loss=self._mean_loss_across_dp(losses),
+        return StepOutput(loss=self.objective.reported_loss(losses),
                           metrics=self._mean_metrics_across_dp(metrics),
                           logits=logits if self.objective.return_logits else None)
 
@@ -262,7 +259,7 @@ class Trainer:
                 self.runtime.after_forward_backward()
         self.engine.train()
         self.objective.take()  # evaluation reports the loss only
-        return self._mean_loss_across_dp(losses)
+        return self.objective.reported_loss(losses)
 
     def _report_eval(self, kind: str, loss: Optional[float]) -> None:
         self.reporter.evaluation(kind, self.state.iteration, self.state.consumed_train_samples,

@@ -5,7 +5,12 @@ custom logits loss, and Llama's block (SwiGLU, RMSNorm, no biases, RoPE, GQA 2, 
 distributed optimizer at DP2; in bf16 with SP and selective recompute at TP2; interleaved with
 full recompute at TP2xPP2), alone and combined, at TP2, PP2 (2 ranks), TP2xDP2 and TP2xPP2 (4 ranks);
 one combination each also in native bf16 and fp16 (to their round-off), one under interleaved 1F1B (TP2xPP2,
-2 virtual stages) and one with the distributed optimizer (TP2xDP2). Mixture of Experts, a
+2 virtual stages) and one with the distributed optimizer (TP2xDP2); Megatron's options of its
+launch scripts: Nemotron-Mini's block (LayerNorm-1p, squared ReLU, rotary 0.5, no biases) at TP2,
+Qwen2/Llama 3.1's (QKV bias only, llama3 RoPE scaling, RMSNorm-1p, MQA: replicated QKV bias
+rows) at TP2 with SP and at PP2; the per-token loss with decoupled LRs at PP2 (tied copy) and
+TP2xDP2, in bf16 with bf16 gradient reduction under the distributed optimizer (TP2xDP2) and
+under DeepSpeed ZeRO-2 (DP2), and with Mixture of Experts at EP2. Mixture of Experts, a
 Qwen3-MoE-shaped model (Llama block + QK-norm, 4 experts, top-2, aux and z losses, dropless),
 8 iterations: EP2 (allgather; alltoall with the distributed optimizer and both overlaps),
 TP2 with the experts split by TP (SP), PP2 with a first stage holding no MoE layer, fp16 at
@@ -53,6 +58,14 @@ RESETS = ["--reset-position-ids", "--reset-attention-mask"]  # token 0 is the EO
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
          "--position-embedding-type", "rope"] + GQA2 + UNTIE  # Llama's block
 ZERO2 = ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json")]
+NEMOTRON = ["--apply-layernorm-1p", "--squared-relu", "--use-rotary-position-embeddings",
+            "--rotary-percent", "0.5", "--no-position-embedding",
+            "--disable-bias-linear"] + GQA2 + UNTIE  # Nemotron-Mini's block
+QWEN2_LLAMA31 = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                 "--add-qkv-bias", "--position-embedding-type", "rope", "--use-rope-scaling",
+                 "--rope-scaling-factor", "32", "--apply-layernorm-1p"] + MQA + UNTIE
+PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss",  # token 0 is the EOD
+             "--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
 # Qwen3-MoE's shape: the Llama block + QK-norm, 4 experts, top-2, aux and z losses (dropless)
 QWEN3_MOE = LLAMA + ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2",
                      "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2",
@@ -101,6 +114,17 @@ OPTIONS = {
                                 + ["--qk-layernorm"], False),
     "interleaved sp+llama+full": (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                                    "1", "--recompute-granularity", "full"] + SP + LLAMA, False),
+    # Megatron's model options of its launch scripts (Nemotron-Mini, Qwen2.5, Llama 3.1), and its
+    # per-token loss with decoupled LRs (one process: sum / the global batch's token count)
+    "nemotron": (NEMOTRON, False),
+    "sp+qwen2+llama3.1 mqa": (SP + QWEN2_LLAMA31, False),
+    "qwen2+llama3.1 mqa": (QWEN2_LLAMA31, False),
+    "per-token+decoupled": (PER_TOKEN, False),
+    "per-token+decoupled untied": (PER_TOKEN + UNTIE, False),
+    "bf16 distributed optimizer grad-reduce-in-bf16 per-token": (
+        ["--bf16", "--grad-reduce-in-bf16", "--use-distributed-optimizer"] + PER_TOKEN, False),
+    "deepspeed zero2 bf16 grad-reduce-in-bf16 per-token": (
+        ZERO2 + ["--bf16", "--grad-reduce-in-bf16"] + PER_TOKEN + LLAMA, False),
     # Mixture of Experts (8 iterations): EP2 with either dispatcher, experts split by TP
     # (ETP = TP, SP), EP2 x TP2, expert TP 1 under TP2, PP2 with a stage without MoE layers
     # (plain and interleaved x EP2), the distributed optimizer (experts sharded over their own
@@ -114,6 +138,7 @@ OPTIONS = {
     "sp+moe options alltoall full": (SP + MOE_OPTIONS + A2A + ["--recompute-granularity",
                                                                "full"], False),
     "fp16 qwen3-moe ep2": (["--fp16", "--initial-loss-scale", "1024"] + QWEN3_MOE + EP2, False),
+    "qwen3-moe ep2 per-token": (QWEN3_MOE + EP2 + PER_TOKEN, False),  # aux grads x R / N
     "sp+qwen3-moe ep2": (SP + QWEN3_MOE + EP2, False),
     "muon sp+qwen3-moe": (MUON + SP + QWEN3_MOE, False),
     "distributed optimizer muon sp+qwen3-moe etp1": (
@@ -138,17 +163,23 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("fp16 sp+alibi+gqa2+untied", 2, 1),
     ("llama", 2, 1), ("llama", 1, 2), ("distributed optimizer llama", 1, 1),
     ("bf16 sp+llama+selective", 2, 1), ("fp16 llama+qk-layernorm", 1, 2),
+    ("nemotron", 2, 1), ("sp+qwen2+llama3.1 mqa", 2, 1), ("qwen2+llama3.1 mqa", 1, 2),
+    ("per-token+decoupled", 1, 2),
     ("qwen3-moe ep2", 1, 1), ("distributed optimizer qwen3-moe ep2 alltoall", 1, 1),
     ("sp+qwen3-moe", 2, 1), ("qwen3-moe dense first layer", 1, 2),
     ("sp+moe options alltoall full", 2, 1), ("fp16 qwen3-moe ep2", 1, 1),
+    ("qwen3-moe ep2 per-token", 1, 1),
     ("muon sp+qwen3-moe", 2, 1),
     ("deepspeed zero2 llama+qk-layernorm", 1, 1),  # last: DeepSpeed's recompute stays set
+    ("deepspeed zero2 bf16 grad-reduce-in-bf16 per-token", 1, 1),
 ]
 LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices between stages)
     ("sp", 2, 1), ("sp+rope+gqa2+untied+selective", 2, 1),
     ("sp+learned+untied", 2, 2), ("sp+alibi+mqa+full+resets", 2, 2),
     ("interleaved sp+rope+untied", 2, 2), ("distributed optimizer sp+mqa", 2, 1),
     ("sp+llama+qk-layernorm", 2, 2), ("interleaved sp+llama+full", 2, 2),
+    ("per-token+decoupled untied", 2, 1), ("bf16 distributed optimizer grad-reduce-in-bf16 "
+                                           "per-token", 2, 1),
     ("sp+qwen3-moe ep2", 2, 1), ("distributed optimizer muon sp+qwen3-moe etp1", 2, 1),
     ("interleaved qwen3-moe ep2", 1, 2),
 ]

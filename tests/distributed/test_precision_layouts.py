@@ -3,7 +3,8 @@ one-process run of the same precision tightly and the fp32 run loosely over 20 i
 (activation recompute on or off alike); an inf injected into one rank's gradient skips the step
 on every rank, leaves weights, fp32 main weights and Adam states bit-identical, and backs the
 loss scale off; a NaN loss on one DP rank (fp32, bf16) is skipped by every rank, and two in a
-row stop every rank at the same iteration with no checkpoint written after the last good one.
+row stop every rank at the same iteration with no checkpoint written after the last good one;
+--grad-reduce-in-bf16 reduces the bf16 gradients over DP2 bit for bit as by hand.
 
 Tolerances (relative, per iteration, on the DP-mean loss) are the measured gaps on this
 machine with ~10x headroom:
@@ -94,6 +95,31 @@ def _nan_loss_on_one_rank(precision, save_dir, rank):
         loss_lib.masked_mean_loss = real
 
 
+def _bf16_grad_reduce():
+    """DP2 with --bf16, after one iteration's backward: with --grad-reduce-in-bf16 the
+    accumulated gradients are bf16 and the data-parallel average is, bit for bit, the bf16
+    rounding of the two ranks' sum, halved (computed here from both ranks' gradients); by
+    default they are fp32 (main_grad) and reduced in fp32."""
+    import torch
+    import torch.distributed as dist
+    out = {}
+    for flags in (["--grad-reduce-in-bf16"], []):
+        run = _run(PRECISIONS["bf16"] + flags, 2)
+        engine = run["engine"]
+        engine.zero_grad()
+        run["trainer"]._forward_backward(run["iterator"], forward_only=False)
+        local = [g.detach().clone() for g in engine.optimizer.reduction_grads()]
+        both = [None, None]
+        dist.all_gather_object(both, local)
+        engine._sync_gradients()
+        reduced = engine.optimizer.reduction_grads()
+        by_hand = [((a.float() + b.float()).bfloat16() / 2) for a, b in zip(*both)]
+        out[bool(flags)] = {"dtypes": {g.dtype for g in local},
+                            "exact": all(torch.equal(r, h) for r, h in zip(reduced, by_hand)),
+                            "reduced": [r.float() for r in reduced]}
+    return out
+
+
 def _two_ranks(tmp):
     import os
     import torch.distributed as dist
@@ -108,6 +134,7 @@ def _two_ranks(tmp):
     for precision in ("fp32", "bf16"):
         out[("DP2", precision, "nan")] = _nan_loss_on_one_rank(
             precision, os.path.join(tmp, precision), rank)
+    out[("DP2", "bf16", "grad reduce")] = _bf16_grad_reduce()
     return out
 
 
@@ -160,6 +187,12 @@ def test_two_rank_layouts_injected_overflow_and_nan_loss(one_process, tmp_path):
         assert stops[0]["stopped"] == stops[1]["stopped"] == 4, stops  # iterations 3, 4 skipped
         assert "2 consecutive iterations" in stops[0]["message"]
         assert ckpt.read_tracker(str(tmp_path / precision)) == 2  # nothing saved after
+    import torch
+    for rank, r in enumerate(results):
+        bf16, fp32 = r[("DP2", "bf16", "grad reduce")][True], r[("DP2", "bf16", "grad reduce")][False]
+        assert bf16["dtypes"] == {torch.bfloat16} and bf16["exact"], rank
+        assert fp32["dtypes"] == {torch.float32}, rank
+        assert any(not torch.equal(a, b) for a, b in zip(bf16["reduced"], fp32["reduced"]))
 
 
 def test_tp2_pp2_half_precision(one_process):

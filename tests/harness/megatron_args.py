@@ -20,7 +20,7 @@ HERE = os.path.join(ROOT, "tests", "data", "megatron_args")
 VERSIONS = ("core_v0.16.1", "HEAD")
 """Recorded Megatron-LM versions: the oldest we read and today's main."""
 FLAG_SETS = ("gpt2", "gpt2_legacy", "gqa", "rope_untied", "swiglu_rmsnorm", "qwen3_moe",
-             "moe_options")
+             "moe_options", "llama31", "qwen2", "nemotron", "per_token_decoupled")
 
 
 class RecordedEnum(NamedTuple):

@@ -10,8 +10,9 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              logits stored there
     python megatron_side.py write FORMAT MODEL=DIR [MODEL=DIR...] [SPLIT DATA_PATH...]
                                              for each MODEL (gpt2; llama: SwiGLU, RMSNorm,
-                                             no biases, QK-norm, RoPE, 2 query groups, untied;
-                                             moe: llama with 4 experts, top-2, in every layer)
+                                             QKV biases only, QK-norm, RoPE with Llama 3.1's
+                                             scaling, 2 query groups, untied; moe: llama with
+                                             4 experts, top-2, in every layer)
                                              build a GPTModel from the args Megatron-LM's own
                                              parse_args made (tests/data/megatron_args,
                                              core_v0.16.1; llama: the swiglu_rmsnorm flags with
@@ -55,9 +56,11 @@ sys.path.append(ROOT)  # tests.harness (after Megatron, which may come from a ch
 ITERATION, CONSUMED = 3, 12
 """Where `write` saves: iteration 3 of a run with global batch 4."""
 LLAMA = dict(qk_layernorm=True, position_embedding_type="rope", group_query_attention=True,
-             num_query_groups=2, untie_embeddings_and_output_weights=True)
+             num_query_groups=2, untie_embeddings_and_output_weights=True, add_qkv_bias=True,
+             use_rope_scaling=True, rotary_base=1000000)
 """What the llama model sets on top of Megatron's swiglu_rmsnorm args (--swiglu --normalization
-RMSNorm --disable-bias-linear)."""
+RMSNorm --disable-bias-linear): QK-norm, RoPE with Llama 3.1's scaling (Megatron's GPT builder:
+factor 8) at base 1e6, QKV biases (--add-qkv-bias), 2 query groups, untied output layer."""
 
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.current_device = lambda: "cpu"
@@ -100,6 +103,7 @@ def build(args):
                                                           get_gpt_layer_local_spec)
     from megatron.core.transformer.transformer_config import TransformerConfig
     assert not args.openai_gelu and not args.squared_relu, "only GeLU and SwiGLU here"
+    assert not args.layernorm_zero_centered_gamma, "no zero-centred norms without apex / TE"
     activation = F.silu if args.swiglu else F.gelu
     cfg = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -108,6 +112,7 @@ def build(args):
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         layernorm_epsilon=args.layernorm_epsilon, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu, activation_func=activation,
         normalization=args.normalization, qk_layernorm=args.qk_layernorm,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
@@ -126,7 +131,8 @@ def build(args):
                     max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type,
-                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                    rope_scaling=args.use_rope_scaling)  # the factor: its default, as Megatron's
 
 
 def megatron_args(flag_set, **overrides):

@@ -24,3 +24,27 @@ def train_hf_tokenizer(directory, eos="</s>"):
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f)
     return str(directory)
+
+
+def write_tiktoken_ranks(path, merges=(b"th", b"he", b"the", b" t", b"in", b"ing", b" th",
+                                       b" the", b"fo", b"fox", b" fox")):
+    """A Megatron tiktoken rank file (a JSON list of {rank, token_bytes, token_str}): ranks
+    0..255 the single bytes, then `merges` in order. Returns the path."""
+    import base64
+    tokens = [bytes([i]) for i in range(256)] + list(merges)
+    entries = [{"rank": i, "token_bytes": base64.b64encode(t).decode("ascii"),
+                "token_str": t.decode("utf-8", errors="replace")} for i, t in enumerate(tokens)]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(entries, f)
+    return str(path)
+
+
+def train_sentencepiece(path, texts=TEXTS * 4, vocab_size=60, **options):
+    """A SentencePiece BPE model of `vocab_size` pieces trained on `texts`, written to `path`
+    (`options`: SentencePieceTrainer's, e.g. pad_id); returns the path."""
+    import sentencepiece
+    with open(path, "wb") as f:
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=f,
+                                                 vocab_size=vocab_size, model_type="bpe",
+                                                 minloglevel=2, **options)
+    return str(path)

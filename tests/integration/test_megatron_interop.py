@@ -5,10 +5,11 @@ Megatron's side (megatron_side.py) runs Megatron Core from the installed megatro
 (requirements-test.txt), or from a Megatron-LM checkout when MEGATRON_LM names one (and
 MEGATRON_PYTHON, when given, the Python with its dependencies).
 
-Each check runs for GPT-2, for a Llama-style model (--swiglu, RMSNorm, no biases,
---qk-layernorm, RoPE, grouped-query attention with 2 groups, untied output layer) and for that
-model with Mixture of Experts in every layer (4 experts, top-2: Megatron Core 0.16.1's MoE
-GPTModel, SequentialMLP experts, allgather dispatcher), all in the same processes:
+Each check runs for GPT-2, for a Llama-style model (--swiglu, RMSNorm, --disable-bias-linear
+with Qwen2's --add-qkv-bias, --qk-layernorm, RoPE with Llama 3.1's --use-rope-scaling at
+Megatron's GPT builder's factor 8, grouped-query attention with 2 groups, untied output layer)
+and for that model with Mixture of Experts in every layer (4 experts, top-2: Megatron Core
+0.16.1's MoE GPTModel, SequentialMLP experts, allgather dispatcher), all in the same processes:
 
 - ours -> Megatron: a run saved at TP2 x PP2 (the MoE model: TP2 with sequence parallelism x
   EP2, its experts split over the expert-tensor ranks too) on 4 ranks, after 3 steps, with its
@@ -43,8 +44,9 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-2", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--make-vocab-size-divisible-by", "8",
         "--distributed-backend", "gloo", "--ckpt-format", "torch_dist"]
-LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm",
-         "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--add-qkv-bias",
+         "--qk-layernorm", "--position-embedding-type", "rope", "--rotary-base", "1000000",
+         "--use-rope-scaling", "--group-query-attention", "--num-query-groups", "2",
          "--untie-embeddings-and-output-weights"]
 MODELS = {"gpt2": [], "llama": LLAMA,
           "moe": LLAMA + ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk",

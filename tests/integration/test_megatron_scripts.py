@@ -38,19 +38,11 @@ from tests.harness.launch import ROOT, run
 
 NAMES = scripts.names()
 WAITING = {  # flag: (whose work adds it, how many values it takes)
-    **{flag: ("MODELFLAGS", 0) for flag in (
-        "--use-mcore-models", "--apply-layernorm-1p", "--grad-reduce-in-bf16",
-        "--calculate-per-token-loss", "--add-qkv-bias", "--squared-relu",
-        "--use-rotary-position-embeddings", "--no-position-embedding", "--use-rope-scaling",
-        "--trust-remote-code")},
-    **{flag: ("MODELFLAGS", 1) for flag in (
-        "--decoupled-lr", "--decoupled-min-lr", "--tiktoken-pattern", "--padded-vocab-size",
-        "--rotary-seq-len-interpolation-factor")},
     "--moe-layer-recompute": ("MoE", 0),
 }
-WAITING_VALUES = {("--tokenizer-type", "Llama2Tokenizer"): ("MODELFLAGS", "GPTSentencePieceTokenizer")}
+WAITING_VALUES = {}
 """A flag value other work adds -> the value with the same meaning here until then."""
-EQUIVALENT = {"--use-rotary-position-embeddings": ["--position-embedding-type", "rope"]}
+EQUIVALENT = {}
 """A WAITING flag -> the flags with the same meaning here until then."""
 SHRINK = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
           "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16",

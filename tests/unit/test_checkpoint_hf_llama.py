@@ -36,14 +36,30 @@ def _hf_source(tmp_path, kind: str):
     if kind == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama31":  # Llama 3.1's RoPE scaling
+        common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0,
+                                     "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "nemotron":
+        common.pop("rms_norm_eps")
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.5}
+        model = transformers.NemotronForCausalLM(transformers.NemotronConfig(
+            **common, norm_eps=1e-5, tie_word_embeddings=False))
     else:
         config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
         model = transformers.Qwen3ForCausalLM(config)
     torch.manual_seed(0)
-    with torch.no_grad():  # norms away from 1, so a swapped norm shows
+    with torch.no_grad():  # norms away from 1 (Nemotron's: 1 + weight), so a swapped one shows
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):  # Qwen2's q/k/v biases start at zero
+                param.normal_()
     model.save_pretrained(source, max_shard_size="40KB")
     return source, model.eval()
 
@@ -58,7 +74,8 @@ def _config(path):
     return {k: v for k, v in keep.items() if k not in ("transformers_version", "_name_or_path")}
 
 
-@pytest.mark.parametrize("kind, tp, pp", [("llama", 2, 2), ("qwen3", 2, 1)])
+@pytest.mark.parametrize("kind, tp, pp", [("llama", 2, 2), ("qwen3", 2, 1), ("llama31", 2, 1),
+                                          ("qwen2", 2, 1), ("nemotron", 2, 2)])
 def test_hf_to_ours_at_tp_pp_and_back_is_exact(tmp_path, kind, tp, pp):
     source, reference = _hf_source(tmp_path, kind)
     assert os.path.isfile(os.path.join(source, "model.safetensors.index.json"))  # sharded
@@ -71,6 +88,12 @@ def test_hf_to_ours_at_tp_pp_and_back_is_exact(tmp_path, kind, tp, pp):
     # the tokenizer the import named in the args (llama), or --tokenizer-model (qwen3)
     _convert("--load", ours, "--save", back, "--output-format", "hf",
              *(["--tokenizer-model", source] if kind == "qwen3" else []))
+    args = torch.load(ours / "release" / "mp_rank_00" / "model_optim_rng.pt" if pp == 1 else
+                      ours / "release" / "mp_rank_00_000" / "model_optim_rng.pt",
+                      weights_only=False)["args"]  # the import's model options, Megatron's names
+    assert (args.use_rope_scaling, args.add_qkv_bias, args.layernorm_zero_centered_gamma,
+            args.squared_relu) == (kind == "llama31", kind == "qwen2", kind == "nemotron",
+                                   kind == "nemotron")
     want, got = _tensors(source), _tensors(back)
     assert sorted(want) == sorted(got)
     for name, tensor in want.items():
@@ -138,6 +161,63 @@ def test_our_model_exports_as_its_architecture_with_our_logits(tmp_path, flags, 
                                rtol=1e-4, atol=1e-4)
 
 
+LLAMA31 = LLAMA + ["--use-rope-scaling", "--rope-scaling-factor", "32",
+                   "--untie-embeddings-and-output-weights"]
+NEMOTRON = ["--apply-layernorm-1p", "--squared-relu", "--use-rotary-position-embeddings",
+            "--no-position-embedding", "--rotary-percent", "0.5", "--rotary-base", "10000",
+            "--disable-bias-linear", "--kv-channels", str(HD), "--ffn-hidden-size", str(FFN),
+            "--group-query-attention", "--num-query-groups", str(GROUPS),
+            "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize("flags, architecture", [
+    (LLAMA31, "LlamaForCausalLM"),  # Llama 3.1's RoPE scaling
+    (LLAMA31 + ["--apply-layernorm-1p"], "LlamaForCausalLM"),  # RMSNorm-1p: 1 + weight
+    (LLAMA + ["--add-qkv-bias"], "Qwen2ForCausalLM"),
+    (LLAMA + ["--add-qkv-bias", "--use-rope-scaling", "--apply-layernorm-1p"],
+     "Qwen2ForCausalLM"),
+    (NEMOTRON, "NemotronForCausalLM"),
+    (NEMOTRON[1:], "NemotronForCausalLM"),  # plain LayerNorm: written as weight - 1
+    (["--apply-layernorm-1p"], "GPT2LMHeadModel"),
+])
+def test_megatrons_model_options_export_with_our_logits(tmp_path, flags, architecture):
+    """Megatron's launch-script options through the Hugging Face export: transformers' own
+    model of the written directory gives our logits (fp32, 1e-5), with Llama 3.1's RoPE scaling
+    at positions 5000 and on (where its scaled frequencies move the logits); the same model
+    without its RoPE scaling or with its norms read as plain ones does not (the comparison can
+    fail)."""
+    from app.checkpoint import hf
+    model, source = _our_model(*flags)
+    with torch.no_grad():  # biases away from zero and large attention scores, so a dropped
+        for name, param in model.named_parameters():  # bias or a misplaced rotation shows
+            if name.endswith("bias") and "layernorm" not in name:
+                param.normal_()
+            elif "query_key_value" in name:
+                param.normal_(0.0, 0.5)
+            source.weights[name] = param.detach().clone()
+    assert hf.write_model(source, str(tmp_path)) == architecture
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(hf_model).__name__ == architecture
+    tokens = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).unsqueeze(0) + (5000 if "--use-rope-scaling" in flags else 0)
+    ours = model(tokens, positions)[..., :60]
+    theirs = hf_model(input_ids=tokens, position_ids=positions).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    if "--use-rope-scaling" in flags:
+        plain = dict(rope_type="default", rope_theta=500000.0)
+        unscaled = type(hf_model)(type(hf_model.config)(**{
+            **hf_model.config.to_dict(), "rope_parameters": plain, "rope_scaling": None}))
+        unscaled.load_state_dict(hf_model.state_dict())
+        assert (unscaled.eval()(input_ids=tokens, position_ids=positions).logits
+                - ours).abs().max() > 1e-3
+    if "--apply-layernorm-1p" in flags:
+        model.config.layernorm_zero_centered_gamma = False
+        for module in model.modules():
+            if hasattr(module, "zero_centered_gamma"):
+                module.zero_centered_gamma = False  # the same weights as plain gammas
+        assert (model(tokens, positions)[..., :60] - theirs).abs().max() > 1e-3
+
+
 def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
     from app.checkpoint.hf.families import llama as hf_llama
     from app.checkpoint.hf.files import HFConversionError
@@ -149,8 +229,11 @@ def test_what_no_architecture_expresses_is_refused_by_name(tmp_path):
         export_architecture(model_config_from_args(layernorm_llama.args, for_inference=True))
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=FFN,
                                       num_hidden_layers=L, num_attention_heads=HEADS).to_dict()
-    for change, words in (({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
-                           "rope_type 'llama3'"),
+    for change, words in (({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                                "factor": 2.0}}, "rope_type 'yarn'"),
+                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4,
+                                                "factor": 8.0, "low_freq_factor": 2.0}},
+                           "rope_type llama3 with .*'low_freq_factor': 2.0"),
                           ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
                           ({"mlp_bias": True}, "attention_bias False with mlp_bias True")):
         with pytest.raises(HFConversionError, match=words):

@@ -102,7 +102,8 @@ def test_older_args_take_the_defaults_and_a_missing_shape_is_named():
 # tests/data/megatron_args holds the Namespaces that Megatron-LM's parse_args + validate_args
 # (+ its tokenizer build) made for a few flag sets, at core_v0.16.1 and at today's main.
 
-BUILDABLE = ("gpt2", "gpt2_legacy", "gqa", "rope_untied", "qwen3_moe", "moe_options")
+BUILDABLE = ("gpt2", "gpt2_legacy", "gqa", "rope_untied", "qwen3_moe", "moe_options",
+             "swiglu_rmsnorm", "llama31", "qwen2", "nemotron", "per_token_decoupled")
 MEGATRON_COMPARES = ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
                      "max_position_embeddings", "make_vocab_size_divisible_by",
                      "padded_vocab_size", "tokenizer_type")
@@ -130,7 +131,10 @@ def test_megatrons_args_load_into_the_same_run(version, flag_set):
     fields = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "num_kv_heads", "head_dim", "padded_vocab_size", "max_position_embeddings",
               "seq_length", "position_embedding_type", "untie_embeddings_and_output_weights",
-              "layernorm_epsilon", "openai_gelu", "hidden_dropout", "params_dtype")
+              "layernorm_epsilon", "openai_gelu", "hidden_dropout", "params_dtype",
+              "normalization", "swiglu", "add_bias_linear", "qkv_bias", "squared_relu",
+              "layernorm_zero_centered_gamma", "use_rope_scaling", "rope_scaling_factor",
+              "rotary_percent", "rotary_base", "add_position_embedding")
     assert {f: getattr(built, f) for f in fields} == {f: getattr(ours.model, f) for f in fields}
     saved = checkpoint_args_namespace(ours, 0, 0, 0)
     assert {f: getattr(saved, f) for f in MEGATRON_COMPARES} == \
@@ -151,6 +155,15 @@ def test_a_real_mismatch_with_megatrons_args_names_the_field_and_both_values(ver
         ("gpt2", ["--ffn-hidden-size", "96"], "ffn_hidden_size 128 but this run uses 96"),
         ("qwen3_moe", ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
                        "--qk-layernorm"], "num_experts 4 but this run uses None")]
+    nemotron = [a for a in fixtures.record(version, "nemotron")["argv"][len(BASE_ARGV):]
+                if a != "--apply-layernorm-1p"]
+    qwen2 = [a for a in fixtures.record(version, "qwen2")["argv"][len(BASE_ARGV):]
+             if a != "--add-qkv-bias"]
+    llama31 = [a for a in fixtures.record(version, "llama31")["argv"][len(BASE_ARGV):]
+               if a != "--use-rope-scaling"]
+    cases += [("nemotron", nemotron, "layernorm_zero_centered_gamma True but this run uses False"),
+              ("qwen2", qwen2, "add_qkv_bias True but this run uses False"),
+              ("llama31", llama31, "use_rope_scaling True but this run uses False")]
     for flag_set, extra, message in cases:
         ours = checkpoint_args_namespace(our_run(version, "gpt2", *extra), 0, 0, 0)
         with pytest.raises(CheckpointError, match=message):
@@ -178,6 +191,37 @@ def test_swiglu_rmsnorm_without_bias_is_refused_by_name(version):
     with pytest.raises(CheckpointError, match=f"saved with {first} {value} but this run uses"):
         check_checkpoint_args(megatron, checkpoint_args_namespace(our_run(version, "gpt2"),
                                                                   0, 0, 0))
+
+
+BASE_ARGV = fixtures.record("HEAD", "gpt2")["argv"]
+"""The flags every recorded flag set starts with (record.py's BASE)."""
+
+
+def test_megatrons_names_and_their_older_spellings_read_with_megatrons_meaning(caplog):
+    """The model options under Megatron's arg names: layernorm_zero_centered_gamma (and
+    apply_layernorm_1p of core_v0.4 to v0.12), add_qkv_bias (on whenever add_bias_linear),
+    use_rope_scaling with the factor Megatron's GPT builder computes with (always 8: its args'
+    rope_scaling_factor is not passed to the model) unless our args say the factor was applied."""
+    nemotron = fixtures.load("HEAD", "nemotron")
+    built = model_config_from_args(nemotron)
+    assert (built.layernorm_zero_centered_gamma, built.squared_relu, built.rotary_percent,
+            built.normalization, built.qkv_bias) == (True, True, 0.5, "LayerNorm", False)
+    older = argparse.Namespace(**vars(nemotron))
+    del older.layernorm_zero_centered_gamma
+    older.apply_layernorm_1p = True
+    assert model_config_from_args(older).layernorm_zero_centered_gamma
+    qwen2 = model_config_from_args(fixtures.load("HEAD", "qwen2"))
+    assert (qwen2.add_bias_linear, qwen2.qkv_bias) == (False, True)
+    assert model_config_from_args(fixtures.load("HEAD", "gpt2")).qkv_bias
+    llama = fixtures.load("HEAD", "llama31")
+    assert model_config_from_args(llama).rope_scaling_factor == 8.0
+    llama.rope_scaling_factor = 32.0  # Megatron's --rope-scaling-factor 32: its model used 8
+    with caplog.at_level("WARNING"):
+        assert model_config_from_args(llama).rope_scaling_factor == 8.0
+    assert "ignores it and computes with 8.0" in caplog.text
+    ours = checkpoint_args_namespace(our_run("HEAD", "llama31", "--rope-scaling-factor", "32"),
+                                     0, 0, 0)
+    assert model_config_from_args(ours).rope_scaling_factor == 32.0  # we applied it
 
 
 def test_moe_args_carry_megatrons_names_and_come_back():

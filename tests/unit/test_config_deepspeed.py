@@ -62,6 +62,26 @@ def test_json_optimizer_must_agree_and_scheduler_conflicts_with_explicit_flags()
         reconcile_ds_config({"scheduler": {"type": "WarmupLR"}}, cfg())
 
 
+def test_megatrons_gradient_and_lr_flags_map_to_deepspeeds_keys():
+    """--grad-reduce-in-bf16 is DeepSpeed's bf16 accumulation and communication dtype (filled,
+    or agreed); --decoupled-lr needs our schedule, not a JSON scheduler."""
+    ds = reconcile_ds_config({}, cfg("--bf16", "--grad-reduce-in-bf16"))
+    assert (ds["data_types"]["grad_accum_dtype"], ds["communication_data_type"]) == ("bf16",
+                                                                                     "bf16")
+    assert "data_types" not in reconcile_ds_config({}, cfg("--bf16"))  # DeepSpeed's own choice
+    kept = reconcile_ds_config({"data_types": {"grad_accum_dtype": "bfloat16"}},
+                               cfg("--bf16", "--grad-reduce-in-bf16"))
+    assert kept["data_types"]["grad_accum_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="x.json: \"data_types.grad_accum_dtype\" is 'fp32' "
+                                         "but --grad-reduce-in-bf16"):
+        reconcile_ds_config({"data_types": {"grad_accum_dtype": "fp32"}},
+                            cfg("--bf16", "--grad-reduce-in-bf16"), "x.json")
+    both = {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}
+    with pytest.raises(ValueError, match="--decoupled-lr"):
+        reconcile_ds_config(both, cfg("--decoupled-lr", "1e-3"))
+    reconcile_ds_config({"optimizer": {"type": "AdamW"}}, cfg("--decoupled-lr", "1e-3"))
+
+
 def test_zero3_is_filled_other_stages_rejected_and_offload_detected():
     with pytest.raises(ValueError, match="stage 4 is not a ZeRO stage"):
         reconcile_ds_config({"zero_optimization": {"stage": 4}}, cfg())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from app.data.tokenizer import build_tokenizer
-from tests.harness.tokenizers import TEXTS, train_hf_tokenizer
+from tests.harness.tokenizers import TEXTS, train_hf_tokenizer, train_sentencepiece
 
 transformers = pytest.importorskip("transformers")
 
@@ -181,13 +181,8 @@ def _hf_directory_without_tokenizer(tmp_path, hf, tokenizer_dir, greedy):
 
 @pytest.fixture(scope="module")
 def sentencepiece_model(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
-    path = tmp_path_factory.mktemp("spm") / "tok.model"
-    with open(path, "wb") as f:
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS * 4), model_writer=f,
-                                       vocab_size=60, model_type="bpe", pad_id=3,
-                                       minloglevel=2)
-    return str(path)
+    pytest.importorskip("sentencepiece")
+    return train_sentencepiece(tmp_path_factory.mktemp("spm") / "tok.model", pad_id=3)
 
 
 def test_sentencepiece_tokenizers_follow_megatron(tmp_path, sentencepiece_model):

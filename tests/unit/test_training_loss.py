@@ -101,3 +101,71 @@ def test_return_logits_hands_back_each_micro_batch():
             F.cross_entropy(t.view(-1, vocab), b["labels"].view(-1), reduction="none"),
             b["loss_mask"].view(-1)) for t, b in zip(logits, seen)]
         assert out.loss == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
+
+
+class _Rows:
+    """A data set of fixed token rows ({"text": [s + 1]})."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows.numpy()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return {"text": self.rows[i]}
+
+
+def _per_token_rows() -> torch.Tensor:
+    """4 samples of 17 tokens: the first micro-batch (samples 0, 1) has one end-of-document
+    token (id 0, masked out by --eod-mask-loss), the second eleven: uneven token counts."""
+    rows = torch.randint(1, 60, (4, 17), generator=torch.Generator().manual_seed(5))
+    rows[0, 3] = 0
+    rows[2, ::3] = 0
+    rows[3, 1:9:2] = 0
+    return rows
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_per_token_loss_is_the_global_batch_sum_over_its_token_count(per_token):
+    """--calculate-per-token-loss against a hand computation: the gradient and the logged loss
+    of sum(masked token losses of both micro-batches) / their token count; without the flag,
+    the mean of the two micro-batches' masked means (different here: uneven counts)."""
+    from app.data import get_batch
+    from app.model import GPT2Model
+    from app.training.data_loading import build_data_iterator
+    from app.training.run import build_run
+    flags = ["--calculate-per-token-loss"] if per_token else []
+    cfg = arguments.config_from_argv(ARGV + flags + ["--clip-grad", "0"], 1, 60)  # grads as made
+    run = build_run(cfg, 1, torch.device("cpu"))
+    rows = _per_token_rows()
+    data = _Rows(rows)
+    trainer = run.attach_trainer((data, None, None), eod=0)
+    step = trainer.train_step(build_data_iterator(data, 0, 2, run.ps, 0))
+
+    reference = GPT2Model(cfg.model)  # the same initial weights (drawn from their names)
+    batches = [get_batch(rows[i:i + 2], 0, False, False, True) for i in (0, 2)]
+    sums = [(reference(b["tokens"], b["position_ids"], labels=b["labels"]) * b["loss_mask"]).sum()
+            for b in batches]
+    counts = [b["loss_mask"].sum() for b in batches]
+    assert counts[0] != counts[1]
+    if per_token:
+        loss = (sums[0] + sums[1]) / (counts[0] + counts[1])
+    else:
+        loss = (sums[0] / counts[0] + sums[1] / counts[1]) / 2
+    loss.backward()
+    assert step.loss == pytest.approx(loss.item(), rel=1e-6)
+    grads = dict(run.model.named_parameters())
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, param.grad, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    other = (sums[0] / counts[0] + sums[1] / counts[1]) / 2 if per_token else \
+        (sums[0] + sums[1]) / (counts[0] + counts[1])
+    assert abs(other.item() - loss.item()) > 1e-3  # the two normalisations differ here
+
+
+def test_per_token_loss_refuses_a_custom_loss():
+    with pytest.raises(ValueError, match="--calculate-per-token-loss normalises"):
+        cfg = arguments.config_from_argv(ARGV + ["--calculate-per-token-loss"], 1, 60)
+        build_synthetic_run(cfg, 4, loss_function=loss_lib.LossFunction(
+            lambda out, batch: (out.mean(), {})))

@@ -58,3 +58,14 @@ class FamilyAdapter(abc.ABC):
         """`source` as this family's directory in `out_dir` (app.checkpoint.hf.files
         .write_directory), the vocabulary trimmed to the tokenizer's size; the files written,
         {name: path}."""
+
+
+def shift_norm_weights(weights: Dict[str, torch.Tensor], delta: float) -> Dict[str, torch.Tensor]:
+    """`weights` with `delta` added (in fp32, then back to each tensor's dtype) to every norm's
+    weight (input, post-attention, final and query/key norms): +1 turns the zero-centred gamma
+    of --apply-layernorm-1p into a plain norm weight, -1 the reverse. Other tensors are the
+    same objects."""
+    if delta == 0.0:
+        return weights
+    return {name: (t.float() + delta).to(t.dtype)
+            if name.endswith("layernorm.weight") else t for name, t in weights.items()}

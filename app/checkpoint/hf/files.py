@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from app.checkpoint.hf.model_card import model_card
+from app.checkpoint.model_args import ROPE_FACTOR_APPLIED
 from app.checkpoint.hf.sentencepiece import SENTENCEPIECE_TYPES, write_sentencepiece_tokenizer
 from app.checkpoint.state import Progress
 from app.data.tokenizer import TOKENIZER_MODEL_TYPES, HuggingFaceTokenizer, build_tokenizer
@@ -67,8 +68,32 @@ def import_args(**model: object) -> argparse.Namespace:
                   fp16=False, bf16=False, apply_residual_connection_post_layernorm=False,
                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   data_parallel_size=1, world_size=1, consumed_train_samples=0,
-                  consumed_valid_samples=0, iteration=0)
+                  consumed_valid_samples=0, iteration=0, **{ROPE_FACTOR_APPLIED: True})
     return argparse.Namespace(**{**shared, **model})
+
+
+def decoder_import_args(config: Dict, positions: int, make_vocab_size_divisible_by: int,
+                        tokenizer_model: Optional[str], **family: object) -> argparse.Namespace:
+    """`import_args` of a decoder-only config.json's shared fields (layers, widths, heads and
+    key/value heads, head_dim, positions (`positions` when it names none), vocabulary, dropout,
+    init std, tying, the tokenizer directory), plus the `family`'s own model args."""
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    positions = int(config.get("max_position_embeddings", positions))
+    vocab = int(config["vocab_size"])
+    return import_args(
+        num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
+        num_attention_heads=heads, ffn_hidden_size=int(config["intermediate_size"]),
+        kv_channels=int(config.get("head_dim") or hidden // heads),
+        max_position_embeddings=positions, seq_length=positions, vocab_size=vocab,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, padded_vocab_size=vocab,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model,
+        hidden_dropout=0.0, attention_dropout=float(config.get("attention_dropout", 0.0)),
+        init_method_std=float(config.get("initializer_range", 0.02)),
+        group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        position_embedding_type="rope", use_rotary_position_embeddings=True,
+        add_position_embedding=False, **family)
 
 
 def read_hf_tensors(path: str) -> Dict[str, torch.Tensor]:

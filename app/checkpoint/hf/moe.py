@@ -114,7 +114,7 @@ def from_hf_moe(state: Dict[str, torch.Tensor], config: ModelConfig, names: MoEN
     """Our MoE layers' tensors, taken out of `state` (per-expert names, or transformers 5's fused
     `mlp.experts.gate_up_proj` / `down_proj`); HFConversionError naming a missing key."""
     ours: Dict[str, torch.Tensor] = {}
-    take = llama._take
+    take = llama.take
     for i, is_moe in enumerate(config.moe.layer_pattern(config.num_layers)):
         if not is_moe:
             continue

@@ -110,6 +110,7 @@ class GroupedExperts(nn.Module):
         ep_rank, etp_rank = ps.expert_model_parallel_rank, ps.expert_tensor_parallel_rank
         self.num_local = moe.num_experts // ep
         self.swiglu, self.openai_gelu = config.swiglu, config.openai_gelu
+        self.squared_relu = config.squared_relu
         self.swiglu_fusion = config.bias_swiglu_fusion
         self.grouped = moe.moe_grouped_gemm
         h, f = config.hidden_size, moe.moe_ffn_hidden_size
@@ -139,6 +140,8 @@ class GroupedExperts(nn.Module):
                                    self.grouped)  # [N, 2F/ETP]
         if self.swiglu:
             hidden = fused.swiglu(hidden, self.swiglu_fusion)  # [N, F/ETP]
+        elif self.squared_relu:  # Megatron's activation_func for every MLP, experts too
+            hidden = torch.square(torch.relu(hidden))
         else:
             hidden = fused.gelu(hidden, self.openai_gelu)
         hidden = (hidden * probs.unsqueeze(-1)).to(rows.dtype)  # Megatron's per-token scale

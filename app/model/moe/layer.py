@@ -97,12 +97,16 @@ def moe_layers(model: nn.Module) -> List[MoELayer]:
 
 
 def begin_iteration(model: nn.Module, loss_scale: Optional[float], context_parallel_size: int,
-                    num_micro_batches: int) -> None:
+                    num_micro_batches: int, per_token: Optional[float] = None) -> None:
     """Before an iteration's forward-backward (Megatron's schedule sets it per step): the scale
     the auxiliary losses' gradients carry, the main loss's = loss scale (1 without fp16) x
-    context-parallel size / micro-batches per rank; the per-iteration global_aux_loss counts
-    reset. No-op for a dense model."""
-    scale = (loss_scale or 1.0) * context_parallel_size / num_micro_batches
+    context-parallel size / micro-batches per rank; with --calculate-per-token-loss
+    (`per_token`: the data x context ranks the gradients are averaged over / the global batch's
+    token count) loss scale x `per_token`, as Megatron's per-token mode, where the auxiliary
+    gradients are divided by the token count with the others. The per-iteration
+    global_aux_loss counts reset. No-op for a dense model."""
+    scale = ((loss_scale or 1.0) * context_parallel_size / num_micro_batches
+             if per_token is None else (loss_scale or 1.0) * per_token)
     for layer in moe_layers(model):
         layer.router.begin_iteration(scale)
 

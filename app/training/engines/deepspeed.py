@@ -60,6 +60,7 @@ from app.mpu import random as mpu_random
 from app.mpu.parallel_state import ParallelState
 from app.mpu.random import get_rng_tracker, rng_state_dict
 from app.optim import OptimizerParamScheduler, get_param_groups
+from app.optim.param_groups import split_decoupled
 from app.checkpoint import CheckpointError, commit, names, saved_layout
 from app.checkpoint import files as ckpt_files
 from app.checkpoint.deepspeed import deepspeed_safe_globals, read_rank
@@ -142,7 +143,8 @@ class DeepSpeedEngineAdapter(Engine):
                 param.ds_pipe_replicated = True
         kwargs: Dict[str, Any] = dict(model=model, mpu=parallel_state, config=ds)
         if "optimizer" in ds:
-            kwargs["model_parameters"] = get_param_groups(model)
+            kwargs["model_parameters"] = split_decoupled(  # --decoupled-lr's group, if any
+                get_param_groups(model), model, cfg.optimizer.decoupled_lr_range)
             if "scheduler" not in ds:
                 kwargs["lr_scheduler"] = lambda opt: OptimizerParamScheduler(opt, cfg.optimizer)
         else:

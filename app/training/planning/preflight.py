@@ -122,6 +122,7 @@ def describe_config(report: Report, cfg: RunConfig, device_type: Optional[str] =
               f"heads, seq {m.seq_length}, vocab {cfg.raw_vocab_size} padded to "
               f"{m.padded_vocab_size}, {m.num_parameters():,} parameters, weights "
               f"{m.params_dtype}")
+    _describe_megatron_options(report, cfg)
     if m.moe.enabled:
         report.ok(describe_moe(cfg))
     if cfg.deepspeed.enabled:
@@ -142,6 +143,30 @@ def describe_config(report: Report, cfg: RunConfig, device_type: Optional[str] =
                   f"+{r.min_increase:.0%}), at most {r.max_rollbacks} rollback(s); the training "
                   f"split holds {r.max_rollbacks} x --save-interval "
                   f"{cfg.checkpoint.save_interval} extra iterations of data for the skipped windows")
+
+
+def _describe_megatron_options(report: Report, cfg: RunConfig) -> None:
+    """One line naming the Megatron model, loss and optimizer options in effect (the RoPE
+    scaling factor used: Megatron's own GPT builder always uses 8); the flags that change
+    nothing are app.config.unread's."""
+    m, o = cfg.model, cfg.optimizer
+    used = [name for name, on in (
+        ("LayerNorm-1p (1 + weight)", m.layernorm_zero_centered_gamma),
+        ("squared ReLU", m.squared_relu),
+        ("QKV bias without other linear biases", m.qkv_bias and not m.add_bias_linear),
+        (f"RoPE positions / {m.rotary_seq_len_interpolation_factor}",
+         m.rotary_seq_len_interpolation_factor not in (None, 1)),
+        ("per-token loss (sum over the global batch's tokens / their count)",
+         cfg.training.calculate_per_token_loss),
+        ("gradients accumulated and reduced in bf16", cfg.precision.grad_reduce_in_bf16)) if on]
+    if m.use_rope_scaling:
+        used.append(f"Llama 3.1 RoPE scaling, factor {m.rope_scaling_factor:g} (Megatron-LM's "
+                    "own GPT builder uses 8 whatever --rope-scaling-factor says)")
+    if o.decoupled_lr_range:
+        used.append("embeddings and output layer at LR {:g} -> {:g} (--decoupled-lr)".format(
+            *o.decoupled_lr_range))
+    if used:
+        report.ok("Megatron options: " + "; ".join(used))
 
 
 def describe_moe(cfg: RunConfig) -> str:

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from app.checkpoint import param_layout as layout
-from app.checkpoint.hf.adapter import FamilyAdapter
+from app.checkpoint.hf.adapter import FamilyAdapter, shift_norm_weights
 from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, directory_tokenizer,
                                      import_args, read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
@@ -280,7 +280,9 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str,
         raise layout.LayoutError("cannot export to a Hugging Face GPT-2 model: "
                                  + "; ".join(blockers))
     vocab_size = getattr(args, "vocab_size", None)
-    tensors = to_hf_state(source.weights, source.num_layers, int(args.num_attention_heads),
+    zero_centred = model_config_from_args(args, for_inference=True).layernorm_zero_centered_gamma
+    weights = shift_norm_weights(source.weights, 1.0 if zero_centred else 0.0)  # GPT-2's gamma
+    tensors = to_hf_state(weights, source.num_layers, int(args.num_attention_heads),
                           int(vocab_size) if vocab_size else None)
     dtype = dtype or tensors["transformer.wte.weight"].dtype
     tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}

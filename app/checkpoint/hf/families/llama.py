@@ -1,6 +1,7 @@
-"""The Llama family's adapter: Hugging Face Llama (`LlamaForCausalLM`) and Qwen3
-(`Qwen3ForCausalLM`) <-> our model with the Llama recipe, weight names and layouts, config.json,
-and what of our model Llama cannot express (the directory's files are app.checkpoint.hf.files').
+"""The Llama family's adapter: Hugging Face Llama (`LlamaForCausalLM`), Qwen2
+(`Qwen2ForCausalLM`) and Qwen3 (`Qwen3ForCausalLM`) <-> our model with the Llama recipe, weight
+names and layouts, config.json, and what of our model they cannot express (the directory's
+files are app.checkpoint.hf.files').
 
 Layout differences handled both ways (our full tensors are what one process holds):
 - our fused QKV rows are [groups, (queries of the group, key, value), head_dim]; HF keeps
@@ -9,7 +10,12 @@ Layout differences handled both ways (our full tensors are what one process hold
 - HF's vocabulary is the tokenizer's; ours is padded, so rows are trimmed on export (the word
   embeddings and an untied lm_head) and padded again on import;
 - Qwen3's q_norm/k_norm are Megatron Core's qk-layernorm (RMSNorm over each head's channels,
-  before RoPE).
+  before RoPE);
+- Qwen2 is Llama with a bias on q/k/v only: --disable-bias-linear --add-qkv-bias;
+- --use-rope-scaling is rope_type "llama3" (factor --rope-scaling-factor, low/high frequency
+  factors 1 and 4, original context 8192: Megatron Core's fixed values);
+- --apply-layernorm-1p's zero-centred gammas are written as 1 + weight (HF's RMSNorm scales by
+  its weight) and read back as plain weights.
 """
 from __future__ import annotations
 
@@ -19,15 +25,15 @@ from typing import Dict, List, Optional
 import torch
 
 from app.checkpoint import param_layout as layout
-from app.checkpoint.hf.adapter import FamilyAdapter
-from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, directory_tokenizer,
-                                     import_args, read_hf_tensors, write_directory)
+from app.checkpoint.hf.adapter import FamilyAdapter, shift_norm_weights
+from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, decoder_import_args,
+                                     directory_tokenizer, read_hf_tensors, write_directory)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
 
-LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
-MODEL_TYPES = {"llama": LLAMA, "qwen3": QWEN3}
+LLAMA, QWEN2, QWEN3 = "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+MODEL_TYPES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 """config.json model_type -> the architecture this module reads and writes."""
 _NORMS = (("input_layernorm", "input_layernorm"),
           ("post_attention_layernorm", "post_attention_layernorm"),
@@ -38,6 +44,10 @@ _IGNORED = (".self_attn.rotary_emb.inv_freq",)
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """config.json's special ids (default: the tokenizer's)."""
 KEPT = (*TOKEN_IDS, "max_window_layers", "pretraining_tp")
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+"""rope_type "llama3"'s settings that Megatron Core fixes (--use-rope-scaling has only a
+factor)."""
 """config.json fields that do not change what the weights compute: an import keeps them in the
 args (`hf_config`, a dict) and the export writes them back, so HF -> ours -> HF is exact."""
 
@@ -62,6 +72,13 @@ def llama_export_blockers(config: ModelConfig) -> List[str]:
     if config.qk_layernorm and config.add_bias_linear:
         blockers.append("--qk-layernorm without --disable-bias-linear: Qwen3 (Llama with "
                         "query/key norms) has no MLP biases")
+    if config.qk_layernorm and config.qkv_bias and not config.add_bias_linear:
+        blockers.append("--qk-layernorm with --add-qkv-bias: Qwen3's attention biases include "
+                        "the output projection's, and Qwen2 (QKV biases) has no query/key norms")
+    if config.rotary_seq_len_interpolation_factor not in (None, 1):
+        blockers.append(f"--rotary-seq-len-interpolation-factor "
+                        f"{config.rotary_seq_len_interpolation_factor}: not written to "
+                        "config.json's rope parameters")
     if config.moe.enabled:
         blockers.append(f"--num-experts {config.moe.num_experts}: Llama's and Qwen3's MLPs are "
                         "dense (a Mixture-of-Experts model exports as Qwen3-MoE, Mixtral or "
@@ -71,10 +88,12 @@ def llama_export_blockers(config: ModelConfig) -> List[str]:
 
 def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
                 vocab_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
-    """Our full tensors (our names) -> HF Llama/Qwen3 names and layouts; `vocab_size` trims the
-    vocabulary rows (None keeps them all). The MLPs of a Mixture-of-Experts model's MoE layers
-    are left to its family (app.checkpoint.hf.moe)."""
+    """Our full tensors (our names) -> HF Llama/Qwen2/Qwen3 names and layouts (1 + the
+    zero-centred norm weights of --apply-layernorm-1p); `vocab_size` trims the vocabulary rows
+    (None keeps them all). The MLPs of a Mixture-of-Experts model's MoE layers are left to its
+    family (app.checkpoint.hf.moe)."""
     rows = slice(None, vocab_size)
+    ours = shift_norm_weights(ours, 1.0 if config.layernorm_zero_centered_gamma else 0.0)
     moe_layers = config.moe.layer_pattern(config.num_layers)
     out = {"model.embed_tokens.weight": ours[layout.WORD_EMBEDDINGS][rows],
            "model.norm.weight": ours[layout.FINAL_NORM[0]]}
@@ -86,11 +105,12 @@ def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
         for ours_name, hf_name in _NORMS:
             if mine(f"{ours_name}.weight") is not None:
                 out[f"{hf}{hf_name}.weight"] = mine(f"{ours_name}.weight")
-        for kind in ("weight", "bias") if config.add_bias_linear else ("weight",):
-            q, k, v = _split_qkv(mine(f"attention.query_key_value.{kind}"), config)
+        for kind in linear_tensors(config.qkv_bias):
+            q, k, v = split_qkv(mine(f"attention.query_key_value.{kind}"), config)
             out.update({f"{hf}self_attn.q_proj.{kind}": q, f"{hf}self_attn.k_proj.{kind}": k,
-                        f"{hf}self_attn.v_proj.{kind}": v,
-                        f"{hf}self_attn.o_proj.{kind}": mine(f"attention.dense.{kind}")})
+                        f"{hf}self_attn.v_proj.{kind}": v})
+        for kind in linear_tensors(config.add_bias_linear):
+            out[f"{hf}self_attn.o_proj.{kind}"] = mine(f"attention.dense.{kind}")
             if moe_layers[i]:
                 continue
             gate, up = mine(f"mlp.dense_h_to_4h.{kind}").chunk(2)
@@ -100,35 +120,29 @@ def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
 
 
 def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str, torch.Tensor]:
-    """HF Llama/Qwen3 tensors -> our names and layouts; inverse of to_hf_state (the vocabulary
+    """HF Llama/Qwen2/Qwen3 tensors -> our names and layouts; inverse of to_hf_state (the vocabulary
     keeps HF's rows: pad it afterwards; an MoE model's MoE layers take no dense MLP: their
     family reads those). A missing or unknown key, or a tied lm_head that differs from the
     embeddings, raises HFConversionError naming the key."""
     state = {k: v for k, v in hf.items() if not k.endswith(_IGNORED)}
     moe_layers = config.moe.layer_pattern(config.num_layers)
-    ours = {layout.WORD_EMBEDDINGS: _take(state, "model.embed_tokens.weight"),
-            layout.FINAL_NORM[0]: _take(state, "model.norm.weight")}
-    if config.untie_embeddings_and_output_weights:
-        ours[layout.OUTPUT_LAYER] = _take(state, "lm_head.weight")
-    elif "lm_head.weight" in state and not torch.equal(state.pop("lm_head.weight"),
-                                                       ours[layout.WORD_EMBEDDINGS]):
-        raise HFConversionError("lm_head.weight differs from model.embed_tokens.weight but "
-                                "config.json says tie_word_embeddings=true")
+    ours = take_outer(state, config)
     for i in range(config.num_layers):
         hf_name = lambda suffix: f"model.layers.{i}.{suffix}"  # noqa: E731
         name = lambda suffix: layout.layer_param_name(i, suffix)  # noqa: E731
         for ours_name, theirs in _NORMS[:4 if config.qk_layernorm else 2]:
-            ours[name(f"{ours_name}.weight")] = _take(state, hf_name(f"{theirs}.weight"))
-        for kind in ("weight", "bias") if config.add_bias_linear else ("weight",):
-            q, k, v = (_take(state, hf_name(f"self_attn.{p}_proj.{kind}")) for p in "qkv")
-            ours[name(f"attention.query_key_value.{kind}")] = _fuse_qkv(q, k, v, config)
-            ours[name(f"attention.dense.{kind}")] = _take(state,
+            ours[name(f"{ours_name}.weight")] = take(state, hf_name(f"{theirs}.weight"))
+        for kind in linear_tensors(config.qkv_bias):
+            q, k, v = (take(state, hf_name(f"self_attn.{p}_proj.{kind}")) for p in "qkv")
+            ours[name(f"attention.query_key_value.{kind}")] = fuse_qkv(q, k, v, config)
+        for kind in linear_tensors(config.add_bias_linear):
+            ours[name(f"attention.dense.{kind}")] = take(state,
                                                           hf_name(f"self_attn.o_proj.{kind}"))
             if moe_layers[i]:
                 continue
             ours[name(f"mlp.dense_h_to_4h.{kind}")] = torch.cat(
-                [_take(state, hf_name(f"mlp.{p}_proj.{kind}")) for p in ("gate", "up")])
-            ours[name(f"mlp.dense_4h_to_h.{kind}")] = _take(state, hf_name(f"mlp.down_proj.{kind}"))
+                [take(state, hf_name(f"mlp.{p}_proj.{kind}")) for p in ("gate", "up")])
+            ours[name(f"mlp.dense_4h_to_h.{kind}")] = take(state, hf_name(f"mlp.down_proj.{kind}"))
     if state:
         raise HFConversionError(f"Hugging Face key {sorted(state)[0]!r} cannot be mapped to a "
                                 f"Llama model with {config.num_layers} layers (config.json "
@@ -136,7 +150,30 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
     return ours
 
 
-def _split_qkv(t: torch.Tensor, config: ModelConfig):
+def take_outer(state: Dict[str, torch.Tensor], config: ModelConfig, norm_bias: bool = False
+               ) -> Dict[str, torch.Tensor]:
+    """Take the tensors outside the layers from a decoder's HF `state` (model.embed_tokens,
+    model.norm: its weight, and its bias with `norm_bias`, lm_head) under our names; a tied
+    lm_head that differs from the embeddings raises HFConversionError."""
+    ours = {layout.WORD_EMBEDDINGS: take(state, "model.embed_tokens.weight"),
+            layout.FINAL_NORM[0]: take(state, "model.norm.weight")}
+    if norm_bias:
+        ours[layout.FINAL_NORM[1]] = take(state, "model.norm.bias")
+    if config.untie_embeddings_and_output_weights:
+        ours[layout.OUTPUT_LAYER] = take(state, "lm_head.weight")
+    elif "lm_head.weight" in state and not torch.equal(state.pop("lm_head.weight"),
+                                                       ours[layout.WORD_EMBEDDINGS]):
+        raise HFConversionError("lm_head.weight differs from model.embed_tokens.weight but "
+                                "config.json says tie_word_embeddings=true")
+    return ours
+
+
+def linear_tensors(bias: bool):
+    """The tensors of a linear layer: its weight, and its bias when it has one."""
+    return ("weight", "bias") if bias else ("weight",)
+
+
+def split_qkv(t: torch.Tensor, config: ModelConfig):
     """Our fused QKV rows [groups, (per_group q, k, v), hd, ...] -> q [heads hd, ...],
     k and v [groups hd, ...]."""
     groups, hd = config.num_kv_heads, config.head_dim
@@ -147,9 +184,9 @@ def _split_qkv(t: torch.Tensor, config: ModelConfig):
             flat(grouped[:, per_group + 1]))
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig
               ) -> torch.Tensor:
-    """Inverse of _split_qkv."""
+    """Inverse of split_qkv."""
     groups, hd = config.num_kv_heads, config.head_dim
     per_group = config.num_attention_heads // groups
     rest = tuple(q.shape[1:])
@@ -158,7 +195,8 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelCo
     return fused.reshape(-1, *rest)
 
 
-def _take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
+def take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """Remove and return `state[key]`; HFConversionError naming a missing key."""
     if key not in state:
         raise HFConversionError(f"Hugging Face checkpoint has no {key!r}")
     return state.pop(key)
@@ -168,10 +206,14 @@ def _take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
 
 def hf_config(args: argparse.Namespace, config: ModelConfig, architecture: str,
               dtype: torch.dtype, vocab_size: int, tokenizer: ExportTokenizer) -> Dict:
-    """config.json of `architecture` (LLAMA or QWEN3) for the model `config` (its Megatron
-    `args` give the rest); the special ids are the ones an import kept in `args`, else the
-    tokenizer's."""
+    """config.json of `architecture` (LLAMA, QWEN2 or QWEN3) for the model `config` (its
+    Megatron `args` give the rest); the special ids are the ones an import kept in `args`, else
+    the tokenizer's."""
     theta = float(config.rotary_base)
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if config.use_rope_scaling:
+        rope = {"rope_type": "llama3", "rope_theta": theta,
+                "factor": float(config.rope_scaling_factor), **LLAMA3_ROPE}
     out = {
         "architectures": [architecture],
         "model_type": next(t for t, a in MODEL_TYPES.items() if a == architecture),
@@ -183,12 +225,14 @@ def hf_config(args: argparse.Namespace, config: ModelConfig, architecture: str,
         "initializer_range": float(getattr(args, "init_method_std", 0.02)),
         "rms_norm_eps": config.layernorm_epsilon, "use_cache": True,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "rope_scaling": None, "attention_bias": config.add_bias_linear,
+        "rope_theta": theta, "rope_parameters": rope,
+        "rope_scaling": rope if config.use_rope_scaling else None,
         "attention_dropout": float(getattr(args, "attention_dropout", 0.0)),
         "dtype": str(dtype).replace("torch.", "")}
     defaults = {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eos,
                 "pad_token_id": tokenizer.pad}
+    if architecture != QWEN2:  # Qwen2's biases are fixed: q/k/v only
+        out["attention_bias"] = config.add_bias_linear
     if architecture == LLAMA:
         out.update(mlp_bias=config.add_bias_linear)
         defaults["pretraining_tp"] = 1
@@ -201,26 +245,36 @@ def hf_config(args: argparse.Namespace, config: ModelConfig, architecture: str,
     return out
 
 
-def _rope_theta(config: Dict, path: str) -> float:
-    """The RoPE base of a Llama/Qwen3 config.json (transformers 5's rope_parameters or the older
-    rope_theta); HFConversionError for a RoPE scaling our RoPE does not compute."""
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise HFConversionError(f"{path}: rope_type {kind!r} (RoPE scaling) is not supported; "
-                                "Megatron's --position-embedding-type rope is the default RoPE")
+def rope_settings(config: Dict, path: str) -> Dict[str, object]:
+    """The RoPE args of a config.json (transformers 5's rope_parameters, or the older rope_theta
+    and rope_scaling): rotary_base, and use_rope_scaling / rope_scaling_factor for rope_type
+    "llama3" with Megatron Core's fixed frequency factors; HFConversionError for another RoPE
+    scaling (which our RoPE does not compute)."""
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     if not theta.is_integer():
         raise HFConversionError(f"{path}: rope_theta {theta} is not a whole number "
                                 "(--rotary-base takes an integer)")
-    return theta
+    out: Dict[str, object] = {"rotary_base": int(theta), "use_rope_scaling": kind == "llama3"}
+    if kind == "llama3":
+        fixed = {key: float(params.get(key, value)) for key, value in LLAMA3_ROPE.items()}
+        if fixed != LLAMA3_ROPE or "factor" not in params:
+            raise HFConversionError(f"{path}: rope_type llama3 with {fixed} and factor "
+                                    f"{params.get('factor')} is not supported: Megatron's "
+                                    f"--use-rope-scaling takes a factor and fixes {LLAMA3_ROPE}")
+        out["rope_scaling_factor"] = float(params["factor"])
+    elif kind != "default":
+        raise HFConversionError(f"{path}: rope_type {kind!r} (RoPE scaling) is not supported; "
+                                "Megatron's RoPE is the default one or llama3's "
+                                "(--use-rope-scaling)")
+    return out
 
 
 def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: int = 128,
                         tokenizer_model: Optional[str] = None) -> argparse.Namespace:
-    """Megatron args of a Llama or Qwen3 config.json (`tokenizer_model`: the directory holding
-    its tokenizer, None when it has none)."""
+    """Megatron args of a Llama, Qwen2 or Qwen3 config.json (`tokenizer_model`: the directory
+    holding its tokenizer, None when it has none)."""
     kind = config.get("model_type")
     for key, value, fine in (("hidden_act", config.get("hidden_act", "silu"), "silu"),
                              ("use_sliding_window", config.get("use_sliding_window"), False)):
@@ -229,31 +283,18 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
                                     f"Llama recipe: {key} {fine!r})")
     biases = (bool(config.get("attention_bias", False)),  # Qwen3's MLP has none
               bool(config.get("mlp_bias", False)) if kind == "llama" else False)
+    if kind == "qwen2":  # q/k/v biases only, whatever the config says
+        biases = (False, False)
     if biases[0] != biases[1]:
         raise HFConversionError(f"{path}: attention_bias {biases[0]} with mlp_bias {biases[1]} "
                                 "is not supported: --disable-bias-linear drops the biases of "
                                 "both (the attention and the MLP) or neither")
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    positions = int(config.get("max_position_embeddings", 2048))
-    vocab = int(config["vocab_size"])
-    return import_args(
-        num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
-        num_attention_heads=heads, ffn_hidden_size=int(config["intermediate_size"]),
-        kv_channels=int(config.get("head_dim") or hidden // heads),
-        max_position_embeddings=positions, seq_length=positions, vocab_size=vocab,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by, padded_vocab_size=vocab,
-        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model,
+    return decoder_import_args(
+        config, 2048, make_vocab_size_divisible_by, tokenizer_model,
         layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
-        hidden_dropout=0.0, attention_dropout=float(config.get("attention_dropout", 0.0)),
-        init_method_std=float(config.get("initializer_range", 0.02)),
         swiglu=True, normalization="RMSNorm", qk_layernorm=kind == "qwen3",
-        add_bias_linear=biases[0],
-        position_embedding_type="rope", use_rotary_position_embeddings=True,
-        add_position_embedding=False, rotary_percent=1.0,
-        rotary_base=int(_rope_theta(config, path)),
-        group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
-        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        add_bias_linear=biases[0], add_qkv_bias=biases[0] or kind == "qwen2",
+        rotary_percent=1.0, **rope_settings(config, path),
         hf_config={key: config[key] for key in KEPT if key in config})
 
 
@@ -261,8 +302,8 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
 
 def read_hf_dir(path: str, config: Dict, make_vocab_size_divisible_by: int = 128
                 ) -> ModelCheckpoint:
-    """A `save_pretrained` Llama or Qwen3 directory whose config.json is `config` (its tokenizer,
-    when it has one, is named in the args as the run's --tokenizer-model)."""
+    """A `save_pretrained` Llama, Qwen2 or Qwen3 directory whose config.json is `config` (its
+    tokenizer, when it has one, is named in the args as the run's --tokenizer-model)."""
     args = args_from_hf_config(config, f"{path}/config.json", make_vocab_size_divisible_by,
                                directory_tokenizer(path))
     model = model_config_from_args(args, for_inference=True)
@@ -275,7 +316,8 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokeniz
                  dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
                  metrics_file: Optional[str] = None, model_path: Optional[str] = None
                  ) -> Dict[str, str]:
-    """`source` as a LlamaForCausalLM (Qwen3ForCausalLM with --qk-layernorm) directory
+    """`source` as a LlamaForCausalLM (Qwen3ForCausalLM with --qk-layernorm, Qwen2ForCausalLM
+    with --add-qkv-bias and no other linear biases) directory
     (app.checkpoint.hf.files.write_directory), the vocabulary trimmed to the tokenizer's size
     (args.vocab_size). Returns the files written."""
     args = source.args
@@ -298,7 +340,8 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokeniz
 
 
 class LlamaAdapter(FamilyAdapter):
-    """Hugging Face Llama, and Qwen3 (Llama's block with query/key norms: --qk-layernorm)."""
+    """Hugging Face Llama, Qwen2 (Llama's block with q/k/v biases: --disable-bias-linear
+    --add-qkv-bias) and Qwen3 (Llama's block with query/key norms: --qk-layernorm)."""
 
     family = "Llama"
     model_types = MODEL_TYPES
@@ -308,7 +351,9 @@ class LlamaAdapter(FamilyAdapter):
         return llama_export_blockers(config)
 
     def export_architecture(self, config: ModelConfig) -> str:
-        return QWEN3 if config.qk_layernorm else LLAMA
+        if config.qk_layernorm:
+            return QWEN3
+        return QWEN2 if config.qkv_bias and not config.add_bias_linear else LLAMA
 
     def read_directory(self, path: str, config: Dict,
                        make_vocab_size_divisible_by: int = 128) -> ModelCheckpoint:
