@@ -32,6 +32,7 @@ import torch
 from app.model.gpt2 import lm_loss
 from app.mpu.context_parallel import context_parallel_mean_loss
 from app.mpu.mappings import gather_from_tensor_model_parallel_region
+from app.utils import faults
 
 Metrics = Mapping[str, Union[torch.Tensor, float]]
 LossFn = Callable[[torch.Tensor, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Metrics]]
@@ -119,6 +120,15 @@ class MicroBatchObjective:
             self.metrics.append({name: torch.as_tensor(value).detach().float().reshape(())
                                  for name, value in metrics.items()})
         return loss
+
+    def training_loss_func(self, first_sample: int) -> Callable[..., torch.Tensor]:
+        """`loss_func` as an iteration of training (whose first sample is `first_sample`)
+        calls it: through the fault-injection point `faults.TRAINING_LOSS` when a test armed
+        it (app.utils.faults), else `loss_func` itself."""
+        inject = faults.armed(faults.TRAINING_LOSS)
+        if inject is None:
+            return self.loss_func
+        return lambda output, batch: inject(first_sample, self.loss_func(output, batch))
 
     def take(self) -> Tuple[List[Dict[str, torch.Tensor]], List[torch.Tensor]]:
         """The metrics and logits recorded since the last call."""

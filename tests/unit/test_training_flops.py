@@ -118,31 +118,32 @@ def test_real_cpu_measurement_is_positive_and_best_of():
     assert set(by_n) == {64, 128} and all(v > 1e7 for v in by_n.values())
 
 
-def _trainer(extra):
+def _report(extra):
+    """The TrainingReport (MFU, HFU) of a one-rank synthetic run with these extra flags."""
     import arguments
     from tests.harness.synthetic import build_synthetic_run
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4",
             "--distributed-backend", "gloo", *extra]
-    return build_synthetic_run(arguments.config_from_argv(argv, 1, 64), 16)["trainer"]
+    return build_synthetic_run(arguments.config_from_argv(argv, 1, 64), 16)["trainer"].report
 
 
 def test_mfu_over_100_percent_warns_once_and_hfu_counts_recompute(caplog):
-    plain = _trainer(["--peak-flops", "1e15"])
+    plain = _report(["--peak-flops", "1e15"])
     tps = 1000.0
-    u = plain._utilization(tps)
+    u = plain.utilization(tps)
     assert "hfu" not in u and u["mfu"] == pytest.approx(tps * plain.flops_per_token / 1e15)
-    recompute = _trainer(["--peak-flops", "1e15", "--checkpoint-activations"])
-    u = recompute._utilization(tps)
+    recompute = _report(["--peak-flops", "1e15", "--checkpoint-activations"])
+    u = recompute.utilization(tps)
     m = recompute.cfg.model
     Ln, h, s, v = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
     factor = (96 * Ln * h * h * (1 + s / (6 * h)) + 6 * h * v) / (
         72 * Ln * h * h * (1 + s / (6 * h) + v / (12 * Ln * h)))
     assert u["hfu"] / u["mfu"] == pytest.approx(factor) and factor > 1
-    tiny_peak = _trainer(["--peak-flops", "1e3"])
+    tiny_peak = _report(["--peak-flops", "1e3"])
     with caplog.at_level(logging.WARNING, logger="app"):
-        first = tiny_peak._utilization(tps)
-        tiny_peak._utilization(tps)
+        first = tiny_peak.utilization(tps)
+        tiny_peak.utilization(tps)
     warnings = [r for r in caplog.records if "exceeds the peak" in r.getMessage()]
     assert first["mfu"] > 1.0 and len(warnings) == 1
     assert "--peak-flops" in warnings[0].getMessage()
@@ -152,7 +153,7 @@ def test_hfu_follows_the_configured_recompute():
     """Selective recompute uses its own formula; block recompute counts only the recomputed
     layers (24 h^2 (1 + s/(6h)) per token for each)."""
     tps = 1000.0
-    plain = _trainer(["--peak-flops", "1e15", "--num-layers", "4"])
+    plain = _report(["--peak-flops", "1e15", "--num-layers", "4"])
     m = plain.cfg.model
     L, h, s, v = m.num_layers, m.hidden_size, m.seq_length, m.padded_vocab_size
     model_flops = 72 * L * h * h * (1 + s / (6 * h) + v / (12 * L * h))
@@ -164,7 +165,7 @@ def test_hfu_follows_the_configured_recompute():
          "--recompute-num-layers", "2"): 96 * L * h * h * (1 + s / (6 * h)) + 6 * h * v,
     }
     for flags, hardware in cases.items():
-        trainer = _trainer(["--peak-flops", "1e15", "--num-layers", "4", *flags])
-        u = trainer._utilization(tps)
-        assert trainer.recompute == flags[1]
+        report = _report(["--peak-flops", "1e15", "--num-layers", "4", *flags])
+        u = report.utilization(tps)
+        assert report.recompute == flags[1]
         assert u["hfu"] / u["mfu"] == pytest.approx(hardware / model_flops), flags

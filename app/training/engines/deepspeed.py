@@ -66,7 +66,7 @@ from app.launch.ports import free_port
 from app.training.engines import zero3
 from app.training.engines.deepspeed_io import CheckedCheckpointEngine
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
-from app.training.resilience.resume import (CheckpointContents, ResumePlan, check_saved_args,
+from app.training.checkpointing.resume import (CheckpointContents, ResumePlan, check_saved_args,
                                             deepspeed_problem)
 from app.utils.third_party import prepare_deepspeed_import, silence_deepspeed_deprecations
 
@@ -357,8 +357,9 @@ class DeepSpeedEngineAdapter(Engine):
         pieces at another stage (or ZeRO-0/1/2 optimizer states at stage 3), and ZeRO
         partitions over another number of data x context ranks (after the model shape, the more
         basic mismatch, which DeepSpeed would otherwise report first)."""
-        layout = saved_layout.check_loadable(
-            load_dir, plan.iteration, deepspeed=True,
+        layout = plan.layout  # detected once by the resume policy
+        saved_layout.refuse_unloadable(
+            layout, load_dir, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.zero_ps.data_parallel_size, load_optimizer=False)

@@ -30,8 +30,8 @@ from app.launch import interfaces
 from app.optim import OptimizerParamScheduler
 from app.training.planning.data_check import check_data
 from app.training.planning.memory import FIT_FRACTION, estimate_memory
-from app.training.resilience.data_order import check_data_order
-from app.training.resilience.resume import (ResumeTarget, check_resume, check_saved_args,
+from app.training.checkpointing.data_order import check_data_order
+from app.training.checkpointing.resume import (ResumeTarget, check_resume, check_saved_args,
                                             decide_start, require_rng_state)
 from app.training.resilience.save_dir import held_by_live_run, save_dir_problem
 
@@ -202,7 +202,7 @@ def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> No
 
 def _check_data_order(report: Report, cfg: RunConfig, saved: Any, data_order: Optional[dict],
                       where: str) -> None:
-    """The data-order check a resume makes (app.training.resilience.data_order)."""
+    """The data-order check a resume makes (app.training.checkpointing.data_order)."""
     if data_order is None or not int(getattr(saved, "iteration", 0) or 0):
         return
     try:

@@ -265,29 +265,9 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str,
                            model_path)
 
 
-class GPT2Adapter(FamilyAdapter):
-    """Hugging Face GPT-2, tried first when a model is exported."""
-
-    family = "GPT-2"
-    model_types = {"gpt2": GPT2, None: GPT2}  # None: an old GPT-2 config.json
-    export_order = 0
-
-    def export_blockers(self, config: ModelConfig) -> List[str]:
-        return gpt2_export_blockers(config)
-
-    def export_architecture(self, config: ModelConfig) -> str:
-        return GPT2
-
-    def read_directory(self, path: str, config: Dict,
-                       make_vocab_size_divisible_by: int = 128) -> ModelCheckpoint:
-        return read_hf_dir(path, config, make_vocab_size_divisible_by)
-
-    def write_directory(self, source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
-                        dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
-                        metrics_file: Optional[str] = None, model_path: Optional[str] = None
-                        ) -> Dict[str, str]:
-        return write_hf_dir(source, out_dir, tokenizer, dtype, max_shard_size, metrics_file,
-                            model_path)
-
-
-ADAPTER = GPT2Adapter()
+ADAPTER = FamilyAdapter(
+    family="GPT-2", model_types={"gpt2": GPT2, None: GPT2},  # None: an old GPT-2 config.json
+    export_order=0,  # tried first
+    export_blockers=gpt2_export_blockers, export_architecture=lambda config: GPT2,
+    read_directory=read_hf_dir, write_directory=write_hf_dir)
+"""Hugging Face GPT-2, tried first when a model is exported."""

@@ -65,6 +65,11 @@ def llama_export_blockers(config: ModelConfig) -> List[str]:
     return blockers
 
 
+def llama_architecture(config: ModelConfig) -> str:
+    """QWEN3 for the Llama block with query/key norms (--qk-layernorm), else LLAMA."""
+    return QWEN3 if config.qk_layernorm else LLAMA
+
+
 def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
                 vocab_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Our full tensors (our names) -> HF Llama/Qwen3 names and layouts; `vocab_size` trims the
@@ -272,7 +277,7 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokeniz
     if blockers:
         raise HFConversionError("the model is not a Hugging Face Llama model: "
                                 + "; ".join(blockers))
-    architecture = ADAPTER.export_architecture(config)
+    architecture = llama_architecture(config)
     vocab_size = int(getattr(args, "vocab_size", None) or
                      source.weights[layout.WORD_EMBEDDINGS].shape[0])
     tensors = to_hf_state(source.weights, config, vocab_size)
@@ -284,30 +289,9 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokeniz
                            metrics_file, model_path)
 
 
-
-class LlamaAdapter(FamilyAdapter):
-    """Hugging Face Llama, and Qwen3 (Llama's block with query/key norms: --qk-layernorm)."""
-
-    family = "Llama"
-    model_types = MODEL_TYPES
-    export_order = 10
-
-    def export_blockers(self, config: ModelConfig) -> List[str]:
-        return llama_export_blockers(config)
-
-    def export_architecture(self, config: ModelConfig) -> str:
-        return QWEN3 if config.qk_layernorm else LLAMA
-
-    def read_directory(self, path: str, config: Dict,
-                       make_vocab_size_divisible_by: int = 128) -> ModelCheckpoint:
-        return read_hf_dir(path, config, make_vocab_size_divisible_by)
-
-    def write_directory(self, source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
-                        dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
-                        metrics_file: Optional[str] = None, model_path: Optional[str] = None
-                        ) -> Dict[str, str]:
-        return write_hf_dir(source, out_dir, tokenizer, dtype, max_shard_size, metrics_file,
-                            model_path)
-
-
-ADAPTER = LlamaAdapter()
+ADAPTER = FamilyAdapter(
+    family="Llama", model_types=MODEL_TYPES, export_order=10,
+    export_blockers=llama_export_blockers,
+    export_architecture=llama_architecture,
+    read_directory=read_hf_dir, write_directory=write_hf_dir)
+"""Hugging Face Llama, and Qwen3 (Llama's block with query/key norms: --qk-layernorm)."""
