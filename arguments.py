@@ -303,7 +303,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, raw_vocab_size: 
         kernels=dict(build_timeout=(
             default_kernel_build_timeout(args.distributed_timeout_minutes)
             if args.kernel_build_timeout is None else args.kernel_build_timeout)),
-        wandb=dict(save_dir=_wandb_save_dir(args)))
+        wandb=dict(save_dir=_wandb_save_dir(args)),
+        explicit_flags=frozenset(getattr(args, "_explicit_flags", ())))
     if ds_json is not None:
         reconciled = reconcile_ds_config(ds_json, cfg, deepspeed.config_path,
                                          getattr(args, "_explicit_flags", ()))

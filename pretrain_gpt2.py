@@ -22,6 +22,7 @@ from app.data import build_tokenizer
 from app.training.planning import preflight as preflight_lib
 from app.training import pretrain as pretrain_lib
 from app.launch.distributed import WorldInfo, discover_world
+from app.launch.threads import choose_threads
 from app.launch.slurm import SlurmLaunchError
 from app.training.loss import LossFunction
 
@@ -48,6 +49,7 @@ def preflight(args: argparse.Namespace, world: WorldInfo) -> preflight_lib.Repor
     report = preflight_lib.Report()
     report.section("world")
     report.ok(world.describe())
+    report.ok(choose_threads(os.environ, world.local_world_size or world.world_size).describe())
     if world.warning:
         report.warn(world.warning)
     report.section("tokenizer")

@@ -1,7 +1,9 @@
-"""Shared pytest setup: one torch thread per test process (the suite runs on 2 cores), the
-launch variables an in-process DeepSpeed run sets (RANK, WORLD_SIZE, MASTER_PORT, ...) put back
-after each test, so no later test or command it starts inherits them, and every fault-injection
-point (app/utils/faults.py) disarmed after each test, so a test may simply `faults.arm` one."""
+"""Shared pytest setup: one torch thread per test process (the suite runs on 2 cores), also as
+OMP_NUM_THREADS=1, which the runs a test starts in-process or in children take as the user's
+choice (app.launch.threads); the launch variables an in-process DeepSpeed run sets (RANK,
+WORLD_SIZE, MASTER_PORT, ...) put back after each test, so no later test or command it starts
+inherits them; and every fault-injection point (app/utils/faults.py) disarmed after each test,
+so a test may simply `faults.arm` one."""
 import os
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from app.utils import faults
 
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                      "MASTER_PORT")

@@ -42,6 +42,7 @@ import numpy as np
 # this checkout's `app`, whether or not the project is pip-installed
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config.cli import parse_config
+from app.config.data import tokenizer_flags_not_read
 from app.config.inference import MERGES, TOKENIZER_MODEL, VOCAB
 from app.config.options import PathOption, option
 from app.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype,
@@ -454,6 +455,9 @@ def run(args: PreprocessOptions) -> Dict[str, int]:
                                     tokenizer_model=args.tokenizer_model)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    for note in tokenizer_flags_not_read(args.tokenizer_type, args.vocab_file, args.merge_file,
+                                         args.tokenizer_model, None):
+        print(f"warning: {note}", file=sys.stderr)
     punkt_params = build_punkt_params(args) if args.split_sentences else None
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))

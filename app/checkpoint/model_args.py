@@ -5,7 +5,10 @@ read it) from a RunConfig, the ModelConfig read back from one, and the check tha
 a few fields Megatron tools read; `model_config_from_args` is its inverse on the model's
 fields (for inference and conversion; older checkpoints' missing fields take ModelConfig's
 defaults). Three ModelConfig fields have no Megatron arg and are not stored (NOT_SAVED).
-`check_checkpoint_args` compares the fields that must agree (MODEL_SHAPE_FIELDS) and the layout.
+`check_checkpoint_args` compares the fields that must agree (MODEL_SHAPE_FIELDS) and the layout,
+naming the flag that would load the checkpoint; the tokenizer is compared by what it does
+(app.data.tokenizer_identity: a GPT-2 BPE given as vocab.json + merges.txt is the same
+tokenizer as the same vocabulary and merges in a tokenizer.json), not by its type's name.
 
 Args written by Megatron-LM itself (core_v0.16.1 to today's main; tests/data/megatron_args holds
 what its parse_args makes) are read with Megatron's meaning (`_meaning`): e.g. num_query_groups is
@@ -17,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Callable, Dict, Optional
+import os
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from app.checkpoint import CheckpointError
 from app.config import ModelConfig, RunConfig
+from app.config.data import tokenizer_type_in_effect
+from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers, gpt2_bpe_in_directory
 from app.utils.dtypes import dtype_name, torch_dtype
 
 FIXED_ARCHITECTURE: Dict[str, Any] = {
@@ -49,8 +55,10 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
     """The `args` Namespace stored in a checkpoint: Megatron's names, from `cfg` and the position.
 
     Carries the model shape, the parallel layout, the data position, the data-order record
-    (`data_order`, app.data.plan.order_record; None when not known) and a few fields Megatron
-    tools read (params_dtype, position_embedding_type, ...). Plain Python values and one
+    (`data_order`, app.data.plan.order_record; None when not known), the tokenizer as its flags
+    name it (the type in effect: NullTokenizer for --vocab-size without --vocab-file; the
+    --vocab-file / --merge-file / --tokenizer-model it reads) and a few fields Megatron tools
+    read (params_dtype, position_embedding_type, ...). Plain Python values and one
     torch.dtype only, so it loads under weights_only with Namespace allow-listed.
     """
     m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
@@ -61,7 +69,10 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         seq_length=m.seq_length, padded_vocab_size=m.padded_vocab_size,
         vocab_size=cfg.raw_vocab_size,
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
-        tokenizer_type=cfg.data.tokenizer_type, layernorm_epsilon=m.layernorm_epsilon,
+        tokenizer_type=tokenizer_type_in_effect(cfg.data.tokenizer_type, cfg.data.vocab_file,
+                                                cfg.data.vocab_size),
+        vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file,
+        layernorm_epsilon=m.layernorm_epsilon,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, openai_gelu=m.openai_gelu,
         bias_gelu_fusion=m.bias_gelu_fusion, masked_softmax_fusion=m.masked_softmax_fusion,
@@ -187,39 +198,105 @@ def _architecture(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def check_checkpoint_args(ckpt_args: Optional[argparse.Namespace],
-                          current: argparse.Namespace, reshardable: bool = False) -> None:
-    """Raise CheckpointError if the checkpoint's model shape or TP/PP layout differs from ours.
+                          current: argparse.Namespace, reshardable: bool = False) -> List[str]:
+    """Raise CheckpointError if the checkpoint's model shape, tokenizer or TP/PP layout differs
+    from ours; returns the notes to log (a tokenizer named another way but the same).
 
-    Fields missing from an older checkpoint are skipped. The message names the field and both
-    values; a tensor/pipeline size mismatch also says how to reshard (tools/convert_checkpoint.py).
-    A `reshardable` checkpoint (torch_dist) may have any TP/PP layout and vocabulary padding
-    (its tensors' global shapes are checked when they are read).
+    Fields missing from an older checkpoint are skipped. The message names the field, both
+    values and the flag that would load the checkpoint; a tensor/pipeline size mismatch says
+    how to reshard (tools/convert_checkpoint.py). A `reshardable` checkpoint (torch_dist) may
+    have any TP/PP layout and vocabulary padding (its tensors' global shapes are checked when
+    they are read). The tokenizers are compared by what they do (`check_tokenizer`).
     """
     if ckpt_args is None:
-        return
+        return []
     for name in () if reshardable else ("tensor_model_parallel_size",
                                         "pipeline_model_parallel_size"):
         saved, now = getattr(ckpt_args, name, 1), getattr(current, name, 1)
         if saved != now:
+            tp = getattr(current, "tensor_model_parallel_size", 1)
+            pp = getattr(current, "pipeline_model_parallel_size", 1)
             raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
                                   f"{now}; reshard it first: tools/convert_checkpoint.py "
-                                  "--input-format megatron --target-tensor-model-parallel-size T "
-                                  "--target-pipeline-model-parallel-size P --include-optimizer")
+                                  "--input-format megatron --load CKPT --save NEW "
+                                  f"--target-tensor-model-parallel-size {tp} "
+                                  f"--target-pipeline-model-parallel-size {pp} "
+                                  "--include-optimizer, then --load NEW")
+    notes = check_tokenizer(ckpt_args, current)
     for name in MODEL_SHAPE_FIELDS:
-        if reshardable and name == "padded_vocab_size":
+        if (reshardable and name == "padded_vocab_size") or name == "tokenizer_type":
             continue
         saved, now = _meaning(ckpt_args, name), _meaning(current, name)
         if saved is _UNKNOWN or now is _UNKNOWN or saved == now:
             continue
-        fix = "pass the same model flags as the run that saved it"
-        if name in FIXED_ARCHITECTURE and name not in _MODEL_FIELDS:
-            fix = f"this code builds only {name} {FIXED_ARCHITECTURE[name]}"
         raise CheckpointError(f"checkpoint was saved with {name} {saved} but this run uses "
-                              f"{now}; {fix}")
+                              f"{now}; {_fix(name, saved, ckpt_args)}")
+    return notes
+
+
+def check_tokenizer(ckpt_args: argparse.Namespace, current: argparse.Namespace) -> List[str]:
+    """CheckpointError when the checkpoint's tokenizer is not this run's, naming the flags that
+    would load it; the notes to log when it is the same tokenizer under another name.
+
+    Compared by what the tokenizers do (app.data.tokenizer_identity.compare_tokenizers): the
+    same vocabulary, merges and special tokens are the same tokenizer whatever the type says.
+    When a file is not here to compare, the type names must agree (as before the comparison
+    existed); a checkpoint saved before the type in effect was recorded names GPT2BPETokenizer
+    for a --vocab-size run without a vocabulary file, which is NullTokenizer of that size."""
+    saved, ours = TokenizerSpec.from_args(ckpt_args), TokenizerSpec.from_args(current)
+    if saved is None or ours is None:
+        return []
+    match = compare_tokenizers(saved, ours)
+    if match.same:
+        if saved.tokenizer_type == ours.tokenizer_type:
+            return []
+        return [f"tokenizer: this run's {ours.flags()} is the checkpoint's {saved.flags()}: "
+                f"{match.detail}"]
+    older_null = (saved.tokenizer_type == "GPT2BPETokenizer" and not saved.vocab_file
+                  and ours.tokenizer_type == "NullTokenizer"
+                  and saved.vocab_size == ours.vocab_size)
+    if match.same is None and (saved.tokenizer_type == ours.tokenizer_type or older_null):
+        return []
+    why = (f"it is not the same tokenizer ({match.detail})" if match.same is False else
+           f"the two cannot be compared ({match.detail})")
+    gpt2 = (saved.tokenizer_type == "HuggingFaceTokenizer" and saved.tokenizer_model
+            and os.path.isdir(saved.tokenizer_model)
+            and gpt2_bpe_in_directory(saved.tokenizer_model) is not None)
+    also = (" (or --tokenizer-type GPT2BPETokenizer with --vocab-file/--merge-file of the same "
+            "vocabulary and merges: it is a GPT-2 BPE)" if gpt2 else "")
+    raise CheckpointError(f"checkpoint was saved with tokenizer {saved.flags()} but this run "
+                          f"uses {ours.flags()}, and {why}; to load it pass {saved.flags()}"
+                          f"{also}")
+
+
+def _fix(name: str, saved: Any, ckpt_args: argparse.Namespace) -> str:
+    """The flags that give this run the checkpoint's `name` = `saved`."""
+    if name in FIXED_ARCHITECTURE and name not in _MODEL_FIELDS:
+        return f"this code builds only {name} {FIXED_ARCHITECTURE[name]}"
+    if name == "padded_vocab_size":
+        divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None)
+        raw = getattr(ckpt_args, "vocab_size", None)
+        return (f"its vocabulary of {raw or '?'} tokens was padded to a multiple of "
+                f"--make-vocab-size-divisible-by {divisor or '?'} x the tensor-parallel size: "
+                f"pass --make-vocab-size-divisible-by {divisor or 'N'} and its tokenizer")
+    if name == "num_query_groups":
+        heads = getattr(ckpt_args, "num_attention_heads", None)
+        return ("drop --group-query-attention / --num-query-groups" if saved == heads else
+                f"pass --group-query-attention --num-query-groups {saved}")
+    flag = _MODEL_FLAGS.get(name)
+    if flag is None:
+        return "pass the same model flags as the run that saved it"
+    if isinstance(saved, bool):
+        wanted = saved != (flag.action == "store_false")  # whether the flag must be given
+        return f"{'pass' if wanted else 'drop'} {flag.name}, as the run that saved it did"
+    return f"pass {flag.name} {saved}"
 
 
 _UNKNOWN = object()
 _MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+_MODEL_FLAGS = {f.name: f.metadata["flag"] for f in dataclasses.fields(ModelConfig)
+                if "flag" in f.metadata}
+"""ModelConfig's fields with their command-line flags (app.config.options.Flag)."""
 
 
 def _meaning(args: argparse.Namespace, name: str) -> Any:

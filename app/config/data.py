@@ -2,12 +2,22 @@
 `app.config`."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import ClassVar, List, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 from app.config.blends import DEFAULT_SPLIT, DataBlends, resolve_blends
 from app.config.options import option
 from app.config.rules import split_weights
+
+TOKENIZER_READS: Dict[str, Tuple[str, ...]] = {
+    "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    "NullTokenizer": ("--vocab-size",),
+    "HuggingFaceTokenizer": ("--tokenizer-model",),
+    "SentencePieceTokenizer": ("--tokenizer-model",),
+    "GPTSentencePieceTokenizer": ("--tokenizer-model",)}
+"""The flags each --tokenizer-type reads (Megatron-LM's types; app.data.tokenizer builds
+them)."""
 
 BLEND_HELP = ("a prefix of a .bin/.idx pair, weight/prefix pairs 'w1 p1 w2 p2 ...', or "
               "prefixes 'p1 p2 ...' weighted by their sizes (Megatron's rules)")
@@ -87,3 +97,42 @@ class DataConfig:
         if self.mock_data and self.blends is not None:
             raise ValueError(f"--mock-data and {self.blends.source} are two data sources; give "
                              "one of them")
+
+
+def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],
+                             vocab_size: Optional[int]) -> str:
+    """--tokenizer-type, except that --vocab-size without --vocab-file selects NullTokenizer
+    (`--mock-data --vocab-size 50257` needs no other flag); --vocab-size with a
+    GPT2BPETokenizer's --vocab-file is a contradiction and raises."""
+    if vocab_size is None or tokenizer_type != "GPT2BPETokenizer":
+        return tokenizer_type
+    if vocab_file:
+        raise ValueError(f"--vocab-size ({vocab_size}) is NullTokenizer's vocabulary, but "
+                         f"--vocab-file {vocab_file} gives a GPT2BPETokenizer its own: drop "
+                         "--vocab-size, or drop --vocab-file/--merge-file for NullTokenizer")
+    return "NullTokenizer"
+
+
+def tokenizer_flags_not_read(tokenizer_type: str, vocab_file: Optional[str],
+                             merge_file: Optional[str], tokenizer_model: Optional[str],
+                             vocab_size: Optional[int]) -> List[str]:
+    """One warning per tokenizer flag given that the tokenizer type in effect does not read
+    (TOKENIZER_READS), naming the flag, the type and what it reads instead; a path that does
+    not exist says so. NullTokenizer's refusal of vocabulary files (app.data.tokenizer) and
+    the --vocab-size contradiction above are errors, not warnings."""
+    kind = tokenizer_type_in_effect(tokenizer_type, vocab_file, vocab_size)
+    reads = TOKENIZER_READS.get(kind)
+    if reads is None:
+        return []
+    given = {"--vocab-file": vocab_file, "--merge-file": merge_file,
+             "--tokenizer-model": tokenizer_model, "--vocab-size": vocab_size}
+    refused = ("--vocab-file", "--merge-file") if kind == "NullTokenizer" else ()
+    notes = []
+    for flag, value in given.items():
+        if value is None or flag in reads or flag in refused:
+            continue
+        missing = flag in ("--vocab-file", "--merge-file") and not os.path.exists(value)
+        notes.append(f"{flag} {value} is not read: --tokenizer-type {kind} reads "
+                     f"{' and '.join(reads)}{' (and that file does not exist)' if missing else ''}"
+                     f"; drop {flag}, or choose the tokenizer type that reads it")
+    return notes

@@ -135,9 +135,9 @@ def _reconcile_loss_scale(ds: Dict[str, Any], cfg: RunConfig, path: str,
                           explicit_flags: Iterable[str]) -> None:
     """Loss-scale flags given on the command line go into the JSON's fp16 block (or must agree)."""
     given = [f for f in explicit_flags if f in LOSS_SCALE_FLAGS]
-    if not given:
+    p = cfg.precision
+    if not given or not p.fp16:  # without fp16 they are not read (app.config.unread warns)
         return
-    p = cfg.precision  # PrecisionConfig has refused loss-scale flags without --fp16
     initial, minimum, window, hysteresis = p.dynamic_scaler_settings()
     power = math.log2(initial)
     if "--initial-loss-scale" in given and not float(power).is_integer():

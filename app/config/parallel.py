@@ -3,7 +3,7 @@ Part of `app.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, List, Optional, Tuple
 
 from app.config.options import option
 from app.config.rules import positive
@@ -89,8 +89,9 @@ class ParallelConfig:
 class PrecisionConfig:
     """Numeric precision: fp32, bf16 or fp16 weights (native path or DeepSpeed).
 
-    The loss-scale fields apply to fp16 only and default (None) to Megatron's values: initial
-    scale 2^32, minimum 1, window 1000, hysteresis 2; `loss_scale` set means a static scale.
+    The loss-scale fields apply to fp16 only (given with bf16 or fp32 they are not read, and a
+    warning says so) and default (None) to Megatron's values: initial scale 2^32, minimum 1,
+    window 1000, hysteresis 2; `loss_scale` set means a static scale.
     On the DeepSpeed path, the ones given fill the JSON's fp16 block; without --fp16/--bf16 the
     precision comes from the JSON (arguments.py).
     """
@@ -128,14 +129,6 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
-        given = [flag for flag, value in (("--loss-scale", self.loss_scale),
-                                          ("--initial-loss-scale", self.initial_loss_scale),
-                                          ("--min-loss-scale", self.min_loss_scale),
-                                          ("--loss-scale-window", self.loss_scale_window),
-                                          ("--hysteresis", self.hysteresis)) if value is not None]
-        if given and not self.fp16:
-            raise ValueError(f"{', '.join(given)} only apply with --fp16 (bf16 and fp32 need no "
-                             "loss scaling); drop them or add --fp16")
         positive(self, (("loss_scale", "--loss-scale"),
                          ("initial_loss_scale", "--initial-loss-scale"),
                          ("min_loss_scale", "--min-loss-scale"),
@@ -155,6 +148,16 @@ class PrecisionConfig:
     def grads_accumulate_in_fp32(self) -> bool:
         """Whether half-precision gradients accumulate in fp32 buffers (bf16: always)."""
         return self.bf16 or (self.fp16 and self.accumulate_allreduce_grads_in_fp32)
+
+    @property
+    def loss_scale_flags(self) -> List[str]:
+        """The loss-scale flags given (read with --fp16 only; app.config.unread warns about
+        them otherwise, as Megatron-LM accepts and ignores them)."""
+        return [flag for flag, value in (("--loss-scale", self.loss_scale),
+                                         ("--initial-loss-scale", self.initial_loss_scale),
+                                         ("--min-loss-scale", self.min_loss_scale),
+                                         ("--loss-scale-window", self.loss_scale_window),
+                                         ("--hysteresis", self.hysteresis)) if value is not None]
 
     def dynamic_scaler_settings(self) -> Tuple[float, float, int, int]:
         """(initial scale, minimum scale, growth window, hysteresis) with Megatron's defaults."""

@@ -3,7 +3,7 @@ Part of `app.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import FrozenSet, Tuple
 
 from app.config.batch_schedule import BatchSchedule, schedule_of
 from app.config.checkpoint import CheckpointConfig
@@ -41,6 +41,9 @@ class RunConfig:
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     inprocess: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    explicit_flags: FrozenSet[str] = frozenset()
+    """The flags given on the command line, each by its first spelling (arguments.py); the
+    ones the run's path does not read are named by app.config.unread."""
     batch_schedule: BatchSchedule = field(init=False)
     """The global batch of each iteration (app.config.batch_schedule), from --global-batch-size
     and --rampup-batch-size or --step-batch-size-schedule."""

@@ -28,6 +28,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from app.config.data import tokenizer_type_in_effect
+
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
@@ -339,20 +341,6 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],
-                             vocab_size: Optional[int]) -> str:
-    """--tokenizer-type, except that --vocab-size without --vocab-file selects NullTokenizer
-    (`--mock-data --vocab-size 50257` needs no other flag); --vocab-size with a
-    GPT2BPETokenizer's --vocab-file is a contradiction and raises."""
-    if vocab_size is None or tokenizer_type != "GPT2BPETokenizer":
-        return tokenizer_type
-    if vocab_file:
-        raise ValueError(f"--vocab-size ({vocab_size}) is NullTokenizer's vocabulary, but "
-                         f"--vocab-file {vocab_file} gives a GPT2BPETokenizer its own: drop "
-                         "--vocab-size, or drop --vocab-file/--merge-file for NullTokenizer")
-    return "NullTokenizer"
-
-
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
                     vocab_size: Optional[int] = None, tokenizer_model: Optional[str] = None
                     ) -> Union[GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer,
@@ -394,6 +382,26 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,
     return -(-vocab_size // multiple) * multiple
 
 
+def _train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: List[str],
+                          min_frequency: int) -> "tokenizers.Tokenizer":
+    """A byte-level BPE with GPT-2's pre-tokenizer trained on `texts`: the 256 byte symbols,
+    `special_tokens` (ids 0, 1, ...) and the merges learned, at most `vocab_size` entries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    least = 256 + len(special_tokens)
+    if vocab_size < least:
+        raise ValueError(f"vocab_size ({vocab_size}) must be at least {least} (256 bytes + "
+                         f"{', '.join(special_tokens)})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=special_tokens, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
 def train_gpt2_bpe(texts: Iterable[str], vocab_size: int, output_dir: str,
                    min_frequency: int = 2) -> Tuple[str, str]:
     """Train a GPT-2-format byte-level BPE on `texts`; write vocab.json + merges.txt; return paths.
@@ -401,16 +409,34 @@ def train_gpt2_bpe(texts: Iterable[str], vocab_size: int, output_dir: str,
     The vocabulary holds the 256 byte symbols, `<|endoftext|>` and the learned merges, so its size
     is at most `vocab_size` (smaller when the text runs out of pairs seen `min_frequency` times).
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    if vocab_size < 257:
-        raise ValueError(f"vocab_size ({vocab_size}) must be at least 257 (256 bytes + {EOD_TOKEN})")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=[EOD_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok = _train_byte_level_bpe(texts, vocab_size, [EOD_TOKEN], min_frequency)
     os.makedirs(output_dir, exist_ok=True)
     tok.model.save(output_dir)  # writes vocab.json and merges.txt (with a #version header)
     return os.path.join(output_dir, "vocab.json"), os.path.join(output_dir, "merges.txt")
+
+
+LLAMA_BOS, LLAMA_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+"""The special tokens of train_hf_bpe's tokenizers (Llama 3's names)."""
+
+
+def train_hf_bpe(texts: Iterable[str], vocab_size: int, output_dir: str,
+                 min_frequency: int = 2) -> str:
+    """Train a Llama-3-style Hugging Face tokenizer on `texts` and save it in `output_dir`
+    (tokenizer.json, tokenizer_config.json: what AutoTokenizer and --tokenizer-type
+    HuggingFaceTokenizer --tokenizer-model `output_dir` load); returns `output_dir`.
+
+    A byte-level BPE (GPT-2's pre-tokenizer) whose ids 0 and 1 are LLAMA_BOS and LLAMA_EOS; it
+    puts LLAMA_BOS before every text, as Llama's tokenizers do, and LLAMA_EOS is its eos token
+    (the end of document that --append-eod appends)."""
+    from tokenizers import processors
+
+    tok = _train_byte_level_bpe(texts, vocab_size, [LLAMA_BOS, LLAMA_EOS], min_frequency)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{LLAMA_BOS} $A", pair=f"{LLAMA_BOS} $A {LLAMA_BOS} $B",
+        special_tokens=[(LLAMA_BOS, tok.token_to_id(LLAMA_BOS))])
+    os.makedirs(output_dir, exist_ok=True)
+    tok.save(os.path.join(output_dir, "tokenizer.json"))
+    with open(os.path.join(output_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": LLAMA_BOS,
+                   "eos_token": LLAMA_EOS}, f, indent=2)
+    return output_dir

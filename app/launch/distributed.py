@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from app.launch import interfaces, slurm
 from app.launch.ports import pick_master_port
+from app.launch.threads import ThreadChoice, apply_threads, choose_threads
 from app.mpu import collectives
 from app.launch.waits import WaitReport
 
@@ -63,6 +64,8 @@ class DistributedInfo:
     """The NCCL diagnostics variables start-up exported (nccl_diagnostics_environment)."""
     world: Optional["WorldInfo"] = None
     """Where the ranks came from (logged at start-up)."""
+    threads: Optional[ThreadChoice] = None
+    """The intra-op threads start-up chose (app.launch.threads; logged at start-up)."""
 
 
 def _routable_address(spans_hosts: bool = False) -> str:
@@ -381,11 +384,14 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
     for a stopped rank. Under torchrun the groups' keys are this attempt's own (module doc). A
     rendezvous slower than `report_after_s()` is reported while it lasts. With NCCL, PyTorch's
     flight recorder dumps to `trace_dir` (nccl_trace_dir) unless the user configured it.
-    A taken rendezvous port raises RendezvousPortInUse. Returns this rank's info; the device is
-    `cuda:cuda_device_index(...)` on GPUs and the CPU otherwise. `world` is the one
-    pretrain_gpt2.py discovered; None discovers it here (`discover_world(use_mpi)`).
+    The intra-op threads are chosen (app.launch.threads: OMP_NUM_THREADS, else the cores over
+    the ranks on the node). A taken rendezvous port raises RendezvousPortInUse. Returns this
+    rank's info; the device is `cuda:cuda_device_index(...)` on GPUs and the CPU otherwise.
+    `world` is the one pretrain_gpt2.py discovered; None discovers it here
+    (`discover_world(use_mpi)`).
     """
     world = world if world is not None else discover_world(use_mpi)
+    threads = apply_threads(choose_threads(os.environ, world.local_world_size or world.world_size))
     use_cuda = torch.cuda.is_available()
     backend = backend or default_backend()
     device = torch.device("cpu")
@@ -423,7 +429,7 @@ def init_distributed(backend: Optional[str] = None, use_mpi: bool = False,
             raise
     return DistributedInfo(rank=world.rank, world_size=world.world_size,
                            local_rank=world.local_rank, device=device, nccl_environment=nccl,
-                           world=world)
+                           world=world, threads=threads)
 
 
 def log_launch_notes(info: DistributedInfo, resumed_from: Optional[int]) -> None:

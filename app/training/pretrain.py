@@ -29,6 +29,7 @@ import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from app.config import RunConfig, samples_per_split
+from app.config.unread import unread_flags
 from app.data import build_mock_datasets
 from app.data.gpt_dataset import build_datasets
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
@@ -169,11 +170,14 @@ def _log_precision(cfg: RunConfig) -> None:
 
 
 def _log_world(cfg: RunConfig, info: DistributedInfo) -> None:
-    """The start-up lines naming where the ranks came from and, when derived, the exit time."""
+    """The start-up lines naming where the ranks came from, the intra-op threads and, when
+    derived, the exit time."""
     if info.world is not None:
         logger.info("> world: %s", info.world.describe())
         if info.world.warning:
             logger.warning(info.world.warning)
+    if info.threads is not None:
+        logger.info("> %s", info.threads.describe())
     t = cfg.training
     if t.exit_duration_source:
         logger.info("> --exit-duration-in-mins %.1f (from %s)", t.exit_duration_in_mins,
@@ -217,6 +221,9 @@ def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
                 cfg.raw_vocab_size, cfg.model.padded_vocab_size - cfg.raw_vocab_size,
                 cfg.model.padded_vocab_size)
     _log_precision(cfg)
+    if restart is None or not restart.restarts:
+        for note in unread_flags(cfg):  # once per run, not per in-process restart
+            logger.warning(note)
     with contextlib.ExitStack() as stack:
         lock, decision = _start_checks(cfg, info, restarted=bool(restart and restart.restarts))
         if lock is not None:

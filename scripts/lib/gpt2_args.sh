@@ -3,7 +3,9 @@
 # environment: NUM_LAYERS HIDDEN HEADS SEQ MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS LR MIN_LR
 # SAVE_INTERVAL LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS DATA VOCAB MERGES CHECKPOINT_PATH LOAD_PATH;
 # MOCK_DATA=1 trains on synthetic tokens (--mock-data --vocab-size VOCAB_SIZE, default 50257)
-# instead of DATA, VOCAB and MERGES.
+# instead of DATA, VOCAB and MERGES; TOKENIZER_MODEL=DIR reads DATA with that Hugging Face
+# tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR) instead of VOCAB and
+# MERGES, which it would not read.
 # The caller sets GLOBAL_BATCH (or its data-parallel size) before calling gpt2_args.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV_BIN="${VENV_BIN:-$ROOT/.venv/bin}"
@@ -21,6 +23,9 @@ gpt2_args() {
     local global_batch="$1" ckpt="$2" seq="${SEQ:-256}" data
     if [ "${MOCK_DATA:-0}" = 1 ]; then
         data=(--mock-data --vocab-size "${VOCAB_SIZE:-50257}")
+    elif [ -n "${TOKENIZER_MODEL:-}" ]; then
+        data=(--data-path "$DATA" --tokenizer-type HuggingFaceTokenizer
+              --tokenizer-model "$TOKENIZER_MODEL" --split 969,30,1)
     else
         data=(--data-path "$DATA" --vocab-file "$VOCAB" --merge-file "$MERGES" --split 969,30,1)
     fi

@@ -21,6 +21,8 @@
   (as torchrun would, without its launcher and a fresh interpreter per rank; the ranks see the
   caller's environment, as a launched command would) and returns each rank's output: for tests
   whose point is the numbers, not the launcher.
+- `run_pretrain_each(world_size, argvs)` runs several command lines one after the other on
+  the same ranks (one spawn), each one's outcome apart (a refused run does not stop the next).
 - `run_main(argv, cwd, environ)` runs `python pretrain_gpt2.py argv` the same way on one
   process with no process group (its exit code, stdout and stderr apart): a command line's
   outcome without the seconds of a fresh interpreter importing torch.
@@ -273,6 +275,38 @@ def run_pretrain(world_size: int, argv: List[str], timeout: float = 300.0,
     try:
         return run_distributed(_pretrain_on_rank, world_size, list(argv), log_dir,
                                dict(os.environ), setup, timeout=timeout, daemon=False)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _pretrain_each_on_rank(argvs: List[List[str]], log_dir: str, environ: Dict[str, str]
+                           ) -> List["tuple[bool, str]"]:
+    """Rank side of run_pretrain_each: each command line trained in turn in this rank's
+    process (the process group adopted by each); (finished, its output) per command line, the
+    output of one that raised starting with the exception."""
+    outcomes = []
+    for index, argv in enumerate(argvs):
+        run_dir = os.path.join(log_dir, str(index))
+        os.makedirs(run_dir, exist_ok=True)
+        try:
+            outcomes.append((True, _pretrain_on_rank(argv, run_dir, environ)))
+        except RuntimeError as exc:
+            cause = exc.__cause__
+            outcomes.append((False, f"{type(cause).__name__}: {cause}\n{exc}"))
+    return outcomes
+
+
+def run_pretrain_each(world_size: int, argvs: List[List[str]], timeout: float = 300.0
+                      ) -> List[List["tuple[bool, str]"]]:
+    """Several `pretrain_gpt2.py argv` runs one after the other on the same `world_size` gloo
+    ranks (one spawn, as run_pretrain's): per rank, per command line, (finished, output); a run
+    that raised (on every rank alike, as a refused checkpoint does) does not stop the next.
+    A run that fails on some ranks only leaves the others waiting: keep to runs that finish
+    or fail everywhere."""
+    log_dir = tempfile.mkdtemp(prefix="run_pretrain_each_")
+    try:
+        return run_distributed(_pretrain_each_on_rank, world_size, [list(a) for a in argvs],
+                               log_dir, dict(os.environ), timeout=timeout, daemon=False)
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 

@@ -298,6 +298,63 @@ def test_hf_import_at_tp2pp2_matches_hf_and_trains(runs):
     assert_close_curves(train_curve(tuned_4), train_curve(tuned_tp1), rel=1e-5, what="HF import")
 
 
+def _transformers_gpt2_directory(corpus, path):
+    """A GPT-2 directory as transformers writes it today: GPT2LMHeadModel and GPT2TokenizerFast
+    (the corpus' vocabulary and merges) through their own save_pretrained, which writes the
+    tokenizer as tokenizer.json alone."""
+    tok = transformers.GPT2TokenizerFast(vocab=corpus["vocab"], merges=corpus["merges"])
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=64, n_layer=2,
+                                     n_head=4, bos_token_id=tok.eos_token_id,
+                                     eos_token_id=tok.eos_token_id)
+    transformers.GPT2LMHeadModel(config).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+def test_transformers_gpt2_fine_tunes_with_either_tokenizer_flags(tiny_corpus, tmp_path):
+    """transformers' own GPT-2 directory (tokenizer.json, no vocab.json/merges.txt) imported at
+    TP2 fine-tunes with GPT2BPETokenizer files of the same vocabulary and with
+    HuggingFaceTokenizer of the directory, to the same losses; another vocabulary of the same
+    size is refused, naming the flags that load the checkpoint. The three runs share one
+    2-rank spawn."""
+    from app.data.tokenizer import train_gpt2_bpe
+    from tests.harness.corpus import stdlib_texts
+    from tests.harness.distributed import run_pretrain_each
+    hf_dir = _transformers_gpt2_directory(tiny_corpus, tmp_path / "gpt2")
+    assert not (hf_dir / "vocab.json").exists() and (hf_dir / "tokenizer.json").exists()
+    imported = tmp_path / "gpt2_tp2"
+    _convert("--input-format", "hf", "--load", hf_dir, "--save", imported,
+             "--target-tensor-model-parallel-size", 2, "--make-vocab-size-divisible-by", 64)
+    other_vocab, other_merges = train_gpt2_bpe(stdlib_texts(80)[40:], tiny_corpus["vocab_size"],
+                                               str(tmp_path / "other"))
+    gpt2_flags = ["--vocab-file", tiny_corpus["vocab"], "--merge-file", tiny_corpus["merges"]]
+    hf_flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_dir)]
+    other_flags = ["--vocab-file", other_vocab, "--merge-file", other_merges]
+
+    def argv(tokenizer, name):
+        plain = tiny_gpt_args(tiny_corpus, tmp_path, *TRAIN, "--train-iters", "2",
+                              "--tensor-model-parallel-size", "2", "--load", str(imported),
+                              "--metrics-file", str(tmp_path / f"{name}.jsonl"))
+        cut = plain.index("--vocab-file")
+        return plain[:cut] + plain[cut + 4:] + tokenizer
+
+    (gpt2, hf, other), _ = run_pretrain_each(2, [argv(gpt2_flags, "gpt2"), argv(hf_flags, "hf"),
+                                                 argv(other_flags, "other")])
+    assert gpt2[0] and hf[0], (gpt2[1] if not gpt2[0] else hf[1])[-3000:]
+    saved = f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {hf_dir}"
+    assert (f"tokenizer: this run's --tokenizer-type GPT2BPETokenizer --vocab-file "
+            f"{tiny_corpus['vocab']} --merge-file {tiny_corpus['merges']} is the checkpoint's "
+            f"{saved}: the same vocabulary, merges and end-of-document token") in gpt2[1]
+    curves = [train_curve(tmp_path / f"{name}.jsonl") for name in ("gpt2", "hf")]
+    assert sorted(curves[0]) == [1, 2] and curves[0] == curves[1]  # the same ids: bit for bit
+    assert not other[0]
+    assert (f"CheckpointError: checkpoint was saved with tokenizer {saved} but this run uses "
+            f"--tokenizer-type GPT2BPETokenizer --vocab-file {other_vocab} --merge-file "
+            f"{other_merges}, and it is not the same tokenizer (token ") in other[1], other[1]
+    assert f"to load it pass {saved} (or --tokenizer-type GPT2BPETokenizer" in other[1]
+
+
 def test_converter_errors_are_clear(runs, tmp_path, capsys):
     """The command line refuses a non-empty --save with exit 2 and one line, no traceback;
     main() (in-process) refuses a tensor-parallel size the heads do not divide, writing nothing,

@@ -122,9 +122,9 @@ def test_precision_flags_on_deepspeed_and_native(tmp_path):
     assert native.precision.dynamic_scaler_settings() == (2.0 ** 32, 1.0, 1000, 2)  # Megatron's
     fp16 = arguments.build_run_config(arguments.parse_args(base + half), 1, 100, 128)
     assert fp16.model.params_dtype == "float16" and not fp16.precision.grads_accumulate_in_fp32
-    with pytest.raises(ValueError, match="--hysteresis only apply with --fp16"):
-        arguments.build_run_config(arguments.parse_args(base + ["--bf16", "--hysteresis", "3"]),
-                                   1, 100, 128)
+    bf16 = arguments.build_run_config(arguments.parse_args(base + ["--bf16", "--hysteresis", "3"]),
+                                      1, 100, 128)  # accepted, as Megatron-LM does; not read
+    assert bf16.precision.loss_scale_flags == ["--hysteresis"]
     with pytest.raises(ValueError, match="--fp16-lm-cross-entropy"):
         arguments.build_run_config(arguments.parse_args(base + ["--fp16-lm-cross-entropy"]),
                                    1, 100, 128)

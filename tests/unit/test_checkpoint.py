@@ -219,7 +219,8 @@ def test_check_checkpoint_args_names_field_and_values():
     with pytest.raises(ckpt.CheckpointError, match=r"num_layers 2 but this run uses 4"):
         check_checkpoint_args(saved, checkpoint_args_namespace(make_cfg(layers=4), 0, 0, 0))
     other = argparse.Namespace(**{**vars(saved), "tokenizer_type": "HFTokenizer"})
-    with pytest.raises(ckpt.CheckpointError, match="tokenizer_type GPT2BPETokenizer"):
+    with pytest.raises(ckpt.CheckpointError,
+                       match="saved with tokenizer --tokenizer-type GPT2BPETokenizer"):
         check_checkpoint_args(saved, other)
     tp2 = checkpoint_args_namespace(make_cfg(tp=2), 0, 0, 0)
     with pytest.raises(ckpt.CheckpointError) as info:

@@ -104,8 +104,9 @@ def test_loss_scale_flags_fill_the_fp16_block_and_are_checked():
     odd = cfg("--fp16", "--deepspeed", "--deepspeed_config", ds_json, "--initial-loss-scale", "1000")
     with pytest.raises(ValueError, match="power of two"):
         reconcile_ds_config({}, odd, explicit_flags={"--initial-loss-scale"})
-    with pytest.raises(ValueError, match="only apply with --fp16"):  # one home: PrecisionConfig
-        cfg("--hysteresis", "3")
+    bf16 = cfg("--bf16", "--deepspeed", "--deepspeed_config", ds_json, "--hysteresis", "3")
+    ds = reconcile_ds_config({"bf16": {"enabled": True}}, bf16, explicit_flags={"--hysteresis"})
+    assert "hysteresis" not in ds["fp16"]  # not read without fp16 (app.config.unread warns)
 
 
 def test_keep_last_n_checkpoints_must_be_positive():

@@ -43,8 +43,8 @@ def test_the_record_holds_what_decides_the_order(datasets):
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(seed=6), "--seed 5 -> 6"),
-    (dict(seq=8), "--seq-length 16 -> 8"),
+    (dict(seed=6), "--seed 5 -> 6 (pass --seed 5 to keep it)"),
+    (dict(seq=8), "--seq-length 16 -> 8 (pass --seq-length 16 to keep it)"),
     (dict(split="8,2,0"), "documents [0, 90] -> [0, 80]"),
     (dict(samples=(2000, 20, 0)), "epochs 1 -> "),
 ])

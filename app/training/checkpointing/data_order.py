@@ -94,7 +94,9 @@ def order_changes(saved: Dict[str, Any], current: Dict[str, Any],
     for key, flag in (("mock_data", "--mock-data"), ("seed", "--seed"),
                       ("seq_length", "--seq-length")):
         if saved.get(key) != current.get(key):
-            changes.append(f"{flag} {saved.get(key)} -> {current.get(key)}")
+            keep = (f"{'pass' if saved.get(key) else 'drop'} {flag}" if key == "mock_data"
+                    else f"pass {flag} {saved.get(key)}")
+            changes.append(f"{flag} {saved.get(key)} -> {current.get(key)} ({keep} to keep it)")
     notes: List[str] = []
     for name in ("train", "valid"):
         old = saved.get("splits", {}).get(name)

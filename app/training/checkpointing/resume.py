@@ -306,8 +306,9 @@ def plan_resume(c: CheckpointConfig, iteration: names.Iteration,
 
 def check_saved_args(plan: ResumePlan, saved: Optional[argparse.Namespace], cfg: RunConfig,
                      where: str, reshardable: bool = False) -> None:
-    """Refuse a checkpoint whose model shape or layout differs from this run's; a
-    `reshardable` one (torch_dist) may have any TP x PP and vocabulary padding.
+    """Refuse a checkpoint whose model shape, tokenizer or layout differs from this run's; a
+    `reshardable` one (torch_dist) may have any TP x PP and vocabulary padding. A tokenizer
+    named another way but the same is logged (model_args.check_checkpoint_args).
 
     A checkpoint without `args` (not written by us or by Megatron) is accepted weights-only.
     """
@@ -316,8 +317,9 @@ def check_saved_args(plan: ResumePlan, saved: Optional[argparse.Namespace], cfg:
             raise ckpt.CheckpointError(f"{where} has no 'args', so its model shape cannot be "
                                        "checked; pass --finetune to load its weights only")
         return
-    model_args.check_checkpoint_args(saved, model_args.checkpoint_args_namespace(cfg, 0, 0, 0),
-                                     reshardable=reshardable)
+    for note in model_args.check_checkpoint_args(
+            saved, model_args.checkpoint_args_namespace(cfg, 0, 0, 0), reshardable=reshardable):
+        logger.info(note)
 
 
 def scheduler_steps(saved_scheduler: Optional[Dict[str, Any]], iteration: int) -> int:

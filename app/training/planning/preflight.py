@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from app.config import DataConfig, RunConfig, samples_per_split
 from app.config.batch_schedule import check_divisible
+from app.config.unread import unread_flags
 from app.data.mock_dataset import build_mock_datasets
 from app.data.plan import order_record
 from app.checkpoint import CheckpointError
@@ -124,6 +125,8 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
                   f"gradient_accumulation_steps {ds.get('gradient_accumulation_steps')}")
     else:
         report.ok("engine: native")
+    for note in unread_flags(cfg):
+        report.warn(note)
     r = cfg.rollback
     if r.enabled:
         report.ok(f"--rollback-on-spike: spikes over {r.window} iterations (z-score {r.zscore:g}, "

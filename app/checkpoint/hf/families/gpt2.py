@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,6 +25,7 @@ from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, directo
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
+from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers
 
 GPT2 = "GPT2LMHeadModel"
 
@@ -185,10 +186,13 @@ def hf_config(args: argparse.Namespace, dtype: torch.dtype, eod: Optional[int],
 
 
 def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: int = 128,
-                        tokenizer_model: Optional[str] = None) -> argparse.Namespace:
+                        tokenizer_model: Optional[str] = None,
+                        tokenizer: Optional[Dict[str, Optional[str]]] = None
+                        ) -> argparse.Namespace:
     """Megatron args (model shape, vocabulary, dropouts) of an HF GPT-2 config.json; the
-    tokenizer is GPT-2 BPE unless `tokenizer_model` names the directory of another
-    (HuggingFaceTokenizer, as the Llama import names it)."""
+    tokenizer is `tokenizer` (import_tokenizer's fields), else GPT-2 BPE unless
+    `tokenizer_model` names the directory of another (HuggingFaceTokenizer, as the Llama
+    import names it)."""
     if config.get("model_type") not in (None, "gpt2"):
         raise HFConversionError(f"{path}: model_type {config.get('model_type')!r} is not gpt2")
     activation = config.get("activation_function", "gelu_new")
@@ -212,8 +216,8 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
         seq_length=positions, vocab_size=int(config["vocab_size"]),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         padded_vocab_size=int(config["vocab_size"]),
-        tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else "GPT2BPETokenizer",
-        tokenizer_model=tokenizer_model,
+        **(tokenizer or dict(tokenizer_type="HuggingFaceTokenizer" if tokenizer_model
+                             else "GPT2BPETokenizer", tokenizer_model=tokenizer_model)),
         layernorm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)),
         hidden_dropout=float(config.get("resid_pdrop", 0.1)),
         attention_dropout=float(config.get("attn_pdrop", 0.1)),
@@ -225,18 +229,39 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
 
 # ---------------------------------------------------------------------------- directories
 
+def import_tokenizer(path: str) -> Tuple[Dict[str, Optional[str]], Dict[str, str]]:
+    """The tokenizer a GPT-2 directory imports with, as its files say: (the args' tokenizer
+    fields, the tokenizer files to carry).
+
+    GPT-2 BPE (GPT2BPETokenizer with the directory's vocab.json and merges.txt) when it has
+    both and they are its whole tokenizer: no tokenizer.json, or one holding that same
+    vocabulary and merges (app.data.tokenizer_identity; a tokenizer.json that adds tokens, a
+    BOS or another pre-tokenizer says otherwise). Else the directory's own tokenizer, a
+    tokenizer.json (what transformers' GPT-2 save_pretrained writes today) or a SentencePiece
+    export: --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, the flags that load it
+    (a run may also pass GPT2BPETokenizer files of the same vocabulary and merges:
+    app.checkpoint.model_args.check_tokenizer). Neither: no tokenizer named."""
+    files = {name: os.path.abspath(os.path.join(path, name)) for name in GPT2_FILES
+             if os.path.isfile(os.path.join(path, name))}
+    own = directory_tokenizer(path)
+    if len(files) == len(GPT2_FILES):
+        gpt2 = TokenizerSpec("GPT2BPETokenizer", files["vocab.json"], files["merges.txt"])
+        if own is None or not os.path.isfile(os.path.join(path, "tokenizer.json")) or \
+                compare_tokenizers(TokenizerSpec("HuggingFaceTokenizer",
+                                                 tokenizer_model=own), gpt2).same:
+            return dict(tokenizer_type="GPT2BPETokenizer", vocab_file=files["vocab.json"],
+                        merge_file=files["merges.txt"], tokenizer_model=None), files
+    return dict(tokenizer_type="HuggingFaceTokenizer" if own else "GPT2BPETokenizer",
+                tokenizer_model=own, vocab_file=None, merge_file=None), {}
+
+
 def read_hf_dir(path: str, config: Dict, make_vocab_size_divisible_by: int = 128
                 ) -> ModelCheckpoint:
-    """A `save_pretrained` GPT-2 directory whose config.json is `config`; its tokenizer is its
-    vocab.json + merges.txt (GPT-2 BPE) when it has both, else the directory's other tokenizer
-    (a tokenizer.json, or a SentencePiece export's files) named in the args as the Llama import
-    names it (app.checkpoint.hf.files.directory_tokenizer)."""
-    tokenizer = {name: f"{path}/{name}" for name in GPT2_FILES
-                 if os.path.isfile(os.path.join(path, name))}
-    if len(tokenizer) < len(GPT2_FILES):
-        tokenizer = {}
+    """A `save_pretrained` GPT-2 directory whose config.json is `config`, with the tokenizer
+    its files say (`import_tokenizer`)."""
+    fields, tokenizer = import_tokenizer(path)
     args = args_from_hf_config(config, f"{path}/config.json", make_vocab_size_divisible_by,
-                               None if tokenizer else directory_tokenizer(path))
+                               tokenizer=fields)
     weights = from_hf_state(read_hf_tensors(path), args.num_layers, args.num_attention_heads)
     args.params_dtype = weights[layout.WORD_EMBEDDINGS].dtype
     return ModelCheckpoint(args=args, weights=weights, tokenizer_files=tokenizer)
