@@ -297,3 +297,20 @@ def test_a_local_checkpoint_of_another_world_size_is_refused_with_the_fix(tmp_pa
     saver.save_checkpoint(saver.folder, 2, {"iteration": 2}, asynchronous=False)
     with pytest.raises(CheckpointError, match=r"saved by 2 ranks and this run has 1.*remove "):
         latest.load_newest(FakeEngine(0), latest.newest_checkpoint(cfg, None, True), cfg, CPU)
+
+
+def test_an_error_exit_abandons_the_saves_in_flight(tmp_path):
+    """The trainer's error exit (`Checkpointer.abandon`): the local save still in the
+    background is given up, its iteration directory removed, the committed one kept and
+    still named by the tracker; with nothing in flight it does nothing."""
+    cfg = CheckpointConfig(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
+                           non_persistent_local_ckpt_dir=str(tmp_path / "local"))
+    saves = checkpointer(cfg, FakeEngine(1.0))
+    after_iterations(saves, [2])
+    saves.maybe_save(RunState(4), exiting=False, nonfinite=False)  # written in the background
+    saves.abandon()
+    folder = str(tmp_path / "local" / "rank_0")
+    assert names.read_tracker(folder) == 2
+    assert names.list_checkpoint_iterations(folder) == [2], os.listdir(folder)
+    saves.abandon()
+    assert names.list_checkpoint_iterations(folder) == [2]

@@ -197,9 +197,9 @@ class Checkpointer:
     def abandon(self) -> None:
         """On an exit path that cannot commit (an error): stop the background writers and
         remove this rank's files of the saves in flight."""
-        if self._persistent is not None:
+        if self._persistent is not None and self.engine.save_in_flight is not None:
             self._persistent.abandon()
-        if self._local is not None:
+        if self._local is not None and self._local.files.save_in_flight is not None:
             self._local.abandon()
 
     def signal_exit_note(self, state: RunState, signal: str) -> str:

@@ -112,9 +112,7 @@ class CheckpointSaver:
     def abandon(self, timeout_s: float = 60.0) -> None:
         """On an exit path that cannot commit (an error): stop the background writer, waiting
         up to `timeout_s`, and remove this rank's files of the save in flight."""
-        abandon = getattr(self.engine, "abandon_save", None)
-        if abandon is not None:
-            abandon(timeout_s)
+        self.files.abandon_save(timeout_s)
 
     def _failed(self, iteration: int, error: CheckpointSaveError, final: bool) -> None:
         """Log and record one failed save; SaveFailed when the run must stop."""
