@@ -7,7 +7,8 @@ module only assembles the parser from those fields (with `app.config.cli`, as th
 adds DeepSpeed's own flags (`deepspeed.add_config_arguments`) and the aliases that are not one
 field's (the older recompute spelling), and computes the derived values: warm-up iterations
 from a fraction, the LR decay length, the global batch, the precision and optimizer taken from
-the DeepSpeed JSON, the padded vocabulary, the kernel build timeout and the W&B folder. The
+the DeepSpeed JSON, the padded vocabulary, the kernel build timeout, the W&B folder and
+--sequence-parallel (turned off at tensor-parallel size 1, as Megatron-LM does). The
 rules live in the config dataclasses, whose messages name the flags.
 
 Both spellings are accepted where DeepSpeedExamples' Megatron-LM and current Megatron-LM differ
@@ -241,7 +242,9 @@ def _model_overrides(args: argparse.Namespace, padded_vocab_size: int,
         args.recompute_method, args.recompute_num_layers)
     return dict(padded_vocab_size=padded_vocab_size, params_dtype=params_dtype, seed=args.seed,
                 recompute_granularity=granularity, recompute_method=method,
-                recompute_num_layers=recompute_layers)
+                recompute_num_layers=recompute_layers,
+                # Megatron-LM turns --sequence-parallel off at TP 1 (app.config.unread says so)
+                sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1)
 
 
 def _exit_duration(args: argparse.Namespace) -> Dict[str, Any]:

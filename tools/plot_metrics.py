@@ -7,9 +7,10 @@ event files) into one PNG.
 
 Panels over iterations: loss (train, and valid as markers), learning rate, gradient norm, loss
 scale, tokens/s and MFU; a panel whose metric no run has is left out. Runs are overlaid, one
-colour per run. Megatron-LM's scalars are read under the tags its training_log and evaluation
-write (megatron/training/training.py): "lm loss", "lm loss validation", "learning-rate",
-"grad-norm", "loss-scale" (the "... vs samples" copies are not used). --label names the runs in
+colour per run. TensorBoard scalars are read under the tags Megatron-LM's training_log and
+evaluation write (megatron/training/training.py), which our runs write too: "lm loss",
+"lm loss validation", "learning-rate", "grad-norm", "loss-scale" (the "... vs samples" copies
+are not used), and our "tokens-per-second" and "mfu". --label names the runs in
 order: the --metrics-file ones first, then the --tensorboard-dir ones. Prints the PNG's path.
 """
 import json
@@ -26,8 +27,10 @@ from app.config.options import PathOption, option  # noqa: E402
 
 MEGATRON_TAGS = {"lm loss": ("train", "lm_loss"), "lm loss validation": ("valid", "lm_loss"),
                  "learning-rate": ("train", "lr"), "grad-norm": ("train", "grad_norm"),
-                 "loss-scale": ("train", "loss_scale")}
-"""Megatron-LM's TensorBoard tag -> (row kind, our metrics key)."""
+                 "loss-scale": ("train", "loss_scale"),
+                 "tokens-per-second": ("train", "tokens_per_s"), "mfu": ("train", "mfu")}
+"""TensorBoard tag -> (row kind, our metrics key): Megatron-LM's tags, which our runs write too,
+and the two our runs add (tokens-per-second, mfu; app.training.telemetry.scalars)."""
 
 PANELS = (("lm_loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"))
@@ -44,7 +47,7 @@ class PlotOptions:
     tensorboard_dir: List[str] = option(
         "--tensorboard-dir", nargs="+", action="extend", default_factory=list,
         path=PathOption("any", "a Megatron-LM run's --tensorboard-dir or one event file"),
-        help="a Megatron-LM run's --tensorboard-dir (or one event file; repeatable)")
+        help="a Megatron-LM run's (or ours) --tensorboard-dir (or one event file; repeatable)")
     label: Optional[List[str]] = option(
         "--label", nargs="+", action="extend", default=None,
         help="legend label per run, --metrics-file ones first (default: the directory name)")

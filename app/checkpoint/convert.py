@@ -87,6 +87,14 @@ class ConvertOptions:
                                                     default=1)
     target_pipeline_model_parallel_size: int = option("--target-pipeline-model-parallel-size",
                                                       default=1)
+    target_expert_model_parallel_size: int = option(
+        "--target-expert-model-parallel-size", "--target-expert-parallel-size", default=1,
+        help="torch output of a Mixture-of-Experts model: one file per expert-parallel rank too "
+             "(mp_rank_XX[_YYY]_ZZZ), each with its rank's experts")
+    target_expert_tensor_parallel_size: Optional[int] = option(
+        "--target-expert-tensor-parallel-size", default=None,
+        help="torch output: the experts' tensor-parallel split (the legacy files hold it equal "
+             "to --target-tensor-model-parallel-size, the default)")
     target_params_dtype: Optional[str] = option(
         "--target-params-dtype", default=None, choices=DTYPES,
         help="dtype of the written weights (default: the source's)")
@@ -133,7 +141,11 @@ class ConvertOptions:
             raise ValueError(f"--target-params-dtype {self.target_params_dtype!r}: use fp32, fp16 or bf16")
         for flag, value in (("--target-tensor-model-parallel-size", self.target_tensor_model_parallel_size),
                             ("--target-pipeline-model-parallel-size",
-                             self.target_pipeline_model_parallel_size)):
+                             self.target_pipeline_model_parallel_size),
+                            ("--target-expert-model-parallel-size",
+                             self.target_expert_model_parallel_size),
+                            ("--target-expert-tensor-parallel-size",
+                             self.target_expert_tensor_parallel_size or 1)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if (self.vocab_file is None) != (self.merge_file is None):
@@ -159,6 +171,8 @@ class ConvertOptions:
         return WriteRequest(
             tensor_model_parallel_size=self.target_tensor_model_parallel_size,
             pipeline_model_parallel_size=self.target_pipeline_model_parallel_size,
+            expert_model_parallel_size=self.target_expert_model_parallel_size,
+            expert_tensor_parallel_size=self.target_expert_tensor_parallel_size,
             params_dtype=self.target_params_dtype, iteration=self.iteration,
             include_optimizer=self.include_optimizer, max_shard_size=self.max_shard_size,
             tokenizer=TokenizerSource(self.vocab_file, self.merge_file, self.tokenizer_model),
@@ -197,7 +211,8 @@ def convert(opts: ConvertOptions) -> str:
     source = read_checkpoint(opts)
     target = formats.lookup(opts.output_format, "--output-format")
     if not target.placed and (opts.target_tensor_model_parallel_size,
-                              opts.target_pipeline_model_parallel_size) != (1, 1):
+                              opts.target_pipeline_model_parallel_size,
+                              opts.target_expert_model_parallel_size) != (1, 1, 1):
         logger.warning("--target-*-parallel-size is ignored for --output-format %s: it loads at "
                        "any layout", opts.output_format)
     with staged_directory(opts.save) as tmp:

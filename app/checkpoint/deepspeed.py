@@ -12,8 +12,20 @@ named by the `latest` file):
     [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO-1/2: this DP rank's slice of
                                                            the flat fp32 master weights of each
                                                            param group and of Adam's state for it
+    layer_{l}_expert_{g}_mp_rank_{mp:02d}_model_states.pt  Mixture of Experts: global expert g of
+                                                           the l-th MoE layer (module order),
+                                                           written by DeepSpeed's MoE
+                                                           checkpointing; not in mp_rank_*
 
 Files are numbered by model-parallel rank mp = pp_rank x TP + tp_rank (TP from the saved args).
+In an expert file the weights are named as DeepSpeed's MoE layer names them (`expert_view_name`:
+`{layer}.mlp.deepspeed_moe.experts.deepspeed_experts.{g}.dense_h_to_4h.weight`, one 2-D tensor
+per expert), read back into our 3-D `{layer}.mlp.experts.dense_h_to_4h.weight` [E, ...].
+ZeRO-1/2 partitions an MoE param group (`'moe': True`) over its expert-data-parallel group, so
+its `partition_count` is EDP = DP / EP: DP rank d holds the part k = d // EP of the local experts
+of expert-parallel rank d % EP (DeepSpeed's expert groups at TP = PP = 1), and the whole expert
+weight is the expert-parallel ranks' local experts concatenated on dimension 0.
+
 At ZeRO-1/2 the DP slices of each group are concatenated and cut into parameters in the order
 of `param_shapes` (as DeepSpeed's zero_to_fp32 does). At ZeRO-3 the module file is per
 data-parallel rank too, `zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt`, with empty
@@ -51,8 +63,9 @@ import bisect
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -70,6 +83,27 @@ logger = logging.getLogger(__name__)
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 """The per-element optimizer states merged (Adam's moments)."""
+_EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d{2,})_model_states\.pt$")
+_EXPERT_VIEW = re.compile(r"^(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.+)$")
+
+
+EXPERT_MODULE = "deepspeed_moe"
+"""The module of DeepSpeed's MoE layer that holds its experts (named in its expert files)."""
+
+
+def expert_view_name(expert: int, name: str, layer_prefix: str = "") -> str:
+    """DeepSpeed's MoE name of expert `expert`'s `name` (e.g. `dense_h_to_4h.weight`) under its
+    EXPERT_MODULE, and with `layer_prefix` (`...layers.{i}.mlp`) in the whole model: how the
+    expert files and the DeepSpeed engine's MoE marker (app.training.engines.deepspeed_moe)
+    name one expert's 2-D weight."""
+    suffix = f"experts.deepspeed_experts.{expert}.{name}"
+    return f"{layer_prefix}.{EXPERT_MODULE}.{suffix}" if layer_prefix else suffix
+
+
+def parse_expert_view(key: str) -> Optional[Tuple[str, int]]:
+    """(our 3-D weight's name, expert index) of an `expert_view_name` key; None otherwise."""
+    match = _EXPERT_VIEW.match(key)
+    return (f"{match.group(1)}.experts.{match.group(3)}", int(match.group(2))) if match else None
 
 
 # ---------------------------------------------------------------------------- safe reads
@@ -133,6 +167,7 @@ def read_rank(directory: str, mp_rank: int, include_optimizer: bool = False) -> 
         logger.warning("%s has no ZeRO optimizer files of model-parallel rank %d; using the "
                        "module weights it saved", directory, mp_rank)
         weights = {k: v.float() for k, v in client["module"].items()}
+        weights.update(_expert_files(directory, mp_rank))
         state = RankState(weights=weights)
     elif stage == 3:
         state = merge_zero3(client["param_shapes"], parts, directory, include_optimizer)
@@ -167,41 +202,59 @@ def _optim_files(directory: str, mp_rank: int) -> List[str]:
 def _merge_zero12(shapes: List[Dict[str, Any]], parts: List[Dict[str, Any]], directory: str,
                   include_optimizer: bool) -> RankState:
     """Whole fp32 weights (and Adam moments) of one model-parallel rank from its ZeRO-1/2
-    partitions (each file's `optimizer_state_dict`, in data-parallel rank order)."""
+    partitions (each file's `optimizer_state_dict`, in data-parallel rank order); an MoE
+    group's partitions per expert-parallel rank (module docstring)."""
     progress = Progress(f"reading ZeRO partitions of {directory}")
-    dp = parts[0]["partition_count"]
-    dp = max(dp) if isinstance(dp, list) else int(dp)
-    if dp != len(parts):
-        raise CheckpointError(f"{directory}: the ZeRO files say {dp} data-parallel ranks but "
-                              f"{len(parts)} *_optim_states.pt files exist for this TP rank")
+    counts = parts[0]["partition_count"]
+    counts = list(counts) if isinstance(counts, list) else [int(counts)] * len(shapes)
+    dp = max(counts)
+    if dp != len(parts) or any(dp % c for c in counts):
+        raise CheckpointError(f"{directory}: the ZeRO files say {counts} data-parallel ranks per "
+                              f"param group but {len(parts)} *_optim_states.pt files exist for "
+                              "this TP rank")
     state = RankState(weights={}, moments={kind: {} for kind in STATE_KINDS})
     paddings = parts[0].get("param_alignment_paddings")
     for g, group_shapes in enumerate(shapes):
-        flat = torch.cat([p["single_partition_of_fp32_groups"][g] for p in parts])
         pads = paddings[g] if paddings else [0] * len(group_shapes)
-        state.weights.update(_unflatten(flat, group_shapes, pads, dp, directory))
+        lanes = dp // counts[g]  # expert-parallel ranks of an MoE group; 1 for a dense one
+        merged = [_merge_group(g, parts[lane::lanes], group_shapes, pads, directory,
+                               include_optimizer) for lane in range(lanes)]
+        for which, into in [("weights", state.weights)] + [
+                (kind, state.moments[kind]) for kind in STATE_KINDS if include_optimizer]:
+            for name in group_shapes:  # an MoE weight: the lanes' local experts, in order
+                pieces = [lane[which][name] for lane in merged]
+                into[name] = torch.cat(pieces) if lanes > 1 else pieces[0]
         if include_optimizer:
-            base = [p["base_optimizer_state"] for p in parts]
-            group_state = [b["state"][g] if "state" in b else b[g] for b in base]
-            group_pads = parts[0].get("group_paddings") or [0] * len(shapes)
-            for kind in STATE_KINDS:
-                pieces = [s[kind] for s in group_state]
-                if group_pads[g]:  # the last DP rank's slice carries the group's padding
-                    pieces[-1] = pieces[-1][:pieces[-1].numel() - group_pads[g]]
-                state.moments[kind].update(
-                    _unflatten(torch.cat(pieces), group_shapes, pads, dp, directory))
-            step = group_state[0]["step"]
-            hparams = ({k: v for k, v in base[0]["param_groups"][g].items() if k != "params"}
-                       if "param_groups" in base[0] else None)
-            for n in group_shapes:
-                state.steps[n] = (step.clone() if isinstance(step, torch.Tensor)
-                                  else torch.tensor(float(step)))
-                if hparams is not None:
-                    state.hparams[n] = hparams
+            state.steps.update(merged[0]["steps"])
+            state.hparams.update(merged[0]["hparams"])
     for t in state.weights.values():
         progress.add(t)
     progress.report(final=True)
     return state
+
+
+def _merge_group(g: int, members: List[Dict[str, Any]], group_shapes: Dict[str, Any],
+                 pads: List[int], directory: str, include_optimizer: bool) -> Dict[str, Any]:
+    """Param group g's tensors from the partitions of the ranks that split it (`members`, in
+    their group's rank order): {"weights": ..., each STATE_KINDS: ..., "steps", "hparams"}."""
+    out: Dict[str, Any] = {"steps": {}, "hparams": {}}
+    lean = [m["single_partition_of_fp32_groups"][g] for m in members]  # saved without padding
+    out["weights"] = _unflatten(torch.cat(lean), group_shapes, pads, len(members), directory)
+    if not include_optimizer:
+        return out
+    base = [m["base_optimizer_state"] for m in members]
+    group_state = [b["state"][g] if "state" in b else b[g] for b in base]
+    for kind in STATE_KINDS:  # each piece laid out like (and cut to) its weights partition
+        pieces = [s[kind].reshape(-1)[:w.numel()] for s, w in zip(group_state, lean)]
+        out[kind] = _unflatten(torch.cat(pieces), group_shapes, pads, len(members), directory)
+    step = group_state[0]["step"]
+    group = base[0]["param_groups"][g] if "param_groups" in base[0] else None
+    for n in group_shapes:
+        out["steps"][n] = (step.clone() if isinstance(step, torch.Tensor)
+                           else torch.tensor(float(step)))
+        if group is not None:
+            out["hparams"][n] = {k: v for k, v in group.items() if k != "params"}
+    return out
 
 
 def _unflatten(flat: torch.Tensor, group_shapes: Dict[str, Any], paddings: List[int], dp: int,
@@ -216,6 +269,29 @@ def _unflatten(flat: torch.Tensor, group_shapes: Dict[str, Any], paddings: List[
     if math.ceil(offset / align) * align != math.ceil(flat.numel() / align) * align:
         raise CheckpointError(f"{directory}: the ZeRO partitions hold {flat.numel()} values but the "
                               f"parameter shapes need {offset}; the checkpoint is inconsistent")
+    return out
+
+
+def _expert_files(directory: str, mp_rank: int) -> Dict[str, torch.Tensor]:
+    """The fp32 expert weights of model-parallel rank `mp_rank` from DeepSpeed's per-expert
+    files (empty without any): our 3-D names, experts stacked in global order."""
+    found: Dict[str, Dict[int, torch.Tensor]] = {}
+    for name in sorted(os.listdir(directory)):
+        match = _EXPERT_FILE.match(name)
+        if match is None or int(match.group(3)) != mp_rank:
+            continue
+        for key, tensor in load_deepspeed_file(os.path.join(directory, name)).items():
+            parsed = parse_expert_view(key)
+            if parsed is None:
+                raise CheckpointError(f"{os.path.join(directory, name)}: {key} is not named as "
+                                      "DeepSpeed names an MoE expert's weight")
+            found.setdefault(parsed[0], {})[parsed[1]] = tensor.float()
+    out = {}
+    for name, experts in found.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise CheckpointError(f"{directory}: the expert files of {name} hold experts "
+                                  f"{sorted(experts)}; some layer_*_expert_* file is missing")
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
     return out
 
 

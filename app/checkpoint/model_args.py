@@ -14,11 +14,20 @@ Args written by Megatron-LM itself (core_v0.16.1 to today's main; tests/data/meg
 what its parse_args makes) are read with Megatron's meaning (`_meaning`): e.g. num_query_groups is
 its argparse default 1 unless --group-query-attention. The args that change the arithmetic in
 ways this code does not build (the FIXED_ARCHITECTURE fields that ModelConfig lacks: squared
-ReLU, layernorm-1p, experts, ...) are refused by name.
+ReLU, layernorm-1p, ...) are refused by name.
+
+Mixture of Experts: every MoEConfig field is stored under its own name, which is Megatron's arg
+name (num_experts, moe_ffn_hidden_size, moe_layer_freq, moe_router_topk, ...; one-element
+load-balancing type and coefficient lists as scalars, as Megatron's validate_args leaves
+them), with expert_model_parallel_size and expert_tensor_parallel_size, so Megatron's
+core_transformer_config_from_args builds the same model from our args. The fields that decide
+the experts' shapes and routing arithmetic (MOE_SHAPE_FIELDS) must agree on load; the expert
+layout may change.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 from typing import Any, Callable, Dict, List, Optional
@@ -28,23 +37,30 @@ import torch
 from app.checkpoint import CheckpointError
 from app.config import ModelConfig, RunConfig
 from app.config.data import tokenizer_type_in_effect
+from app.config.moe import MoEConfig
 from app.data.tokenizer_identity import TokenizerSpec, compare_tokenizers, gpt2_bpe_in_directory
 from app.utils.dtypes import dtype_name, torch_dtype
 
 FIXED_ARCHITECTURE: Dict[str, Any] = {
     "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
     "squared_relu": False, "qk_layernorm": False, "apply_layernorm_1p": False,
-    "apply_residual_connection_post_layernorm": False, "num_experts": None,
-    "multi_latent_attention": False}
+    "apply_residual_connection_post_layernorm": False, "multi_latent_attention": False}
 """Megatron args that change the model's arithmetic, with Megatron's defaults (what an args
 Namespace lacking one means). A ModelConfig without a field of that name builds only the
 default; a checkpoint with another value is refused by name."""
+
+MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
+                    "moe_router_score_function", "moe_router_pre_softmax",
+                    "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+                    "moe_shared_expert_gate", "moe_router_enable_expert_bias")
+"""The MoE args that decide the expert weights' shapes and what the routing computes; their
+meaning without experts (num_experts None) is None (`_meaning`)."""
 
 MODEL_SHAPE_FIELDS = (*FIXED_ARCHITECTURE, "num_layers", "hidden_size", "num_attention_heads",
                       "ffn_hidden_size", "max_position_embeddings", "padded_vocab_size",
                       "tokenizer_type", "position_embedding_type", "rotary_percent",
                       "rotary_base", "num_query_groups", "kv_channels",
-                      "untie_embeddings_and_output_weights")
+                      "untie_embeddings_and_output_weights", *MOE_SHAPE_FIELDS)
 """Fields that must agree between a checkpoint and the run loading it (`_meaning` says how an
 absent or unused field reads)."""
 
@@ -96,6 +112,8 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size, **moe_args(m.moe),
         num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
         virtual_pipeline_model_parallel_size=(cfg.virtual_pipeline_model_parallel_size
                                               if p.num_layers_per_virtual_pipeline_stage else None),
@@ -107,6 +125,33 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         consumed_train_samples=int(consumed_train_samples),
         consumed_valid_samples=int(consumed_valid_samples), iteration=int(iteration),
         data_path=list(cfg.data.data_path), split=cfg.data.split, data_order=data_order)
+
+
+def moe_args(moe: MoEConfig) -> Dict[str, Any]:
+    """Megatron's MoE args of `moe`: every field under its name, the one-element lists of the
+    load-balancing types and coefficients as scalars (Megatron's validate_args)."""
+    out = {f.name: copy.copy(getattr(moe, f.name)) for f in dataclasses.fields(MoEConfig)}
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if isinstance(out[name], list) and len(out[name]) == 1:
+            out[name] = out[name][0]
+    return out
+
+
+def moe_config_from_args(args: argparse.Namespace) -> MoEConfig:
+    """The MoEConfig that `args` describe (Megatron's or ours; absent fields take MoEConfig's
+    defaults, so args without num_experts describe a dense model). ValueError, with the rule's
+    words, for options this code refuses (app.config.moe)."""
+    fields: Dict[str, Any] = {}
+    for f in dataclasses.fields(MoEConfig):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        if f.name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+            value = list(value) if isinstance(value, (list, tuple)) else [value]
+        elif isinstance(value, tuple):
+            value = list(value)
+        fields[f.name] = value
+    return MoEConfig(**fields)
 
 
 NOT_SAVED = ("layernorm_fusion", "cross_entropy_loss_fusion", "attention_backend")
@@ -168,6 +213,7 @@ def model_config_from_args(args: argparse.Namespace, padded_vocab_size: Optional
     dtype = getattr(args, "params_dtype", None)
     fields["params_dtype"] = dtype_name(dtype) if isinstance(dtype, torch.dtype) else "float32"
     try:
+        fields["moe"] = moe_config_from_args(args)
         return ModelConfig(**fields)
     except ValueError as exc:
         raise CheckpointError(f"the checkpoint's args describe a model this code cannot build: "
@@ -324,4 +370,27 @@ def _meaning(args: argparse.Namespace, name: str) -> Any:
         return None
     if name in FIXED_ARCHITECTURE:
         return FIXED_ARCHITECTURE[name] if value is None else value
+    if name in MOE_SHAPE_FIELDS:
+        return _moe_meaning(args, name, value)
     return _UNKNOWN if value is None else value
+
+
+def _moe_meaning(args: argparse.Namespace, name: str, value: Any) -> Any:
+    """An MOE_SHAPE_FIELDS arg as Megatron means it: None without experts (num_experts 0 or
+    absent); moe_ffn_hidden_size None is ffn_hidden_size; moe_layer_freq is the tuple of which
+    layers are MoE layers (an int N: i % N == 0)."""
+    experts = getattr(args, "num_experts", None) or None
+    if experts is None:
+        return None
+    if name == "num_experts":
+        return experts
+    if name == "moe_ffn_hidden_size" and value is None:
+        return getattr(args, "ffn_hidden_size", None)
+    if value is None:  # an older Megatron's args without the field: its default
+        value = getattr(MoEConfig(), name)
+    if name == "moe_layer_freq":
+        layers = int(getattr(args, "num_layers", 0) or 0)
+        freq = 1 if value is None else value
+        return tuple(bool(v) for v in freq) if isinstance(freq, (list, tuple)) else \
+            tuple(i % int(freq) == 0 for i in range(layers))
+    return value

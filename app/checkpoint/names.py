@@ -6,6 +6,8 @@ Megatron-LM's layout (the native engine's; app.checkpoint.legacy holds the file 
     {save}/latest_checkpointed_iteration.txt        the tracker: "<iteration>" or "release"
     {save}/iter_{iteration:07d}/mp_rank_{tp:02d}/model_optim_rng.pt             (PP == 1)
     {save}/iter_{iteration:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt    (PP > 1)
+    {save}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]_{ep:03d}/model_optim_rng.pt
+                                                    (expert parallelism: EP > 1)
     {save}/release/...                              a "release" checkpoint
 
 DeepSpeed's layout (the DeepSpeed engine's), under the same `iter_{iteration:07d}` tag::
@@ -62,7 +64,7 @@ LATEST_FILENAME = "latest"
 LATEST_UNIVERSAL_FILENAME = "latest_universal"
 
 _ITERATION_TAG = re.compile(r"^iter_(\d{7,})$")
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})((?:_\d{3,}){0,2})$")
 _DS_MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d{2,})_model_states\.pt$")
 _DS_OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
 
@@ -127,27 +129,33 @@ def list_checkpoint_iterations(save_dir: str) -> List[int]:
 
 # ---------------------------------------------------------------------------- Megatron files
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """`mp_rank_{tp:02d}` when PP == 1, else `mp_rank_{tp:02d}_{pp:03d}` (Megatron's names)."""
-    if pp_size == 1:
-        return f"mp_rank_{tp_rank:02d}"
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
+                  ep_size: int = 1) -> str:
+    """Megatron's get_checkpoint_name: `mp_rank_{tp:02d}`, then `_{pp:03d}` when PP > 1, then
+    `_{ep:03d}` (the expert-parallel rank) when EP > 1."""
+    name = f"mp_rank_{tp_rank:02d}"
+    if pp_size > 1:
+        name += f"_{pp_rank:03d}"
+    return name + (f"_{ep_rank:03d}" if ep_size > 1 else "")
 
 
-def parse_rank_dir(name: str) -> Optional[Tuple[int, int]]:
-    """(tp_rank, pp_rank) of a `mp_rank_XX` (pp_rank 0) or `mp_rank_XX_YYY` folder name; None
-    for any other name (DeepSpeed's `mp_rank_XX_model_states.pt` included)."""
+def parse_rank_dir(name: str) -> Optional[Tuple[int, ...]]:
+    """The numbers of a `mp_rank_XX[_YYY[_ZZZ]]` folder name: (tp_rank,) and the one or two
+    suffixes (`mp_rank_XX_YYY` is a pipeline rank, or an expert-parallel rank when the run had
+    EP > 1 and PP 1: the saved args tell); None for any other name (DeepSpeed's
+    `mp_rank_XX_model_states.pt` included)."""
     match = _RANK_DIR.match(name)
     if not match:
         return None
-    return int(match.group(1)), int(match.group(2) or 0)
+    return (int(match.group(1)),) + tuple(int(n) for n in match.group(2).split("_")[1:])
 
 
 def checkpoint_path(save_dir: str, iteration: Iteration, *, tp_rank: int = 0, pp_rank: int = 0,
-                    pp_size: int = 1) -> str:
+                    pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> str:
     """Path of one rank's `model_optim_rng.pt` for `iteration`."""
     return os.path.join(checkpoint_dir(save_dir, iteration),
-                        rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
+                        rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
+                        MODEL_FILENAME)
 
 
 # ---------------------------------------------------------------------------- DeepSpeed files

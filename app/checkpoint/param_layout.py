@@ -11,6 +11,9 @@ that dimension (the fused QKV rows are ordered by query group, so a chunk holds 
 and under grouped-query attention with fewer key/value groups than TP ranks, each rank's query
 rows plus its group's key/value rows, shared by the ranks of that group; SwiGLU's first
 projection (--swiglu) is [gate; up] in full and [gate_r; up_r] on rank r, as Megatron splits it.
+An MoE layer's experts [E, ...] are split over the expert-parallel ranks along dim 0 (rank e holds
+experts [e E/EP, (e + 1) E/EP)), and each expert over the expert tensor-parallel ranks as its
+marks say (`split_experts`; `shard` gives a rank of any layout its part of any parameter).
 The Llama block's other parameters (RMSNorm weights, QK-norms, no biases) are whatever the
 model built from the config holds. Merging places the shards back (checking that shared rows
 agree), so split/merge round trips are exact.
@@ -111,6 +114,38 @@ class Layout:
     def merge(self, name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         """The full tensor of parameter `name` from its TP shards (merge_shards)."""
         return merge_shards(shards, self.record(name), self.replicated_rows(name, len(shards)))
+
+    def is_expert(self, name: str) -> bool:
+        """Whether `name` is an MoE layer's routed-expert weight (split by `split_experts`)."""
+        return self.record(name).expert
+
+    def split_experts(self, name: str, full: torch.Tensor, ep: int, etp: int
+                      ) -> List[List[torch.Tensor]]:
+        """An expert weight's shards [ep_rank][etp_rank]: its E experts in EP contiguous groups
+        along dim 0, each split over ETP ranks (split_tensor: [gate_r; up_r] for fc1)."""
+        if full.shape[0] % ep:
+            raise LayoutError(f"{name}: {full.shape[0]} experts do not split over the "
+                              f"expert-parallel size {ep}")
+        return [split_tensor(group, self.record(name), etp) for group in full.chunk(ep)]
+
+    def merge_experts(self, name: str, shards: Sequence[Sequence[torch.Tensor]]
+                      ) -> torch.Tensor:
+        """Inverse of split_experts: shards [ep_rank][etp_rank] -> the full [E, ...] weight."""
+        return torch.cat([merge_shards(row, self.record(name)) for row in shards])
+
+    def shard(self, name: str, full: torch.Tensor, parallel_state: ParallelState
+              ) -> torch.Tensor:
+        """The part of the full tensor of `name` that a rank of `parallel_state` holds: its
+        tensor-parallel shard, or for an expert weight its expert-parallel rank's experts split
+        over the expert tensor-parallel ranks."""
+        ps = parallel_state
+        if self.is_expert(name):
+            return self.split_experts(name, full, ps.expert_model_parallel_size,
+                                      ps.expert_tensor_parallel_size
+                                      )[ps.expert_model_parallel_rank][
+                                          ps.expert_tensor_parallel_rank]
+        return self.split(name, full, ps.tensor_model_parallel_size
+                          )[ps.tensor_model_parallel_rank]
 
     def optimizer_groups(self, names: Sequence[str], muon: bool = False) -> Dict[str, List[str]]:
         """{group name: the `names` in it, in their order}, groups in the optimizer's order:
@@ -272,34 +307,43 @@ def pad_vocabulary(weights: Dict[str, torch.Tensor], rows: int, vocab_size: Opti
 
 # ---------------------------------------------------------------------------- whole checkpoints
 
-def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
-                tp: int, pp: int, what: str, only: Optional[set] = None) -> Dict[str, torch.Tensor]:
-    """Full tensors from per-rank flat dicts (of the names in `only`, when given); the last
-    stage's tied copy must equal stage 0's."""
+def merge_ranks(args: argparse.Namespace, per_rank: Dict[Tuple[int, ...], Dict[str, torch.Tensor]],
+                tp: int, pp: int, what: str, only: Optional[set] = None, ep: int = 1
+                ) -> Dict[str, torch.Tensor]:
+    """Full tensors from per-rank flat dicts keyed (tp_rank, pp_rank[, ep_rank]) (of the names in
+    `only`, when given): dense tensors from the expert-parallel rank 0 files, an expert weight
+    from every (ep_rank, tp_rank) file (the expert tensor rank is the file's tensor rank); the
+    last stage's tied copy must equal stage 0's."""
     placement = Layout.of_args(args, pp)
     progress = Progress(f"reading {what}")
+    files = {key + (0,) * (3 - len(key)): rank_dict for key, rank_dict in per_rank.items()}
     merged: Dict[str, torch.Tensor] = {}
     # the stage whose file holds each name: contiguous stages, or an interleaved run's chunks
-    holder = {name: stage for (tp_rank, stage), rank_dict in per_rank.items() if tp_rank == 0
-              for name in rank_dict}
+    holder = {name: stage for (tp_rank, stage, ep_rank), rank_dict in files.items()
+              if tp_rank == 0 and ep_rank == 0 for name in rank_dict}
+
+    def shard(name: str, tp_rank: int, stage: int, ep_rank: int) -> torch.Tensor:
+        rank_dict = files[(tp_rank, stage, ep_rank)]
+        if name not in rank_dict:
+            raise CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}, ep {ep_rank}) has "
+                                  f"no {name!r}")
+        return rank_dict[name]
     for name in placement.names():
         if only is not None and name not in only:
             continue
         stage = holder.get(name, placement.stage_of(name))
-        shards = []
-        for tp_rank in range(tp):
-            rank_dict = per_rank[(tp_rank, stage)]
-            if name not in rank_dict:
-                raise CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) has no {name!r}")
-            shards.append(rank_dict[name])
-        merged[name] = placement.merge(name, shards)
+        if placement.is_expert(name):
+            merged[name] = placement.merge_experts(name, [
+                [shard(name, t, stage, e) for t in range(tp)] for e in range(ep)])
+        else:
+            merged[name] = placement.merge(name, [shard(name, t, stage, 0) for t in range(tp)])
         progress.add(merged[name])
     known = set(placement.names())
-    for (tp_rank, stage), rank_dict in per_rank.items():
+    for (tp_rank, stage, ep_rank), rank_dict in files.items():
         unknown = sorted(set(rank_dict) - known)
         if unknown:
-            raise CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}) holds {unknown[0]!r}, "
-                                  "which the GPT-2 layout cannot map")
+            raise CheckpointError(f"{what}: rank (tp {tp_rank}, pp {stage}, ep {ep_rank}) holds "
+                                  f"{unknown[0]!r}, which the GPT-2 layout cannot map")
     tied = merged.pop(TIED_HEAD, None)
     if tied is not None and not torch.equal(tied, merged[WORD_EMBEDDINGS]):
         logger.warning("the last stage's tied word embeddings differ from the first stage's; "
@@ -322,12 +366,17 @@ def target_padded_vocab(args: argparse.Namespace, rows: int, tp: int) -> int:
 
 
 def target_args(source: ModelCheckpoint, tp: int, pp: int, dtype: torch.dtype,
-                padded_vocab: int, iteration: Iteration) -> argparse.Namespace:
-    """The source's args with the target layout, padded vocabulary, dtype and iteration."""
+                padded_vocab: int, iteration: Iteration, ep: int = 1,
+                etp: Optional[int] = None) -> argparse.Namespace:
+    """The source's args with the target layout (expert parallel sizes: `ep`, `etp` default
+    `tp`), padded vocabulary, dtype and iteration."""
     args = copy.copy(source.args)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    args.world_size = tp * pp * dp
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = ep, etp or tp
+    while (tp * dp) % (ep * (etp or tp)):  # the world holds whole expert grids
+        dp += 1
+    args.data_parallel_size, args.world_size = dp, tp * pp * dp
     args.padded_vocab_size = padded_vocab
     args.params_dtype = dtype
     args.fp16, args.bf16 = dtype == torch.float16, dtype == torch.bfloat16

@@ -36,6 +36,10 @@ class WriteRequest:
     """Tensor-parallel size of the written files (legacy format only)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages of the written files (legacy format only)."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel size of the written files (legacy format only; an MoE model's)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Expert tensor-parallel size (legacy format only: None or the tensor-parallel size)."""
     params_dtype: Optional[str] = None
     """'fp32', 'fp16' or 'bf16': the dtype of the written weights; None keeps the source's."""
     iteration: Optional[Iteration] = None

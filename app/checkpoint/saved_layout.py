@@ -10,8 +10,9 @@ conversion command), instead of an error from deep inside DeepSpeed or torch.
 
 Three formats are recognised inside an `iter_XXXXXXX` (or `release`) directory:
 
-- "torch" (the native path, Megatron-LM's legacy layout, `--ckpt-format torch`): `mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`,
-  one file per tensor x pipeline rank (data-parallel replicas write nothing of their own);
+- "torch" (the native path, Megatron-LM's legacy layout, `--ckpt-format torch`):
+  `mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`, one file per tensor x pipeline
+  (x expert-parallel) rank (data-parallel replicas write nothing of their own);
 - "deepspeed": `mp_rank_{tp:02d}_model_states.pt` per tensor-parallel rank (per model-parallel
   rank pp_rank x TP + tp_rank with pipeline stages, read as TP x PP ranks), plus, with ZeRO,
   `[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt` per data-parallel x tensor rank
@@ -60,6 +61,8 @@ class SavedLayout:
     partitioned_weights: bool = False
     """ZeRO-3: the weights too are split over the data-parallel ranks (one module file per
     data-parallel x model-parallel rank, `zero_pp_rank_D_mp_rank_XX_model_states.pt`)."""
+    expert_model_parallel_size: int = 1
+    """Legacy files of a Mixture-of-Experts run: one per expert-parallel rank too."""
 
     def describe(self) -> str:
         if self.format == TORCH_DIST:
@@ -71,21 +74,26 @@ class SavedLayout:
         dp = f", {stage}partitions over {self.data_parallel_size} data-parallel ranks" \
             if self.data_parallel_size else ""
         kind = "legacy Megatron (torch)" if self.format == TORCH else self.format
+        ep = f", expert-parallel size {self.expert_model_parallel_size}" \
+            if self.expert_model_parallel_size > 1 else ""
         return (f"{kind} layout, tensor-parallel size {self.tensor_model_parallel_size}, "
-                f"pipeline-parallel size {self.pipeline_model_parallel_size}{dp}")
+                f"pipeline-parallel size {self.pipeline_model_parallel_size}{ep}{dp}")
 
 
 def _megatron_layout(directory: str) -> Optional[SavedLayout]:
     found = legacy.saved_layout(directory)  # the legacy format's file-name rule
     if found is None:
         return None
-    tp, pp = found
+    tp, pp, ep = found
     present, missing = [], []
-    for t in range(tp):
-        for p in range(pp):
-            path = os.path.join(directory, names.rank_dir_name(t, p, pp), names.MODEL_FILENAME)
-            (present if os.path.isfile(path) else missing).append(path)
-    return SavedLayout(directory, TORCH, tp, pp, None, present, [], missing)
+    for p in range(pp):
+        for e in range(ep):
+            for t in range(tp):
+                path = os.path.join(directory, names.rank_dir_name(t, p, pp, e, ep),
+                                    names.MODEL_FILENAME)
+                (present if os.path.isfile(path) else missing).append(path)
+    return SavedLayout(directory, TORCH, tp, pp, None, present, [], missing,
+                       expert_model_parallel_size=ep)
 
 
 def _deepspeed_layout(directory: str, entries: List[str]) -> Optional[SavedLayout]:
@@ -172,6 +180,12 @@ class SavedCheckpoint:
             return None
         return self.layout.tensor_model_parallel_size, self.layout.pipeline_model_parallel_size
 
+    @property
+    def expert_model_parallel_size(self) -> int:
+        """EP of a legacy checkpoint's files (1 for the other formats)."""
+        return self.layout.expert_model_parallel_size if self.format == TORCH and self.layout \
+            else 1
+
     def numbered_iteration(self) -> names.Iteration:
         """The iteration read (a number or 'release'); CheckpointError when the pointer named a
         tag that is no iteration (DeepSpeed's global_stepN) where a Megatron layout needs one."""
@@ -211,20 +225,24 @@ def _listing(entries: List[str], shown: int = 6) -> str:
     return ", ".join(entries[:shown]) + more
 
 
-def load_command_hint(load_dir: str, target_tp: int, target_pp: int, source_format: str) -> str:
-    """The conversion command that writes a Megatron-layout copy at the run's TP x PP."""
+def load_command_hint(load_dir: str, target_tp: int, target_pp: int, source_format: str,
+                      target_ep: int = 1) -> str:
+    """The conversion command that writes a Megatron-layout copy at the run's TP x PP (x EP)."""
+    ep = f" --target-expert-model-parallel-size {target_ep}" if target_ep > 1 else ""
     return (f"python {CONVERTER} --input-format {source_format} --output-format torch "
             f"--load {load_dir} --save <new dir> --target-tensor-model-parallel-size {target_tp} "
-            f"--target-pipeline-model-parallel-size {target_pp}, then --load <new dir>")
+            f"--target-pipeline-model-parallel-size {target_pp}{ep}, then --load <new dir>")
 
 
 def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed: bool,
                      tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                     data_parallel_size: int, load_optimizer: bool) -> Optional[str]:
+                     data_parallel_size: int, load_optimizer: bool,
+                     expert_model_parallel_size: int = 1) -> Optional[str]:
     """Why a run of this engine and layout cannot load `layout`, with the fix; None if it can."""
     if layout is None:
         return None  # nothing recognisable: the engine's own reader says what it expected
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
+                  expert_model_parallel_size)
     where = layout.directory
     if layout.missing:
         shown = ", ".join(os.path.relpath(p, where) for p in layout.missing[:4])
@@ -252,12 +270,19 @@ def loadable_problem(layout: Optional[SavedLayout], load_dir: str, *, deepspeed:
         # DeepSpeed numbers its files by model-parallel rank (pp_rank x TP + tp_rank), so the
         # names give TP x PP only; the engine checks the split against the saved args
         return partition_problem(layout, data_parallel_size) if load_optimizer else None
+    if layout.format == TORCH and layout.expert_model_parallel_size != ep and load_optimizer:
+        return (f"checkpoint {where} was saved at expert-parallel size "
+                f"{layout.expert_model_parallel_size} and this run uses {ep}: its weights load "
+                "at any expert-parallel size, its optimizer states (one file per rank) do not; "
+                "pass --no-load-optim (or --finetune), or reshard it with the optimizer: "
+                + load_command_hint(load_dir, tp, pp, TORCH, ep)
+                + " (--ckpt-format torch_dist reshards everything on load)")
     if (saved_tp, saved_pp) != (tp, pp):
         change = (f"it was saved with tensor-parallel size {saved_tp} and pipeline-parallel size "
                   f"{saved_pp}; this run uses {tp} and {pp}")
         if layout.format == TORCH:
             return (f"checkpoint {where}: {change}; reshard it: "
-                    + load_command_hint(load_dir, tp, pp, TORCH))
+                    + load_command_hint(load_dir, tp, pp, TORCH, ep))
         return (f"checkpoint {where}: {change}; DeepSpeed cannot change the tensor-parallel size "
                 f"of a checkpoint: resume with --tensor-model-parallel-size {saved_tp}, or "
                 "convert it to the native path at the new size: "
@@ -323,14 +348,16 @@ def stage_problem(layout: Optional[SavedLayout], partitioned_run: bool,
 
 def check_loadable(load_dir: str, iteration: names.Iteration, *, deepspeed: bool,
                    tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                   data_parallel_size: int, load_optimizer: bool) -> Optional[SavedLayout]:
+                   data_parallel_size: int, load_optimizer: bool,
+                   expert_model_parallel_size: int = 1) -> Optional[SavedLayout]:
     """Raise CheckpointError (see `loadable_problem`) when this run cannot load `iteration`
     under `load_dir`; return its layout (None when the directory holds no known files)."""
     layout = inspect_directory(names.checkpoint_dir(load_dir, iteration))
     refuse_unloadable(layout, load_dir, deepspeed=deepspeed,
                       tensor_model_parallel_size=tensor_model_parallel_size,
                       pipeline_model_parallel_size=pipeline_model_parallel_size,
-                      data_parallel_size=data_parallel_size, load_optimizer=load_optimizer)
+                      data_parallel_size=data_parallel_size, load_optimizer=load_optimizer,
+                      expert_model_parallel_size=expert_model_parallel_size)
     return layout
 
 

@@ -5,9 +5,10 @@ when replicated), of one layer. Megatron Core's ShardedTensor says the same thin
 key, a global shape and the offset of the local tensor in it; a layer's tensor is a slice of a
 global tensor stacked over the layers (`stacked`: a leading layer dimension). `place` turns a
 parameter's marks (app.mpu's `partition_dim` and, for grouped-query attention with fewer
-key/value groups than TP ranks, `replicated_rows`; for SwiGLU's first projection, `glu_halves`)
-into `Region`s: boxes of the local tensor with their global offset and how many TP ranks hold
-the same values.
+key/value groups than TP ranks, `replicated_rows`; for SwiGLU's first projection, `glu_halves`;
+for a Mixture-of-Experts layer's experts, their expert axis: dim 0 holds this expert-parallel
+rank's experts, and the TP split is over the expert tensor-parallel ranks) into `Region`s:
+boxes of the local tensor with their global offset and how many TP ranks hold the same values.
 
 Saving writes boxes, loading reads boxes, so a new layout is only a new set of boxes. The
 distributed optimizer holds a flat range [lo, hi) of a local tensor; `flat_boxes` cuts it into
@@ -16,7 +17,9 @@ row, recursively), so every rank writes and reads exactly its own elements.
 
 `assign_writers` decides which of the ranks holding the same values writes them: replicas are
 spread over the data-parallel (and, for replicated parameters, tensor-parallel) ranks by a greedy
-balance of bytes that every holder computes alike, so no rank idles while another writes.
+balance of bytes that every holder computes alike, so no rank idles while another writes; an
+expert's replicas are the expert data-parallel ranks (Megatron Core's replica id of an expert
+tensor is its expert-DP rank).
 """
 from __future__ import annotations
 
@@ -59,7 +62,8 @@ class Placement:
 def place(key: str, local_shape: Sequence[int], *, partition_dim: int, tp_rank: int,
           tp_size: int, layer: Optional[int] = None, num_layers: Optional[int] = None,
           replicated_rows: Optional[Tuple[int, int]] = None,
-          glu_halves: bool = False) -> Placement:
+          glu_halves: bool = False,
+          expert_axis: Optional[Tuple[int, int]] = None) -> Placement:
     """The placement of a rank's local tensor of shape `local_shape`.
 
     `partition_dim` -1: replicated over the TP group (one region, `tp_size` copies); 0 or 1: the
@@ -68,11 +72,14 @@ def place(key: str, local_shape: Sequence[int], *, partition_dim: int, tp_rank: 
     rows [0, first_row) are this rank's query heads, rows [first_row:] its group's key and value
     heads, shared by r ranks; rank t is share t % r of group t // r, and each group's rows are
     [its r x first_row query rows, its key/value rows] in the global tensor. `glu_halves`
-    (--swiglu's fc1, partition_dim 0): the local rows are [gate_r; up_r], this rank's shard of
-    each half, and the global tensor is [gate; up] (Megatron Core's
-    `apply_swiglu_sharded_factory`: the gate half at offset tp_rank x rows/2, the up half at
-    offset (tp_size + tp_rank) x rows/2; the whole model's tensor at TP 1). `layer` (with
-    `num_layers`) stacks the tensor as slice `layer` of a leading layer dimension.
+    (--swiglu's fc1): along `partition_dim` the local tensor is [gate_r; up_r], this rank's
+    shard of each half, and the global tensor is [gate; up] (Megatron Core's
+    `apply_swiglu_sharded_factory`: the gate half at offset tp_rank x n/2, the up half at
+    offset (tp_size + tp_rank) x n/2, n the local size; the whole model's tensor at TP 1).
+    `expert_axis` (ep_rank, ep_size) (an MoE layer's experts [E/EP, ...], tp_rank and tp_size
+    then the expert tensor-parallel ones): dim 0 is this expert-parallel rank's slice of the
+    experts, at offset ep_rank x E/EP of E = E/EP x ep_size. `layer` (with `num_layers`)
+    stacks the tensor as slice `layer` of a leading layer dimension.
     """
     local = tuple(int(s) for s in local_shape)
     whole = (0,) * len(local)
@@ -87,6 +94,11 @@ def place(key: str, local_shape: Sequence[int], *, partition_dim: int, tp_rank: 
         regions = [Region(whole, local, offset)]
     else:
         global_shape, regions = _replicated_rows(local, tp_rank, tp_size, replicated_rows)
+    if expert_axis is not None:
+        ep_rank, ep_size = expert_axis
+        global_shape = (global_shape[0] * ep_size,) + global_shape[1:]
+        regions = [replace(r, global_offset=(r.global_offset[0] + ep_rank * local[0],)
+                           + r.global_offset[1:]) for r in regions]
     if layer is not None:
         if num_layers is None or not 0 <= layer < num_layers:
             raise ValueError(f"{key}: layer {layer} is outside [0, {num_layers})")
@@ -97,15 +109,18 @@ def place(key: str, local_shape: Sequence[int], *, partition_dim: int, tp_rank: 
 
 def _glu_halves(local: Shape, partition_dim: int, tp_rank: int, tp_size: int
                 ) -> Tuple[Shape, List[Region]]:
-    if partition_dim != 0 or local[0] % 2:
+    d = partition_dim
+    if local[d] % 2:
         raise ValueError(f"glu_halves: a local tensor of shape {local} split along dimension "
-                         f"{partition_dim} does not hold [gate; up] rows")
-    half = local[0] // 2
-    rest = local[1:]
-    zeros = (0,) * len(rest)
-    gate = Region((0,) + zeros, (half,) + rest, (tp_rank * half,) + zeros)
-    up = Region((half,) + zeros, (half,) + rest, ((tp_size + tp_rank) * half,) + zeros)
-    return (local[0] * tp_size,) + rest, [gate, up]
+                         f"{d} does not hold [gate; up] rows")
+    half = local[d] // 2
+
+    def at(index: int) -> Shape:  # a start along d, zeros elsewhere
+        return tuple(index if i == d else 0 for i in range(len(local)))
+    size = local[:d] + (half,) + local[d + 1:]
+    gate = Region(at(0), size, at(tp_rank * half))
+    up = Region(at(half), size, at((tp_size + tp_rank) * half))
+    return local[:d] + (local[d] * tp_size,) + local[d + 1:], [gate, up]
 
 
 def _replicated_rows(local: Shape, tp_rank: int, tp_size: int, replicated_rows: Tuple[int, int]
@@ -197,23 +212,29 @@ class Candidate:
     dp_replicated: bool
     """Every data-parallel rank holds them too (model weights, plain optimizer states), rather
     than only this one (the distributed optimizer's shards)."""
+    expert: bool = False
+    """Values of an MoE layer's experts: their data-parallel replicas are the expert
+    data-parallel ranks."""
 
 
-def assign_writers(candidates: Sequence[Candidate], dp_size: int, dp_rank: int) -> List[bool]:
+def assign_writers(candidates: Sequence[Candidate], dp_size: int, dp_rank: int,
+                   expert_dp_size: int = 1, expert_dp_rank: int = 0) -> List[bool]:
     """Whether this rank writes each candidate.
 
     The holders of a candidate are its `copies` TP ranks, times the DP ranks when
-    `dp_replicated`: `slots` writers, this rank being slot copy_index x (DP or 1) + (dp_rank or
-    0). Candidates of one kind (copies, dp_replicated) are handed out largest first (ties by key
-    and offset) to the least loaded slot: every holder sees the same candidates of that kind, so
-    all compute the same assignment and each candidate gets exactly one writer.
+    `dp_replicated` (the expert DP ranks for an `expert` candidate): `slots` writers, this rank
+    being slot copy_index x (DP or 1) + (dp_rank or 0). Candidates of one kind (copies,
+    dp_replicated, expert) are handed out largest first (ties by key and offset) to the least
+    loaded slot: every holder sees the same candidates of that kind, so all compute the same
+    assignment and each candidate gets exactly one writer.
     """
     mine = [False] * len(candidates)
-    kinds: Dict[Tuple[int, bool], List[int]] = {}
+    kinds: Dict[Tuple[int, bool, bool], List[int]] = {}
     for i, c in enumerate(candidates):
-        kinds.setdefault((c.copies, c.dp_replicated), []).append(i)
-    for (copies, dp_replicated), indices in kinds.items():
-        per_copy = dp_size if dp_replicated else 1
+        kinds.setdefault((c.copies, c.dp_replicated, c.expert), []).append(i)
+    for (copies, dp_replicated, expert), indices in kinds.items():
+        size, rank = (expert_dp_size, expert_dp_rank) if expert else (dp_size, dp_rank)
+        per_copy = size if dp_replicated else 1
         slots = copies * per_copy
         loads = [0] * slots
         ordered = sorted(indices, key=lambda i: (-candidates[i].nbytes, candidates[i].key,
@@ -222,6 +243,6 @@ def assign_writers(candidates: Sequence[Candidate], dp_size: int, dp_rank: int) 
             c = candidates[i]
             slot = min(range(slots), key=lambda s: (loads[s], s))
             loads[slot] += max(c.nbytes, 1)
-            me = c.copy_index * per_copy + (dp_rank if dp_replicated else 0)
+            me = c.copy_index * per_copy + (rank if dp_replicated else 0)
             mine[i] = slot == me
     return mine

@@ -13,9 +13,11 @@ global batch against the data-parallel size, heads against the tensor-parallel s
 Messages name the command-line flag, the values and the fix. Nothing rewrites a config after
 it is built; derived values are properties or are computed where they are used.
 
-Modules: options (the field-to-flag mapping), model, recompute, parallel (layout and
+Modules: options (the field-to-flag mapping), model, moe (Mixture of Experts), recompute, parallel (layout and
 precision), optimizer, training (and rollback), data, checkpoint, kernels, deepspeed (and the
-DeepSpeed JSON rules), wandb, preflight (--dry-run), run (RunConfig), rules (shared checks),
+DeepSpeed JSON rules), wandb, runtime (garbage collection, CUDA cache, profiler), logs (the
+log line's and TensorBoard's extras), fp8 (Transformer Engine FP8, accepted and counted),
+preflight (--dry-run), run (RunConfig), rules (shared checks),
 cli (argparse parsers from the fields, for arguments.py and the tools), inference (the
 checkpoint an inference tool runs: InferenceLoadConfig).
 """
@@ -24,15 +26,19 @@ from __future__ import annotations
 from app.config.checkpoint import CKPT_FORMATS, CheckpointConfig
 from app.config.data import DataConfig
 from app.config.deepspeed import DeepSpeedConfig
+from app.config.fp8 import Fp8Config
 from app.config.kernels import KernelConfig, default_kernel_build_timeout
+from app.config.logs import LogConfig
 from app.config.model import (ATTENTION_BACKENDS, POSITION_EMBEDDING_TYPES,
                               RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ModelConfig)
+from app.config.moe import MoEConfig
 from app.config.optimizer import (LR_DECAY_STYLES, MUON_COEFFICIENT_TYPES,
                                   MUON_MATMUL_PRECISIONS, MUON_SCALAR_OPTIMIZERS, MUON_SCALE_MODES,
                                   MUON_TP_MODES, OPTIMIZERS, OptimizerConfig, check_muon_layout)
 from app.config.parallel import DISTRIBUTED_BACKENDS, ParallelConfig, PrecisionConfig
 from app.config.preflight import DryRunConfig, PrepareCacheConfig
 from app.config.recompute import RecomputePlan, recompute_plan, resolve_recompute_flags
+from app.config.runtime import RuntimeConfig
 from app.config.rules import divisible, positive, split_weights
 from app.config.run import RunConfig, samples_per_split
 from app.config.training import InProcessRestartConfig, RollbackConfig, TrainingConfig
@@ -41,10 +47,10 @@ from app.config.wandb import WandbConfig
 __all__ = [
     "ATTENTION_BACKENDS", "CKPT_FORMATS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES",
     "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "CheckpointConfig", "DataConfig",
-    "DeepSpeedConfig", "DryRunConfig", "KernelConfig", "MUON_COEFFICIENT_TYPES",
+    "DeepSpeedConfig", "DryRunConfig", "Fp8Config", "KernelConfig", "LogConfig", "MUON_COEFFICIENT_TYPES",
     "MUON_MATMUL_PRECISIONS", "MUON_SCALAR_OPTIMIZERS", "MUON_SCALE_MODES", "MUON_TP_MODES",
-    "ModelConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
+    "ModelConfig", "MoEConfig", "OPTIMIZERS", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
     "InProcessRestartConfig", "PrepareCacheConfig",
-    "RecomputePlan", "RollbackConfig", "RunConfig", "TrainingConfig", "WandbConfig",
+    "RecomputePlan", "RollbackConfig", "RunConfig", "RuntimeConfig", "TrainingConfig", "WandbConfig",
     "check_muon_layout", "default_kernel_build_timeout", "divisible", "positive",
     "recompute_plan", "resolve_recompute_flags", "samples_per_split", "split_weights"]

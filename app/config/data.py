@@ -77,11 +77,21 @@ class DataConfig:
     reset_attention_mask: bool = option("--reset-attention-mask", default=False)
     eod_mask_loss: bool = option("--eod-mask-loss", default=False)
     num_workers: int = option("--num-workers", default=2)
+    create_attention_mask_in_dataloader: bool = option(
+        "--no-create-attention-mask-in-dataloader", default=True, action="store_false",
+        dest="create_attention_mask_in_dataloader",
+        help="batches carry no attention mask: attention is plain causal, so "
+             "--reset-attention-mask has no effect (Megatron's meaning)")
+    mmap_bin_files: bool = option(
+        "--no-mmap-bin-files", default=True, action="store_false", dest="mmap_bin_files",
+        help="read the .bin token files with file reads instead of memory maps (the same "
+             "samples)")
     blends: Optional[DataBlends] = field(init=False, default=None)
     """The data each split reads (None when no data flag is given)."""
 
     def __post_init__(self) -> None:
-        split_weights(self.split)
+        if not self.mock_data:  # mock data is divided in thirds whatever --split says (Megatron)
+            split_weights(self.split)
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ValueError(f"--vocab-size must be at least 2, got {self.vocab_size}")
         if self.num_workers < 0:
@@ -97,6 +107,12 @@ class DataConfig:
         if self.mock_data and self.blends is not None:
             raise ValueError(f"--mock-data and {self.blends.source} are two data sources; give "
                              "one of them")
+
+    @property
+    def attention_mask_resets(self) -> bool:
+        """Whether batches carry --reset-attention-mask's per-document mask: only when the data
+        loader creates masks (not with --no-create-attention-mask-in-dataloader)."""
+        return self.reset_attention_mask and self.create_attention_mask_in_dataloader
 
 
 def tokenizer_type_in_effect(tokenizer_type: str, vocab_file: Optional[str],

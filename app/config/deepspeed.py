@@ -21,6 +21,11 @@ Rules (each violation raises ValueError naming the JSON file, the key, the flag 
   only --muon-momentum (= `params.momentum`) is taken, and --muon-tp-mode blockwise, which TP > 1
   needs: it orthogonalises each tensor-parallel shard alone. It tells matrices from embeddings by
   name, so an untied output layer (which it would give to Muon) is refused.
+- Mixture of Experts (`check_moe_deepspeed`, from app.config.moe): ZeRO-1/2 only (ZeRO-3 refused
+  in DeepSpeed's words; at ZeRO-0 DeepSpeed clips by the mean of the ranks' norms), tensor,
+  pipeline and expert-tensor parallel size 1, ZeRO-2's `contiguous_gradients` and
+  `reduce_scatter` on (DeepSpeed's MoE asserts them), no --universal-checkpoint (DeepSpeed's
+  universal format has no native-MoE expert layout).
 - ZeRO stage 0 to 3. At stage 3 `zero_optimization.memory_efficient_linear` is filled with false
   and, with Muon, `reduce_scatter` with false (`_reconcile_zero3`); pipeline parallelism with
   stage 3 is refused in app.config.run (DeepSpeed's pipeline engine does not take it).
@@ -285,3 +290,41 @@ def offloads_optimizer(ds: Dict[str, Any]) -> bool:
 def zero_stage(ds: Optional[Dict[str, Any]]) -> int:
     """The JSON's zero_optimization.stage (0 without a JSON or a ZeRO block)."""
     return int(((ds or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+def check_moe_deepspeed(ds: DeepSpeedConfig, parallel: Any) -> None:
+    """The rules of Mixture of Experts on the DeepSpeed path (module docstring), one ValueError
+    line each naming the flag or JSON key and the way that works; DeepSpeed's own words where
+    DeepSpeed refuses the same (ZeRO-3, ZeRO-2's gradient settings)."""
+    path, zero = ds.config_path, (ds.config or {}).get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    if stage == 3:
+        raise ValueError("Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use AutoEP or "
+                         f"choose ZeRO stage 1/2. ({path}: --num-experts at ZeRO stage 3)")
+    if ds.config is not None and stage == 0:
+        raise ValueError(f"{path}: --num-experts at ZeRO stage 0 is not supported (DeepSpeed "
+                         "clips there by the data-parallel mean of each rank's gradient norm, "
+                         "not the norm of all experts): use ZeRO stage 1 or 2 "
+                         "(ds_configs/zero1.json, zero2.json)")
+    for flag, size, why in (
+            ("--tensor-model-parallel-size", parallel.tensor_model_parallel_size,
+             "DeepSpeed's expert groups follow another rank order than Megatron's with TP"),
+            ("--pipeline-model-parallel-size", parallel.pipeline_model_parallel_size,
+             "one DeepSpeed engine per stage would split the expert groups"),
+            ("--expert-tensor-parallel-size", parallel.expert_tensor_parallel_size,
+             "DeepSpeed's MoE does not split an expert over ranks")):
+        if size > 1:
+            raise ValueError(f"--num-experts with --deepspeed and {flag} {size} is not supported "
+                             f"({why}): use expert parallelism (--expert-model-parallel-size) "
+                             f"with ZeRO-1/2, or drop --deepspeed for {flag} with MoE")
+    if stage == 2:
+        for key, words in (("contiguous_gradients", "Contiguous Gradients"),
+                           ("reduce_scatter", "Reduce Scatter")):
+            if not zero.get(key, True):
+                raise ValueError(f"{words} in ZeRO Stage 2 must be set to True for MoE. ({path}:"
+                                 f" set zero_optimization.{key} to true)")
+    if ds.universal_checkpoint:
+        raise ValueError("--universal-checkpoint with --num-experts is not supported (DeepSpeed's "
+                         "universal checkpoint has no layout for its native MoE experts): "
+                         "resume at the saved layout, or convert the checkpoint with "
+                         "tools/convert_checkpoint.py --input-format deepspeed")

@@ -47,6 +47,12 @@ class KernelConfig:
              "kernels and fusion flags then apply outside the layers (final LayerNorm, loss); "
              "the first iterations pay for the compilation (docs/kernels.md)")
 
+    gradient_accumulation_fusion: bool = option(
+        "--no-gradient-accumulation-fusion", default=True, action="store_false",
+        dest="gradient_accumulation_fusion",
+        help="Megatron-LM's switch for its fused weight-gradient accumulation (APEX/Transformer "
+             "Engine); here autograd accumulates the weight gradients either way")
+
     def __post_init__(self) -> None:
         positive(self, (("build_timeout", "--kernel-build-timeout"),))
 

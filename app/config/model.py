@@ -5,9 +5,10 @@ once in `__post_init__`, messages naming the flag and the fix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional, Tuple
 
+from app.config.moe import MoEConfig
 from app.config.options import option
 from app.config.recompute import recompute_plan
 from app.config.rules import divisible, positive
@@ -19,8 +20,11 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 """--recompute-granularity values (unset: no recompute)."""
 RECOMPUTE_METHODS = ("uniform", "block")
 """--recompute-method values (with full recompute)."""
-ATTENTION_BACKENDS = ("auto", "flash", "local")
-"""--attention-backend values."""
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+"""--attention-backend values (Megatron's AttnBackend names; what each runs here:
+app.model.fused.attention)."""
+EXPLICIT_ATTENTION = ("unfused", "local")
+"""Backends that compute q k^T, softmax and @ v as three ops (the probabilities are kept)."""
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 """--normalization values."""
 
@@ -145,7 +149,14 @@ class ModelConfig:
     attention_backend: str = option(
         "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, group="fused kernels",
         help="auto: SDPA for causal (measured default); flash: = --use-flash-attn; "
-             "local: q k^T + fused softmax + @ v (Megatron's core attention)")
+             "local: q k^T + fused softmax + @ v (Megatron's core attention); fused: SDPA "
+             "restricted to its fused kernels (flash, memory-efficient, cuDNN); unfused: "
+             "q k^T + PyTorch softmax + @ v")
+    apply_rope_fusion: bool = option(
+        "--no-rope-fusion", default=True, action="store_false", dest="apply_rope_fusion",
+        group="fused kernels",
+        help="Megatron's switch for its fused RoPE kernel; this project has none, so RoPE runs "
+             "in PyTorch either way")
     params_dtype: str = "float32"
     """dtype of the module parameters: float32, float16 or bfloat16 (from the precision)."""
     attention_softmax_in_fp32: bool = option(
@@ -160,6 +171,8 @@ class ModelConfig:
     seed: int = 1234
     """Seed from which every parameter's initial value is derived (independent of TP/PP);
     the run's --seed (TrainingConfig.seed)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of Experts (--num-experts and the --moe-* flags); dense by default."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:  # construction defaults, not rewrites (Megatron's)
@@ -187,6 +200,7 @@ class ModelConfig:
                 f"--seq-length ({self.seq_length}) is larger than --max-position-embeddings "
                 f"({self.max_position_embeddings}); raise --max-position-embeddings or lower "
                 "--seq-length")
+        self.moe.check_against_model(self.num_layers, self.ffn_hidden_size, self.add_bias_linear)
         self._check_recompute()
         self._check_positions()
         self._check_query_groups()
@@ -200,10 +214,10 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of "
                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
-        if self.use_flash_attn and self.attention_backend == "local":
-            raise ValueError("--use-flash-attn asks for SDPA flash attention but "
-                             "--attention-backend local asks for the fused-softmax path; "
-                             "drop one of the two")
+        if self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
+            raise ValueError(f"--use-flash-attn asks for SDPA flash attention but "
+                             f"--attention-backend {self.attention_backend} asks for another "
+                             "path; drop one of the two")
 
     def _check_recompute(self) -> None:
         """--recompute-granularity / --recompute-method / --recompute-num-layers agree."""
@@ -240,8 +254,7 @@ class ModelConfig:
                     else f"--attention-backend {self.attention_backend}")
             raise ValueError(
                 f"--position-embedding-type alibi with {flag}: ALiBi adds a bias to every score, "
-                "which flash attention and the fused softmax kernels do not take; use "
-                "--attention-backend auto (SDPA with the bias)")
+                "which runs through SDPA's attention bias only; use --attention-backend auto")
         if kind != "rope":
             for flag, value, default in (("--rotary-percent", self.rotary_percent, 1.0),
                                          ("--rotary-base", self.rotary_base, 10000)):
@@ -331,11 +344,14 @@ class ModelConfig:
         return self.parameters_per_rank()
 
     def parameters_per_rank(self, tensor_model_parallel_size: int = 1,
-                            pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0) -> int:
+                            pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0,
+                            expert_model_parallel_size: int = 1,
+                            expert_tensor_parallel_size: Optional[int] = None) -> int:
         """Parameters one rank of pipeline stage `pipeline_rank` holds (the whole model with the
         defaults): the sum of `parameter_numels`."""
         return sum(self.parameter_numels(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                         pipeline_rank))
+                                         pipeline_rank, expert_model_parallel_size,
+                                         expert_tensor_parallel_size))
 
     def norm_numels(self, width: int) -> List[int]:
         """Parameter sizes of one norm over `width` channels: weight and bias (LayerNorm) or
@@ -344,7 +360,8 @@ class ModelConfig:
 
     def parameter_numels(self, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1,
-                         pipeline_rank: int = 0) -> List[int]:
+                         pipeline_rank: int = 0, expert_model_parallel_size: int = 1,
+                         expert_tensor_parallel_size: Optional[int] = None) -> List[int]:
         """The size of every parameter tensor one rank of pipeline stage `pipeline_rank` holds:
         its tensor-parallel shard of the stage's layers, plus the word embeddings (and the
         learned position table, replicated over TP) on the first stage, and the final LayerNorm
@@ -352,7 +369,10 @@ class ModelConfig:
         the last. GQA shrinks the QKV projection (key/value heads replicated when there are
         fewer groups than TP ranks); RoPE and ALiBi have no position table; --swiglu doubles
         the first MLP projection, --disable-bias-linear drops the linears' biases, RMSNorm has
-        no bias, --qk-layernorm adds two head-wide norms per layer."""
+        no bias, --qk-layernorm adds two head-wide norms per layer. An MoE layer (--num-experts,
+        --moe-layer-freq) holds the router [E, h], this rank's experts (E / EP of them, each
+        FFN split over ETP, default TP) and the shared expert (split over TP) instead of the
+        MLP."""
         t, pp = tensor_model_parallel_size, pipeline_model_parallel_size
         h, V = self.hidden_size, self.padded_vocab_size
         fc1 = self.ffn_hidden_size * (2 if self.swiglu else 1)  # gate and up halves (swiglu)
@@ -363,19 +383,31 @@ class ModelConfig:
 
         def linear(rows: int, cols: int, bias_rows: int) -> List[int]:
             return [rows * cols] + ([bias_rows] if self.add_bias_linear else [])
-        per_layer = (norm  # input norm
+        attention = (norm  # input norm
                      + linear(qkv_rows, h, qkv_rows)  # QKV (column)
                      + (self.norm_numels(self.head_dim) * 2 if self.qk_layernorm else [])
                      + linear(h, attn_width, h)  # dense (row: whole bias)
-                     + norm  # post-attention norm
-                     + linear(fc1 // t, h, fc1 // t) + linear(h, self.ffn_hidden_size // t, h))
+                     + norm)  # post-attention norm
+        mlp = linear(fc1 // t, h, fc1 // t) + linear(h, self.ffn_hidden_size // t, h)
+        moe, etp = self.moe, expert_tensor_parallel_size or t
+        experts: List[int] = []
+        if moe.enabled:
+            shared = moe.shared_expert_size * (2 if self.swiglu else 1)
+            experts = ([moe.num_experts * h]  # router
+                       + ([h] if moe.moe_shared_expert_gate else [])  # the shared expert's own
+                       + ([shared // t * h, h * moe.shared_expert_size // t] if shared else [])
+                       + moe.expert_numels(h, self.swiglu, expert_model_parallel_size, etp))
         first, last = pipeline_rank == 0, pipeline_rank == pp - 1
         sizes: List[int] = []
         if first:
             sizes.append(V * h // t)
             if self.position_embedding_type == "learned_absolute":
                 sizes.append(self.max_position_embeddings * h)
-        sizes += per_layer * (self.num_layers // pp)
+        per_stage = self.num_layers // pp
+        pattern = moe.layer_pattern(self.num_layers)[pipeline_rank * per_stage:
+                                                     (pipeline_rank + 1) * per_stage]
+        for is_moe in pattern:
+            sizes += attention + (experts if is_moe else mlp)
         if last:
             sizes += norm  # final norm
             if self.untie_embeddings_and_output_weights or not first:

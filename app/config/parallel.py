@@ -48,12 +48,23 @@ class ParallelConfig:
         "--distributed-timeout-minutes", default=10.0,
         help="a collective waiting this long for another rank fails, and a rank making no "
              "progress for this long (plus a margin) is stopped; fractions allowed")
+    expert_model_parallel_size: int = option(
+        "--expert-model-parallel-size", default=1,
+        help="EP: ranks that split each MoE layer's experts (Megatron's expert grid: expert "
+             "tensor x expert x expert data x pipeline; docs/moe.md)")
+    expert_tensor_parallel_size: Optional[int] = option(
+        "--expert-tensor-parallel-size", default=None,
+        help="ETP: ranks that split each expert's FFN (default: --tensor-model-parallel-size)")
     world_size: int = 1
     """Ranks in the job (from the launcher; not a flag)."""
     world_source: str = ""
     """Where world_size came from (app.launch.distributed.WorldInfo.source), for messages."""
 
     def __post_init__(self) -> None:
+        if self.expert_tensor_parallel_size is None:  # Megatron's default, set at construction
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        positive(self, (("expert_model_parallel_size", "--expert-model-parallel-size"),
+                         ("expert_tensor_parallel_size", "--expert-tensor-parallel-size")))
         positive(self, (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                          ("context_parallel_size", "--context-parallel-size"),
@@ -83,6 +94,22 @@ class ParallelConfig:
         return self.world_size // (self.tensor_model_parallel_size
                                    * self.pipeline_model_parallel_size * self.context_parallel_size)
 
+    def megatron_layout(self) -> str:
+        """The layout as Megatron-LM's validate_args prints it first: "using world size: W,
+        data-parallel size: D, context-parallel size: C, hierarchical context-parallel sizes:
+        None, tensor-model-parallel size: T, pipeline-model-parallel size: P"."""
+        return (f"using world size: {self.world_size}, data-parallel size: "
+                f"{self.data_parallel_size}, context-parallel size: {self.context_parallel_size}, "
+                "hierarchical context-parallel sizes: None, tensor-model-parallel size: "
+                f"{self.tensor_model_parallel_size}, pipeline-model-parallel size: "
+                f"{self.pipeline_model_parallel_size}")
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP = world / (ETP x EP x PP): ranks holding the same experts (Megatron Core)."""
+        return self.world_size // (self.expert_tensor_parallel_size
+                                   * self.expert_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
 
 
 @dataclass(kw_only=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Tuple
 
 
@@ -21,15 +22,18 @@ def divisible(what: str, value: int, by: str, divisor: int) -> None:
 
 
 def split_weights(splits: str) -> Tuple[float, float, float]:
-    """'969,30,1' -> normalised (train, valid, test) fractions; '90/5/5' also accepted."""
-    sep = "," if "," in splits else "/"
+    """--split as Megatron Core reads it (parse_and_normalize_split): the numbers in the text,
+    whatever separates them ('969,30,1', '90/5/5', "'99,1,0'" with the quotes of a word-split
+    shell string), up to three, padded with zeros, normalised. Exponents and signs are refused
+    (Megatron's pattern would read '1e-3' as the two numbers 1 and 3)."""
+    bad = re.search(r"[-+]|\d[eE]", splits)
     try:
-        parts = [float(x) for x in splits.split(sep) if x.strip()]
-    except ValueError:
+        parts = [float(x) for x in re.findall(r"[.0-9]+", splits)]
+    except ValueError:  # a lone '.'
         parts = []
-    if not parts or len(parts) > 3 or any(x < 0 for x in parts) or not math.isfinite(sum(parts)):
+    if bad or not parts or len(parts) > 3 or not math.isfinite(sum(parts)):
         raise ValueError(f"--split {splits!r} is invalid: give up to three non-negative "
-                         "weights, e.g. 969,30,1")
+                         "weights without exponents, e.g. 969,30,1")
     while len(parts) < 3:
         parts.append(0.0)
     total = sum(parts)

@@ -9,12 +9,16 @@ from app.config.batch_schedule import BatchSchedule, schedule_of
 from app.config.checkpoint import CheckpointConfig
 from app.config.data import DataConfig
 from app.config.deepspeed import DeepSpeedConfig, zero_stage
+from app.config.fp8 import Fp8Config
 from app.config.kernels import KernelConfig
+from app.config.logs import LogConfig
 from app.config.model import ModelConfig
+from app.config.moe import check_moe_run
 from app.config.optimizer import OptimizerConfig, check_muon_layout
 from app.config.options import option
 from app.config.parallel import ParallelConfig, PrecisionConfig
 from app.config.recompute import RecomputePlan, recompute_plan
+from app.config.runtime import RuntimeConfig
 from app.config.rules import divisible
 from app.config.training import InProcessRestartConfig, RollbackConfig, TrainingConfig
 from app.config.wandb import WandbConfig
@@ -41,9 +45,13 @@ class RunConfig:
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     inprocess: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     explicit_flags: FrozenSet[str] = frozenset()
     """The flags given on the command line, each by its first spelling (arguments.py); the
-    ones the run's path does not read are named by app.config.unread."""
+    ones the run's path does not read, or that change nothing in it, are named by
+    app.config.unread."""
     batch_schedule: BatchSchedule = field(init=False)
     """The global batch of each iteration (app.config.batch_schedule), from --global-batch-size
     and --rampup-batch-size or --step-batch-size-schedule."""
@@ -82,6 +90,15 @@ class RunConfig:
                              "--ckpt-format, or convert afterwards with "
                              "tools/convert_checkpoint.py --input-format deepspeed "
                              "--output-format torch_dist")
+        if (not self.deepspeed.enabled and self.checkpoint.ckpt_format == "torch"
+                and self.checkpoint.save and m.moe.enabled
+                and p.expert_tensor_parallel_size != tp):
+            raise ValueError(
+                f"--save with --ckpt-format torch, --expert-tensor-parallel-size "
+                f"{p.expert_tensor_parallel_size} and --tensor-model-parallel-size {tp}: "
+                "Megatron's legacy files name a rank by its tensor and expert-parallel ranks, so "
+                "they hold experts split over the tensor-parallel ranks only; use --ckpt-format "
+                "torch_dist (any layout), or the same expert and dense tensor-parallel sizes")
         if self.deepspeed.enabled and self.optimizer.use_distributed_optimizer:
             raise ValueError("--use-distributed-optimizer is for the native path; with --deepspeed "
                              "shard the optimizer with ZeRO (zero_optimization.stage 1, 2 or 3 in "
@@ -98,6 +115,11 @@ class RunConfig:
             raise ValueError(f"params_dtype {m.params_dtype} does not match the precision flags "
                              f"(which imply {self.precision.params_dtype})")
         self._check_model_options_against_layout()
+        if self.fp8.fp8_param_gather and not self.optimizer.use_distributed_optimizer:
+            raise ValueError("--fp8-param-gather only supported with distributed optimizer "
+                             "(Megatron-LM's rule): add --use-distributed-optimizer or drop "
+                             "--fp8-param-gather")
+        check_moe_run(m.moe, m, p, self.deepspeed, self.optimizer)
         check_muon_layout(self.optimizer, m.num_kv_heads, tp)
         self._check_kernel_build_timeout()
         self._check_local_checkpoints()
@@ -183,7 +205,7 @@ class RunConfig:
                         "change the sizes")
         refused = [
             (m.position_embedding_type == "alibi", "--position-embedding-type", "alibi"),
-            (self.data.reset_attention_mask, "--reset-attention-mask", True),
+            (self.data.attention_mask_resets, "--reset-attention-mask", True),
         ]
         for bad, flag, value in refused:
             if bad:
@@ -196,10 +218,10 @@ class RunConfig:
         m, p = self.model, self.parallel
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         if m.sequence_parallel:
-            if tp == 1:
-                raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 "
+            if tp == 1:  # arguments.py turns the flag off at TP 1, as Megatron-LM does
+                raise ValueError("sequence_parallel needs --tensor-model-parallel-size > 1 "
                                  "(got 1): it splits the sequence over the tensor-parallel "
-                                 "ranks; drop --sequence-parallel or raise the TP size")
+                                 "ranks")
             divisible("--seq-length", m.seq_length, "--tensor-model-parallel-size", tp)
         groups = m.num_kv_heads
         if m.group_query_attention and groups % tp and tp % groups:

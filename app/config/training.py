@@ -78,8 +78,11 @@ class TrainingConfig:
         help="stop with an error after this many consecutive non-finite iterations (fp16: "
              "overflows at the minimum loss scale); 0 disables")
     check_for_nan_in_loss_and_grad: bool = option(
-        "--check-for-nan-in-loss-and-grad", default=False, group="precision",
+        "--check-for-nan-in-loss-and-grad", default=False, action="boolean_optional",
+        group="precision",
         help="stop at the first non-finite loss or gradient")
+    """Off by default here, on in Megatron-LM (docs/precision.md); --no-... is Megatron's
+    spelling of off."""
     log_straggler: bool = option(
         "--log-straggler", default=False,
         help="every --log-interval, name (with their hosts) the ranks whose forward + data-wait "

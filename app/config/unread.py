@@ -13,17 +13,33 @@ path than the one the run takes:
 - `--ddp-bucket-size` without `--use-distributed-optimizer`, the only owner of gradient buckets;
 - the settings of an optimizer the run does not use (`--sgd-momentum`, the `--muon-*` flags,
   Adam's betas and epsilon under SGD);
-- `--deepspeed_config` without `--deepspeed` (the native path runs, the JSON unread).
+- `--deepspeed_config` without `--deepspeed` (the native path runs, the JSON unread);
+- the `--moe-*` flags and `--expert-tensor-parallel-size` without `--num-experts` (a dense
+  model), and `--moe-permute-fusion` / `--moe-router-fusion` (accepted for Megatron's scripts:
+  the permutation and the router here are the same unfused PyTorch either way).
+- and the flags Megatron-LM accepts that change nothing in this run (`no_effect`): where
+  Megatron ignores them in the same situation, or has a kernel this project does not have (the
+  flag only picks between two implementations of the same arithmetic):
+  --sequence-parallel at tensor-parallel size 1 (Megatron turns it off with a warning); kernel
+  switches for kernels we do not have (--no-rope-fusion, --no-gradient-accumulation-fusion);
+  settings whose switch is off (FP8 without --fp8-format, the profiler's without --profile,
+  manual GC's without --manual-gc, TensorBoard's without --tensorboard-dir);
+  --reset-attention-mask with --no-create-attention-mask-in-dataloader; --split with
+  --mock-data (Megatron divides the mock documents in thirds); --fp8-interval (deprecated by
+  Transformer Engine 1.8); --empty-unused-memory-level on a device without the CUDA cache.
 
-`unread_flags(cfg)` lists them; the run logs each once at start-up (rank 0) and --dry-run
-reports them as warnings.
+`unread_flags(cfg, device_type)` lists them; the run logs each once at start-up (rank 0) and
+--dry-run reports them as warnings.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import Iterable, List, Optional
 
 from app.config.data import tokenizer_flags_not_read
+from app.config.fp8 import Fp8Config
+from app.config.logs import LogConfig
+from app.config.moe import MoEConfig
 from app.config.optimizer import OptimizerConfig
 from app.config.run import RunConfig
 
@@ -31,11 +47,16 @@ MUON_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(Optimizer
                    if f.name.startswith("muon_") and "flag" in f.metadata)
 """Every --muon-* flag (read with --optimizer muon only)."""
 ADAM_FLAGS = ("--adam-beta1", "--adam-beta2", "--adam-eps")
+MOE_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(MoEConfig)
+                  if f.name != "num_experts" and "flag" in f.metadata)
+"""Every --moe-* flag (read with --num-experts only)."""
+MOE_FUSIONS = ("--moe-permute-fusion", "--moe-router-fusion")
 
 
-def unread_flags(cfg: RunConfig) -> List[str]:
+def unread_flags(cfg: RunConfig, device_type: Optional[str] = None) -> List[str]:
     """One line per flag given (`cfg.explicit_flags`, or a value set) that the run's path does
-    not read: the flag, the path chosen and why it is not read (module docstring)."""
+    not read, or that changes nothing in it (`no_effect`): the flag, the path chosen and why
+    (module docstring). `device_type` ("cuda", "cpu"): the run's device, when known."""
     d, p, o, given = cfg.data, cfg.precision, cfg.optimizer, cfg.explicit_flags
     notes = tokenizer_flags_not_read(d.tokenizer_type, d.vocab_file, d.merge_file,
                                      d.tokenizer_model, d.vocab_size)
@@ -58,4 +79,80 @@ def unread_flags(cfg: RunConfig) -> List[str]:
         notes.append(f"--deepspeed_config {cfg.deepspeed.config_path} is not read: without "
                      "--deepspeed the run takes the native path; add --deepspeed to train "
                      "through DeepSpeed with it")
-    return notes
+    return notes + _moe_flags_not_read(cfg) + no_effect(cfg, device_type)
+
+
+def _flags_of(cls: type, *leave_out: str) -> List[str]:
+    """The first spelling of every option field of `cls`, except `leave_out`."""
+    return [f.metadata["flag"].name for f in dataclasses.fields(cls)
+            if "flag" in f.metadata and f.metadata["flag"].name not in leave_out]
+
+
+FP8_SETTINGS = _flags_of(Fp8Config, "--fp8-format")
+PROFILE_SETTINGS = ["--profile-step-start", "--profile-step-end", "--profile-ranks",
+                    "--use-pytorch-profiler", "--pytorch-profiler-collect-shapes",
+                    "--pytorch-profiler-collect-callstack", "--record-shapes"]
+GC_SETTINGS = ["--manual-gc-interval", "--no-manual-gc-eval"]
+TENSORBOARD_SETTINGS = _flags_of(LogConfig, "--log-throughput")
+
+
+def _without(switch: str, on: bool, settings: Iterable[str], given: Iterable[str],
+             does: str) -> Optional[str]:
+    """A line for the `settings` given while `switch` is off."""
+    named = [flag for flag in settings if flag in given]
+    if on or not named:
+        return None
+    return f"{', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect without {switch} ({does})"
+
+
+def no_effect(cfg: RunConfig, device_type: Optional[str] = None) -> List[str]:
+    """One line per flag Megatron-LM accepts that changes nothing in this run, and why (module
+    docstring). `device_type`: the device the run uses ("cuda", "cpu"), when known."""
+    given, m, d = cfg.explicit_flags, cfg.model, cfg.data
+    notes: List[Optional[str]] = []
+    if "--sequence-parallel" in given and cfg.parallel.tensor_model_parallel_size == 1:
+        notes.append("--sequence-parallel is turned off: the tensor-parallel size is 1 "
+                     "(Megatron-LM: \"Disabling sequence parallelism because tensor model "
+                     "parallelism is disabled\")")
+    if not m.apply_rope_fusion:
+        notes.append("--no-rope-fusion changes nothing here: this project has no fused RoPE "
+                     "kernel, RoPE runs in PyTorch with or without it")
+    if not cfg.kernels.gradient_accumulation_fusion:
+        notes.append("--no-gradient-accumulation-fusion changes nothing here: autograd "
+                     "accumulates the weight gradients (there is no fused accumulation to turn "
+                     "off)")
+    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+        notes.append("--reset-attention-mask has no effect with "
+                     "--no-create-attention-mask-in-dataloader: no mask is built, attention is "
+                     "plain causal (as in Megatron-LM); positions and loss masks still follow "
+                     "their flags")
+    if d.mock_data and "--split" in given:
+        notes.append(f"--split {d.split} is not read with --mock-data: Megatron-LM divides its "
+                     "mock documents in thirds (1,1,1)")
+    if "--fp8-interval" in given:
+        notes.append("--fp8-interval is ignored (deprecated since Transformer Engine 1.8, "
+                     "ignored by Megatron-LM)")
+    notes.append(_without("--fp8-format", cfg.fp8.enabled, FP8_SETTINGS, given,
+                          "FP8 is off"))
+    notes.append(_without("--profile", cfg.runtime.profile, PROFILE_SETTINGS, given,
+                          "nothing is profiled"))
+    notes.append(_without("--manual-gc", cfg.runtime.manual_gc, GC_SETTINGS, given,
+                          "Python's automatic garbage collector runs"))
+    notes.append(_without("--tensorboard-dir", bool(cfg.training.tensorboard_dir),
+                          TENSORBOARD_SETTINGS, given, "no TensorBoard is written"))
+    if cfg.runtime.empty_unused_memory_level and device_type not in (None, "cuda"):
+        notes.append(f"--empty-unused-memory-level {cfg.runtime.empty_unused_memory_level} has "
+                     f"no effect on the {device_type}: it empties the CUDA caching allocator")
+    return [note for note in notes if note]
+
+
+def _moe_flags_not_read(cfg: RunConfig) -> List[str]:
+    """The MoE flags of a dense model, and Megatron's MoE fusion switches."""
+    given = cfg.explicit_flags
+    if not cfg.model.moe.enabled:
+        return [f"{flag} is not read: without --num-experts the model is dense; drop it or add "
+                "--num-experts" for flag in (*MOE_FLAGS, "--expert-tensor-parallel-size")
+                if flag in given]
+    return [f"{flag} is not read: the token permutation and the router run the same unfused "
+            "PyTorch either way (accepted for Megatron's scripts)" for flag in MOE_FUSIONS
+            if flag in given]

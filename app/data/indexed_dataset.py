@@ -188,19 +188,50 @@ def _check_consistency(prefix: str, dtype: np.dtype, sizes: np.ndarray, pointers
                                  f"mismatched pair); {FIX_HINT}")
 
 
+class FileTokens:
+    """The tokens of a `.bin` file read with file reads instead of a memory map (Megatron's
+    --no-mmap-bin-files, its _FileBinReader): `tokens[a:b]` and `tokens[i]` as a memmap gives
+    them, each read opening the file (safe in forked data-loader workers)."""
+
+    def __init__(self, path: str, dtype: np.dtype, count: int) -> None:
+        self.path, self.dtype, self.size = path, np.dtype(dtype), int(count)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: Union[int, slice]) -> Union[np.ndarray, np.generic]:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.size)
+            if step != 1:
+                raise IndexError("FileTokens reads contiguous ranges only")
+            count = max(0, stop - start)
+            with open(self.path, "rb") as f:
+                f.seek(start * self.dtype.itemsize)
+                data = f.read(count * self.dtype.itemsize)
+            return np.frombuffer(data, dtype=self.dtype, count=count)
+        index = int(key) + (self.size if int(key) < 0 else 0)
+        if not 0 <= index < self.size:
+            raise IndexError(f"token {key} outside {self.path} ({self.size} tokens)")
+        return self[index:index + 1][0]
+
+
 class MMapIndexedDataset:
     """Read-only view of a `.bin`/`.idx` pair: `ds[i]` is sequence i as a numpy array (no copy).
 
     Attributes: `sizes` (int32 [N] tokens per sequence), `pointers` (int64 [N] byte offsets),
-    `doc_idx` (int64 [D], document -> first sequence), `dtype`, `tokens` (memmap of all tokens).
+    `doc_idx` (int64 [D], document -> first sequence), `dtype`, `tokens` (memmap of all tokens,
+    or with `mmap` False a FileTokens reading the same values with file reads).
     Validated at open; every failure raises DatasetFormatError naming the path and the fix.
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, mmap: bool = True) -> None:
         self.prefix = prefix
         self.dtype, self.sizes, self.pointers, self.doc_idx = _read_index(index_file_path(prefix))
         _check_consistency(prefix, self.dtype, self.sizes, self.pointers, self.doc_idx)
-        if self.sizes.size and int(self.sizes.sum(dtype=np.int64)) > 0:
+        total = int(self.sizes.sum(dtype=np.int64)) if self.sizes.size else 0
+        if total > 0 and not mmap:
+            self.tokens = FileTokens(data_file_path(prefix), self.dtype, total)
+        elif total > 0:
             self.tokens = np.memmap(data_file_path(prefix), mode="r", dtype=self.dtype)
         else:  # np.memmap refuses empty files
             self.tokens = np.zeros(0, dtype=self.dtype)

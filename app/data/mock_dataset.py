@@ -22,7 +22,7 @@ sampler, the batch builder and every layout work on them unchanged.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -118,3 +118,30 @@ def build_mock_datasets(num_samples: Sequence[int], seq_length: int, vocab_size:
     ranges = split_document_ranges(len(source), MOCK_SPLIT)
     return tuple(MockGPTDataset(source, docs, n, seq_length, seed, name) if n > 0 else None
                  for name, n, docs in zip(SPLITS, num_samples, ranges))
+
+
+def _size(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 / 10 else f"{n / 2 ** 20:.2f} MiB"
+
+
+def describe_mock_plan(num_samples: Sequence[int], seq_length: int, vocab_size: int,
+                       seed: int) -> List[str]:
+    """One line per split of `build_mock_datasets(num_samples, ...)` without building its
+    indices (a plan of billions of samples is counted, not materialised): the samples, the
+    documents, the epochs and the host memory the indices will take when the run builds them
+    (document index int32 per epoch, sample index and shuffle index per sample)."""
+    sizes = MockDocuments(vocab_size, vocab_size - 1).sizes
+    lines = []
+    for name, n, docs in zip(SPLITS, num_samples, split_document_ranges(NUM_DOCUMENTS,
+                                                                         MOCK_SPLIT)):
+        if n <= 0 or docs is None:
+            continue
+        tokens = int(sizes[docs[0]:docs[1]].sum(dtype=np.int64))
+        epochs = compute_num_epochs(tokens, seq_length, n)
+        index_bytes = (4 * epochs * (docs[1] - docs[0]) + 16 * (n + 1)
+                       + (4 if n < np.iinfo(np.uint32).max - 1 else 8) * n)
+        lines.append(f"{n:,} {name} samples of {seq_length + 1} token ids from Megatron's mock "
+                     f"documents [{docs[0]}, {docs[1]}) ({epochs:,} epoch(s), ids counting up "
+                     f"modulo {vocab_size}) in the order of seed {seed}; its indices take "
+                     f"{_size(index_bytes)} of host memory when the run builds them")
+    return lines

@@ -101,9 +101,17 @@ class DataPlan:
     seq_length: int
 
 
+class _Opened(Dict[str, MMapIndexedDataset]):
+    """The datasets a plan opened, by prefix, and how their .bin files are read."""
+
+    def __init__(self, mmap_bin_files: bool) -> None:
+        super().__init__()
+        self.mmap_bin_files = mmap_bin_files
+
+
 def _open(prefix: str, opened: Dict[str, MMapIndexedDataset]) -> MMapIndexedDataset:
     if prefix not in opened:
-        indexed = MMapIndexedDataset(prefix)
+        indexed = MMapIndexedDataset(prefix, mmap=getattr(opened, "mmap_bin_files", True))
         if indexed.num_documents == 0 or len(indexed) == 0:
             raise ValueError(f"{data_file_path(prefix)} holds no documents (an empty input was "
                              "preprocessed?); re-run tools/preprocess_data.py on a non-empty "
@@ -160,10 +168,12 @@ def _plan_split(blend: Blend, name: str, needed: int, ranges: Callable[[str], Tu
 
 
 def plan_datasets(blends: DataBlends, split: str, num_samples: Sequence[int],
-                  seq_length: int) -> DataPlan:
+                  seq_length: int, mmap_bin_files: bool = True) -> DataPlan:
     """The plan of every split for `num_samples` (train, valid, test) samples; opens (and so
-    validates) every dataset of the blends. Raises ValueError naming a bad file."""
-    opened: Dict[str, MMapIndexedDataset] = {}
+    validates) every dataset of the blends, reading their .bin files through memory maps or,
+    with `mmap_bin_files` False (--no-mmap-bin-files), file reads. Raises ValueError naming a
+    bad file."""
+    opened: Dict[str, MMapIndexedDataset] = _Opened(mmap_bin_files)
     plans: List[Optional[SplitPlan]] = []
     if blends.per_split is None:
         assert blends.blend is not None

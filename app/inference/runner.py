@@ -51,8 +51,8 @@ def load_model(checkpoint: SavedCheckpoint, ps: ParallelState) -> LoadedModel:
     """
     tp, pp = ps.tensor_model_parallel_size, ps.pipeline_model_parallel_size
     load, saved = checkpoint.load, checkpoint.tensor_pipeline_sizes
-    if saved == (tp, pp):
-        return _load_own_file(checkpoint, ps)
+    if saved == (tp, pp) and checkpoint.expert_model_parallel_size == 1:
+        return _load_own_file(checkpoint, ps)  # (expert-parallel files hold part of the experts)
     if saved is not None:
         logger.info("checkpoint %s was saved at TP %d x PP %d; resharding it in memory for "
                     "TP %d x PP %d", load, saved[0], saved[1], tp, pp)
@@ -63,7 +63,7 @@ def load_model(checkpoint: SavedCheckpoint, ps: ParallelState) -> LoadedModel:
     model = _build(args, rows, ps)
     placement = layout.Layout.of_args(args, pp, rows)
     try:  # each tensor split as the parallel layer that holds it marks it
-        flat = {name: placement.split(name, weights[name], tp)[ps.tensor_model_parallel_rank]
+        flat = {name: placement.shard(name, weights[name], ps)
                 for name in parameter_records(model)}
     except KeyError as exc:
         raise CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import ATTENTION_BACKENDS
+from app.config.model import EXPLICIT_ATTENTION
 from app.kernels import library as kernel_library
 from app.kernels import ops as kernel_ops
 from app.mpu import cross_entropy as mpu_ce
@@ -267,37 +268,50 @@ def _sdpa_backend_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _SDPA_SEEN: set = set()
 
 
+_SDPA_WHY = {"auto": "auto: faster than the fused softmax for causal attention",
+             "flash": "--attention-backend flash / --use-flash-attn",
+             "fused": "--attention-backend fused"}
+
+
 def _announce_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                   flash_only: bool) -> None:
+                   backend: str) -> None:
     """Announce SDPA with the backend PyTorch picks; computed once per kind of input."""
     if _tracing():
         return
-    key = (flash_only, q.device.type, q.dtype, q.shape[-1], dropout_p > 0.0)
+    key = (backend, q.device.type, q.dtype, q.shape[-1], dropout_p > 0.0)
     if key in _SDPA_SEEN:
         return
     _SDPA_SEEN.add(key)
     if not q.is_cuda:
-        _announce("attention", "SDPA", "CPU tensors")
+        _announce("attention", "SDPA", f"CPU tensors ({_SDPA_WHY[backend]})")
         return
-    why = ("--use-flash-attn" if flash_only
-           else "auto: faster than the fused softmax for causal attention")
-    _announce("attention", "SDPA", f"{why}; backend {_sdpa_backend_name(q, k, v, dropout_p)}")
+    _announce("attention", "SDPA", f"{_SDPA_WHY[backend]}; backend "
+              f"{_sdpa_backend_name(q, k, v, dropout_p)}")
+
+
+def _sdpa_kernels(backend: str) -> list:
+    """The SDPA kernels a backend restricts SDPA to on CUDA: flash = flash and memory-efficient
+    (--use-flash-attn's meaning); fused = every fused kernel (flash, memory-efficient, cuDNN:
+    Megatron's "fused" is Transformer Engine's cuDNN fused attention)."""
+    from torch.nn.attention import SDPBackend
+    kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return kernels + ([SDPBackend.CUDNN_ATTENTION] if backend == "fused" else [])
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                 flash_only: bool) -> torch.Tensor:
-    _announce_sdpa(q, k, v, dropout_p, flash_only)
+                 backend: str) -> torch.Tensor:
+    _announce_sdpa(q, k, v, dropout_p, backend)
     grouped = k.shape[1] != q.shape[1]  # grouped-query attention: fewer key/value heads
-    if flash_only and q.is_cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    if backend in ("flash", "fused") and q.is_cuda:
+        from torch.nn.attention import sdpa_kernel
 
         try:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            with sdpa_kernel(_sdpa_kernels(backend)):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
                                                       is_causal=True, enable_gqa=grouped)
-        except RuntimeError as err:  # e.g. a head size neither backend takes
-            _announce("attention", "SDPA (any backend)", "--use-flash-attn, but flash/efficient "
-                      f"refused these inputs: {str(err).splitlines()[0][:160]}")
+        except RuntimeError as err:  # e.g. a head size no fused kernel takes
+            _announce("attention", "SDPA (any backend)", f"{_SDPA_WHY[backend]}, but its fused "
+                      f"kernels refused these inputs: {str(err).splitlines()[0][:160]}")
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                           enable_gqa=grouped)
 
@@ -312,11 +326,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
     minimum), which always runs through SDPA's attn_mask (the softmax kernels take bool masks;
     app.config refuses ALiBi with the flash and local backends). k and v may have fewer heads
     than q (grouped-query attention: query head i reads key/value head i // (n_q / n_kv)).
-    backend (--attention-backend; --use-flash-attn means "flash"):
-      auto  - causal through SDPA (the measured default; see docs/kernels.md), masks "local";
-      flash - causal through SDPA restricted to its flash/efficient backends, masks "local";
-      local - Megatron's core attention: scores = q k^T, the fused (causal or masked) softmax
-              (kernel when `softmax_fusion`, --masked-softmax-fusion), dropout, probs @ v.
+    backend (--attention-backend, Megatron's names; --use-flash-attn means "flash"):
+      auto    - causal through SDPA (the measured default; see docs/kernels.md), masks "local";
+      flash   - causal through SDPA restricted to its flash/efficient kernels, masks "local";
+      fused   - causal through SDPA restricted to its fused kernels (flash, efficient, cuDNN),
+                masks "local";
+      unfused - scores = q k^T, PyTorch's softmax (fp32 arithmetic), dropout, probs @ v;
+      local   - Megatron's core attention: as unfused, with the fused (causal or masked)
+                softmax kernel when `softmax_fusion` (--masked-softmax-fusion).
     On the local path `qk_coeff` n != 1 (--apply-query-key-layer-scaling) divides the scores
     by sqrt(d) * n and the softmax multiplies them back by n, in fp32; `softmax_in_fp32`
     (--attention-softmax-in-fp32) upcasts half scores for the PyTorch softmax.
@@ -329,13 +346,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
         _announce("attention", "SDPA with an additive bias", "ALiBi")
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               enable_gqa=k.shape[1] != q.shape[1])
-    if mask is None and backend != "local":
-        return _sdpa_causal(q, k, v, dropout_p, flash_only=backend == "flash")
+    if mask is None and backend not in EXPLICIT_ATTENTION:
+        return _sdpa_causal(q, k, v, dropout_p, backend)
     if k.shape[1] != q.shape[1]:  # each key/value head serves n_q / n_kv consecutive queries
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    softmax_fusion = softmax_fusion and backend != "unfused"
     if mask is None:
-        _announce("attention", "q k^T + causal softmax + @ v", "--attention-backend local")
+        _announce("attention", "q k^T + causal softmax + @ v", f"--attention-backend {backend}")
     scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s_q, s_k]
     if qk_coeff != 1.0:
         scores = scores / (math.sqrt(q.shape[-1]) * qk_coeff)

@@ -75,6 +75,9 @@ class ParameterRecord:
     glu_halves: bool = False
     """--swiglu's first projection: rows [gate; up], each half split over TP, so a rank holds
     [gate_r; up_r] (app.checkpoint.sharding.place)."""
+    expert: bool = False
+    """An MoE layer's routed experts [E, ...]: dim 0 split over the expert-parallel ranks, the
+    `partition_dim` split over the expert tensor-parallel ones (app.model.moe.experts)."""
 
 
 def parameter_records(model: nn.Module) -> Dict[str, ParameterRecord]:
@@ -93,7 +96,8 @@ def parameter_records(model: nn.Module) -> Dict[str, ParameterRecord]:
         records[name] = ParameterRecord(name=name, shape=tuple(param.shape), partition_dim=dim,
                                         layer=parsed[0] if parsed else None,
                                         tied_copy=bool(getattr(param, "shared", False)),
-                                        glu_halves=bool(getattr(param, "glu_halves", False)))
+                                        glu_halves=bool(getattr(param, "glu_halves", False)),
+                                        expert=getattr(param, "expert_axis", None) is not None)
     return records
 
 

@@ -13,8 +13,9 @@ from app.mpu.mappings import (copy_to_tensor_model_parallel_region,
                               gather_from_tensor_model_parallel_region,
                               reduce_from_tensor_model_parallel_region,
                               scatter_to_tensor_model_parallel_region)
-from app.mpu.parallel_state import (ParallelState, destroy_model_parallel, get_parallel_state,
-                                    initialize_model_parallel, rank_layout, set_parallel_state)
+from app.mpu.parallel_state import (ParallelState, destroy_model_parallel, expert_rank_layout,
+                                    get_parallel_state, initialize_model_parallel, rank_layout,
+                                    set_parallel_state)
 from app.mpu.random import (RNGStatesTracker, checkpoint, get_rng_tracker,
                             load_rng_state_dict, model_parallel_seed, rng_state_dict,
                             set_checkpoint_implementation)
@@ -27,7 +28,7 @@ __all__ = [
     "copy_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "ParallelState", "destroy_model_parallel", "get_parallel_state", "initialize_model_parallel",
-    "rank_layout", "set_parallel_state", "RNGStatesTracker", "checkpoint", "get_rng_tracker",
+    "expert_rank_layout", "rank_layout", "set_parallel_state", "RNGStatesTracker", "checkpoint", "get_rng_tracker",
     "load_rng_state_dict", "model_parallel_seed", "rng_state_dict",
     "set_checkpoint_implementation", "divide", "vocab_range",
 ]

@@ -93,6 +93,20 @@ def all_to_all(parts: Sequence[torch.Tensor], group: ProcessGroup) -> List[torch
     return received
 
 
+def all_to_all_single(tensor: torch.Tensor, output_splits: Sequence[int],
+                      input_splits: Sequence[int], group: ProcessGroup) -> torch.Tensor:
+    """Rows [input_splits[j] of them, in order] of `tensor` go to group rank j; returns the rows
+    every rank j sent here, concatenated in group-rank order (output_splits[j] from rank j).
+    Uneven splits work on gloo and NCCL alike (torch's all_to_all_single)."""
+    if _trivial(group):
+        return tensor
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((int(sum(output_splits)),) + tuple(tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor, [int(n) for n in output_splits],
+                           [int(n) for n in input_splits], group=group)
+    return out
+
+
 def split_dim(tensor: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     """This rank's contiguous chunk along `dim`: n -> n / group_size (no communication)."""
     if _trivial(group):

@@ -9,6 +9,15 @@ replicated on `r` ranks (`param.replicated_rows = (first, r)`: key/value heads s
 grouped-query attention) counts those rows' squares divided by r. The squared sums are then
 added over the model-parallel (TP x PP) group. Data-parallel replicas hold identical (averaged)
 gradients.
+
+Expert parameters (Mixture of Experts, marked `allreduce = False`) live on the expert grid:
+they are deduplicated by the expert-tensor-parallel rank and their squares added over the
+expert tensor x expert x pipeline group (`expert_model_group`), then joined with the dense sum
+(Megatron's ChainedOptimizer norm). Every rank of a layout with experts makes both all-reduces,
+a pipeline stage without MoE layers included, so none waits for another. Their gradients are
+summed over the expert-data-parallel group and divided by the data x context size
+(`allreduce_expert_grad_tensors`): an expert already received the gradients of every token of
+its expert group through the dispatcher.
 """
 from __future__ import annotations
 
@@ -22,31 +31,51 @@ from app.mpu import collectives
 from app.mpu.parallel_state import ParallelState, get_parallel_state
 
 
-def counts_toward_norm(param: torch.Tensor, tensor_model_parallel_rank: int) -> bool:
-    """True when this rank owns `param`'s gradient for the global norm (see module docstring)."""
+def is_expert(param: torch.Tensor) -> bool:
+    """A Mixture-of-Experts expert parameter (marked `allreduce = False`)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def counts_toward_norm(param: torch.Tensor, tensor_model_parallel_rank: int,
+                       expert_tensor_parallel_rank: int = 0) -> bool:
+    """True when this rank owns `param`'s gradient for the global norm (see module docstring);
+    an expert parameter is deduplicated by the expert-tensor-parallel rank."""
     if getattr(param, "shared", False):
         return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or tensor_model_parallel_rank == 0
+    rank = expert_tensor_parallel_rank if is_expert(param) else tensor_model_parallel_rank
+    return bool(getattr(param, "tensor_model_parallel", False)) or rank == 0
+
+
+def reduce_norm_powers(dense: torch.Tensor, expert: torch.Tensor, state: ParallelState,
+                       op: str = "sum") -> torch.Tensor:
+    """The global sum (or max) of the dense powers [1] over the model-parallel group and the
+    expert ones [1] over the expert tensor x expert x pipeline group, combined; every rank
+    calls both all-reduces of a layout with experts."""
+    collectives.all_reduce(dense, state.model_parallel_group, op=op)
+    if state.expert_model_group is not None:
+        collectives.all_reduce(expert, state.expert_model_group, op=op)
+    return torch.maximum(dense, expert) if op == "max" else dense + expert
 
 
 def grad_norm(parameters: Iterable[torch.Tensor], parallel_state: Optional[ParallelState] = None,
               norm_type: float = 2.0) -> float:
-    """Global gradient norm over the model-parallel group, each parameter counted once."""
+    """Global gradient norm over the model-parallel (and expert) groups, each parameter counted
+    once."""
     state = get_parallel_state() if parallel_state is None else parallel_state
     owned = [p for p in parameters
-             if p.grad is not None and counts_toward_norm(p, state.tensor_model_parallel_rank)]
-    grads = [p.grad for p in owned]
-    device = grads[0].device if grads else torch.device("cpu")
-    if math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() \
-            if grads else torch.zeros((), device=device)
-        local = local.reshape(1).to(torch.float32)
-        collectives.all_reduce(local, state.model_parallel_group, op="max")
-        return float(local.item())
-    total = torch.zeros(1, dtype=torch.float32, device=device)
+             if p.grad is not None and counts_toward_norm(p, state.tensor_model_parallel_rank,
+                                                          state.expert_tensor_parallel_rank)]
+    device = owned[0].grad.device if owned else torch.device("cpu")
+    sums = {kind: torch.zeros(1, dtype=torch.float32, device=device) for kind in (0, 1)}
     for p in owned:
-        total += norm_power(p, p.grad, norm_type)
-    collectives.all_reduce(total, state.model_parallel_group)
+        part = sums[int(is_expert(p))]
+        if math.isinf(norm_type):
+            part.copy_(torch.maximum(part, p.grad.detach().abs().max().float().reshape(1)))
+        else:
+            part += norm_power(p, p.grad, norm_type)
+    if math.isinf(norm_type):
+        return float(reduce_norm_powers(sums[0], sums[1], state, op="max").item())
+    total = reduce_norm_powers(sums[0], sums[1], state)
     return float(total.item()) ** (1.0 / norm_type)
 
 
@@ -94,16 +123,25 @@ def allreduce_gradients(parameters: Iterable[torch.Tensor], data_parallel_group:
                            data_parallel_group, bucket_size_mb)
 
 
+def allreduce_expert_grad_tensors(grads: Iterable[torch.Tensor], parallel_state: ParallelState,
+                                  bucket_size_mb: float = 25.0) -> None:
+    """Expert gradients in place: summed over the expert-data-parallel group, divided by the
+    data x context size (see the module docstring)."""
+    replicas = parallel_state.gradient_state().data_parallel_size
+    allreduce_grad_tensors(grads, parallel_state.expert_data_parallel_group, bucket_size_mb,
+                           divisor=replicas)
+
+
 def allreduce_grad_tensors(grads: Iterable[torch.Tensor], data_parallel_group: object,
-                           bucket_size_mb: float = 25.0) -> None:
-    """Average gradient tensors in place over the data-parallel group, in flat buckets of at
-    most bucket_size_mb.
+                           bucket_size_mb: float = 25.0, divisor: Optional[int] = None) -> None:
+    """Average gradient tensors in place over the data-parallel group (sum, then divide by the
+    group size, or by `divisor` when given), in flat buckets of at most bucket_size_mb.
 
     Tensors are bucketed by (dtype, device) in the given order; a tensor larger than a bucket
-    goes alone. No-op for a None / one-rank group.
+    goes alone. No-op for a None / one-rank group without a divisor other than 1.
     """
-    size = collectives.group_size(data_parallel_group)
-    if size == 1:
+    size = collectives.group_size(data_parallel_group) if divisor is None else divisor
+    if size == 1 and collectives.group_size(data_parallel_group) == 1:
         return
     limit = bucket_size_mb * 1024 * 1024
     buckets: dict = {}
@@ -124,7 +162,8 @@ def allreduce_grad_tensors(grads: Iterable[torch.Tensor], data_parallel_group: o
 def _reduce_bucket(grads: List[torch.Tensor], group: object, size: int) -> None:
     flat = _flatten_dense_tensors(grads)
     collectives.all_reduce(flat, group)
-    flat.div_(size)
+    if size != 1:
+        flat.div_(size)
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
 

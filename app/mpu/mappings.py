@@ -10,8 +10,15 @@ and, for sequence parallelism (activations [b, s, h] split along s, `SEQUENCE_DI
     scatter_to_sequence_parallel       : forward split s           backward all-gather s
     reduce_scatter_to_sequence_parallel: forward reduce-scatter s  backward all-gather s
 
-Each takes the tensor and either a ParallelState (its tensor-parallel group is used) or a
-process group; None means the current default state (`parallel_state.get_parallel_state()`).
+and, for the MoE token dispatchers, on an explicit group along the token (first) dim:
+
+    gather_rows        : forward all-gather rows   backward reduce-scatter rows
+    reduce_scatter_rows: forward reduce-scatter    backward all-gather rows
+    all_to_all_rows    : forward all-to-all        backward the reverse all-to-all
+
+The tensor-parallel ones take the tensor and either a ParallelState (its tensor-parallel group
+is used) or a process group; None means the current default state
+(`parallel_state.get_parallel_state()`).
 
 `sum_gradient_over_tensor_parallel(param, ...)` is the gradient-side mapping for parameters
 that are replicated over TP ranks but see different data on each (LayerNorm weights in the
@@ -120,6 +127,58 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor,
     """Sum over TP and keep this rank's slice of the sequence; all-gather in backward.
     [b, s, h] partial sums -> [b, s/tp, h]."""
     return _map(input_, parallel_state, _reduce_scatter_sequence, _gather_sequence)
+
+
+# ---- token exchanges over an explicit group (the MoE token dispatchers) ------------------------
+def _gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return collectives.all_gather_dim(t, group, 0)
+
+
+def _reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return collectives.reduce_scatter(t.contiguous(), group, dim=0)
+
+
+def _on_group(input_: torch.Tensor, group: Any, forward_op: Callable,
+              backward_op: Callable) -> torch.Tensor:
+    if collectives.group_size(group) == 1:
+        return input_
+    return _ConjugateMapping.apply(input_, group, forward_op, backward_op)
+
+
+def gather_rows(input_: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's rows concatenated in group-rank order; reduce-scatter of the gradient in
+    backward. [n, *] -> [n * group_size, *] (no communication for None / one rank)."""
+    return _on_group(input_, group, _gather_rows, _reduce_scatter_rows)
+
+
+def reduce_scatter_rows(input_: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over the group and keep this rank's contiguous rows; all-gather of the gradient in
+    backward. [n * group_size, *] -> [n, *]."""
+    return _on_group(input_, group, _reduce_scatter_rows, _gather_rows)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """collectives.all_to_all_single forward; the reverse exchange of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, output_splits, input_splits, group: Any):
+        ctx.splits, ctx.group = (list(output_splits), list(input_splits)), group
+        return collectives.all_to_all_single(input_, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return (collectives.all_to_all_single(grad.contiguous(), input_splits, output_splits,
+                                              ctx.group), None, None, None)
+
+
+def all_to_all_rows(input_: torch.Tensor, output_splits, input_splits, group: Any
+                    ) -> torch.Tensor:
+    """Rows of `input_` split by `input_splits` go to the group's ranks in order; returns the
+    rows received (`output_splits` from each rank). Backward sends the gradients back."""
+    if collectives.group_size(group) == 1:
+        return input_
+    return _AllToAllRows.apply(input_, output_splits, input_splits, group)
 
 
 def sum_gradient_over_tensor_parallel(param: torch.Tensor, parallel_state: Optional[ParallelState] = None, *,

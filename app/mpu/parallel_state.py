@@ -1,5 +1,5 @@
 """Process groups of a tensor x context x data x pipeline layout (Megatron Core's rank order,
-"tp-cp-ep-dp-pp" with one expert rank).
+"tp-cp-ep-dp-pp"), and with Mixture of Experts the expert grid beside it.
 
 Global rank r of a world of size W = TP * CP * DP * PP is laid out as
 
@@ -11,6 +11,14 @@ averaged over data x context ranks ("data_context": every rank holding the same 
 `rank_layout` is the pure arithmetic (unit-tested without processes); `initialize_model_parallel`
 creates the torch.distributed groups and returns a `ParallelState`, which is also the object
 passed to DeepSpeed as `mpu=` (it has the `get_model_parallel_*` / `get_data_parallel_*` methods).
+
+Experts live on their own grid over the same ranks (Megatron Core's "MoE parallel folding"):
+
+    r = pp_rank * (EDP * EP * ETP) + edp_rank * (EP * ETP) + ep_rank * ETP + etp_rank
+
+with ETP the expert tensor-parallel size (default TP), EP the expert-parallel size and
+EDP = W / (ETP * EP * PP) the expert data-parallel size; both grids share the pipeline groups.
+`expert_rank_layout` is its arithmetic (unit-tested against megatron.core's RankGenerator).
 
 `ParallelState.single()` is the one-process state: every size 1, every group None; all of
 `app.mpu` then runs without torch.distributed being initialised.
@@ -68,6 +76,55 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int,
             "pipeline": pipeline, "model": model, "embedding": embedding}
 
 
+def expert_rank_layout(world_size: int, tensor_model_parallel_size: int,
+                       pipeline_model_parallel_size: int, context_parallel_size: int = 1,
+                       expert_model_parallel_size: int = 1,
+                       expert_tensor_parallel_size: Optional[int] = None
+                       ) -> Dict[str, List[List[int]]]:
+    """Global ranks of the groups Mixture of Experts uses (pure arithmetic), in Megatron Core's
+    order: {"expert_tensor" (ETP), "expert" (EP), "expert_tensor_and_expert" (ETP x EP: the
+    token dispatchers' group), "expert_data" (EDP: expert gradients are summed over it),
+    "expert_model" (ETP x EP x PP: the experts' part of the gradient norm), "tensor_context"
+    (TP x CP: the load-balancing token counts), "tensor_data_context" (TP x DP x CP: global
+    load balancing and the expert bias)}.
+    """
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or tp
+    for name, value in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if world_size % (etp * ep * pp):
+        raise ValueError(f"world_size ({world_size}) is not divisible by "
+                         f"expert_tensor_model_pipeline_parallel size ({etp * ep * pp})")
+    rank_layout(world_size, tp, pp, cp)  # the dense grid's checks
+    edp = world_size // (etp * ep * pp)
+
+    def rank(t: int, e: int, d: int, p: int) -> int:
+        return ((p * edp + d) * ep + e) * etp + t
+
+    grid = [(t, e, d, p) for p in range(pp) for d in range(edp) for e in range(ep)
+            for t in range(etp)]
+
+    def groups(varying: str) -> List[List[int]]:
+        """Rank lists of the groups along the dimensions in `varying` (of "tedp")."""
+        found: Dict[tuple, List[int]] = {}
+        for t, e, d, p in grid:
+            fixed = tuple(v for k, v in zip("tedp", (t, e, d, p)) if k not in varying)
+            found.setdefault(fixed, []).append(rank(t, e, d, p))
+        return [sorted(ranks) for ranks in found.values()]
+
+    dp = world_size // (tp * cp * pp)
+    dense_rank = lambda t, c, d, p: ((p * dp + d) * cp + c) * tp + t  # noqa: E731
+    tensor_context = [[dense_rank(t, c, d, p) for c in range(cp) for t in range(tp)]
+                      for p in range(pp) for d in range(dp)]
+    tensor_data_context = [list(range(p * tp * cp * dp, (p + 1) * tp * cp * dp))
+                           for p in range(pp)]
+    return {"expert_tensor": groups("t"), "expert": groups("e"),
+            "expert_tensor_and_expert": groups("te"), "expert_data": groups("d"),
+            "expert_model": groups("tep"), "tensor_context": tensor_context,
+            "tensor_data_context": tensor_data_context}
+
+
 @dataclass
 class ParallelState:
     """Sizes, ranks and process groups of this rank in a TP x CP x DP x PP layout.
@@ -109,6 +166,27 @@ class ParallelState:
     data_context_parallel_rank: int = 0
     cp_comm_type: str = "p2p"
     """Context-parallel attention: "p2p" (key/value ring) or "a2a" (all-to-all over heads)."""
+    # ---- the expert grid (Mixture of Experts; see the module docstring) -----------------------
+    expert_model_parallel_size: int = 1
+    expert_model_parallel_rank: int = 0
+    expert_model_parallel_group: ProcessGroup = None
+    """EP: the ranks holding the other experts of each MoE layer."""
+    expert_tensor_parallel_size: int = 1
+    expert_tensor_parallel_rank: int = 0
+    expert_tensor_parallel_group: ProcessGroup = None
+    """ETP: the ranks holding the other shards of each expert's FFN."""
+    expert_tensor_and_expert_group: ProcessGroup = None
+    """ETP x EP: the token dispatchers' group (its rank = etp + ETP x ep)."""
+    expert_data_parallel_size: int = 1
+    expert_data_parallel_rank: int = 0
+    expert_data_parallel_group: ProcessGroup = None
+    """EDP: the ranks holding the same experts (their gradients are summed over it)."""
+    expert_model_group: ProcessGroup = None
+    """ETP x EP x PP: one replica of every expert (the experts' share of the gradient norm)."""
+    tensor_context_group: ProcessGroup = None
+    """TP x CP: ranks routing other tokens of the same micro-batch (load-balancing counts)."""
+    tensor_data_context_group: ProcessGroup = None
+    """TP x DP x CP: every rank of a pipeline stage (global load balancing, expert bias)."""
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -251,8 +329,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int = 1,
                               timeout: Optional[datetime.timedelta] = None,
                               context_parallel_size: int = 1,
-                              cp_comm_type: str = "p2p") -> ParallelState:
-    """Create the TP / CP / DP / DPxCP / PP / model / embedding groups of this world; return this
+                              cp_comm_type: str = "p2p",
+                              expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: Optional[int] = None,
+                              experts: bool = False) -> ParallelState:
+    """Create the TP / CP / DP / DPxCP / PP / model / embedding groups of this world (and with
+    `experts` the expert grid's, `expert_rank_layout`: EP and ETP, default TP); return this
     rank's state.
 
     Must run on every rank after `torch.distributed.init_process_group` (group creation is
@@ -311,5 +393,38 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         data_context_parallel_rank=kwargs["data_context"][1].index(rank),
         cp_comm_type=cp_comm_type,
     )
+    if experts:
+        _add_expert_groups(state, world_size, expert_model_parallel_size,
+                           expert_tensor_parallel_size or tp, timeout)
     set_parallel_state(state)
     return state
+
+
+def _add_expert_groups(state: ParallelState, world_size: int, ep: int, etp: int,
+                       timeout: Optional[datetime.timedelta]) -> None:
+    """Create the expert grid's groups (every rank, every group, one group per distinct rank
+    list) and record this rank's in `state`."""
+    layout = expert_rank_layout(world_size, state.tensor_model_parallel_size,
+                                state.pipeline_model_parallel_size, state.context_parallel_size,
+                                ep, etp)
+    made: Dict[tuple, Any] = {}
+    mine: Dict[str, Any] = {}
+    for kind, groups in layout.items():
+        for ranks in groups:
+            key = tuple(ranks)
+            if key not in made:  # collective: every rank creates every distinct group
+                made[key] = dist.new_group(ranks, timeout=timeout)
+            if state.rank in ranks:
+                mine[kind] = (made[key], ranks)
+    state.expert_model_parallel_size, state.expert_tensor_parallel_size = ep, etp
+    state.expert_data_parallel_size = world_size // (etp * ep * state.pipeline_model_parallel_size)
+    state.expert_model_parallel_group = mine["expert"][0]
+    state.expert_model_parallel_rank = mine["expert"][1].index(state.rank)
+    state.expert_tensor_parallel_group = mine["expert_tensor"][0]
+    state.expert_tensor_parallel_rank = mine["expert_tensor"][1].index(state.rank)
+    state.expert_data_parallel_group = mine["expert_data"][0]
+    state.expert_data_parallel_rank = mine["expert_data"][1].index(state.rank)
+    state.expert_tensor_and_expert_group = mine["expert_tensor_and_expert"][0]
+    state.expert_model_group = mine["expert_model"][0]
+    state.tensor_context_group = mine["tensor_context"][0]
+    state.tensor_data_context_group = mine["tensor_data_context"][0]

@@ -33,6 +33,11 @@ Overlap (gloo and NCCL alike, both run the async collectives in the background):
 - --overlap-param-gather: the all-gathers of the updated weights are left in flight; each module
   waits for the buckets of its own weights in a forward pre-hook (and before any state_dict).
 
+Mixture of Experts: expert parameters (marked `allreduce = False`) get buffers of their own,
+sharded over the expert-data-parallel group and divided by the data x context size after the
+sum (app.optim.grad_buffers: Megatron Core keeps a separate optimizer for them the same way);
+the norm counts their shards once over the world like the dense ones.
+
 Checkpoints are gathered and layout-independent: `state_dict()` returns exactly what the plain
 wrapper of this precision returns for the same model (the torch optimizer's state dict, in
 `optimizer_param_groups` order; mixed precision adds Megatron's `fp32_from_fp16_params` and
@@ -41,19 +46,18 @@ All ranks must call it (it all-gathers); only data-parallel rank 0 writes the fi
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from app.config import OptimizerConfig, PrecisionConfig
 from app.mpu import collectives
-from app.mpu.grads import counts_toward_norm, norm_power
+from app.mpu.grads import counts_toward_norm, is_expert, norm_power
+from app.optim.grad_buffers import Bucket, ShardedBuffers
 from app.optim.grad_scaler import build_loss_scaler
-from app.optim.mixed_precision import (_PARALLEL_ATTRS, StepOutcome, _bytes, _PrecisionOptimizer,
-                                       _state_bytes, check_saved_groups, is_mixed_state)
+from app.optim.mixed_precision import (StepOutcome, _bytes, _PrecisionOptimizer, _state_bytes,
+                                       check_saved_groups, is_mixed_state)
 from app.optim.model_space import (MAIN, ModelSpaceState, ParamState, common_step,
                                    hyperparameters, state_keys)
 from app.optim.muon import TensorParallelOrthogonalizer, matrix_specs
@@ -63,48 +67,6 @@ DEFAULT_BUCKET_ELEMENTS = 40_000_000
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 """Per-element optimizer states (AdamW's moments; SGD's and Muon's momentum), sharded like the
 weights; AdamW's `step` is one count for all."""
-
-
-@dataclass
-class _Bucket:
-    """A contiguous range [start, end) of the flat buffers and this rank's shard of it."""
-
-    start: int
-    end: int
-    params: List[nn.Parameter]
-    shard_start: int = 0
-    shard_end: int = 0
-    deferred: bool = False
-    """Holds the tied word embeddings: reduced in step(), after the engine's embedding sum."""
-    main: Optional[torch.Tensor] = None
-    """fp32 main weights of the shard [shard] (a view of the weight buffer for fp32 models)."""
-    main_grad: Optional[torch.Tensor] = None
-    """fp32 reduced gradient of the shard [shard] (a view of the gradient buffer for fp32)."""
-    reduced: Optional[torch.Tensor] = None
-    """This rank's shard of the gradient buffer, where the reduce-scatter lands (main_grad
-    itself when the gradient dtype is fp32)."""
-    grad_request: Any = None
-    grad_launched: bool = False
-    param_request: Any = None
-    ready: int = 0
-
-
-@dataclass
-class _Piece:
-    """The part [lo, hi) (flat, within the parameter) of a parameter that this rank's shard holds."""
-
-    param: nn.Parameter
-    name: str
-    main: nn.Parameter
-    lo: int
-    hi: int
-
-
-@dataclass
-class _Layout:
-    buckets: List[_Bucket] = field(default_factory=list)
-    offset: Dict[int, int] = field(default_factory=dict)
-    bucket_of: Dict[int, _Bucket] = field(default_factory=dict)
 
 
 class DistributedOptimizer(_PrecisionOptimizer):
@@ -117,7 +79,6 @@ class DistributedOptimizer(_PrecisionOptimizer):
         self.ps = parallel_state
         self.group = parallel_state.data_parallel_group
         self.dp = parallel_state.data_parallel_size
-        self.dp_rank = parallel_state.data_parallel_rank
         self.num_micro_batches = num_micro_batches
         self.overlap_grad_reduce = config.overlap_grad_reduce
         self.overlap_param_gather = config.overlap_param_gather
@@ -133,9 +94,10 @@ class DistributedOptimizer(_PrecisionOptimizer):
                            else self.param_dtype)
         self.name_of = {id(p): n for n, p in self.named_params}
         bucket_size = config.ddp_bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * self.dp)
-        tied = self._tied_parameter(model)
-        self.layout = self._build_buffers(bucket_size, tied)
-        self.pieces = self._build_shards()
+        tied = model.shared_embedding_weight()  # None: untied, PP 1, a middle stage
+        self.domains = self._build_domains(bucket_size, tied)
+        self.domain_of = {id(p): d for d in self.domains for p in d.params}
+        self.pieces = [piece for d in self.domains for piece in d.shards(self.name_of)]
         self.groups_of_params = [g["params"] for g in optimizer_param_groups(model, config)]
         piece_of = {id(piece.param): piece for piece in self.pieces}
         self.piece_of_main = {id(piece.main): piece for piece in self.pieces}
@@ -146,7 +108,8 @@ class DistributedOptimizer(_PrecisionOptimizer):
         muon = config.optimizer == "muon"
         self.specs = matrix_specs(model) if muon else {}
         self.orthogonalizer = TensorParallelOrthogonalizer(
-            config, parallel_state.tensor_model_parallel_group) if muon else None
+            config, parallel_state.tensor_model_parallel_group,
+            parallel_state.expert_tensor_parallel_group) if muon else None
         self.inner = build_inner_optimizer(groups, config,
                                            self._orthogonalize_pieces if muon else None)
         self.counts: Dict[int, int] = {}
@@ -155,80 +118,39 @@ class DistributedOptimizer(_PrecisionOptimizer):
 
     # ------------------------------------------------------------------ layout
 
-    def _tied_parameter(self, model: nn.Module) -> Optional[nn.Parameter]:
-        """The word embedding summed over the embedding group (None: untied, PP 1, middle)."""
-        return model.shared_embedding_weight()
+    def _build_domains(self, bucket_size: int, tied: Optional[nn.Parameter]
+                       ) -> List[ShardedBuffers]:
+        """The dense parameters' buffers over data x context ranks and, with experts, the
+        experts' over the expert-data-parallel group (app.optim.grad_buffers)."""
+        ps = self.ps
+        dense = [p for p in self.params if not is_expert(p)]
+        experts = [p for p in self.params if is_expert(p)]
+        domains = [ShardedBuffers(dense, self.group, self.dp, ps.data_parallel_rank, self.dp)]
+        if experts:
+            domains.append(ShardedBuffers(experts, ps.expert_data_parallel_group,
+                                          ps.expert_data_parallel_size,
+                                          ps.expert_data_parallel_rank, self.dp))
+        domains = [d for d in domains if d.params]
+        for domain in domains:
+            domain.build(self.param_dtype, self.grad_dtype, bucket_size, tied)
+        return domains
 
-    def _build_buffers(self, bucket_size: int, tied: Optional[nn.Parameter]) -> _Layout:
-        """Place every parameter (reverse order) in buckets; make the weights views of the
-        weight buffer and give each a `main_grad` view of the gradient buffer."""
-        layout, current, start, offset = _Layout(), [], 0, 0
+    @property
+    def _device(self) -> torch.device:
+        return self.domains[0].param_buffer.device
 
-        def close(end: int) -> int:
-            padded = start + math.ceil((end - start) / self.dp) * self.dp
-            layout.buckets.append(_Bucket(start=start, end=padded, params=list(current)))
-            return padded
-
-        for p in reversed(self.params):
-            layout.offset[id(p)] = offset
-            current.append(p)
-            offset += p.numel()
-            if offset - start >= bucket_size:
-                offset = start = close(offset)
-                current = []
-        if current:
-            offset = close(offset)
-        device = self.params[0].device
-        self.param_buffer = torch.zeros(offset, dtype=self.param_dtype, device=device)
-        self.grad_buffer = torch.zeros(offset, dtype=self.grad_dtype, device=device)
-        for bucket in layout.buckets:
-            for p in bucket.params:
-                layout.bucket_of[id(p)] = bucket
-                begin = layout.offset[id(p)]
-                view = self.param_buffer[begin:begin + p.numel()]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
-                p.main_grad = self.grad_buffer[begin:begin + p.numel()].view_as(p)
-            bucket.deferred = tied is not None and any(p is tied for p in bucket.params)
-        return layout
-
-    def _build_shards(self) -> List[_Piece]:
-        """This rank's shard of every bucket: fp32 main weights, gradients, AdamW pieces."""
-        pieces = []
-        for bucket in self.layout.buckets:
-            size = (bucket.end - bucket.start) // self.dp
-            bucket.shard_start = bucket.start + self.dp_rank * size
-            bucket.shard_end = bucket.shard_start + size
-            weights = self.param_buffer[bucket.shard_start:bucket.shard_end]
-            bucket.main = weights if self.param_dtype == torch.float32 else weights.float()
-            # the reduce-scatter writes in place into this rank's shard of the gradient buffer
-            bucket.reduced = self.grad_buffer[bucket.shard_start:bucket.shard_end]
-            bucket.main_grad = (bucket.reduced if self.grad_dtype == torch.float32 else
-                                torch.zeros(size, dtype=torch.float32, device=weights.device))
-            for p in bucket.params:
-                begin = self.layout.offset[id(p)]
-                lo = max(begin, bucket.shard_start)
-                hi = min(begin + p.numel(), bucket.shard_end)
-                if lo >= hi:
-                    continue
-                a, b = lo - bucket.shard_start, hi - bucket.shard_start
-                main = nn.Parameter(bucket.main[a:b])  # shares the shard's storage
-                main.grad = bucket.main_grad[a:b]
-                for attr in _PARALLEL_ATTRS:
-                    if hasattr(p, attr):
-                        setattr(main, attr, getattr(p, attr))
-                pieces.append(_Piece(p, self.name_of[id(p)], main, lo - begin, hi - begin))
-        return pieces
+    @property
+    def buckets(self) -> List[Bucket]:
+        return [b for d in self.domains for b in d.buckets]
 
     # ------------------------------------------------------------------ gradients
 
     def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
+        for domain in self.domains:
+            domain.zero()
         self.counts.clear()
         for p in self.params:
             p.grad = None
-        for bucket in self.layout.buckets:
-            bucket.ready, bucket.grad_launched, bucket.grad_request = 0, False, None
 
     def _on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: add the gradient into the buffer; with overlap, start the
@@ -240,16 +162,11 @@ class DistributedOptimizer(_PrecisionOptimizer):
         count = self.counts.get(id(param), 0) + 1
         self.counts[id(param)] = count
         if count == self.num_micro_batches:
-            bucket = self.layout.bucket_of[id(param)]
+            domain = self.domain_of[id(param)]
+            bucket = domain.bucket_of[id(param)]
             bucket.ready += 1
             if bucket.ready == len(bucket.params) and not bucket.deferred:
-                self._launch_reduce(bucket, async_op=True)
-
-    def _launch_reduce(self, bucket: _Bucket, async_op: bool) -> None:
-        bucket.grad_launched = True
-        bucket.grad_request = collectives.reduce_scatter_flat(
-            bucket.reduced, self.grad_buffer[bucket.start:bucket.end], self.group,
-            async_op=async_op)
+                domain.launch_reduce(bucket, async_op=True)
 
     def reduction_grads(self) -> List[torch.Tensor]:
         """Nothing for the engine to all-reduce: `step` reduce-scatters the buckets itself."""
@@ -259,46 +176,34 @@ class DistributedOptimizer(_PrecisionOptimizer):
         """The tied embedding's accumulated, not yet reduced gradient (its bucket waits)."""
         return param.main_grad
 
-    def _reduced_grads(self) -> List[torch.Tensor]:
-        """Finish every bucket's reduce-scatter; the fp32 gradient shards, averaged over DP."""
-        for bucket in self.layout.buckets:
-            if not bucket.grad_launched:
-                self._launch_reduce(bucket, async_op=False)
-        collectives.wait_all([b.grad_request for b in self.layout.buckets])
-        grads = []
-        for bucket in self.layout.buckets:
-            if bucket.reduced is not bucket.main_grad:
-                bucket.main_grad.copy_(bucket.reduced)
-            if self.dp > 1:
-                bucket.main_grad.div_(self.dp)
-            grads.append(bucket.main_grad)
-        return grads
-
     # ------------------------------------------------------------------ the step
 
     def step(self, parallel_state: Any, clip_grad: float, world_group: Any,
              nonfinite_loss: Optional[torch.Tensor] = None) -> StepOutcome:
-        grads = self._reduced_grads()
-        self.last_grad_bytes = _bytes([self.grad_buffer] + [g for b, g in zip(
-            self.layout.buckets, grads) if g is not b.reduced])
+        grads = [g for d in self.domains for g in d.reduced_grads()]
+        self.last_grad_bytes = _bytes([d.grad_buffer for d in self.domains] + [
+            g for b, g in zip(self.buckets, grads) if g is not b.reduced])
         scale = self.loss_scale  # the scale this step's gradients carry
         skipped = self._unscale_or_skip(grads, nonfinite_loss, world_group)
         if skipped is not None:
             return skipped
         norm = self._clip(clip_grad, world_group)
         self.inner.step()
-        self._gather_weights()
+        for domain in self.domains:
+            domain.gather_weights(self.overlap_param_gather)
         return StepOutcome(False, norm, False, scale)
 
     def _clip(self, max_norm: float, world_group: Any) -> float:
         """Pre-clip global norm from the shards (summed over the world: the shards of the data-
-        parallel ranks make up one replica, the model-parallel ranks the whole model); gradients
-        scaled by min(1, max_norm / norm) exactly as app.mpu.grads.clip_grad_norm does."""
-        tp_rank = self.ps.tensor_model_parallel_rank
-        device = self.grad_buffer.device
+        parallel ranks make up one replica, the model-parallel ranks the whole model; expert
+        shards likewise over expert-data-parallel ranks); gradients scaled by
+        min(1, max_norm / norm) exactly as app.mpu.grads.clip_grad_norm does."""
+        tp_rank, etp_rank = (self.ps.tensor_model_parallel_rank,
+                             self.ps.expert_tensor_parallel_rank)
+        device = self.domains[0].grad_buffer.device
         total = torch.zeros(1, dtype=torch.float32, device=device)
         for piece in self.pieces:
-            if counts_toward_norm(piece.main, tp_rank):
+            if counts_toward_norm(piece.main, tp_rank, etp_rank):
                 total += norm_power(piece.param, piece.main.grad, 2.0, flat_start=piece.lo)
         collectives.all_reduce(total, world_group)
         norm = float(total.item()) ** 0.5
@@ -309,35 +214,24 @@ class DistributedOptimizer(_PrecisionOptimizer):
                     piece.main.grad.detach().mul_(coeff)
         return norm
 
-    def _gather_weights(self) -> None:
-        """Cast the updated main shards into the weight buffer and all-gather it over DP (left
-        in flight with --overlap-param-gather)."""
-        for bucket in self.layout.buckets:
-            shard = self.param_buffer[bucket.shard_start:bucket.shard_end]
-            if bucket.main.data_ptr() != shard.data_ptr():
-                shard.copy_(bucket.main)
-            bucket.param_request = collectives.all_gather_flat(  # in place: the shard is a view
-                self.param_buffer[bucket.start:bucket.end], shard, self.group,
-                async_op=self.overlap_param_gather)
-
     def _install_gather_waits(self, model: nn.Module, tied: Optional[nn.Parameter]) -> None:
         """Forward and state_dict pre-hooks: a module waits for its weights' buckets. The last
         stage's tied copy of the embeddings feeds the logits without its module running, so the
         whole model's forward waits for that bucket."""
+        bucket_of = {k: b for d in self.domains for k, b in d.bucket_of.items()}
         if tied is not None:
-            bucket = [self.layout.bucket_of[id(tied)]]
+            bucket = [bucket_of[id(tied)]]
             model.register_forward_pre_hook(lambda _m, _a, b=bucket: self._wait_gather(b))
         for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if id(p) in self.layout.bucket_of]
+            own = [p for p in module.parameters(recurse=False) if id(p) in bucket_of]
             if not own:
                 continue
-            buckets = list({id(b): b for b in (self.layout.bucket_of[id(p)] for p in own)}
-                           .values())
+            buckets = list({id(b): b for b in (bucket_of[id(p)] for p in own)}.values())
             module.register_forward_pre_hook(lambda _m, _a, b=buckets: self._wait_gather(b))
             module.register_state_dict_pre_hook(
                 lambda *_a, b=buckets, **_k: self._wait_gather(b))
 
-    def _wait_gather(self, buckets: List[_Bucket]) -> None:
+    def _wait_gather(self, buckets: List[Bucket]) -> None:
         for bucket in buckets:
             if bucket.param_request is not None:
                 bucket.param_request.wait()
@@ -345,28 +239,20 @@ class DistributedOptimizer(_PrecisionOptimizer):
 
     def finish_param_gather(self) -> None:
         """Wait for every weight all-gather still in flight."""
-        self._wait_gather(self.layout.buckets)
+        self._wait_gather(self.buckets)
 
     # ------------------------------------------------------------------ state
 
     def _full(self, per_piece: Dict[int, torch.Tensor],
               params: Optional[List[nn.Parameter]] = None) -> Dict[int, torch.Tensor]:
         """{id(param): full fp32 tensor} for `params` (default: all) from this rank's pieces (by
-        id of their main weight; zeros where none is given), all-gathered over DP."""
-        flat = torch.zeros(self.param_buffer.numel(), dtype=torch.float32,
-                           device=self.param_buffer.device)
-        shards = {id(b): torch.zeros(b.shard_end - b.shard_start, dtype=torch.float32,
-                                     device=flat.device) for b in self.layout.buckets}
-        for piece in self.pieces:
-            if id(piece.main) in per_piece:
-                bucket = self.layout.bucket_of[id(piece.param)]
-                start = self.layout.offset[id(piece.param)] + piece.lo - bucket.shard_start
-                shards[id(bucket)][start:start + piece.hi - piece.lo] = per_piece[id(piece.main)]
-        for bucket in self.layout.buckets:
-            collectives.all_gather_flat(flat[bucket.start:bucket.end], shards[id(bucket)],
-                                        self.group)
-        return {id(p): flat[self.layout.offset[id(p)]:self.layout.offset[id(p)] + p.numel()]
-                .view_as(p).clone() for p in (self.params if params is None else params)}
+        id of their main weight; zeros where none is given), all-gathered over each parameter's
+        replica group."""
+        wanted = self.params if params is None else params
+        full: Dict[int, torch.Tensor] = {}
+        for domain in self.domains:
+            full.update(domain.full(self.pieces, per_piece, wanted))
+        return full
 
     def _orthogonalize_pieces(self, mains: List[torch.Tensor], updates: List[torch.Tensor]
                               ) -> List[torch.Tensor]:
@@ -391,7 +277,7 @@ class DistributedOptimizer(_PrecisionOptimizer):
                 for k in STATE_TENSORS if k in kinds}
         steps = [float(s["step"]) for s in states.values() if "step" in s]
         stepped = [max(steps, default=-1.0), float(any(states.values()))]
-        step_max, any_state = collectives.agree(stepped, self.group, self.param_buffer.device)
+        step_max, any_state = collectives.agree(stepped, self.group, self._device)
         state, groups, index = {}, [], 0
         for params, group in zip(self.groups_of_params, self.inner.param_groups):
             ids = list(range(index, index + len(params)))
@@ -466,7 +352,7 @@ class DistributedOptimizer(_PrecisionOptimizer):
             params.append(ParamState(piece.name, (piece.lo, piece.hi), tensors, keys))
         step = common_step(list(self.inner.state.values()))
         agreed = collectives.agree([-1.0 if step is None else step], self.group,
-                                   self.param_buffer.device)[0]
+                                   self._device)[0]
         return ModelSpaceState(params, hyperparameters(self.inner.param_groups),
                                None if agreed < 0 else agreed,
                                None if self.scaler is None else self.scaler.state_dict())
@@ -501,6 +387,7 @@ class DistributedOptimizer(_PrecisionOptimizer):
     def state_bytes(self) -> Dict[str, int]:
         """Weights; the gradient buffer and shards; optimizer states and separate main shards."""
         separate = ([] if self.param_dtype == torch.float32
-                    else [b.main for b in self.layout.buckets])
-        return {"params": _bytes([self.param_buffer]), "grads": self.last_grad_bytes,
+                    else [b.main for b in self.buckets])
+        return {"params": _bytes([d.param_buffer for d in self.domains]),
+                "grads": self.last_grad_bytes,
                 "optimizer": _state_bytes(self.inner) + _bytes(separate)}

@@ -43,6 +43,7 @@ from torch import nn
 from app.config import OptimizerConfig, PrecisionConfig
 from app.mpu import collectives
 from app.mpu.grads import clip_grad_norm
+from app.optim.grad_buffers import PARALLEL_ATTRS
 from app.optim.grad_scaler import LossScaler, build_loss_scaler
 from app.optim.model_space import ModelSpaceState, from_torch_state, to_torch_state
 from app.optim.muon import Orthogonalize, TensorParallelOrthogonalizer, matrix_specs
@@ -50,8 +51,7 @@ from app.optim.optimizer import build_inner_optimizer, optimizer_param_groups
 
 logger = logging.getLogger(__name__)
 
-_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "shared", "sequence_parallel",
-                   "replicated_rows")
+_PARALLEL_ATTRS = PARALLEL_ATTRS
 
 
 @dataclass
@@ -156,7 +156,8 @@ def muon_orthogonalizer(model: nn.Module, config: OptimizerConfig, parallel_stat
     if main_of is not None:
         specs = {id(main_of[key]): spec for key, spec in specs.items() if key in main_of}
     group = None if parallel_state is None else parallel_state.tensor_model_parallel_group
-    return TensorParallelOrthogonalizer(config, group).for_params(specs)
+    experts = None if parallel_state is None else parallel_state.expert_tensor_parallel_group
+    return TensorParallelOrthogonalizer(config, group, experts).for_params(specs)
 
 
 class Float32Optimizer(_PrecisionOptimizer):

@@ -1,8 +1,9 @@
 """Muon (--optimizer muon), Megatron-LM's way: momentum, Newton-Schulz orthogonalisation of the
 whole matrix under tensor parallelism, and AdamW for everything that is not a hidden matrix.
 
-Per step, for every 2-D weight of the transformer layers (`param_groups.get_muon_param_groups`;
-the embeddings, the output layer, biases and LayerNorms go to --muon-scalar-optimizer, AdamW):
+Per step, for every 2-D weight of the transformer layers and every routed expert's matrix
+(`param_groups.get_muon_param_groups`; the embeddings, the output layer, biases and LayerNorms
+go to --muon-scalar-optimizer, AdamW):
 
     M <- beta M + (1 - beta) G                          (--muon-momentum; EMA, as Megatron)
     U <- (1 - beta) G + beta M  with --muon-nesterov, else M
@@ -24,7 +25,8 @@ Tensor parallelism (--muon-tp-mode): a rank holds a shard of a column-parallel (
   changes with the TP size (cheapest: no communication).
 Key/value rows that grouped-query attention replicates over r TP ranks (fewer query groups than
 TP ranks) are counted once: duplicated keeps one copy of each, distributed divides their sums
-by r.
+by r. Mixture of Experts: a 3-D expert weight [E/EP, rows, cols] is E/EP matrices, each
+orthogonalised as one matrix split over the expert-tensor group (the same modes).
 
 `Muon` is one torch optimizer over all the param groups: its state holds `momentum_buffer` for
 each Muon matrix and AdamW's `step`, `exp_avg`, `exp_avg_sq` for the others, so state dicts
@@ -60,6 +62,9 @@ class MatrixSpec:
     kv_replicas: int = 1
     """TP ranks holding the same key/value rows (grouped-query attention with fewer groups
     than TP ranks), else 1."""
+    experts: bool = False
+    """A 3-D routed-expert weight [E/EP, rows, cols]: one matrix per local expert, split over
+    the expert-tensor group (partition_dim counts within one expert's matrix)."""
 
 
 def matrix_specs(model: nn.Module) -> Dict[int, MatrixSpec]:
@@ -71,6 +76,10 @@ def matrix_specs(model: nn.Module) -> Dict[int, MatrixSpec]:
     for param in model.parameters():
         if param.dim() == 2:
             specs[id(param)] = MatrixSpec(partition_dim=_partition_dim(param))
+        elif param.dim() == 3 and getattr(param, "allreduce", True) is False:  # MoE experts
+            dim = _partition_dim(param)
+            specs[id(param)] = MatrixSpec(partition_dim=None if dim is None else dim - 1,
+                                          experts=True)
     for module in model.modules():
         qkv = getattr(module, "query_key_value", None)
         if qkv is None or not hasattr(module, "kv_heads"):
@@ -97,14 +106,22 @@ class TensorParallelOrthogonalizer:
     order (duplicated and distributed communicate).
     """
 
-    def __init__(self, config: OptimizerConfig, tensor_group: Any = None) -> None:
+    def __init__(self, config: OptimizerConfig, tensor_group: Any = None,
+                 expert_tensor_group: Any = None) -> None:
         self.config = config
         self.group = tensor_group
         self.size = collectives.group_size(tensor_group)
         self.rank = collectives.group_rank(tensor_group)
+        self.experts = (TensorParallelOrthogonalizer(config, expert_tensor_group)
+                        if expert_tensor_group is not None else None)
 
     def __call__(self, update: torch.Tensor, spec: MatrixSpec) -> torch.Tensor:
-        """The scaled orthogonalisation of this rank's part `update` of one Muon matrix."""
+        """The scaled orthogonalisation of this rank's part `update` of one Muon matrix (of
+        each local expert's matrix for a routed-expert weight, over the expert-tensor group)."""
+        if spec.experts:
+            own = self.experts or self
+            plain = MatrixSpec(partition_dim=spec.partition_dim)
+            return torch.stack([own(expert, plain) for expert in update.unbind(0)])
         if spec.qkv is not None and self.config.muon_split_qkv:
             groups, queries, head_dim = spec.qkv
             parts = split_qkv_rows(update, groups, queries, head_dim)

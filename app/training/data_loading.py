@@ -160,5 +160,5 @@ class BatchBuilder:
             collectives.broadcast(text, self.ps.tensor_model_parallel_src_rank,
                                   self.ps.tensor_model_parallel_group)
         batch = get_batch(text, self.eod, self.cfg.reset_position_ids,
-                          self.cfg.reset_attention_mask, self.cfg.eod_mask_loss)
+                          self.cfg.attention_mask_resets, self.cfg.eod_mask_loss)
         return get_batch_on_this_cp_rank(batch, self.ps)  # [b, s / C] with context parallelism

@@ -25,11 +25,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from app.model.gpt2 import lm_loss
+from app.model.moe import begin_iteration as begin_moe_iteration
 from app.mpu.context_parallel import context_parallel_mean_loss
 from app.mpu.mappings import gather_from_tensor_model_parallel_region
 from app.utils import faults
@@ -120,6 +121,14 @@ class MicroBatchObjective:
             self.metrics.append({name: torch.as_tensor(value).detach().float().reshape(())
                                  for name, value in metrics.items()})
         return loss
+
+    def begin_training_iteration(self, model: torch.nn.Module, loss_scale: Optional[float],
+                                 num_micro_batches: int) -> None:
+        """Before a training iteration's forward-backward: the scale the MoE auxiliary losses'
+        gradients carry, the main loss's (app.model.moe.begin_iteration: loss scale x
+        context-parallel size / micro-batches); nothing for a dense model."""
+        begin_moe_iteration(model, loss_scale,
+                            getattr(self.ps, "context_parallel_size", 1), num_micro_batches)
 
     def training_loss_func(self, first_sample: int) -> Callable[..., torch.Tensor]:
         """`loss_func` as an iteration of training (whose first sample is `first_sample`)

@@ -35,6 +35,7 @@ from app.data.gpt_dataset import build_datasets
 from app.data.plan import ORDER_VERSION, DataPlan, order_record, plan_datasets
 from app.mpu import collectives
 from app.checkpoint import CheckpointError
+from app.launch.hardware import fp8_problem
 from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
                                     shutdown_distributed, world_group)
@@ -61,7 +62,8 @@ def data_plan(cfg: RunConfig) -> DataPlan:
         raise ValueError("no training data: give --data-path (or --data-args-path, "
                          "--train-data-path, --per-split-data-args-path) with the prefix of a "
                          ".bin/.idx pair made by tools/preprocess_data.py")
-    plan = plan_datasets(blends, cfg.data.split, samples_per_split(cfg), cfg.model.seq_length)
+    plan = plan_datasets(blends, cfg.data.split, samples_per_split(cfg), cfg.model.seq_length,
+                         cfg.data.mmap_bin_files)
     if plan.splits[0] is None:
         where = (f"--split {cfg.data.split} leaves no training documents in {blends.source}"
                  if blends.per_split is None else f"{blends.source}: the training data holds "
@@ -170,8 +172,9 @@ def _log_precision(cfg: RunConfig) -> None:
 
 
 def _log_world(cfg: RunConfig, info: DistributedInfo) -> None:
-    """The start-up lines naming where the ranks came from, the intra-op threads and, when
-    derived, the exit time."""
+    """The start-up lines: the layout as Megatron-LM prints it, where the ranks came from, the
+    intra-op threads and, when derived, the exit time."""
+    logger.info(cfg.parallel.megatron_layout())
     if info.world is not None:
         logger.info("> world: %s", info.world.describe())
         if info.world.warning:
@@ -208,6 +211,9 @@ def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
     """One attempt of `pretrain`: everything built, the state loaded (after an in-process
     restart: `restart`'s snapshot when it has one) and trained."""
     p = cfg.parallel
+    problem = fp8_problem(cfg.fp8)
+    if problem:  # before any process group: one line, exit status 2 (main)
+        raise ValueError(problem)
     info = init_distributed(p.distributed_backend, cfg.deepspeed.mpi,
                             p.distributed_timeout_minutes, nccl_trace_dir(cfg.checkpoint.save),
                             world=world)
@@ -222,7 +228,7 @@ def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
                 cfg.model.padded_vocab_size)
     _log_precision(cfg)
     if restart is None or not restart.restarts:
-        for note in unread_flags(cfg):  # once per run, not per in-process restart
+        for note in unread_flags(cfg, info.device.type):  # once per run, not per restart
             logger.warning(note)
     with contextlib.ExitStack() as stack:
         lock, decision = _start_checks(cfg, info, restarted=bool(restart and restart.restarts))

@@ -34,6 +34,7 @@ from app.training.engines.native import NativeEngine
 from app.training.loss import LossFunction
 from app.training.state import RunState
 from app.training.trainer import Trainer
+from app.utils.rank_logging import ALL_RANKS
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,10 @@ def build_parallel_state(cfg: RunConfig, world_size: int) -> ParallelState:
                                      cfg.virtual_pipeline_model_parallel_size,
                                      timeout=timeout,
                                      context_parallel_size=p.context_parallel_size,
-                                     cp_comm_type=p.cp_comm_type)
+                                     cp_comm_type=p.cp_comm_type,
+                                     expert_model_parallel_size=p.expert_model_parallel_size,
+                                     expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+                                     experts=cfg.model.moe.enabled)
 
 
 def set_seeds(seed: int, parallel_state: ParallelState) -> None:
@@ -117,8 +121,7 @@ class Run:
         """Create the Trainer over (train, valid, test) datasets starting at `state`, with the
         training loss `loss_function` (default: Megatron's LM loss; app.training.loss) and the
         run's checkpointer; `guards` are its optional `signals` (ExitSignalHandler), `watchdog`
-        (Watchdog) and `inprocess` (InProcessRestart), and `hooks` (app.training.state
-        .IterationHook)."""
+        (Watchdog) and `inprocess` (InProcessRestart)."""
         self.trainer = Trainer(self.cfg, self.engine, self.ps, datasets, eod, self.device,
                                state=state, loss_function=loss_function,
                                return_logits=return_logits, checkpointer=self.checkpointer,
@@ -132,6 +135,9 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
     torch.distributed must already be initialised when `world_size` > 1.
     """
     ps = build_parallel_state(cfg, world_size)
+    logger.info("> initialized tensor model parallel with size %d", ps.tensor_model_parallel_size)
+    logger.info("> initialized pipeline model parallel with size %d",
+                ps.pipeline_model_parallel_size)
     set_seeds(cfg.training.seed, ps)
     if cfg.deepspeed.enabled and cfg.deepspeed.activation_checkpointing:
         from app.training.engines.deepspeed import configure_activation_checkpointing  # deferred: imports deepspeed
@@ -147,8 +153,10 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
     else:
         model = build_model_stage(cfg.model, ps, vp).to(device)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    logger.info("> parameters on (tensor, pipeline) model-parallel rank (%d, %d): %d",
-                ps.tensor_model_parallel_rank, ps.pipeline_model_parallel_rank, n_params)
+    if ps.data_parallel_rank == 0 and ps.context_parallel_rank == 0:  # Megatron's line and ranks
+        logger.info(" > number of parameters on (tensor, pipeline) model parallel rank (%d, %d): "
+                    "%d", ps.tensor_model_parallel_rank, ps.pipeline_model_parallel_rank,
+                    n_params, extra=ALL_RANKS)
     if cfg.kernels.compile_layers:
         logger.info("--compile-layers: %d transformer layers compiled with torch.compile (the "
                     "first iteration compiles them)", compile_transformer_layers(model))

@@ -1,6 +1,5 @@
 """What the training loop keeps and returns: the run's position (`RunState`, what checkpoints
-carry), one iteration's or evaluation batch's results (`StepOutput`), and the hooks run at
-fixed points of every iteration (`IterationHook`)."""
+carry) and one iteration's or evaluation batch's results (`StepOutput`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,23 +46,3 @@ class StepOutput:
     loss_scale: Optional[float] = None
     nonfinite: bool = False
     nonfinite_loss: bool = False
-
-
-class IterationHook:
-    """Work done at fixed points of every training iteration: the place for per-iteration
-    features such as Megatron-LM's --profile, --manual-gc and --empty-unused-memory-level.
-    Subclass and override what you need (each does nothing by default); the trainer calls the
-    hooks it was given (`Trainer(..., hooks=[...])`, app.training.run.Run.attach_trainer), in
-    order, with the iteration running (1-based) on every rank."""
-
-    def before_iteration(self, iteration: int) -> None:
-        """Before the iteration's first micro-batch."""
-
-    def after_forward_backward(self, iteration: int) -> None:
-        """After its micro-batches' forward and backward passes, before the optimizer step."""
-
-    def after_step(self, iteration: int) -> None:
-        """After the optimizer step."""
-
-    def after_iteration(self, iteration: int) -> None:
-        """After all that follows it: logging, evaluation, the exit agreement, saving."""

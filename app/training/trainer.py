@@ -5,7 +5,8 @@ The loop talks only to an `Engine` (native or DeepSpeed) and to a forward/backwa
 `iteration` and `consumed_train_samples` / `consumed_valid_samples`, which checkpoints carry,
 so a resumed run continues exactly where it stopped. Its collaborators, one object each:
 
-- `report` (app.training.telemetry.report): the log line, metrics, timers, MFU, stragglers;
+- `reporter` (app.training.telemetry.reporting): the step's metrics, the log line, Megatron's
+  scalars, timers, MFU, stragglers;
 - `checkpointer` (app.training.checkpointing): every save (persistent, async, local, global,
   final) and what a resume or rollback loads;
 - `guard` (app.training.resilience.guard): fault handling (docs/reliability.md): the
@@ -13,21 +14,20 @@ so a resumed run continues exactly where it stopped. Its collaborators, one obje
   --exit-duration-in-mins budget), the watchdog's phases, in-process restart snapshots; a
   collective that fails because another rank died or timed out becomes a PeerFailure naming
   this rank and the phase;
-- `hooks` (app.training.state.IterationHook): per-iteration work (profiling, garbage
-  collection, memory release), called at fixed points of every iteration.
+- `runtime` (app.training.telemetry.runtime_hooks): the per-iteration work around the steps
+  (--manual-gc, --empty-unused-memory-level, --profile), at fixed points of every iteration.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from app.config import RunConfig
 from app.config.batch_schedule import micro_batches
-from app.mpu import collectives
-from app.mpu.parallel_state import ParallelState
+from app.mpu import ParallelState, collectives
 from app.pipeline import get_forward_backward_func
 from app.training.checkpointing.checkpointer import Checkpointer
 from app.training.data_loading import (BatchBuilder, build_data_iterator, check_run_data,
@@ -35,8 +35,9 @@ from app.training.data_loading import (BatchBuilder, build_data_iterator, check_
 from app.training.engines.base import Engine
 from app.training.loss import DEFAULT_LOSS, LossFunction, MicroBatchObjective
 from app.training.resilience.guard import RunGuard
-from app.training.state import IterationHook, RunState, StepOutput
-from app.training.telemetry.report import TrainingReport
+from app.training.state import RunState, StepOutput
+from app.training.telemetry.reporting import TrainingReporter
+from app.training.telemetry.runtime_hooks import RuntimeHooks
 
 
 class Trainer:
@@ -47,15 +48,14 @@ class Trainer:
     `train_step` and `eval_step` carry the full-vocabulary logits of every micro-batch on the
     last pipeline stage (Accelerate's `return_logits`). `checkpointer` is the run's (default:
     one built here); `signals` (ExitSignalHandler), `watchdog` (Watchdog) and `inprocess`
-    (InProcessRestart) are the guard's (app.training.resilience.guard), when on; `hooks` run
-    at fixed points of every iteration.
+    (InProcessRestart) are the guard's (app.training.resilience.guard), when on.
     """
 
     def __init__(self, cfg: RunConfig, engine: Engine, parallel_state: ParallelState, datasets: tuple,
                  eod: int, device: torch.device, state: Optional[RunState] = None,
                  loss_function: Optional[LossFunction] = None,
                  return_logits: bool = False, *, checkpointer: Optional[Checkpointer] = None,
-                 hooks: Sequence[IterationHook] = (), signals: Optional[Any] = None,
+                 signals: Optional[Any] = None,
                  watchdog: Optional[Any] = None, inprocess: Optional[Any] = None) -> None:
         self.cfg, self.engine, self.ps, self.device = cfg, engine, parallel_state, device
         self.train_ds, self.valid_ds, self.test_ds = datasets
@@ -71,18 +71,19 @@ class Trainer:
         """The global batch of the iteration running (or of the last one)."""
         self.batches = BatchBuilder(cfg.data, eod, t.micro_batch_size, cfg.model.seq_length,
                                     parallel_state, device)
-        self.report = TrainingReport(cfg, parallel_state, device)
+        self.reporter = TrainingReporter(cfg, parallel_state, device, engine.module)
+        self.runtime = RuntimeHooks(cfg.runtime, parallel_state.rank, device, t.tensorboard_dir,
+                                    log=self.log)
         self.checkpointer = checkpointer or Checkpointer(cfg.checkpoint, engine, parallel_state,
                                                          device, t.train_iters)
         self.guard = RunGuard(cfg, engine, device, self.state, self.checkpointer,
                               None if self.train_ds is None else len(self.train_ds),
                               signals=signals, watchdog=watchdog, inprocess=inprocess)
-        self.checkpointer.prepare_saves(self.report.writer, saving=self.guard.saving)
-        self.hooks: List[IterationHook] = list(hooks)
+        self.checkpointer.prepare_saves(self.reporter.writer, saving=self.guard.saving)
 
     def log(self, message: str) -> None:
         """One line of the training log, printed by the last rank (see app.utils.rank_logging)."""
-        self.report.log(message)
+        self.reporter.log(message)
 
     # ------------------------------------------------------------------ one iteration
 
@@ -104,24 +105,16 @@ class Trainer:
         forward_step = lambda batch: self.objective.forward_step(model, batch)  # noqa: E731
         loss_func = self.objective.loss_func
         if not forward_only:  # --log-straggler times training's forward steps and batch waits
-            next_batch, forward_step = self.report.stragglers.timed(next_batch, forward_step)
+            next_batch, forward_step = self.reporter.stragglers.timed(next_batch, forward_step)
             loss_func = self.objective.training_loss_func(self.state.consumed_train_samples)
+            self.objective.begin_training_iteration(model, self.engine.loss_scale,
+                                                    self.num_micro)
         return schedule(forward_step_func=forward_step, batch_func=next_batch, model=model,
                         num_microbatches=self.eval_micro if forward_only else self.num_micro,
                         loss_func=loss_func, backward_func=self.engine.backward,
                         output_backward_func=self.engine.backward_output,
                         parallel_state=self.ps, forward_only=forward_only,
                         tensor_shape=(self.cfg.training.micro_batch_size, seq, m.hidden_size))
-
-    def _mean_metrics_across_dp(self, metrics: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
-        """{name: mean over the micro-batches and data-parallel ranks} of the loss's metrics."""
-        if not metrics:
-            return {}
-        names = sorted(metrics[0])
-        means = torch.stack([torch.stack([m[n] for m in metrics]).mean() for n in names])
-        if self.ps.data_parallel_size > 1:
-            collectives.all_reduce(means, self.ps.data_parallel_group, op="avg")
-        return dict(zip(names, means.tolist()))
 
     def _mean_loss_across_dp(self, losses: List[torch.Tensor]) -> Optional[float]:
         if not losses:
@@ -148,21 +141,20 @@ class Trainer:
 
     def train_step(self, iterator) -> StepOutput:
         """One iteration: zero grads, accumulate all micro-batches, step. Returns its numbers."""
-        iteration, timers = self.state.iteration + 1, self.report.timers
+        timers = self.reporter.timers
         self.engine.train()
         self.engine.zero_grad()
         timers("forward-backward").start()
         losses = self._forward_backward(iterator, forward_only=False)
+        self.runtime.after_forward_backward()
         timers("forward-backward").stop()
-        self._hook("after_forward_backward", iteration)
         self.guard.beat("optimizer")
         timers("optimizer").start()
         result = self.engine.step()
         timers("optimizer").stop()
-        self._hook("after_step", iteration)
         metrics, logits = self.objective.take()
         return StepOutput(loss=self._mean_loss_across_dp(losses),
-                          metrics=self._mean_metrics_across_dp(metrics),
+                          metrics=self.reporter.step_metrics(metrics, self.num_micro),
                           logits=logits if self.objective.return_logits else None,
                           grad_norm=result.grad_norm, skipped=result.skipped, lr=result.lr,
                           loss_scale=result.loss_scale, nonfinite=result.nonfinite,
@@ -179,7 +171,7 @@ class Trainer:
         self.engine.train()
         metrics, logits = self.objective.take()
         return StepOutput(loss=self._mean_loss_across_dp(losses),
-                          metrics=self._mean_metrics_across_dp(metrics),
+                          metrics=self.reporter.step_metrics(metrics),
                           logits=logits if self.objective.return_logits else None)
 
     @torch.no_grad()
@@ -187,17 +179,20 @@ class Trainer:
         """Mean loss over `num_iters` iterations of the global batch (forward only)."""
         self.engine.eval()
         losses: List[torch.Tensor] = []
-        for _ in range(num_iters):
-            losses.extend(self._forward_backward(iterator, forward_only=True))
+        with self.runtime.evaluation():
+            for _ in range(num_iters):
+                losses.extend(self._forward_backward(iterator, forward_only=True))
+                self.runtime.after_forward_backward()
         self.engine.train()
         self.objective.take()  # evaluation reports the loss only
         return self._mean_loss_across_dp(losses)
 
     def _validate(self, valid_iter) -> None:
         """One validation run (--eval-iters iterations) reported; its samples counted."""
-        t = self.cfg.training
-        self.report.eval_loss("valid", self.evaluate(valid_iter, t.eval_iters), self.state)
-        self.state.consumed_valid_samples += t.eval_iters * t.global_batch_size
+        t, s = self.cfg.training, self.state
+        self.reporter.evaluation("valid", s.iteration, s.consumed_train_samples,
+                                 self.evaluate(valid_iter, t.eval_iters))
+        s.consumed_valid_samples += t.eval_iters * t.global_batch_size
 
     # ------------------------------------------------------------------ the loop
 
@@ -224,21 +219,22 @@ class Trainer:
         if s.iteration >= t.train_iters:
             self.log(f"nothing to train: the run is at iteration {s.iteration} and --train-iters "
                      f"is {t.train_iters}; raise --train-iters to continue")
-            self.report.close()
+            self.reporter.close()
             return s
         check_run_data(self.cfg, s.iteration, s.consumed_train_samples,
                        s.consumed_valid_samples, self.ps, self.train_ds, self.valid_ds)
         loop = _Loop(*self._data_iterators())
         ended = False
         try:
-            self._iterate(loop)
-            self._end(loop)
+            with self.runtime.training():
+                self._iterate(loop)
+                self._end(loop)
             ended = True
         finally:  # every exit path: no data-loader worker or background writer outlives this
             if not ended:
                 self.checkpointer.abandon()
             loop.close()
-            self.report.close()
+            self.reporter.close()
         return s
 
     def _iterate(self, loop: "_Loop") -> None:
@@ -248,24 +244,23 @@ class Trainer:
         guard.snapshot()
         while s.iteration < t.train_iters and not loop.exiting:
             batch = self.set_batch(s.consumed_train_samples)
-            self._hook("before_iteration", s.iteration + 1)
             t0 = time.time()
-            step = self.train_step(loop.train_iter)
-            self.report.add_iteration(time.time() - t0, batch)
+            with self.runtime.iteration(s.iteration):
+                step = self.train_step(loop.train_iter)
+            self.reporter.add_iteration(time.time() - t0, batch)
             s.iteration += 1
             s.consumed_train_samples += batch
             if guard.observe(step):  # rolled back: new position, fresh iterators and sums
                 loop.close()
                 loop.train_iter, loop.valid_iter = self._data_iterators()
-                self.report.reset_interval()
+                self.reporter.reset_interval()
                 continue
-            self.report.account(step, s)
-            self.report.after_iteration(s, step, self.global_batch, self.engine)
+            self.reporter.account(step, s)
+            self.reporter.after_iteration(s, step, self.global_batch, self.engine)
             if t.eval_iters and self.valid_ds is not None and s.iteration % t.eval_interval == 0:
                 self._validate(loop.valid_iter)
             loop.exiting = guard.should_exit()
             self.checkpointer.maybe_save(s, exiting=loop.exiting, nonfinite=guard.in_streak)
-            self._hook("after_iteration", s.iteration)
             guard.snapshot()
 
     def _end(self, loop: "_Loop") -> None:
@@ -284,7 +279,8 @@ class Trainer:
         self.checkpointer.save_final(s, nonfinite=self.guard.in_streak)
         if t.eval_iters and self.test_ds is not None:
             test_iter = build_data_iterator(self.test_ds, 0, t.micro_batch_size, self.ps, 0)
-            self.report.eval_loss("test", self.evaluate(test_iter, t.eval_iters), s)
+            self.reporter.evaluation("test", s.iteration, s.consumed_train_samples,
+                                     self.evaluate(test_iter, t.eval_iters))
 
     def _data_iterators(self) -> Tuple[Any, Any]:
         """Training and validation iterators from the run's consumed-sample positions."""
@@ -293,11 +289,6 @@ class Trainer:
                                     self.ps, self.cfg.data.num_workers),
                 build_data_iterator(self.valid_ds, s.consumed_valid_samples, t.micro_batch_size,
                                     self.ps, 0))
-
-    def _hook(self, point: str, iteration: int) -> None:
-        """Call `point` (an IterationHook method) of every hook, in order."""
-        for hook in self.hooks:
-            getattr(hook, point)(iteration)
 
 
 @dataclass

@@ -7,8 +7,13 @@ resumes at TP1 and continues the straight TP2 run's losses and grad norms (1e-5)
 recipe as Hugging Face's Llama has it (no QK-norm; 16 channels a head, RoPE base 500000) and the
 Llama block above (QK-norm: Qwen3), each saved by its TP2 run, export to LlamaForCausalLM and
 Qwen3ForCausalLM whose logits equal the ones the TP2 ranks compute from their own files
-(1e-4). One spawn (2 ranks) trains the straight runs, saves and computes those logits; the
-resumes and exports run here.
+(1e-4). A Mixture-of-Experts model (the Llama block with QK-norm, 4 experts top-2 after a dense
+first layer) trains at EP2 instead, saves Megatron's per-expert-rank files (mp_rank_00_000,
+mp_rank_00_001), converts to torch_dist and to EP1 legacy files (the experts merged), each of
+which resumes at EP1 continuing the EP2 run's losses and grad norms (1e-5), and exports to
+Qwen3MoeForCausalLM with the logits the EP2 ranks compute from their own files (1e-5). One
+spawn (2 ranks) trains the straight runs, saves and computes those logits; the resumes and
+exports run here.
 """
 from __future__ import annotations
 
@@ -29,9 +34,15 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 LLAMA_BLOCK = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"]
 MODELS = {"rope-gqa-untied": [], "llama": LLAMA_BLOCK + ["--qk-layernorm"],
           "llama-hf": LLAMA_BLOCK + ["--norm-epsilon", "1e-6", "--kv-channels", "16",
-                                     "--ffn-hidden-size", "48", "--rotary-base", "500000"]}
+                                     "--ffn-hidden-size", "48", "--rotary-base", "500000"],
+          "moe": LLAMA_BLOCK + ["--qk-layernorm", "--ffn-hidden-size", "64", "--num-experts", "4",
+                                "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
+                                "--moe-aux-loss-coeff", "1e-2", "--moe-layer-freq", "([0]+[1]*1)"]}
 """Each model's flags on top of ARGV."""
-HF_EXPORTS = {"llama-hf": "LlamaForCausalLM", "llama": "Qwen3ForCausalLM"}
+LAYOUT_OF = {"moe": ["--expert-model-parallel-size", "2"]}
+"""The 2-rank layout of each model's straight run (default TP2)."""
+HF_EXPORTS = {"llama-hf": "LlamaForCausalLM", "llama": "Qwen3ForCausalLM",
+              "moe": "Qwen3MoeForCausalLM"}
 """The models exported to Hugging Face, and the class each loads as."""
 TOKENS = [[5, 17, 2, 3, 60, 42, 7, 30, 11, 8, 1, 2], [6, 61, 62, 13, 4, 9, 0, 33, 50, 59, 10, 12]]
 ITERS, SAVED_AT = 6, 3
@@ -62,7 +73,7 @@ def _straight_tp2_runs(base):
 
     def train_and_save(model):
         def check():
-            run = _build(MODELS[model] + TP2, dist.get_world_size())
+            run = _build(MODELS[model] + LAYOUT_OF.get(model, TP2), dist.get_world_size())
             curves[model] = _train(run, SAVED_AT)
             run["engine"].save_checkpoint(f"{base}/{model}", SAVED_AT, dict(
                 iteration=SAVED_AT, consumed_train_samples=8 * SAVED_AT,
@@ -88,6 +99,7 @@ def saved_at_tp2(tmp_path_factory):
 CONVERSIONS = {  # model: [(converted name, its source, output format)]
     "rope-gqa-untied": [("td", "tp2", "torch_dist"), ("tp1", "tp2", "torch")],
     "llama": [("td", "tp2", "torch_dist"), ("tp1", "td", "torch")],
+    "moe": [("td", "tp2", "torch_dist"), ("tp1", "tp2", "torch")],  # "tp2": its EP2 save
 }
 
 
@@ -138,4 +150,5 @@ def test_llama_saved_at_tp2_exports_to_hugging_face_with_our_logits(saved_at_tp2
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.no_grad():
         theirs = hf.eval()(input_ids=torch.tensor(TOKENS)).logits
-    torch.testing.assert_close(theirs, ours[model], rtol=1e-4, atol=1e-4)
+    tol = 1e-5 if model == "moe" else 1e-4
+    torch.testing.assert_close(theirs, ours[model], rtol=tol, atol=tol)

@@ -12,6 +12,9 @@
   refused as saved, naming both context sizes and the universal checkpoint (by the start-up
   check too), continuing the CP2 run once converted by DeepSpeed's ds_to_universal, and with
   --no-load-optim or --finetune (weights) giving the CP2 run's next loss and gradient norm.
+  CP2 x EP2 (the expert group is the context group: both fold onto the two ranks) trains a
+  Qwen3-MoE-shaped model (Llama block + QK-norm, 4 experts, top-2, aux and z losses) for 8
+  iterations like one process.
 - 4 ranks: CP2 x DP2 and CP2 x TP2, p2p and a2a, learned positions and RoPE (+ GQA), the TP2
   runs with sequence parallelism, one CP2 x DP2 run with the distributed optimizer, one with
   Muon, one under DeepSpeed ZeRO-3; CP2 x PP2 (1F1B, p2p; natively and under DeepSpeed ZeRO-1,
@@ -51,7 +54,13 @@ MODELS = {"learned": [], "rope+gqa2": ROPE_GQA,
           "rope": ["--position-embedding-type", "rope"],
           "bf16 rope+gqa2": ["--bf16"] + ROPE_GQA, "learned 4 layers": ["--num-layers", "4"],
           "fp16 learned": ["--fp16"],
-          "muon learned": ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high"]}
+          "muon learned": ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high"],
+          # Qwen3-MoE's shape: Llama block + QK-norm, 4 experts, top-2, aux loss (8 iterations)
+          "qwen3-moe": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                        "--qk-layernorm", "--untie-embeddings-and-output-weights", "--num-experts",
+                        "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+                        "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"] + ROPE_GQA}
+MOE_ITERS = 8
 HALF = dict(curve=2e-3, rtol=1e-2, atol=5e-3)  # bf16 round-off (the ring's arithmetic is fp32)
 FP32 = dict(curve=1e-5, rtol=1e-4, atol=1e-5)
 CP2, A2A = ["--context-parallel-size", "2"], ["--cp-comm-type", "a2a"]
@@ -80,6 +89,8 @@ LAYOUTS_2 = {  # name -> (model, layout flags)
     "CP2 p2p learned DeepSpeed ZeRO-2": ("learned", CP2 + ZERO[2]),
     "CP2 a2a rope+gqa2 DeepSpeed ZeRO-1": ("rope+gqa2", CP2 + A2A + ZERO[1]),
     "CP2 a2a fp16 learned": ("fp16 learned", CP2 + A2A),
+    # CP and EP fold onto the same ranks: the expert group is the context group
+    "CP2xEP2 p2p qwen3-moe": ("qwen3-moe", CP2 + ["--expert-model-parallel-size", "2"]),
 }
 SAVED = {"CP2 p2p learned": ("legacy", []),  # layout -> (folder, flags of the CP1 resume)
          "CP2 p2p rope+gqa2 distributed optimizer torch_dist": ("torch_dist", TORCH_DIST),
@@ -104,11 +115,16 @@ LAYOUTS_4 = {
 }
 
 
+def _iterations(model: str) -> int:
+    return MOE_ITERS if "moe" in model else ITERS
+
+
 def _build(flags: List[str], world: int, load: str = ""):
     import arguments
     from tests.harness.synthetic import build_synthetic_run
     argv = BASE + flags + (["--load", load] if load else [])
-    return build_synthetic_run(arguments.config_from_argv(argv, world, RAW_VOCAB), 8 * ITERS)
+    samples = 8 * (MOE_ITERS if "--num-experts" in flags else ITERS)
+    return build_synthetic_run(arguments.config_from_argv(argv, world, RAW_VOCAB), samples)
 
 
 def _train(run, iterations: int, iterator=None):
@@ -151,9 +167,11 @@ def _rank(layouts, save_dir: str = ""):
                 run["engine"].save_checkpoint(folder, SAVED_AT, dict(
                     iteration=SAVED_AT, consumed_train_samples=8 * SAVED_AT,
                     consumed_valid_samples=0))
-            curve += _train(run, ITERS - SAVED_AT)
+            curve += _train(run, _iterations(layouts[name][0]) - SAVED_AT)
             params = {} if "ZeRO-3" in name else _params(run)  # ZeRO-3: each rank a piece
-            results[name] = (curve, params, run["ps"].tensor_model_parallel_size)
+            ps = run["ps"]
+            results[name] = (curve, params, ps.tensor_model_parallel_size,
+                             (ps.expert_model_parallel_rank, ps.expert_model_parallel_size))
         checks[name] = train
     for saved, (folder, _) in SAVED.items() if save_dir else ():
         def resumes_bit_exactly(saved=saved, folder=os.path.join(save_dir, folder)):
@@ -245,7 +263,7 @@ def references():
     out = {}
     for model, flags in MODELS.items():
         run = _build(flags, 1)
-        out[model] = (_train(run, ITERS), _params(run))
+        out[model] = (_train(run, _iterations(model)), _params(run))
     return out
 
 
@@ -253,7 +271,7 @@ def _compare(outcomes, layouts, references) -> None:
     assert_checks_passed([outcome for outcome, _ in outcomes])
     for rank, (_, results) in enumerate(outcomes):
         for name, (model, _) in layouts.items():
-            curve, params, tp = results[name]
+            curve, params, tp, (ep_rank, ep) = results[name]
             want_curve, want_params = references[model]
             tol = HALF if "16" in model else FP32
             for i, ((loss, norm), (w_loss, w_norm)) in enumerate(zip(curve, want_curve)):
@@ -267,6 +285,8 @@ def _compare(outcomes, layouts, references) -> None:
             if tp == 1:
                 for pname, value in params.items():
                     want = want_params[TIED.get(pname, pname)]
+                    if ".mlp.experts." in pname:  # this expert-parallel rank's experts
+                        want = want.chunk(ep)[ep_rank]
                     torch.testing.assert_close(value, want, rtol=tol["rtol"],
                                                atol=tol["atol"],
                                                msg=lambda m, n=pname: f"{name} {n}: {m}")

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from tests.harness.distributed import run_distributed
+from tests.harness.distributed import run_distributed, write_json_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 20
@@ -41,19 +41,13 @@ memory check sees pieces, persistent parameters and gathered ones apart."""
 def _config(tmpdir, name, **zero):
     """ds_configs/zero3.json with `zero` merged into its zero_optimization block (and an AdamW
     block when the optimizer is offloaded), written once by rank 0."""
-    import torch.distributed as dist
     with open(os.path.join(ROOT, "ds_configs", "zero3.json")) as f:
         config = json.load(f)
     config["zero_optimization"].update(zero)
     if "offload_optimizer" in zero:
         config["optimizer"] = {"type": "AdamW", "params": {}}
-    path = os.path.join(tmpdir, f"{name}.json")
-    if dist.get_rank() == 0:
-        with open(path + ".tmp", "w") as f:
-            json.dump(config, f)
-        os.replace(path + ".tmp", path)
-    dist.barrier()
-    return ["--deepspeed", "--deepspeed_config", path]
+    return ["--deepspeed", "--deepspeed_config",
+            write_json_once(os.path.join(tmpdir, f"{name}.json"), config)]
 
 
 def _curve(argv, memory=False, save_dir=None):

@@ -15,6 +15,11 @@ uninterrupted run (one 4-rank spawn, then this process as the one-rank layout):
 - the Llama block (SwiGLU, whose fc1 each TP rank holds as [gate_r; up_r], RMSNorm, no biases,
   QK-norm, RoPE, 2 query groups, untied), fp32, distributed optimizer, TP2 x DP2 -> PP2 x DP2:
   within 1e-5.
+- Mixture of Experts (the Llama block with 4 experts, top-2, in layers 1-3 after a dense layer 0:
+  Megatron's per-layer keys; a gated shared expert; sigmoid routing with the expert bias, a
+  buffer the checkpoint carries), fp32, plain optimizer, EP2 x DP4 (experts replicated over two
+  expert-DP ranks, which share their writing): resumed at EP1 (DP4) and at EP2 x TP2 with
+  sequence parallelism (each expert's FFN split over the two expert-tensor ranks), within 1e-5.
 """
 import torch
 
@@ -34,6 +39,12 @@ LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--q
          "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
          "--untie-embeddings-and-output-weights"]
 FP16 = ["--fp16", "--initial-loss-scale", "4096"]
+MOE = LLAMA + ["--ffn-hidden-size", "64", "--num-experts", "4", "--moe-ffn-hidden-size", "16",
+               "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-layer-freq",
+               "([0]+[1]*3)", "--moe-shared-expert-intermediate-size", "16",
+               "--moe-shared-expert-gate", "--moe-router-score-function", "sigmoid",
+               "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+EP2 = ["--expert-model-parallel-size", "2"]
 SAVED_AT, ITERS = 3, 6
 CASES = {  # name: (saving flags, background save, {resume name: (flags, relative tolerance)})
     "fp32": (TP2 + DIST, True, {"PP2xDP2": (PP2, 1e-5), "TP2xPP2 dist": (TP2 + PP2 + DIST, 1e-5),
@@ -43,6 +54,8 @@ CASES = {  # name: (saving flags, background save, {resume name: (flags, relativ
     "bf16 muon": (TP2 + ["--bf16", "--optimizer", "muon"], False,
                   {"PP2xDP2 dist": (PP2 + DIST + ["--bf16", "--optimizer", "muon"], 1e-3)}),
     "llama": (TP2 + DIST + LLAMA, False, {"PP2xDP2 dist": (PP2 + DIST + LLAMA, 1e-5)}),
+    "moe": (EP2 + MOE, False, {"EP1": (MOE, 1e-5),
+                               "EP2xTP2": (EP2 + TP2 + ["--sequence-parallel"] + MOE, 1e-5)}),
 }
 
 

@@ -25,22 +25,29 @@ def stdlib_texts(max_files: int = 40) -> List[str]:
 def make_tiny_corpus(root: str) -> Dict[str, object]:
     """dict(prefix, vocab, merges, vocab_size) under `root`: BPE vocab 512, each file cut into
     ~2 KB documents so the split has enough of them."""
-    from app.data import MMapIndexedDatasetBuilder, build_tokenizer
+    from app.data import build_tokenizer
     from app.data.tokenizer import train_gpt2_bpe
 
     texts = stdlib_texts()
     vocab, merges = train_gpt2_bpe(texts, 512, os.path.join(root, "tokenizer"))
     tok = build_tokenizer("GPT2BPETokenizer", vocab, merges)
     prefix = os.path.join(root, "stdlib_content_document")
-    builder = MMapIndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    write_documents(prefix, texts, tok, np.uint16)
+    return {"prefix": prefix, "vocab": vocab, "merges": merges, "vocab_size": tok.vocab_size}
+
+
+def write_documents(prefix: str, texts: List[str], tokenizer, dtype) -> None:
+    """`prefix`.bin/.idx of `texts` tokenized by `tokenizer`, each text cut into ~2 KB
+    documents that end with the tokenizer's end-of-document id."""
+    from app.data import MMapIndexedDatasetBuilder
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype)
     for text in texts:
         for start in range(0, len(text), 2048):
-            ids = tok.tokenize(text[start:start + 2048])
+            ids = tokenizer.tokenize(text[start:start + 2048])
             if ids:
-                builder.add_item(np.array(ids + [tok.eod], dtype=np.uint16))
+                builder.add_item(np.array(ids + [tokenizer.eod], dtype=dtype))
                 builder.end_document()
     builder.finalize(prefix + ".idx")
-    return {"prefix": prefix, "vocab": vocab, "merges": merges, "vocab_size": tok.vocab_size}
 
 
 def tiny_gpt_args(corpus, tmp, *extra) -> List[str]:

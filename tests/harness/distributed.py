@@ -186,6 +186,20 @@ def _receive(results: Any, values: Dict[int, Any], world_size: int, wait: float)
 _SOFT_FAILURES: List[str] = []
 
 
+def write_json_once(path: str, data: Any) -> str:
+    """Rank side: rank 0 writes `data` as JSON to `path` (atomically); every rank returns `path`
+    once the file is there (a barrier over the world)."""
+    import json
+
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+    return path
+
+
 def expect_close(actual: Any, expected: Any, what: str, atol: float = 1e-5,
                  rtol: float = 1e-5) -> None:
     """torch.testing.assert_close that records the mismatch (for run_checks) instead of raising."""

@@ -19,7 +19,8 @@ HERE = os.path.join(ROOT, "tests", "data", "megatron_args")
 """Where record.py wrote the fixtures."""
 VERSIONS = ("core_v0.16.1", "HEAD")
 """Recorded Megatron-LM versions: the oldest we read and today's main."""
-FLAG_SETS = ("gpt2", "gpt2_legacy", "gqa", "rope_untied", "swiglu_rmsnorm")
+FLAG_SETS = ("gpt2", "gpt2_legacy", "gqa", "rope_untied", "swiglu_rmsnorm", "qwen3_moe",
+             "moe_options")
 
 
 class RecordedEnum(NamedTuple):

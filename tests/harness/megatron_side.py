@@ -9,12 +9,14 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              its logits on DIR/probe.pt's tokens with the
                                              logits stored there
     python megatron_side.py write FORMAT MODEL=DIR [MODEL=DIR...] [SPLIT DATA_PATH...]
-                                             for each MODEL (gpt2, or llama: SwiGLU, RMSNorm,
-                                             no biases, QK-norm, RoPE, 2 query groups, untied)
+                                             for each MODEL (gpt2; llama: SwiGLU, RMSNorm,
+                                             no biases, QK-norm, RoPE, 2 query groups, untied;
+                                             moe: llama with 4 experts, top-2, in every layer)
                                              build a GPTModel from the args Megatron-LM's own
                                              parse_args made (tests/data/megatron_args,
                                              core_v0.16.1; llama: the swiglu_rmsnorm flags with
-                                             LLAMA on top), save it at iteration 3 into DIR as
+                                             LLAMA on top; moe: the qwen3_moe flags with LLAMA
+                                             on top), save it at iteration 3 into DIR as
                                              Megatron-LM's save_checkpoint does in FORMAT
                                              (torch_dist: dist_checkpointing.save with the common
                                              state, rng_state object and tracker; torch: the legacy
@@ -28,10 +30,14 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              DIR/megatron_losses.json
 
 The model is built as Megatron-LM's core_transformer_config_from_args builds it from those args
-(num_query_groups only under group_query_attention, ...). Only Megatron's own modules build, save
-and load. Three CUDA-only calls of Megatron Core get CPU stand-ins (core attention's scratch
-buffer, the RNG tracker fork around dropout 0, and the writer's torch.cuda.synchronize/
-current_device); its arithmetic is untouched.
+(num_query_groups only under group_query_attention, every moe_* field, num_moe_experts from
+num_experts, ...), with the decoder block spec of gpt_builders when it has experts (local spec,
+SequentialMLP experts, the allgather dispatcher: the one that runs on CPU). Only Megatron's own
+modules build, save and load. Four CUDA-only calls of Megatron Core get CPU stand-ins (core
+attention's scratch buffer, the RNG tracker fork around dropout 0, the writer's
+torch.cuda.synchronize/current_device, and 0.16.1's router GEMM test of Transformer Engine's
+te_general_gemm, a name it binds only when Transformer Engine imports); its arithmetic is
+untouched.
 """
 import contextlib
 import json
@@ -58,6 +64,9 @@ torch.cuda.current_device = lambda: "cpu"
 
 
 def setup():
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # 0.16.1 names it only when Transformer Engine imports
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -69,11 +78,26 @@ def setup():
     return parallel_state
 
 
+def moe_fields(args):
+    """The MoE part of Megatron-LM's core_transformer_config_from_args: every moe_* field of
+    TransformerConfig that `args` has, num_moe_experts from num_experts; on this one CPU
+    process the allgather dispatcher and the per-expert (SequentialMLP) experts."""
+    import dataclasses
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    if not getattr(args, "num_experts", None):
+        return {}
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig)
+              if f.name.startswith("moe_") and hasattr(args, f.name)}
+    return dict(fields, num_moe_experts=args.num_experts, moe_token_dispatcher_type="allgather",
+                moe_grouped_gemm=False)
+
+
 def build(args):
     """Megatron Core's GPTModel (local spec) for `args`, configured the way Megatron-LM's
     core_transformer_config_from_args and gpt_builders configure it."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_local_spec)
     from megatron.core.transformer.transformer_config import TransformerConfig
     assert not args.openai_gelu and not args.squared_relu, "only GeLU and SwiGLU here"
     activation = F.silu if args.swiglu else F.gelu
@@ -90,9 +114,14 @@ def build(args):
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, params_dtype=args.params_dtype,
-        pipeline_dtype=args.params_dtype, init_method_std=args.init_method_std)
-    spec = get_gpt_layer_local_spec(normalization=args.normalization,
-                                    qk_layernorm=args.qk_layernorm)
+        pipeline_dtype=args.params_dtype, init_method_std=args.init_method_std,
+        **moe_fields(args))
+    if cfg.num_moe_experts:  # gpt_builders: the block spec places MoE layers by moe_layer_freq
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                          normalization=args.normalization)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization,
+                                        qk_layernorm=args.qk_layernorm)
     return GPTModel(cfg, spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -136,7 +165,7 @@ def read_one(directory, parallel_state):
     diff = (logits(model, probe["tokens"]) - probe["logits"]).abs().max().item()
     print(f"megatron read {len(sharded)} sharded entries from {ckpt}; load_state_dict: {result}; "
           f"max |logits - ours| = {diff:.3g}")
-    return 0 if diff < 1e-4 else 1
+    return 0 if diff < 1e-5 else 1
 
 
 class _GPT2Tokenizer:
@@ -235,17 +264,19 @@ def write_one(directory, ckpt_format, name, parallel_state, split, data_path):
     from megatron.core.enums import ModelType
     torch.manual_seed(5)
     flag_set = {"gpt2": "gpt2" if ckpt_format == "torch_dist" else "gpt2_legacy",
-                "llama": "swiglu_rmsnorm"}[name]
-    model_flags = dict(LLAMA, ckpt_format=ckpt_format) if name == "llama" else {}
+                "llama": "swiglu_rmsnorm", "moe": "qwen3_moe"}[name]
+    model_flags = dict(LLAMA, ckpt_format=ckpt_format) if name != "gpt2" else {}
     args = megatron_args(flag_set, consumed_train_samples=ITERATION * 4, iteration=ITERATION,
                          curr_iteration=ITERATION, model_type=ModelType.encoder_or_decoder,
                          **model_flags)
     assert args.ckpt_format == ckpt_format
     model = build(args)
-    with torch.no_grad():  # LayerNorms and biases away from 1 and 0, so a swapped key shows
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+    with torch.no_grad():  # LayerNorms and biases away from 1 and 0, so a swapped key shows;
+        for key, param in model.named_parameters():  # routers decisive, so a swapped expert shows
+            if "norm" in key or key.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
+            if key.endswith("router.weight"):
+                param.normal_(0.0, 1.0)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
              "num_floating_point_operations_so_far": 0}
     ckpt = os.path.join(directory, f"iter_{ITERATION:07d}")

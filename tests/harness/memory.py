@@ -17,14 +17,18 @@ def config(*extra, world=1, vocab=500):
     return arguments.config_from_argv([*BASE, *extra], world, vocab)
 
 
-def stage_model(cfg, tp_rank=0, pp_rank=0):
+def stage_model(cfg, tp_rank=0, pp_rank=0, ep_rank=0, etp_rank=0):
     p = cfg.parallel
     ps = ParallelState(tensor_model_parallel_size=p.tensor_model_parallel_size,
                        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
                        tensor_model_parallel_rank=tp_rank, pipeline_model_parallel_rank=pp_rank,
                        context_parallel_size=p.context_parallel_size,
                        context_parallel_ranks=list(range(p.context_parallel_size)),
-                       cp_comm_type=p.cp_comm_type)
+                       cp_comm_type=p.cp_comm_type,
+                       expert_model_parallel_size=p.expert_model_parallel_size,
+                       expert_model_parallel_rank=ep_rank,
+                       expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+                       expert_tensor_parallel_rank=etp_rank)
     pp = p.pipeline_model_parallel_size
     per = cfg.model.num_layers // pp
     model_parallel_seed(1, ParallelState.single())

@@ -50,7 +50,9 @@ SHELLS = ("bash", "sh", "shell", "console")
 KINDS = ("run", "dry-run", "skip")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*(\S*)")
 MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*([\w-]+)\s*(?:\((.*)\))?\s*-->\s*$")
-TRAINING = re.compile(r"^(\s*)(.*?)\bpretrain_gpt2\.py\b(.*)$")
+TRAINING = re.compile(r"^(\s*)(.*?)\b(pretrain_gpt2?\.py)\b(.*)$")
+"""A training command: pretrain_gpt2.py, or pretrain_gpt.py (Megatron-LM's name, the same
+trainer)."""
 SANDBOX_OUTPUTS = ("data", "checkpoints", "runs", "exports")
 BLOCK_BANNER = "@@ doc-test block "
 QUICKSTART_KNOBS = {"VOCAB_SIZE": "512", "TRAIN_ITERS": "10",
@@ -169,7 +171,7 @@ def _classification_problems(block: Block) -> List[str]:
         return [f"{block.where}: <!-- doc-test: skip --> needs its reason: "
                 "<!-- doc-test: skip (needs a GPU) -->"]
     if block.kind == "dry-run" and not any(TRAINING.match(line) for line in _logical_lines(block.text)):
-        return [f"{block.where}: a dry-run block with no pretrain_gpt2.py command: mark it run"]
+        return [f"{block.where}: a dry-run block with no pretrain_gpt(2).py command: mark it run"]
     return []
 
 
@@ -202,19 +204,20 @@ def launcher_world_size(launcher: str) -> Optional[int]:
 
 
 def dry_run_script(text: str) -> str:
-    """`text` with each pretrain_gpt2.py command run by `python` with --dry-run added (and
-    --dry-run-world-size for the ranks its launcher would start); other lines as written."""
+    """`text` with each pretrain_gpt2.py / pretrain_gpt.py command run by `python` with
+    --dry-run added (and --dry-run-world-size for the ranks its launcher would start); other
+    lines as written."""
     out = []
     for line in _logical_lines(text):
         match = TRAINING.match(line)
         if not match or line.lstrip().startswith("#"):
             out.append(line)
             continue
-        indent, launcher, args = match.groups()
+        indent, launcher, script, args = match.groups()
         args = re.sub(r"\s+#.*$", "", args)  # a trailing comment
         world = launcher_world_size(launcher)
         extra = f" --dry-run-world-size {world}" if world and world > 1 else ""
-        out.append(f"{indent}python pretrain_gpt2.py{args} --dry-run{extra}")
+        out.append(f"{indent}python {script}{args} --dry-run{extra}")
     return "\n".join(out)
 
 

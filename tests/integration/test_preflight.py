@@ -70,6 +70,32 @@ def test_tools_preflight_and_planning_for_another_world(tiny_corpus, tmp_path, c
     assert code == 2 and "world size (3) is not divisible" in " ".join(errors(report))
 
 
+def test_moe_dry_run_counts_experts_per_rank_and_active_flops(tiny_corpus, tmp_path, capsys):
+    """The MoE line: the expert grid, total and active parameters (the model's own count and
+    its k of E experts), this rank's routed experts and the active FLOPs; a bad EP is refused."""
+    import arguments
+    from app.model import GPT2Model
+    from app.training.telemetry.flops import model_flops_per_token
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear",
+           "--moe-ffn-hidden-size", "32", "--expert-model-parallel-size", "2",
+           "--global-batch-size", "8"]
+    code, report = dry_run(capsys, tiny_corpus, tmp_path, "--dry-run-world-size", "4", *moe)
+    assert code == 0, report
+    cfg = arguments.config_from_argv(tiny_gpt_args(tiny_corpus, tmp_path, *GOOD, *moe), 4, 512)
+    model = GPT2Model(cfg.model)
+    total = sum(p.numel() for p in model.parameters())
+    experts = {n: p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n}
+    idle = sum(experts.values()) // 2  # each token uses 2 of the 4 experts
+    assert (f"expert grid expert-tensor 1 x expert 2 x expert-data 2 x pipeline 1; parameters "
+            f"{total:,} in all, {total - idle:,} active per token; routed experts per rank "
+            f"{sum(experts.values()) // 2:,} of its {total - sum(experts.values()) // 2:,}"
+            in report), report
+    assert f"{model_flops_per_token(cfg.model) / 1e6:,.2f} MFLOP (active" in report
+    code, report = dry_run(capsys, tiny_corpus, tmp_path, "--dry-run-world-size", "4", *moe,
+                           "--expert-model-parallel-size", "3")
+    assert code == 2 and "Number of experts should be a multiple" in " ".join(errors(report))
+
+
 def test_vocabulary_too_small_for_the_data(tiny_corpus, tmp_path, capsys):
     from app.data.tokenizer import train_gpt2_bpe
     vocab, merges = train_gpt2_bpe(["def f(x):\n    return x + 1\n"] * 20, 300,

@@ -1,6 +1,6 @@
-"""Weights & Biases logging, offline: the run files hold the same scalars as the metrics file
-(which TensorBoard gets too) under TensorBoard's names, and the run configuration; with two
-ranks only the last one logs."""
+"""Weights & Biases logging, offline: the run files hold the metrics file's numbers under the
+tags TensorBoard gets (Megatron-LM's: 'lm loss', 'learning-rate', ...; app.training.telemetry.
+scalars), and the run configuration; with two ranks only the last one logs."""
 import glob
 import json
 import os
@@ -63,13 +63,22 @@ def read_offline_run(save_dir):
     return name, config, history
 
 
+TAGS = {"train": {"lm loss": "lm_loss", "learning-rate": "lr", "grad-norm": "grad_norm",
+                  "batch-size": "global_batch_size", "samples vs steps": "consumed_samples",
+                  "tokens-per-second": "tokens_per_s", "mfu": "mfu"},
+        "valid": {"lm loss validation": "lm_loss"}, "test": {"lm loss validation": "lm_loss"}}
+"""Megatron's tag -> the metrics file's key, by row kind (every iteration is logged here); the
+test set's loss is written under the validation tag, after the last validation, as Megatron's
+evaluate_and_print_results does."""
+
+
 def _expected(metrics_file):
-    """{iteration: {kind/name: value}}: the numbers the metrics file (and TensorBoard) got."""
+    """{iteration: {tag: value}}: the metrics file's numbers under Megatron's tags."""
     want = {}
     for row in read_metrics(metrics_file):
-        for key, value in row.items():
-            if key not in ("kind", "iteration", "time") and isinstance(value, (int, float)):
-                want.setdefault(row["iteration"], {})[f"{row['kind']}/{key}"] = float(value)
+        for tag, key in TAGS.get(row["kind"], {}).items():
+            if isinstance(row.get(key), (int, float)):
+                want.setdefault(row["iteration"], {})[tag] = float(row[key])
     return want
 
 
@@ -86,12 +95,12 @@ def test_offline_run_holds_the_scalars_and_the_config(tiny_corpus, tmp_path, mon
     assert config["model"]["hidden_size"] == 64 and config["training"]["train_iters"] == 4
     assert config["wandb"]["project"] == "gpt2-tests"
     want = _expected(tmp_path / "m.jsonl")
-    for tag in ("train/lm_loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu",
-                "train/mem_rss_mb", "valid/lm_loss"):
+    for tag in (*TAGS["train"], *TAGS["valid"]):
         assert any(tag in row for row in want.values()), f"the run logged no {tag}"
     assert sorted(history) == sorted(want)
     for iteration, row in want.items():
-        assert history[iteration] == pytest.approx(row, rel=1e-6), iteration
+        got = {tag: history[iteration].get(tag) for tag in row}
+        assert got == pytest.approx(row, rel=1e-6), iteration
 
 
 def test_only_the_last_rank_logs(tiny_corpus, tmp_path, monkeypatch):
@@ -105,4 +114,4 @@ def test_only_the_last_rank_logs(tiny_corpus, tmp_path, monkeypatch):
     assert config["parallel"]["pipeline_model_parallel_size"] == 2
     want = _expected(tmp_path / "m.jsonl")
     assert want and sorted(history) == sorted(want)
-    assert history[4]["train/lm_loss"] == pytest.approx(want[4]["train/lm_loss"], rel=1e-6)
+    assert history[4]["lm loss"] == pytest.approx(want[4]["lm loss"], rel=1e-6)

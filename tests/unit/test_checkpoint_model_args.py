@@ -102,7 +102,7 @@ def test_older_args_take_the_defaults_and_a_missing_shape_is_named():
 # tests/data/megatron_args holds the Namespaces that Megatron-LM's parse_args + validate_args
 # (+ its tokenizer build) made for a few flag sets, at core_v0.16.1 and at today's main.
 
-BUILDABLE = ("gpt2", "gpt2_legacy", "gqa", "rope_untied")
+BUILDABLE = ("gpt2", "gpt2_legacy", "gqa", "rope_untied", "qwen3_moe", "moe_options")
 MEGATRON_COMPARES = ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
                      "max_position_embeddings", "make_vocab_size_divisible_by",
                      "padded_vocab_size", "tokenizer_type")
@@ -148,7 +148,9 @@ def test_a_real_mismatch_with_megatrons_args_names_the_field_and_both_values(ver
          "position_embedding_type rope but this run uses learned_absolute"),
         ("gpt2", ["--untie-embeddings-and-output-weights"],
          "untie_embeddings_and_output_weights False but this run uses True"),
-        ("gpt2", ["--ffn-hidden-size", "96"], "ffn_hidden_size 128 but this run uses 96")]
+        ("gpt2", ["--ffn-hidden-size", "96"], "ffn_hidden_size 128 but this run uses 96"),
+        ("qwen3_moe", ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                       "--qk-layernorm"], "num_experts 4 but this run uses None")]
     for flag_set, extra, message in cases:
         ours = checkpoint_args_namespace(our_run(version, "gpt2", *extra), 0, 0, 0)
         with pytest.raises(CheckpointError, match=message):
@@ -176,6 +178,33 @@ def test_swiglu_rmsnorm_without_bias_is_refused_by_name(version):
     with pytest.raises(CheckpointError, match=f"saved with {first} {value} but this run uses"):
         check_checkpoint_args(megatron, checkpoint_args_namespace(our_run(version, "gpt2"),
                                                                   0, 0, 0))
+
+
+def test_moe_args_carry_megatrons_names_and_come_back():
+    """Every MoE option is stored under Megatron's arg name (one-element load-balancing lists
+    as Megatron's validate_args leaves them: scalars), the ModelConfig comes back equal, and the
+    expert shapes and routing must agree on load while the expert layout may change."""
+    from app.config.moe import MoEConfig
+    moe = MoEConfig(num_experts=8, moe_ffn_hidden_size=24, moe_layer_freq=[0, 1, 1, 1],
+                    moe_router_topk=3, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=32,
+                    moe_shared_expert_gate=True, moe_aux_loss_coeff=[1e-2], moe_z_loss_coeff=1e-3,
+                    moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall")
+    model = ModelConfig(**SHAPE, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                        moe=moe)
+    args = checkpoint_args_namespace(run_config(model), 0, 0, 0)
+    assert (args.num_experts, args.moe_layer_freq, args.moe_router_load_balancing_type,
+            args.moe_aux_loss_coeff, args.expert_model_parallel_size,
+            args.expert_tensor_parallel_size) == (8, [0, 1, 1, 1], "aux_loss", 1e-2, 1, 1)
+    assert model_config_from_args(args) == model
+    other_layout = argparse.Namespace(**{**vars(args), "expert_model_parallel_size": 4})
+    check_checkpoint_args(args, other_layout, reshardable=True)
+    for field, value, message in (("num_experts", 16, "num_experts 8 but this run uses 16"),
+                                  ("moe_layer_freq", 2, "moe_layer_freq .* but this run uses"),
+                                  ("moe_router_topk", 2, "moe_router_topk 3 but this run uses 2")):
+        changed = argparse.Namespace(**{**vars(args), field: value})
+        with pytest.raises(CheckpointError, match=message):
+            check_checkpoint_args(args, changed, reshardable=True)
 
 
 def test_the_recorded_args_are_megatrons_own():

@@ -30,10 +30,18 @@ def test_megatron_rank_folders_are_named_and_parsed():
     assert names.rank_dir_name(1, 2, 4) == "mp_rank_01_002"
     assert names.checkpoint_path("/ck", 7, tp_rank=1, pp_rank=2, pp_size=4) == \
         "/ck/iter_0000007/mp_rank_01_002/model_optim_rng.pt"
-    assert names.parse_rank_dir("mp_rank_03") == (3, 0)
+    # Megatron's get_checkpoint_name with expert parallelism: the EP rank last, when EP > 1
+    assert names.rank_dir_name(1, 0, 1, ep_rank=3, ep_size=4) == "mp_rank_01_003"
+    assert names.rank_dir_name(1, 2, 4, ep_rank=3, ep_size=4) == "mp_rank_01_002_003"
+    assert names.checkpoint_path("/ck", 7, tp_rank=1, pp_rank=2, pp_size=4, ep_rank=1,
+                                 ep_size=2) == \
+        "/ck/iter_0000007/mp_rank_01_002_001/model_optim_rng.pt"
+    assert names.parse_rank_dir("mp_rank_03") == (3,)
     assert names.parse_rank_dir("mp_rank_01_002") == (1, 2)
+    assert names.parse_rank_dir("mp_rank_01_002_003") == (1, 2, 3)
     assert names.parse_rank_dir("mp_rank_100_1000") == (100, 1000)  # wider than the padding
     for other in ("mp_rank_00_model_states.pt", "mp_rank_0", "mp_rank_00_01", "mp_rank_00_",
+                  "mp_rank_00_000_000_000",
                   "zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00.sha256"):
         assert names.parse_rank_dir(other) is None, other
 

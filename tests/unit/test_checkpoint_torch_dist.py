@@ -270,6 +270,99 @@ def test_boxes_of_the_parallel_layers():
                                                             ((1, 10, 0), (1, 3), 3)]
 
 
+def test_boxes_of_the_experts():
+    """An MoE layer's experts: dim 0 is this expert-parallel rank's experts, each expert's FFN
+    split over the expert tensor-parallel ranks, SwiGLU halves per expert (Megatron Core 0.16.1's
+    SequentialMLP: expert axis after the layer axis, [gate; up] of each expert)."""
+    # 8 experts, EP 2, ETP 2, F 6, h 3; layer 1 of 2: ETP rank 1 of EP rank 1 holds experts 4-7,
+    # each [gate rows 3-5; up rows 3-5] of [gate (6); up (6)]
+    fc1 = sharding.place("k", (4, 6, 3), partition_dim=1, tp_rank=1, tp_size=2, layer=1,
+                         num_layers=2, glu_halves=True, expert_axis=(1, 2))
+    assert fc1.global_shape == (2, 8, 12, 3)
+    assert [(r.local_start, r.size, r.global_offset) for r in fc1.regions] == [
+        ((0, 0, 0), (4, 3, 3), (1, 4, 3, 0)), ((0, 3, 0), (4, 3, 3), (1, 4, 9, 0))]
+    fc2 = sharding.place("k", (4, 3, 3), partition_dim=2, tp_rank=1, tp_size=2,
+                         expert_axis=(1, 2))
+    assert fc2.global_shape == (8, 3, 6) and fc2.regions[0].global_offset == (4, 0, 3)
+    assert mcore_names.extra_state_key("mlp.experts.experts.linear_fc1", 1, 2, True, (5, 8)) == \
+        "decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_1.5_2.8"
+    assert mcore_names.extra_state_key("mlp.experts.experts.linear_fc1", 1, 2, False, (5, 8)) == \
+        "decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_5_8"
+
+
+# Megatron Core 0.16.1, GPTModel(get_gpt_decoder_block_spec(use_transformer_engine=False)): 2
+# layers, hidden 16, 4 heads, ffn 32, vocab 64, untied, RMSNorm, QK-norm, SwiGLU, 4 experts of
+# width 8; every key (and global shape) dist_checkpointing.save wrote, printed from Megatron's
+# own files: every layer MoE with a gated shared expert of 24 and the expert bias (stacked), and
+# --moe-layer-freq [0, 1] (non-homogeneous: per-layer keys).
+_EXPERT_STATE = ([f"decoder.layers.mlp.experts.experts.linear_fc{i}._extra_state/shard_{l}.{g}_2.4"
+                  for i in (1, 2) for l in range(2) for g in range(4)]
+                 + [f"decoder.layers.{m}._extra_state/shard_{l}_2" for l in range(2) for m in (
+                     "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2",
+                     "self_attention.linear_proj", "self_attention.linear_qkv")])
+MEGATRON_MOE_KEYS = {"stacked": {**{k: None for k in _EXPERT_STATE}, **{
+    "decoder.final_layernorm.weight": (16,),
+    "decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 16, 16),
+    "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 4, 16, 8),
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": (2, 16),
+    "decoder.layers.mlp.router.expert_bias": (2, 4), "decoder.layers.mlp.router.weight": (2, 4, 16),
+    "decoder.layers.mlp.shared_experts.gate_weight": (2, 1, 16),
+    "decoder.layers.mlp.shared_experts.linear_fc1.weight": (2, 48, 16),
+    "decoder.layers.mlp.shared_experts.linear_fc2.weight": (2, 16, 24),
+    "decoder.layers.self_attention.k_layernorm.weight": (2, 4),
+    "decoder.layers.self_attention.linear_proj.weight": (2, 16, 16),
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (2, 16),
+    "decoder.layers.self_attention.linear_qkv.weight": (2, 48, 16),
+    "decoder.layers.self_attention.q_layernorm.weight": (2, 4),
+    "embedding.word_embeddings.weight": (64, 16), "output_layer.weight": (64, 16)}},
+    "per_layer": {**{f"decoder.layers.{l}.{m}._extra_state/shard_0_1": None for l, m in (
+        (0, "mlp.linear_fc1"), (0, "mlp.linear_fc2"), (0, "self_attention.linear_proj"),
+        (0, "self_attention.linear_qkv"), (1, "self_attention.linear_proj"),
+        (1, "self_attention.linear_qkv"))},
+        **{f"decoder.layers.1.mlp.experts.experts.linear_fc{i}._extra_state/shard_{g}_4": None
+           for i in (1, 2) for g in range(4)}, **{
+        "decoder.final_layernorm.weight": (16,),
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": (16,),
+        "decoder.layers.0.mlp.linear_fc1.weight": (64, 16),
+        "decoder.layers.0.mlp.linear_fc2.weight": (16, 32),
+        "decoder.layers.1.mlp.experts.experts.linear_fc1.weight": (4, 16, 16),
+        "decoder.layers.1.mlp.experts.experts.linear_fc2.weight": (4, 16, 8),
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight": (16,),
+        "decoder.layers.1.mlp.router.weight": (4, 16),
+        **{f"decoder.layers.{l}.self_attention.{k}": shape for l in range(2) for k, shape in (
+            ("k_layernorm.weight", (4,)), ("q_layernorm.weight", (4,)),
+            ("linear_proj.weight", (16, 16)), ("linear_qkv.layer_norm_weight", (16,)),
+            ("linear_qkv.weight", (48, 16)))},
+        "embedding.word_embeddings.weight": (64, 16), "output_layer.weight": (64, 16)}}}
+MOE_FLAGS = {"stacked": ["--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate",
+                         "--moe-router-score-function", "sigmoid",
+                         "--moe-router-enable-expert-bias"],
+             "per_layer": ["--moe-layer-freq", "[0,1]"]}
+
+
+@pytest.mark.parametrize("kind", sorted(MEGATRON_MOE_KEYS))
+def test_moe_models_write_megatron_cores_keys(kind):
+    import arguments
+    from app.checkpoint.mcore.names import stacks_layers
+    from app.model import GPT2Model
+    cfg = arguments.config_from_argv([
+        "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
+        "--ffn-hidden-size", "32", "--seq-length", "8", "--micro-batch-size", "1",
+        "--train-iters", "1",
+        "--make-vocab-size-divisible-by", "64", "--swiglu", "--normalization", "RMSNorm",
+        "--disable-bias-linear", "--qk-layernorm", "--position-embedding-type", "rope",
+        "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-ffn-hidden-size",
+        "8", *MOE_FLAGS[kind]], 1, 64)
+    model = GPT2Model(cfg.model)
+    moe = cfg.model.moe
+    layout = torch_dist.RankLayout(0, 1, 0, 1, 0, 1, 0, 2,
+                                   stacked=stacks_layers(moe.moe_layer_freq, moe.num_experts))
+    entries = torch_dist.save_entries(dict(model.state_dict(keep_vars=True)), layout, None, None,
+                                      None)
+    assert {e.key: (tuple(e.global_shape) if e.data is None else None)
+            for e in entries} == MEGATRON_MOE_KEYS[kind]
+
+
 def test_flat_ranges_become_contiguous_boxes():
     assert sharding.flat_boxes((3, 4), 2, 11) == [((0, 2), (1, 2)), ((1, 0), (1, 4)),
                                                   ((2, 0), (1, 3))]
@@ -298,6 +391,23 @@ def test_every_replica_gets_exactly_one_writer():
                 for c, w in zip(view, sharding.assign_writers(view, 2, dp_rank)):
                     writers.setdefault(c.key, []).append(w)
         assert all(sum(w) == 1 for w in writers.values()), writers
+
+
+def test_expert_replicas_are_written_by_the_expert_data_parallel_ranks():
+    """Dense boxes are spread over the data-parallel ranks, expert boxes over the expert
+    data-parallel ranks (TP 1, DP 4, EP 2: expert DP 2): each box has exactly one writer."""
+    def view(dp_rank, edp_rank, ep_rank):
+        cands = [sharding.Candidate(f"d{i}", (i,), 10 + i, 1, 0, True) for i in range(6)]
+        cands += [sharding.Candidate(f"e{ep_rank}_{i}", (i,), 10 + i, 1, 0, True, expert=True)
+                  for i in range(4)]
+        return cands, sharding.assign_writers(cands, 4, dp_rank, 2, edp_rank)
+    writers = {}
+    for rank in range(4):  # ep = rank % 2, edp = rank // 2 (Megatron's expert grid)
+        for c, w in zip(*view(rank, rank // 2, rank % 2)):
+            writers.setdefault(c.key, []).append((rank, w))
+    assert all(sum(w for _, w in ws) == 1 for ws in writers.values()), writers
+    assert all({r % 2 for r, w in ws if w} == {int(k[1])} for k, ws in writers.items()
+               if k.startswith("e"))
 
 
 def test_unsafe_or_damaged_files_are_refused(saved, tmp_path):

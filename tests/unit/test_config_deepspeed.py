@@ -155,3 +155,45 @@ def test_deepspeeds_universal_merge_of_our_tp2_shards_gives_the_tp1_tensors(tmp_
                                         (name, [tuple(r[name].shape) for r in ranks]))
         merged = torch.load(tmp_path / "out" / name / "fp32.pt", weights_only=False)
         assert torch.equal(merged[constants.PARAM], value.detach()), name
+
+
+MOE = ["--num-experts", "4", "--disable-bias-linear", "--swiglu", "--deepspeed"]
+
+
+def _json(tmp_path, **zero):
+    import json
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, **zero}}))
+    return ["--deepspeed_config", str(path)]
+
+
+@pytest.mark.parametrize("extra,world,zero,message", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, {},
+     "--num-experts with --deepspeed and --tensor-model-parallel-size 2 is not supported"),
+    (["--pipeline-model-parallel-size", "2"], 2, {},
+     "--num-experts with --deepspeed and --pipeline-model-parallel-size 2 is not supported"),
+    (["--expert-tensor-parallel-size", "2"], 2, {},
+     "--num-experts with --deepspeed and --expert-tensor-parallel-size 2 is not supported"),
+    ([], 2, {"stage": 3}, "Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use AutoEP "
+                          "or choose ZeRO stage 1/2."),
+    ([], 2, {"stage": 0}, "--num-experts at ZeRO stage 0 is not supported"),
+    ([], 2, {"contiguous_gradients": False},
+     "Contiguous Gradients in ZeRO Stage 2 must be set to True for MoE."),
+    ([], 2, {"reduce_scatter": False},
+     "Reduce Scatter in ZeRO Stage 2 must be set to True for MoE."),
+    (["--universal-checkpoint"], 2, {},
+     "--universal-checkpoint with --num-experts is not supported"),
+])
+def test_moe_under_deepspeed_refusals_are_one_line(tmp_path, extra, world, zero, message):
+    """What MoE under DeepSpeed does not take is refused when the config is built, in one line
+    naming the flag or JSON key (DeepSpeed's own words where DeepSpeed refuses the same)."""
+    with pytest.raises(ValueError) as err:
+        cfg(*MOE, *_json(tmp_path, **zero), *extra, world=world)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_moe_under_zero1_and_zero2_builds_with_clipping_from_the_command_line(tmp_path):
+    for stage in (1, 2):
+        run = cfg(*MOE, *_json(tmp_path, stage=stage), "--expert-model-parallel-size", "2",
+                  "--clip-grad", "0.3")
+        assert run.deepspeed.config["gradient_clipping"] == 0.3

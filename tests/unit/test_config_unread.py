@@ -73,3 +73,14 @@ def test_settings_of_an_unused_optimizer_or_engine(tmp_path):
     assert notes("--deepspeed_config", str(ds)) == [
         f"--deepspeed_config {ds} is not read: without --deepspeed the run takes the native "
         "path; add --deepspeed to train through DeepSpeed with it"]
+
+
+def test_moe_flags_of_a_dense_model_and_megatrons_moe_fusions():
+    assert notes("--num-experts", "4", "--disable-bias-linear", "--moe-router-topk", "1",
+                 "--moe-router-pre-softmax", "--expert-tensor-parallel-size", "1") == []
+    assert notes("--moe-router-topk", "4", "--expert-tensor-parallel-size", "1") == [
+        f"{flag} is not read: without --num-experts the model is dense; drop it or add "
+        "--num-experts" for flag in ("--moe-router-topk", "--expert-tensor-parallel-size")]
+    assert notes("--num-experts", "4", "--disable-bias-linear", "--moe-permute-fusion") == [
+        "--moe-permute-fusion is not read: the token permutation and the router run the same "
+        "unfused PyTorch either way (accepted for Megatron's scripts)"]

@@ -88,6 +88,20 @@ def test_round_trip_and_independent_reader(tmp_path, dtype, code):
     assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]  # no temporary left behind
 
 
+def test_file_reads_give_the_memory_mapped_tokens(tmp_path):
+    """--no-mmap-bin-files: the same sequences, slices and single tokens through file reads."""
+    prefix = str(tmp_path / "ds")
+    _write_ours(prefix, DOCS, np.int32)
+    mapped, read = MMapIndexedDataset(prefix), MMapIndexedDataset(prefix, mmap=False)
+    assert not isinstance(read.tokens, np.memmap) and read.tokens.size == mapped.tokens.size
+    assert [read[i].tolist() for i in range(len(read))] == [mapped[i].tolist()
+                                                            for i in range(len(mapped))]
+    assert read.tokens[2:9].tolist() == mapped.tokens[2:9].tolist()
+    assert int(read.tokens[5]) == int(mapped.tokens[5]) and read.token_id_range() == (0, 65000)
+    with pytest.raises(IndexError):
+        read.tokens[mapped.tokens.size]
+
+
 def test_add_documents_equals_add_item(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     _write_ours(a, DOCS, np.uint16)

@@ -89,7 +89,8 @@ def test_dry_run_reports_the_mock_samples_and_no_file(capsys):
     assert "NullTokenizer: vocabulary 100, end-of-document id 99" in text
     # 5 iterations x 4 samples; 2 evaluations (at 2 and 4) + the last x 1 batch of 4
     assert ("--mock-data: 20 train samples of 17 token ids from Megatron's mock documents "
-            "[0, 33333) (ids counting up modulo 100) in the order of seed 1234; no data files "
+            "[0, 33333) (1 epoch(s), ids counting up modulo 100) in the order of seed 1234; its "
+            "indices take 0.13 MiB of host memory when the run builds them; no data files "
             "read") in text
     assert "12 valid samples" in text and "4 test samples" in text
 

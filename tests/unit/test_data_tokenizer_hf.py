@@ -1,7 +1,8 @@
 """--tokenizer-type HuggingFaceTokenizer (Megatron's meaning): a tokenizer.json trained here
 with `tokenizers` (no downloads); tools/preprocess_data.py writes, document by document, what
 transformers' AutoTokenizer gives plus the eos as eod; bad input is one clear error before any
-work; a tiny run trains on the data without --vocab-file and its checkpoint generates text."""
+work; a tiny run (the Llama recipe with Mixture of Experts: Mixtral's block) trains on the data
+without --vocab-file and its checkpoint generates text, serves, evaluates and exports."""
 import contextlib
 import io
 import json
@@ -73,6 +74,8 @@ def test_a_tiny_run_trains_on_it_without_a_vocab_file(tmp_path, tokenizer_dir):
                      "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                      tokenizer_dir, "--swiglu", "--normalization", "RMSNorm",
                      "--disable-bias-linear", "--position-embedding-type", "rope",
+                     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
+                     "16",
                      "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "0",
                      "--distributed-backend", "gloo", "--save", str(tmp_path / "ckpt"),
                      "--save-interval", "2"])
@@ -83,6 +86,7 @@ def test_a_tiny_run_trains_on_it_without_a_vocab_file(tmp_path, tokenizer_dir):
     assert args.tokenizer_type == "HuggingFaceTokenizer"
     assert args.tokenizer_model == tokenizer_dir
     assert (args.swiglu, args.normalization, args.add_bias_linear) == (True, "RMSNorm", False)
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 16)
     from app.inference.session import GenerationParams, InferenceSession
     session = InferenceSession(str(tmp_path / "ckpt"))  # the tokenizer comes from the args
     assert session.tokenizer.eod == transformers.AutoTokenizer.from_pretrained(
@@ -90,13 +94,14 @@ def test_a_tiny_run_trains_on_it_without_a_vocab_file(tmp_path, tokenizer_dir):
     out = session.generate(["hello world"], GenerationParams(max_new_tokens=3))
     (result,) = out["results"]
     assert result["prompt"] == "hello world" and 1 <= len(result["generated_tokens"]) <= 3
-    _llama_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir)
+    _moe_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir)
 
 
-def _llama_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir):
-    """The Llama-recipe checkpoint of the run above (HuggingFaceTokenizer named in its args):
-    the HF export carries that tokenizer and gives our logits as LlamaForCausalLM; the server,
-    tools/generate.py, tools/evaluate.py and the lm-eval backend load and run it."""
+def _moe_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir):
+    """The Llama-recipe MoE checkpoint of the run above (HuggingFaceTokenizer named in its
+    args): the HF export carries that tokenizer and gives our logits as MixtralForCausalLM; the
+    server, tools/generate.py, tools/evaluate.py (on the export, read back) and the lm-eval
+    backend load and run it."""
     import torch
     from app.inference.generation import generate
     from app.inference.sampling import SamplingConfig
@@ -105,7 +110,7 @@ def _llama_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir):
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     assert load_tool("convert_checkpoint").main(["--load", ckpt, "--save", hf,
                                                  "--output-format", "hf"]) == 0
-    model = transformers.LlamaForCausalLM.from_pretrained(hf).eval().requires_grad_(False)
+    model = transformers.MixtralForCausalLM.from_pretrained(hf).eval().requires_grad_(False)
     exported = transformers.AutoTokenizer.from_pretrained(hf)
     reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     assert exported("the lazy dog").input_ids == reference("the lazy dog").input_ids
@@ -152,7 +157,7 @@ def _llama_checkpoint_serves_everywhere(tmp_path, session, tokenizer_dir):
 
 
 def _hf_directory_without_tokenizer(tmp_path, hf, tokenizer_dir, greedy):
-    """A Hugging Face Llama directory that carries no tokenizer files: tools/generate.py says
+    """A Hugging Face directory that carries no tokenizer files: tools/generate.py says
     which flag to pass, and with --tokenizer-model generates what the exported tokenizer did."""
     import shutil
     from tests.harness.tools import load_tool

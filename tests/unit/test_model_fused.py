@@ -35,16 +35,18 @@ def test_causal_softmax_reference(s_q, s_k):
 
 
 def test_attention_backends_agree_on_cpu():
-    """local (q k^T + causal softmax + @ v), auto and flash (SDPA) give the same attention and
-    gradients; an explicit causal mask through the masked softmax gives it too, and so does
-    query-key layer scaling on either softmax."""
+    """local and unfused (q k^T + causal softmax + @ v), auto, flash and fused (SDPA) give the
+    same attention and gradients; an explicit causal mask through the masked softmax gives it
+    too, and so does query-key layer scaling on either softmax."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     mask = fused.causal_mask(9, 9, q.device).view(1, 1, 9, 9)
     results = []
     for backend, m, qk_coeff in (("auto", None, 1.0), ("flash", None, 1.0), ("local", None, 1.0),
-                                 ("auto", mask, 1.0), ("local", None, 3.0), ("auto", mask, 2.0)):
+                                 ("auto", mask, 1.0), ("local", None, 3.0), ("auto", mask, 2.0),
+                                 ("fused", None, 1.0), ("unfused", None, 1.0),
+                                 ("unfused", mask, 1.0)):
         # qk_coeff: --apply-query-key-layer-scaling divides by n and multiplies back: same result
         out = fused.attention(q, k, v, m, 0.0, backend, qk_coeff=qk_coeff)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
@@ -120,7 +122,7 @@ def test_each_op_announces_its_choice_once(caplog):
     assert chosen["layer_norm"] == ("PyTorch", "--layernorm-fusion off")
     assert chosen["cross_entropy"] == ("PyTorch", "no CUDA" if not torch.cuda.is_available()
                                        else "CPU tensors")
-    assert chosen["attention"] == ("SDPA", "CPU tensors")
+    assert chosen["attention"][0] == "SDPA" and chosen["attention"][1].startswith("CPU tensors")
     assert chosen["bias_dropout_add"][0] == "PyTorch eager"
 
 

@@ -189,19 +189,20 @@ def test_resume_is_exact_and_a_resume_without_the_options_is_refused(tmp_path):
         plain["engine"].load_checkpoint(str(tmp_path))
 
 
-def test_flops_count_the_gated_mlp_and_kv_channels():
+def test_flops_count_the_gated_mlp_kv_channels_and_query_groups():
     """Megatron's formula: the MLP term 12 h f grows by 3/2 with SwiGLU (gate, up, down); the
-    attention terms use heads x kv-channels for the query width."""
+    query width is heads x kv-channels, the key and value widths groups x kv-channels; the
+    attention core is halved by the causal mask."""
     from app.training.telemetry.flops import model_flops_per_token
     gpt2 = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                        padded_vocab_size=128, ffn_hidden_size=256)
     h, f, s, V = 64, 256, 32, 128
-    assert model_flops_per_token(gpt2) == 2 * (24 * h * h + 12 * h * f + 12 * s * h) + 6 * h * V
+    assert model_flops_per_token(gpt2) == 2 * (24 * h * h + 12 * h * f + 6 * s * h) + 6 * h * V
     llama = _config(hidden_size=64, seq_length=32, padded_vocab_size=128, ffn_hidden_size=256,
                     kv_channels=32)
-    q = 4 * 32
-    assert model_flops_per_token(llama) == (2 * (24 * h * q + 18 * h * f + 12 * s * q)
-                                            + 6 * h * V)
+    q, kv = HEADS * 32, GROUPS * 32
+    assert model_flops_per_token(llama) == (
+        L * (6 * (h * (q + 2 * kv) + q * h) + 18 * h * f + 6 * s * q) + 6 * h * V)
 
 
 def test_muon_and_weight_decay_treat_rms_and_qk_norms_as_norms():

@@ -192,6 +192,36 @@ def test_gpt2_groups_give_muon_the_layer_matrices_only():
     assert all(n.endswith("bias") or "layernorm" in n for n in groups["no_decay"])
 
 
+def test_moe_experts_are_orthogonalised_one_matrix_per_expert():
+    """Mixture of Experts: the routed experts' 3-D weights form the `expert_muon` group and each
+    expert's matrix gets the update of a 2-D Muon matrix of its shape (the router is a 2-D
+    layer matrix too); written out for one step."""
+    cfg = arguments.config_from_argv(
+        ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--train-iters", "2", "--make-vocab-size-divisible-by", "8",
+         "--swiglu", "--disable-bias-linear", "--num-experts", "4", "--moe-ffn-hidden-size", "8",
+         "--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--lr", "0.1",
+         "--weight-decay", "0.1", "--muon-coefficient-type", "polar_express",
+         "--muon-num-ns-steps", "25"], 1, 64)  # converged: the SVD's polar factor
+    model = GPT2Model(cfg.model)
+    wrapper = Float32Optimizer(model, cfg.optimizer, PS)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in wrapper.param_groups}
+    assert groups["expert_muon"] == sorted(n for n in names.values() if ".mlp.experts." in n)
+    assert "language_model.transformer.layers.0.mlp.router.weight" in groups["muon"]
+    fc1 = model.language_model.transformer.layers["0"].mlp.experts.dense_h_to_4h.weight
+    before = fc1.detach().clone()  # [4, 16, 32]
+    gen = torch.Generator().manual_seed(6)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    grad = fc1.grad.clone()
+    wrapper.step(PS, 0.0, None)
+    lr = wrapper.param_groups[0]["lr"]
+    for e in range(4):  # momentum (1 - 0.9) g, scaled by sqrt(max(16, 32)) (spectral)
+        want = before[e] * (1 - lr * 0.1) - lr * 32 ** 0.5 * polar(0.1 * grad[e])
+        torch.testing.assert_close(fc1.detach()[e], want, rtol=0, atol=2e-5)
+
+
 def test_fp16_gradients_are_unscaled_before_the_orthogonalisation():
     """The loss scale doubles after every step (window 1); Muon's momentum must still add the
     true gradients, as an fp32 run given the same gradients does."""

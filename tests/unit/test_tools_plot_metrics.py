@@ -111,3 +111,23 @@ def test_usage_errors_name_the_flags(tmp_path, capsys):
             tool.main(argv)
         assert stop.value.code == 2
         assert said in capsys.readouterr().err
+
+
+def test_our_runs_tensorboard_reads_as_megatrons(tmp_path):
+    """Our run's TensorBoard (MetricsWriter.scalars under Megatron's tags, plus our
+    tokens-per-second and mfu) reads back as the metrics file's rows."""
+    from app.training.telemetry.metrics import MetricsWriter
+    tool = load_tool("plot_metrics")
+    board = tmp_path / "tb"
+    with MetricsWriter(str(board), None) as writer:
+        for iteration in (1, 2):
+            writer.scalars(iteration, {"lm loss": 6.0 - iteration, "learning-rate": 1e-3},
+                           consumed_samples=4 * iteration)
+            writer.scalars(iteration, {"tokens-per-second": 100.0 * iteration, "mfu": 0.25})
+        writer.scalars(2, {"lm loss validation": 4.5}, consumed_samples=8)
+    rows = tool.read_tensorboard(str(board))
+    assert rows == [{"kind": "train", "iteration": 1, "lm_loss": 5.0, "lr": pytest.approx(1e-3),
+                     "tokens_per_s": 100.0, "mfu": 0.25},
+                    {"kind": "train", "iteration": 2, "lm_loss": 4.0, "lr": pytest.approx(1e-3),
+                     "tokens_per_s": 200.0, "mfu": 0.25},
+                    {"kind": "valid", "iteration": 2, "lm_loss": 4.5}]

@@ -51,6 +51,52 @@ def test_activation_formula_matches_the_tensors_autograd_keeps(extra, backend):
     assert abs(want - got) / got < 0.1, (extra, want, got)
 
 
+MOE = ("--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--num-experts", "4",
+       "--moe-ffn-hidden-size", "96", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2")
+
+
+@pytest.mark.parametrize("layout,pattern", [
+    (("--expert-model-parallel-size", "2"), "1"),
+    (("--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--expert-model-parallel-size", "2"), "1"),
+    (("--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--expert-tensor-parallel-size", "1"), "[0,1,1,0]"),
+    (("--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"), "[0,0,1,1]"),
+], ids=["ep2", "tp2xep2", "tp2-etp1", "pp2xep2-dense-stage"])
+def test_moe_params_per_rank_is_the_largest_shard_and_experts_shard_over_expert_dp(layout,
+                                                                                    pattern):
+    from app.training.planning.memory import expert_params_per_rank
+    cfg = config(*MOE, "--moe-layer-freq", pattern, *layout, world=4)
+    p = cfg.parallel
+    counts, expert_counts = [], []
+    for t in range(p.tensor_model_parallel_size):
+        for s in range(p.pipeline_model_parallel_size):
+            for e in range(p.expert_model_parallel_size):
+                for r in range(p.expert_tensor_parallel_size):
+                    model = stage_model(cfg, t, s, e, r)
+                    counts.append(sum(q.numel() for q in model.parameters()))
+                    expert_counts.append(sum(q.numel() for n, q in model.named_parameters()
+                                             if ".mlp.experts." in n))
+    assert params_per_rank(cfg) == max(counts)
+    assert expert_params_per_rank(cfg) == max(expert_counts) > 0
+    dist = config(*MOE, "--moe-layer-freq", pattern, *layout, "--use-distributed-optimizer",
+                  world=4)
+    est, psi_e = estimate_memory(dist), expert_params_per_rank(dist)
+    dense_shards = (est.params - psi_e) / (p.data_parallel_size * p.context_parallel_size)
+    assert est.optimizer == pytest.approx(8 * (dense_shards + psi_e / p.expert_data_parallel_size))
+
+
+@pytest.mark.parametrize("extra", [(), ("--moe-shared-expert-intermediate-size", "64",
+                                        "--moe-token-dispatcher-type", "alltoall")])
+def test_moe_activation_formula_matches_the_tensors_autograd_keeps(extra):
+    """Balanced routing is assumed; the random-token model routes close to it."""
+    cfg = config(*MOE, *extra, "--attention-dropout", "0", "--hidden-dropout", "0",
+                 "--moe-layer-freq", "[0,1,1,0]")
+    want = stage_activations(cfg, "cpu").forward * cfg.training.micro_batch_size
+    got = saved_activation_bytes(cfg)
+    assert abs(want - got) / got < 0.1, (extra, want, got)
+
+
 @pytest.mark.parametrize("vocab", [500, 8000])  # the first stage needs more; the last does
 def test_pipeline_estimate_is_the_larger_of_the_first_and_the_last_stage(vocab):
     """PP 2 with 4 micro-batches: the first stage keeps 2 in flight, the last one plus the

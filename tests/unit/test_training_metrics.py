@@ -51,25 +51,63 @@ def test_format_train_log_is_megatron_style():
     assert "grad norm" not in short and short.endswith("lm loss: 1.000000E+00 |")
 
 
-def test_metrics_writer_writes_the_same_values_to_jsonl_and_tensorboard(tmp_path):
+def test_metrics_writer_jsonl_rows_and_megatrons_tensorboard_tags(tmp_path):
+    """The metrics file gets our rows; TensorBoard gets Megatron's tags (each with its
+    "vs samples" twin over the consumed samples, the CUDA memory tags without one) and our
+    other records as {kind}/{name}."""
     tb_dir, path = tmp_path / "tb", tmp_path / "sub" / "metrics.jsonl"
     with metrics.MetricsWriter(str(tb_dir), str(path)) as writer:
         writer.write("train", 10, {"lm_loss": 2.5, "lr": 1e-4, "grad_norm": float("nan"),
                                    "loss": torch.tensor(3.0),
                                    "n": np.float32(0.5), "skipped": np.int64(2)})
         writer.write("valid", 10, {"lm_loss": 2.75, "ppl": math.exp(2.75)})
+        writer.scalars(10, {"lm loss": 2.5, "learning-rate": 1e-4, "mem-allocated-bytes": 7},
+                       consumed_samples=80)
+        writer.scalars(10, {"iteration-time": 0.25})
+        writer.write("stragglers", 10, {"slowest_ms": 12.0})
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["kind"] for r in rows] == ["train", "valid"]
+    assert [r["kind"] for r in rows] == ["train", "valid", "stragglers"]
     assert rows[0]["iteration"] == 10 and rows[0]["lm_loss"] == 2.5 and rows[0]["loss"] == 3.0
     assert rows[0]["n"] == 0.5 and rows[0]["skipped"] == 2
     assert rows[0]["grad_norm"] is None  # NaN is not JSON
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb_dir))
     acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    assert {"train/lm_loss", "train/lr", "valid/lm_loss", "valid/ppl"} <= tags
-    event = acc.Scalars("valid/lm_loss")[0]
-    assert (event.step, event.value) == (10, pytest.approx(2.75))
+    assert set(acc.Tags()["scalars"]) == {
+        "lm loss", "lm loss vs samples", "learning-rate", "learning-rate vs samples",
+        "mem-allocated-bytes", "iteration-time", "stragglers/slowest_ms"}
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(10, 2.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss vs samples")] == [(80, 2.5)]
+
+
+def test_megatrons_scalars_by_flag():
+    """Which tags an iteration, an interval and an evaluation write, by Megatron's flags."""
+    from app.config import LogConfig
+    from app.training.telemetry import scalars
+    plain = scalars.iteration_scalars(LogConfig(), lr=1e-4, batch_size=8,
+                                      losses={"lm loss": 2.0, "z_loss": None}, loss_scale=1.0,
+                                      grad_norm=float("nan"), world_size=4)
+    assert plain == {"learning-rate": 1e-4, "batch-size": 8, "lm loss": 2.0, "loss-scale": 1.0}
+    every = LogConfig(log_loss_scale_to_tensorboard=False, log_world_size_to_tensorboard=True,
+                      log_memory_to_tensorboard=True, log_timers_to_tensorboard=True,
+                      log_throughput=True, log_validation_ppl_to_tensorboard=True)
+    memory = {"reserved_bytes.all.current": 4, "allocated_bytes.all.current": 3,
+              "allocated_bytes.all.peak": 5, "allocation.all.current": 2}
+    tags = scalars.iteration_scalars(every, lr=None, batch_size=8, losses={"lm loss": 2.0},
+                                     loss_scale=1.0, grad_norm=0.5, world_size=4,
+                                     cuda_memory=memory)
+    assert tags == {"batch-size": 8, "lm loss": 2.0, "world-size": 4, "grad-norm": 0.5,
+                    "mem-reserved-bytes": 4, "mem-allocated-bytes": 3,
+                    "mem-max-allocated-bytes": 5, "mem-allocated-count": 2}
+    values = {"tokens_per_s": 100.0, "mfu": 0.5, "hfu": None}
+    assert scalars.interval_scalars(LogConfig(), values, 0.2, 3.0, {"optimizer": 0.1}) == {
+        "tokens-per-second": 100.0, "mfu": 0.5}
+    assert scalars.interval_scalars(every, values, 0.2, 3.0, {"optimizer": 0.1}) == {
+        "iteration-time": 0.2, "optimizer-time": 0.1, "throughput": 3.0,
+        "tokens-per-second": 100.0, "mfu": 0.5}
+    assert scalars.validation_scalars(LogConfig(), {"lm loss": 2.0}) == {"lm loss validation": 2.0}
+    assert scalars.validation_scalars(every, {"lm loss": 30.0}) == {
+        "lm loss validation": 30.0, "lm loss validation ppl": math.exp(20.0)}
 
 
 def test_disabled_writer_creates_nothing(tmp_path):
@@ -93,7 +131,7 @@ def test_throughput_and_mfu_math():
     assert tps == 4096.0
     per_rank = metrics.achieved_flops_per_rank(tps, model_flops_per_token(m), world_size=2)
     L, h, s, V = 6, 384, 256, 50304
-    expected = 4096 * 72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)) / 2
+    expected = 4096 * 72 * L * h * h * (1 + s / (12 * h) + V / (12 * L * h)) / 2  # causal core
     assert per_rank == pytest.approx(expected)
     assert metrics.model_flops_utilization(per_rank, 2 * per_rank) == pytest.approx(0.5)
     assert math.isnan(metrics.model_flops_utilization(1.0, 0.0))

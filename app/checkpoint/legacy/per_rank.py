@@ -3,8 +3,13 @@ crash-safe writer and its safe reader, and the RNG states (app.checkpoint.legacy
 writes the whole model at any TP/PP).
 
 On disk exactly Megatron-LM's legacy layout, so its tools read our files (app.checkpoint.names
-spells every name): `{save}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`
-and the tracker `{save}/latest_checkpointed_iteration.txt`.
+spells every name): `{save}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/
+model_optim_rng.pt` and the tracker `{save}/latest_checkpointed_iteration.txt`. With Mixture
+of Experts and expert parallelism each file is one (tensor, pipeline, expert-parallel) rank's:
+its dense tensor-parallel shard and its expert box, the E/EP experts of expert-parallel rank ep
+split over the expert tensor-parallel ranks, whose rank is the file's tensor rank (the format
+holds experts split like that only: expert tensor-parallel size equal to the tensor-parallel
+size, Megatron's default).
 
 Beside each `model_optim_rng.pt` we write `model_optim_rng.pt.sha256` (sha256sum format); the
 reader verifies it when present, so a flipped byte is caught before unpickling. Megatron's
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -165,9 +170,9 @@ def build_checkpoint_dict(iteration: Iteration, model_flat_state: Dict[str, Any]
 
 
 def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, Any], *,
-                    tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
-                    barrier: Callable[[], None] = lambda: None, is_tracker_writer: bool = True,
-                    keep_last_n: Optional[int] = None,
+                    tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
+                    ep_size: int = 1, barrier: Callable[[], None] = lambda: None,
+                    is_tracker_writer: bool = True, keep_last_n: Optional[int] = None,
                     agree: Optional[Callable[[bool], bool]] = None) -> str:
     """Write this rank's file of `iteration`, then (one rank) commit the tracker. Crash-safe.
 
@@ -182,13 +187,15 @@ def save_checkpoint(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, An
     previous checkpoint. Returns the iteration directory.
     """
     return start_save(save_dir, iteration, ckpt_dict, tp_rank=tp_rank, pp_rank=pp_rank,
-                      pp_size=pp_size, barrier=barrier, is_tracker_writer=is_tracker_writer,
-                      keep_last_n=keep_last_n, agree=agree).finish()
+                      pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size, barrier=barrier,
+                      is_tracker_writer=is_tracker_writer, keep_last_n=keep_last_n,
+                      agree=agree).finish()
 
 
 def start_save(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, Any], *,
-               tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
-               barrier: Callable[[], None] = lambda: None, is_tracker_writer: bool = True,
+               tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
+               ep_size: int = 1, barrier: Callable[[], None] = lambda: None,
+               is_tracker_writer: bool = True,
                keep_last_n: Optional[int] = None,
                agree: Optional[Callable[[bool], bool]] = None,
                background: bool = False) -> PendingSave:
@@ -200,7 +207,7 @@ def start_save(save_dir: str, iteration: Iteration, ckpt_dict: Dict[str, Any], *
             barrier()
             return ok
     path = checkpoint_path(save_dir, iteration, tp_rank=tp_rank, pp_rank=pp_rank,
-                           pp_size=pp_size)
+                           pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size)
     existed = False  # whether this save replaces the file (then a failed save keeps it)
 
     def write() -> Optional[Tuple[str, OSError]]:
@@ -231,21 +238,43 @@ def _torch_load(path: str) -> Dict[str, Any]:
     return state
 
 
-def saved_layout(directory: str) -> Optional[Tuple[int, int]]:
-    """(tensor, pipeline) parallel sizes of the legacy checkpoint in `directory` (an iteration
-    folder), read from the names of its mp_rank_XX / mp_rank_XX_YYY folders (the format's one
-    file-name rule; app.checkpoint.saved_layout lists the files it implies); None when it
-    holds none."""
-    ranks = [rank for name in (os.listdir(directory) if os.path.isdir(directory) else [])
+def saved_layout(directory: str) -> Optional[Tuple[int, int, int]]:
+    """(tensor, pipeline, expert) parallel sizes of the legacy checkpoint in `directory` (an
+    iteration folder), read from the names of its mp_rank_XX[_YYY[_ZZZ]] folders (the format's
+    one file-name rule; app.checkpoint.saved_layout lists the files it implies); None when it
+    holds none. A one-suffix name is a pipeline rank, or an expert-parallel one when the saved
+    args say EP > 1 (then rank 0's args are read, its tensors left on disk)."""
+    found = {name: rank for name in (os.listdir(directory) if os.path.isdir(directory) else [])
              for rank in [names.parse_rank_dir(name)]
-             if rank is not None and os.path.isdir(os.path.join(directory, name))]
-    if not ranks:
+             if rank is not None and os.path.isdir(os.path.join(directory, name))}
+    if not found:
         return None
-    return max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
+    ranks = list(found.values())
+    tp = max(r[0] for r in ranks) + 1
+    if any(len(r) == 3 for r in ranks):
+        return tp, max(r[1] for r in ranks) + 1, max(r[2] for r in ranks) + 1
+    second = max((r[1] for r in ranks if len(r) == 2), default=-1) + 1
+    if second == 0:
+        return tp, 1, 1
+    first = os.path.join(directory, min(found, key=found.get), names.MODEL_FILENAME)
+    experts = _saved_expert_parallel_size(first) if os.path.isfile(first) else 1
+    return (tp, 1, second) if experts > 1 else (tp, second, 1)
+
+
+def _saved_expert_parallel_size(path: str) -> int:
+    """expert_model_parallel_size of the args in the legacy file `path` (1 when absent, or when
+    the file cannot be read: its load names the damage)."""
+    try:
+        state = safe_torch_load(path, extra_safe_globals=megatron_args_globals(path), mmap=True)
+    except CheckpointError:
+        return 1
+    args = state.get("args") if isinstance(state, dict) else None
+    return int(getattr(args, "expert_model_parallel_size", 1) or 1)
 
 
 def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
-                         iteration: Optional[Iteration] = None, tp_size: Optional[int] = None
+                         iteration: Optional[Iteration] = None, tp_size: Optional[int] = None,
+                         ep_rank: int = 0, ep_size: int = 1
                          ) -> Tuple[Optional[Dict[str, Any]], Optional[Iteration]]:
     """Load this rank's checkpoint dict; (None, None) when `load_dir` has no tracker.
 
@@ -258,18 +287,20 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
         if iteration is None:
             return None, None
     path = checkpoint_path(load_dir, iteration, tp_rank=tp_rank, pp_rank=pp_rank,
-                           pp_size=pp_size)
+                           pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size)
     if not os.path.isfile(path):
         directory = checkpoint_dir(load_dir, iteration)
         present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         layout = saved_layout(directory)
-        if layout and tp_size is not None and layout != (tp_size, pp_size):
+        if layout and tp_size is not None and layout != (tp_size, pp_size, ep_size):
             raise CheckpointError(
                 f"checkpoint in {directory} was saved with tensor_model_parallel_size "
-                f"{layout[0]} and pipeline_model_parallel_size {layout[1]}, but this run uses "
-                f"{tp_size} and {pp_size}; use the saved sizes, or reshard it with "
+                f"{layout[0]}, pipeline_model_parallel_size {layout[1]} and "
+                f"expert_model_parallel_size {layout[2]}, but this run uses {tp_size}, "
+                f"{pp_size} and {ep_size}; use the saved sizes, or reshard it with "
                 "tools/convert_checkpoint.py (--target-tensor-model-parallel-size, "
-                "--target-pipeline-model-parallel-size, --include-optimizer)")
+                "--target-pipeline-model-parallel-size, --target-expert-model-parallel-size, "
+                "--include-optimizer)")
         raise CheckpointError(
             f"checkpoint file {path} does not exist (found {present} in {directory}); was it "
             "saved with a different tensor/pipeline parallel size, or did the save not finish?")
@@ -284,6 +315,35 @@ def load_checkpoint_dict(load_dir: str, *, tp_rank: int = 0, pp_rank: int = 0, p
         state["model"] = to_megatron_model(from_mcore_model(state["model"],
                                                             pp_rank * (layers // pp_size)))
     return state, iteration
+
+
+def load_weights_across_experts(load_dir: str, iteration: Iteration, state: Dict[str, Any],
+                                expert_names: Sequence[str], *, tp_rank: int, pp_rank: int,
+                                pp_size: int, saved_ep: int, ep_rank: int, ep_size: int
+                                ) -> Tuple[Dict[str, Any], Optional[Dict[str, torch.Tensor]]]:
+    """(weights, fp32 main weights or None) of a rank at expert-parallel size `ep_size` from a
+    legacy checkpoint saved at `saved_ep`, same tensor and pipeline sizes: the dense weights of
+    `state` (the file of expert-parallel rank 0), each weight of `expert_names` the experts
+    [ep_rank E/ep_size, (ep_rank + 1) E/ep_size) of those every expert-parallel file of this
+    tensor x pipeline rank holds (the expert tensor split is the tensor-parallel one)."""
+    weights = from_megatron_model(state["model"])
+    mains = fp32_main_weights(state)
+    parts: Dict[str, List[torch.Tensor]] = {name: [] for name in expert_names}
+    main_parts: Dict[str, List[torch.Tensor]] = {name: [] for name in expert_names}
+    for saved_rank in range(saved_ep):
+        other = state if saved_rank == 0 else load_checkpoint_dict(
+            load_dir, iteration=iteration, tp_rank=tp_rank, pp_rank=pp_rank, pp_size=pp_size,
+            ep_rank=saved_rank, ep_size=saved_ep)[0]
+        flat, main = from_megatron_model(other["model"]), fp32_main_weights(other) or {}
+        for name in expert_names:
+            parts[name].append(flat[name])
+            if name in main:
+                main_parts[name].append(main[name])
+    for name in expert_names:
+        weights[name] = torch.cat(parts[name]).chunk(ep_size)[ep_rank].clone()
+        if mains is not None and main_parts[name]:
+            mains[name] = torch.cat(main_parts[name]).chunk(ep_size)[ep_rank].clone()
+    return weights, mains
 
 
 def saved_virtual_pipeline_size(ckpt_args: Optional[argparse.Namespace]) -> int:

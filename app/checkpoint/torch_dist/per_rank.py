@@ -29,6 +29,7 @@ stand-ins).
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -44,6 +45,7 @@ from app.checkpoint.mcore import state as mcore_state
 from app.checkpoint.names import Iteration, checkpoint_dir
 from app.checkpoint.torch_dist import dcp_files
 from app.checkpoint.torch_dist.dcp_files import Entry, RankFiles
+from app.config.param_names import parse_layer
 from app.optim.mixed_precision import check_saved_groups
 from app.optim.model_space import MAIN, ModelSpaceState, ParamState
 from app.utils.fileio import atomic_write_bytes
@@ -60,7 +62,11 @@ allow_shape_mismatch, so their padding may differ between the saving and the loa
 @dataclass(frozen=True)
 class RankLayout:
     """This rank's place in the TP x PP x DP layout and the model's depth (dp: the replicas of
-    the weights, data x context ranks with context parallelism: ParallelState.gradient_state)."""
+    the weights, data x context ranks with context parallelism: ParallelState.gradient_state);
+    with Mixture of Experts its place in the expert grid too (expert tensor, expert and expert
+    data-parallel ranks: an expert weight's TP split, its expert axis and its replicas), and
+    whether the layers are stacked (False: Megatron's per-layer keys of a model whose layers are
+    not all alike, mcore_names.stacks_layers)."""
 
     tp_rank: int
     tp_size: int
@@ -70,13 +76,23 @@ class RankLayout:
     dp_size: int
     rank: int
     num_layers: int
+    etp_rank: int = 0
+    etp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    edp_rank: int = 0
+    edp_size: int = 1
+    stacked: bool = True
 
     @classmethod
-    def of(cls, parallel_state: Any, num_layers: int) -> "RankLayout":
+    def of(cls, parallel_state: Any, num_layers: int, stacked: bool = True) -> "RankLayout":
         ps = parallel_state
         return cls(ps.tensor_model_parallel_rank, ps.tensor_model_parallel_size,
                    ps.pipeline_model_parallel_rank, ps.pipeline_model_parallel_size,
-                   ps.data_parallel_rank, ps.data_parallel_size, ps.rank, num_layers)
+                   ps.data_parallel_rank, ps.data_parallel_size, ps.rank, num_layers,
+                   ps.expert_tensor_parallel_rank, ps.expert_tensor_parallel_size,
+                   ps.expert_model_parallel_rank, ps.expert_model_parallel_size,
+                   ps.expert_data_parallel_rank, ps.expert_data_parallel_size, stacked)
 
 
 def rng_key(layout: RankLayout) -> str:
@@ -85,15 +101,24 @@ def rng_key(layout: RankLayout) -> str:
                                   (layout.pp_size, layout.tp_size))
 
 
+def is_expert(tensor: torch.Tensor) -> bool:
+    """An MoE layer's routed-expert weight (app.model.moe.experts' `expert_axis` mark)."""
+    return getattr(tensor, "expert_axis", None) is not None
+
+
 def placement(name: str, tensor: torch.Tensor, layout: RankLayout) -> sharding.Placement:
     """Where this rank's local `tensor` of parameter `name` lies in Megatron Core's global
-    tensor (the TP split read from the parameter's own marks)."""
-    key, layer = mcore_names.to_mcore(name)
+    tensor (the TP split read from the parameter's own marks; an expert weight's split over
+    the expert tensor-parallel ranks and its expert axis over the expert-parallel ranks)."""
+    key, layer = mcore_names.to_mcore(name, layout.stacked)
+    tp_rank, tp_size, experts = layout.tp_rank, layout.tp_size, None
+    if is_expert(tensor):
+        tp_rank, tp_size, experts = layout.etp_rank, layout.etp_size, tensor.expert_axis[1:]
     return sharding.place(key, tensor.shape, partition_dim=getattr(tensor, "partition_dim", -1),
-                          tp_rank=layout.tp_rank, tp_size=layout.tp_size, layer=layer,
-                          num_layers=layout.num_layers,
+                          tp_rank=tp_rank, tp_size=tp_size,
+                          layer=layer if layout.stacked else None, num_layers=layout.num_layers,
                           replicated_rows=getattr(tensor, "replicated_rows", None),
-                          glu_halves=getattr(tensor, "glu_halves", False))
+                          glu_halves=getattr(tensor, "glu_halves", False), expert_axis=experts)
 
 
 def _box(flat_or_local: torch.Tensor, region: sharding.Region, stacked: bool,
@@ -132,7 +157,8 @@ def optimizer_entries_of(state: ModelSpaceState, params: Dict[str, torch.Tensor]
                            offset if param_state.piece is not None else None)
                 candidate = sharding.Candidate(key, region.global_offset,
                                                box.numel() * box.element_size(), region.copies,
-                                               region.copy_index, param_state.piece is None)
+                                               region.copy_index, param_state.piece is None,
+                                               is_expert(local))
                 out.append((candidate, Entry(key, box, where.global_shape, region.global_offset)))
     return out
 
@@ -141,36 +167,57 @@ def save_entries(params: Dict[str, torch.Tensor], layout: RankLayout,
                  optimizer: Optional[ModelSpaceState], common: Optional[Dict[str, Any]],
                  rng_state: Optional[Dict[str, Any]]) -> List[Entry]:
     """Everything this rank writes: its share of the model and optimizer boxes, its layers'
-    `_extra_state` objects (tensor rank 0, data rank 0), its RNG states (data rank 0) and, on
-    rank 0 when given, the common state."""
+    `_extra_state` objects (tensor rank 0, data rank 0; the experts': expert tensor rank 0,
+    expert data rank 0), its RNG states (data rank 0) and, on rank 0 when given, the common
+    state."""
     found: List[Tuple[sharding.Candidate, Entry]] = []
-    layers = set()
     for name, tensor in params.items():
         if name == mcore_names.TIED_COPY:
             continue  # a replica of the first stage's word embeddings
         where = placement(name, tensor, layout)
-        if where.stacked:
-            layers.add(where.regions[0].global_offset[0])
         for region in where.regions:
             box = _box(tensor.detach(), region, where.stacked)
             found.append((sharding.Candidate(where.key, region.global_offset,
                                              box.numel() * box.element_size(), region.copies,
-                                             region.copy_index, True),
+                                             region.copy_index, True, is_expert(tensor)),
                           Entry(where.key, box, where.global_shape, region.global_offset)))
     if optimizer is not None:
         found += optimizer_entries_of(optimizer, params, layout)
-    mine = sharding.assign_writers([c for c, _ in found], layout.dp_size, layout.dp_rank)
+    mine = sharding.assign_writers([c for c, _ in found], layout.dp_size, layout.dp_rank,
+                                   layout.edp_size, layout.edp_rank)
     entries = [entry for (_, entry), keep in zip(found, mine) if keep]
-    if layout.tp_rank == 0 and layout.dp_rank == 0:
-        empty = dcp_files.object_bytes(None)
-        entries += [Entry(mcore_names.extra_state_key(module, layer, layout.num_layers),
-                          data=empty)
-                    for layer in sorted(layers) for module in mcore_names.EXTRA_STATE_MODULES]
+    empty = dcp_files.object_bytes(None)
+    entries += [Entry(key, data=empty) for key in extra_state_keys(params, layout)]
     if rng_state is not None and layout.dp_rank == 0:
         entries.append(Entry(rng_key(layout), data=dcp_files.object_bytes([rng_state])))
     if common is not None and layout.rank == 0:
         entries.append(Entry(COMMON_KEY, data=dcp_files.object_bytes(common)))
     return entries
+
+
+def extra_state_keys(params: Dict[str, torch.Tensor], layout: RankLayout) -> List[str]:
+    """The `_extra_state` objects this rank writes: of each linear layer it holds
+    (mcore_names.EXTRA_STATE_OF) when it is tensor rank 0 and data rank 0; of each routed
+    expert it holds when it is expert tensor rank 0 and expert data rank 0 (an unmarked expert
+    tensor, the converter's, holds all experts)."""
+    keys = []
+    for name, tensor in params.items():
+        parsed = parse_layer(name)
+        module = mcore_names.EXTRA_STATE_OF.get(parsed[1]) if parsed else None
+        if module is None:
+            continue
+        layer, stacked = parsed[0], layout.stacked
+        if module in mcore_names.EXPERT_MODULES:
+            if layout.etp_rank == 0 and layout.edp_rank == 0:
+                _, ep_rank, ep_size = getattr(tensor, "expert_axis", (0, 0, 1))  # whole: all
+                local = tensor.shape[0]
+                total = local * ep_size
+                keys += [mcore_names.extra_state_key(module, layer, layout.num_layers, stacked,
+                                                     (ep_rank * local + j, total))
+                         for j in range(local)]
+        elif layout.tp_rank == 0 and layout.dp_rank == 0:
+            keys.append(mcore_names.extra_state_key(module, layer, layout.num_layers, stacked))
+    return sorted(keys)
 
 
 def write_common_pt(directory: str, entries: Sequence[Entry], record: RankFiles) -> None:
@@ -255,6 +302,13 @@ def read_common(reader: dcp_files.Reader) -> Dict[str, Any]:
     return value
 
 
+def stored_stacked(reader: dcp_files.Reader) -> bool:
+    """Whether the checkpoint stacks its layers (False when it holds Megatron's per-layer keys
+    `decoder.layers.<i>.`, which a model with MoE and dense layers writes): read from its keys,
+    so either form loads into a model of the same layers."""
+    return not any(mcore_names.layer_of_key(key) is not None for key in reader.keys())
+
+
 def _check_shape(reader: dcp_files.Reader, where: sharding.Placement, name: str) -> Tuple[int, ...]:
     """The stored global shape of `where.key`; CheckpointError when it is absent or differs
     from ours other than in padded vocabulary rows."""
@@ -271,8 +325,9 @@ def _check_shape(reader: dcp_files.Reader, where: sharding.Placement, name: str)
             f"{reader.directory}: {where.key} (our {name}) is stored with global shape "
             f"{list(stored)} but this model's is {list(ours)}; the model shape differs "
             "(--num-layers, --hidden-size, --num-attention-heads, --num-query-groups, "
-            "--ffn-hidden-size, --max-position-embeddings): a torch_dist checkpoint reshards "
-            "over TP/PP/DP, not over the model's shape")
+            "--ffn-hidden-size, --max-position-embeddings, --num-experts, "
+            "--moe-ffn-hidden-size): a torch_dist checkpoint reshards over TP/PP/DP/EP, not "
+            "over the model's shape")
     return stored
 
 
@@ -341,6 +396,7 @@ def read_rank_state(directory: str, params: Dict[str, torch.Tensor], layout: Ran
     """
     reader = reader or dcp_files.Reader(directory)
     common = common if common is not None else read_common(reader)
+    layout = dataclasses.replace(layout, stacked=stored_stacked(reader))
     boxes: List[Tuple[str, Tuple[int, ...], torch.Tensor]] = []
     weights: Dict[str, torch.Tensor] = {}
     mains: Dict[str, torch.Tensor] = {}

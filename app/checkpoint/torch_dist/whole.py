@@ -18,6 +18,7 @@ from app.checkpoint import CheckpointError
 from app.checkpoint import param_layout as layout
 from app.checkpoint.mcore import names as mcore_names
 from app.checkpoint.mcore import state as mcore_state
+from app.checkpoint.mcore.names import stacks_layers
 from app.checkpoint.names import checkpoint_dir, write_tracker
 from app.checkpoint.param_layout import target_args
 from app.checkpoint.request import WriteRequest
@@ -34,21 +35,29 @@ from app.utils.dtypes import torch_dtype
 def _by_name(reader: dcp_files.Reader, prefix: str, num_layers: int, progress: Progress
              ) -> Dict[str, torch.Tensor]:
     """{our parameter name: full tensor} of every model key stored under `prefix` + key (the
-    model itself for "", an optimizer state for `optimizer.state.<state>.`)."""
+    model itself for "", an optimizer state for `optimizer.state.<state>.`): stacked layer
+    tensors cut into their layers, per-layer keys (a model with MoE and dense layers) taken
+    as they are."""
     out: Dict[str, torch.Tensor] = {}
-    for key in mcore_names.model_keys():
-        if reader.tensor_meta(prefix + key) is None:
+    for stored in reader.keys():
+        if not stored.startswith(prefix) or reader.tensor_meta(stored) is None:
             continue
-        tensor = dcp_files.read_full(reader, prefix + key)
+        key = stored[len(prefix):]
+        try:
+            name = mcore_names.from_mcore(key, 0) if mcore_names.is_stacked(key) else \
+                mcore_names.from_mcore(key)
+        except KeyError:
+            continue  # another prefix's key (optimizer.state.* under the model's "")
+        tensor = dcp_files.read_full(reader, stored)
         progress.add(tensor)
         if mcore_names.is_stacked(key):
             if tensor.shape[0] != num_layers:
-                raise CheckpointError(f"{reader.directory}: {prefix + key} stacks "
+                raise CheckpointError(f"{reader.directory}: {stored} stacks "
                                       f"{tensor.shape[0]} layers, the args say {num_layers}")
             out.update({mcore_names.from_mcore(key, i): tensor[i].clone()
                         for i in range(num_layers)})
         else:
-            out[mcore_names.from_mcore(key)] = tensor
+            out[name] = tensor
     return out
 
 
@@ -173,13 +182,15 @@ def write_torch_dist(source: ModelCheckpoint, save_dir: str, request: WriteReque
     rows = weights[layout.WORD_EMBEDDINGS].shape[0]
     args = target_args(source, 1, 1, dtype, rows, iteration)
     args.data_parallel_size, args.world_size = 1, 1
-    state = _model_space(opt, full, dtype != torch.float32,
-                         layout.Layout.of_args(args, 1, rows)) if opt else None
+    placement = layout.Layout.of_args(args, 1, rows)
+    state = _model_space(opt, full, dtype != torch.float32, placement) if opt else None
     common = mcore_state.build_common(
         args, iteration, scheduler=source.lr_scheduler if opt else None,
         optimizer=None if state is None else mcore_state.optimizer_part(state, distributed=False),
         distributed_optimizer=False)
-    single = RankLayout(0, 1, 0, 1, 0, 1, 0, source.num_layers)
+    moe = placement.config.moe
+    single = RankLayout(0, 1, 0, 1, 0, 1, 0, source.num_layers,
+                        stacked=stacks_layers(moe.moe_layer_freq, moe.num_experts))
     rng = source.rng_states.get((0, 0)) if opt else None
     entries = save_entries(weights, single, state, common,
                            rng[0] if isinstance(rng, list) else rng)

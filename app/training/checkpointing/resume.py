@@ -240,7 +240,8 @@ def check_resume(cfg: RunConfig, load_dir: str) -> ResumeTarget:
         load_dir, iteration, deepspeed=cfg.deepspeed.enabled,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        data_parallel_size=p.data_parallel_size, load_optimizer=False)
+        data_parallel_size=p.data_parallel_size, load_optimizer=False,
+        expert_model_parallel_size=p.expert_model_parallel_size)
     if layout is None:
         raise ckpt.CheckpointError(
             f"{names.checkpoint_dir(load_dir, iteration)} (named by "

@@ -28,6 +28,10 @@ weights-only load, the repair of DeepSpeed's universal loader). Weights-only loa
 (app.checkpoint.deepspeed.read_rank: the fp32 master weights of ZeRO pieces of any stage and
 data-parallel size), instead of DeepSpeed's module-only path.
 
+Mixture of Experts (ZeRO-1/2, expert and data/context parallelism) runs DeepSpeed's way
+(`prepare_moe`, engines.deepspeed_moe): DeepSpeed's expert groups, a marker per MoE layer that
+is DeepSpeed's MoE layer, DeepSpeed's MoE param groups, and its per-expert checkpoint files.
+
 DeepSpeed's checkpoint files go through `CheckedCheckpointEngine` (engines.deepspeed_io), which replaces the engine's
 `checkpoint_engine` (DeepSpeed's hook for checkpoint I/O): every file is written crash-safely
 with a SHA-256 sidecar (as our Megatron files are), and read back only after its checksum is
@@ -41,6 +45,7 @@ the converter and the tools. Saves go through the same two-phase commit as the n
 from __future__ import annotations
 
 import datetime
+import functools
 import glob
 import logging
 import os
@@ -63,7 +68,8 @@ from app.config.deepspeed import offloads_optimizer, zero_stage
 from app.launch.distributed import world_group
 from app.launch import waits
 from app.launch.ports import free_port
-from app.training.engines import zero3
+from app.model.moe import moe_layers, update_expert_bias
+from app.training.engines import deepspeed_moe, zero3
 from app.training.engines.deepspeed_io import CheckedCheckpointEngine
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.checkpointing.resume import (CheckpointContents, ResumePlan, check_saved_args,
@@ -144,6 +150,10 @@ class DeepSpeedEngineAdapter(Engine):
                 raise ValueError(f"{path}: ZeRO optimizer offload needs DeepSpeedCPUAdam; add an "
                                  "\"optimizer\" block (type AdamW) to the JSON")
             kwargs.update(optimizer=optimizer, lr_scheduler=lr_scheduler)
+        self.moe = bool(moe_layers(model))
+        if self.moe:  # DeepSpeed's MoE: its expert groups, markers, param groups split by it
+            prepare_moe(model, kwargs.get("model_parameters") or optimizer.param_groups, cfg,
+                        parallel_state)
         engine, ds_optimizer, _, scheduler = deepspeed.initialize(**kwargs)
         self.partitioned = engine.zero_optimization_partition_weights()  # ZeRO-3
         self.files = self._check_files(engine)
@@ -203,6 +213,8 @@ class DeepSpeedEngineAdapter(Engine):
             self._grad_bytes = max(self._grad_bytes, self._gradient_bytes())
         self._micro += 1
         if not self.pipelined:
+            if self.moe and self._micro == self.ds.gradient_accumulation_steps():
+                update_expert_bias(self.ds.module)  # --moe-router-enable-expert-bias
             self.ds.step()  # an update only at the accumulation boundary
         elif self._micro < self.ds.gradient_accumulation_steps():
             self.ds.step()  # counts the micro-step; the boundary waits for step()
@@ -356,19 +368,23 @@ class DeepSpeedEngineAdapter(Engine):
         """Refuse what DeepSpeed would fail on with a raw error: another format or layout, ZeRO-3
         pieces at another stage (or ZeRO-0/1/2 optimizer states at stage 3), and ZeRO
         partitions over another number of data x context ranks (after the model shape, the more
-        basic mismatch, which DeepSpeed would otherwise report first)."""
+        basic mismatch, which DeepSpeed would otherwise report first), or of experts over
+        another number of expert-parallel ranks."""
         layout = plan.layout  # detected once by the resume policy
         saved_layout.refuse_unloadable(
             layout, load_dir, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.zero_ps.data_parallel_size, load_optimizer=False)
-        saved = None
+        state: Dict[str, Any] = {}
         if layout is not None:  # the file names give TP x PP ranks, the args their split
-            saved = saved_layout.read_saved_state(layout).get("args")
-            if saved is not None:
-                check_saved_args(plan, saved, self.cfg, where)
-        problem = deepspeed_problem(layout, saved, self.cfg, self.partitioned, plan)
+            state = saved_layout.read_saved_state(layout)
+            if state.get("args") is not None:
+                check_saved_args(plan, state["args"], self.cfg, where)
+        problem = deepspeed_problem(layout, state.get("args"), self.cfg, self.partitioned, plan)
+        if not problem and self.moe and plan.load_optimizer:
+            problem = deepspeed_moe.expert_split_problem(self.ds.module,
+                                                         state.get("param_shapes"), where)
         if problem:
             raise CheckpointError(problem)
 
@@ -465,6 +481,37 @@ class DeepSpeedEngineAdapter(Engine):
                         "dropout streams restart from this run's seed", saved_tp,
                         self.ps.tensor_model_parallel_size)
         return args, rng
+
+
+def prepare_moe(model: torch.nn.Module, param_groups: List[Dict[str, Any]], cfg: RunConfig,
+                ps: ParallelState) -> None:
+    """DeepSpeed's MoE wiring, before deepspeed.initialize (engines.deepspeed_moe): DeepSpeed's
+    expert and expert-data-parallel groups `ep_size_{EP}` (its own construction, checked against
+    our expert grid), a marker in every MoE layer, and `param_groups` (the client optimizer's,
+    or those a JSON optimizer is built from) split in place by DeepSpeed's own split: every
+    expert parameter in a group `{'moe': True, 'name': 'ep_size_{EP}'}` (ZeRO reduces and
+    partitions such a group over that name's expert-data-parallel group)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.utils import groups
+    ep = ps.expert_model_parallel_size
+    name = f"ep_size_{ep}"
+    groups.mpu = ps
+    if name not in groups._get_expert_parallel_group_dict():  # one set per process
+        groups._create_expert_and_data_parallel(ep)
+    deepspeed_moe.check_expert_groups(ps, groups._get_expert_parallel_group_ranks(name),
+                                      groups._get_expert_data_parallel_group_ranks(name))
+    deepspeed_moe.attach_markers(model, _marker_class(), cfg.model.moe.num_experts, ep)
+    plain = [{k: v for k, v in g.items() if k != "moe"} for g in param_groups]
+    param_groups[:] = [g for g in split_params_into_different_moe_groups_for_optimizer(plain)
+                       if g["params"]]
+
+
+@functools.lru_cache(maxsize=None)
+def _marker_class() -> type:
+    """deepspeed_moe.MoEMarker made an instance of DeepSpeed's MoE layer (one class)."""
+    from deepspeed.moe.layer import MoE
+    return type("DeepSpeedMoEMarker", (deepspeed_moe.MoEMarker, MoE),
+                {"__doc__": deepspeed_moe.MoEMarker.__doc__})
 
 
 def partitioned_construction(cfg: RunConfig, parallel_state: ParallelState) -> Any:

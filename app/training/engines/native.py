@@ -19,18 +19,21 @@ import torch
 
 from app.config import RunConfig
 from app.mpu.parallel_state import ParallelState
-from app.mpu.grads import allreduce_embedding_grad, allreduce_grad_tensors
+from app.mpu.grads import (allreduce_embedding_grad, allreduce_expert_grad_tensors,
+                           allreduce_grad_tensors, is_expert)
 from app.mpu import collectives
 from app.mpu.random import rng_state_dict
 from app.checkpoint import commit, names
 from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint.mcore import state as mcore_state
+from app.checkpoint.mcore.names import stacks_layers
 from app.checkpoint.torch_dist import dcp_files
 from app.checkpoint.torch_dist import per_rank as torch_dist
 from app.checkpoint.saved_layout import refuse_unloadable
 from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.checkpoint.model_args import checkpoint_args_namespace
 from app.launch.distributed import world_group
+from app.model import moe
 from app.optim.distributed_optimizer import DistributedOptimizer
 from app.training.engines.base import Engine, StepResult
 from app.training.checkpointing.resume import CheckpointContents, ResumePlan, check_saved_args
@@ -63,9 +66,13 @@ class NativeEngine(Engine):
 
     def _sync_gradients(self) -> None:
         grads = self.optimizer.reduction_grads()  # every parameter's, zeros where unused
+        experts = [is_expert(p) for p in self.optimizer.params] if grads else []
         replicas = self.ps.gradient_state()  # data x context ranks hold the same weights
         if replicas.data_parallel_size > 1:
-            allreduce_grad_tensors(grads, replicas.data_parallel_group)
+            allreduce_grad_tensors([g for g, e in zip(grads, experts) if not e],
+                                   replicas.data_parallel_group)
+        if any(experts):  # the expert-data-parallel group lies within this stage
+            allreduce_expert_grad_tensors([g for g, e in zip(grads, experts) if e], self.ps)
         if self.ps.pipeline_model_parallel_size > 1:
             tied = self.module.shared_embedding_weight()  # None without a tie to keep
             allreduce_embedding_grad(None if tied is None else self.optimizer.embedding_grad(tied),
@@ -77,6 +84,7 @@ class NativeEngine(Engine):
             self.optimizer.num_micro_batches = num_micro_batches
 
     def step(self) -> StepResult:
+        moe.update_expert_bias(self.module)  # --moe-router-enable-expert-bias (Megatron's order)
         self._sync_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         outcome = self.optimizer.step(self.ps, self.cfg.optimizer.clip_grad, world_group(),
@@ -101,7 +109,9 @@ class NativeEngine(Engine):
     def _rank_kwargs(self) -> Dict[str, int]:
         return dict(tp_rank=self.ps.tensor_model_parallel_rank,
                     pp_rank=self.ps.pipeline_model_parallel_rank,
-                    pp_size=self.ps.pipeline_model_parallel_size)
+                    pp_size=self.ps.pipeline_model_parallel_size,
+                    ep_rank=self.ps.expert_model_parallel_rank,
+                    ep_size=self.ps.expert_model_parallel_size)
 
     def start_save(self, save_dir: str, iteration: int, client_state: Dict[str, Any],
                    asynchronous: bool) -> commit.PendingSave:
@@ -115,8 +125,10 @@ class NativeEngine(Engine):
             self.cfg, client_state["consumed_train_samples"],
             client_state["consumed_valid_samples"], iteration, client_state.get("data_order"))
         rng = None if c.no_save_rng else rng_state_dict()
-        # one replica writes (data and context rank 0); the others follow it
-        writer = self.ps.gradient_state().data_parallel_rank == 0
+        # one replica writes (data and context rank 0; with experts, expert-data rank 0: one
+        # writer per tensor x pipeline x expert-parallel file); the others follow it
+        writer = (self.ps.expert_data_parallel_rank if self.cfg.model.moe.enabled
+                  else self.ps.gradient_state().data_parallel_rank) == 0
         state = ckpt.build_checkpoint_dict(
             iteration, self.module.state_dict(),
             None if c.no_save_optim else self.optimizer.state_dict(),
@@ -152,7 +164,9 @@ class NativeEngine(Engine):
 
     def _layout(self) -> torch_dist.RankLayout:
         # weights are not split by context: data x context ranks are the replicas
-        return torch_dist.RankLayout.of(self.ps.gradient_state(), self.cfg.model.num_layers)
+        m = self.cfg.model
+        return torch_dist.RankLayout.of(self.ps.gradient_state(), m.num_layers,
+                                        stacks_layers(m.moe.moe_layer_freq, m.moe.num_experts))
 
     def _start_torch_dist_save(self, save_dir: str, iteration: int,
                                client_state: Dict[str, Any], asynchronous: bool
@@ -246,21 +260,37 @@ class NativeEngine(Engine):
         return readers.get(plan.layout and plan.layout.format, self._read_legacy)(load_dir, plan)
 
     def _read_legacy(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
-        """Read this rank's legacy Megatron-layout file (`--ckpt-format torch`); any other
-        layout is refused with the conversion command (saved_layout.loadable_problem)."""
-        refuse_unloadable(plan.layout, load_dir, deepspeed=False,
+        """Read this rank's legacy Megatron-layout file (`--ckpt-format torch`); at another
+        expert-parallel size the weights of the expert-parallel files of this tensor x
+        pipeline rank; any other layout is refused with the conversion command
+        (saved_layout.loadable_problem)."""
+        layout = plan.layout  # detected once by the resume policy
+        refuse_unloadable(layout, load_dir, deepspeed=False,
                           tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
                           pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
                           data_parallel_size=self.ps.data_parallel_size,
-                          load_optimizer=plan.load_optimizer)
+                          load_optimizer=plan.load_optimizer,
+                          expert_model_parallel_size=self.ps.expert_model_parallel_size)
+        saved_ep = layout.expert_model_parallel_size if layout else 1
+        rank = self._rank_kwargs()
+        if saved_ep != rank["ep_size"]:  # the expert-parallel rank 0 file, then the experts
+            rank.update(ep_rank=0, ep_size=saved_ep)
         state, iteration = ckpt.load_checkpoint_dict(
             load_dir, iteration=plan.iteration, tp_size=self.ps.tensor_model_parallel_size,
-            **self._rank_kwargs())
+            **rank)
         where = names.checkpoint_dir(load_dir, iteration)
         mcore_state.check_checkpoint_version(state, where)
         args = state.get("args")
         check_saved_args(plan, args, self.cfg, where)
-        self._load_weights(*self._saved_weights(state, load_dir, iteration, plan), where)
+        if saved_ep != self.ps.expert_model_parallel_size:
+            experts = [n for n, p in self.module.named_parameters() if hasattr(p, "expert_axis")]
+            self._load_weights(*ckpt.load_weights_across_experts(
+                load_dir, iteration, state, experts, tp_rank=rank["tp_rank"],
+                pp_rank=rank["pp_rank"], pp_size=rank["pp_size"], saved_ep=saved_ep,
+                ep_rank=self.ps.expert_model_parallel_rank,
+                ep_size=self.ps.expert_model_parallel_size), where)
+        else:
+            self._load_weights(*self._saved_weights(state, load_dir, iteration, plan), where)
         if plan.load_optimizer:
             if state.get("optimizer") is None or state.get("lr_scheduler") is None:
                 raise ckpt.CheckpointError(

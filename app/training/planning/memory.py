@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from app.config import RunConfig
+from app.config.model import EXPLICIT_ATTENTION
+from app.pipeline.partition import virtual_stage_layer_ranges
 
 FIT_FRACTION = 0.9
 """Fraction of the device memory the estimate may use."""
@@ -95,11 +97,39 @@ DEFAULT_PREFETCH_BUCKET = 50_000_000
 
 
 def params_per_rank(cfg: RunConfig) -> int:
-    """Parameters of the largest pipeline stage's tensor-parallel shard (the first or the last
-    stage; ModelConfig.parameters_per_rank counts each)."""
+    """Parameters of the largest pipeline stage's shard (the first or the last stage, or with
+    Mixture of Experts any stage; ModelConfig.parameters_per_rank counts each: tensor-parallel
+    shards, and this rank's E / EP experts split over the expert-tensor ranks)."""
+    return max(_stage_params(cfg, rank) for rank in _stages(cfg))
+
+
+def _stages(cfg: RunConfig) -> List[int]:
+    pp = cfg.parallel.pipeline_model_parallel_size
+    return list(range(pp)) if cfg.model.moe.enabled else sorted({0, pp - 1})
+
+
+def _stage_params(cfg: RunConfig, stage: int, experts_only: bool = False) -> int:
+    """Ψ of one rank of `stage` (or only its expert part Ψ_e)."""
     p = cfg.parallel
-    t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    return max(cfg.model.parameters_per_rank(t, pp, rank) for rank in {0, pp - 1})
+    sizes = cfg.model.parameter_numels(p.tensor_model_parallel_size,
+                                       p.pipeline_model_parallel_size, stage,
+                                       p.expert_model_parallel_size,
+                                       p.expert_tensor_parallel_size)
+    if not experts_only:
+        return sum(sizes)
+    moe = cfg.model.moe
+    per_layer = sum(moe.expert_numels(cfg.model.hidden_size, cfg.model.swiglu,
+                                      p.expert_model_parallel_size,
+                                      p.expert_tensor_parallel_size)) if moe.enabled else 0
+    per_stage = cfg.model.num_layers // p.pipeline_model_parallel_size
+    pattern = moe.layer_pattern(cfg.model.num_layers)[stage * per_stage:(stage + 1) * per_stage]
+    return per_layer * sum(pattern)
+
+
+def expert_params_per_rank(cfg: RunConfig) -> int:
+    """Ψ_e: the routed experts' parameters on the rank of the stage with the most (0 for a
+    dense model): sum over its MoE layers of 2 h F_moe E g / (ETP x EP), g = 3/2 with SwiGLU."""
+    return max(_stage_params(cfg, rank, experts_only=True) for rank in _stages(cfg))
 
 
 @dataclass(frozen=True)
@@ -190,8 +220,12 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     master = 4 if (half or stage >= 1) else 0  # ZeRO keeps an fp32 partition even in fp32 runs
     sharded = stage >= 1 or (ds is None and cfg.optimizer.use_distributed_optimizer)
     state_bytes, state_text = optimizer_state_bytes(cfg, psi)
-    optim = (master * psi + state_bytes) / (dp if sharded else 1)
-    grads = w * psi / (dp if stage >= 2 else 1)
+    # Mixture of Experts: the experts' states are sharded over their own replicas (EDP)
+    psi_e = expert_params_per_rank(cfg)
+    edp = cfg.parallel.expert_data_parallel_size
+    shards = ((psi - psi_e) / dp + psi_e / edp) / psi if psi else 1.0
+    optim = (master * psi + state_bytes) * (shards if sharded else 1)
+    grads = w * psi * (shards if stage >= 2 else 1)
     grads_text = f"{w}Ψ" + ("/N_d" if stage >= 2 else "")
     if ds is None and half:  # fp32 main gradients (MixedPrecisionOptimizer._main_grads)
         grads = 4 * psi
@@ -211,9 +245,11 @@ def _model_states(cfg: RunConfig, psi: int) -> Dict[str, Any]:
     states = f"{master}Ψ + {state_text}" if master else state_text
     optim_text = ("0 (offloaded to the host)" if offload else
                   (f"({states})/N_d" if sharded else states))
+    experts = (f"; of Ψ, the routed experts' Ψ_e = {psi_e:,} are sharded over the "
+               f"expert-data-parallel size {edp} instead of N_d" if psi_e else "")
     note = (f"{engine}, {'16-bit' if half else 'fp32'} weights: weights {w}Ψ, gradients "
             f"{grads_text}, optimizer {optim_text} with Ψ = {psi:,} parameters "
-            f"per rank, N_d = {dp}"
+            f"per rank, N_d = {dp}{experts}"
             + (f"; reduce buckets reduce_bucket_size x {copies} x {width} bytes" if buffers else ""))
     return dict(weights=float(w * psi), gradients=float(grads), optimizer=float(optim),
                 buffers=buffers, gathered=0.0, note=note)
@@ -269,14 +305,24 @@ def _zero3_states(cfg: RunConfig, zero: Dict[str, Any], psi: int, dp: int) -> Di
 
 
 def muon_matrix_params_per_rank(cfg: RunConfig) -> int:
-    """Ψ_m: elements of the Muon matrices (QKV, attention dense, h->4h, 4h->h weights) one
-    rank holds: its tensor-parallel shards of its stage's layers."""
+    """Ψ_m: elements of the Muon matrices (QKV, attention dense, h->4h, 4h->h weights, routed
+    experts) one rank holds: its tensor-parallel shards of its stage's layers."""
     m, p = cfg.model, cfg.parallel
     t, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     h, f, q = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.head_dim
     qkv_rows = (m.num_attention_heads // t + 2 * max(1, m.num_kv_heads // t)) * m.head_dim
     fc1 = 2 * f if m.swiglu else f  # --swiglu: gate and up halves
-    return m.num_layers // pp * (qkv_rows * h + h * q // t + (fc1 + f) * h // t)
+    attention = qkv_rows * h + h * q // t
+    # MoE layers: their routed experts (a matrix per expert) instead of the MLP
+    return (m.num_layers // pp * (attention + (fc1 + f) * h // t) + expert_params_per_rank(cfg)
+            - _moe_layers_per_stage(cfg) * (fc1 + f) * h // t)
+
+
+def _moe_layers_per_stage(cfg: RunConfig) -> int:
+    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    per_stage = m.num_layers // pp
+    return max(sum(m.moe.layer_pattern(m.num_layers)[r * per_stage:(r + 1) * per_stage])
+               for r in range(pp))
 
 
 def optimizer_state_bytes(cfg: RunConfig, psi: int) -> Tuple[float, str]:
@@ -297,7 +343,7 @@ def scores_kept(cfg: RunConfig, device_type: str) -> bool:
     (q k^T + fused softmax + @ v: --attention-backend local, or an explicit mask from
     --reset-attention-mask) always; through SDPA only where no fused kernel takes the call (on
     the CPU when attention dropout is on, which sends SDPA to its math path)."""
-    if cfg.data.reset_attention_mask or cfg.model.attention_impl == "local":
+    if cfg.data.attention_mask_resets or cfg.model.attention_impl in EXPLICIT_ATTENTION:
         return True
     return device_type == "cpu" and cfg.model.attention_dropout > 0
 
@@ -323,6 +369,7 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     q, f = a * m.head_dim, m.ffn_hidden_size
     inner = (4 * q + (3 if m.swiglu else 2) * f) / h
     per_layer = s * h * (w * (4 / sp + inner / t) + 2 * mask / sp)
+    per_layer, moe_text = _moe_layer_average(cfg, pipeline_rank, per_layer, s // sp, w, mask, sp)
     core, scores = 0.0, ""
     if c > 1 and p.cp_comm_type == "p2p":
         # the ring keeps q, k, v (views of the QKV output, counted above), its fp32 output
@@ -349,11 +396,44 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
     split = "/t" if sp > 1 else ""
     tokens = f"s/C = {s}" if c > 1 else f"s = {s}"
     note = (f"{where}per layer s·b·h·(w(4{split} + {inner:g}/t) + 2m{split}){scores} with {tokens}, "
-            f"h = {h}, a = {a}, t = {t}, w = {w}, m = {mask}; {how}"
+            f"h = {h}, a = {a}, t = {t}, w = {w}, m = {mask}{moe_text}; {how}"
             + (f"; output layer (w + 4)·s·b·V/t with V = {V}" if last else ""))
     return StageActivations(pipeline_rank=pipeline_rank, max_in_flight=in_flight,
                             forward=float(forward), recompute=float(recompute),
                             transient=float(transient), note=note)
+
+
+def _moe_layer_average(cfg: RunConfig, pipeline_rank: int, dense: float, tokens: int, w: int,
+                       mask: int, sp: int) -> Tuple[float, str]:
+    """The mean per-layer activation bytes per sample over the stage's layers when some are MoE
+    layers, and the note's words. An MoE layer keeps, instead of the MLP's, its shared expert's
+    and, under balanced routing, k x ETP rows per local token (T = s/sp of them) of the experts'
+    input, fc1 output, activation and probability-weighted product, w (ETP h + 4 F_moe) with
+    SwiGLU (3 F_moe without), plus the router's fp32 logits and probabilities (12 E bytes per
+    token)."""
+    m, p = cfg.model, cfg.parallel
+    if not m.moe.enabled:
+        return dense, ""
+    vp = cfg.virtual_pipeline_model_parallel_size
+    layers = [i for r in virtual_stage_layer_ranges(m.num_layers,
+                                                    p.pipeline_model_parallel_size, vp,
+                                                    pipeline_rank) for i in r]
+    pattern = m.moe.layer_pattern(m.num_layers)
+    moe_layers = sum(pattern[i] for i in layers)
+    if not moe_layers:
+        return dense, ""
+    c = 3 if m.swiglu else 2
+    h, t, etp, k = m.hidden_size, p.tensor_model_parallel_size, p.expert_tensor_parallel_size, \
+        m.moe.moe_router_topk
+    mlp = tokens * sp * w * c * m.ffn_hidden_size / t  # what the dense MLP keeps
+    shared = tokens * sp * w * c * m.moe.shared_expert_size / t
+    experts = k * tokens * w * (etp * h + (c + 1) * m.moe.moe_ffn_hidden_size) + 12 * tokens * \
+        m.moe.num_experts
+    moe = dense - mlp + shared + experts
+    mean = (dense * (len(layers) - moe_layers) + moe * moe_layers) / len(layers)
+    return mean, (f"; {moe_layers} of the stage's {len(layers)} layers MoE: their MLP term "
+                  f"replaced by the shared expert's + k·T·w·(ETP·h + {c + 1}·F_moe) + "
+                  f"12·T·E with T = s/sp tokens, k = {k}, ETP = {etp} (balanced routing)")
 
 
 def _kept_and_recomputed(cfg: RunConfig, per_layer: float, core: float,
@@ -378,6 +458,21 @@ def _kept_and_recomputed(cfg: RunConfig, per_layer: float, core: float,
                          f"{plan.largest_recomputed_chunk} layer(s) rerun")
 
 
+def fp8_weight_bytes(cfg: RunConfig) -> Tuple[float, str]:
+    """(extra bytes, how counted) of FP8 through Transformer Engine (--fp8-format) for the
+    linear weights Ψ_lin of the transformer layers (QKV, attention output, both MLP GEMMs):
+    their FP8 copy and its transpose, 2Ψ_lin, beside the bf16 weights; with
+    --fp8-param-gather the weights themselves are FP8 (Ψ_lin) with their transpose (Ψ_lin)
+    instead of bf16 (2Ψ_lin): no change. Activations are counted at the bf16 width (FP8
+    GEMM inputs saved in FP8 would take less): an estimate until a GPU run measures it."""
+    linear = muon_matrix_params_per_rank(cfg)
+    if cfg.fp8.fp8_param_gather:
+        return 0.0, (f"FP8 (--fp8-param-gather): linear weights Ψ_lin = {linear:,} held in FP8 "
+                     "with their transpose, as many bytes as bf16 (estimate)")
+    return 2.0 * linear, (f"FP8: + 2Ψ_lin for the FP8 copy and transpose of the linear weights, "
+                          f"Ψ_lin = {linear:,} (estimate; activations at the bf16 width)")
+
+
 def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,
                     device_type: str = "cuda") -> MemoryEstimate:
     """The per-rank memory estimate of `cfg` (at its micro-batch size unless one is given) on a
@@ -386,8 +481,10 @@ def estimate_memory(cfg: RunConfig, micro_batch_size: Optional[int] = None,
     b = micro_batch_size or cfg.training.micro_batch_size
     psi = params_per_rank(cfg)
     states = _model_states(cfg, psi)
-    pp = cfg.parallel.pipeline_model_parallel_size
-    stages = [stage_activations(cfg, device_type, r) for r in sorted({0, pp - 1})]
+    if cfg.fp8.enabled:
+        states["weights"] += fp8_weight_bytes(cfg)[0]
+        states["note"] += "; " + fp8_weight_bytes(cfg)[1]
+    stages = [stage_activations(cfg, device_type, r) for r in _stages(cfg)]
     est = MemoryEstimate(params=psi, weights=states["weights"], gradients=states["gradients"],
                          optimizer=states["optimizer"], buffers=states["buffers"],
                          gathered=states["gathered"],

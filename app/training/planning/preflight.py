@@ -21,16 +21,19 @@ from typing import Any, List, Optional, Sequence, Tuple
 from app.config import DataConfig, RunConfig, samples_per_split
 from app.config.batch_schedule import check_divisible
 from app.config.unread import unread_flags
-from app.data.mock_dataset import build_mock_datasets
+from app.data.mock_dataset import describe_mock_plan
 from app.data.plan import order_record
 from app.checkpoint import CheckpointError
 from app.checkpoint import files as ckpt_files
 from app.checkpoint import model_args, saved_layout
 from app.checkpoint.torch_dist import dcp_files
 from app.launch import interfaces
+from app.launch.hardware import fp8_problem
 from app.optim import OptimizerParamScheduler
 from app.training.planning.data_check import check_data
-from app.training.planning.memory import FIT_FRACTION, estimate_memory
+from app.training.planning.memory import (FIT_FRACTION, estimate_memory,
+                                          expert_params_per_rank, params_per_rank)
+from app.training.telemetry import flops
 from app.training.checkpointing.data_order import check_data_order
 from app.training.checkpointing.resume import (ResumeTarget, check_resume, check_saved_args,
                                             decide_start, require_rng_state)
@@ -97,9 +100,12 @@ def _gib(n: float) -> str:
 
 # ---------------------------------------------------------------------------- configuration
 
-def describe_config(report: Report, cfg: RunConfig) -> None:
-    """The layout, batch sizes and engine the flags (and the DeepSpeed JSON) resolve to."""
+def describe_config(report: Report, cfg: RunConfig, device_type: Optional[str] = None) -> None:
+    """The layout, batch sizes and engine the flags (and the DeepSpeed JSON) resolve to, and
+    the flags this run does not read or that change nothing on `device_type`
+    (app.config.unread)."""
     p, t, m = cfg.parallel, cfg.training, cfg.model
+    report.ok(p.megatron_layout() + " (Megatron-LM's first line)")
     context = (f" x context {p.context_parallel_size} ({p.cp_comm_type}, "
                f"{m.seq_length // p.context_parallel_size} tokens of each sequence per rank)"
                if p.context_parallel_size > 1 else "")
@@ -115,6 +121,8 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
               f"heads, seq {m.seq_length}, vocab {cfg.raw_vocab_size} padded to "
               f"{m.padded_vocab_size}, {m.num_parameters():,} parameters, weights "
               f"{m.params_dtype}")
+    if m.moe.enabled:
+        report.ok(describe_moe(cfg))
     if cfg.deepspeed.enabled:
         ds = cfg.deepspeed.config or {}
         zero = (ds.get("zero_optimization") or {}).get("stage", 0)
@@ -125,7 +133,7 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
                   f"gradient_accumulation_steps {ds.get('gradient_accumulation_steps')}")
     else:
         report.ok("engine: native")
-    for note in unread_flags(cfg):
+    for note in unread_flags(cfg, device_type):
         report.warn(note)
     r = cfg.rollback
     if r.enabled:
@@ -133,6 +141,25 @@ def describe_config(report: Report, cfg: RunConfig) -> None:
                   f"+{r.min_increase:.0%}), at most {r.max_rollbacks} rollback(s); the training "
                   f"split holds {r.max_rollbacks} x --save-interval "
                   f"{cfg.checkpoint.save_interval} extra iterations of data for the skipped windows")
+
+
+def describe_moe(cfg: RunConfig) -> str:
+    """Mixture of Experts in the dry run: experts and layers, the expert grid, total and active
+    parameters, the experts each rank holds, and the active FLOPs MFU counts."""
+    m, p = cfg.model, cfg.parallel
+    moe = m.moe
+    per_expert = (3 if m.swiglu else 2) * moe.moe_ffn_hidden_size * m.hidden_size
+    idle = moe.num_moe_layers(m.num_layers) * (moe.num_experts - moe.moe_router_topk) * per_expert
+    return (f"mixture of experts: {moe.num_experts} experts, top-{moe.moe_router_topk}, in "
+            f"{moe.num_moe_layers(m.num_layers)} of {m.num_layers} layers "
+            f"({moe.moe_token_dispatcher_type} dispatcher); expert grid expert-tensor "
+            f"{p.expert_tensor_parallel_size} x expert {p.expert_model_parallel_size} x "
+            f"expert-data {p.expert_data_parallel_size} x pipeline "
+            f"{p.pipeline_model_parallel_size}; parameters {m.num_parameters():,} in all, "
+            f"{m.num_parameters() - idle:,} active per token; routed experts per rank "
+            f"{expert_params_per_rank(cfg):,} of its {params_per_rank(cfg):,}; model FLOPs per "
+            f"token {flops.model_flops_per_token(m) / 1e6:,.2f} MFLOP (active parameters, "
+            "Megatron's formula: MFU counts these)")
 
 
 def _describe_batch_schedule(report: Report, cfg: RunConfig) -> None:
@@ -333,6 +360,23 @@ def device_memory(override_gib: Optional[float]) -> Tuple[Optional[float], str, 
     return None, "no CUDA device", "cpu"
 
 
+def check_fp8(report: Report, cfg: RunConfig, override_gib: Optional[float]) -> None:
+    """FP8 (--fp8-format) needs Transformer Engine on FP8-capable GPUs: checked on this
+    machine, or counted and stated for the GPUs of --dry-run-device-memory."""
+    if not cfg.fp8.enabled:
+        return
+    _, desc, _ = device_memory(override_gib)
+    report.section("fp8")
+    report.ok(cfg.fp8.recipe())
+    if override_gib is not None:
+        report.ok(f"planned for GPUs of {desc}: they need Transformer Engine and FP8 tensor cores "
+                  "(compute capability >= 8.9; not checked from here); FLOPs are counted as in "
+                  "Megatron-LM (no precision term), MFU against the bf16 peak")
+        return
+    problem = fp8_problem(cfg.fp8)
+    (report.error(problem) if problem else report.ok("this machine can run FP8"))
+
+
 def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) -> None:
     """Per-rank estimate (formulas in app.training.planning.memory) against the device memory, and the
     largest micro-batch that fits."""
@@ -361,23 +405,24 @@ def check_memory(report: Report, cfg: RunConfig, override_gib: Optional[float]) 
         return
     hint = (f"lower --micro-batch-size to {dividing}" if dividing else
             "the model states alone do not fit: raise --tensor-model-parallel-size or "
-            "--pipeline-model-parallel-size, or use a DeepSpeed ZeRO stage / optimizer offload")
+            "--pipeline-model-parallel-size"
+            + (" (or --expert-model-parallel-size)" if cfg.model.moe.enabled else "")
+            + ", or use a DeepSpeed ZeRO stage / optimizer offload")
     report.error(f"estimated {_gib(est.total)} per rank exceeds {FIT_FRACTION:.0%} of {desc}; "
                  f"{fit}: {hint}, or add --checkpoint-activations")
 
 
 def describe_mock_data(report: Report, cfg: Optional[RunConfig]) -> None:
-    """--mock-data: the synthetic samples each split will serve (no file to check)."""
+    """--mock-data: the synthetic samples each split will serve (no file to check), counted
+    without building their indices."""
     report.section("data")
     if cfg is None:
         report.note("--mock-data: no data files; the sample counts follow from a valid "
                     "configuration")
         return
-    datasets = build_mock_datasets(samples_per_split(cfg), cfg.model.seq_length,
-                                   cfg.raw_vocab_size, cfg.training.seed)
-    for dataset in datasets:
-        if dataset is not None:
-            report.ok(f"--mock-data: {dataset.describe()}; no data files read")
+    for line in describe_mock_plan(samples_per_split(cfg), cfg.model.seq_length,
+                                   cfg.raw_vocab_size, cfg.training.seed):
+        report.ok(f"--mock-data: {line}; no data files read")
 
 
 def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataConfig],
@@ -387,7 +432,7 @@ def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataC
     reported) only the data files of `data`."""
     if cfg is not None:
         report.section("configuration")
-        describe_config(report, cfg)
+        describe_config(report, cfg, device_memory(device_memory_gib)[2])
         report.add(*interfaces.describe_choice(cfg.parallel.distributed_backend))
     data = cfg.data if cfg else data
     plan = None
@@ -400,4 +445,5 @@ def run_checks(report: Report, cfg: Optional[RunConfig], *, data: Optional[DataC
         check_checkpoint(report, cfg, None if plan is None else
                          order_record(plan, cfg.training.seed))
         check_memory(report, cfg, device_memory_gib)
+        check_fp8(report, cfg, device_memory_gib)
     return report

@@ -1,25 +1,34 @@
-"""FLOPs and peaks for MFU and HFU: Megatron's FLOP formulas, a datasheet table of GPU peaks,
+"""FLOPs and peaks for MFU and HFU: Megatron-LM's FLOP count, a datasheet table of GPU peaks,
 and a stable, cached, measured peak for CPUs.
 
-Model FLOPs per token (Narayanan et al. 2021, appendix A, divided by the B*s tokens of a batch;
-forward + backward = 3 x forward, 2 FLOPs per multiply-add, attention not halved for the causal
-mask), for L layers of width h, MLP width f, sequence s and padded vocabulary V::
+Model FLOPs are Megatron-LM's `num_floating_point_operations` (megatron/training/training.py,
+`transformer_flops`), term for term, for the models this project builds: forward + backward =
+3 x forward, 2 FLOPs per multiply-add, per token (tokens = global batch x sequence length)
 
-    L (24 h^2 + 12 h f + 12 s h) + 6 h V   =   72 L h^2 (1 + s/(6h) + V/(12 L h))  when f = 4h
+    MLP      3 * 2 * h * (f * e * L_dense + (f_moe * k * e + f_shared * e) * L_moe)
+    attention (projections)   3 * 2 * (h * (q + 2 kv) + q * h) * L
+    attention (core)          3 * 2 * q / 2 * 2 * s * L     (QK^T and AV, halved: causal mask)
+    logits   3 * 2 * h * V
 
-Hardware FLOPs add what activation recompute runs again: with full recompute every layer's
-forward runs twice (the logits are not recomputed), so the transformer term grows by 4/3
-(96 L h^2 (1 + s/(6h)) + 6 h V for f = 4h); with selective recompute (the attention core only)
-the attention-core term 12 s h doubles, Korthikanti et al.'s 72 L h^2 (1 + s/(3h) + V/(12 L h)).
-(--recompute-method block recomputes only L_r of the L layers: the model FLOPs plus a third of
-those layers' fwd+bwd, 24 L_r h^2 (1 + s/(6h)) for f = 4h).
+with e = 3 for SwiGLU (gate, up and down projections) else 2, q = heads x kv-channels,
+kv = query groups x kv-channels (kv = q without --group-query-attention), V the padded
+vocabulary, s the sequence length; MoE layers (--num-experts, --moe-layer-freq) run k =
+--moe-router-topk experts of width f_moe = --moe-ffn-hidden-size (default f) and the shared
+expert f_shared. `num_floating_point_operations(m, batch_size)` is Megatron's per-iteration
+number; tests/data/megatron_scripts holds Megatron's own values for its launch scripts.
+
+Hardware FLOPs add what activation recompute runs again (Megatron has no HFU): with full
+recompute each recomputed layer's forward (a third of its forward + backward) runs twice (the
+logits are not recomputed); with selective recompute the attention core's forward runs twice.
 
 MFU = model FLOP/s per rank / peak; HFU = hardware FLOP/s per rank / peak (equal without
 recompute). Peaks: on CUDA the datasheet's dense tensor-core peak for the run's dtype (fp32 runs
-use the TF32 peak when torch allows TF32 matmuls, else plain FP32), or an "unknown GPU: pass
---peak-flops" answer; on the CPU the best n x n matmul throughput measured at the run's dtype and
-thread count, cached per machine in a small JSON file so every run and rank uses the same number
-(`tools/measure_peak_flops.py --force` re-measures, keeping the best measurement). `--peak-flops` overrides both.
+use the TF32 peak when torch allows TF32 matmuls, else plain FP32; FP8 runs are still measured
+against the bf16 peak, docs/fp8.md), or an "unknown GPU: pass --peak-flops" answer; on the CPU
+the best n x n matmul throughput measured at the run's dtype and thread count, cached per
+machine in a small JSON file so every run and rank uses the same number
+(`tools/measure_peak_flops.py --force` re-measures, keeping the best measurement).
+`--peak-flops` overrides both.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -38,26 +48,73 @@ from app.utils.fileio import atomic_write_bytes
 RECOMPUTE_MODES = ("none", "selective", "full")
 CACHE_ENV = "GPT2_PEAK_FLOPS_CACHE"
 """Environment variable naming the CPU peak cache file (default under ~/.cache)."""
+FWD_BWD = 3
+"""Each GEMM runs three times: forward, backward data gradient, backward weight gradient."""
+FMA = 2
+"""FLOPs per multiply-add."""
 
 
 # ---------------------------------------------------------------------------- FLOP counts
 
-def _layer_terms(m: ModelConfig) -> tuple:
-    """Per-layer, per-token fwd+bwd FLOPs: (dense GEMMs 24 h q + 12 h f g, attention core
-    12 s q), q = heads x kv-channels (= h by default), g = 3/2 with --swiglu (Megatron's
-    gated-linear factor: the gate and up projections and the down projection), else 1."""
-    h, f, s = m.hidden_size, m.ffn_hidden_size, m.seq_length
-    q = m.num_attention_heads * m.head_dim
-    gated = 1.5 if m.swiglu else 1.0
-    return 24.0 * h * q + 12.0 * h * f * gated, 12.0 * s * q
+@dataclass(frozen=True)
+class TokenFlops:
+    """Forward + backward FLOPs per token of one model, by term (Megatron's transformer_flops
+    divided by the tokens of a batch)."""
+
+    mlp: float
+    """Every layer's MLP (dense layers, and MoE layers' routed and shared experts)."""
+    attention: float
+    """Every layer's QKV and output projections."""
+    core: float
+    """Every layer's attention core (QK^T and AV, halved for the causal mask)."""
+    logits: float
+    """The output layer."""
+
+    @property
+    def layers(self) -> float:
+        """The transformer layers' FLOPs (all but the logits)."""
+        return self.mlp + self.attention + self.core
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.logits
+
+
+def _mlp_layers(m: ModelConfig) -> Tuple[int, int, int]:
+    """(dense layers, MoE layers, the FFN width a token goes through in an MoE layer: k x
+    --moe-ffn-hidden-size + the shared expert): every layer dense unless ModelConfig.moe (the
+    Mixture-of-Experts options) has experts."""
+    moe = getattr(m, "moe", None)  # ModelConfig.moe: the Mixture-of-Experts options
+    if moe is None or not moe.enabled:
+        return m.num_layers, 0, 0
+    moe_layers = moe.num_moe_layers(m.num_layers)
+    return m.num_layers - moe_layers, moe_layers, moe.active_ffn_width()
+
+
+def token_flops(m: ModelConfig) -> TokenFlops:
+    """Megatron's model FLOPs per token of `m`, by term (the module docstring's formula)."""
+    h, s = m.hidden_size, m.seq_length
+    dense_layers, moe_layers, active_width = _mlp_layers(m)
+    ffn_expansion = 3 if m.swiglu else 2  # SwiGLU: h -> 2f and f -> h; else h -> f and f -> h
+    q = m.head_dim * m.num_attention_heads
+    kv = m.head_dim * m.num_kv_heads
+    mlp = FWD_BWD * FMA * h * ffn_expansion * (m.ffn_hidden_size * dense_layers
+                                               + active_width * moe_layers)
+    attention = FWD_BWD * FMA * (h * (q + kv + kv) + q * h) * m.num_layers
+    core = FWD_BWD * FMA * q / 2 * 2 * s * m.num_layers  # causal mask halves QK^T and AV
+    logits = FWD_BWD * FMA * h * m.padded_vocab_size
+    return TokenFlops(mlp=mlp, attention=attention, core=core, logits=logits)
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
-    """Megatron's model FLOPs per token (fwd+bwd, no recompute): L (24 h^2 + 12 h f + 12 s h)
-    + 6 h V, which is 72 L h^2 (1 + s/(6h) + V/(12 L h)) for the usual f = 4h (see
-    `_layer_terms` for --swiglu and --kv-channels)."""
-    dense, core = _layer_terms(m)
-    return m.num_layers * (dense + core) + 6.0 * m.hidden_size * m.padded_vocab_size
+    """Megatron's model FLOPs per token (fwd + bwd, no recompute): `token_flops(m).total`."""
+    return token_flops(m).total
+
+
+def num_floating_point_operations(m: ModelConfig, batch_size: int) -> float:
+    """Megatron-LM's num_floating_point_operations(args, batch_size): the model FLOPs of one
+    iteration of `batch_size` samples of m.seq_length tokens."""
+    return batch_size * m.seq_length * model_flops_per_token(m)
 
 
 def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
@@ -69,15 +126,14 @@ def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    dense, core = _layer_terms(m)
-    logits = 6.0 * m.hidden_size * m.padded_vocab_size
-    if recompute == "full":  # each recomputed layer's forward (a third of its fwd+bwd) runs again
+    terms = token_flops(m)
+    if recompute == "full":  # each recomputed layer's forward (a third of its fwd+bwd) again
         layers = m.num_layers if recomputed_layers is None else min(recomputed_layers,
                                                                     m.num_layers)
-        return m.num_layers * (dense + core) + layers * (dense + core) / 3.0 + logits
-    if recompute == "selective":  # Korthikanti et al.: the attention-core term doubles
-        return m.num_layers * (dense + 2.0 * core) + logits
-    return model_flops_per_token(m)
+        return terms.total + terms.layers * layers / m.num_layers / FWD_BWD
+    if recompute == "selective":  # the attention core's forward again
+        return terms.total + terms.core / FWD_BWD
+    return terms.total
 
 
 # ---------------------------------------------------------------------------- GPU table

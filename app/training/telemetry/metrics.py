@@ -1,8 +1,10 @@
 """Training metrics: timers, the Megatron-style log line, TensorBoard + JSONL, memory, MFU.
 
-The trainer computes the numbers; this module formats and writes them. `MetricsWriter` sends
-the same values to TensorBoard (`--tensorboard-dir`, tags `{kind}/{name}`) and to
-`--metrics-file` (one JSON object per line with "kind", "iteration" and the values).
+The trainer computes the numbers; this module formats and writes them. `MetricsWriter` writes
+`--metrics-file` (one JSON object per line with "kind", "iteration" and the values, our
+names); TensorBoard (`--tensorboard-dir`) and W&B get the training and evaluation scalars under
+Megatron-LM's tags (`MetricsWriter.scalars`, app.training.telemetry.scalars) and every other
+kind of record (stragglers, state bytes, ...) as `{kind}/{name}`.
 MFU = achieved model FLOP/s per rank / peak FLOP/s per rank, with the FLOP formulas and the
 peaks of `app.training.telemetry.flops`.
 """
@@ -14,10 +16,12 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, TextIO, Tuple
 
 import numpy as np
 import torch
+
+from app.training.telemetry import scalars as scalars_lib
 
 
 # ---------------------------------------------------------------------------- timers
@@ -157,6 +161,7 @@ _LOG_FIELDS: Tuple[Tuple[str, str, str], ...] = (
     # (key in values, label, format)
     ("consumed_samples", "consumed samples", "{:12d}"),
     ("ms_per_iteration", "elapsed time per iteration (ms)", "{:.1f}"),
+    ("throughput", "throughput per GPU (TFLOP/s/GPU)", "{:.1f}"),
     ("eta_s", "ETA", "{hms}"),
     ("lr", "learning rate", "{:.6E}"),
     ("global_batch_size", "global batch size", "{:5d}"),
@@ -213,6 +218,26 @@ def format_train_log(iteration: int, train_iters: int, values: Mapping[str, Any]
     return " |".join(parts) + " |"
 
 
+def interval_means(metrics: Mapping[str, Any]) -> Dict[str, Any]:
+    """{name: mean of its values over the interval}; list values (MoE's tokens per expert)
+    element-wise."""
+    means: Dict[str, Any] = {}
+    for name, values in metrics.items():
+        if values and isinstance(values[0], list):
+            means[name] = [sum(column) / len(values) for column in zip(*values)]
+        else:
+            means[name] = sum(values) / len(values)
+    return means
+
+
+def format_loss_metrics(values: Mapping[str, Any]) -> str:
+    """' name: 1.234000E+00 |' for each scalar of the loss function and of the MoE losses, as
+    Megatron prints them after the lm loss; lists and per-layer values ('moe/...') are left to
+    the metrics file and TensorBoard."""
+    return "".join(f" {name}: {float(value):.6E} |" for name, value in values.items()
+                   if not isinstance(value, list) and not name.startswith("moe/"))
+
+
 # ---------------------------------------------------------------------------- writers
 
 def _json_value(value: Any) -> Any:
@@ -232,9 +257,13 @@ class MetricsWriter:
     when `wandb` (a WandbConfig) is enabled; `run_config` (the RunConfig) becomes the run's config.
     """
 
+    MEGATRON_KINDS = ("train", "valid", "test")
+    """Kinds whose scalars TensorBoard and W&B get under Megatron's tags (`scalars`), not from
+    `write`."""
+
     def __init__(self, tensorboard_dir: Optional[str], metrics_file: Optional[str],
                  enabled: bool = True, wandb: Optional[Any] = None,
-                 run_config: Any = None) -> None:
+                 run_config: Any = None, queue_size: int = 1000) -> None:
         self.enabled = enabled
         self._tb: Any = None
         self._file: Optional[TextIO] = None
@@ -246,29 +275,57 @@ class MetricsWriter:
             self._wandb = WandbWriter(wandb, run_config)
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # lazy: slow import
-            self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+            self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=queue_size)
         if metrics_file:
             parent = os.path.dirname(os.path.abspath(metrics_file))
             os.makedirs(parent, exist_ok=True)
             self._file = open(metrics_file, "a", encoding="utf-8")
 
     def write(self, kind: str, iteration: int, values: Mapping[str, Any]) -> None:
-        """Record `values` at `iteration` under `kind` ("train", "valid" or "test")."""
+        """Record `values` at `iteration` under `kind` ("train", "valid", "test", or another
+        record such as "stragglers") in the metrics file; kinds other than MEGATRON_KINDS also
+        go to TensorBoard and W&B as `{kind}/{name}`."""
         if not self.enabled:
             return
-        if self._tb is not None:
-            for name, value in values.items():
-                value = _json_value(value)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"{kind}/{name}", value, iteration)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.write(kind, iteration, {k: _json_value(v) for k, v in values.items()})
+        if kind not in self.MEGATRON_KINDS:
+            self._tensorboard({f"{kind}/{name}": v for name, v in values.items()}, iteration)
+            if self._wandb is not None:
+                self._wandb.write(kind, iteration,
+                                  {k: _json_value(v) for k, v in values.items()})
         if self._file is not None:
             record = {"kind": kind, "iteration": int(iteration), "time": time.time()}
             record.update({k: _json_value(v) for k, v in values.items()})
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+
+    def scalars(self, iteration: int, tags: Mapping[str, Any],
+                consumed_samples: Optional[int] = None, no_twin: Sequence[str] = ()) -> None:
+        """Megatron-LM's scalars (app.training.telemetry.scalars) at `iteration`: TensorBoard
+        gets each tag and, with `consumed_samples`, its "<tag> vs samples" twin over the
+        samples (not for the CUDA memory tags nor the tags in `no_twin`, as Megatron); W&B gets
+        each tag and "samples vs steps"."""
+        if not self.enabled:
+            return
+        self._tensorboard(tags, iteration)
+        if consumed_samples is not None:
+            self._tensorboard({tag + scalars_lib.VS_SAMPLES: value for tag, value in tags.items()
+                               if tag not in scalars_lib.NO_TWIN and tag not in no_twin},
+                              consumed_samples)
+        if self._wandb is not None:
+            logged = dict(tags)
+            if consumed_samples is not None:
+                logged["samples vs steps"] = consumed_samples
+            self._wandb.log(iteration, {k: _json_value(v) for k, v in logged.items()})
+
+    def _tensorboard(self, tags: Mapping[str, Any], step: int) -> None:
+        """add_scalar for every number among `tags`, then flush."""
+        if self._tb is None:
+            return
+        for tag, value in tags.items():
+            value = _json_value(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(tag, value, step)
+        self._tb.flush()
 
     def close(self) -> None:
         """Flush and close every output (idempotent)."""

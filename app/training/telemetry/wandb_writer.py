@@ -1,5 +1,6 @@
 """The Weights & Biases sink of MetricsWriter: the same scalars as TensorBoard, under the same
-names (`{kind}/{name}`, step = iteration), and the run configuration as the run's config.
+names (Megatron-LM's tags for training and evaluation, `{kind}/{name}` for our other records;
+step = iteration), and the run configuration as the run's config.
 
 `wandb` is imported only here and only when --wandb-project is set (it is optional; WandbConfig
 refuses the flags without it). WANDB_MODE=offline keeps everything in --wandb-save-dir.
@@ -30,8 +31,14 @@ class WandbWriter:
                                config=dict(run_config or {}))
 
     def write(self, kind: str, iteration: int, values: Mapping[str, Any]) -> None:
-        """Log `values` (numbers only; NaN/inf and non-numbers are left out) at step `iteration`."""
-        scalars = {f"{kind}/{name}": float(value) for name, value in values.items()
+        """Log `values` as `{kind}/{name}` (numbers only; NaN/inf and non-numbers are left
+        out) at step `iteration`."""
+        self.log(iteration, {f"{kind}/{name}": value for name, value in values.items()})
+
+    def log(self, iteration: int, tags: Mapping[str, Any]) -> None:
+        """Log {tag: value} (numbers only; NaN/inf and non-numbers are left out) at step
+        `iteration`."""
+        scalars = {tag: float(value) for tag, value in tags.items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool)
                    and math.isfinite(value)}
         if scalars:

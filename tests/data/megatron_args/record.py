@@ -1,7 +1,7 @@
 """Record the `args` Namespace that Megatron-LM's own parse_args + validate_args (+ its tokenizer
 build, which sets padded_vocab_size) make for a few GPT flag sets, at a Megatron-LM version.
 
-    python tests/data/megatron_args/record.py core_v0.16.1 [HEAD ...]
+    python tests/data/megatron_args/record.py core_v0.16.1 [HEAD ...] [--only FLAG_SET ...]
 
 For each version: `git archive <version> megatron` of the Megatron-LM mirror
 ($MEGATRON_MIRROR, default /work/.mirror/NVIDIA+Megatron-LM/repo) is extracted into a temporary
@@ -14,25 +14,20 @@ Megatron's own vocab_size_with_padding of the vocab.json size, as `padded_vocab_
 namespace is written as `<version>/<flag set>.json` (`encode`'s type tags; `fixtures.load` reads
 them back).
 
-Only the environment is stood in for, never Megatron's arithmetic: the modules that compile
-Triton GPU kernels at import (triton is not installed on a CPU machine) are replaced by stubs
-whose functions raise if called (none is called by argument parsing); on Python 3.11, today's
-main imports `typing.override` (3.12), taken from typing_extensions (the same decorator).
+Only the environment is stood in for, never Megatron's arithmetic (tests/harness/megatron_record.py:
+Triton modules stubbed, `typing.override` on Python 3.11).
 """
-import enum
-import importlib.abc
-import importlib.machinery
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-MIRROR = os.environ.get("MEGATRON_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo")
+sys.path.insert(0, ROOT)  # run as a script: the shared recorder code is in tests/harness
+
+from tests.harness.megatron_record import MIRROR, encode, import_megatron_from  # noqa: E402
 TOKENIZER = os.path.join(ROOT, "tests", "data", "old_checkpoints", "data")
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -48,76 +43,26 @@ FLAG_SETS = {
     "gqa": ["--group-query-attention", "--num-query-groups", "2"],
     "rope_untied": ["--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"],
     "swiglu_rmsnorm": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"],
+    "qwen3_moe": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                  "--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2",
+                  "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2"],
+    "moe_options": ["--swiglu", "--disable-bias-linear", "--num-experts", "4",
+                    "--moe-layer-freq", "([0]+[1]*1)", "--moe-router-topk", "3",
+                    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                    "--moe-router-bias-update-rate", "1e-2", "--moe-z-loss-coeff", "1e-3",
+                    "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall",
+                    "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
+                    "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+                    "--moe-token-drop-policy", "position", "--moe-router-topk-scaling-factor",
+                    "2.0", "--moe-per-layer-logging", "--moe-router-load-balancing-type",
+                    "seq_aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2", "1e-3"],
 }
 """Flag sets (after BASE): the run each fixture describes."""
 
 
-def encode(value):
-    """A JSON value for one arg: plain JSON values as they are, others tagged by type."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        finite = value == value and abs(value) != float("inf")
-        return value if finite else {"__float__": repr(value)}
-    if isinstance(value, enum.Enum):
-        return {"__enum__": f"{type(value).__module__}.{type(value).__qualname__}",
-                "name": value.name}
-    if isinstance(value, (list, tuple)):
-        items = [encode(v) for v in value]
-        return items if isinstance(value, list) else {"__tuple__": items}
-    if isinstance(value, dict):
-        return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
-    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-        return {"__dtype__": str(value).replace("torch.", "")}
-    return {"__repr__": repr(value), "type": f"{type(value).__module__}.{type(value).__qualname__}"}
-
-
-class _KernelStubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Stands in for Megatron modules that import triton: every function raises if called."""
-
-    def __init__(self, names):
-        self.names = set(names)
-
-    def find_spec(self, name, path, target=None):
-        return importlib.machinery.ModuleSpec(name, self) if name in self.names else None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-
-        def attribute(attr):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-
-            def unavailable(*args, **kwargs):
-                raise NotImplementedError(f"{spec.name}.{attr} is a Triton kernel (stubbed)")
-            return unavailable
-        module.__getattr__ = attribute
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-def triton_modules(tree):
-    """Dotted names of the modules under `tree`/megatron that import triton at top level."""
-    found = {"megatron.core.transformer.custom_layers.batch_invariant_kernels"}
-    for folder, _, files in os.walk(os.path.join(tree, "megatron")):
-        for name in files:
-            path = os.path.join(folder, name)
-            if name.endswith(".py") and re.search(r"^(import|from) triton\b",
-                                                  open(path, encoding="utf-8").read(), re.M):
-                found.add(os.path.relpath(path, tree)[:-3].replace(os.sep, "."))
-    return found
-
-
 def child(tree, flag_set, out):
     """In a fresh process: parse, validate and build the tokenizer; write the namespace."""
-    import typing
-    if not hasattr(typing, "override"):  # Python 3.12's; typing_extensions has the same one
-        import typing_extensions
-        typing.override = typing_extensions.override
-    sys.path.insert(0, tree)
-    sys.meta_path.insert(0, _KernelStubs(triton_modules(tree)))
+    import_megatron_from(tree)
     sys.argv = ["pretrain_gpt.py", *BASE, *FLAG_SETS[flag_set]]
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args, validate_args
@@ -142,8 +87,9 @@ def child(tree, flag_set, out):
         f.write("\n")
 
 
-def record(version):
-    """Write `<version>/<flag set>.json` for every flag set, from the mirror's `version`."""
+def record(version, only=None):
+    """Write `<version>/<flag set>.json` for every flag set (or those in `only`), from the
+    mirror's `version`."""
     commit = subprocess.check_output(["git", "-C", MIRROR, "rev-parse", f"{version}^{{commit}}"],
                                      text=True).strip()
     target = os.path.join(HERE, version)
@@ -153,7 +99,7 @@ def record(version):
                                    stdout=subprocess.PIPE)
         subprocess.run(["tar", "-x", "-C", tree], stdin=archive.stdout, check=True)
         archive.wait()
-        for flag_set in FLAG_SETS:
+        for flag_set in only or FLAG_SETS:
             out = os.path.join(target, f"{flag_set}.json")
             subprocess.run([sys.executable, __file__, "--child", tree, flag_set, out], check=True,
                            cwd=tree, stdout=subprocess.DEVNULL,
@@ -173,6 +119,8 @@ def record(version):
 if __name__ == "__main__":
     if sys.argv[1] == "--child":
         child(*sys.argv[2:5])
-    else:
-        for name in sys.argv[1:]:
-            record(name)
+    else:  # record.py VERSION... [--only FLAG_SET...]
+        names = sys.argv[1:]
+        only = names[names.index("--only") + 1:] if "--only" in names else None
+        for name in names[:names.index("--only")] if only else names:
+            record(name, only)

@@ -290,9 +290,21 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str,
                            model_path)
 
 
-ADAPTER = FamilyAdapter(
-    family="GPT-2", model_types={"gpt2": GPT2, None: GPT2},  # None: an old GPT-2 config.json
-    export_order=0,  # tried first
-    export_blockers=gpt2_export_blockers, export_architecture=lambda config: GPT2,
-    read_directory=read_hf_dir, write_directory=write_hf_dir)
-"""Hugging Face GPT-2, tried first when a model is exported."""
+class GPT2Adapter(FamilyAdapter):
+    """Hugging Face GPT-2, tried first when a model is exported."""
+
+    family = "GPT-2"
+    model_types = {"gpt2": GPT2, None: GPT2}  # None: an old GPT-2 config.json
+    export_order = 0
+
+    def export_blockers(self, config: ModelConfig) -> List[str]:
+        return gpt2_export_blockers(config)
+
+    def export_architecture(self, config: ModelConfig) -> str:
+        return GPT2
+
+    read_directory = staticmethod(read_hf_dir)
+    write_directory = staticmethod(write_hf_dir)
+
+
+ADAPTER = GPT2Adapter()

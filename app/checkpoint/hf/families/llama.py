@@ -62,19 +62,20 @@ def llama_export_blockers(config: ModelConfig) -> List[str]:
     if config.qk_layernorm and config.add_bias_linear:
         blockers.append("--qk-layernorm without --disable-bias-linear: Qwen3 (Llama with "
                         "query/key norms) has no MLP biases")
+    if config.moe.enabled:
+        blockers.append(f"--num-experts {config.moe.num_experts}: Llama's and Qwen3's MLPs are "
+                        "dense (a Mixture-of-Experts model exports as Qwen3-MoE, Mixtral or "
+                        "Qwen2-MoE)")
     return blockers
-
-
-def llama_architecture(config: ModelConfig) -> str:
-    """QWEN3 for the Llama block with query/key norms (--qk-layernorm), else LLAMA."""
-    return QWEN3 if config.qk_layernorm else LLAMA
 
 
 def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
                 vocab_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Our full tensors (our names) -> HF Llama/Qwen3 names and layouts; `vocab_size` trims the
-    vocabulary rows (None keeps them all)."""
+    vocabulary rows (None keeps them all). The MLPs of a Mixture-of-Experts model's MoE layers
+    are left to its family (app.checkpoint.hf.moe)."""
     rows = slice(None, vocab_size)
+    moe_layers = config.moe.layer_pattern(config.num_layers)
     out = {"model.embed_tokens.weight": ours[layout.WORD_EMBEDDINGS][rows],
            "model.norm.weight": ours[layout.FINAL_NORM[0]]}
     if config.untie_embeddings_and_output_weights:
@@ -90,6 +91,8 @@ def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
             out.update({f"{hf}self_attn.q_proj.{kind}": q, f"{hf}self_attn.k_proj.{kind}": k,
                         f"{hf}self_attn.v_proj.{kind}": v,
                         f"{hf}self_attn.o_proj.{kind}": mine(f"attention.dense.{kind}")})
+            if moe_layers[i]:
+                continue
             gate, up = mine(f"mlp.dense_h_to_4h.{kind}").chunk(2)
             out.update({f"{hf}mlp.gate_proj.{kind}": gate, f"{hf}mlp.up_proj.{kind}": up,
                         f"{hf}mlp.down_proj.{kind}": mine(f"mlp.dense_4h_to_h.{kind}")})
@@ -98,9 +101,11 @@ def to_hf_state(ours: Dict[str, torch.Tensor], config: ModelConfig,
 
 def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str, torch.Tensor]:
     """HF Llama/Qwen3 tensors -> our names and layouts; inverse of to_hf_state (the vocabulary
-    keeps HF's rows: pad it afterwards). A missing or unknown key, or a tied lm_head that
-    differs from the embeddings, raises HFConversionError naming the key."""
+    keeps HF's rows: pad it afterwards; an MoE model's MoE layers take no dense MLP: their
+    family reads those). A missing or unknown key, or a tied lm_head that differs from the
+    embeddings, raises HFConversionError naming the key."""
     state = {k: v for k, v in hf.items() if not k.endswith(_IGNORED)}
+    moe_layers = config.moe.layer_pattern(config.num_layers)
     ours = {layout.WORD_EMBEDDINGS: _take(state, "model.embed_tokens.weight"),
             layout.FINAL_NORM[0]: _take(state, "model.norm.weight")}
     if config.untie_embeddings_and_output_weights:
@@ -119,6 +124,8 @@ def from_hf_state(hf: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str,
             ours[name(f"attention.query_key_value.{kind}")] = _fuse_qkv(q, k, v, config)
             ours[name(f"attention.dense.{kind}")] = _take(state,
                                                           hf_name(f"self_attn.o_proj.{kind}"))
+            if moe_layers[i]:
+                continue
             ours[name(f"mlp.dense_h_to_4h.{kind}")] = torch.cat(
                 [_take(state, hf_name(f"mlp.{p}_proj.{kind}")) for p in ("gate", "up")])
             ours[name(f"mlp.dense_4h_to_h.{kind}")] = _take(state, hf_name(f"mlp.down_proj.{kind}"))
@@ -277,7 +284,7 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokeniz
     if blockers:
         raise HFConversionError("the model is not a Hugging Face Llama model: "
                                 + "; ".join(blockers))
-    architecture = llama_architecture(config)
+    architecture = ADAPTER.export_architecture(config)
     vocab_size = int(getattr(args, "vocab_size", None) or
                      source.weights[layout.WORD_EMBEDDINGS].shape[0])
     tensors = to_hf_state(source.weights, config, vocab_size)
@@ -289,9 +296,22 @@ def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokeniz
                            metrics_file, model_path)
 
 
-ADAPTER = FamilyAdapter(
-    family="Llama", model_types=MODEL_TYPES, export_order=10,
-    export_blockers=llama_export_blockers,
-    export_architecture=llama_architecture,
-    read_directory=read_hf_dir, write_directory=write_hf_dir)
-"""Hugging Face Llama, and Qwen3 (Llama's block with query/key norms: --qk-layernorm)."""
+
+class LlamaAdapter(FamilyAdapter):
+    """Hugging Face Llama, and Qwen3 (Llama's block with query/key norms: --qk-layernorm)."""
+
+    family = "Llama"
+    model_types = MODEL_TYPES
+    export_order = 10
+
+    def export_blockers(self, config: ModelConfig) -> List[str]:
+        return llama_export_blockers(config)
+
+    def export_architecture(self, config: ModelConfig) -> str:
+        return QWEN3 if config.qk_layernorm else LLAMA
+
+    read_directory = staticmethod(read_hf_dir)
+    write_directory = staticmethod(write_hf_dir)
+
+
+ADAPTER = LlamaAdapter()
