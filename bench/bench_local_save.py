@@ -9,7 +9,7 @@ before each round so the state changes in place:
 
 - persistent, synchronous: engine.save_checkpoint (the whole save blocks training);
 - persistent, --async-save: engine.save_checkpoint(asynchronous=True), the host copy blocks;
-- local: LocalCheckpoints.save_checkpoint (app.training.resilience.local_checkpoints), the call
+- local: LocalCheckpoints.save_checkpoint (app.training.checkpointing.local), the call
   the loop makes every --non-persistent-save-interval: the state dict and its host copy block,
   the serialization, the files, their checksums and the commit run in the background.
 
@@ -44,7 +44,7 @@ def measure(layers: int, saves: int, directory: str) -> Dict[str, List[float]]:
     """{mode: stalls} and {mode + " durable": seconds until committed}, plus "step"."""
     import arguments
     from app.config.checkpoint import CheckpointConfig
-    from app.training.resilience.local_checkpoints import LocalCheckpoints
+    from app.training.checkpointing.local import LocalCheckpoints
     from tests.harness.synthetic import build_synthetic_run
 
     cfg = arguments.config_from_argv(model_argv(layers), 1, RAW_VOCAB)
@@ -84,7 +84,7 @@ def measure_replication(argv: List[str], saves: int, directory: str) -> Dict[str
     import torch.distributed as dist
 
     from app.config.checkpoint import CheckpointConfig
-    from app.training.resilience.local_checkpoints import LocalCheckpoints
+    from app.training.checkpointing.local import LocalCheckpoints
     from tests.harness.synthetic import build_synthetic_run
 
     cfg = arguments.config_from_argv(argv, 2, RAW_VOCAB)

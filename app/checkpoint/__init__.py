@@ -24,7 +24,7 @@ By what a reader looks for:
                       tensors; `args` <-> ModelConfig; ModelCheckpoint
 
 No policy lives here: when to save, what to resume and what to refuse are
-app.training's.
+app.training.checkpointing's.
 """
 
 

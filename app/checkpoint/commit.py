@@ -403,7 +403,7 @@ class OneSaveAtATime:
     """`save_checkpoint`, `finish_save`, `abandon_save` and `save_in_flight` over a
     `start_save(save_dir, iteration, client_state, asynchronous) -> PendingSave` of the
     subclass: at most one save in flight, committed by `finish_save` on every rank alike (the
-    engines, and the local checkpoints of app.training.resilience.local_checkpoints)."""
+    engines, and the local checkpoints of app.training.checkpointing.local)."""
 
     _pending_save: Optional[PendingSave] = None
     """The save being written in the background, until finish_save commits it."""

@@ -353,15 +353,20 @@ def check_loadable(load_dir: str, iteration: names.Iteration, *, deepspeed: bool
     """Raise CheckpointError (see `loadable_problem`) when this run cannot load `iteration`
     under `load_dir`; return its layout (None when the directory holds no known files)."""
     layout = inspect_directory(names.checkpoint_dir(load_dir, iteration))
-    problem = loadable_problem(
-        layout, load_dir, deepspeed=deepspeed,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        data_parallel_size=data_parallel_size, load_optimizer=load_optimizer,
-        expert_model_parallel_size=expert_model_parallel_size)
+    refuse_unloadable(layout, load_dir, deepspeed=deepspeed,
+                      tensor_model_parallel_size=tensor_model_parallel_size,
+                      pipeline_model_parallel_size=pipeline_model_parallel_size,
+                      data_parallel_size=data_parallel_size, load_optimizer=load_optimizer,
+                      expert_model_parallel_size=expert_model_parallel_size)
+    return layout
+
+
+def refuse_unloadable(layout: Optional[SavedLayout], load_dir: str, **run: object) -> None:
+    """`check_loadable` of a layout already detected (`inspect_directory`): CheckpointError
+    with `loadable_problem(layout, load_dir, **run)` when there is one."""
+    problem = loadable_problem(layout, load_dir, **run)  # type: ignore[arg-type]
     if problem:
         raise CheckpointError(problem)
-    return layout
 
 
 def read_saved_state(layout: SavedLayout) -> dict:

@@ -23,7 +23,7 @@ of a blend whose part of the split is empty is left out of that blend (named in
 `SplitPlan.left_out`; Megatron fails there).
 
 `order_record` condenses a plan into what decides the order of each split's samples (the
-checkpoint keeps it; app.training.resilience.data_order compares it on resume).
+checkpoint keeps it; app.training.checkpointing.data_order compares it on resume).
 
 A plan is made for a sample order (`app.data.index_builder.SampleOrder`, Megatron Core's by
 default): the order of this trainer's releases before 0.5.0 (app.data.legacy_order) counts

@@ -41,8 +41,10 @@ import torch
 
 from app.model.gpt2 import lm_loss
 from app.mpu import collectives
+from app.model.moe import begin_iteration as begin_moe_iteration
 from app.mpu.context_parallel import context_parallel_mean_loss
 from app.mpu.mappings import gather_from_tensor_model_parallel_region
+from app.utils import faults
 
 Metrics = Mapping[str, Union[torch.Tensor, float]]
 LossFn = Callable[[torch.Tensor, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Metrics]]
@@ -127,6 +129,17 @@ class MicroBatchObjective:
         self.token_scale = (float(num_micro_batches * replicas.data_parallel_size)
                             / count.clamp(min=1.0))
 
+    def prefetch(self, next_batch: Callable[[], Dict[str, torch.Tensor]],
+                 num_micro_batches: int) -> Callable[[], Dict[str, torch.Tensor]]:
+        """A training iteration's batch source: per token, its `num_micro_batches` batches read
+        at once and counted (`prepare`) before the passes, then handed out in order; otherwise
+        `next_batch` itself."""
+        if not self.per_token:
+            return next_batch
+        batches = [next_batch() for _ in range(num_micro_batches)]
+        self.prepare(batches, num_micro_batches)
+        return iter(batches).__next__
+
     def aux_loss_scale(self, num_micro_batches: int) -> Optional[float]:
         """Per-token loss: the factor of this iteration's MoE auxiliary-loss gradients, R / N
         (Megatron divides them by the token count with the others); None otherwise."""
@@ -182,6 +195,24 @@ class MicroBatchObjective:
             self.metrics.append({name: torch.as_tensor(value).detach().float().reshape(())
                                  for name, value in metrics.items()})
         return loss
+
+    def begin_training_iteration(self, model: torch.nn.Module, loss_scale: Optional[float],
+                                 num_micro_batches: int) -> None:
+        """Before a training iteration's forward-backward: the scale the MoE auxiliary losses'
+        gradients carry, the main loss's (app.model.moe.begin_iteration: loss scale x
+        context-parallel size / micro-batches, per token R / N: `aux_loss_scale`); nothing for
+        a dense model."""
+        begin_moe_iteration(model, loss_scale, getattr(self.ps, "context_parallel_size", 1),
+                            num_micro_batches, self.aux_loss_scale(num_micro_batches))
+
+    def training_loss_func(self, first_sample: int) -> Callable[..., torch.Tensor]:
+        """`loss_func` as an iteration of training (whose first sample is `first_sample`)
+        calls it: through the fault-injection point `faults.TRAINING_LOSS` when a test armed
+        it (app.utils.faults), else `loss_func` itself."""
+        inject = faults.armed(faults.TRAINING_LOSS)
+        if inject is None:
+            return self.loss_func
+        return lambda output, batch: inject(first_sample, self.loss_func(output, batch))
 
     def take(self) -> Tuple[List[Dict[str, torch.Tensor]], List[torch.Tensor]]:
         """The metrics and logits recorded since the last call."""

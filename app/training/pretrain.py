@@ -3,12 +3,12 @@
 `pretrain_gpt2.py` is the composition root: it parses the flags into a RunConfig once (with
 `arguments.py`) and calls `pretrain(cfg, tokenizer)`. Order here: process group -> logging ->
 start-up checks of --save/--load (all ranks agree: --save writable, its writer lock, no stale
-temporaries; resume or fresh start per app.training.resilience.resume.decide_start; the saved
+temporaries; resume or fresh start per app.training.checkpointing.resume.decide_start; the saved
 layout loadable per resume.check_resume) -> launcher watch and watchdog -> parts of the run
-(app.training.run) -> the data plan (app.data.plan) -> checkpoint load (all ranks agree; the
-newest non-persistent (local or global) checkpoint when it is at least as new as --load's, see
-app.training.resilience.local_checkpoints; a resume keeps the checkpoint's data order,
-app.training.resilience.data_order) -> datasets built or loaded from the cache -> Trainer, with
+(app.training.run, the run's checkpointer included) -> the data plan (app.data.plan) ->
+checkpoint load (the checkpointer's `load_latest`: all ranks agree; the newest non-persistent
+(local or global) checkpoint when it is at least as new as --load's; a resume keeps the
+checkpoint's data order) -> datasets built or loaded from the cache -> Trainer, with
 the exit-signal handler installed while it trains. `--dry-run` (app.training.planning.preflight)
 calls the same decision functions in the same order. With
 --inprocess-restart these steps are one attempt, which app.training.resilience.inprocess runs
@@ -18,7 +18,7 @@ again in the same process after a rank's error.
 its checkpoint; 2 for configuration, data and checkpoint errors (one clear line); 3 for a run
 stopped by the non-finite policy (app.training.resilience.nonfinite); 4 (EXIT_PEER_FAILURE) when another
 rank died, stopped or hung; 5 (EXIT_SAVE_FAILED) when checkpoints could not be saved
-(--max-failed-saves in a row, or the run's last save; app.training.resilience.saving).
+(--max-failed-saves in a row, or the run's last save; app.training.checkpointing.saver).
 """
 from __future__ import annotations
 
@@ -42,16 +42,14 @@ from app.launch.distributed import (DistributedInfo, WorldInfo, all_ranks_ok,
                                     init_distributed, log_launch_notes, nccl_trace_dir,
                                     shutdown_distributed, world_group)
 from app.training.loss import LossFunction
-from app.training.resilience.data_order import check_data_order, resume_order
+from app.training.checkpointing.resume import StartDecision, check_resume, decide_start
+from app.training.checkpointing.saver import SaveFailed
 from app.training.resilience.inprocess import InProcessRestart
-from app.training.resilience.local_checkpoints import load_newest, newest_checkpoint
 from app.training.resilience.nonfinite import TrainingAborted
-from app.training.resilience.resume import StartDecision, check_resume, decide_start
 from app.training.run import build_run
-from app.training.resilience.saving import SaveFailed
 from app.training.resilience.save_dir import SaveDirError, SaveDirLock, claim_save_dir, ensure_writable_dir
 from app.training.resilience.signals import ExitSignalHandler, LauncherWatch, detect_launcher, handler_enabled
-from app.training.trainer import RunState, Trainer
+from app.training.trainer import Trainer
 from app.training.resilience.watchdog import PeerFailure, Watchdog
 from app.utils.rank_logging import setup_logging
 
@@ -142,41 +140,6 @@ def _start_checks(cfg: RunConfig, info: DistributedInfo, restarted: bool = False
         raise error or SaveDirError("another rank failed the start-up checks of --save/--load; "
                                     "its message says why")
     return lock, decision
-
-
-def _load(cfg: RunConfig, run: Any, decision: StartDecision, device: Any,
-          data_order: Callable[[int], Dict[str, Any]]) -> RunState:
-    """The run's position: fresh, or loaded on every rank, with the data-order record
-    (`data_order(version)`) of the order it reads: a new run Megatron Core's, a resume the
-    checkpoint's, which it must keep (app.training.resilience.data_order; every rank decides
-    alike)."""
-    if decision.note:
-        logger.info(decision.note)
-    c = cfg.checkpoint
-    # non-persistent checkpoints count for a resume (--load, not --finetune) as for a rollback
-    chosen = newest_checkpoint(c, decision.load, non_persistent=(
-        c.non_persistent_ckpt_type is not None and bool(c.load) and not c.finetune))
-    if chosen.local is None and chosen.global_iteration is None and decision.load is None:
-        return RunState(data_order=data_order(ORDER_VERSION))
-    loaded = load_newest(run.engine, chosen, c, device)
-    if loaded is None:
-        raise CheckpointError(f"--load {decision.load}: its tracker disappeared while starting")
-    logger.info("checkpoint %s was written by %s", loaded.path, loaded.writer.describe())
-    record = data_order(ORDER_VERSION)
-    if loaded.iteration > 0:  # weights-only loads start at 0: no position to keep
-        version, why = resume_order(loaded.data_order, loaded.writer,
-                                    cfg.checkpoint.allow_data_order_change)
-        logger.info("data order of this resume: %s", why)
-        record = data_order(version)
-        consumed = {"train": loaded.consumed_train_samples,
-                    "valid": loaded.consumed_valid_samples}
-        for line in check_data_order(loaded.data_order, record, loaded.path, consumed,
-                                     cfg.checkpoint.allow_data_order_change):
-            logger.info(line)
-    logger.info("loaded checkpoint %s: resuming at iteration %d, consumed samples %d",
-                loaded.path, loaded.iteration, loaded.consumed_train_samples)
-    return RunState(loaded.iteration, loaded.consumed_train_samples,
-                    loaded.consumed_valid_samples, data_order=record)
 
 
 def _signal_handler(cfg: RunConfig) -> Optional[ExitSignalHandler]:
@@ -288,8 +251,10 @@ def _attempt(cfg: RunConfig, tokenizer: Any, arguments_listing: Sequence[str],
                 return plan
             return data_plan(cfg, sample_order(version))  # a checkpoint's older order
 
+        if decision.note:
+            logger.info(decision.note)
         state = ((restart.restore(run.engine) if restart is not None else None)
-                 or _load(cfg, run, decision, info.device, lambda version: (
+                 or run.checkpointer.load_latest(decision.load, lambda version: (
                      mock_order_record(cfg, mock) if plan is None
                      else order_record(plan_in(version), cfg.training.seed))))
         plan = plan_in((state.data_order or {}).get("version", ORDER_VERSION))

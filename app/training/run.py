@@ -2,7 +2,7 @@
 
     parallel groups and seeds -> (DeepSpeed activation checkpointing) -> fused kernels
     -> model stage (app.model.stage.build_model_stage, as inference builds it; its layers
-    compiled with --compile-layers) -> engine -> Trainer
+    compiled with --compile-layers) -> engine and its checkpointer -> Trainer
 
 `build_run` is used by `app.training.pretrain` (real data) and by the test and benchmark
 helper `tests/harness/synthetic.py`, so every run is put together the same way. This is the
@@ -29,9 +29,11 @@ from app.optim.distributed_optimizer import DistributedOptimizer
 from app.optim.mixed_precision import build_precision_optimizer
 from app.launch.distributed import world_group
 from app.training.engines.base import Engine
+from app.training.checkpointing.checkpointer import Checkpointer
 from app.training.engines.native import NativeEngine
 from app.training.loss import LossFunction
-from app.training.trainer import RunState, Trainer
+from app.training.state import RunState
+from app.training.trainer import Trainer
 from app.utils.rank_logging import ALL_RANKS
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,9 @@ class Run:
     model: torch.nn.Module
     engine: Engine
     device: torch.device
+    checkpointer: Checkpointer
+    """Every save and load of the run (app.training.checkpointing): the start-up load goes
+    through it, then the trainer's saves."""
     trainer: Optional[Trainer] = None
 
     def attach_trainer(self, datasets: Tuple[Any, Any, Any], eod: int,
@@ -114,12 +119,13 @@ class Run:
                        loss_function: Optional[LossFunction] = None,
                        return_logits: bool = False, **guards: Any) -> Trainer:
         """Create the Trainer over (train, valid, test) datasets starting at `state`, with the
-        training loss `loss_function` (default: Megatron's LM loss; app.training.loss); `guards`
-        are its optional `signals` (ExitSignalHandler), `watchdog` (Watchdog) and `inprocess`
-        (InProcessRestart)."""
+        training loss `loss_function` (default: Megatron's LM loss; app.training.loss) and the
+        run's checkpointer; `guards` are its optional `signals` (ExitSignalHandler), `watchdog`
+        (Watchdog) and `inprocess` (InProcessRestart)."""
         self.trainer = Trainer(self.cfg, self.engine, self.ps, datasets, eod, self.device,
                                state=state, loss_function=loss_function,
-                               return_logits=return_logits, **guards)
+                               return_logits=return_logits, checkpointer=self.checkpointer,
+                               **guards)
         return self.trainer
 
 
@@ -155,4 +161,6 @@ def build_run(cfg: RunConfig, world_size: int, device: torch.device) -> Run:
         logger.info("--compile-layers: %d transformer layers compiled with torch.compile (the "
                     "first iteration compiles them)", compile_transformer_layers(model))
     engine = build_engine(cfg, model, ps)
-    return Run(cfg=cfg, ps=ps, model=model, engine=engine, device=device)
+    return Run(cfg=cfg, ps=ps, model=model, engine=engine, device=device,
+               checkpointer=Checkpointer(cfg.checkpoint, engine, ps, device,
+                                         cfg.training.train_iters))

@@ -15,7 +15,7 @@ child). The points (`POINTS` holds this table):
   per-file stages once per file), in the thread doing that stage (the background writer thread
   with --async-save). It returns nothing; to inject a fault it raises, sends a signal or kills
   the process.
-- `TRAINING_LOSS` ("training.loss"), in `app.training.trainer`: the handler is called with
+- `TRAINING_LOSS` ("training.loss"), in `app.training.loss`: the handler is called with
   (the first training sample of the iteration, one micro-batch's loss tensor) for every training
   micro-batch (not evaluation) and returns the loss to use: a NaN loss for a data window, or a
   SIGKILL in the forward pass of a chosen iteration.

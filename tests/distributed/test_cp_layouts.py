@@ -231,7 +231,7 @@ def _deepspeed_at_cp1(ck: str, curve) -> None:
 
     from app.checkpoint import CheckpointError
     from app.training.data_loading import build_data_iterator
-    from app.training.resilience.resume import check_resume
+    from app.training.checkpointing.resume import check_resume
     check_resume(arguments.config_from_argv(BASE + CP2 + ZERO[2] + ["--load", ck], 2, RAW_VOCAB),
                  ck)
     refusal = (r"over 2 data x context ranks \(saved at context-parallel size 2, data-parallel "

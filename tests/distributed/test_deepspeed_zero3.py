@@ -85,14 +85,16 @@ def _save_and_reload(run, save_dir):
     """Save at ITERS, take one more step (the weights move), then the engine's weights-only
     load of that save (its ZeRO-3 path, app.checkpoint.deepspeed.read_rank): the module's
     weights after the step and after the load."""
-    from app.training.resilience.resume import ResumePlan
+    from app.checkpoint import names, saved_layout
+    from app.training.checkpointing.resume import ResumePlan
     engine = run["engine"]
     engine.save_checkpoint(save_dir, ITERS, dict(iteration=ITERS, consumed_train_samples=8 * ITERS,
                                                  consumed_valid_samples=0))
     run["trainer"].train_step(run["iterator"])
     moved = _gathered(engine.ds.module)
+    layout = saved_layout.inspect_directory(names.checkpoint_dir(save_dir, ITERS))
     engine.read_checkpoint(save_dir, ResumePlan(ITERS, weights_only=True, load_optimizer=False,
-                                                load_rng=False))
+                                                load_rng=False, layout=layout))
     return {"moved": moved, "loaded": _gathered(engine.ds.module)}
 
 

@@ -15,7 +15,7 @@ reaches the surviving rank; the other restarts the job itself on forked ranks
 launcher and fresh interpreters for every attempt. The seed of the kill plan is printed and in
 every failure message; set CHAOS_SEED to replay one.
 
-Non-persistent checkpoints (app.training.resilience.local_checkpoints), against one
+Non-persistent checkpoints (app.training.checkpointing.local), against one
 uninterrupted DP 2 run per engine, on forked gloo ranks (the launcher is not the point): a
 rank SIGKILLed after iteration 7, the job restarted, resumes from the non-persistent iteration
 6, not the persistent 5 (local and global ones, of the native engine and of DeepSpeed ZeRO-2);

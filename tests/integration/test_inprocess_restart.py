@@ -115,11 +115,11 @@ def _two_runs(clean_argv, faulty_argv, rollback_argvs, log_dir, environ):
         pretrain_gpt2.run = real_run
         faults.disarm_all()
     clean, faulty, rollback, rollback_faulty = trainers
-    return {"pid": os.getpid(), "fired": fired, "history": faulty.inprocess.history,
+    return {"pid": os.getpid(), "fired": fired, "history": faulty.guard.inprocess.history,
             "clean": _final_state(clean), "faulty": _final_state(faulty),
             "clean_log": clean_log, "faulty_log": faulty_log,
             "rollback": _final_state(rollback), "rollback_faulty": _final_state(rollback_faulty),
-            "rollback_history": rollback_faulty.inprocess.history, "rollback_logs": logs}
+            "rollback_history": rollback_faulty.guard.inprocess.history, "rollback_logs": logs}
 
 
 def test_faults_recovered_in_process_bit_identical(tiny_corpus, tmp_path):

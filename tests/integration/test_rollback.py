@@ -16,11 +16,11 @@ import pretrain_gpt2
 from app.config import samples_per_split
 from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import names
-from app.training.resilience.resume import load_on_all_ranks
+from app.training.checkpointing.resume import load_on_all_ranks
 from app.training.resilience.nonfinite import TrainingAborted
 from app.training.resilience.rollback import SpikeDetector
 from app.training.run import build_run
-from app.training.trainer import RunState
+from app.training.state import RunState
 from app.utils import faults
 from tests.harness.distributed import run_distributed
 from tests.harness.synthetic import RandomTokens

@@ -122,7 +122,7 @@ def test_a_first_save_killed_before_its_commit_is_not_a_checkpoint(tmp_path, sta
     directory that no save marked (a lost tracker) is still refused."""
     from app.checkpoint import names
     from app.config import CheckpointConfig
-    from app.training.resilience.resume import decide_start
+    from app.training.checkpointing.resume import decide_start
     from app.training.resilience.save_dir import claim_save_dir
     root = str(tmp_path / "ck")
     faults.arm(faults.SAVE_STAGE, kill_at(stage))

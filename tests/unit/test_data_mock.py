@@ -97,7 +97,7 @@ def test_dry_run_reports_the_mock_samples_and_no_file(capsys):
 
 def test_mock_order_record_refuses_the_old_mock_order_and_sees_epochs():
     from app.training.pretrain import mock_order_record
-    from app.training.resilience.data_order import order_changes
+    from app.training.checkpointing.data_order import order_changes
     cfg = arguments.config_from_argv(TINY + ["--mock-data", "--vocab-size", "100"], 1, 100)
     record = mock_order_record(cfg, build_mock_datasets((20, 12, 4), 16, 100, seed=1234))
     part = record["splits"]["train"]["parts"][0]

@@ -10,7 +10,7 @@ import pytest
 from app.checkpoint import CheckpointError
 from app.config import DataConfig
 from app.data.plan import order_record, plan_datasets
-from app.training.resilience.data_order import check_data_order, order_changes
+from app.training.checkpointing.data_order import check_data_order, order_changes
 from tests.harness.datasets import write_dataset
 
 READ = {"train": 64, "valid": 8}

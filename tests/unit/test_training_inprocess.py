@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from app.config import InProcessRestartConfig
 from app.training.resilience.inprocess import InProcessRestart
-from app.training.resilience.saving import SaveFailed
+from app.training.checkpointing.saver import SaveFailed
 from app.training.resilience.watchdog import PeerFailure
 from app.training.state import RunState
 

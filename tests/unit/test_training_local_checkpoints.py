@@ -1,8 +1,12 @@
-"""Local checkpoints (app.training.resilience.local_checkpoints) in one process: where replicas
-live, which iteration a resume picks, the files' integrity check, the flags' rules, and a
-save -> restore round trip of an engine's state, RNG and position. The multi-rank cases (a
-SIGKILL, a lost rank folder restored from its replica) are in tests/integration/test_chaos.py."""
+"""Non-persistent checkpoints in one process, saved by the run's checkpointer
+(app.training.checkpointing.checkpointer) and chosen by app.training.checkpointing.latest:
+where local replicas live (app.training.checkpointing.local), which iteration a resume picks,
+the files' integrity check, the flags' rules, a save -> restore round trip of an engine's
+state, RNG and position, global saves beside persistent ones, and a failed local save. The
+multi-rank cases (a SIGKILL, a lost rank folder restored from its replica) are in
+tests/integration/test_chaos.py."""
 import dataclasses
+import logging
 import os
 
 import pytest
@@ -10,7 +14,30 @@ import torch
 
 from app.checkpoint import CheckpointError, commit, names
 from app.config.checkpoint import CheckpointConfig
-from app.training.resilience import local_checkpoints as lc
+from app.mpu.parallel_state import ParallelState
+from app.training.checkpointing import latest
+from app.training.checkpointing import local as lc
+from app.training.checkpointing.checkpointer import Checkpointer
+from app.training.state import RunState
+
+CPU = torch.device("cpu")
+
+
+def checkpointer(cfg, engine, writer=None, train_iters=100):
+    """The checkpointer of a one-process run of `engine`, ready to save (failed saves
+    recorded by `writer`)."""
+    saves = Checkpointer(cfg, engine, ParallelState.single(), CPU, train_iters)
+    saves.prepare_saves(writer)
+    return saves
+
+
+def after_iterations(saves, iterations, position=lambda i: {}):
+    """The checkpointer's saves after each of `iterations` (RunState of `position(i)`), each
+    committed before the next."""
+    for iteration in iterations:
+        saves.maybe_save(RunState(iteration, **position(iteration)), exiting=False,
+                         nonfinite=False)
+        saves.finish(blocking=True)
 
 
 @pytest.mark.parametrize("world,jump,factor,want", [
@@ -127,6 +154,7 @@ class FakeEngine:
     """An engine whose whole state is one tensor dict (`local_state` / `load_local_state`)."""
 
     name = "FakeEngine"
+    save_in_flight = None  # it makes no persistent saves
 
     def __init__(self, value):
         self.weights = {"w": torch.full((3,), float(value))}
@@ -144,22 +172,23 @@ class FakeEngine:
         return iter(self.weights.items())
 
 
-def test_save_then_restore_one_rank_keeps_the_newest_and_its_rng(tmp_path):
+def test_save_then_restore_one_rank_keeps_the_newest_and_its_rng(tmp_path, caplog):
     cfg = CheckpointConfig(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
                            non_persistent_local_ckpt_dir=str(tmp_path / "local"))
-    engine, lines = FakeEngine(1.0), []
+    engine = FakeEngine(1.0)
     records = []
     writer = type("W", (), {"write": lambda self, *a: records.append(a)})()
-    saves = lc.LocalSaves(cfg, engine, 0, 1, torch.device("cpu"), writer, lines.append)
-    for iteration in (1, 2, 3, 4):
-        engine.weights["w"] += 1  # the "training step"
-        torch.manual_seed(iteration)
-        saves.maybe_save(iteration, {"iteration": iteration,
-                                     "consumed_train_samples": 4 * iteration}, persistent=False)
-        saves.finish(blocking=True)
+    saves = checkpointer(cfg, engine, writer)
+    with caplog.at_level(logging.INFO, logger="app.training.checkpointing"):
+        for iteration in (1, 2, 3, 4):
+            engine.weights["w"] += 1  # the "training step"
+            torch.manual_seed(iteration)
+            after_iterations(saves, [iteration],
+                             lambda i: {"consumed_train_samples": 4 * i})
     expected_rng = torch.rand(4)  # drawn right after the save of iteration 4
     folder = tmp_path / "local" / "rank_0"
     assert sorted(os.listdir(folder)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    lines = [r.getMessage() for r in caplog.records]
     assert any("local: saved checkpoint at iteration 4" in line for line in lines), lines
     assert not records  # no save failed
     # the choice a resume and a rollback share, against a persistent tracker beside it: a
@@ -170,17 +199,16 @@ def test_save_then_restore_one_rank_keeps_the_newest_and_its_rng(tmp_path):
     for tracker, use_local, local in ((5, True, False), (4, True, True), ("release", True, True),
                                       (4, False, False)):
         names.write_tracker(ck, tracker)
-        chosen = lc.newest_checkpoint(cfg, ck, use_local)
+        chosen = latest.newest_checkpoint(cfg, ck, use_local)
         assert (chosen.local is not None, chosen.iteration) == (local, 4 if local else tracker)
         assert chosen.describe() == (f"the local checkpoint of iteration 4 in {tmp_path / 'local'}"
                                      if local else
                                      f"the persistent checkpoint of iteration {tracker} in {ck}")
-    assert lc.newest_checkpoint(cfg, str(tmp_path / "none"), True).iteration == 4
-    assert lc.newest_checkpoint(cfg, str(tmp_path / "none"), False).iteration is None
+    assert latest.newest_checkpoint(cfg, str(tmp_path / "none"), True).iteration == 4
+    assert latest.newest_checkpoint(cfg, str(tmp_path / "none"), False).iteration is None
     names.write_tracker(ck, 3)
     restored = FakeEngine(0)
-    loaded = lc.load_newest(restored, lc.newest_checkpoint(cfg, ck, True), cfg,
-                            torch.device("cpu"))
+    loaded = latest.load_newest(restored, latest.newest_checkpoint(cfg, ck, True), cfg, CPU)
     assert (loaded.iteration, loaded.consumed_train_samples) == (4, 16)
     assert restored.weights["w"].tolist() == [5.0, 5.0, 5.0]
     assert torch.rand(4).equal(expected_rng)
@@ -198,72 +226,65 @@ class FileEngine(commit.OneSaveAtATime):
             undo=lambda: None, background=asynchronous)
 
 
-def test_global_saves_keep_the_newest_and_the_choice_takes_it_when_newest(tmp_path):
+def test_global_saves_keep_the_newest_and_the_choice_takes_it_when_newest(tmp_path, caplog):
     """--non-persistent-ckpt-type global: saves of iterations 2, 4, 6 through the persistent
     saver into <--save>/non_persistent (Megatron's default) leave 4 and 6 (the older ones
-    removed before each save), the tracker naming 6; none on a persistent save's iteration.
-    The choice (newest_checkpoint) takes it against an older persistent checkpoint, not a
-    newer one, not after a rollback's iteration, and a 'release' tracker there is refused."""
-    from app.training.resilience.saving import CheckpointSaver
+    removed before each save), the tracker naming 6; none on a persistent save's iteration
+    (5, into --save). The choice (newest_checkpoint) takes it against an older persistent
+    checkpoint, not a newer one, not after a rollback's iteration, and a 'release' tracker
+    there is refused."""
     ck = str(tmp_path / "ck")
-    cfg = CheckpointConfig(save=ck, load=ck, non_persistent_save_interval=2,
+    cfg = CheckpointConfig(save=ck, load=ck, save_interval=5, non_persistent_save_interval=2,
                            non_persistent_ckpt_type="global")
-    engine, lines = FileEngine(), []
-    saver = CheckpointSaver(cfg, engine, None, lines.append)
-    saves = lc.non_persistent_saves(cfg, engine, saver, 0, 1, torch.device("cpu"), None, print)
     glob_dir = os.path.join(ck, "non_persistent")
-    for iteration in (2, 4, 5, 6):
-        saves.maybe_save(iteration, {"iteration": iteration}, persistent=iteration == 5)
-        saves.finish(blocking=True)
+    with caplog.at_level(logging.INFO, logger="app.training.checkpointing"):
+        after_iterations(checkpointer(cfg, FileEngine()), (2, 4, 5, 6))
     assert names.list_checkpoint_iterations(glob_dir) == [4, 6], os.listdir(glob_dir)
     assert names.read_tracker(glob_dir) == 6 and not os.path.exists(ck + "/iter_0000006")
+    assert names.list_checkpoint_iterations(ck) == [5] and names.read_tracker(ck) == 5
+    lines = [r.getMessage() for r in caplog.records]
     assert any(f"saved checkpoint at iteration 6 to {glob_dir}" in line for line in lines), lines
     for persistent, at_most, want in ((None, None, 6), (5, None, 6), (6, None, 6), (8, None, 8),
                                       (5, 5, 5)):
         if persistent is not None:
             os.makedirs(names.checkpoint_dir(ck, persistent), exist_ok=True)
             names.write_tracker(ck, persistent)
-        chosen = lc.newest_checkpoint(cfg, ck, True, at_most=at_most)
+        chosen = latest.newest_checkpoint(cfg, ck, True, at_most=at_most)
         assert chosen.iteration == want, (persistent, at_most)
         assert chosen.describe() == (
             f"the global non-persistent checkpoint of iteration 6 in {glob_dir}" if want == 6
             else f"the persistent checkpoint of iteration {want} in {ck}")
-    assert lc.newest_checkpoint(cfg, ck, False).iteration == 5  # --finetune: not looked at
+    assert latest.newest_checkpoint(cfg, ck, False).iteration == 5  # --finetune: not looked at
     os.makedirs(names.checkpoint_dir(glob_dir, "release"))
     names.write_tracker(glob_dir, "release")
     with pytest.raises(CheckpointError, match="a non-persistent checkpoint cannot be one"):
-        lc.newest_checkpoint(cfg, ck, True)
+        latest.newest_checkpoint(cfg, ck, True)
 
 
 def test_a_failed_local_save_is_undone_recorded_and_training_goes_on(tmp_path):
     """The second local save hits a full disk (the error torch.save gives): its files are
     removed, iteration 2 stays the newest, a save_failed record names the folder; the third
     commits; --max-failed-saves 1 would have stopped the run (SaveFailed)."""
-    from app.training.resilience.saving import SaveFailed
+    from app.training.checkpointing.saver import SaveFailed
     from app.utils import faults
     cfg = CheckpointConfig(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
                            non_persistent_local_ckpt_dir=str(tmp_path / "local"))
     records = []
     writer = type("W", (), {"write": lambda self, *a: records.append(a)})()
-    saves = lc.LocalSaves(cfg, FakeEngine(1.0), 0, 1, torch.device("cpu"), writer, print)
+    saves = checkpointer(cfg, FakeEngine(1.0), writer)
     folder = str(tmp_path / "local" / "rank_0")
     with faults.injected(faults.SAVE_STAGE, faults.disk_full(saves={2})):
-        for iteration in (2, 4):
-            saves.maybe_save(iteration, {"iteration": iteration}, persistent=False)
-            saves.finish(blocking=True)
+        after_iterations(saves, (2, 4))
         assert names.read_tracker(folder) == 2
         assert names.list_checkpoint_iterations(folder) == [2]
-        saves.maybe_save(6, {"iteration": 6}, persistent=False)
-        saves.finish(blocking=True)
+        after_iterations(saves, [6])
     assert names.list_checkpoint_iterations(folder) == [6]
     [(kind, iteration, record)] = records
     assert (kind, iteration, record["directory"], record["latest"]) == \
         ("save_failed", 4, folder, 2)
-    strict = lc.LocalSaves(dataclasses.replace(cfg, max_failed_saves=1),
-                           FakeEngine(1.0), 0, 1, torch.device("cpu"), writer, print)
+    strict = checkpointer(dataclasses.replace(cfg, max_failed_saves=1), FakeEngine(1.0), writer)
     with faults.injected(faults.SAVE_STAGE, faults.disk_full()), pytest.raises(SaveFailed):
-        strict.maybe_save(8, {"iteration": 8}, persistent=False)
-        strict.finish(blocking=True)
+        after_iterations(strict, [8])
 
 
 def test_a_local_checkpoint_of_another_world_size_is_refused_with_the_fix(tmp_path):
@@ -271,9 +292,25 @@ def test_a_local_checkpoint_of_another_world_size_is_refused_with_the_fix(tmp_pa
     not resume a 1-rank run: the message names both sizes and how to go on."""
     cfg = CheckpointConfig(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
                            non_persistent_local_ckpt_dir=str(tmp_path / "local"))
-    saver = lc.LocalCheckpoints(cfg, FakeEngine(1.0), 0, 1, torch.device("cpu"))
+    saver = lc.LocalCheckpoints(cfg, FakeEngine(1.0), 0, 1, CPU)
     saver.world_size = 2  # as rank 0 of a two-rank run writes it
     saver.save_checkpoint(saver.folder, 2, {"iteration": 2}, asynchronous=False)
     with pytest.raises(CheckpointError, match=r"saved by 2 ranks and this run has 1.*remove "):
-        lc.load_newest(FakeEngine(0), lc.newest_checkpoint(cfg, None, True), cfg,
-                       torch.device("cpu"))
+        latest.load_newest(FakeEngine(0), latest.newest_checkpoint(cfg, None, True), cfg, CPU)
+
+
+def test_an_error_exit_abandons_the_saves_in_flight(tmp_path):
+    """The trainer's error exit (`Checkpointer.abandon`): the local save still in the
+    background is given up, its iteration directory removed, the committed one kept and
+    still named by the tracker; with nothing in flight it does nothing."""
+    cfg = CheckpointConfig(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
+                           non_persistent_local_ckpt_dir=str(tmp_path / "local"))
+    saves = checkpointer(cfg, FakeEngine(1.0))
+    after_iterations(saves, [2])
+    saves.maybe_save(RunState(4), exiting=False, nonfinite=False)  # written in the background
+    saves.abandon()
+    folder = str(tmp_path / "local" / "rank_0")
+    assert names.read_tracker(folder) == 2
+    assert names.list_checkpoint_iterations(folder) == [2], os.listdir(folder)
+    saves.abandon()
+    assert names.list_checkpoint_iterations(folder) == [2]

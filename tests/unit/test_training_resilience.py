@@ -14,7 +14,7 @@ import pytest
 from app.config import CheckpointConfig
 from app.checkpoint.legacy import per_rank as ckpt
 from app.checkpoint import names
-from app.training.resilience import resume
+from app.training.checkpointing import resume
 from app.training.resilience.save_dir import (LOCK_FILENAME, SaveDirError, SaveDirLock, SaveDirLocked,
                                    claim_save_dir, ensure_writable_dir)
 from app.training.resilience.signals import ExitSignalHandler, LauncherWatch, _Process, handler_enabled

@@ -18,7 +18,7 @@ from app.config.checkpoint import CheckpointConfig
 from app.mpu.parallel_state import ParallelState
 from app.training.data_loading import build_data_iterator, close_data_iterator
 from tests.harness.datasets import IndexSamples
-from app.training.resilience.saving import EXIT_SAVE_FAILED, CheckpointSaver, SaveFailed
+from app.training.checkpointing.saver import EXIT_SAVE_FAILED, CheckpointSaver, SaveFailed
 from app.utils import faults
 from tests.harness.filesystems import Ballast, small_tmpfs
 

@@ -121,8 +121,8 @@ def fp32_main_weights(state: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]
     if not isinstance(opt, dict) or "fp32_from_fp16_params" not in opt or "param_names" not in opt:
         return None
     out: Dict[str, torch.Tensor] = {}
-    for names, values in zip(opt["param_names"], opt["fp32_from_fp16_params"]):
-        for name, value in zip(names, values):
+    for group_names, values in zip(opt["param_names"], opt["fp32_from_fp16_params"]):
+        for name, value in zip(group_names, values):
             out[name] = value
     return out
 

@@ -6,7 +6,7 @@ the native path and DeepSpeed (gradient synchronisation, clipping, loss scaling,
 and LR-schedule step, checkpoint files) lives behind this interface, so the loop never asks
 which engine it has. `native_engine.NativeEngine` and `deepspeed_engine.DeepSpeedEngineAdapter`
 implement it; `app.training.run.build_engine` picks one. Loading follows one policy for both
-(`app.training.resilience.resume`); an engine only reads its own files.
+(`app.training.checkpointing.resume`); an engine only reads its own files.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from app.checkpoint import commit
 from app.config import RunConfig
-from app.training.resilience.resume import (CheckpointContents, LoadResult, ResumePlan,
+from app.training.checkpointing.resume import (CheckpointContents, LoadResult, ResumePlan,
                                  resume_from_checkpoint)
 
 
@@ -91,12 +91,12 @@ class Engine(commit.OneSaveAtATime, abc.ABC):
 
     def load_checkpoint(self, load_dir: str) -> Optional[LoadResult]:
         """Restore from the latest checkpoint under `load_dir` with the shared resume policy
-        (app.training.resilience.resume); None when the directory holds none."""
+        (app.training.checkpointing.resume); None when the directory holds none."""
         return resume_from_checkpoint(self, self.cfg.checkpoint, load_dir)
 
     def local_state(self) -> Dict[str, Any]:
         """This rank's whole training state, for a local checkpoint of this rank alone
-        (app.training.resilience.local_checkpoints): weights, optimizer and LR schedule, as
+        (app.training.checkpointing.local): weights, optimizer and LR schedule, as
         `load_local_state` takes them back at the same layout (all ranks call it together)."""
         raise NotImplementedError(f"{self.name} has no local checkpoints")
 

@@ -73,7 +73,7 @@ from app.model.moe import moe_layers, update_expert_bias
 from app.training.engines import deepspeed_moe, zero3
 from app.training.engines.deepspeed_io import CheckedCheckpointEngine
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
-from app.training.resilience.resume import (CheckpointContents, ResumePlan, check_saved_args,
+from app.training.checkpointing.resume import (CheckpointContents, ResumePlan, check_saved_args,
                                             deepspeed_problem)
 from app.utils.third_party import prepare_deepspeed_import, silence_deepspeed_deprecations
 
@@ -372,8 +372,9 @@ class DeepSpeedEngineAdapter(Engine):
         partitions over another number of data x context ranks (after the model shape, the more
         basic mismatch, which DeepSpeed would otherwise report first), or of experts over
         another number of expert-parallel ranks."""
-        layout = saved_layout.check_loadable(
-            load_dir, plan.iteration, deepspeed=True,
+        layout = plan.layout  # detected once by the resume policy
+        saved_layout.refuse_unloadable(
+            layout, load_dir, deepspeed=True,
             tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
             data_parallel_size=self.zero_ps.data_parallel_size, load_optimizer=False)

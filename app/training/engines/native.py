@@ -29,14 +29,14 @@ from app.checkpoint.mcore import state as mcore_state
 from app.checkpoint.mcore.names import stacks_layers
 from app.checkpoint.torch_dist import dcp_files
 from app.checkpoint.torch_dist import per_rank as torch_dist
-from app.checkpoint.saved_layout import check_loadable, inspect_directory
+from app.checkpoint.saved_layout import refuse_unloadable
 from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.checkpoint.model_args import checkpoint_args_namespace
 from app.launch.distributed import world_group
 from app.model import moe
 from app.optim.distributed_optimizer import DistributedOptimizer
 from app.training.engines.base import Engine, StepResult
-from app.training.resilience.resume import CheckpointContents, ResumePlan, check_saved_args
+from app.training.checkpointing.resume import CheckpointContents, ResumePlan, check_saved_args
 
 logger = logging.getLogger(__name__)
 
@@ -257,21 +257,21 @@ class NativeEngine(Engine):
         """Read this rank's part of the checkpoint (torch_dist, or its legacy Megatron-layout
         file, by the format its files show); load the weights and, when the plan says so, the
         optimizer and LR-scheduler states."""
-        saved = inspect_directory(names.checkpoint_dir(load_dir, plan.iteration))
         readers = {names.TORCH_DIST: self._read_torch_dist}
-        return readers.get(saved and saved.format, self._read_legacy)(load_dir, plan)
+        return readers.get(plan.layout and plan.layout.format, self._read_legacy)(load_dir, plan)
 
     def _read_legacy(self, load_dir: str, plan: ResumePlan) -> CheckpointContents:
         """Read this rank's legacy Megatron-layout file (`--ckpt-format torch`); at another
         expert-parallel size the weights of the expert-parallel files of this tensor x
-        pipeline rank; any other layout is refused by check_loadable with the conversion
-        command."""
-        layout = check_loadable(load_dir, plan.iteration, deepspeed=False,
-                                tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
-                                pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
-                                data_parallel_size=self.ps.data_parallel_size,
-                                load_optimizer=plan.load_optimizer,
-                                expert_model_parallel_size=self.ps.expert_model_parallel_size)
+        pipeline rank; any other layout is refused with the conversion command
+        (saved_layout.loadable_problem)."""
+        layout = plan.layout  # detected once by the resume policy
+        refuse_unloadable(layout, load_dir, deepspeed=False,
+                          tensor_model_parallel_size=self.ps.tensor_model_parallel_size,
+                          pipeline_model_parallel_size=self.ps.pipeline_model_parallel_size,
+                          data_parallel_size=self.ps.data_parallel_size,
+                          load_optimizer=plan.load_optimizer,
+                          expert_model_parallel_size=self.ps.expert_model_parallel_size)
         saved_ep = layout.expert_model_parallel_size if layout else 1
         rank = self._rank_kwargs()
         if saved_ep != rank["ep_size"]:  # the expert-parallel rank 0 file, then the experts

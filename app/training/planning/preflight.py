@@ -35,8 +35,8 @@ from app.training.planning.data_check import check_data
 from app.training.planning.memory import (FIT_FRACTION, estimate_memory,
                                           expert_params_per_rank, params_per_rank)
 from app.training.telemetry import flops
-from app.training.resilience.data_order import check_data_order, resume_order
-from app.training.resilience.resume import (ResumeTarget, check_resume, check_saved_args,
+from app.training.checkpointing.data_order import check_data_order, resume_order
+from app.training.checkpointing.resume import (ResumeTarget, check_resume, check_saved_args,
                                             decide_start, require_rng_state)
 from app.training.resilience.save_dir import held_by_live_run, save_dir_problem
 
@@ -258,7 +258,7 @@ def _check_schedule(report: Report, cfg: RunConfig, saved: Optional[dict]) -> No
 
 def _check_data_order(report: Report, cfg: RunConfig, saved: Any,
                       data_order: Optional[Callable[[int], dict]], where: str) -> None:
-    """The data-order choice and check a resume makes (app.training.resilience.data_order);
+    """The data-order choice and check a resume makes (app.training.checkpointing.data_order);
     `data_order(version)` is this run's record in the order of that version."""
     writer = model_args.checkpoint_writer(saved)
     report.ok(f"written by {writer.describe()}")

@@ -1,2 +1,5 @@
-"""What keeps a run safe: the start/resume/overwrite policy, the --save writer lock, exit signals
-and the launcher watch, the peer watchdog, loss-spike rollback and the non-finite policy."""
+"""What keeps a run safe: fault handling, apart from the checkpointer it asks
+(app.training.checkpointing). `guard.RunGuard` is what the trainer holds: the non-finite
+policy (nonfinite), loss-spike rollback (rollback), exit signals and the launcher watch
+(signals), the peer watchdog (watchdog) and in-process restart (inprocess); save_dir is the
+--save writer lock and checks."""

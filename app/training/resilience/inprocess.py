@@ -55,7 +55,7 @@ from app.checkpoint.snapshot import HostBuffers, host_copy
 from app.config import InProcessRestartConfig
 from app.mpu.parallel_state import destroy_model_parallel
 from app.mpu.random import load_rng_state_dict, rng_state_dict
-from app.training.resilience.saving import SaveFailed
+from app.training.checkpointing.saver import SaveFailed
 from app.training.resilience.watchdog import PeerFailure
 from app.utils.rank_logging import ALL_RANKS
 

@@ -13,9 +13,10 @@ All ranks agree on a trigger (one max all-reduce per iteration: the loss lives o
 pipeline stage), then every rank reloads the newest checkpoint with everything in it (weights,
 optimizer, LR schedule, RNG), whatever --finetune/--no-load-* said at start: with
 non-persistent checkpoints the newest one (local: complete over all ranks; global: the one its
-directory's tracker names) when it is
-at least as new as the latest persistent one under --save, else that persistent one: the
-choice a resume makes (local_checkpoints.newest_checkpoint), and the log says which. The
+directory's tracker names) when it is at least as new as the latest persistent one under
+--save, else that persistent one: the choice a resume makes, which the run's checkpointer
+makes for both (app.training.checkpointing.checkpointer.rollback_target), and the log says
+which. The
 data of the window that led to the spike, samples [checkpoint's consumed samples, samples
 consumed through the spike iteration), is skipped: the iteration count goes back to the
 checkpoint's, the consumed-sample count does not, and the sampler resumes from it. The run
@@ -32,20 +33,19 @@ Nothing is saved from the poisoned state: the trigger is handled before the iter
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections import deque
-from typing import Any, Callable, Deque, Optional
+from typing import Any, Deque, Optional
 
 import torch
 
 from app.config import RollbackConfig, RunConfig
 from app.mpu import collectives
 from app.launch.distributed import world_group
+from app.training.checkpointing.checkpointer import Checkpointer
+from app.training.checkpointing.latest import NewestCheckpoint
 from app.training.resilience.nonfinite import TrainingAborted
-from app.training.resilience.local_checkpoints import (NewestCheckpoint, load_newest,
-                                                       newest_checkpoint)
 from app.utils.rank_logging import LAST_RANK
 
 logger = logging.getLogger(__name__)
@@ -85,20 +85,14 @@ class SpikeDetector:
 class SpikeRollback:
     """The rollback of one run: detection, agreement across ranks, reload, data skip, budget."""
 
-    def __init__(self, cfg: RunConfig, engine: Any, device: torch.device,
-                 train_samples: Optional[int] = None,
-                 finish_save: Optional[Callable[[], None]] = None) -> None:
-        """`train_samples`: the training data set's length (None: not checked);
-        `finish_save()` commits a save still being written (default: the engine's; the
-        trainer's also handles a failed one, app.training.resilience.saving)."""
-        self.cfg, self.engine, self.device = cfg, engine, device
-        self.finish_save = finish_save or engine.finish_save
+    def __init__(self, cfg: RunConfig, checkpointer: Checkpointer, device: torch.device,
+                 train_samples: Optional[int] = None) -> None:
+        """`checkpointer`: the run's (what to go back to, and the load); `train_samples`: the
+        training data set's length (None: not checked)."""
+        self.cfg, self.checkpointer, self.device = cfg, checkpointer, device
         self.train_samples = train_samples
         self.detector = SpikeDetector(cfg.rollback)
         self.rollbacks = 0
-        # a rollback restores everything the checkpoint holds, whatever the start-up flags said
-        self.restore_all = dataclasses.replace(cfg.checkpoint, finetune=False,
-                                               no_load_optim=False, no_load_rng=False)
 
     def _agree(self, triggered: bool) -> bool:
         return collectives.agree([triggered], world_group(), self.device)[0] > 0
@@ -114,16 +108,12 @@ class SpikeRollback:
         if not self._agree(reason is not None):
             return False
         reason = reason or "another rank saw the trigger"
-        self.finish_save()  # a save still being written (--async-save, a local one) counts
-        c = self.cfg.checkpoint
-        chosen = newest_checkpoint(c, c.save, non_persistent=c.non_persistent_ckpt_type is not None,
-                                   at_most=state.iteration)  # as a resume does
+        # a save still being written (--async-save, a local one) counts
+        self.checkpointer.finish(blocking=True)
+        chosen = self.checkpointer.rollback_target(state.iteration)  # as a resume chooses
         budget = self.cfg.rollback.max_rollbacks
         if self.rollbacks >= budget or chosen.iteration is None:
-            where = f"--save {c.save}" + (
-                f" or --non-persistent-local-ckpt-dir {c.non_persistent_local_ckpt_dir}"
-                if c.local_checkpoints else f" or {chosen.global_dir}" if chosen.global_dir
-                else "")
+            where = self.checkpointer.nothing_to_roll_back_to(chosen)
             why = (f"{budget} rollback(s) already made (--max-rollbacks)"
                    if chosen.iteration is not None
                    else f"no checkpoint under {where} to roll back to yet")
@@ -136,8 +126,8 @@ class SpikeRollback:
         self.rollbacks += 1
         logger.warning("iteration %d: %s: rolling back (%d of %d)", state.iteration, reason,
                        self.rollbacks, budget, extra=LAST_RANK)
-        loaded = load_newest(self.engine, chosen, self.restore_all, self.device,
-                             doing="rolling back to")
+        # everything the checkpoint holds, whatever the start-up flags said
+        loaded = self.checkpointer.load(chosen, restore_all=True, doing="rolling back to")
         if loaded is None:
             raise TrainingAborted(f"iteration {state.iteration}: {reason}; {chosen.describe()} "
                                   "disappeared while rolling back: stopping")

@@ -2,7 +2,7 @@
 
 `--exit-signal-handler` (Megatron's flag): SIGTERM, SIGINT and SIGUSR1 only set a flag here.
 The trainer asks every rank at the end of each iteration (one all-reduce, see
-`Trainer._stop_request`); when any rank got a signal, all save a checkpoint of that iteration
+`app.training.resilience.guard.RunGuard.should_exit`); when any rank got a signal, all save a checkpoint of that iteration
 and the process exits 0 with one line saying so. Signals that arrive while the checkpoint is
 being written are noted and ignored, so nothing half-written is left (SIGKILL still stops a
 rank at once; the crash-safe writer then keeps the previous checkpoint as the latest).

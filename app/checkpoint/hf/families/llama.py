@@ -355,16 +355,8 @@ class LlamaAdapter(FamilyAdapter):
             return QWEN3
         return QWEN2 if config.qkv_bias and not config.add_bias_linear else LLAMA
 
-    def read_directory(self, path: str, config: Dict,
-                       make_vocab_size_divisible_by: int = 128) -> ModelCheckpoint:
-        return read_hf_dir(path, config, make_vocab_size_divisible_by)
-
-    def write_directory(self, source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
-                        dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
-                        metrics_file: Optional[str] = None, model_path: Optional[str] = None
-                        ) -> Dict[str, str]:
-        return write_hf_dir(source, out_dir, tokenizer, dtype, max_shard_size, metrics_file,
-                            model_path)
+    read_directory = staticmethod(read_hf_dir)
+    write_directory = staticmethod(write_hf_dir)
 
 
 ADAPTER = LlamaAdapter()

@@ -1,4 +1,6 @@
-"""Checkpoint saves from the training loop, and what a save that fails does to the run.
+"""One kind of checkpoint save (persistent, global or local), and what a save that fails does to
+the run: the failed-save policy, which the run's checkpointer applies to all of them
+(app.training.checkpointing.checkpointer).
 
 A save that fails (a full disk however torch reports it, an I/O or permission error, a timeout)
 is undone on every rank by the two-phase commit (app.checkpoint.commit: this save's partial
@@ -16,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Optional
 
-from app.checkpoint import names
+from app.checkpoint import commit, names
 from app.checkpoint.commit import CheckpointSaveError
 from app.config.checkpoint import CheckpointConfig
 
@@ -35,18 +37,23 @@ class SaveFailed(Exception):
 
 
 class CheckpointSaver:
-    """Saves of one run (synchronous, or --async-save with one in flight), counting failures.
+    """Saves of one kind (synchronous, or in the background with one in flight), counting
+    failures.
 
-    Every rank calls `save` and `finish` at the same points. `writer` is the run's
-    MetricsWriter (app.training.telemetry.metrics); `log(text)` writes one line of the
-    training log; `saving()` is a context in which a checkpoint is being written (the
-    signal handler's `saving` flag).
+    `files` writes the checkpoint files and commits them, one save at a time
+    (app.checkpoint.commit.OneSaveAtATime: `save_checkpoint`, `finish_save`, `save_in_flight`,
+    `abandon_save`): the engine for persistent and global saves, the local checkpoints
+    (app.training.checkpointing.local.LocalCheckpoints) for local ones. Every rank calls `save`
+    and `finish` at the same points. `writer` is the run's MetricsWriter
+    (app.training.telemetry.metrics: the `save_failed` records); `log(text)` writes one line
+    of the training log; `saving()` is a context in which a checkpoint is being written (the
+    exit-signal handler's `saving` flag and the watchdog's beat, app.training.resilience.guard).
     """
 
-    def __init__(self, cfg: CheckpointConfig, engine: Any, writer: Any,
+    def __init__(self, cfg: CheckpointConfig, files: commit.OneSaveAtATime, writer: Any,
                  log: Callable[[str], None],
                  saving: Callable[[], Any] = contextlib.nullcontext) -> None:
-        self.cfg, self.engine, self.writer, self.log = cfg, engine, writer, log
+        self.cfg, self.files, self.writer, self.log = cfg, files, writer, log
         self._saving = saving
         self.failures_in_a_row = 0
         """Saves that failed since the last one that was committed."""
@@ -55,21 +62,19 @@ class CheckpointSaver:
         """Where the latest save went (--save, or a global non-persistent directory)."""
 
     def save(self, iteration: int, client_state: Dict[str, Any], *, final: bool,
-             directory: Optional[str] = None, before: Callable[[], Any] = lambda: None
-             ) -> bool:
+             directory: Optional[str] = None) -> bool:
         """Save the checkpoint of `iteration` into `directory` (default --save; synchronously,
-        or hand it to the background writer), `before()` called once the save in flight is
-        committed; False when it failed (logged and recorded, training goes on). Raises
-        SaveFailed when the run must stop: `final` (the save that ends the run) failed, or
-        --max-failed-saves failed in a row."""
+        or hand it to the background writer), once the save in flight is committed; False when
+        it failed (logged and recorded, training goes on). Raises SaveFailed when the run must
+        stop: `final` (the save that ends the run) failed, or --max-failed-saves failed in a
+        row."""
         self.finish(blocking=True, final=False)  # one save at a time: the one in flight first
-        before()
         t0 = time.time()
         background = self.cfg.async_save
         self._directory = directory or self.cfg.save
         try:
             with self._saving():
-                path = self.engine.save_checkpoint(self._directory, iteration, client_state,
+                path = self.files.save_checkpoint(self._directory, iteration, client_state,
                                                    asynchronous=background)
         except CheckpointSaveError as exc:
             self._failed(iteration, exc, final)
@@ -90,12 +95,12 @@ class CheckpointSaver:
         """Commit the save being written in the background once every rank has written its
         files: at once with `blocking`, else only if they all have (one agreement while a
         save is in flight). A failed commit is handled as `save` handles a failed save."""
-        iteration = self.engine.save_in_flight
+        iteration = self.files.save_in_flight
         if iteration is None:
             return
         try:
             with self._saving():
-                path = self.engine.finish_save(blocking)
+                path = self.files.finish_save(blocking)
         except CheckpointSaveError as exc:
             self._failed(iteration, exc, final)
             return
@@ -107,9 +112,7 @@ class CheckpointSaver:
     def abandon(self, timeout_s: float = 60.0) -> None:
         """On an exit path that cannot commit (an error): stop the background writer, waiting
         up to `timeout_s`, and remove this rank's files of the save in flight."""
-        abandon = getattr(self.engine, "abandon_save", None)
-        if abandon is not None:
-            abandon(timeout_s)
+        self.files.abandon_save(timeout_s)
 
     def _failed(self, iteration: int, error: CheckpointSaveError, final: bool) -> None:
         """Log and record one failed save; SaveFailed when the run must stop."""
@@ -138,17 +141,4 @@ def _latest(save_dir: str) -> Optional[int]:
     return latest if isinstance(latest, int) else None
 
 
-@contextlib.contextmanager
-def flagged(signals: Any) -> Iterator[None]:
-    """Tell the exit-signal handler (when there is one) that a checkpoint is being written: a
-    second signal then waits for it."""
-    if signals is not None:
-        signals.saving = True
-    try:
-        yield
-    finally:
-        if signals is not None:
-            signals.saving = False
-
-
-__all__ = ["CheckpointSaver", "EXIT_SAVE_FAILED", "SaveFailed", "flagged"]
+__all__ = ["CheckpointSaver", "EXIT_SAVE_FAILED", "SaveFailed"]

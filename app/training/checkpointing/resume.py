@@ -72,6 +72,9 @@ class ResumePlan:
     """Restore the RNG states (False with --no-load-rng or weights_only)."""
     reason: str = ""
     """Why weights only ("--finetune" / "a release checkpoint"), for the log."""
+    layout: Optional[saved_layout.SavedLayout] = None
+    """What the iteration's files are (app.checkpoint.saved_layout.inspect_directory),
+    detected once by `resume_from_checkpoint` and read by the engine; None: no known files."""
 
 
 @dataclass
@@ -291,14 +294,17 @@ def check_finite_weights(parameters: Iterable[Tuple[str, torch.Tensor]], where: 
                 "(write it into the tracker file)")
 
 
-def plan_resume(c: CheckpointConfig, iteration: names.Iteration) -> ResumePlan:
-    """The plan for loading `iteration` under --finetune / --no-load-optim / --no-load-rng."""
+def plan_resume(c: CheckpointConfig, iteration: names.Iteration,
+                layout: Optional[saved_layout.SavedLayout] = None) -> ResumePlan:
+    """The plan for loading `iteration` (whose files are `layout`) under --finetune /
+    --no-load-optim / --no-load-rng."""
     release = iteration == "release"
     weights_only = c.finetune or release
     return ResumePlan(iteration=iteration, weights_only=weights_only,
                       load_optimizer=not (weights_only or c.no_load_optim),
                       load_rng=not (weights_only or c.no_load_rng),
-                      reason="a release checkpoint" if release else "--finetune" if c.finetune else "")
+                      reason="a release checkpoint" if release else "--finetune" if c.finetune else "",
+                      layout=layout)
 
 
 def check_saved_args(plan: ResumePlan, saved: Optional[argparse.Namespace], cfg: RunConfig,
@@ -336,7 +342,8 @@ def resume_from_checkpoint(engine: Any, c: CheckpointConfig, load_dir: str
     iteration = names.read_tracker(load_dir)
     if iteration is None:
         return None
-    plan = plan_resume(c, iteration)
+    plan = plan_resume(c, iteration, saved_layout.inspect_directory(  # once per load
+        names.checkpoint_dir(load_dir, iteration)))
     contents: CheckpointContents = engine.read_checkpoint(load_dir, plan)
     check_finite_weights(engine.local_parameters(), contents.path)
     if plan.weights_only:

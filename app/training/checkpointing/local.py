@@ -15,11 +15,12 @@ background thread serializes it, exchanges it with the replica group (over a glo
 the clique's own, used by that thread only) and writes the files, through the same two-phase
 commit as persistent saves (app.checkpoint.commit: durable files with SHA-256 sidecars, all
 ranks agree, each rank's own tracker, the previous local iteration removed once the new one
-commits). The trainer drives it through `LocalSaves`, whose failures count like persistent
-ones (app.training.resilience.saving).
+commits). The run's checkpointer (app.training.checkpointing.checkpointer) drives it through a
+`CheckpointSaver` of its own, whose failures count like persistent ones
+(app.training.checkpointing.saver).
 
-On resume (`newest_checkpoint`, then `load_newest`: app.training.pretrain's resume and
---rollback-on-spike make this one choice) the candidates are ranked by iteration: every rank scans
+On resume and on a --rollback-on-spike (the one choice of app.training.checkpointing.latest:
+`pick_newest` here, then `load_pick`) the candidates are ranked by iteration: every rank scans
 its folder (files whose checksum verifies), the ranks exchange what they hold, and the newest
 iteration that some rank committed (its tracker names it or a later one) and whose every
 rank's state is held by some rank wins, if it is at least as new as the persistent checkpoint
@@ -27,7 +28,6 @@ rank's state is held by some rank wins, if it is at least as new as the persiste
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import os
@@ -43,8 +43,7 @@ from app.config.checkpoint import CheckpointConfig
 from app.launch.distributed import all_ranks_ok, world_group
 from app.mpu import collectives
 from app.mpu.random import load_rng_state_dict, rng_state_dict
-from app.training.resilience.resume import LoadResult, check_finite_weights, load_on_all_ranks
-from app.training.resilience.saving import CheckpointSaver
+from app.training.checkpointing.resume import LoadResult, check_finite_weights
 from app.utils.fileio import remove_temporaries
 
 logger = logging.getLogger(__name__)
@@ -188,78 +187,6 @@ class LocalCheckpoints(commit.OneSaveAtATime):
                                  is_tracker_writer=True, keep_last_n=1, background=asynchronous)
 
 
-class LocalSaves:
-    """The training loop's local saves: every --non-persistent-save-interval iterations that
-    are not persistent saves, in the background, failures counted as persistent ones are."""
-
-    def __init__(self, cfg: CheckpointConfig, engine: Any, rank: int, world_size: int,
-                 device: Any, writer: Any, log: Callable[[str], None]) -> None:
-        self.interval = cfg.non_persistent_save_interval
-        self.local = LocalCheckpoints(cfg, engine, rank, world_size, device)
-        own = dataclasses.replace(cfg, save=self.local.folder, async_save=True,
-                                  keep_last_n_checkpoints=None)
-        self.saver = CheckpointSaver(own, self.local, writer, lambda line: log(f"local: {line}"))
-
-    def maybe_save(self, iteration: int, client_state: Dict[str, Any], persistent: bool
-                   ) -> None:
-        """Start the local save of `iteration` when it is due and no persistent one is."""
-        if self.interval and iteration % self.interval == 0 and not persistent:
-            self.saver.save(iteration, client_state, final=False)
-
-    def finish(self, blocking: bool) -> None:
-        """Commit the local save in flight once every rank wrote it (at once: `blocking`)."""
-        if self.local.save_in_flight is not None:
-            self.saver.finish(blocking, final=False)
-
-    def abandon(self) -> None:
-        """On an error exit: stop the background writer and remove this rank's partial files."""
-        self.local.abandon_save(60.0)
-
-
-class GlobalSaves:
-    """Megatron-LM's `--non-persistent-ckpt-type global`: every --non-persistent-save-interval
-    iterations that are not persistent saves, the run's own checkpoint (its engine and
-    --ckpt-format, through the persistent saves' `saver`, so one save is in flight at a time
-    and failures count alike) into the global directory; before each, the older
-    non-persistent iterations than the one its tracker names are removed (Megatron's
-    cleanup_old_non_persistent_checkpoint, leave 1), so the newest committed one survives a
-    crash in the next save."""
-
-    def __init__(self, cfg: CheckpointConfig, saver: CheckpointSaver, rank: int) -> None:
-        self.interval, self.saver, self.rank = cfg.non_persistent_save_interval, saver, rank
-        self.directory = cfg.global_non_persistent_dir(cfg.save)
-
-    def maybe_save(self, iteration: int, client_state: Dict[str, Any], persistent: bool
-                   ) -> None:
-        """Save `iteration` into the global directory when it is due and no persistent one is."""
-        if self.interval and iteration % self.interval == 0 and not persistent:
-            self.saver.save(iteration, client_state, final=False, directory=self.directory,
-                            before=self._cleanup)
-
-    def _cleanup(self) -> None:
-        committed = names.read_tracker(self.directory) if os.path.isdir(self.directory) else None
-        if self.rank == 0 and isinstance(committed, int):
-            commit.rotate_checkpoints(self.directory, 1, committed)
-
-    def finish(self, blocking: bool) -> None:
-        """Nothing: the persistent saver commits the engine's save in flight."""
-
-    def abandon(self) -> None:
-        """Nothing: the persistent saver abandons the engine's save in flight."""
-
-
-def non_persistent_saves(cfg: CheckpointConfig, engine: Any, saver: CheckpointSaver, rank: int,
-                         world_size: int, device: Any, writer: Any,
-                         log: Callable[[str], None]) -> Any:
-    """The training loop's non-persistent saves (`LocalSaves` or `GlobalSaves`), None without
-    --non-persistent-save-interval."""
-    if not cfg.non_persistent_save_interval:
-        return None
-    if cfg.non_persistent_ckpt_type == "global":
-        return GlobalSaves(cfg, saver, rank)
-    return LocalSaves(cfg, engine, rank, world_size, device, writer, log)
-
-
 # ---------------------------------------------------------------------------- resuming
 
 def scan(folder: str) -> Dict[str, Any]:
@@ -332,8 +259,8 @@ class LocalPick:
     holders: Dict[int, int]
 
 
-def _pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int],
-                 persistent_dir: str, at_most: Optional[int]) -> Optional[LocalPick]:
+def pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int],
+                persistent_dir: str, at_most: Optional[int]) -> Optional[LocalPick]:
     """The newest local checkpoint complete over all ranks (up to `at_most`) if it is at
     least as new as `persistent_iteration` (Megatron's rule), else None (and why is logged).
     Every rank calls it and all decide alike (one gather of what each rank's folder holds)."""
@@ -346,19 +273,20 @@ def _pick_newest(cfg: CheckpointConfig, persistent_iteration: Optional[int],
     if iteration is None or (persistent_iteration is not None and iteration < persistent_iteration):
         reason = why or f"its newest complete iteration {iteration} is older"
         logger.info("local checkpoints in %s not used (%s): %s", local_dir, reason,
-                    f"loading {_persistent(persistent_iteration, persistent_dir)}"
+                    f"loading {persistent_words(persistent_iteration, persistent_dir)}"
                     if persistent_iteration is not None else
                     "and there is no persistent checkpoint")
         return None
     return LocalPick(iteration, holders)
 
 
-def _persistent(iteration: Optional[names.Iteration], directory: Optional[str]) -> str:
+def persistent_words(iteration: Optional[names.Iteration], directory: Optional[str]) -> str:
+    """'the persistent checkpoint of iteration N in DIR', or 'no persistent checkpoint'."""
     return (f"the persistent checkpoint of iteration {iteration} in {directory}"
             if iteration is not None else "no persistent checkpoint")
 
 
-def _load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
+def load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
               instead_of: str = "", doing: str = "resuming from") -> LoadResult:
     """Load the local checkpoint `pick` into `engine` (and the RNG states unless
     --no-load-rng) on every rank, a rank whose own copy is lost taking it from a replica's
@@ -398,100 +326,5 @@ def _load_pick(engine: Any, cfg: CheckpointConfig, device: Any, pick: LocalPick,
                       model_args.checkpoint_writer(None, position.get("writer")))
 
 
-# ---------------------------------------------------------------------------- either kind
-
-@dataclass(frozen=True)
-class NewestCheckpoint:
-    """The checkpoint a load takes (`newest_checkpoint`): `local` when the newest local
-    checkpoint wins, `global_iteration` (under `global_dir`) when the newest global
-    non-persistent one does, else the persistent one under `directory`, whose tracker named
-    `persistent` (None: no tracker)."""
-
-    directory: Optional[str]
-    persistent: Optional[names.Iteration]
-    local: Optional[LocalPick] = None
-    local_dir: str = ""
-    global_iteration: Optional[int] = None
-    global_dir: str = ""
-
-    @property
-    def iteration(self) -> Optional[names.Iteration]:
-        """The iteration the load goes back to (None: there is no checkpoint)."""
-        if self.local is not None:
-            return self.local.iteration
-        return self.global_iteration if self.global_iteration is not None else self.persistent
-
-    def describe(self) -> str:
-        """'the local checkpoint of iteration 16 in DIR', 'the global non-persistent
-        checkpoint of ...', or the persistent one's words."""
-        if self.local is not None:
-            return f"the local checkpoint of iteration {self.local.iteration} in {self.local_dir}"
-        if self.global_iteration is not None:
-            return (f"the global non-persistent checkpoint of iteration {self.global_iteration} "
-                    f"in {self.global_dir}")
-        return _persistent(self.persistent, self.directory)
-
-
-def _pick_global(global_dir: Optional[str], persistent: Optional[int], persistent_dir: str,
-                 at_most: Optional[int]) -> Optional[int]:
-    """The iteration the global non-persistent tracker names when it is at least as new as
-    `persistent` (Megatron's rule) and not after `at_most`, else None (and why is logged)."""
-    committed = names.read_tracker(global_dir) if global_dir and os.path.isdir(global_dir) else None
-    if committed == names.RELEASE:
-        raise CheckpointError(f"{global_dir} names a 'release' checkpoint: a non-persistent "
-                              "checkpoint cannot be one (Megatron-LM refuses it too); remove "
-                              "its tracker or point --non-persistent-global-ckpt-dir elsewhere")
-    if not isinstance(committed, int):
-        return None
-    if (persistent is not None and committed < persistent) or (at_most is not None
-                                                              and committed > at_most):
-        logger.info("the global non-persistent checkpoint of iteration %d in %s not used "
-                    "(older than the persistent one, or after the run's iteration): loading %s",
-                    committed, global_dir, _persistent(persistent, persistent_dir))
-        return None
-    return committed
-
-
-def newest_checkpoint(cfg: CheckpointConfig, directory: Optional[str], non_persistent: bool,
-                      at_most: Optional[int] = None) -> NewestCheckpoint:
-    """The one choice between non-persistent and persistent checkpoints, made alike by a resume
-    (from --load, app.training.pretrain) and a rollback (to --save,
-    app.training.resilience.rollback): with `non_persistent`, the newest non-persistent
-    checkpoint of --non-persistent-ckpt-type (local: complete over all ranks; global: the one
-    its tracker names, under --non-persistent-global-ckpt-dir or `directory` (else
-    --load)/non_persistent)
-    when it is at least as new as the persistent checkpoint under `directory` (a tracker naming
-    'release' counts as none), else that persistent one. `at_most` (a rollback: the run's
-    iteration) leaves out non-persistent checkpoints after it, which another run left. Every
-    rank calls it (a collective for local checkpoints)."""
-    persistent = names.read_tracker(directory) if directory else None
-    numbered = persistent if isinstance(persistent, int) else None
-    if non_persistent and cfg.non_persistent_ckpt_type == "global":
-        global_dir = cfg.global_non_persistent_dir(directory or cfg.load) or ""
-        return NewestCheckpoint(directory, persistent, global_dir=global_dir,
-                                global_iteration=_pick_global(global_dir, numbered,
-                                                              directory or "", at_most))
-    pick = (_pick_newest(cfg, numbered, directory or "", at_most)
-            if non_persistent and cfg.local_checkpoints else None)
-    return NewestCheckpoint(directory, persistent, pick, cfg.non_persistent_local_ckpt_dir or "")
-
-
-def load_newest(engine: Any, chosen: NewestCheckpoint, cfg: CheckpointConfig, device: Any,
-                doing: str = "resuming from") -> Optional[LoadResult]:
-    """Load `chosen` on every rank under `cfg`'s --finetune/--no-load-* settings; None when
-    it is persistent and its directory holds no checkpoint (any more)."""
-    if chosen.local is not None:
-        return _load_pick(engine, cfg, device, chosen.local,
-                         _persistent(chosen.persistent, chosen.directory), doing)
-    if chosen.global_iteration is not None:
-        logger.info("%s %s, not from %s", doing, chosen.describe(),
-                    _persistent(chosen.persistent, chosen.directory))
-        return load_on_all_ranks(engine, chosen.global_dir, device, checkpoint=cfg)
-    if not chosen.directory:
-        return None
-    return load_on_all_ranks(engine, chosen.directory, device, checkpoint=cfg)
-
-
-__all__ = ["GlobalSaves", "LocalCheckpoints", "LocalPick", "LocalSaves", "NewestCheckpoint",
-           "load_newest", "newest_checkpoint", "newest_complete", "non_persistent_saves",
+__all__ = ["LocalCheckpoints", "LocalPick", "load_pick", "newest_complete", "pick_newest",
            "replica_group", "scan"]
