@@ -219,15 +219,27 @@ class CheckpointWriter:
         return f"{PROJECT} {releases} (no version recorded; known by the fields of its args)"
 
 
+def converted_writer_record(args: Optional[argparse.Namespace]) -> Optional[Dict[str, str]]:
+    """The writer record a converter stores in the args it copies from `args`, whose fields it
+    extends (which would hide the marks `checkpoint_writer` reads): a release before 0.6.0's
+    marks as {"project", "before"}; None where `args` record their writer or are not ours."""
+    writer = checkpoint_writer(args)
+    if not writer.ours or writer.version is not None:
+        return None
+    return {"project": PROJECT, "before": str(writer.before)}
+
+
 def checkpoint_writer(args: Optional[argparse.Namespace],
                       record: Optional[Dict[str, Any]] = None) -> CheckpointWriter:
     """Who wrote a checkpoint whose args are `args` (None: it has none) or whose client state
     holds the writer `record`: the recorded release (`writer_record`), else this trainer by the
     marks its args always carried (only fields of ARGS_BEFORE_0_4 before 0.4.0, of ARGS_OF_0_4
-    in 0.4.0, a `data_order` field in 0.5.x; a converter's CONVERTER_FIELDS aside), else
-    another writer."""
+    in 0.4.0, a `data_order` field in 0.5.x; a converter's CONVERTER_FIELDS aside, or the marks
+    a converter recorded: `converted_writer_record`), else another writer."""
     record = record or getattr(args, "writer", None)
     if isinstance(record, dict) and record.get("project") == PROJECT:
+        if record.get("version") is None:  # a converted checkpoint of a release before 0.6.0
+            return CheckpointWriter(True, before=str(record.get("before")))
         return CheckpointWriter(True, str(record.get("version")))
     fields = set(vars(args)) - CONVERTER_FIELDS if isinstance(args, argparse.Namespace) else set()
     if fields and fields <= ARGS_BEFORE_0_4:

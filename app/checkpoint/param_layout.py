@@ -30,7 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from app.checkpoint import CheckpointError, sharding
-from app.checkpoint.model_args import (ROPE_FACTOR_APPLIED, model_config_from_args,
+from app.checkpoint.model_args import (ROPE_FACTOR_APPLIED, converted_writer_record,
+                                       model_config_from_args,
                                        model_option_args)
 from app.checkpoint.state import Iteration, ModelCheckpoint, Progress
 from app.config import ModelConfig
@@ -375,6 +376,9 @@ def target_args(source: ModelCheckpoint, tp: int, pp: int, dtype: torch.dtype,
     the rest). Megatron-LM's own args get the RoPE scaling factor their model computed with
     (model_args.ROPE_FACTOR_APPLIED)."""
     args = copy.copy(source.args)
+    record = converted_writer_record(source.args)
+    if record is not None:  # the fields added below would hide an earlier release's marks
+        args.writer = record
     factor_applied = getattr(args, ROPE_FACTOR_APPLIED, False)
     for name, value in model_option_args(model_config_from_args(args, for_inference=True)
                                          ).items():

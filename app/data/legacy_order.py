@@ -1,7 +1,7 @@
 """A reader of the sample order of this trainer's releases before 0.5.0 (0.1.0 to 0.4.0, and the
 code up to the change to Megatron Core's order): what their checkpoints need to resume on the
 samples they would have read. New runs never use it; a checkpoint chooses it
-(app.training.resilience.data_order: its data-order record of version 1, or, recording none,
+(app.training.checkpointing.data_order: its data-order record of version 1, or, recording none,
 the marks of this trainer's args before 0.4.0).
 
 The order, for one split whose documents (entries of the .idx's document index, not its

@@ -19,7 +19,7 @@ from app.config import DataConfig
 from app.data.gpt_dataset import build_datasets
 from app.data.legacy_order import LEGACY_ORDER, sample_order
 from app.data.plan import ORDER_VERSION, order_record, plan_datasets
-from app.training.resilience.data_order import ALLOW_FLAG, resume_order
+from app.training.checkpointing.data_order import ALLOW_FLAG, resume_order
 from tests.harness.launch import ROOT
 
 HERE = os.path.join(ROOT, "tests", "data", "legacy_order")
@@ -75,8 +75,11 @@ def test_a_converted_checkpoint_keeps_its_writers_marks():
     0.1.0-0.3.0 converted today is still theirs (and resumes in their order)."""
     import torch
     from app.checkpoint.param_layout import target_args
-    source = argparse.Namespace(args=_args(**{name: 1 for name in ARGS_BEFORE_0_4}))
-    converted = target_args(source, 2, 1, torch.float32, 320, 2)
+    old = os.path.join(os.path.dirname(__file__), "..", "data", "old_checkpoints", "v0.2.0",
+                       "native_fp32", "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    source = torch.load(old, map_location="cpu", weights_only=False)  # what 0.2.0 wrote
+    assert checkpoint_writer(source["args"]).before == "0.4.0"
+    converted = target_args(argparse.Namespace(args=source["args"]), 2, 1, torch.float32, 320, 2)
     assert checkpoint_writer(converted).before == "0.4.0"
 
 
