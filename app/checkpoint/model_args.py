@@ -142,7 +142,9 @@ def checkpoint_args_namespace(cfg: RunConfig, consumed_train_samples: int,
         accumulate_allreduce_grads_in_fp32=cfg.precision.grads_accumulate_in_fp32,
         **model_option_args(m), bias_swiglu_fusion=m.bias_swiglu_fusion,
         tokenizer_model=cfg.data.tokenizer_model, sequence_parallel=m.sequence_parallel,
-        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers, recompute_modules=list(m.recompute_modules),
+        moe_layer_recompute=m.moe_layer_recompute,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
@@ -294,7 +296,7 @@ _ARCHITECTURE: Dict[str, Callable[[Any], Any]] = {
 _TRAINING: Dict[str, Callable[[Any], Any]] = {
     "hidden_dropout": float, "attention_dropout": float, "init_method_std": float,
     "recompute_granularity": str, "recompute_method": str, "recompute_num_layers": int,
-    "sequence_parallel": bool, "bias_gelu_fusion": bool, "bias_dropout_fusion": bool,
+    "recompute_modules": list, "moe_layer_recompute": bool, "sequence_parallel": bool, "bias_gelu_fusion": bool, "bias_dropout_fusion": bool,
     "masked_softmax_fusion": bool, "bias_swiglu_fusion": bool, "use_flash_attn": bool,
     "fp16_lm_cross_entropy": bool, "seed": int}
 """Fields that change only how the model trains, with their types."""

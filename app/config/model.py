@@ -10,16 +10,13 @@ from typing import ClassVar, List, Optional, Tuple
 
 from app.config.moe import MoEConfig
 from app.config.options import option
-from app.config.recompute import recompute_plan
+from app.config.recompute import (RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, check_recompute,
+                                  recompute_plan, selective_modules)
 from app.config.rules import divisible, positive
 from app.utils.dtypes import DTYPE_NAMES
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi")
 """--position-embedding-type values."""
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-"""--recompute-granularity values (unset: no recompute)."""
-RECOMPUTE_METHODS = ("uniform", "block")
-"""--recompute-method values (with full recompute)."""
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 """--attention-backend values (Megatron's AttnBackend names; what each runs here:
 app.model.fused.attention)."""
@@ -149,8 +146,7 @@ class ModelConfig:
     recompute_granularity: Optional[str] = option(
         "--recompute-granularity", default=None, choices=RECOMPUTE_GRANULARITIES,
         help="activation recompute in backward: full (whole layers, see "
-             "--recompute-method) or selective (the attention core only: QK^T, "
-             "softmax, dropout, AV)")
+             "--recompute-method) or selective (the --recompute-modules of every layer)")
     recompute_method: Optional[str] = option(
         "--recompute-method", default=None, choices=RECOMPUTE_METHODS,
         help="with --recompute-granularity full: uniform recomputes every layer in "
@@ -160,6 +156,15 @@ class ModelConfig:
         "--recompute-num-layers", default=None,
         help="with full recompute: layers per chunk (uniform) or recomputed layers "
              "per pipeline stage (block, at most --num-layers / PP); default 1")
+    recompute_modules: List[str] = option(
+        "--recompute-modules", default_factory=lambda: ["core_attn"], nargs="*",
+        help="with --recompute-granularity selective, what every layer recomputes: core_attn "
+             "(QK^T, softmax, dropout, AV), mlp (a dense layer's MLP), moe (a whole MoE "
+             "layer), shared_experts (an MoE layer's shared expert); default core_attn")
+    moe_layer_recompute: bool = option(
+        "--moe-layer-recompute", default=False, group="mixture of experts",
+        help="deprecated in Megatron-LM: --recompute-granularity selective with moe added to "
+             "--recompute-modules (refused with full recompute)")
     sequence_parallel: bool = option(
         "--sequence-parallel", default=False, group="parallel",
         help="split LayerNorm, dropout and residual activations along the sequence "
@@ -241,7 +246,7 @@ class ModelConfig:
                 f"({self.max_position_embeddings}); raise --max-position-embeddings or lower "
                 "--seq-length")
         self.moe.check_against_model(self.num_layers, self.ffn_hidden_size, self.add_bias_linear)
-        self._check_recompute()
+        check_recompute(self)
         self._check_positions()
         self._check_block()
         self._check_query_groups()
@@ -259,30 +264,6 @@ class ModelConfig:
             raise ValueError(f"--use-flash-attn asks for SDPA flash attention but "
                              f"--attention-backend {self.attention_backend} asks for another "
                              "path; drop one of the two")
-
-    def _check_recompute(self) -> None:
-        """--recompute-granularity / --recompute-method / --recompute-num-layers agree."""
-        if self.recompute_granularity not in (None,) + RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"--recompute-granularity must be one of "
-                             f"{', '.join(RECOMPUTE_GRANULARITIES)}, got "
-                             f"{self.recompute_granularity!r}")
-        if self.recompute_method not in (None,) + RECOMPUTE_METHODS:
-            raise ValueError(f"--recompute-method must be one of {', '.join(RECOMPUTE_METHODS)}, "
-                             f"got {self.recompute_method!r}")
-        if self.recompute_granularity == "full":  # construction defaults, as ffn_hidden_size
-            self.recompute_method = self.recompute_method or "uniform"
-            self.recompute_num_layers = self.recompute_num_layers or 1
-            positive(self, (("recompute_num_layers", "--recompute-num-layers"),))
-            return
-        given = [flag for flag, value in (("--recompute-method", self.recompute_method),
-                                          ("--recompute-num-layers", self.recompute_num_layers))
-                 if value is not None]
-        if given:
-            raise ValueError(
-                f"{' and '.join(given)} apply to --recompute-granularity full only (got "
-                f"{self.recompute_granularity or 'no recompute'}); selective recompute always "
-                "recomputes the attention core of every layer: drop "
-                f"{' and '.join(given)} or use --recompute-granularity full")
 
     def _check_positions(self) -> None:
         """--position-embedding-type and the RoPE settings agree."""
@@ -391,6 +372,10 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Channels of each head that RoPE rotates: int(head_dim x rotary_percent)."""
         return int(self.head_dim * self.rotary_percent)
+
+    def recomputes(self, module: str) -> bool:
+        """Selective recompute reruns `module` (a --recompute-modules name) in backward."""
+        return module in selective_modules(self)
 
     @property
     def recompute(self) -> str:

@@ -28,7 +28,9 @@ path than the one the run takes:
   switches for kernels we do not have (--no-rope-fusion, --no-gradient-accumulation-fusion);
   settings whose switch is off (FP8 without --fp8-format, the profiler's without --profile,
   manual GC's without --manual-gc, TensorBoard's without --tensorboard-dir);
-  --reset-attention-mask with --no-create-attention-mask-in-dataloader; --split with
+  --reset-attention-mask with --no-create-attention-mask-in-dataloader; --recompute-modules
+  without --recompute-granularity selective, or naming a module the model lacks (moe in a
+  dense model); --split with
   --mock-data (Megatron divides the mock documents in thirds); --fp8-interval (deprecated by
   Transformer Engine 1.8); --empty-unused-memory-level on a device without the CUDA cache.
 
@@ -45,6 +47,7 @@ from app.config.fp8 import Fp8Config
 from app.config.logs import LogConfig
 from app.config.moe import MoEConfig
 from app.config.optimizer import OptimizerConfig
+from app.config.recompute import idle_recompute_modules
 from app.config.run import RunConfig
 
 MUON_FLAGS = tuple(f.metadata["flag"].name for f in dataclasses.fields(OptimizerConfig)
@@ -159,6 +162,7 @@ def no_effect(cfg: RunConfig, device_type: Optional[str] = None) -> List[str]:
     if d.mock_data and "--split" in given:
         notes.append(f"--split {d.split} is not read with --mock-data: Megatron-LM divides its "
                      "mock documents in thirds (1,1,1)")
+    notes += _recompute_modules_idle(cfg)
     if "--fp8-interval" in given:
         notes.append("--fp8-interval is ignored (deprecated since Transformer Engine 1.8, "
                      "ignored by Megatron-LM)")
@@ -186,3 +190,19 @@ def _moe_flags_not_read(cfg: RunConfig) -> List[str]:
     return [f"{flag} is not read: the token permutation and the router run the same unfused "
             "PyTorch either way (accepted for Megatron's scripts)" for flag in MOE_FUSIONS
             if flag in given]
+
+
+def _recompute_modules_idle(cfg: RunConfig) -> List[str]:
+    """--recompute-modules without selective recompute (Megatron ignores them too), and the
+    named modules the model does not have (mlp without dense layers, moe without experts)."""
+    m, given = cfg.model, cfg.explicit_flags
+    if "--recompute-modules" in given and m.recompute_granularity != "selective":
+        return [f"--recompute-modules {' '.join(m.recompute_modules)} is not read: it applies "
+                "with --recompute-granularity selective (Megatron ignores it too)"]
+    if not {"--recompute-modules", "--moe-layer-recompute"} & set(given):
+        return []
+    return [f"--recompute-modules {name} has no effect: the model has no {what}"
+            for name in idle_recompute_modules(m)
+            for what in [{"mlp": "dense layer", "moe": "MoE layer",
+                          "shared_experts": "shared expert outside a recomputed MoE layer"
+                          }.get(name, name)]]

@@ -99,8 +99,8 @@ class ParallelAttention(nn.Module):
     `rotary` (cos, sin) tables rotate queries and keys (RoPE) before an `inference_cache`
     (incremental decoding) stores the keys and values and returns the cached ones too.
     Attention dropout runs inside the model-parallel RNG fork, since each rank's heads differ.
-    With selective recompute the attention core (QK^T, softmax, dropout, AV) is recomputed in
-    backward instead of keeping its activations.
+    With selective recompute of core_attn (--recompute-modules) the attention core (QK^T,
+    softmax, dropout, AV) is recomputed in backward instead of keeping its activations.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, qkv_init: InitMethod,
@@ -119,7 +119,7 @@ class ParallelAttention(nn.Module):
         self.qk_coeff = float(layer_number + 1) if config.apply_query_key_layer_scaling else 1.0
         self.softmax_in_fp32 = (config.attention_softmax_in_fp32
                                 or config.apply_query_key_layer_scaling)
-        self.selective_recompute = config.recompute_granularity == "selective"
+        self.selective_recompute = config.recomputes("core_attn")
         # context parallelism: this rank holds 2 of the sequence's 2C chunks; keys/values ring
         self.context = parallel_state if parallel_state.context_parallel_size > 1 else None
         self.cp_comm_type = parallel_state.cp_comm_type

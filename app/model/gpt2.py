@@ -190,11 +190,13 @@ class ParallelTransformerLayer(nn.Module):
             config, parallel_state, init.normal(f"{prefix}.attention.query_key_value.weight"),
             init.scaled_normal(f"{prefix}.attention.dense.weight"), layer_number)
         self.post_attention_layernorm = _layer_norm(config, dtype, parallel_state)
-        if config.moe.layer_pattern(config.num_layers)[layer_number]:  # --moe-layer-freq
+        is_moe = config.moe.layer_pattern(config.num_layers)[layer_number]  # --moe-layer-freq
+        if is_moe:
             self.mlp: nn.Module = MoELayer(config, parallel_state, init, f"{prefix}.mlp",
                                            layer_number)
         else:
             self.mlp = ParallelMLP(config, parallel_state, init, f"{prefix}.mlp")
+        self.recompute_mlp = config.recomputes("moe" if is_moe else "mlp")
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary: Optional[RotaryTables] = None,
@@ -204,10 +206,26 @@ class ParallelTransformerLayer(nn.Module):
         with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
             x = fused.bias_dropout_add(attn, attn_bias, x, self.dropout_p, self.training,
                                        self.bias_dropout_fusion)  # [b, s, h]
-        mlp, mlp_bias = self.mlp(self.post_attention_layernorm(x))  # [b, s, h], [h]
+        mlp, mlp_bias = self._mlp(self.post_attention_layernorm(x))  # [b, s, h], [h]
         with _hidden_dropout_rng(self.sequence_parallel, self.dropout_p, self.training):
             return fused.bias_dropout_add(mlp, mlp_bias, x, self.dropout_p, self.training,
                                           self.bias_dropout_fusion)
+
+
+    def _mlp(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The MLP (or MoE layer) on x [b, s, h]; with selective recompute of mlp (moe) run
+        through `app.mpu.random.checkpoint`, recomputed in backward. Its output bias is a
+        parameter (or None), returned as is, outside the checkpoint."""
+        if not (self.recompute_mlp and self.training and torch.is_grad_enabled()):
+            return self.mlp(x)
+        biases: List[Optional[torch.Tensor]] = []
+
+        def output(hidden: torch.Tensor) -> torch.Tensor:
+            out, bias = self.mlp(hidden)
+            biases.append(bias)
+            return out
+        out = mpu_random.checkpoint(output, x, inputs_replicated_over_tp=not self.sequence_parallel)
+        return out, biases[0]
 
 
 class ParallelTransformer(nn.Module):
@@ -218,7 +236,7 @@ class ParallelTransformer(nn.Module):
     so dropout masks repeat exactly, in the chunks `app.config.recompute_plan` gives for these
     layers (uniform: chunks of recompute_num_layers layers; block: the first
     recompute_num_layers layers one by one, the others kept). (Selective recompute lives in the
-    attention.) Under sequence
+    layer's modules: the attention core, the MLP, the MoE layer.) Under sequence
     parallelism a layer's input is this rank's slice of the sequence, different on each TP
     rank, so it never goes to DeepSpeed's partitioned checkpointing (which assumes inputs
     replicated over TP and would rebuild them from the other ranks' slices).

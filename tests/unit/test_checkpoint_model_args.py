@@ -46,6 +46,8 @@ VARIANTS = {
     "alibi_multi_query_selective": dict(
         position_embedding_type="alibi", group_query_attention=True, num_query_groups=1,
         recompute_granularity="selective", seq_length=64, params_dtype="bfloat16"),
+    "selective_modules": dict(recompute_granularity="selective",
+                              recompute_modules=["mlp", "core_attn"]),
     "gpt2_defaults": dict(),
 }
 

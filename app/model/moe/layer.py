@@ -15,6 +15,12 @@ Parameters under `{prefix}` (= language_model.transformer.layers.{i}.mlp):
 `shared_experts.gate_weight` [1, h], `experts.dense_h_to_4h.weight` [E/EP, 2F/ETP, h] and
 `experts.dense_4h_to_h.weight` [E/EP, h, F/ETP] (app.model.moe.experts).
 
+Recompute (--recompute-granularity selective): with `moe` in --recompute-modules the
+transformer layer runs this whole layer through a checkpoint (app.model.gpt2); with
+`shared_experts` the shared expert alone is. The checkpoint's first pass runs without
+gradients, so the router attaches and records its auxiliary losses and token counts only in
+the recompute (app.model.moe.router): once per micro-batch either way.
+
 `begin_iteration(model, scale)` and `update_expert_bias(model)` are what an engine calls around
 an iteration; `moe_layers(model)` finds the layers (every model chunk's).
 """
@@ -31,6 +37,7 @@ from app.model.moe.dispatcher import build_dispatcher
 from app.model.moe.experts import GroupedExperts
 from app.model.moe.router import TopKRouter
 from app.mpu.layers import set_tensor_model_parallel_attributes
+from app.mpu import random as mpu_random
 from app.mpu.mappings import sum_gradient_over_tensor_parallel
 from app.mpu.parallel_state import ParallelState
 from app.utils.dtypes import torch_dtype
@@ -76,6 +83,9 @@ class MoELayer(nn.Module):
         if moe.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpert(config, parallel_state, init,
                                                f"{prefix}.shared_experts")
+        self.recompute_shared = (config.recomputes("shared_experts")
+                                 and not config.recomputes("moe"))  # moe reruns it anyway
+        self.shared_inputs_replicated_over_tp = not config.sequence_parallel
         self.experts = GroupedExperts(config, parallel_state, init, f"{prefix}.experts")
         self.dispatcher = build_dispatcher(moe.moe_token_dispatcher_type, moe.num_experts,
                                            parallel_state)
@@ -86,9 +96,15 @@ class MoELayer(nn.Module):
         dispatched = self.dispatcher.dispatch(tokens, probs, routing_map)
         rows = self.experts(dispatched.rows, dispatched.tokens_per_expert, dispatched.probs)
         out = self.dispatcher.combine(rows, dispatched).view_as(x)  # [b, s, h]
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out, None
+        if self.shared_experts is None:
+            return out, None
+        if self.recompute_shared and self.training and torch.is_grad_enabled():
+            shared = mpu_random.checkpoint(  # [b, s, h], recomputed in backward
+                self.shared_experts, x,
+                inputs_replicated_over_tp=self.shared_inputs_replicated_over_tp)
+        else:
+            shared = self.shared_experts(x)  # [b, s, h]
+        return out + shared, None
 
 
 def moe_layers(model: nn.Module) -> List[MoELayer]:

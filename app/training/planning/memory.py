@@ -63,8 +63,10 @@ parallelism divides the replicated part (the 4 w and the masks, and the embeddin
 t as well: the paper's s b h / t (34 + 5 a s / h). Full recompute (--recompute-granularity
 full; uniform: c layers per chunk) keeps only each chunk's input, w s b h (/t with sequence
 parallelism), plus one chunk's activations while it is recomputed; block recomputes only the
-first N layers of the stage; selective recompute drops the attention-core term (kept for one
-layer at a time in backward). The first stage adds the embedding output; the
+first N layers of the stage; selective recompute drops the terms of its --recompute-modules
+(core_attn: the attention core; mlp: the dense MLP's 2 f or 3 f; moe: an MoE layer's experts,
+router and shared expert; shared_experts: the shared expert's), each kept for one layer at a
+time in backward. The first stage adds the embedding output; the
 last the output layer, (w + 4) s b V / t (logits and the fp32 softmax the loss keeps). The
 1F1B pipeline schedule keeps min(PP - r, micro-batches) micro-batches in flight on stage r, so
 with a pipeline both the first stage (most in flight) and the last (the output layer) are
@@ -385,7 +387,8 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
         width = 2 * w + mask_width if m.attention_dropout > 0 else w
         core = a * s * s * width / t
         scores = " + a·s²·b(2w + m)/t" if m.attention_dropout > 0 else " + a·s²·b·w/t"
-    stage, recompute, how = _kept_and_recomputed(cfg, per_layer, core, w * s * h / sp)
+    selective = _selective(cfg, pipeline_rank, core, s // sp, w, sp)
+    stage, recompute, how = _kept_and_recomputed(cfg, per_layer, core, w * s * h / sp, selective)
     first, last = pipeline_rank == 0, pipeline_rank == pp - 1
     forward = (stage + (s * h * (w + mask) / sp if first else 0.0)
                + (4 * s * V / t if last else 0.0))
@@ -403,6 +406,31 @@ def stage_activations(cfg: RunConfig, device_type: str = "cuda",
                             transient=float(transient), note=note)
 
 
+def _stage_layers(cfg: RunConfig, pipeline_rank: int) -> Tuple[int, int]:
+    """(layers, MoE layers) of pipeline stage `pipeline_rank`, all its model chunks."""
+    m, p = cfg.model, cfg.parallel
+    layers = [i for r in virtual_stage_layer_ranges(
+        m.num_layers, p.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size,
+        pipeline_rank) for i in r]
+    pattern = m.moe.layer_pattern(m.num_layers)
+    return len(layers), sum(pattern[i] for i in layers)
+
+
+def _mlp_terms(cfg: RunConfig, tokens: int, w: int, sp: int) -> Tuple[float, float, float]:
+    """Bytes per sample that (the dense MLP, an MoE layer's shared expert, its routed experts and
+    router) keep for backward; see `_moe_layer_average`."""
+    m, p = cfg.model, cfg.parallel
+    c, t = (3 if m.swiglu else 2), p.tensor_model_parallel_size
+    mlp = tokens * sp * w * c * m.ffn_hidden_size / t
+    if not m.moe.enabled:
+        return mlp, 0.0, 0.0
+    h, etp, k = m.hidden_size, p.expert_tensor_parallel_size, m.moe.moe_router_topk
+    shared = tokens * sp * w * c * m.moe.shared_expert_size / t
+    experts = (k * tokens * w * (etp * h + (c + 1) * m.moe.moe_ffn_hidden_size)
+               + 12 * tokens * m.moe.num_experts)
+    return mlp, shared, experts
+
+
 def _moe_layer_average(cfg: RunConfig, pipeline_rank: int, dense: float, tokens: int, w: int,
                        mask: int, sp: int) -> Tuple[float, str]:
     """The mean per-layer activation bytes per sample over the stage's layers when some are MoE
@@ -414,39 +442,50 @@ def _moe_layer_average(cfg: RunConfig, pipeline_rank: int, dense: float, tokens:
     m, p = cfg.model, cfg.parallel
     if not m.moe.enabled:
         return dense, ""
-    vp = cfg.virtual_pipeline_model_parallel_size
-    layers = [i for r in virtual_stage_layer_ranges(m.num_layers,
-                                                    p.pipeline_model_parallel_size, vp,
-                                                    pipeline_rank) for i in r]
-    pattern = m.moe.layer_pattern(m.num_layers)
-    moe_layers = sum(pattern[i] for i in layers)
+    layers, moe_layers = _stage_layers(cfg, pipeline_rank)
     if not moe_layers:
         return dense, ""
-    c = 3 if m.swiglu else 2
-    h, t, etp, k = m.hidden_size, p.tensor_model_parallel_size, p.expert_tensor_parallel_size, \
-        m.moe.moe_router_topk
-    mlp = tokens * sp * w * c * m.ffn_hidden_size / t  # what the dense MLP keeps
-    shared = tokens * sp * w * c * m.moe.shared_expert_size / t
-    experts = k * tokens * w * (etp * h + (c + 1) * m.moe.moe_ffn_hidden_size) + 12 * tokens * \
-        m.moe.num_experts
+    c, k = (3 if m.swiglu else 2), m.moe.moe_router_topk
+    mlp, shared, experts = _mlp_terms(cfg, tokens, w, sp)
     moe = dense - mlp + shared + experts
-    mean = (dense * (len(layers) - moe_layers) + moe * moe_layers) / len(layers)
-    return mean, (f"; {moe_layers} of the stage's {len(layers)} layers MoE: their MLP term "
+    mean = (dense * (layers - moe_layers) + moe * moe_layers) / layers
+    return mean, (f"; {moe_layers} of the stage's {layers} layers MoE: their MLP term "
                   f"replaced by the shared expert's + k·T·w·(ETP·h + {c + 1}·F_moe) + "
-                  f"12·T·E with T = s/sp tokens, k = {k}, ETP = {etp} (balanced routing)")
+                  f"12·T·E with T = s/sp tokens, k = {k}, "
+                  f"ETP = {p.expert_tensor_parallel_size} (balanced routing)")
 
 
-def _kept_and_recomputed(cfg: RunConfig, per_layer: float, core: float,
-                         layer_input: float) -> Tuple[float, float, str]:
+def _selective(cfg: RunConfig, pipeline_rank: int, core: float, tokens: int, w: int,
+               sp: int) -> Tuple[float, float, str]:
+    """(bytes per sample and layer, averaged over the stage, that selective recompute does not
+    keep; the largest module it reruns at once in backward; the note's words) for the
+    --recompute-modules: core_attn the attention `core`, mlp the dense MLP's term, moe an MoE
+    layer's experts, router and shared expert, shared_experts the shared expert's."""
+    modules = cfg.recompute_plan().modules
+    layers, moe_layers = _stage_layers(cfg, pipeline_rank)
+    mlp, shared, experts = _mlp_terms(cfg, tokens, w, sp)
+    dense_part = mlp if "mlp" in modules and layers > moe_layers else 0.0
+    moe_part = (shared + experts if "moe" in modules
+                else shared if "shared_experts" in modules else 0.0) if moe_layers else 0.0
+    core_part = core if "core_attn" in modules else 0.0
+    dropped = core_part + (dense_part * (layers - moe_layers) + moe_part * moe_layers) / layers
+    return dropped, max(core_part, dense_part, moe_part), ", ".join(modules) or "nothing"
+
+
+def _kept_and_recomputed(cfg: RunConfig, per_layer: float, core: float, layer_input: float,
+                         selective: Tuple[float, float, str]) -> Tuple[float, float, str]:
     """(bytes a pipeline stage's layers keep after forward, bytes a recompute adds in backward,
     how) under `cfg.recompute_plan()` for each of the stage's model chunks; per layer:
     `per_layer` + the attention `core`. A checkpointed chunk keeps its input only and, in
-    backward, the activations of its layers while they are recomputed."""
+    backward, the activations of its layers while they are recomputed; selective recompute
+    keeps each layer without what `_selective` drops and reruns one module at a time."""
     plan, chunks = cfg.recompute_plan(), cfg.virtual_pipeline_model_parallel_size
     layers = sum(n for n, _ in plan.chunks)
-    if plan.granularity == "selective":  # the attention core is recomputed, a layer at a time
-        return (chunks * layers * per_layer, core,
-                f"{chunks * layers} layers kept without the attention core (selective recompute)")
+    if plan.granularity == "selective":
+        dropped, rerun, modules = selective
+        return (chunks * layers * (per_layer + core - dropped), rerun,
+                f"{chunks * layers} layers kept without what selective recompute reruns "
+                f"({modules})")
     checkpointed = plan.checkpointed_regions  # chunks that keep their input only
     whole = layers - plan.recomputed_layers
     kept = chunks * (checkpointed * layer_input + whole * (per_layer + core))
