@@ -13,11 +13,11 @@ TP2xDP2, in bf16 with bf16 gradient reduction under the distributed optimizer (T
 under DeepSpeed ZeRO-2 (DP2), and with Mixture of Experts at EP2. Mixture of Experts, a
 Qwen3-MoE-shaped model (Llama block + QK-norm, 4 experts, top-2, aux and z losses, dropless),
 8 iterations: EP2 (allgather; alltoall with the distributed optimizer and both overlaps),
-TP2 with the experts split by TP (SP), PP2 with a first stage holding no MoE layer, fp16 at
-EP2; every other MoE option (sigmoid scores, expert bias, seq and global load balancing,
+TP2 with the experts split by TP (SP), PP2 with a first stage holding no MoE layer (and
+selective recompute of its dense MLP and MoE layer), fp16 at EP2; every other MoE option (sigmoid scores, expert bias, seq and global load balancing,
 z-loss, shared expert and its gate, fp32 router, grouped GEMM, per-layer logging) with the
 alltoall dispatcher and full recompute at TP2; Muon (one matrix per expert) at TP2; on 4 ranks
-EP2 x TP2, expert TP 1 under TP2 with the distributed optimizer and Muon (experts sharded over
+EP2 x TP2 (with --moe-layer-recompute: the dispatch reruns in backward), expert TP 1 under TP2 with the distributed optimizer and Muon (experts sharded over
 four expert-data-parallel ranks), and
 PP2 x EP2 interleaved with a stage without MoE layers. The MoE metrics (losses by Megatron's
 names, tokens per expert) must equal one process's too.
@@ -128,18 +128,22 @@ OPTIONS = {
     # Mixture of Experts (8 iterations): EP2 with either dispatcher, experts split by TP
     # (ETP = TP, SP), EP2 x TP2, expert TP 1 under TP2, PP2 with a stage without MoE layers
     # (plain and interleaved x EP2), the distributed optimizer (experts sharded over their own
-    # expert-data-parallel group), full recompute, fp16, and the other MoE options
+    # expert-data-parallel group), full recompute, selective recompute of the MoE layer (its
+    # dispatch rerun in backward) and the dense MLP, fp16, and the other MoE options
     "qwen3-moe ep2": (QWEN3_MOE + EP2, False),
     "distributed optimizer qwen3-moe ep2 alltoall": (
         ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
         + QWEN3_MOE + EP2 + A2A, False),
     "sp+qwen3-moe": (SP + QWEN3_MOE, False),
-    "qwen3-moe dense first layer": (QWEN3_MOE + DENSE_FIRST, False),
+    "qwen3-moe dense first layer recompute mlp+moe": (
+        QWEN3_MOE + DENSE_FIRST + ["--recompute-granularity", "selective",
+                                   "--recompute-modules", "mlp", "moe"], False),
     "sp+moe options alltoall full": (SP + MOE_OPTIONS + A2A + ["--recompute-granularity",
                                                                "full"], False),
     "fp16 qwen3-moe ep2": (["--fp16", "--initial-loss-scale", "1024"] + QWEN3_MOE + EP2, False),
     "qwen3-moe ep2 per-token": (QWEN3_MOE + EP2 + PER_TOKEN, False),  # aux grads x R / N
-    "sp+qwen3-moe ep2": (SP + QWEN3_MOE + EP2, False),
+    "sp+qwen3-moe ep2 moe-layer-recompute": (SP + QWEN3_MOE + EP2 + ["--moe-layer-recompute"],
+                                             False),
     "muon sp+qwen3-moe": (MUON + SP + QWEN3_MOE, False),
     "distributed optimizer muon sp+qwen3-moe etp1": (
         ["--use-distributed-optimizer"] + MUON + SP + QWEN3_MOE
@@ -166,7 +170,7 @@ LAYOUTS_2 = [  # (option, tp, pp) on 2 ranks
     ("nemotron", 2, 1), ("sp+qwen2+llama3.1 mqa", 2, 1), ("qwen2+llama3.1 mqa", 1, 2),
     ("per-token+decoupled", 1, 2),
     ("qwen3-moe ep2", 1, 1), ("distributed optimizer qwen3-moe ep2 alltoall", 1, 1),
-    ("sp+qwen3-moe", 2, 1), ("qwen3-moe dense first layer", 1, 2),
+    ("sp+qwen3-moe", 2, 1), ("qwen3-moe dense first layer recompute mlp+moe", 1, 2),
     ("sp+moe options alltoall full", 2, 1), ("fp16 qwen3-moe ep2", 1, 1),
     ("qwen3-moe ep2 per-token", 1, 1),
     ("muon sp+qwen3-moe", 2, 1),
@@ -180,7 +184,7 @@ LAYOUTS_4 = [  # on 4 ranks: TP2 x DP2 and TP2 x PP2 (sequence-parallel slices b
     ("sp+llama+qk-layernorm", 2, 2), ("interleaved sp+llama+full", 2, 2),
     ("per-token+decoupled untied", 2, 1), ("bf16 distributed optimizer grad-reduce-in-bf16 "
                                            "per-token", 2, 1),
-    ("sp+qwen3-moe ep2", 2, 1), ("distributed optimizer muon sp+qwen3-moe etp1", 2, 1),
+    ("sp+qwen3-moe ep2 moe-layer-recompute", 2, 1), ("distributed optimizer muon sp+qwen3-moe etp1", 2, 1),
     ("interleaved qwen3-moe ep2", 1, 2),
 ]
 

@@ -37,9 +37,7 @@ from tests.harness.corpus import read_metrics, stdlib_texts
 from tests.harness.launch import ROOT, run
 
 NAMES = scripts.names()
-WAITING = {  # flag: (whose work adds it, how many values it takes)
-    "--moe-layer-recompute": ("MoE", 0),
-}
+WAITING = {}  # flag: (whose work adds it, how many values it takes)
 WAITING_VALUES = {}
 """A flag value other work adds -> the value with the same meaning here until then."""
 EQUIVALENT = {}

@@ -40,6 +40,7 @@ def test_params_per_rank_is_the_largest_stage_shard(tp, pp, options):
     ("--recompute-granularity", "full", "--recompute-method", "block",
      "--recompute-num-layers", "2"),                    # 2 layer inputs + 2 layers kept
     ("--recompute-granularity", "selective"),           # no attention core kept
+    ("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"),
     ("--recompute-granularity", "selective", "--reset-attention-mask"),
     ("--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--kv-channels", "32",
      "--attention-dropout", "0"),     # Llama's block: gate, up and product kept
@@ -87,7 +88,14 @@ def test_moe_params_per_rank_is_the_largest_shard_and_experts_shard_over_expert_
 
 
 @pytest.mark.parametrize("extra", [(), ("--moe-shared-expert-intermediate-size", "64",
-                                        "--moe-token-dispatcher-type", "alltoall")])
+                                        "--moe-token-dispatcher-type", "alltoall"),
+                                   ("--moe-shared-expert-intermediate-size", "64",
+                                    "--moe-layer-recompute"),
+                                   ("--moe-shared-expert-intermediate-size", "64",
+                                    "--recompute-granularity", "selective",
+                                    "--recompute-modules", "shared_experts", "mlp")],
+                         ids=["plain", "shared-alltoall", "moe-layer-recompute",
+                              "recompute-shared-and-mlp"])
 def test_moe_activation_formula_matches_the_tensors_autograd_keeps(extra):
     """Balanced routing is assumed; the random-token model routes close to it."""
     cfg = config(*MOE, *extra, "--attention-dropout", "0", "--hidden-dropout", "0",

@@ -19,7 +19,9 @@ number; tests/data/megatron_scripts holds Megatron's own values for its launch s
 
 Hardware FLOPs add what activation recompute runs again (Megatron has no HFU): with full
 recompute each recomputed layer's forward (a third of its forward + backward) runs twice (the
-logits are not recomputed); with selective recompute the attention core's forward runs twice.
+logits are not recomputed); with selective recompute the forward of each --recompute-modules
+module runs twice (core_attn: the attention core; mlp: the dense MLPs; moe: the MoE layers'
+routed and shared experts; shared_experts: the shared expert).
 
 MFU = model FLOP/s per rank / peak; HFU = hardware FLOP/s per rank / peak (equal without
 recompute). Peaks: on CUDA the datasheet's dense tensor-core peak for the run's dtype (fp32 runs
@@ -37,7 +39,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -131,9 +133,24 @@ def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
         layers = m.num_layers if recomputed_layers is None else min(recomputed_layers,
                                                                     m.num_layers)
         return terms.total + terms.layers * layers / m.num_layers / FWD_BWD
-    if recompute == "selective":  # the attention core's forward again
-        return terms.total + terms.core / FWD_BWD
+    if recompute == "selective":  # the --recompute-modules' forwards again
+        modules = set(getattr(m, "recompute_modules", ("core_attn",)))
+        again = (terms.core if "core_attn" in modules else 0.0) + _recomputed_mlps(m, modules)
+        return terms.total + again / FWD_BWD
     return terms.total
+
+
+def _recomputed_mlps(m: ModelConfig, modules: Set[str]) -> float:
+    """Forward + backward FLOPs per token of the MLPs selective recompute reruns: the dense
+    layers' (mlp), the MoE layers' routed and shared experts (moe) or shared expert alone
+    (shared_experts); the router is not counted, as in Megatron's formula."""
+    dense_layers, moe_layers, active_width = _mlp_layers(m)
+    width = m.ffn_hidden_size * dense_layers if "mlp" in modules else 0
+    if "moe" in modules:
+        width += active_width * moe_layers
+    elif "shared_experts" in modules and moe_layers:
+        width += m.moe.shared_expert_size * moe_layers
+    return FWD_BWD * FMA * m.hidden_size * (3 if m.swiglu else 2) * width
 
 
 # ---------------------------------------------------------------------------- GPU table
