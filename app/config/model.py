@@ -146,7 +146,9 @@ class ModelConfig:
     recompute_granularity: Optional[str] = option(
         "--recompute-granularity", default=None, choices=RECOMPUTE_GRANULARITIES,
         help="activation recompute in backward: full (whole layers, see "
-             "--recompute-method) or selective (the --recompute-modules of every layer)")
+             "--recompute-method) or selective (the attention core only: QK^T, "
+             "softmax, dropout, AV) by default; --recompute-modules names what selective "
+             "recomputes (also mlp, moe, shared_experts)")
     recompute_method: Optional[str] = option(
         "--recompute-method", default=None, choices=RECOMPUTE_METHODS,
         help="with --recompute-granularity full: uniform recomputes every layer in "
