@@ -293,13 +293,19 @@ def test_fp8_launch_stops_at_once_on_this_machine(assets, tmp_path):
     assert "--fp8-format hybrid" in lines[0] and "Transformer Engine" in lines[0], lines[0]
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM"), reason="needs a Megatron-LM checkout "
-                    "(MEGATRON_LM) to run the scripts themselves")
+VENDORED = os.path.join(ROOT, "tests", "data", "megatron_scripts", "megatron_lm")
+"""Megatron-LM's own launch scripts and the files they source, unmodified, at the commit the
+fixtures were recorded at (its README says which; BSD-3-Clause, its LICENSE beside them)."""
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_scripts_still_launch_what_was_recorded(name, tmp_path):
-    """Each script, run with bash and a recording torchrun, gives the recorded command line."""
+    """Each of Megatron-LM's scripts, run as written with bash and a recording torchrun, gives
+    the recorded command line that the other tests train with: the vendored copies in every
+    run, a Megatron-LM checkout instead when MEGATRON_LM names one."""
     record = scripts.fixture(name)
-    ran = scripts.run_launch(os.environ["MEGATRON_LM"], scripts.LAUNCHES[name], str(tmp_path))
+    tree = os.environ.get("MEGATRON_LM") or VENDORED
+    ran = scripts.run_launch(tree, scripts.LAUNCHES[name], str(tmp_path))
     assert ran["torchrun"] == record["torchrun"]
 
 
