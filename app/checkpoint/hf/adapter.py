@@ -13,11 +13,14 @@ family.
 from __future__ import annotations
 
 import abc
+import argparse
 from typing import ClassVar, Dict, List, Optional
 
 import torch
 
-from app.checkpoint.hf.files import ExportTokenizer
+from app.checkpoint import param_layout as layout
+from app.checkpoint.hf.files import ExportTokenizer, HFConversionError, write_directory
+from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
 
@@ -58,6 +61,45 @@ class FamilyAdapter(abc.ABC):
         """`source` as this family's directory in `out_dir` (app.checkpoint.hf.files
         .write_directory), the vocabulary trimmed to the tokenizer's size; the files written,
         {name: path}."""
+
+
+class DecoderAdapter(FamilyAdapter):
+    """A family written as Hugging Face's decoder layout (`model.embed_tokens.weight`, ...):
+    its tensors (`hf_tensors`) and config.json (`hf_config_json`) are the family's, the steps
+    of an export this class's `write_directory`."""
+
+    @abc.abstractmethod
+    def hf_tensors(self, weights: Dict[str, torch.Tensor], config: ModelConfig,
+                   vocab_size: int) -> Dict[str, torch.Tensor]:
+        """Our full tensors -> the family's names and layouts, `vocab_size` rows kept."""
+
+    @abc.abstractmethod
+    def hf_config_json(self, args: argparse.Namespace, config: ModelConfig, dtype: torch.dtype,
+                       vocab_size: int, tokenizer: ExportTokenizer) -> Dict:
+        """The config.json of `config` (the model of checkpoint args `args`)."""
+
+    def write_directory(self, source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
+                        dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
+                        metrics_file: Optional[str] = None, model_path: Optional[str] = None
+                        ) -> Dict[str, str]:
+        """`source` as this family's directory: refused naming `export_blockers`; the
+        vocabulary trimmed to the tokenizer's size (args.vocab_size); every tensor in `dtype`
+        (default: the embedding's)."""
+        args = source.args
+        config = model_config_from_args(args, for_inference=True)
+        blockers = self.export_blockers(config)
+        if blockers:
+            raise HFConversionError(f"the model is not a Hugging Face {self.family} model: "
+                                    + "; ".join(blockers))
+        vocab_size = int(getattr(args, "vocab_size", None) or
+                         source.weights[layout.WORD_EMBEDDINGS].shape[0])
+        tensors = self.hf_tensors(source.weights, config, vocab_size)
+        dtype = dtype or tensors["model.embed_tokens.weight"].dtype
+        tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}
+        return write_directory(out_dir, tensors,
+                               self.hf_config_json(args, config, dtype, vocab_size, tokenizer),
+                               args, source.iteration, tokenizer, max_shard_size, vocab_size,
+                               metrics_file, model_path)
 
 
 def shift_norm_weights(weights: Dict[str, torch.Tensor], delta: float) -> Dict[str, torch.Tensor]:

@@ -34,10 +34,10 @@ from typing import ClassVar, Dict, List, Optional, Tuple
 import torch
 
 from app.checkpoint import param_layout as layout
-from app.checkpoint.hf.adapter import FamilyAdapter
+from app.checkpoint.hf.adapter import DecoderAdapter
 from app.checkpoint.hf.families import llama
 from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, directory_tokenizer,
-                                     read_hf_tensors, write_directory)
+                                     read_hf_tensors)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
@@ -174,7 +174,7 @@ def moe_layer_freq(config: Dict, path: str, layers: int):
     return 1 if all(pattern) else pattern
 
 
-class MoEFamilyAdapter(FamilyAdapter):
+class MoEFamilyAdapter(DecoderAdapter):
     """A Hugging Face MoE family on the Llama block: its subclass gives the names, the
     architecture, what it requires of the model and its config.json fields."""
 
@@ -246,26 +246,15 @@ class MoEFamilyAdapter(FamilyAdapter):
         args.params_dtype = weights[layout.WORD_EMBEDDINGS].dtype
         return ModelCheckpoint(args=args, weights=weights)
 
-    def write_directory(self, source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
-                        dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
-                        metrics_file: Optional[str] = None, model_path: Optional[str] = None
-                        ) -> Dict[str, str]:
-        args = source.args
-        config = model_config_from_args(args, for_inference=True)
-        blockers = self.export_blockers(config)
-        if blockers:
-            raise HFConversionError(f"the model is not a Hugging Face {self.family} model: "
-                                    + "; ".join(blockers))
-        vocab_size = int(getattr(args, "vocab_size", None) or
-                         source.weights[layout.WORD_EMBEDDINGS].shape[0])
-        tensors = llama.to_hf_state(source.weights, config, vocab_size)
-        tensors.update(to_hf_moe(source.weights, config, self.names))
-        dtype = dtype or tensors["model.embed_tokens.weight"].dtype
-        tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}
-        return write_directory(out_dir, tensors,
-                               self.config_json(args, config, dtype, vocab_size, tokenizer),
-                               args, source.iteration, tokenizer, max_shard_size, vocab_size,
-                               metrics_file, model_path)
+    def hf_tensors(self, weights: Dict[str, torch.Tensor], config: ModelConfig,
+                   vocab_size: int) -> Dict[str, torch.Tensor]:
+        tensors = llama.to_hf_state(weights, config, vocab_size)
+        tensors.update(to_hf_moe(weights, config, self.names))
+        return tensors
+
+    def hf_config_json(self, args: argparse.Namespace, config: ModelConfig, dtype: torch.dtype,
+                       vocab_size: int, tokenizer: ExportTokenizer) -> Dict:
+        return self.config_json(args, config, dtype, vocab_size, tokenizer)
 
 
 def llama_block_config(args: argparse.Namespace, config: ModelConfig, dtype: torch.dtype,

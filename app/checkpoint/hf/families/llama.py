@@ -25,9 +25,9 @@ from typing import Dict, List, Optional
 import torch
 
 from app.checkpoint import param_layout as layout
-from app.checkpoint.hf.adapter import FamilyAdapter, shift_norm_weights
+from app.checkpoint.hf.adapter import DecoderAdapter, shift_norm_weights
 from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, decoder_import_args,
-                                     directory_tokenizer, read_hf_tensors, write_directory)
+                                     directory_tokenizer, read_hf_tensors)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
@@ -312,34 +312,7 @@ def read_hf_dir(path: str, config: Dict, make_vocab_size_divisible_by: int = 128
     return ModelCheckpoint(args=args, weights=weights)
 
 
-def write_hf_dir(source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
-                 dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
-                 metrics_file: Optional[str] = None, model_path: Optional[str] = None
-                 ) -> Dict[str, str]:
-    """`source` as a LlamaForCausalLM (Qwen3ForCausalLM with --qk-layernorm, Qwen2ForCausalLM
-    with --add-qkv-bias and no other linear biases) directory
-    (app.checkpoint.hf.files.write_directory), the vocabulary trimmed to the tokenizer's size
-    (args.vocab_size). Returns the files written."""
-    args = source.args
-    config = model_config_from_args(args, for_inference=True)
-    blockers = llama_export_blockers(config)
-    if blockers:
-        raise HFConversionError("the model is not a Hugging Face Llama model: "
-                                + "; ".join(blockers))
-    architecture = ADAPTER.export_architecture(config)
-    vocab_size = int(getattr(args, "vocab_size", None) or
-                     source.weights[layout.WORD_EMBEDDINGS].shape[0])
-    tensors = to_hf_state(source.weights, config, vocab_size)
-    dtype = dtype or tensors["model.embed_tokens.weight"].dtype
-    tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}
-    return write_directory(out_dir, tensors,
-                           hf_config(args, config, architecture, dtype, vocab_size, tokenizer),
-                           args, source.iteration, tokenizer, max_shard_size, vocab_size,
-                           metrics_file, model_path)
-
-
-
-class LlamaAdapter(FamilyAdapter):
+class LlamaAdapter(DecoderAdapter):
     """Hugging Face Llama, Qwen2 (Llama's block with q/k/v biases: --disable-bias-linear
     --add-qkv-bias) and Qwen3 (Llama's block with query/key norms: --qk-layernorm)."""
 
@@ -356,7 +329,15 @@ class LlamaAdapter(FamilyAdapter):
         return QWEN2 if config.qkv_bias and not config.add_bias_linear else LLAMA
 
     read_directory = staticmethod(read_hf_dir)
-    write_directory = staticmethod(write_hf_dir)
+
+    def hf_tensors(self, weights: Dict[str, torch.Tensor], config: ModelConfig,
+                   vocab_size: int) -> Dict[str, torch.Tensor]:
+        return to_hf_state(weights, config, vocab_size)
+
+    def hf_config_json(self, args: argparse.Namespace, config: ModelConfig, dtype: torch.dtype,
+                       vocab_size: int, tokenizer: ExportTokenizer) -> Dict:
+        return hf_config(args, config, self.export_architecture(config), dtype, vocab_size,
+                         tokenizer)
 
 
 ADAPTER = LlamaAdapter()

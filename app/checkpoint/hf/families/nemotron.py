@@ -22,11 +22,11 @@ from typing import Dict, List, Optional
 import torch
 
 from app.checkpoint import param_layout as layout
-from app.checkpoint.hf.adapter import FamilyAdapter, shift_norm_weights
+from app.checkpoint.hf.adapter import DecoderAdapter, shift_norm_weights
 from app.checkpoint.hf.families.llama import (TOKEN_IDS, fuse_qkv, linear_tensors,
                                                rope_settings, split_qkv, take, take_outer)
 from app.checkpoint.hf.files import (ExportTokenizer, HFConversionError, decoder_import_args,
-                                     directory_tokenizer, read_hf_tensors, write_directory)
+                                     directory_tokenizer, read_hf_tensors)
 from app.checkpoint.model_args import model_config_from_args
 from app.checkpoint.state import ModelCheckpoint
 from app.config import ModelConfig
@@ -161,7 +161,7 @@ def args_from_hf_config(config: Dict, path: str, make_vocab_size_divisible_by: i
         hf_config={key: config[key] for key in TOKEN_IDS if key in config})
 
 
-class NemotronAdapter(FamilyAdapter):
+class NemotronAdapter(DecoderAdapter):
     """Hugging Face Nemotron (Nemotron-Mini's block: LayerNorm-1p, squared ReLU, partial RoPE)."""
 
     family = "Nemotron"
@@ -183,25 +183,13 @@ class NemotronAdapter(FamilyAdapter):
         args.params_dtype = weights[layout.WORD_EMBEDDINGS].dtype
         return ModelCheckpoint(args=args, weights=weights)
 
-    def write_directory(self, source: ModelCheckpoint, out_dir: str, tokenizer: ExportTokenizer,
-                        dtype: Optional[torch.dtype] = None, max_shard_size: str = "2GB",
-                        metrics_file: Optional[str] = None, model_path: Optional[str] = None
-                        ) -> Dict[str, str]:
-        args = source.args
-        config = model_config_from_args(args, for_inference=True)
-        blockers = nemotron_export_blockers(config)
-        if blockers:
-            raise HFConversionError("the model is not a Hugging Face Nemotron model: "
-                                    + "; ".join(blockers))
-        vocab_size = int(getattr(args, "vocab_size", None) or
-                         source.weights[layout.WORD_EMBEDDINGS].shape[0])
-        tensors = to_hf_state(source.weights, config, vocab_size)
-        dtype = dtype or tensors["model.embed_tokens.weight"].dtype
-        tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}
-        return write_directory(out_dir, tensors,
-                               hf_config(args, config, dtype, vocab_size, tokenizer), args,
-                               source.iteration, tokenizer, max_shard_size, vocab_size,
-                               metrics_file, model_path)
+    def hf_tensors(self, weights: Dict[str, torch.Tensor], config: ModelConfig,
+                   vocab_size: int) -> Dict[str, torch.Tensor]:
+        return to_hf_state(weights, config, vocab_size)
+
+    def hf_config_json(self, args: argparse.Namespace, config: ModelConfig, dtype: torch.dtype,
+                       vocab_size: int, tokenizer: ExportTokenizer) -> Dict:
+        return hf_config(args, config, dtype, vocab_size, tokenizer)
 
 
 ADAPTER = NemotronAdapter()
