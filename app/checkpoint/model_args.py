@@ -217,7 +217,7 @@ class CheckpointWriter:
         if self.version is not None:
             return f"{PROJECT} {self.version}"
         releases = {"0.4.0": "0.1.0 to 0.3.0", "0.5.0": "0.4.0, or the code before 0.5.0",
-                    "0.6.0": "0.5.x"}[str(self.before)]
+                    "0.6.0": "0.5.x"}.get(str(self.before), "an earlier release")
         return f"{PROJECT} {releases} (no version recorded; known by the fields of its args)"
 
 
@@ -241,7 +241,7 @@ def checkpoint_writer(args: Optional[argparse.Namespace],
     record = record or getattr(args, "writer", None)
     if isinstance(record, dict) and record.get("project") == PROJECT:
         if record.get("version") is None:  # a converted checkpoint of a release before 0.6.0
-            return CheckpointWriter(True, before=str(record.get("before")))
+            return CheckpointWriter(True, before=record.get("before"))
         return CheckpointWriter(True, str(record.get("version")))
     fields = set(vars(args)) - CONVERTER_FIELDS if isinstance(args, argparse.Namespace) else set()
     if fields and fields <= ARGS_BEFORE_0_4:
