@@ -32,11 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import ModelConfig, recompute_plan
-from app.config.param_names import (LAYER_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS,  # noqa: F401
-                                    TIED_HEAD, WORD_EMBEDDINGS, layer_param_name, parse_layer)
+from app.config.param_names import LAYER_PREFIX, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
 from app.model import fused
 from app.model.attention import InferenceCache, ParallelAttention
-from app.model.mlp import ParallelMLP, glu_init  # noqa: F401 (glu_init: re-exported)
+from app.model.mlp import ParallelMLP
 from app.model.moe.layer import MoELayer
 from app.model.positions import RotaryEmbedding, RotaryTables, alibi_bias, alibi_slopes
 from app.mpu import random as mpu_random

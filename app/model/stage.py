@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from app.config import ModelConfig
-from app.model.gpt2 import GPT2Model, parse_layer
+from app.config.param_names import parse_layer
+from app.model.gpt2 import GPT2Model
 from app.mpu.parallel_state import ParallelState
 from app.pipeline.chunks import ModelChunks
 from app.pipeline.partition import virtual_stage_layer_ranges

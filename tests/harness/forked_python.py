@@ -27,7 +27,6 @@ import os
 import runpy
 import select
 import shlex
-import socket
 import socketserver
 import sys
 import threading

@@ -5,11 +5,10 @@ whose q_norm/k_norm are Megatron Core's qk-layernorm: RMSNorm per head before Ro
 weights copied in (logits, 1e-5)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from app.config import ModelConfig
 from app.model import GPT2Model, fused
-from app.model.gpt2 import glu_init
+from app.model.mlp import glu_init
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,15 +5,14 @@ rope initialisation, the position interpolation of --rotary-seq-len-interpolatio
 --squared-relu's MLP against their formulas, --add-qkv-bias's parameters. (Whole models against
 LlamaForCausalLM, Qwen2ForCausalLM and NemotronForCausalLM through the Hugging Face export:
 tests/unit/test_checkpoint_hf_llama.py.)"""
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from app.config import ModelConfig
 from app.model import GPT2Model, fused
-from app.model.gpt2 import ParallelMLP, ParamInit
+from app.model.gpt2 import ParamInit
+from app.model.mlp import ParallelMLP
 from app.model.positions import RotaryEmbedding
 from app.mpu.parallel_state import ParallelState
 
