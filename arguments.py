@@ -45,19 +45,30 @@ ROOTS = (RunConfig, DryRunConfig)
 
 # ---------------------------------------------------------------------------- the parser
 
-def _add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
-    """DeepSpeed's own flags (--deepspeed, --deepspeed_config, --deepscale*), from deepspeed
-    when it imports; the same spellings otherwise."""
+def _add_deepspeed_flags(parser: argparse.ArgumentParser, from_deepspeed: bool = True) -> None:
+    """DeepSpeed's own flags (--deepspeed, --deepspeed_config, --deepscale*): from deepspeed
+    (deepspeed.add_config_arguments) when `from_deepspeed` and it imports; otherwise the same
+    spellings with DeepSpeed's defaults. A command line naming none of them parses to the same
+    values either way, without importing deepspeed (~0.5 s of every native rank's start)."""
     prepare_deepspeed_import()
-    try:
-        import deepspeed  # by design (deepspeed.add_config_arguments): DeepSpeed's own flags
-        deepspeed.add_config_arguments(parser)
-    except Exception:  # noqa: BLE001 (not installed, or broken on this machine: same flags)
-        g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
-        g.add_argument("--deepspeed", action="store_true", default=False)
-        g.add_argument("--deepspeed_config", type=str, default=None)
-        g.add_argument("--deepscale", action="store_true", default=False)
-        g.add_argument("--deepscale_config", type=str, default=None)
+    if from_deepspeed:
+        try:
+            import deepspeed  # by design (deepspeed.add_config_arguments): DeepSpeed's own flags
+            deepspeed.add_config_arguments(parser)
+            return
+        except Exception:  # noqa: BLE001 (not installed, or broken on this machine: same flags)
+            pass
+    g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    g.add_argument("--deepspeed", action="store_true", default=False)
+    g.add_argument("--deepspeed_config", type=str, default=None)
+    g.add_argument("--deepscale", action="store_true", default=False)
+    g.add_argument("--deepscale_config", type=str, default=None)
+
+
+def _names_deepspeed(argv: Sequence[str]) -> bool:
+    """Whether a command line needs DeepSpeed's own flag definitions: it names a DeepSpeed flag
+    (each spelling starts with --deep) or asks for the help text."""
+    return any(a.startswith("--deep") or a in ("-h", "--help") for a in argv)
 
 
 def _add_recompute_aliases(group: Any) -> None:
@@ -69,22 +80,25 @@ def _add_recompute_aliases(group: Any) -> None:
                             "--checkpoint-activations)")
 
 
-def build_parser(roots: Sequence[type] = ROOTS) -> argparse.ArgumentParser:
+def build_parser(roots: Sequence[type] = ROOTS,
+                 deepspeed_flags_from_deepspeed: bool = True) -> argparse.ArgumentParser:
     """The full parser: one flag per option field of the config classes under `roots`,
-    DeepSpeed's own flags and the recompute aliases."""
+    DeepSpeed's flags (its own definitions unless `deepspeed_flags_from_deepspeed` is False)
+    and the recompute aliases."""
     parser = argparse.ArgumentParser(
         description="GPT-2 pretraining, Megatron-LM style (native or DeepSpeed)",
         allow_abbrev=False)
     options = collect_options(roots)
     probe = argparse.ArgumentParser(add_help=False)
-    _add_deepspeed_flags(probe)  # DeepSpeed's own definition of a spelling wins
+    # DeepSpeed's own definition of a spelling wins
+    _add_deepspeed_flags(probe, deepspeed_flags_from_deepspeed)
     taken = probe._option_string_actions  # noqa: SLF001 (only way to ask "is it defined?")
     groups = add_options(parser, [opt for opt in options
                                   if not any(s in taken for s in opt.flag.spellings)],
                          group_descriptions(options))
     model_title = flag_group(ModelConfig)[0]
     _add_recompute_aliases(groups.get(model_title) or parser.add_argument_group(model_title))
-    _add_deepspeed_flags(parser)
+    _add_deepspeed_flags(parser, deepspeed_flags_from_deepspeed)
     return parser
 
 
@@ -98,8 +112,8 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     flags given explicitly are recorded as `_explicit_flags` (each under its first spelling),
     for the DeepSpeed JSON checks that must know what the user asked for.
     """
-    parser = build_parser(roots)
     given = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(roots, deepspeed_flags_from_deepspeed=_names_deepspeed(given))
     args = parser.parse_args(given)
     if args.distributed_backend is None:  # resolved here so init code can use it before configs
         args.distributed_backend = default_backend()
@@ -126,7 +140,8 @@ def format_args(args: argparse.Namespace) -> List[str]:
     """Megatron-style listing, one "  name .... value" line each, sorted, of the arguments whose
     value is not the parser's default (the others are what `--help` says); derived settings are
     in the start-up lines that follow it."""
-    defaults = vars(build_parser().parse_args([]))
+    # DeepSpeed's four flags have the same defaults in either definition
+    defaults = vars(build_parser(deepspeed_flags_from_deepspeed=False).parse_args([]))
     lines = []
     for key in sorted(vars(args)):
         value = getattr(args, key)

@@ -171,6 +171,34 @@ def test_deepspeed_flags_without_deepspeed_installed(monkeypatch):
     assert args.deepspeed and args.deepspeed_config == "x.json" and args.deepspeed_mpi
 
 
+@pytest.mark.parametrize("argv", [[], ["--deepspeed", "--deepspeed_config", "x.json"],
+                                  ["--deepscale", "--deepscale_config", "y.json"]])
+def test_deepspeeds_flag_definitions_and_ours_parse_alike(argv):
+    """A command line naming no DeepSpeed flag is parsed with our copy of DeepSpeed's four flags
+    (no import of deepspeed); the copy must give what DeepSpeed's own definitions give."""
+    theirs = arguments.build_parser(deepspeed_flags_from_deepspeed=True).parse_args(argv)
+    ours = arguments.build_parser(deepspeed_flags_from_deepspeed=False).parse_args(argv)
+    assert vars(theirs) == vars(ours)
+
+
+def test_a_native_run_starts_without_deepspeed_or_torch_dcp():
+    """A native command line is parsed, listed and handed to the trainer's modules without
+    importing deepspeed or torch.distributed.checkpoint (together ~1.3 s of every rank's start on
+    a CPU); --deepspeed still gets DeepSpeed's own flag definitions."""
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys, arguments, pretrain_gpt2\n"
+            "arguments.format_args(arguments.parse_args(['--num-layers', '2']))\n"
+            "heavy = [m for m in ('deepspeed', 'torch.distributed.checkpoint') if m in sys.modules]\n"
+            "arguments.parse_args(['--deepspeed'])\n"
+            "sys.exit(f'imported at start: {heavy}' if heavy else 0 if 'deepspeed' in sys.modules "
+            "else 'deepspeed not imported for --deepspeed')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("extra, world, fragments", [
     (["--hidden-size", "66"], 1, ["--hidden-size (66)", "--num-attention-heads (4)"]),
     (["--global-batch-size", "12", "--micro-batch-size", "4"], 2,

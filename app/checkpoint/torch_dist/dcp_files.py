@@ -23,6 +23,9 @@ metadata classes, tensors through torch.load(weights_only=True) (torch's FileSys
 objects through `load_object` (weights_only with the checkpoint allow-list; Megatron's own
 classes, e.g. its enums, become inert `ForeignObject`s). Every file is checked against
 integrity.json, when there is one, before it is read.
+
+torch.distributed.checkpoint is imported where a file is written or read, not with this module:
+it costs ~0.8 s at every start of a run that never touches a torch_dist checkpoint.
 """
 from __future__ import annotations
 
@@ -33,18 +36,15 @@ import pickle
 import shutil
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem,
-                                                  SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex,
+                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem
 
 from app.checkpoint import CheckpointError
 from app.checkpoint.files import (ForeignObject, UnsafeCheckpointError, allowed_globals,
@@ -102,6 +102,9 @@ class _Resolver:
 
 
 def _write_item(entry: Entry, index: int) -> Tuple[WriteItem, Any]:
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     if entry.data is not None:
         return WriteItem(index=MetadataIndex(entry.key), type=WriteItemType.BYTE_IO), entry.data
     tensor = entry.tensor.detach()
@@ -128,6 +131,8 @@ def write_rank_files(directory: str, rank: int, entries: Sequence[Entry],
     """
     if not entries:
         return RankFiles()
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.planner import SavePlan
     items, data = [], {}
     for index, entry in enumerate(entries):
         item, value = _write_item(entry, index)
@@ -161,6 +166,10 @@ def rank_file_names(record: RankFiles) -> List[str]:
 def build_metadata(records: Iterable[RankFiles], directory: str) -> Metadata:
     """The global `.metadata` of every rank's items: one chunk list per tensor key; a key that
     two ranks wrote with different shapes or dtypes raises ValueError (a writer bug)."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                       StorageMeta, TensorStorageMetadata)
+    from torch.distributed.checkpoint.planner import WriteItemType
     state: Dict[str, Any] = {}
     storage: Dict[MetadataIndex, Any] = {}
     for record in records:
@@ -307,6 +316,7 @@ class Reader:
             self._verified.add(name)
 
     def _metadata(self) -> Metadata:
+        from torch.distributed.checkpoint.metadata import Metadata
         path = os.path.join(self.directory, DCP_METADATA)
         self.verify([DCP_METADATA])
         try:
@@ -324,10 +334,12 @@ class Reader:
 
     def tensor_meta(self, key: str) -> Optional[TensorStorageMetadata]:
         """The global shape, dtype and chunks of tensor `key`; None when not stored."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         found = self.metadata.state_dict_metadata.get(key)
         return found if isinstance(found, TensorStorageMetadata) else None
 
     def has_object(self, key: str) -> bool:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
         return isinstance(self.metadata.state_dict_metadata.get(key), BytesStorageMetadata)
 
     def keys(self) -> List[str]:
@@ -338,6 +350,10 @@ class Reader:
         """Fill each destination tensor of `boxes` (key, global offset, destination) with that box
         of the stored tensor; return the bytes of `objects`. Every element of a box must be
         stored (CheckpointError naming the key otherwise)."""
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+        from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
         items: List[ReadItem] = []
         destinations: Dict[Tuple[str, Shape], torch.Tensor] = {}
         for key, offset, destination in boxes:
@@ -363,7 +379,7 @@ class Reader:
                                   dest_offsets=torch.Size((0,)), storage_index=index,
                                   storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
         self.verify(self.metadata.storage_data[i.storage_index].relative_path for i in items)
-        planner = _BoxPlanner(items, destinations)
+        planner = _box_planner_class()(items, destinations)
         reader = FileSystemReader(self.directory)
         reader.set_up_storage_reader(self.metadata, True)
         reader.read_data(LoadPlan(items), planner).wait()
@@ -377,39 +393,47 @@ def _numel(lengths: Sequence[int]) -> int:
     return total
 
 
-class _BoxPlanner(LoadPlanner):
-    """The LoadPlanner torch's FileSystemReader calls back: destinations of boxes, object bytes."""
+@lru_cache(maxsize=None)
+def _box_planner_class() -> type:
+    """The LoadPlanner torch's FileSystemReader calls back (defined on first use, with torch's
+    DCP): destinations of boxes, object bytes."""
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-    def __init__(self, items: List[ReadItem],
-                 destinations: Dict[Tuple[str, Shape], torch.Tensor]) -> None:
-        self.items, self.destinations = items, destinations
-        self.objects: Dict[str, bytes] = {}
+    class _BoxPlanner(LoadPlanner):
+        """Fills the destination boxes and keeps the object bytes."""
 
-    def set_up_planner(self, state_dict: Any, metadata: Any = None,
-                       is_coordinator: bool = False) -> None:
-        pass
+        def __init__(self, items: List[ReadItem],
+                     destinations: Dict[Tuple[str, Shape], torch.Tensor]) -> None:
+            self.items, self.destinations = items, destinations
+            self.objects: Dict[str, bytes] = {}
 
-    def create_local_plan(self) -> LoadPlan:
-        return LoadPlan(self.items)
+        def set_up_planner(self, state_dict: Any, metadata: Any = None,
+                           is_coordinator: bool = False) -> None:
+            pass
 
-    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
-        return global_plan
+        def create_local_plan(self) -> LoadPlan:
+            return LoadPlan(self.items)
 
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        return central_plan
+        def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
+            return global_plan
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.objects[read_item.dest_index.fqn] = value.getvalue()
+        def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+            return central_plan
 
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        index = read_item.dest_index
-        target = self.destinations[(index.fqn, tuple(index.offset))]
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            target = target.narrow(dim, start, length)
-        return target
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            self.objects[read_item.dest_index.fqn] = value.getvalue()
 
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+        def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+            index = read_item.dest_index
+            target = self.destinations[(index.fqn, tuple(index.offset))]
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                target = target.narrow(dim, start, length)
+            return target
+
+        def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+            pass
+
+    return _BoxPlanner
 
 
 def read_full(reader: Reader, key: str) -> torch.Tensor:
