@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv if needed and run the whole test suite (CPU; GPU-only tests skip without CUDA).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k checkpoint`.
-# The test files run in TEST_WORKERS pytest-xdist workers (default: the CPU count, at most 8; 1
+# The test files run in TEST_WORKERS pytest-xdist workers (default: the CPU count, at most 4; 1
 # runs them in this process), a file's tests in one worker, in order (--dist loadfile: a module's
 # fixtures are built once). On the 2-core machine, 2 workers keep both cores busy: 22 min
-# instead of 30 serially; 3 were slower (ranks of two-process runs waiting on each other).
+# instead of 30 serially; 3 were slower (28 min: more processes runnable than cores).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh" --with-test-deps
@@ -12,8 +12,8 @@ cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONDONTWRITEBYTECODE=1
 source scripts/lib/torch_extensions.sh
 own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
-WORKERS="${TEST_WORKERS:-$(nproc)}"
-[ "$WORKERS" -gt 8 ] && WORKERS=8
+WORKERS="${TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"  # nproc obeys those
+[ "$WORKERS" -gt 4 ] && WORKERS=4  # each worker holds torch, its ranks and fixtures
 PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then
     if "$ROOT/.venv/bin/python" -c "import xdist" 2>/dev/null; then
