@@ -2,11 +2,11 @@
 
     python -m pytest -p tests.harness.cpu_profile tests ...   (one worker: no -n)
 
-Each test (setup, call and teardown together) gets a line in $TEST_CPU_PROFILE (default
-cpu-profile.tsv): its wall seconds and the CPU seconds the whole machine spent meanwhile, from
-/proc/stat, so the processes a test starts, forks or leaves to a forkserver all count, killed
-ones too. Run it with nothing else on the machine and without xdist: the CPU column is then the
-test's own. `python -m tests.harness.cpu_profile FILE` sums it by file, most CPU first.
+Each test (setup, call and teardown together) appends a line to $TEST_CPU_PROFILE (default
+cpu-profile.tsv in the working directory): its wall seconds and the CPU seconds the whole
+machine spent meanwhile, from /proc/stat, so the processes a test starts, forks or leaves to a
+forkserver all count, killed ones too. Run it with nothing else on the machine and without
+xdist: the CPU column is then the test's own. `python -m tests.harness.cpu_profile FILE` sums it by file, most CPU first.
 """
 import os
 import sys
@@ -19,7 +19,8 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _busy_seconds() -> float:
-    """CPU seconds spent by every process since boot (all CPUs: user, nice, system, irq; not steal)."""
+    """CPU seconds spent by every process since boot, all CPUs (user, nice, system, irq; not
+    steal: time the hypervisor gave to others)."""
     with open("/proc/stat") as f:
         fields = f.readline().split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
