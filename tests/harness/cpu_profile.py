@@ -6,7 +6,8 @@ Each test (setup, call and teardown together) appends a line to $TEST_CPU_PROFIL
 cpu-profile.tsv in the working directory): its wall seconds and the CPU seconds the whole
 machine spent meanwhile, from /proc/stat, so the processes a test starts, forks or leaves to a
 forkserver all count, killed ones too. Run it with nothing else on the machine and without
-xdist: the CPU column is then the test's own. `python -m tests.harness.cpu_profile FILE` sums it by file, most CPU first.
+xdist: the CPU column is then the test's own. `python -m tests.harness.cpu_profile FILE` sums it
+by file, most CPU first.
 """
 import os
 import sys
