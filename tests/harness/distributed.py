@@ -17,8 +17,9 @@
   without reporting is named first, as the cause, even when its peers' errors (a closed
   connection) reached the parent before its exit did. Ranks still running at
   `timeout` seconds are killed and `TimeoutError` names them. A failure never hangs.
-- Children are forked from a forkserver that has torch and the trainer (pretrain_gpt2, app)
-  pre-imported, so only the first call of a session pays for importing them.
+- Children are forked from a forkserver that has torch, torch._dynamo (which torch.optim
+  imports when an optimizer is built) and the trainer (pretrain_gpt2, app) pre-imported, so
+  only the first call of a session pays for importing them.
 - `run_pretrain(world_size, argv)` trains `pretrain_gpt2.py argv` on that many ranks this way
   (as torchrun would, without its launcher and a fresh interpreter per rank; the ranks see the
   caller's environment, as a launched command would) and returns each rank's output: for tests
@@ -68,8 +69,12 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         # the trainer too (pretrain_gpt2 imports app's training path, not DeepSpeed): ~1.5 s of
-        # imports per rank that every rank of every test would otherwise repeat
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pretrain_gpt2"])
+        # imports per rank that every rank of every test would otherwise repeat. torch._dynamo
+        # (~1.5 s more): torch.optim's Optimizer.add_param_group imports it on its first call
+        # (torch._disable_dynamo), so every rank that builds an optimizer paid for it; it reads
+        # no test's settings (no TORCH_COMPILE_* / TORCHDYNAMO_* variable is set by any test)
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pretrain_gpt2",
+                                     "torch._dynamo"])
     return _CTX
 
 
