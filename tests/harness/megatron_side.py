@@ -29,6 +29,9 @@ PYTHONPATH (MEGATRON_LM in test_megatron_interop.py).
                                              iteration 3
                                              up to --train-iters, on Megatron's datasets, in
                                              DIR/megatron_losses.json
+    python megatron_side.py COMMAND ARGS + COMMAND ARGS ...
+                                             several commands, one after the other, in one
+                                             process (one import of Megatron Core)
 
 The model is built as Megatron-LM's core_transformer_config_from_args builds it from those args
 (num_query_groups only under group_query_attention, every moe_* field, num_moe_experts from
@@ -67,13 +70,17 @@ torch.cuda.current_device = lambda: "cpu"
 
 
 def setup():
+    """One gloo process group of one rank and Megatron's model-parallel state, with the CPU
+    stand-ins; once per process (every command of a `+` list shares it)."""
+    from megatron.core import parallel_state, tensor_parallel
+    if dist.is_initialized():
+        return parallel_state
     import megatron.core.transformer.moe.moe_utils as moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # 0.16.1 names it only when Transformer Engine imports
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
     parallel_state.initialize_model_parallel(1, 1)
     parallel_state.get_global_memory_buffer().get_tensor = (
         lambda shape, dtype, name, mem_alloc_context=None: torch.empty(shape, dtype=dtype))
@@ -317,5 +324,19 @@ def write_one(directory, ckpt_format, name, parallel_state, split, data_path):
     print(f"megatron wrote {name} as {ckpt_format}: {sorted(os.listdir(ckpt))}")
 
 
+def main(argv):
+    """Each command of `argv` (commands separated by a lone `+`) in turn, in this one process
+    (Megatron Core is imported once); the first non-zero result, else 0."""
+    commands, current = [], []
+    for arg in argv + ["+"]:
+        if arg == "+":
+            commands.append(current)
+            current = []
+        else:
+            current.append(arg)
+    results = [{"read": read, "write": write}[name](*rest) for name, *rest in commands]
+    return next((r for r in results if r), 0)
+
+
 if __name__ == "__main__":
-    sys.exit({"read": read, "write": write}[sys.argv[1]](*sys.argv[2:]))
+    sys.exit(main(sys.argv[1:]))

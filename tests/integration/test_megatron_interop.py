@@ -32,7 +32,7 @@ import sys
 import pytest
 import torch
 
-from tests.harness.distributed import run_distributed
+from tests.harness.distributed import run_distributed, run_main
 from tests.harness.launch import ROOT, env
 
 MEGATRON = os.environ.get("MEGATRON_LM")
@@ -120,26 +120,32 @@ def _read_at_tp2(base):
     return diffs
 
 
-def _megatron_writes(ckpt_format, base, *data):
-    """megatron_side.py's `write` of every model of MODELS into `base`/<model>."""
-    for model in MODELS:
-        os.makedirs(f"{base}/{model}")
-    return megatron("write", ckpt_format, *(f"{model}={base}/{model}" for model in MODELS),
-                    *data, cwd=base)
+@pytest.fixture(scope="module")
+def megatrons_checkpoints(tmp_path_factory):
+    """{format: folder}: megatron_side.py's `write` of every model of MODELS into
+    folder/<model>, in Megatron's torch_dist and legacy torch formats (one process: Megatron
+    Core imported once). The tests only read them."""
+    base = tmp_path_factory.mktemp("megatrons_checkpoints")
+    folders = {fmt: base / fmt for fmt in ("torch_dist", "torch")}
+    command = []
+    for fmt, folder in folders.items():
+        for model in MODELS:
+            os.makedirs(folder / model)
+        command += ["+"] * bool(command) + ["write", fmt] + [f"{m}={folder / m}" for m in MODELS]
+    print(megatron(*command, cwd=base))
+    return {fmt: str(folder) for fmt, folder in folders.items()}
 
 
-def test_we_read_megatrons_checkpoint_at_tp2(tmp_path):
-    print(_megatron_writes("torch_dist", str(tmp_path)))
-    diffs = run_distributed(_read_at_tp2, 2, str(tmp_path), timeout=300)
+def test_we_read_megatrons_checkpoint_at_tp2(megatrons_checkpoints):
+    diffs = run_distributed(_read_at_tp2, 2, megatrons_checkpoints["torch_dist"], timeout=300)
     assert all(d < 1e-5 for rank in diffs for d in rank.values()), diffs
 
 
-def test_we_read_megatrons_legacy_checkpoint(tmp_path):
+def test_we_read_megatrons_legacy_checkpoint(megatrons_checkpoints):
     """Megatron-LM's --ckpt-format torch save of Megatron Core's GPTModel (its flat
     state_dict_for_save_checkpoint, Megatron's pickled args with their enums) loads here."""
-    print(_megatron_writes("torch", str(tmp_path)))
     for model, flags in MODELS.items():
-        theirs = str(tmp_path / model)
+        theirs = f"{megatrons_checkpoints['torch']}/{model}"
         assert os.path.isfile(f"{theirs}/iter_0000003/mp_rank_00/model_optim_rng.pt")
         run = _build(flags + ["--ckpt-format", "torch", "--load", theirs, "--finetune"], 1)
         run["engine"].load_checkpoint(theirs)
@@ -166,34 +172,55 @@ def _reversed_corpus(prefix):
     builder.finalize(f"{prefix}.idx")
 
 
-@pytest.mark.parametrize("ckpt_format, blend", [("torch_dist", "one_dataset"),
-                                                ("torch_dist", "blend_0.3_0.7"),
-                                                ("torch", "one_dataset")])
-def test_a_megatron_run_continues_here_with_megatrons_losses(ckpt_format, blend, tmp_path):
+RUNS = {"torch_dist-one_dataset": ("torch_dist", False), "torch_dist-blend_0.3_0.7":
+        ("torch_dist", True), "torch-one_dataset": ("torch", False)}
+"""The Megatron runs that continue here: {name: (checkpoint format, blend of two datasets)}."""
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory):
+    """{name of RUNS: (folder, --data-path)}: iteration 3 of each run written by megatron_side.py
+    (one process) into folder/theirs, with the losses Megatron gives the global batches after
+    it (folder/theirs/megatron_losses.json); the blend's second dataset is the corpus reversed."""
+    base = tmp_path_factory.mktemp("megatron_runs")
+    runs, command = {}, []
+    for name, (ckpt_format, blend) in RUNS.items():
+        folder = base / name
+        os.makedirs(folder / "theirs")
+        data_path = [f"{DATA}/corpus_text_document"]
+        if blend:
+            _reversed_corpus(str(folder / "reversed_text_document"))
+            data_path = ["0.3", data_path[0], "0.7", str(folder / "reversed_text_document")]
+        command += ["+"] * bool(command) + ["write", ckpt_format, f"gpt2={folder / 'theirs'}",
+                                            "100,0,0", *data_path]
+        runs[name] = (str(folder), data_path)
+    print(megatron(*command, cwd=base))
+    return runs
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_megatron_run_continues_here_with_megatrons_losses(name, megatron_runs, tmp_path):
     """The issue's done-when: Megatron Core's own code writes iteration 3 of a run (its
     GPTModel, the args its parse_args made); pretrain_gpt2.py resumes it with --no-load-optim
     and --lr 0, and the losses it logs at iterations 4-6 equal the losses Megatron's model gives
     on the global batches Megatron would feed next (its dataset builder and GPTDataset, its
-    loss averaging), to 1e-5; from its torch_dist checkpoint and from its legacy files."""
+    loss averaging), to 1e-5; from its torch_dist checkpoint and from its legacy files. The
+    command line runs in a child forked with the trainer imported (run_main), not a new
+    interpreter: its numbers are the point."""
     from tests.harness.corpus import read_metrics
-    from tests.harness.launch import run
-    data_path = [f"{DATA}/corpus_text_document"]
-    if blend != "one_dataset":
-        _reversed_corpus(str(tmp_path / "reversed_text_document"))
-        data_path = ["0.3", data_path[0], "0.7", str(tmp_path / "reversed_text_document")]
-    theirs = str(tmp_path / "theirs")
-    os.makedirs(theirs)
-    print(megatron("write", ckpt_format, f"gpt2={theirs}", "100,0,0", *data_path, cwd=tmp_path))
+    folder, data_path = megatron_runs[name]
+    ckpt_format, theirs = RUNS[name][0], f"{folder}/theirs"
     with open(f"{theirs}/megatron_losses.json") as f:
         expected = json.load(f)
     metrics = str(tmp_path / "metrics.jsonl")
     flags = [a for a in ARGV if a not in ("--lr", "1e-2")]
-    run([sys.executable, os.path.join(ROOT, "pretrain_gpt2.py"), *flags, "--lr", "0",
-         "--min-lr", "0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
-         "--data-path", *data_path, "--split", "100,0,0", "--vocab-file", f"{DATA}/vocab.json",
-         "--merge-file", f"{DATA}/merges.txt", "--data-cache-path", str(tmp_path / "cache"),
-         "--num-workers", "0", "--ckpt-format", ckpt_format, "--load", theirs, "--no-load-optim",
-         "--metrics-file", metrics], tmp_path)
+    code, out, err = run_main(
+        [*flags, "--lr", "0", "--min-lr", "0", "--seed", "1234", "--log-interval", "1",
+         "--eval-iters", "0", "--data-path", *data_path, "--split", "100,0,0", "--vocab-file",
+         f"{DATA}/vocab.json", "--merge-file", f"{DATA}/merges.txt", "--data-cache-path",
+         str(tmp_path / "cache"), "--num-workers", "0", "--ckpt-format", ckpt_format, "--load",
+         theirs, "--no-load-optim", "--metrics-file", metrics], tmp_path, env())
+    assert code == 0, f"{out[-3000:]}\n{err[-5000:]}"
     ours = {str(r["iteration"]): r["lm_loss"] for r in read_metrics(metrics)
             if r["kind"] == "train"}
     assert sorted(ours) == ["4", "5", "6"], ours
