@@ -3,8 +3,8 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k checkpoint`.
 # The test files run in TEST_WORKERS pytest-xdist workers (default: the CPU count, at most 4; 1
 # runs them in this process), a file's tests in one worker, in order (--dist loadfile: a module's
-# fixtures are built once). On the 2-core machine, 2 workers keep both cores busy: 22 min
-# instead of 30 serially; 3 were slower (28 min: more processes runnable than cores).
+# fixtures are built once). On the 2-core machine, 2 workers keep both cores busy (serially
+# they were 70 % busy); 3 were slower (more processes runnable than cores).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh" --with-test-deps

@@ -71,6 +71,12 @@ def megatron(*args, cwd):
     return proc.stdout
 
 
+def megatron_each(commands, cwd):
+    """megatron() of several commands (each a list: `write ...`, `read ...`) in one process."""
+    joined = [arg for i, command in enumerate(commands) for arg in ["+"] * (i > 0) + command]
+    return megatron(*joined, cwd=cwd)
+
+
 def _build(flags, world):
     import arguments
     from tests.harness.synthetic import build_synthetic_run
@@ -127,12 +133,11 @@ def megatrons_checkpoints(tmp_path_factory):
     Core imported once). The tests only read them."""
     base = tmp_path_factory.mktemp("megatrons_checkpoints")
     folders = {fmt: base / fmt for fmt in ("torch_dist", "torch")}
-    command = []
-    for fmt, folder in folders.items():
+    for folder in folders.values():
         for model in MODELS:
             os.makedirs(folder / model)
-        command += ["+"] * bool(command) + ["write", fmt] + [f"{m}={folder / m}" for m in MODELS]
-    print(megatron(*command, cwd=base))
+    print(megatron_each([["write", fmt, *(f"{m}={folder / m}" for m in MODELS)]
+                         for fmt, folder in folders.items()], cwd=base))
     return {fmt: str(folder) for fmt, folder in folders.items()}
 
 
@@ -172,8 +177,9 @@ def _reversed_corpus(prefix):
     builder.finalize(f"{prefix}.idx")
 
 
-RUNS = {"torch_dist-one_dataset": ("torch_dist", False), "torch_dist-blend_0.3_0.7":
-        ("torch_dist", True), "torch-one_dataset": ("torch", False)}
+RUNS = {"torch_dist-one_dataset": ("torch_dist", False),
+        "torch_dist-blend_0.3_0.7": ("torch_dist", True),
+        "torch-one_dataset": ("torch", False)}
 """The Megatron runs that continue here: {name: (checkpoint format, blend of two datasets)}."""
 
 
@@ -183,7 +189,7 @@ def megatron_runs(tmp_path_factory):
     (one process) into folder/theirs, with the losses Megatron gives the global batches after
     it (folder/theirs/megatron_losses.json); the blend's second dataset is the corpus reversed."""
     base = tmp_path_factory.mktemp("megatron_runs")
-    runs, command = {}, []
+    runs, commands = {}, []
     for name, (ckpt_format, blend) in RUNS.items():
         folder = base / name
         os.makedirs(folder / "theirs")
@@ -191,10 +197,10 @@ def megatron_runs(tmp_path_factory):
         if blend:
             _reversed_corpus(str(folder / "reversed_text_document"))
             data_path = ["0.3", data_path[0], "0.7", str(folder / "reversed_text_document")]
-        command += ["+"] * bool(command) + ["write", ckpt_format, f"gpt2={folder / 'theirs'}",
-                                            "100,0,0", *data_path]
+        commands.append(["write", ckpt_format, f"gpt2={folder / 'theirs'}", "100,0,0",
+                         *data_path])
         runs[name] = (str(folder), data_path)
-    print(megatron(*command, cwd=base))
+    print(megatron_each(commands, cwd=base))
     return runs
 
 
