@@ -72,18 +72,35 @@ if [ -n "$WHEELHOUSE" ]; then
 fi
 
 STAMP="$VENV/.requirements.sha256"
+# pip compiles every file it installs to bytecode (~20,000 files, ~60 s of one core: half of a
+# first set-up) while the other core idles. Here pip installs with --no-compile and
+# compile_in_background compiles what is installed so far on every core (scripts/lib/bytecode.py)
+# while the next pip runs; the set-up ends with every file compiled, as pip leaves it (and as an
+# environment with PYTHONDONTWRITEBYTECODE set, which never writes the files itself, needs).
+PIP_QUICK=(-q --disable-pip-version-check --no-compile)
+COMPILING=""
+STAMPS=()  # "hash>file": written once everything is installed and compiled
+compile_in_background() {
+    [ -z "$COMPILING" ] || wait "$COMPILING" || true
+    local site
+    site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$VENV/bin/python" "$ROOT/scripts/lib/bytecode.py" "$site" > /dev/null 2>&1 &
+    COMPILING=$!
+}
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
     "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "[setup] installing requirements into $VENV (first time: a few minutes)"
-    "$VENV/bin/pip" install -q --disable-pip-version-check "$(grep -E '^torch==' "$ROOT/requirements.txt")"
-    "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements.txt"
+    "$VENV/bin/pip" install "${PIP_QUICK[@]}" "$(grep -E '^torch==' "$ROOT/requirements.txt")"
+    compile_in_background
+    "$VENV/bin/pip" install "${PIP_QUICK[@]}" -r "$ROOT/requirements.txt"
+    compile_in_background
     # the project itself, editable: `app`, `arguments` and `pretrain_gpt2` import from anywhere
-    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
+    "$VENV/bin/pip" install "${PIP_QUICK[@]}" --no-deps --no-build-isolation -e "$ROOT"
     "$VENV/bin/python" "$HELPER" check-torch
-    echo "$WANT" > "$STAMP"
+    STAMPS+=("$WANT>$STAMP")
 fi
 
 # apt_install_for_tests "PACKAGES" WHAT COMMAND...: as root with apt-get, install PACKAGES
@@ -110,10 +127,19 @@ if [ "$TEST_DEPS" = 1 ]; then
     if [ "$(cat "$TEST_STAMP" 2>/dev/null)" != "$TEST_WANT" ]; then
         echo "[setup] installing requirements-test.txt into $VENV"
         # the pinned torch line keeps the test packages from pulling another torch
-        "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements-test.txt" \
+        "$VENV/bin/pip" install "${PIP_QUICK[@]}" -r "$ROOT/requirements-test.txt" \
             "$(grep -E '^torch==' "$ROOT/requirements.txt")"
-        echo "$TEST_WANT" > "$TEST_STAMP"
+        compile_in_background
+        STAMPS+=("$TEST_WANT>$TEST_STAMP")
     fi
     apt_install_for_tests "chromium chromium-driver" "the browser test" chromedriver
     apt_install_for_tests "slurm-wlm munge" "the Slurm tests" slurmctld slurmd munged sbatch
 fi
+if [ -n "$COMPILING" ]; then
+    wait "$COMPILING" || true
+    compile_in_background  # what the last pip installed while the previous pass ran
+    wait "$COMPILING" || true
+fi
+for stamp in ${STAMPS[@]+"${STAMPS[@]}"}; do
+    echo "${stamp%%>*}" > "${stamp#*>}"
+done

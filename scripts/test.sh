@@ -9,7 +9,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh" --with-test-deps
 cd "$ROOT"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONDONTWRITEBYTECODE=1
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# the checkout's own bytecode, once: its ~300 fresh interpreters (launchers' ranks, tools) would
+# each compile the modules they import (~0.25 s of CPU apiece) where PYTHONDONTWRITEBYTECODE is
+# set, and a fresh clone has none yet
+"$ROOT/.venv/bin/python" scripts/lib/bytecode.py app tests tools bench scripts > /dev/null
+"$ROOT/.venv/bin/python" -m compileall -qq ./*.py > /dev/null || true
 source scripts/lib/torch_extensions.sh
 own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
 WORKERS="${TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"  # nproc obeys those
