@@ -12,11 +12,11 @@ time: ~15 s of overhead for 20,000 files even when there is nothing to compile.
 import compileall
 import os
 import sys
+from collections.abc import Iterator
 from multiprocessing import Pool
-from typing import Iterator, List
 
 
-def sources(folders: List[str]) -> Iterator[str]:
+def sources(folders: list[str]) -> Iterator[str]:
     """Every .py file under the folders (not under __pycache__)."""
     for folder in folders:
         for root, dirs, files in os.walk(folder):
@@ -28,7 +28,7 @@ def _compile(path: str) -> bool:
     return bool(compileall.compile_file(path, quiet=2))
 
 
-def main(folders: List[str]) -> int:
+def main(folders: list[str]) -> int:
     files = list(sources(folders))
     with Pool(os.cpu_count() or 1) as pool:
         compiled = sum(pool.imap_unordered(_compile, files, chunksize=128))
