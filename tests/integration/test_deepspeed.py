@@ -5,6 +5,7 @@ The launchers (deepspeed, torchrun, two-node deepspeed, mpirun) each start the r
 own test; the others train through pretrain_gpt2 in forked ranks
 (tests.harness.distributed.run_pretrain), and error exits run the command line (torchrun, or
 `pretrain_gpt2.py` in a forked child: tests.harness.distributed.run_main)."""
+import glob
 import os
 import runpy
 import subprocess
@@ -29,9 +30,10 @@ def ds_args(stage: int):
     return ["--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", f"zero{stage}.json")]
 
 
-def deepspeed_launch(nproc: int, args, cwd, extra_launcher=()):
+def deepspeed_launch(nproc: int, args, cwd, extra_launcher=(), port=None):
+    port = port or free_port("127.0.0.1")
     return run([os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port",
-                str(free_port("127.0.0.1")), *extra_launcher, os.path.join(ROOT, "pretrain_gpt2.py"), *args], cwd)
+                str(port), *extra_launcher, os.path.join(ROOT, "pretrain_gpt2.py"), *args], cwd)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,10 @@ def test_zero_dp2_matches_native(tiny_corpus, native_dp2, tmp_path, stage, launc
     args = tiny_gpt_args(tiny_corpus, tmp_path, *ITERS, *ds_args(stage),
                          "--metrics-file", str(metrics))
     if launcher == "deepspeed":
-        deepspeed_launch(2, args, tmp_path)
+        port = free_port("127.0.0.1")
+        deepspeed_launch(2, args, tmp_path, port=port)
+        # DeepSpeed's CPU all-reduce buffers (69 MB of /dev/shm per rank) are not left behind
+        assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
     else:
         torchrun(2, args, tmp_path)
     worst = assert_close_curves(train_curve(metrics), native_dp2, what=f"ZeRO-{stage} DP2")
