@@ -125,8 +125,8 @@ def _unlink_shm_buffer() -> None:
     killed or not. Every rank maps every peer's buffer inside init (it waits for each name to
     appear), so after a barrier no rank opens a name again; the mappings stay valid until the
     processes end, whatever ends them, and the memory then goes back."""
-    from deepspeed.comm import comm as ds_comm
     import torch.distributed as dist
+    from deepspeed.comm import comm as ds_comm
 
     if getattr(ds_comm.cdb, "shm_comm_op", None) is None:  # the same on every rank
         return
