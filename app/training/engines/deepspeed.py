@@ -75,7 +75,8 @@ from app.training.engines.deepspeed_io import CheckedCheckpointEngine
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.checkpointing.resume import (CheckpointContents, ResumePlan, check_saved_args,
                                             deepspeed_problem)
-from app.utils.third_party import prepare_deepspeed_import, silence_deepspeed_deprecations
+from app.utils.third_party import (prepare_deepspeed_import, silence_deepspeed_deprecations,
+                                    unlink_shm_buffer)
 
 prepare_deepspeed_import()  # before any `import deepspeed` below (app/utils/third_party.py)
 silence_deepspeed_deprecations()
@@ -110,33 +111,8 @@ def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
                           lambda: waits.describe_build_locks(root)):
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(minutes=timeout_minutes))
-    _unlink_shm_buffer()
+    unlink_shm_buffer()
 
-
-SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer"
-"""Prefix of the RAM-backed file of DeepSpeed's CPU all-reduce, one per rank (csrc/cpu/comm/shm.cpp:
-<prefix>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, 69 MB)."""
-
-
-def _unlink_shm_buffer() -> None:
-    """Remove this rank's name of DeepSpeed's shared-memory all-reduce buffer, which DeepSpeed
-    creates at init (its shm_comm op, where every rank is on this machine: LOCAL_SIZE equals the
-    world size) and never unlinks: 69 MB of RAM per rank per run stayed in /dev/shm after the run,
-    killed or not. Every rank maps every peer's buffer inside init (it waits for each name to
-    appear), so after a barrier no rank opens a name again; the mappings stay valid until the
-    processes end, whatever ends them, and the memory then goes back."""
-    import torch.distributed as dist
-    from deepspeed.comm import comm as ds_comm
-
-    if getattr(ds_comm.cdb, "shm_comm_op", None) is None:  # the same on every rank
-        return
-    dist.barrier()
-    name = (f"{SHM_BUFFER}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
-    try:
-        os.unlink(name)
-    except FileNotFoundError:  # not on one machine (no buffer), or already removed
-        pass
 
 
 class DeepSpeedEngineAdapter(Engine):
