@@ -48,7 +48,10 @@ def _main(tmpdir):
     for stage in (1, 2, 3):
         with open(os.path.join(ROOT, "ds_configs", f"zero{stage}.json")) as f:
             config = json.load(f)
-        config["optimizer"] = {"type": "Muon", "params": {"momentum": 0.95, "ns_method": "gram"}}
+        # torch_adam: the auxiliary Adam is torch's AdamW, not DeepSpeed's FusedAdam, whose CPU
+        # build (a C++ op compiled at first use, ~96 s of CPU) no GPU run uses
+        config["optimizer"] = {"type": "Muon", "params": {"momentum": 0.95, "ns_method": "gram",
+                                                          "torch_adam": True}}
         config["gradient_clipping"] = 0.0
         path = os.path.join(tmpdir, f"zero{stage}_muon.json")
         if dist.get_rank() == 0:
