@@ -7,16 +7,31 @@
 # they were 70 % busy); 3 were slower (more processes runnable than cores).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup_env.sh" --with-test-deps
 cd "$ROOT"
+bash scripts/setup_env.sh  # requirements.txt: torch, deepspeed, ...
+source scripts/lib/torch_extensions.sh
+own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
+# DeepSpeed's CPU ops that the suite loads (deepspeed_shm_comm at every DeepSpeed start, cpu_adam
+# for ZeRO-Offload; ~155 s of CPU on a fresh environment, nothing once built), built on the core
+# that pip leaves idle while it installs the test requirements, and ahead of the tests that
+# would otherwise build them. In a session of its own (setsid): a Ctrl-C of this script must not
+# kill a build half-way, which would leave a lock that every later start waits on.
+if [ ! -e "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ] ||
+        [ ! -e "$TORCH_EXTENSIONS_DIR/cpu_adam/cpu_adam.so" ]; then
+    mkdir -p "$TORCH_EXTENSIONS_DIR"
+    echo "[test] building DeepSpeed's CPU ops in the background ($TORCH_EXTENSIONS_DIR/prebuild.log)"
+    DETACH=()
+    command -v setsid > /dev/null && DETACH=(setsid)
+    "${DETACH[@]}" "$ROOT/.venv/bin/python" scripts/lib/deepspeed_ops.py ShareMemCommBuilder \
+        CPUAdamBuilder > "$TORCH_EXTENSIONS_DIR/prebuild.log" 2>&1 < /dev/null &
+fi
+bash scripts/setup_env.sh --with-test-deps
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # the checkout's own bytecode, once: its ~300 fresh interpreters (launchers' ranks, tools) would
 # each compile the modules they import (~0.25 s of CPU apiece) where PYTHONDONTWRITEBYTECODE is
 # set, and a fresh clone has none yet
 "$ROOT/.venv/bin/python" scripts/lib/bytecode.py app tests tools bench scripts > /dev/null
 "$ROOT/.venv/bin/python" -m compileall -qq ./*.py > /dev/null || true
-source scripts/lib/torch_extensions.sh
-own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
 WORKERS="${TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"  # nproc obeys those
 [ "$WORKERS" -gt 4 ] && WORKERS=4  # each worker holds torch, its ranks and fixtures
 PARALLEL=()
