@@ -13,15 +13,17 @@ source scripts/lib/torch_extensions.sh
 own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
 # DeepSpeed's CPU ops that the suite loads (deepspeed_shm_comm at every DeepSpeed start, cpu_adam
 # for ZeRO-Offload; ~155 s of CPU on a fresh environment, nothing once built), built on the core
-# that pip leaves idle while it installs the test requirements, and ahead of the tests that
-# would otherwise build them. In a session of its own (setsid): a Ctrl-C of this script must not
-# kill a build half-way, which would leave a lock that every later start waits on.
+# that pip leaves idle while it installs the test requirements, ahead of the tests that would
+# otherwise build them. At the lowest priority (nice 19): pip, and later the tests, come first,
+# and the build takes what they leave idle (a test waiting for the op leaves its core to it).
+# In a session of its own (setsid): a Ctrl-C of this script must not kill a build half-way,
+# which would leave a lock that every later start waits on.
 if [ ! -e "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ] ||
         [ ! -e "$TORCH_EXTENSIONS_DIR/cpu_adam/cpu_adam.so" ]; then
     mkdir -p "$TORCH_EXTENSIONS_DIR"
     echo "[test] building DeepSpeed's CPU ops in the background ($TORCH_EXTENSIONS_DIR/prebuild.log)"
-    DETACH=()
-    command -v setsid > /dev/null && DETACH=(setsid)
+    DETACH=(nice -n 19)
+    command -v setsid > /dev/null && DETACH=(setsid nice -n 19)
     "${DETACH[@]}" "$ROOT/.venv/bin/python" scripts/lib/deepspeed_ops.py ShareMemCommBuilder \
         CPUAdamBuilder > "$TORCH_EXTENSIONS_DIR/prebuild.log" 2>&1 < /dev/null &
 fi
