@@ -8,26 +8,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/setup_env.sh  # requirements.txt: torch, deepspeed, ...
+bash scripts/setup_env.sh --with-test-deps  # also builds DeepSpeed's CPU ops (see there)
 source scripts/lib/torch_extensions.sh
 own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
-# DeepSpeed's CPU ops that the suite loads (deepspeed_shm_comm at every DeepSpeed start, cpu_adam
-# for ZeRO-Offload; ~155 s of CPU on a fresh environment, nothing once built), built on the core
-# that pip leaves idle while it installs the test requirements, ahead of the tests that would
-# otherwise build them. At the lowest priority (nice 19): pip, and later the tests, come first,
-# and the build takes what they leave idle (a test waiting for the op leaves its core to it).
-# In a session of its own (setsid): a Ctrl-C of this script must not kill a build half-way,
-# which would leave a lock that every later start waits on.
-if [ ! -e "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ] ||
-        [ ! -e "$TORCH_EXTENSIONS_DIR/cpu_adam/cpu_adam.so" ]; then
-    mkdir -p "$TORCH_EXTENSIONS_DIR"
-    echo "[test] building DeepSpeed's CPU ops in the background ($TORCH_EXTENSIONS_DIR/prebuild.log)"
-    DETACH=(nice -n 19)
-    command -v setsid > /dev/null && DETACH=(setsid nice -n 19)
-    "${DETACH[@]}" "$ROOT/.venv/bin/python" scripts/lib/deepspeed_ops.py ShareMemCommBuilder \
-        CPUAdamBuilder > "$TORCH_EXTENSIONS_DIR/prebuild.log" 2>&1 < /dev/null &
-fi
-bash scripts/setup_env.sh --with-test-deps
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # the checkout's own bytecode, once: its ~300 fresh interpreters (launchers' ranks, tools) would
 # each compile the modules they import (~0.25 s of CPU apiece) where PYTHONDONTWRITEBYTECODE is

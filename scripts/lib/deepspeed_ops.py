@@ -5,11 +5,12 @@
 DeepSpeed compiles the C++ ops it needs the first time a process loads them (torch's
 cpp_extension, with ninja, into $TORCH_EXTENSIONS_DIR); on a CPU machine every DeepSpeed start
 loads `deepspeed_shm_comm` and ZeRO-Offload loads `cpu_adam`: 64 and 91 s of CPU on a fresh
-environment. `scripts/test.sh` runs this in the background while pip installs the test
-requirements on one core, so the suite finds them built. Each op is built exactly as
-DeepSpeed's own first use would build it (its builder's `load()`, the same name, sources and
-flags), so that use finds it current; one that DeepSpeed would not load here (another
-accelerator, an op its compatibility check refuses) is skipped, as DeepSpeed would skip it.
+environment. The test set-up (`scripts/setup_env.sh --with-test-deps`, run by `scripts/test.sh`)
+runs this in the background while pip installs the test requirements on one core, so the suite
+finds them built. Each op is built exactly as DeepSpeed's own first use would build it (its
+builder's `load()`, the same name, sources and flags), so that use finds it current; one that
+DeepSpeed would not load here (another accelerator, an op its compatibility check refuses) is
+skipped, as DeepSpeed would skip it.
 
 An op whose build lock is held by no process (a killed build's leftover: every load would wait
 for it forever) is not built: the lock and what to do are printed, and the exit status is 1.

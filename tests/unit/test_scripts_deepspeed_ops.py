@@ -1,9 +1,10 @@
-"""scripts/lib/deepspeed_ops.py, which scripts/test.sh runs in the background to build DeepSpeed's
-CPU ops while pip installs the test requirements. Its builds themselves are exercised by every
-run of scripts/test.sh on a fresh environment (the suite's DeepSpeed tests then load the ops it
-built); here, the two ways it must not build: an op whose lock a killed build left behind (it
-would wait for ever, as every DeepSpeed start then does) is reported with the fix and fails the
-helper, and a builder DeepSpeed has no use for on this machine is skipped."""
+"""scripts/lib/deepspeed_ops.py, which the test set-up (scripts/setup_env.sh --with-test-deps) runs
+in the background to build DeepSpeed's CPU ops while pip installs the test requirements. Its
+builds themselves are exercised by every run of scripts/test.sh on a fresh environment (the
+suite's DeepSpeed tests then load the ops it built); here, the two ways it must not build: an op
+whose lock a killed build left behind (it would wait for ever, as every DeepSpeed start then
+does) is reported with the fix and fails the helper, and a builder DeepSpeed has no use for on
+this machine is skipped."""
 import importlib.util
 from pathlib import Path
 
