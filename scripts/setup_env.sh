@@ -14,8 +14,7 @@
 #
 # --with-test-deps (scripts/test.sh) also installs requirements-test.txt (lm-eval, wandb, selenium)
 # and, as root with apt-get, Debian's chromium and chromium-driver for the browser test and
-# slurm-wlm and munge for the Slurm tests (tests/integration/test_slurm.py); on a fresh
-# environment it builds DeepSpeed's CPU ops the suite loads in the background meanwhile.
+# slurm-wlm and munge for the Slurm tests (tests/integration/test_slurm.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -122,29 +121,7 @@ apt_install_for_tests() {
     fi
 }
 
-# prebuild_deepspeed_ops: the test set-up starts a background build of DeepSpeed's CPU ops that
-# the suite loads (deepspeed_shm_comm at every DeepSpeed start, cpu_adam for ZeRO-Offload; ~155 s
-# of CPU on a fresh environment, nothing once built), into the folder scripts/test.sh gives
-# torch's builds (scripts/lib/torch_extensions.sh), while pip installs the test requirements on
-# one core: the build takes the other, ahead of the tests that would otherwise build them. At
-# the lowest priority (nice 19): pip, and later the tests, come first (a test waiting for an op
-# leaves its core to the build). In a session of its own (setsid): a Ctrl-C of the set-up must
-# not kill a build half-way, which would leave a lock that every later start waits on.
-prebuild_deepspeed_ops() (
-    source "$ROOT/scripts/lib/torch_extensions.sh"
-    own_torch_extensions "$VENV/bin/python"
-    [ -e "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ] &&
-        [ -e "$TORCH_EXTENSIONS_DIR/cpu_adam/cpu_adam.so" ] && exit 0
-    mkdir -p "$TORCH_EXTENSIONS_DIR"
-    echo "[setup] building DeepSpeed's CPU ops in the background ($TORCH_EXTENSIONS_DIR/prebuild.log)"
-    local detach=(nice -n 19)
-    command -v setsid > /dev/null && detach=(setsid nice -n 19)
-    "${detach[@]}" "$VENV/bin/python" "$ROOT/scripts/lib/deepspeed_ops.py" ShareMemCommBuilder \
-        CPUAdamBuilder > "$TORCH_EXTENSIONS_DIR/prebuild.log" 2>&1 < /dev/null &
-)
-
 if [ "$TEST_DEPS" = 1 ]; then
-    prebuild_deepspeed_ops
     TEST_STAMP="$VENV/.test-requirements.sha256"
     TEST_WANT="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" | sha256sum | cut -d' ' -f1)"
     if [ "$(cat "$TEST_STAMP" 2>/dev/null)" != "$TEST_WANT" ]; then

@@ -7,16 +7,16 @@
 # they were 70 % busy); 3 were slower (more processes runnable than cores).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/scripts/setup_env.sh" --with-test-deps
 cd "$ROOT"
-bash scripts/setup_env.sh --with-test-deps  # also builds DeepSpeed's CPU ops (see there)
-source scripts/lib/torch_extensions.sh
-own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # the checkout's own bytecode, once: its ~300 fresh interpreters (launchers' ranks, tools) would
 # each compile the modules they import (~0.25 s of CPU apiece) where PYTHONDONTWRITEBYTECODE is
 # set, and a fresh clone has none yet
 "$ROOT/.venv/bin/python" scripts/lib/bytecode.py app tests tools bench scripts > /dev/null
 "$ROOT/.venv/bin/python" -m compileall -qq ./*.py > /dev/null || true
+source scripts/lib/torch_extensions.sh
+own_torch_extensions "$ROOT/.venv/bin/python"  # one build of each op per environment
 WORKERS="${TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"  # nproc obeys those
 [ "$WORKERS" -gt 4 ] && WORKERS=4  # each worker holds torch, its ranks and fixtures
 PARALLEL=()
