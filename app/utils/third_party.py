@@ -7,8 +7,6 @@
 - DeepSpeed's ZeRO calls `torch.distributed.all_gather_into_tensor`, which torch 2.13 marks
   deprecated with a FutureWarning on every rank; the call is DeepSpeed's, not the user's, so
   the engine that imports DeepSpeed silences exactly that message.
-- DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm (RAM) after every run;
-  each rank unlinks its own name once every rank has mapped it.
 """
 from __future__ import annotations
 
@@ -35,30 +33,3 @@ def silence_deepspeed_deprecations() -> None:
     """Ignore the torch FutureWarnings that DeepSpeed's calls raise (DEEPSPEED_DEPRECATIONS)."""
     for message in DEEPSPEED_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
-
-
-SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer"
-"""Prefix of the RAM-backed file of DeepSpeed's CPU all-reduce, one per rank
-(csrc/cpu/comm/shm.cpp: <prefix>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, 69 MB)."""
-
-
-def unlink_shm_buffer() -> None:
-    """Call after `deepspeed.init_distributed` on every rank: remove this rank's name of
-    DeepSpeed's shared-memory all-reduce buffer, which DeepSpeed creates at init (its shm_comm op,
-    where every rank is on this machine: LOCAL_SIZE equals the world size) and never unlinks: 69 MB
-    of RAM per rank per run stayed in /dev/shm after the run, killed or not. Every rank maps every
-    peer's buffer inside init (it waits for each name to appear), so after a barrier no rank
-    opens a name again; the mappings stay valid until the processes end, whatever ends them, and
-    the memory then goes back."""
-    import torch.distributed as dist
-    from deepspeed.comm import comm as ds_comm
-
-    if getattr(ds_comm.cdb, "shm_comm_op", None) is None:  # the same on every rank
-        return
-    dist.barrier()
-    name = (f"{SHM_BUFFER}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
-    try:
-        os.unlink(name)
-    except FileNotFoundError:  # not on one machine (no buffer), or already removed
-        pass

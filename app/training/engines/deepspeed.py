@@ -75,8 +75,8 @@ from app.training.engines.deepspeed_io import CheckedCheckpointEngine
 from app.training.engines.base import Engine, StepResult, optimizer_state_bytes, tensor_bytes
 from app.training.checkpointing.resume import (CheckpointContents, ResumePlan, check_saved_args,
                                             deepspeed_problem)
-from app.utils.third_party import (prepare_deepspeed_import, silence_deepspeed_deprecations,
-                                    unlink_shm_buffer)
+from app.training.engines.deepspeed_shm import unlink_shm_buffer
+from app.utils.third_party import prepare_deepspeed_import, silence_deepspeed_deprecations
 
 prepare_deepspeed_import()  # before any `import deepspeed` below (app/utils/third_party.py)
 silence_deepspeed_deprecations()
@@ -111,8 +111,7 @@ def ensure_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
                           lambda: waits.describe_build_locks(root)):
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(minutes=timeout_minutes))
-    unlink_shm_buffer()
-
+    unlink_shm_buffer(getattr(deepspeed.comm.comm.cdb, "shm_comm_op", None) is not None)
 
 
 class DeepSpeedEngineAdapter(Engine):
