@@ -32,10 +32,11 @@ run it there for every set and commit expected.json). Either way the rows of oth
 environments stay as they are.
 
 The v0.2.0 set was written by 3e2756e on the CI machine (recorded under its key of the older
-format, "torch 2.13.0+cpu, cpu AVX512"); its rows on the development machine come from
---record-only with 3e2756e. The d8367dc set was written (and recorded) on the development
+format, "torch 2.13.0+cpu, cpu AVX512"); its rows on the development machines come from
+--record-only with 3e2756e. The d8367dc set was written (and recorded) on the AVX2 development
 machine; its deepspeed_zero1_torch_dist is deepspeed_zero1 converted by d8367dc's converter
-(DeepSpeed writes only its own format).
+(DeepSpeed writes only its own format). The AVX-512 development machine's rows of both sets come
+from --record-only with each set's commit (2026-12-07); its v0.2.0 rows equal the CI machine's.
 """
 import argparse
 import glob
