@@ -13,9 +13,9 @@ SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer"
 
 def unlink_shm_buffer(in_use: bool) -> None:
     """Call after `deepspeed.init_distributed` on every rank, with `in_use` True where DeepSpeed's
-    communication backend loaded its shm_comm op (the same on every rank: every rank is on this
-    machine, LOCAL_SIZE equals the world size): remove this rank's name of the op's
-    shared-memory all-reduce buffer, which DeepSpeed creates at init and never unlinks (69 MB of
+    communication backend loaded its shm_comm op (the same on every rank: a CPU run): remove this
+    rank's name of the op's shared-memory all-reduce buffer, which DeepSpeed creates at init when
+    every rank is on one machine (LOCAL_SIZE equals the world size) and never unlinks (69 MB of
     RAM per rank per run stayed in /dev/shm after the run, killed or not). Every rank maps every
     peer's buffer inside init (it waits for each name to appear), so after a barrier no rank
     opens a name again; the mappings stay valid until the processes end, whatever ends them,
@@ -29,5 +29,5 @@ def unlink_shm_buffer(in_use: bool) -> None:
             f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
     try:
         os.unlink(name)
-    except FileNotFoundError:  # already removed
+    except FileNotFoundError:  # ranks on several hosts (DeepSpeed made no buffer), or removed
         pass
